@@ -1,0 +1,14 @@
+//! The Flux transformer family.
+//!
+//! - [`config`]: `config.json` and the named configs of real and benchmark models.
+//! - [`weights`]: the parameter set, loaded from diffusers or generated from a seed.
+//! - [`embed`]: timestep/guidance sinusoids and the 3-axis RoPE tables.
+//! - [`model`]: the forward pass over a packed batch of requests.
+
+pub mod config;
+pub mod embed;
+pub mod model;
+pub mod weights;
+
+pub use config::FluxConfig;
+pub use model::{FluxInputs, FluxRequest, FluxTransformer};

@@ -1,0 +1,476 @@
+//! The Flux transformer forward over a packed batch of requests.
+//!
+//! Rows of all requests are packed into one matrix per stream (text and image), so
+//! every Linear runs once per block over the whole batch. adaLN modulation reads the
+//! request's row of the modulation table through a per-row segment index, and
+//! attention runs per request over `[text; image]`.
+//!
+//! A request may compute only some of its image tokens (a masked edit): it then passes
+//! only those rows, and a [`KvCache`] that supplies the cached K/V of the other tokens
+//! for every block. With all tokens passed and no cache, this is exactly
+//! `FluxTransformer2DModel.forward`.
+
+use std::ops::Range;
+use std::path::Path;
+
+use denoised_runtime::backend::Modulation;
+use denoised_runtime::{AttnSeq, Backend, Error, KvSource, Result, Rows, Tensor};
+
+use super::config::FluxConfig;
+use super::embed;
+use super::weights::{FluxWeights, Linear};
+
+const NORM_EPS: f32 = 1e-6;
+
+/// One request of a batch. All tensors are host tensors.
+pub struct FluxRequest<'a, T> {
+    /// `[A, in_channels]`: the image tokens to compute (all of them for a full run).
+    pub img: &'a Tensor,
+    /// `[A, 3]` position ids of those tokens.
+    pub img_ids: &'a Tensor,
+    /// `[T, joint_attention_dim]`.
+    pub txt: &'a Tensor,
+    /// `[T, 3]`.
+    pub txt_ids: &'a Tensor,
+    /// `[pooled_projection_dim]`.
+    pub pooled: &'a [f32],
+    /// Timestep as the pipeline passes it (scheduler timestep / 1000).
+    pub timestep: f32,
+    /// Guidance scale as the pipeline passes it (e.g. 30.0). Ignored by models
+    /// without a guidance embedder.
+    pub guidance: f32,
+    /// Cached K/V for the image tokens not in `img` (mask-aware edits).
+    pub cache: Option<&'a dyn KvCache<T>>,
+}
+
+/// Cached keys and values of one request's inactive image tokens at its current step.
+pub trait KvCache<T>: Sync {
+    /// Indices (rows of the cached buffers) of the tokens not computed.
+    fn inactive(&self) -> &[u32];
+    /// K and V `[L, hidden]` of block `b` (double blocks first, then single blocks).
+    fn block(&self, b: usize) -> (&T, &T);
+}
+
+/// Receives intermediate values of a forward pass (tests, template capture).
+pub trait ForwardObserver {
+    /// Whether to build and report hidden states (costs a download each).
+    fn wants_hidden(&self) -> bool {
+        false
+    }
+    fn hidden(&mut self, _name: &str, _t: Tensor) {}
+    /// Whether to report per-block image K/V.
+    fn wants_kv(&self) -> bool {
+        false
+    }
+    /// K (post-norm, post-RoPE) and V of request `req`'s computed image tokens
+    /// `[A, hidden]` at block `block`.
+    fn image_kv(&mut self, _req: usize, _block: usize, _k: Tensor, _v: Tensor) {}
+}
+
+/// The observer that observes nothing.
+pub struct NoObserver;
+impl ForwardObserver for NoObserver {}
+
+/// Plain batched inputs in the layout of the reference cases (`[B, N, C]` tensors).
+pub struct FluxInputs {
+    pub hidden_states: Tensor,
+    pub encoder_hidden_states: Tensor,
+    pub pooled_projections: Tensor,
+    pub timestep: Vec<f32>,
+    pub guidance: Vec<f32>,
+    pub img_ids: Tensor,
+    pub txt_ids: Tensor,
+}
+
+pub struct FluxTransformer<B: Backend> {
+    pub config: FluxConfig,
+    backend: B,
+    w: FluxWeights<B::Tensor>,
+    time_freqs: Vec<f32>,
+}
+
+/// Where each request's rows sit in the packed matrices.
+struct Layout {
+    txt: Vec<Range<usize>>,
+    img: Vec<Range<usize>>,
+    /// Rows of the joint `[txt_r; img_r]` matrix, request after request.
+    joint: Vec<Range<usize>>,
+    txt_seg: Vec<u32>,
+    img_seg: Vec<u32>,
+    joint_seg: Vec<u32>,
+    /// Joint row i = (0: txt, 1: img, row).
+    joint_index: Vec<(u32, u32)>,
+    /// Positions of text and image rows in the joint matrix.
+    txt_in_joint: Vec<(u32, u32)>,
+    img_in_joint: Vec<(u32, u32)>,
+}
+
+impl Layout {
+    fn new(txt_lens: &[usize], img_lens: &[usize]) -> Self {
+        let mut l = Layout {
+            txt: vec![],
+            img: vec![],
+            joint: vec![],
+            txt_seg: vec![],
+            img_seg: vec![],
+            joint_seg: vec![],
+            joint_index: vec![],
+            txt_in_joint: vec![],
+            img_in_joint: vec![],
+        };
+        let (mut t0, mut i0) = (0, 0);
+        for (r, (&t, &a)) in txt_lens.iter().zip(img_lens).enumerate() {
+            let j0 = l.joint_index.len();
+            l.txt.push(t0..t0 + t);
+            l.img.push(i0..i0 + a);
+            l.joint.push(j0..j0 + t + a);
+            l.txt_seg.extend(std::iter::repeat_n(r as u32, t));
+            l.img_seg.extend(std::iter::repeat_n(r as u32, a));
+            l.joint_seg.extend(std::iter::repeat_n(r as u32, t + a));
+            for k in 0..t {
+                l.txt_in_joint.push((0, (j0 + k) as u32));
+                l.joint_index.push((0, (t0 + k) as u32));
+            }
+            for k in 0..a {
+                l.img_in_joint.push((0, (j0 + t + k) as u32));
+                l.joint_index.push((1, (i0 + k) as u32));
+            }
+            t0 += t;
+            i0 += a;
+        }
+        l
+    }
+}
+
+fn modl<'a, T>(table: &'a T, chunk: usize, seg: &'a [u32]) -> Modulation<'a, T> {
+    Modulation { table, chunk, seg }
+}
+
+fn check_shape(what: &str, t: &Tensor, expected: &[usize]) -> Result<()> {
+    if t.shape() != expected {
+        return Err(Error::Invalid(format!("{what}: shape {:?}, expected {expected:?}", t.shape())));
+    }
+    Ok(())
+}
+
+impl<B: Backend> FluxTransformer<B> {
+    /// Loads a diffusers `transformer/` directory (`config.json` + safetensors).
+    pub fn load(backend: B, dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let config = FluxConfig::from_file(dir.join("config.json"))?;
+        let w = FluxWeights::load(&backend, &config, dir)?;
+        Ok(Self::from_parts(backend, config, w))
+    }
+
+    /// Seeded random weights for `config`.
+    pub fn seeded(backend: B, config: FluxConfig, seed: u64) -> Result<Self> {
+        config.validate().map_err(Error::Invalid)?;
+        let w = FluxWeights::seeded(&backend, &config, seed)?;
+        Ok(Self::from_parts(backend, config, w))
+    }
+
+    fn from_parts(backend: B, config: FluxConfig, w: FluxWeights<B::Tensor>) -> Self {
+        FluxTransformer {
+            config,
+            backend,
+            w,
+            time_freqs: embed::time_proj_freqs(),
+        }
+    }
+
+    /// Replaces the 128 sinusoid frequencies. Torch's float32 `exp` is 1 ulp off the
+    /// correctly rounded value for a few of them; passing torch's own table (the
+    /// fixtures' `time_proj_freqs`) reproduces diffusers to float32 noise, which
+    /// bring-up comparisons use to tell real bugs from this known difference.
+    pub fn set_time_proj_freqs(&mut self, freqs: Vec<f32>) -> Result<()> {
+        if freqs.len() != self.time_freqs.len() {
+            return Err(Error::Invalid(format!("{} sinusoid frequencies, expected {}", freqs.len(), self.time_freqs.len())));
+        }
+        self.time_freqs = freqs;
+        Ok(())
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Total number of blocks (double then single): the block index space of caches.
+    pub fn num_blocks(&self) -> usize {
+        self.config.num_layers + self.config.num_single_layers
+    }
+
+    fn linear(&self, x: &B::Tensor, l: &Linear<B::Tensor>) -> Result<B::Tensor> {
+        self.backend.linear(x, &l.w, l.b.as_ref())
+    }
+
+    fn emit(&self, obs: &mut dyn ForwardObserver, name: &str, t: &B::Tensor) -> Result<()> {
+        if obs.wants_hidden() {
+            obs.hidden(name, self.backend.download(t)?);
+        }
+        Ok(())
+    }
+
+    fn emit_rows(&self, obs: &mut dyn ForwardObserver, name: &str, t: &B::Tensor, rows: &[(u32, u32)]) -> Result<()> {
+        if obs.wants_hidden() {
+            let g = self.backend.gather_rows(&[t], rows)?;
+            obs.hidden(name, self.backend.download(&g)?);
+        }
+        Ok(())
+    }
+
+    /// Runs the reference-case layout: `[B, N, C]` inputs, one output `[B, N_img, out]`.
+    pub fn forward_inputs(&self, x: &FluxInputs, obs: &mut dyn ForwardObserver) -> Result<Tensor> {
+        let hs = x.hidden_states.shape();
+        if hs.len() != 3 {
+            return Err(Error::Invalid(format!("hidden_states: expected [B, N, C], got {hs:?}")));
+        }
+        let (b, n) = (hs[0], hs[1]);
+        let ts = x.encoder_hidden_states.shape();
+        if ts.len() != 3 || ts[0] != b {
+            return Err(Error::Invalid(format!("encoder_hidden_states: expected [{b}, T, C], got {ts:?}")));
+        }
+        let t = ts[1];
+        let split = |t: &Tensor, rows: usize| -> Result<Vec<Tensor>> {
+            let c = t.cols();
+            (0..b).map(|i| Tensor::new([rows, c], t.data()[i * rows * c..(i + 1) * rows * c].to_vec())).collect()
+        };
+        let imgs = split(&x.hidden_states, n)?;
+        let txts = split(&x.encoder_hidden_states, t)?;
+        let pooled = x.pooled_projections.data();
+        let pd = self.config.pooled_projection_dim;
+        check_shape("pooled_projections", &x.pooled_projections, &[b, pd])?;
+        let per_batch = |v: &[f32], what: &str| -> Result<Vec<f32>> {
+            match v.len() {
+                1 => Ok(vec![v[0]; b]),
+                l if l == b => Ok(v.to_vec()),
+                l => Err(Error::Invalid(format!("{what}: {l} values for batch {b}"))),
+            }
+        };
+        let timestep = per_batch(&x.timestep, "timestep")?;
+        let guidance = if x.guidance.is_empty() { vec![0.0; b] } else { per_batch(&x.guidance, "guidance")? };
+        let reqs: Vec<FluxRequest<'_, B::Tensor>> = (0..b)
+            .map(|i| FluxRequest {
+                img: &imgs[i],
+                img_ids: &x.img_ids,
+                txt: &txts[i],
+                txt_ids: &x.txt_ids,
+                pooled: &pooled[i * pd..(i + 1) * pd],
+                timestep: timestep[i],
+                guidance: guidance[i],
+                cache: None,
+            })
+            .collect();
+        let outs = self.forward(&reqs, obs)?;
+        let oc = self.config.out_channels();
+        let data: Vec<f32> = outs.into_iter().flat_map(|t| t.into_data()).collect();
+        Tensor::new([b, n, oc], data)
+    }
+
+    /// One forward over a batch; returns each request's output `[A_r, out_channels]`.
+    pub fn forward(&self, reqs: &[FluxRequest<'_, B::Tensor>], obs: &mut dyn ForwardObserver) -> Result<Vec<Tensor>> {
+        let c = &self.config;
+        let be = &self.backend;
+        let d = c.hidden();
+        if reqs.is_empty() {
+            return Ok(vec![]);
+        }
+
+        // ---- host-side packing and conditioning ---------------------------------
+        let mut txt_lens = vec![];
+        let mut img_lens = vec![];
+        for (i, r) in reqs.iter().enumerate() {
+            let (a, t) = (r.img.rows(), r.txt.rows());
+            check_shape(&format!("request {i} image tokens"), r.img, &[a, c.in_channels])?;
+            check_shape(&format!("request {i} image ids"), r.img_ids, &[a, 3])?;
+            check_shape(&format!("request {i} text tokens"), r.txt, &[t, c.joint_attention_dim])?;
+            check_shape(&format!("request {i} text ids"), r.txt_ids, &[t, 3])?;
+            if r.pooled.len() != c.pooled_projection_dim {
+                return Err(Error::Invalid(format!(
+                    "request {i} pooled projection: {} values, expected {}",
+                    r.pooled.len(),
+                    c.pooled_projection_dim
+                )));
+            }
+            if let Some(cache) = r.cache {
+                if cache.inactive().len() + a == 0 {
+                    return Err(Error::Invalid(format!("request {i} has no image tokens")));
+                }
+            }
+            txt_lens.push(t);
+            img_lens.push(a);
+        }
+        let lay = Layout::new(&txt_lens, &img_lens);
+        fn cat<'r, T>(reqs: &'r [FluxRequest<'_, T>], f: impl Fn(&'r FluxRequest<'_, T>) -> &'r [f32]) -> Vec<f32> {
+            reqs.iter().flat_map(|r| f(r).iter().copied()).collect()
+        }
+        let n_img = lay.img_seg.len();
+        let n_txt = lay.txt_seg.len();
+        let n_joint = lay.joint_seg.len();
+        let img_in = be.upload(&Tensor::new([n_img, c.in_channels], cat(reqs, |r| r.img.data()))?)?;
+        let txt_in = be.upload(&Tensor::new([n_txt, c.joint_attention_dim], cat(reqs, |r| r.txt.data()))?)?;
+
+        // RoPE tables in joint order, and the same rows split per stream.
+        let mut joint_ids = Vec::with_capacity(n_joint * 3);
+        for r in reqs {
+            joint_ids.extend_from_slice(r.txt_ids.data());
+            joint_ids.extend_from_slice(r.img_ids.data());
+        }
+        let hd = c.attention_head_dim;
+        let (cos, sin) = embed::rope_tables(&joint_ids, &c.axes_dims_rope);
+        let cos = Tensor::new([n_joint, hd], cos)?;
+        let sin = Tensor::new([n_joint, hd], sin)?;
+        let host_rows = |t: &Tensor, idx: &[(u32, u32)]| -> Result<Tensor> {
+            let data = idx.iter().flat_map(|&(_, r)| t.row(r as usize).iter().copied()).collect();
+            Tensor::new([idx.len(), t.cols()], data)
+        };
+        let rope_txt = (be.upload(&host_rows(&cos, &lay.txt_in_joint)?)?, be.upload(&host_rows(&sin, &lay.txt_in_joint)?)?);
+        let rope_img = (be.upload(&host_rows(&cos, &lay.img_in_joint)?)?, be.upload(&host_rows(&sin, &lay.img_in_joint)?)?);
+        let rope_joint = (be.upload(&cos)?, be.upload(&sin)?);
+
+        // ---- conditioning vector temb [B, d] ------------------------------------
+        let nb = reqs.len();
+        let ts: Vec<f32> = reqs.iter().map(|r| r.timestep * 1000.0).collect();
+        let t_proj = Tensor::new([nb, 256], embed::sinusoid(&ts, &self.time_freqs))?;
+        self.emit(obs, "timestep_proj", &be.upload(&t_proj)?)?;
+        let mut temb = self.mlp2(&be.upload(&t_proj)?, &self.w.time_1, &self.w.time_2)?;
+        if let Some((g1, g2)) = &self.w.guidance {
+            let gs: Vec<f32> = reqs.iter().map(|r| r.guidance * 1000.0).collect();
+            let g_proj = be.upload(&Tensor::new([nb, 256], embed::sinusoid(&gs, &self.time_freqs))?)?;
+            self.emit(obs, "guidance_proj", &g_proj)?;
+            be.add(&mut temb, &self.mlp2(&g_proj, g1, g2)?)?;
+        }
+        let pooled = be.upload(&Tensor::new([nb, c.pooled_projection_dim], cat(reqs, |r| r.pooled))?)?;
+        be.add(&mut temb, &self.mlp2(&pooled, &self.w.text_1, &self.w.text_2)?)?;
+        self.emit(obs, "temb", &temb)?;
+        let temb_act = be.silu(&temb)?;
+
+        let mut x = self.linear(&img_in, &self.w.x_embedder)?;
+        let mut ctx = self.linear(&txt_in, &self.w.context_embedder)?;
+        self.emit(obs, "x_embedder", &x)?;
+        self.emit(obs, "context_embedder", &ctx)?;
+
+
+        // ---- double-stream blocks ------------------------------------------------
+        for (bi, blk) in self.w.double.iter().enumerate() {
+            let m_img = self.linear(&temb_act, &blk.norm1)?;
+            let m_txt = self.linear(&temb_act, &blk.norm1_context)?;
+            let nx = be.layer_norm_modulate(&x, NORM_EPS, modl(&m_img, 0, &lay.img_seg), modl(&m_img, 1, &lay.img_seg))?;
+            let nc = be.layer_norm_modulate(&ctx, NORM_EPS, modl(&m_txt, 0, &lay.txt_seg), modl(&m_txt, 1, &lay.txt_seg))?;
+            let [mut qi, mut ki, vi]: [B::Tensor; 3] = be.split_cols(&self.linear(&nx, &blk.qkv)?, &[d, d, d])?.try_into().ok().unwrap();
+            let [mut qt, mut kt, vt]: [B::Tensor; 3] = be.split_cols(&self.linear(&nc, &blk.add_qkv)?, &[d, d, d])?.try_into().ok().unwrap();
+            be.rms_norm_rope(&mut qi, &blk.norm_q, NORM_EPS, Some((&rope_img.0, &rope_img.1)))?;
+            be.rms_norm_rope(&mut ki, &blk.norm_k, NORM_EPS, Some((&rope_img.0, &rope_img.1)))?;
+            be.rms_norm_rope(&mut qt, &blk.norm_added_q, NORM_EPS, Some((&rope_txt.0, &rope_txt.1)))?;
+            be.rms_norm_rope(&mut kt, &blk.norm_added_k, NORM_EPS, Some((&rope_txt.0, &rope_txt.1)))?;
+            let q = be.gather_rows(&[&qt, &qi], &lay.joint_index)?;
+            let k = be.gather_rows(&[&kt, &ki], &lay.joint_index)?;
+            let v = be.gather_rows(&[&vt, &vi], &lay.joint_index)?;
+            let attn = self.attend(reqs, &lay, bi, &q, &k, &v, obs)?;
+            let a_img = self.linear(&be.gather_rows(&[&attn], &lay.img_in_joint)?, &blk.to_out)?;
+            let a_txt = self.linear(&be.gather_rows(&[&attn], &lay.txt_in_joint)?, &blk.to_add_out)?;
+            let p = format!("double_block.{bi}");
+            self.emit(obs, &format!("{p}.attn.hidden_states"), &a_img)?;
+            self.emit(obs, &format!("{p}.attn.encoder_hidden_states"), &a_txt)?;
+            be.gated_residual(&mut x, &a_img, modl(&m_img, 2, &lay.img_seg))?;
+            be.gated_residual(&mut ctx, &a_txt, modl(&m_txt, 2, &lay.txt_seg))?;
+
+            let nx = be.layer_norm_modulate(&x, NORM_EPS, modl(&m_img, 3, &lay.img_seg), modl(&m_img, 4, &lay.img_seg))?;
+            let ff = self.ff(&nx, &blk.ff_in, &blk.ff_out)?;
+            self.emit(obs, &format!("{p}.ff"), &ff)?;
+            be.gated_residual(&mut x, &ff, modl(&m_img, 5, &lay.img_seg))?;
+            let nc = be.layer_norm_modulate(&ctx, NORM_EPS, modl(&m_txt, 3, &lay.txt_seg), modl(&m_txt, 4, &lay.txt_seg))?;
+            let ffc = self.ff(&nc, &blk.ff_context_in, &blk.ff_context_out)?;
+            self.emit(obs, &format!("{p}.ff_context"), &ffc)?;
+            be.gated_residual(&mut ctx, &ffc, modl(&m_txt, 5, &lay.txt_seg))?;
+            self.emit(obs, &format!("{p}.encoder_hidden_states"), &ctx)?;
+            self.emit(obs, &format!("{p}.hidden_states"), &x)?;
+        }
+
+        // ---- single-stream blocks over the joint [txt; img] rows ------------------
+        let mut h = be.gather_rows(&[&ctx, &x], &lay.joint_index)?;
+        drop((x, ctx));
+        let nd = c.num_layers;
+        for (si, blk) in self.w.single.iter().enumerate() {
+            let m = self.linear(&temb_act, &blk.norm)?;
+            let n = be.layer_norm_modulate(&h, NORM_EPS, modl(&m, 0, &lay.joint_seg), modl(&m, 1, &lay.joint_seg))?;
+            let [mut q, mut k, v, mut mlp]: [B::Tensor; 4] =
+                be.split_cols(&self.linear(&n, &blk.qkv_mlp)?, &[d, d, d, 4 * d])?.try_into().ok().unwrap();
+            let p = format!("single_block.{si}");
+            self.emit(obs, &format!("{p}.proj_mlp"), &mlp)?;
+            be.rms_norm_rope(&mut q, &blk.norm_q, NORM_EPS, Some((&rope_joint.0, &rope_joint.1)))?;
+            be.rms_norm_rope(&mut k, &blk.norm_k, NORM_EPS, Some((&rope_joint.0, &rope_joint.1)))?;
+            let attn = self.attend(reqs, &lay, nd + si, &q, &k, &v, obs)?;
+            self.emit(obs, &format!("{p}.attn"), &attn)?;
+            be.gelu_tanh(&mut mlp)?;
+            let out = self.linear(&be.concat_cols(&[&attn, &mlp])?, &blk.proj_out)?;
+            be.gated_residual(&mut h, &out, modl(&m, 2, &lay.joint_seg))?;
+            self.emit_rows(obs, &format!("{p}.encoder_hidden_states"), &h, &lay.txt_in_joint)?;
+            self.emit_rows(obs, &format!("{p}.hidden_states"), &h, &lay.img_in_joint)?;
+        }
+
+        // ---- output head ----------------------------------------------------------
+        let x = be.gather_rows(&[&h], &lay.img_in_joint)?;
+        let m = self.linear(&temb_act, &self.w.norm_out)?;
+        // AdaLayerNormContinuous chunks are (scale, shift): reversed from adaLN-Zero.
+        let nx = be.layer_norm_modulate(&x, NORM_EPS, modl(&m, 1, &lay.img_seg), modl(&m, 0, &lay.img_seg))?;
+        self.emit(obs, "norm_out", &nx)?;
+        let out = be.download(&self.linear(&nx, &self.w.proj_out)?)?;
+        let oc = c.out_channels();
+        lay.img
+            .iter()
+            .map(|r| Tensor::new([r.len(), oc], out.data()[r.start * oc..r.end * oc].to_vec()))
+            .collect()
+    }
+
+    /// Linear → SiLU → Linear (the timestep, guidance and text embedders).
+    fn mlp2(&self, x: &B::Tensor, l1: &Linear<B::Tensor>, l2: &Linear<B::Tensor>) -> Result<B::Tensor> {
+        let h = self.backend.silu(&self.linear(x, l1)?)?;
+        self.linear(&h, l2)
+    }
+
+    /// FeedForward: Linear → GELU(tanh) → Linear.
+    fn ff(&self, x: &B::Tensor, l1: &Linear<B::Tensor>, l2: &Linear<B::Tensor>) -> Result<B::Tensor> {
+        let mut h = self.linear(x, l1)?;
+        self.backend.gelu_tanh(&mut h)?;
+        self.linear(&h, l2)
+    }
+
+    /// Joint attention of every request, with cached K/V for tokens it does not compute.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        reqs: &[FluxRequest<'_, B::Tensor>],
+        lay: &Layout,
+        block: usize,
+        q: &B::Tensor,
+        k: &B::Tensor,
+        v: &B::Tensor,
+        obs: &mut dyn ForwardObserver,
+    ) -> Result<B::Tensor> {
+        let be = &self.backend;
+        if obs.wants_kv() {
+            for (ri, jr) in lay.joint.iter().enumerate() {
+                let t = lay.txt[ri].len();
+                let rows: Vec<(u32, u32)> = (jr.start + t..jr.end).map(|r| (0, r as u32)).collect();
+                let ki = be.download(&be.gather_rows(&[k], &rows)?)?;
+                let vi = be.download(&be.gather_rows(&[v], &rows)?)?;
+                obs.image_kv(ri, block, ki, vi);
+            }
+        }
+        let seqs: Vec<AttnSeq<'_, B::Tensor>> = reqs
+            .iter()
+            .zip(&lay.joint)
+            .map(|(r, jr)| {
+                let mut kv = vec![KvSource { k, v, rows: Rows::Range(jr.clone()) }];
+                if let Some(cache) = r.cache {
+                    let (ck, cv) = cache.block(block);
+                    if !cache.inactive().is_empty() {
+                        kv.push(KvSource { k: ck, v: cv, rows: Rows::Index(cache.inactive()) });
+                    }
+                }
+                AttnSeq { q: jr.clone(), kv }
+            })
+            .collect();
+        be.attention(q, self.config.num_attention_heads, &seqs)
+    }
+}

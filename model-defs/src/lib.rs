@@ -1,0 +1,11 @@
+//! denoised-models: model definitions written against the runtime's `Backend` trait.
+//!
+//! - [`flux`]: `FluxTransformer2DModel` (FLUX.1 dev, schnell and Fill), loaded from a
+//!   diffusers directory or built in with seeded weights.
+//! - [`scheduler`]: the flow-match Euler scheduler as FluxFillPipeline drives it.
+
+pub mod flux;
+pub mod scheduler;
+
+pub use flux::{FluxConfig, FluxInputs, FluxTransformer};
+pub use scheduler::FlowMatchEuler;

@@ -1,0 +1,137 @@
+//! The Backend trait: every numerical operation the models need, and nothing else.
+//!
+//! Model code (`denoised-models`) is written once against this trait. The CPU backend
+//! is the reference; the CUDA backend must agree with it op by op (DESIGN.md §Devices).
+//!
+//! The ops are shaped for the *ragged* batch from the start: rows of many requests are
+//! packed into one matrix, adaLN modulation picks its row through a per-row segment
+//! index, and attention runs per sequence with keys and values that may come from
+//! several buffers (fresh rows and cached rows addressed by index). A plain batch is
+//! just the special case where every request has the same length.
+
+use std::ops::Range;
+
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// Which rows of a key/value buffer a sequence attends to.
+#[derive(Clone, Debug)]
+pub enum Rows<'a> {
+    Range(Range<usize>),
+    /// Arbitrary rows by index: how cached K/V of inactive tokens are read without
+    /// first copying them into a contiguous buffer.
+    Index(&'a [u32]),
+}
+
+impl Rows<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Rows::Range(r) => r.len(),
+            Rows::Index(i) => i.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    #[inline]
+    pub fn get(&self, i: usize) -> usize {
+        match self {
+            Rows::Range(r) => r.start + i,
+            Rows::Index(idx) => idx[i] as usize,
+        }
+    }
+}
+
+/// Keys and values for one slice of a sequence: both buffers are `[rows, heads*head_dim]`.
+#[derive(Clone, Debug)]
+pub struct KvSource<'a, T> {
+    pub k: &'a T,
+    pub v: &'a T,
+    pub rows: Rows<'a>,
+}
+
+/// One attention sequence: its query rows (contiguous in the packed query matrix; the
+/// output uses the same rows) and the key/value slices it attends to. Key order does
+/// not matter to attention, so sources can be listed in any order.
+#[derive(Clone, Debug)]
+pub struct AttnSeq<'a, T> {
+    pub q: Range<usize>,
+    pub kv: Vec<KvSource<'a, T>>,
+}
+
+/// Per-row modulation: row `r` of the target uses row `seg[r]` of `table`, columns
+/// `chunk*width .. (chunk+1)*width`. `table` is the `[segments, k*width]` output of an
+/// adaLN linear layer, so chunks are read in place.
+#[derive(Clone, Copy, Debug)]
+pub struct Modulation<'a, T> {
+    pub table: &'a T,
+    pub chunk: usize,
+    pub seg: &'a [u32],
+}
+
+/// Numerical backend. `Tensor` is the backend's own buffer type; the model never looks
+/// inside it except through these methods.
+pub trait Backend: Send + Sync {
+    type Tensor: Send + Sync;
+
+    /// Short human-readable name, e.g. `cpu (2 threads, avx512)`.
+    fn name(&self) -> String;
+
+    fn upload(&self, t: &Tensor) -> Result<Self::Tensor>;
+    fn download(&self, t: &Self::Tensor) -> Result<Tensor>;
+    fn shape<'a>(&self, t: &'a Self::Tensor) -> &'a [usize];
+
+    /// `x[n,k] @ w[o,k]^T + b[o]` (PyTorch Linear layout).
+    fn linear(&self, x: &Self::Tensor, w: &Self::Tensor, b: Option<&Self::Tensor>)
+        -> Result<Self::Tensor>;
+
+    /// LayerNorm without affine (eps given), then `x*(1+scale)+shift` per row segment.
+    fn layer_norm_modulate(
+        &self,
+        x: &Self::Tensor,
+        eps: f32,
+        shift: Modulation<'_, Self::Tensor>,
+        scale: Modulation<'_, Self::Tensor>,
+    ) -> Result<Self::Tensor>;
+
+    /// Per-head RMSNorm with a learned `[head_dim]` weight, in place, optionally
+    /// followed by interleaved RoPE with per-row `cos`/`sin` tables `[rows, head_dim]`.
+    fn rms_norm_rope(
+        &self,
+        x: &mut Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+        rope: Option<(&Self::Tensor, &Self::Tensor)>,
+    ) -> Result<()>;
+
+    /// Multi-head softmax attention with scale `1/sqrt(head_dim)`, no mask. `q` is
+    /// `[rows, heads*head_dim]`; the output has the same shape.
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        heads: usize,
+        seqs: &[AttnSeq<'_, Self::Tensor>],
+    ) -> Result<Self::Tensor>;
+
+    /// `x += y`, same shapes.
+    fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    fn gelu_tanh(&self, x: &mut Self::Tensor) -> Result<()>;
+    fn silu(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+
+    /// `x += gate[seg] * y`: the adaLN-Zero gated residual.
+    fn gated_residual(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        gate: Modulation<'_, Self::Tensor>,
+    ) -> Result<()>;
+
+    /// Builds a matrix from rows of several sources: row `i` of the result is row
+    /// `index[i].1` of `srcs[index[i].0]`. All sources have the same width.
+    fn gather_rows(&self, srcs: &[&Self::Tensor], index: &[(u32, u32)]) -> Result<Self::Tensor>;
+
+    /// Splits `[n, sum(widths)]` into column blocks.
+    fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
+    /// Concatenates matrices with the same row count along columns.
+    fn concat_cols(&self, xs: &[&Self::Tensor]) -> Result<Self::Tensor>;
+}

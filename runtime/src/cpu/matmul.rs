@@ -1,0 +1,153 @@
+//! Matrix products through the `gemm` crate (AVX-512 kernels with the `x86-v4` feature).
+//!
+//! Everything is row-major f32. `gemm` takes explicit row and column strides, so a
+//! PyTorch-layout weight `[out, in]` is used as its own transpose without a copy.
+
+use gemm::Parallelism;
+
+/// Row-major matrix view: element `(i, j)` lives at `ptr[i*rs + j*cs]`.
+#[derive(Clone, Copy)]
+pub struct MatRef<'a> {
+    pub data: &'a [f32],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a> MatRef<'a> {
+    pub fn row_major(data: &'a [f32], cols: usize) -> Self {
+        MatRef {
+            data,
+            rs: cols,
+            cs: 1,
+        }
+    }
+    /// The transpose of a row-major `[rows, cols]` matrix.
+    pub fn transposed(data: &'a [f32], cols: usize) -> Self {
+        MatRef {
+            data,
+            rs: 1,
+            cs: cols,
+        }
+    }
+}
+
+/// `dst[m,n] = (accumulate ? dst : 0) + lhs[m,k] @ rhs[k,n]`, with `dst` row-major with
+/// row stride `dst_rs`. `parallel` lets gemm split the work over the rayon pool; pass
+/// false when already inside a parallel loop.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_rs: usize,
+    lhs: MatRef<'_>,
+    rhs: MatRef<'_>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                dst[i * dst_rs..i * dst_rs + n].fill(0.0);
+            }
+        }
+        return;
+    }
+    // Bounds are checked here once so the unsafe call below cannot read or write
+    // outside the slices.
+    assert!(dst.len() >= (m - 1) * dst_rs + n, "matmul: dst too small");
+    assert!(lhs.data.len() > (m - 1) * lhs.rs + (k - 1) * lhs.cs, "matmul: lhs too small");
+    assert!(rhs.data.len() > (k - 1) * rhs.rs + (n - 1) * rhs.cs, "matmul: rhs too small");
+    let par = if parallel && rayon::current_num_threads() > 1 {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: the asserts above bound every index gemm touches, and dst does not alias
+    // lhs or rhs (it is a unique borrow).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+/// PyTorch Linear: `out[n,o] = x[n,k] @ w[o,k]^T + b`.
+pub fn linear(x: &[f32], k: usize, w: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
+    let o = w.len() / k.max(1);
+    let n = x.len() / k.max(1);
+    if let Some(b) = bias {
+        for row in out.chunks_exact_mut(o) {
+            row.copy_from_slice(b);
+        }
+    }
+    matmul(
+        n,
+        o,
+        k,
+        out,
+        o,
+        MatRef::row_major(x, k),
+        MatRef::transposed(w, k),
+        bias.is_some(),
+        true,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(x: &[f32], k: usize, w: &[f32], b: &[f32]) -> Vec<f32> {
+        let o = b.len();
+        let n = x.len() / k;
+        let mut out = vec![0.0; n * o];
+        for i in 0..n {
+            for j in 0..o {
+                let mut s = b[j] as f64;
+                for t in 0..k {
+                    s += x[i * k + t] as f64 * w[j * k + t] as f64;
+                }
+                out[i * o + j] = s as f32;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn linear_matches_naive() {
+        for &(n, k, o) in &[(1, 1, 1), (3, 5, 7), (65, 130, 33), (200, 64, 300)] {
+            let x: Vec<f32> = (0..n * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
+            let w: Vec<f32> = (0..o * k).map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0).collect();
+            let b: Vec<f32> = (0..o).map(|i| i as f32 * 0.01).collect();
+            let mut out = vec![0.0; n * o];
+            linear(&x, k, &w, Some(&b), &mut out);
+            let want = naive(&x, k, &w, &b);
+            for (a, e) in out.iter().zip(&want) {
+                assert!((a - e).abs() < 1e-4 * (1.0 + e.abs()), "{n}x{k}x{o}: {a} vs {e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,20 @@
+//! denoised-runtime: the layer every other crate stands on.
+//!
+//! It holds the host [`Tensor`], the [`Backend`] trait that model code is written
+//! against, the CPU backend (the numerical reference for every device kernel), and
+//! the safetensors loader for diffusers-format model directories. Nothing here knows
+//! about Flux or about serving; model definitions live in `denoised-models` and the
+//! actors in `denoised-actors`.
+
+pub mod backend;
+pub mod cpu;
+pub mod error;
+pub mod fixtures;
+pub mod tensor;
+pub mod weights;
+
+pub use backend::{AttnSeq, Backend, KvSource, Rows};
+pub use cpu::CpuBackend;
+pub use error::{Error, Result};
+pub use tensor::{DType, Tensor};
+pub use weights::WeightStore;

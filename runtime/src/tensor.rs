@@ -1,0 +1,120 @@
+//! The host tensor: a contiguous row-major `f32` buffer with a shape.
+//!
+//! It is deliberately plain. Compute is f32 on the CPU (DESIGN.md §Devices); storage
+//! dtypes (bf16, f16) exist only on disk and are converted when weights load. Device
+//! backends keep their own buffer types and convert through `Backend::upload`.
+
+use crate::error::{Error, Result};
+
+/// Storage dtypes a checkpoint may use. Compute is always f32 on the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    BF16,
+    F16,
+}
+
+impl DType {
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    shape: Vec<usize>,
+    data: Vec<f32>,
+}
+
+impl Tensor {
+    pub fn new(shape: impl Into<Vec<usize>>, data: Vec<f32>) -> Result<Self> {
+        let shape = shape.into();
+        let n: usize = shape.iter().product();
+        if n != data.len() {
+            return Err(Error::shape(
+                "Tensor::new",
+                format!("shape {shape:?} needs {n} elements, got {}", data.len()),
+            ));
+        }
+        Ok(Tensor { shape, data })
+    }
+
+    pub fn zeros(shape: impl Into<Vec<usize>>) -> Self {
+        let shape = shape.into();
+        let n = shape.iter().product();
+        Tensor {
+            shape,
+            data: vec![0.0; n],
+        }
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn data(&self) -> &[f32] {
+        &self.data
+    }
+    pub fn data_mut(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+    pub fn into_data(self) -> Vec<f32> {
+        self.data
+    }
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// Number of rows when viewed as a matrix `[rows, last_dim]`.
+    pub fn rows(&self) -> usize {
+        let c = self.cols();
+        if c == 0 {
+            0
+        } else {
+            self.data.len() / c
+        }
+    }
+    /// The last dimension (1 for a scalar).
+    pub fn cols(&self) -> usize {
+        self.shape.last().copied().unwrap_or(1)
+    }
+
+    pub fn row(&self, r: usize) -> &[f32] {
+        let c = self.cols();
+        &self.data[r * c..(r + 1) * c]
+    }
+
+    pub fn reshape(mut self, shape: impl Into<Vec<usize>>) -> Result<Self> {
+        let shape = shape.into();
+        let n: usize = shape.iter().product();
+        if n != self.data.len() {
+            return Err(Error::shape(
+                "reshape",
+                format!("{:?} -> {shape:?}", self.shape),
+            ));
+        }
+        self.shape = shape;
+        Ok(self)
+    }
+
+    /// Largest absolute elementwise difference; used by tests and bring-up tools.
+    pub fn max_abs_diff(&self, other: &Tensor) -> Result<f32> {
+        if self.shape != other.shape {
+            return Err(Error::shape(
+                "max_abs_diff",
+                format!("{:?} vs {:?}", self.shape, other.shape),
+            ));
+        }
+        Ok(self
+            .data
+            .iter()
+            .zip(&other.data)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, |m, d| if m.is_nan() || d.is_nan() { f32::NAN } else { m.max(d) }))
+    }
+}

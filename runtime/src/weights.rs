@@ -1,0 +1,316 @@
+//! Safetensors files and diffusers-format weight directories, memory-mapped.
+//!
+//! A diffusers component directory (`transformer/`, `vae/`, ...) holds `config.json`
+//! and either one `<stem>.safetensors` or shards listed by `<stem>.safetensors.index.json`
+//! (`weight_map`: tensor name -> shard file), as FLUX.1-Fill-dev ships. Files are
+//! mmap'd; a tensor is converted to f32 only when asked for, so a 24 GB bf16 checkpoint
+//! never needs a second full copy in its storage dtype.
+//!
+//! Errors name the file and the tensor: truncated files, unknown dtypes, shapes that
+//! disagree with the model config, and tensors the config does not expect.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, Metadata, SafeTensorError, TensorView};
+use safetensors::SafeTensors;
+
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// One memory-mapped safetensors file.
+pub struct SafetensorsFile {
+    path: PathBuf,
+    mmap: Mmap,
+    data_start: usize,
+    meta: Metadata,
+}
+
+impl std::fmt::Debug for SafetensorsFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SafetensorsFile").field("path", &self.path).finish()
+    }
+}
+
+impl SafetensorsFile {
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+        // SAFETY: the map is read-only and model files are not rewritten while a
+        // process serves them; a concurrent truncation would be an operator error that
+        // the OS reports as SIGBUS, as for every mmap-based loader.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+        let (n, meta) = match SafeTensors::read_metadata(&mmap) {
+            Ok(x) => x,
+            Err(SafeTensorError::MetadataIncompleteBuffer) => return Err(truncation_error(&path, &mmap)),
+            Err(e) => {
+                return Err(Error::BadSafetensors {
+                    path,
+                    reason: e.to_string(),
+                })
+            }
+        };
+        Ok(SafetensorsFile {
+            path,
+            mmap,
+            data_start: 8 + n,
+            meta,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.meta.offset_keys()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.meta.info(name).is_some()
+    }
+
+    /// Shape and dtype name of a tensor.
+    pub fn info(&self, name: &str) -> Option<(Vec<usize>, String)> {
+        self.meta.info(name).map(|i| (i.shape.clone(), format!("{:?}", i.dtype)))
+    }
+
+    fn raw(&self, name: &str) -> Result<(&[u8], Dtype, &[usize])> {
+        let info = self.meta.info(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            dir: self.path.clone(),
+        })?;
+        let (s, e) = info.data_offsets;
+        Ok((&self.mmap[self.data_start + s..self.data_start + e], info.dtype, &info.shape))
+    }
+
+    /// A floating-point tensor (F32, BF16, F16 or F64) converted to f32.
+    pub fn tensor_f32(&self, name: &str) -> Result<Tensor> {
+        let (bytes, dtype, shape) = self.raw(name)?;
+        let data = match dtype {
+            Dtype::F64 => bytes
+                .chunks_exact(8)
+                .map(|b| f64::from_le_bytes(b.try_into().unwrap()) as f32)
+                .collect(),
+            _ => convert_weight(name, bytes, dtype)?,
+        };
+        Tensor::new(shape.to_vec(), data)
+    }
+
+    /// A weight tensor: only the dtypes checkpoints use (F32, BF16, F16).
+    pub fn weight(&self, name: &str) -> Result<Tensor> {
+        let (bytes, dtype, shape) = self.raw(name)?;
+        Tensor::new(shape.to_vec(), convert_weight(name, bytes, dtype)?)
+    }
+
+    pub fn tensor_f64(&self, name: &str) -> Result<Vec<f64>> {
+        let (bytes, dtype, _) = self.raw(name)?;
+        match dtype {
+            Dtype::F64 => Ok(bytes.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap())).collect()),
+            _ => Ok(self.tensor_f32(name)?.into_data().into_iter().map(f64::from).collect()),
+        }
+    }
+
+    pub fn tensor_i64(&self, name: &str) -> Result<Vec<i64>> {
+        let (bytes, dtype, _) = self.raw(name)?;
+        match dtype {
+            Dtype::I64 => Ok(bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect()),
+            Dtype::I32 => Ok(bytes.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap()) as i64).collect()),
+            other => Err(Error::UnsupportedDType {
+                name: name.to_string(),
+                dtype: format!("{other:?} (expected an integer type)"),
+            }),
+        }
+    }
+}
+
+fn convert_weight(name: &str, bytes: &[u8], dtype: Dtype) -> Result<Vec<f32>> {
+    Ok(match dtype {
+        Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+            .collect(),
+        other => {
+            return Err(Error::UnsupportedDType {
+                name: name.to_string(),
+                dtype: format!("{other:?}"),
+            })
+        }
+    })
+}
+
+/// Names the first tensor whose bytes lie past the end of a truncated file.
+fn truncation_error(path: &Path, buf: &[u8]) -> Error {
+    let bad = |reason: &str| Error::BadSafetensors {
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    };
+    let Some(n) = buf.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize) else {
+        return bad("header too small");
+    };
+    let Some(header) = buf.get(8..8 + n) else {
+        return bad("header length beyond the end of the file");
+    };
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_slice::<serde_json::Value>(header) else {
+        return bad("header is not a JSON object");
+    };
+    let actual = buf.len() - 8 - n;
+    let mut worst: Option<(String, usize)> = None;
+    for (name, v) in map {
+        let end = v
+            .get("data_offsets")
+            .and_then(|o| o.get(1))
+            .and_then(|e| e.as_u64())
+            .unwrap_or(0) as usize;
+        if end > actual && worst.as_ref().is_none_or(|(_, w)| end < *w) {
+            worst = Some((name, end));
+        }
+    }
+    match worst {
+        Some((tensor, needed)) => Error::Truncated {
+            path: path.to_path_buf(),
+            tensor,
+            needed,
+            actual,
+        },
+        None => bad("data section length does not match the header (extra bytes after the last tensor)"),
+    }
+}
+
+/// The weights of one diffusers component directory, whole or sharded.
+#[derive(Debug)]
+pub struct WeightStore {
+    dir: PathBuf,
+    files: Vec<SafetensorsFile>,
+    index: HashMap<String, usize>,
+}
+
+impl WeightStore {
+    /// Opens `dir/<stem>.safetensors`, or the shards named by
+    /// `dir/<stem>.safetensors.index.json` when that exists.
+    pub fn open(dir: impl AsRef<Path>, stem: &str) -> Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        let index_path = dir.join(format!("{stem}.safetensors.index.json"));
+        let single = dir.join(format!("{stem}.safetensors"));
+        let mut files = Vec::new();
+        let mut index = HashMap::new();
+        if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
+            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::BadConfig {
+                path: index_path.clone(),
+                reason: e.to_string(),
+            })?;
+            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::BadConfig {
+                path: index_path.clone(),
+                reason: "no `weight_map` object".into(),
+            })?;
+            let shards: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+            let mut shard_idx = HashMap::new();
+            for shard in shards {
+                shard_idx.insert(shard.to_string(), files.len());
+                files.push(SafetensorsFile::open(dir.join(shard))?);
+            }
+            for (name, shard) in map {
+                let shard = shard.as_str().ok_or_else(|| Error::BadConfig {
+                    path: index_path.clone(),
+                    reason: format!("weight_map entry for `{name}` is not a file name"),
+                })?;
+                let fi = shard_idx[shard];
+                if !files[fi].contains(name) {
+                    return Err(Error::MissingTensor {
+                        name: name.clone(),
+                        dir: files[fi].path().to_path_buf(),
+                    });
+                }
+                index.insert(name.clone(), fi);
+            }
+        } else if single.exists() {
+            let f = SafetensorsFile::open(&single)?;
+            for n in f.names() {
+                index.insert(n, 0);
+            }
+            files.push(f);
+        } else {
+            return Err(Error::io(
+                &single,
+                std::io::Error::new(std::io::ErrorKind::NotFound, format!("no {stem}.safetensors or {stem}.safetensors.index.json")),
+            ));
+        }
+        Ok(WeightStore { dir, files, index })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(|s| s.as_str())
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Loads `name` as f32 and checks its shape against what the config implies.
+    pub fn get(&self, name: &str, expected: &[usize]) -> Result<Tensor> {
+        let fi = *self.index.get(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            dir: self.dir.clone(),
+        })?;
+        let (shape, _) = self.files[fi].info(name).expect("indexed tensors exist");
+        if shape != expected {
+            return Err(Error::ShapeMismatch {
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                actual: shape,
+            });
+        }
+        self.files[fi].weight(name)
+    }
+
+    /// Fails if the directory holds tensors that the model never asked for: a sign of
+    /// a checkpoint for a different architecture or config.
+    pub fn check_all_used<'a>(&self, used: impl IntoIterator<Item = &'a str>) -> Result<()> {
+        let used: BTreeSet<&str> = used.into_iter().collect();
+        let mut extra: Vec<&str> = self.names().filter(|n| !used.contains(n)).collect();
+        if extra.is_empty() {
+            return Ok(());
+        }
+        extra.sort();
+        let more = if extra.len() > 5 { format!(" (and {} more)", extra.len() - 5) } else { String::new() };
+        Err(Error::UnexpectedTensors {
+            dir: self.dir.clone(),
+            names: format!("{}{more}", extra[..extra.len().min(5)].join(", ")),
+        })
+    }
+}
+
+/// Writes f32 tensors to a safetensors file (the format of `denoised forward` outputs
+/// and of test inputs).
+pub fn write_safetensors(path: impl AsRef<Path>, tensors: &[(&str, &Tensor)]) -> Result<()> {
+    let path = path.as_ref();
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, t)| t.data().iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
+    let views = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((name, t), b)| {
+            TensorView::new(Dtype::F32, t.shape().to_vec(), b)
+                .map(|v| (name.to_string(), v))
+                .map_err(|e| Error::Invalid(format!("tensor `{name}`: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::serialize_to_file(views, None, path).map_err(|e| Error::BadSafetensors {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
