@@ -6,6 +6,8 @@
 
 pub mod flux;
 pub mod scheduler;
+pub mod source;
 
 pub use flux::{FluxConfig, FluxInputs, FluxTransformer};
 pub use scheduler::FlowMatchEuler;
+pub use source::ModelSource;

@@ -113,10 +113,12 @@ impl FlowMatchEuler {
             return Err(Error::Invalid("steps must be at least 1".into()));
         }
         // np.linspace(1.0, 1/n, n) in float64, then float32.
+        // NumPy's linspace: `arange(n) * step + start`, with the last point set to `stop`.
         let n = steps as f64;
         let end = 1.0 / n;
+        let step = if steps > 1 { (end - 1.0) / (n - 1.0) } else { 0.0 };
         let base: Vec<f32> = (0..steps)
-            .map(|i| if steps == 1 { 1.0 } else { 1.0 + (end - 1.0) * (i as f64 / (n - 1.0)) } as f32)
+            .map(|i| if i + 1 == steps && steps > 1 { end } else { i as f64 * step + 1.0 } as f32)
             .collect();
         let sigmas: Vec<f32> = if cfg.use_dynamic_shifting {
             let e = cfg.mu(image_seq_len).exp() as f32;

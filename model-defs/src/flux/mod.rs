@@ -6,6 +6,7 @@
 //! - [`model`]: the forward pass over a packed batch of requests.
 
 pub mod config;
+pub mod cost;
 pub mod embed;
 pub mod model;
 pub mod weights;

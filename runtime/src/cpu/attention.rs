@@ -15,7 +15,7 @@ use super::simd;
 use crate::backend::Rows;
 
 /// Query rows per work unit.
-const BQ: usize = 64;
+const BQ: usize = 128;
 /// Keys per streamed tile.
 const BK: usize = 256;
 

@@ -50,7 +50,12 @@ const ROUND_MAGIC: f32 = 12_582_912.0;
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     let x = x.clamp(-87.3, 88.3);
-    let n = (x * LOG2E + ROUND_MAGIC) - ROUND_MAGIC;
+    // t holds round(x*log2(e)) in its low mantissa bits; reading the integer from
+    // the bits (instead of a saturating `as i32`, which LLVM scalarises) keeps the
+    // whole function in vector registers.
+    let t = x * LOG2E + ROUND_MAGIC;
+    let n = t - ROUND_MAGIC;
+    let ni = t.to_bits() as i32 - ROUND_MAGIC.to_bits() as i32;
     let r = x - n * LN2_HI - n * LN2_LO;
     let mut p = 1.987_569_1e-4_f32;
     p = p * r + 1.398_199_9e-3;
@@ -59,7 +64,7 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 5.000_000_1e-1;
     let y = p * r * r + r + 1.0;
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let scale = f32::from_bits(((ni + 127) as u32) << 23);
     y * scale
 }
 

@@ -1,0 +1,68 @@
+//! `denoised forward`: one transformer forward on tensors from a safetensors file.
+
+use std::path::PathBuf;
+
+use denoised_models::flux::model::{FluxInputs, NoObserver};
+use denoised_models::ModelSource;
+use denoised_runtime::weights::{write_safetensors, SafetensorsFile};
+use denoised_runtime::Backend;
+
+use super::{CliResult, DeviceArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Model: a diffusers directory (pipeline root or its transformer/), or `builtin`.
+    #[arg(long, env = "DENOISED_MODEL", default_value = "builtin")]
+    pub model: ModelSource,
+    /// Safetensors file with the named input tensors.
+    #[arg(long)]
+    pub inputs: PathBuf,
+    /// Where to write the result (a safetensors file with one tensor, `output`).
+    #[arg(long)]
+    pub output: PathBuf,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+}
+
+pub fn run(a: Args) -> CliResult {
+    let backend = a.device.cpu_backend()?;
+    let t0 = std::time::Instant::now();
+    let model = a.model.load_transformer(backend)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let f = SafetensorsFile::open(&a.inputs)?;
+    let get = |n: &str| f.tensor_f32(n).map_err(|e| format!("{}: {e}", a.inputs.display()));
+    let inputs = FluxInputs {
+        hidden_states: get("hidden_states")?,
+        encoder_hidden_states: get("encoder_hidden_states")?,
+        pooled_projections: get("pooled_projections")?,
+        timestep: get("timestep")?.into_data(),
+        guidance: if f.contains("guidance") { get("guidance")?.into_data() } else { vec![] },
+        img_ids: get("img_ids")?,
+        txt_ids: get("txt_ids")?,
+    };
+    if model.config.guidance_embeds && inputs.guidance.is_empty() {
+        return Err(format!("{}: this model embeds guidance, but the inputs have no `guidance` tensor", a.inputs.display()).into());
+    }
+    let t1 = std::time::Instant::now();
+    let out = model.forward_inputs(&inputs, &mut NoObserver)?;
+    let fwd_s = t1.elapsed().as_secs_f64();
+    write_safetensors(&a.output, &[("output", &out)])?;
+    eprintln!(
+        "model {} on {}: loaded in {load_s:.3}s, forward in {fwd_s:.3}s; wrote output {:?} to {}",
+        a.model,
+        model.backend().name(),
+        out.shape(),
+        a.output.display()
+    );
+    if f.contains("output") {
+        let want = get("output")?;
+        if want.shape() == out.shape() {
+            let diff = out.max_abs_diff(&want)?;
+            let scale = want.data().iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            println!("reference `output` in inputs: max abs diff {diff:.3e} (reference max abs {scale:.3})");
+        } else {
+            println!("reference `output` in inputs has shape {:?}, ours {:?}: not compared", want.shape(), out.shape());
+        }
+    }
+    Ok(())
+}

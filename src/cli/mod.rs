@@ -1,0 +1,73 @@
+//! Command-line interface: one module per subcommand, shared options here.
+
+mod bench_step;
+mod devices;
+mod forward;
+
+use clap::{Parser, Subcommand};
+use denoised_cuda::{DeviceSpec, Resolved};
+use denoised_runtime::CpuBackend;
+
+pub type CliResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+/// denoised: a serving runtime for mask-aware image editing with diffusion
+/// transformers (FLUX.1 Fill).
+#[derive(Parser, Debug)]
+#[command(name = "denoised", version, about, long_about = None)]
+pub struct Cli {
+    /// Worker threads for CPU compute (0 = one per core).
+    #[arg(long, env = "DENOISED_THREADS", default_value_t = 0, global = true)]
+    pub threads: usize,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run one transformer forward on named input tensors and write `output`.
+    ///
+    /// Inputs use the tensor names of the reference cases: hidden_states,
+    /// encoder_hidden_states, pooled_projections, timestep, guidance, img_ids, txt_ids.
+    /// If the input file also holds `output` (a reference case), the result is
+    /// compared with it and the difference printed: the bring-up check for a new
+    /// checkpoint.
+    Forward(forward::Args),
+    /// Time one transformer step of a named config with random weights; prints a JSON line.
+    BenchStep(bench_step::Args),
+    /// List the compute devices this machine offers.
+    Devices,
+}
+
+pub fn run(cli: Cli) -> CliResult {
+    if cli.threads > 0 {
+        rayon::ThreadPoolBuilder::new().num_threads(cli.threads).build_global()?;
+    }
+    match cli.command {
+        Command::Forward(a) => forward::run(a),
+        Command::BenchStep(a) => bench_step::run(a),
+        Command::Devices => devices::run(),
+    }
+}
+
+/// Device options shared by compute commands.
+#[derive(clap::Args, Debug, Clone)]
+pub struct DeviceArgs {
+    /// Compute device: auto (a GPU when usable, else the CPU), cpu, or cuda:N.
+    #[arg(long, env = "DENOISED_DEVICE", default_value = "auto")]
+    pub device: DeviceSpec,
+}
+
+impl DeviceArgs {
+    /// The backend to compute on. Only the CPU backend exists in this build, so `auto`
+    /// on a GPU machine says that it uses the CPU, and an explicit `cuda:N` is an error.
+    pub fn cpu_backend(&self) -> CliResult<CpuBackend> {
+        match (self.device, denoised_cuda::resolve(self.device)?) {
+            (_, Resolved::Cpu) => Ok(CpuBackend::new()),
+            (DeviceSpec::Auto, Resolved::Cuda(g)) => {
+                tracing::info!("device auto: found {} but this build has no CUDA backend yet; using the CPU", g.name);
+                Ok(CpuBackend::new())
+            }
+            (spec, Resolved::Cuda(g)) => Err(format!("{spec} ({}) requested, but this build has no CUDA backend yet; use --device cpu", g.name).into()),
+        }
+    }
+}
