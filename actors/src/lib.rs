@@ -1,1 +1,6 @@
-
+//! denoised-actors: the actor groups of the serving runtime (router, preprocess,
+//! denoise, postprocess, cache), the batching loop, the planner and routing policies.
+//!
+//! The serving runtime is built on top of the engine crates (`denoised-runtime`,
+//! `denoised-models`); see DESIGN.md §"Processes and actors". Its first pieces land
+//! with the serving work.

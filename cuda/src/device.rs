@@ -78,9 +78,12 @@ fn driver_err(e: impl fmt::Debug) -> CudaError {
 pub fn probe() -> Result<Vec<GpuInfo>, CudaError> {
     // SAFETY: only tries to dlopen the driver library by its usual names.
     if !unsafe { sys::is_culib_present() } {
-        return Err(CudaError::NoDevice("the CUDA driver library (libcuda.so) is not installed".into()));
+        return Err(CudaError::NoDevice(
+            "the CUDA driver library (libcuda.so) is not installed".into(),
+        ));
     }
-    let count = CudaContext::device_count().map_err(|e| CudaError::NoDevice(format!("driver initialisation failed: {e:?}")))?;
+    let count = CudaContext::device_count()
+        .map_err(|e| CudaError::NoDevice(format!("driver initialisation failed: {e:?}")))?;
     if count <= 0 {
         return Err(CudaError::NoDevice("the driver reports 0 devices".into()));
     }
@@ -89,8 +92,13 @@ pub fn probe() -> Result<Vec<GpuInfo>, CudaError> {
             let ctx = CudaContext::new(ordinal).map_err(driver_err)?;
             let attr = |a| ctx.attribute(a).map_err(driver_err);
             use sys::CUdevice_attribute::*;
-            let cc = (attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?);
-            let memory_bytes = cudarc::driver::result::mem_get_info().map(|(_, total)| total).unwrap_or(0);
+            let cc = (
+                attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            );
+            let memory_bytes = cudarc::driver::result::mem_get_info()
+                .map(|(_, total)| total)
+                .unwrap_or(0);
             Ok(GpuInfo {
                 ordinal,
                 name: ctx.name().map_err(driver_err)?,
@@ -112,7 +120,11 @@ pub fn resolve(spec: DeviceSpec) -> Result<Resolved, CudaError> {
             gpus.into_iter()
                 .find(|g| g.ordinal == n)
                 .map(Resolved::Cuda)
-                .ok_or_else(|| CudaError::NoDevice(format!("cuda:{n} requested but only {count} device(s) present")))
+                .ok_or_else(|| {
+                    CudaError::NoDevice(format!(
+                        "cuda:{n} requested but only {count} device(s) present"
+                    ))
+                })
         }
         DeviceSpec::Auto => match probe() {
             Ok(mut gpus) => Ok(Resolved::Cuda(gpus.remove(0))),
@@ -153,10 +165,20 @@ mod tests {
             Ok(gpus) => {
                 assert!(!gpus.is_empty());
                 for g in &gpus {
-                    println!("GPU {}: {} sm_{}{} {} GiB", g.ordinal, g.name, g.compute_capability.0, g.compute_capability.1, g.memory_bytes >> 30);
+                    println!(
+                        "GPU {}: {} sm_{}{} {} GiB",
+                        g.ordinal,
+                        g.name,
+                        g.compute_capability.0,
+                        g.compute_capability.1,
+                        g.memory_bytes >> 30
+                    );
                     assert!(g.compute_capability.0 >= 5 && !g.name.is_empty());
                 }
-                assert!(matches!(resolve(DeviceSpec::Auto).unwrap(), Resolved::Cuda(_)));
+                assert!(matches!(
+                    resolve(DeviceSpec::Auto).unwrap(),
+                    Resolved::Cuda(_)
+                ));
             }
         }
     }

@@ -83,7 +83,10 @@ impl SchedulerConfig {
             return Err(format!("scheduler option `{name}` is not supported"));
         }
         if self.time_shift_type != "exponential" {
-            return Err(format!("time_shift_type `{}` is not supported (only exponential)", self.time_shift_type));
+            return Err(format!(
+                "time_shift_type `{}` is not supported (only exponential)",
+                self.time_shift_type
+            ));
         }
         if self.max_image_seq_len <= self.base_image_seq_len {
             return Err("max_image_seq_len must exceed base_image_seq_len".into());
@@ -93,7 +96,8 @@ impl SchedulerConfig {
 
     /// `calculate_shift` of the Flux pipelines, in float64.
     pub fn mu(&self, image_seq_len: usize) -> f64 {
-        let m = (self.max_shift - self.base_shift) / (self.max_image_seq_len as f64 - self.base_image_seq_len as f64);
+        let m = (self.max_shift - self.base_shift)
+            / (self.max_image_seq_len as f64 - self.base_image_seq_len as f64);
         let b = self.base_shift - m * self.base_image_seq_len as f64;
         image_seq_len as f64 * m + b
     }
@@ -116,7 +120,11 @@ impl FlowMatchEuler {
         // NumPy's linspace: `arange(n) * step + start`, with the last point set to `stop`.
         let n = steps as f64;
         let end = 1.0 / n;
-        let step = if steps > 1 { (end - 1.0) / (n - 1.0) } else { 0.0 };
+        let step = if steps > 1 {
+            (end - 1.0) / (n - 1.0)
+        } else {
+            0.0
+        };
         let base: Vec<f32> = (0..steps)
             .map(|i| if i + 1 == steps && steps > 1 { end } else { i as f64 * step + 1.0 } as f32)
             .collect();
@@ -125,7 +133,9 @@ impl FlowMatchEuler {
             base.iter().map(|&s| e / (e + (1.0 / s - 1.0))).collect()
         } else {
             let sh = cfg.shift as f32;
-            base.iter().map(|&s| sh * s / (1.0 + (sh - 1.0) * s)).collect()
+            base.iter()
+                .map(|&s| sh * s / (1.0 + (sh - 1.0) * s))
+                .collect()
         };
         let ntt = cfg.num_train_timesteps as f32;
         let timesteps = sigmas.iter().map(|s| s * ntt).collect();
@@ -158,7 +168,10 @@ mod tests {
 
     #[test]
     fn rejects_unknown_options() {
-        let cfg = SchedulerConfig { use_karras_sigmas: true, ..Default::default() };
+        let cfg = SchedulerConfig {
+            use_karras_sigmas: true,
+            ..Default::default()
+        };
         assert!(cfg.check().unwrap_err().contains("use_karras_sigmas"));
         assert!(FlowMatchEuler::new(&SchedulerConfig::default(), 0, 256).is_err());
     }

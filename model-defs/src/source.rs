@@ -24,7 +24,11 @@ pub enum ModelSource {
 impl FromStr for ModelSource {
     type Err = std::convert::Infallible;
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-        Ok(if s == "builtin" { ModelSource::Builtin } else { ModelSource::Dir(PathBuf::from(s)) })
+        Ok(if s == "builtin" {
+            ModelSource::Builtin
+        } else {
+            ModelSource::Dir(PathBuf::from(s))
+        })
     }
 }
 
@@ -46,7 +50,13 @@ pub fn transformer_dir(dir: &Path) -> Result<PathBuf> {
     } else if dir.join("config.json").exists() {
         Ok(dir.to_path_buf())
     } else if !dir.exists() {
-        Err(Error::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, "model directory does not exist")))
+        Err(Error::io(
+            dir,
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "model directory does not exist",
+            ),
+        ))
     } else {
         Err(Error::BadConfig {
             path: dir.to_path_buf(),
@@ -58,7 +68,9 @@ pub fn transformer_dir(dir: &Path) -> Result<PathBuf> {
 impl ModelSource {
     pub fn load_transformer<B: Backend>(&self, backend: B) -> Result<FluxTransformer<B>> {
         match self {
-            ModelSource::Builtin => FluxTransformer::seeded(backend, FluxConfig::tiny(), BUILTIN_SEED),
+            ModelSource::Builtin => {
+                FluxTransformer::seeded(backend, FluxConfig::tiny(), BUILTIN_SEED)
+            }
             ModelSource::Dir(d) => FluxTransformer::load(backend, transformer_dir(d)?),
         }
     }

@@ -14,7 +14,8 @@ use denoised_runtime::fixtures::{tiny_model_dir, RefCase, Tier};
 use denoised_runtime::{CpuBackend, Tensor};
 
 fn model() -> FluxTransformer<CpuBackend> {
-    FluxTransformer::load(CpuBackend::new(), tiny_model_dir().join("transformer")).expect("load tiny model")
+    FluxTransformer::load(CpuBackend::new(), tiny_model_dir().join("transformer"))
+        .expect("load tiny model")
 }
 
 fn inputs(case: &RefCase) -> FluxInputs {
@@ -32,11 +33,19 @@ fn inputs(case: &RefCase) -> FluxInputs {
 #[test]
 fn every_case_output_matches_diffusers() {
     let m = model();
-    for key in ["transformer_case1", "transformer_case2", "transformer_case3", "transformer_case4_generic_ids"] {
+    for key in [
+        "transformer_case1",
+        "transformer_case2",
+        "transformer_case3",
+        "transformer_case4_generic_ids",
+    ] {
         let case = RefCase::open(key).unwrap();
         let out = m.forward_inputs(&inputs(&case), &mut NoObserver).unwrap();
         let diff = case.assert_close("output", &out, Tier::Suggested);
-        println!("{key}: output max abs diff {diff:.2e} (atol {:.1e})", case.atol("output", Tier::Suggested));
+        println!(
+            "{key}: output max abs diff {diff:.2e} (atol {:.1e})",
+            case.atol("output", Tier::Suggested)
+        );
     }
 }
 
@@ -58,10 +67,22 @@ fn case1_intermediates_match_diffusers() {
     let mut rec = Recorder::default();
     m.forward_inputs(&inputs(&case), &mut rec).unwrap();
     let strict = ["x_embedder", "context_embedder"];
-    let mut names: Vec<String> = vec!["timestep_proj".into(), "guidance_proj".into(), "temb".into(), "norm_out".into()];
+    let mut names: Vec<String> = vec![
+        "timestep_proj".into(),
+        "guidance_proj".into(),
+        "temb".into(),
+        "norm_out".into(),
+    ];
     names.extend(strict.iter().map(|s| s.to_string()));
     for b in 0..2 {
-        for s in ["encoder_hidden_states", "hidden_states", "attn.hidden_states", "attn.encoder_hidden_states", "ff", "ff_context"] {
+        for s in [
+            "encoder_hidden_states",
+            "hidden_states",
+            "attn.hidden_states",
+            "attn.encoder_hidden_states",
+            "ff",
+            "ff_context",
+        ] {
             if b == 0 || !s.contains('.') && !s.starts_with("ff") {
                 names.push(format!("double_block.{b}.{s}"));
             }
@@ -74,8 +95,15 @@ fn case1_intermediates_match_diffusers() {
     names.push("single_block.0.attn".into());
     names.push("single_block.0.proj_mlp".into());
     for n in &names {
-        let got = rec.0.get(n).unwrap_or_else(|| panic!("forward did not report `{n}`"));
-        let tier = if strict.contains(&n.as_str()) { Tier::Strict } else { Tier::Suggested };
+        let got = rec
+            .0
+            .get(n)
+            .unwrap_or_else(|| panic!("forward did not report `{n}`"));
+        let tier = if strict.contains(&n.as_str()) {
+            Tier::Strict
+        } else {
+            Tier::Suggested
+        };
         let diff = case.assert_close(&format!("intermediate.{n}"), got, tier);
         println!("{n}: {diff:.2e}");
     }
@@ -88,8 +116,16 @@ fn rope_tables_match_diffusers() {
     ids.extend(case.tensor("img_ids").into_data());
     let (cos, sin) = denoised_models::flux::embed::rope_tables(&ids, &[4, 6, 6]);
     let n = ids.len() / 3;
-    case.assert_close("rope.cos", &Tensor::new([n, 16], cos).unwrap(), Tier::Strict);
-    case.assert_close("rope.sin", &Tensor::new([n, 16], sin).unwrap(), Tier::Strict);
+    case.assert_close(
+        "rope.cos",
+        &Tensor::new([n, 16], cos).unwrap(),
+        Tier::Strict,
+    );
+    case.assert_close(
+        "rope.sin",
+        &Tensor::new([n, 16], sin).unwrap(),
+        Tier::Strict,
+    );
 }
 
 #[test]
@@ -107,8 +143,14 @@ fn sinusoid_frequencies_are_within_an_ulp_of_torch() {
 fn with_torch_sinusoid_frequencies_outputs_meet_strict_tolerance() {
     let mut m = model();
     let case1 = RefCase::open("transformer_case1").unwrap();
-    m.set_time_proj_freqs(case1.tensor("time_proj_freqs").into_data()).unwrap();
-    for key in ["transformer_case1", "transformer_case2", "transformer_case3", "transformer_case4_generic_ids"] {
+    m.set_time_proj_freqs(case1.tensor("time_proj_freqs").into_data())
+        .unwrap();
+    for key in [
+        "transformer_case1",
+        "transformer_case2",
+        "transformer_case3",
+        "transformer_case4_generic_ids",
+    ] {
         let case = RefCase::open(key).unwrap();
         let out = m.forward_inputs(&inputs(&case), &mut NoObserver).unwrap();
         let diff = case.assert_close("output", &out, Tier::Strict);

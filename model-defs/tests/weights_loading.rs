@@ -21,7 +21,14 @@ fn reference_tensors() -> Raw {
     let mut raw = Raw::new();
     for name in store.names() {
         let t = store.get(name, &shape_of(&store, name)).unwrap();
-        raw.insert(name.to_string(), (Dtype::F32, t.shape().to_vec(), t.data().iter().flat_map(|v| v.to_le_bytes()).collect()));
+        raw.insert(
+            name.to_string(),
+            (
+                Dtype::F32,
+                t.shape().to_vec(),
+                t.data().iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
+        );
     }
     raw
 }
@@ -36,15 +43,21 @@ fn shape_of(store: &WeightStore, name: &str) -> Vec<usize> {
 }
 
 fn write(path: &Path, tensors: &Raw) {
-    let views: Vec<(String, TensorView<'_>)> =
-        tensors.iter().map(|(n, (dt, s, b))| (n.clone(), TensorView::new(*dt, s.clone(), b).unwrap())).collect();
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, (dt, s, b))| (n.clone(), TensorView::new(*dt, s.clone(), b).unwrap()))
+        .collect();
     safetensors::serialize_to_file(views, None, path).unwrap();
 }
 
 /// Writes a model dir with the reference config and the given tensors in `shards` files.
 fn model_dir(tensors: &Raw, shards: usize) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(tiny_model_dir().join("transformer/config.json"), dir.path().join("config.json")).unwrap();
+    std::fs::copy(
+        tiny_model_dir().join("transformer/config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
     if shards == 1 {
         write(&dir.path().join(format!("{STEM}.safetensors")), tensors);
     } else {
@@ -53,14 +66,21 @@ fn model_dir(tensors: &Raw, shards: usize) -> tempfile::TempDir {
         let mut map = serde_json::Map::new();
         for (i, chunk) in names.chunks(per).enumerate() {
             let file = format!("{STEM}-{:05}-of-{shards:05}.safetensors", i + 1);
-            let part: Raw = chunk.iter().map(|n| ((*n).clone(), tensors[*n].clone())).collect();
+            let part: Raw = chunk
+                .iter()
+                .map(|n| ((*n).clone(), tensors[*n].clone()))
+                .collect();
             write(&dir.path().join(&file), &part);
             for n in chunk {
                 map.insert((*n).clone(), serde_json::Value::String(file.clone()));
             }
         }
         let index = serde_json::json!({"metadata": {}, "weight_map": map});
-        std::fs::write(dir.path().join(format!("{STEM}.safetensors.index.json")), index.to_string()).unwrap();
+        std::fs::write(
+            dir.path().join(format!("{STEM}.safetensors.index.json")),
+            index.to_string(),
+        )
+        .unwrap();
     }
     dir
 }
@@ -89,7 +109,9 @@ fn load_err(dir: &Path) -> String {
 #[test]
 fn whole_and_resharded_copies_load_identically() {
     let raw = reference_tensors();
-    let reference = case1_output(&FluxTransformer::load(CpuBackend::new(), tiny_model_dir().join("transformer")).unwrap());
+    let reference = case1_output(
+        &FluxTransformer::load(CpuBackend::new(), tiny_model_dir().join("transformer")).unwrap(),
+    );
     for shards in [1, 4, 7] {
         let dir = model_dir(&raw, shards);
         let m = FluxTransformer::load(CpuBackend::new(), dir.path()).unwrap();
@@ -120,12 +142,17 @@ fn bf16_and_f16_checkpoints_load_and_stay_close() {
             .collect();
         let dir = model_dir(&conv, 2);
         let out = case1_output(&FluxTransformer::load(CpuBackend::new(), dir.path()).unwrap());
-        let diff = out.max_abs_diff(&case.tensor("output").reshape(out.shape().to_vec()).unwrap()).unwrap();
+        let diff = out
+            .max_abs_diff(&case.tensor("output").reshape(out.shape().to_vec()).unwrap())
+            .unwrap();
         // Rounding weights to 8 (bf16) or 11 (f16) mantissa bits moves an output of
         // magnitude ~4.6 by a few percent at most; a wrong conversion moves it by O(1).
         let bound = if dt == Dtype::BF16 { 0.25 } else { 0.03 };
         assert!(diff < bound, "{dt:?}: max abs diff {diff}");
-        assert!(diff > case.atol("output", Tier::Strict), "{dt:?}: rounding must be visible");
+        assert!(
+            diff > case.atol("output", Tier::Strict),
+            "{dt:?}: rounding must be visible"
+        );
     }
 }
 
@@ -135,18 +162,28 @@ fn missing_tensor_is_named() {
     raw.remove("transformer_blocks.1.attn.to_k.weight");
     let dir = model_dir(&raw, 1);
     let e = load_err(dir.path());
-    assert!(e.contains("transformer_blocks.1.attn.to_k.weight") && e.contains("missing"), "{e}");
+    assert!(
+        e.contains("transformer_blocks.1.attn.to_k.weight") && e.contains("missing"),
+        "{e}"
+    );
 }
 
 #[test]
 fn wrong_shape_is_named_with_both_shapes() {
     let mut raw = reference_tensors();
-    let (_, shape, bytes) = raw.get_mut("single_transformer_blocks.2.proj_mlp.weight").unwrap();
+    let (_, shape, bytes) = raw
+        .get_mut("single_transformer_blocks.2.proj_mlp.weight")
+        .unwrap();
     *shape = vec![shape[1], shape[0]];
     let _ = bytes;
     let dir = model_dir(&raw, 3);
     let e = load_err(dir.path());
-    assert!(e.contains("single_transformer_blocks.2.proj_mlp.weight") && e.contains("[64, 256]") && e.contains("[256, 64]"), "{e}");
+    assert!(
+        e.contains("single_transformer_blocks.2.proj_mlp.weight")
+            && e.contains("[64, 256]")
+            && e.contains("[256, 64]"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -156,13 +193,19 @@ fn wrong_dtype_is_named() {
     *dt = Dtype::I32;
     let dir = model_dir(&raw, 1);
     let e = load_err(dir.path());
-    assert!(e.contains("norm_out.linear.bias") && e.contains("I32"), "{e}");
+    assert!(
+        e.contains("norm_out.linear.bias") && e.contains("I32"),
+        "{e}"
+    );
 }
 
 #[test]
 fn unexpected_tensor_is_reported() {
     let mut raw = reference_tensors();
-    raw.insert("transformer_blocks.9.attn.to_q.weight".into(), (Dtype::F32, vec![1], vec![0; 4]));
+    raw.insert(
+        "transformer_blocks.9.attn.to_q.weight".into(),
+        (Dtype::F32, vec![1], vec![0; 4]),
+    );
     let dir = model_dir(&raw, 1);
     let e = load_err(dir.path());
     assert!(e.contains("transformer_blocks.9.attn.to_q.weight"), "{e}");
@@ -180,16 +223,27 @@ fn truncated_file_names_file_and_tensor() {
             .max()
             .unwrap();
         let len = std::fs::metadata(&victim).unwrap().len();
-        let f = std::fs::OpenOptions::new().write(true).open(&victim).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&victim)
+            .unwrap();
         f.set_len(len - 1000).unwrap();
         let e = load_err(dir.path());
         let fname = victim.file_name().unwrap().to_string_lossy().to_string();
-        assert!(e.contains("truncated") && e.contains(&fname) && e.contains("tensor `"), "{e}");
+        assert!(
+            e.contains("truncated") && e.contains(&fname) && e.contains("tensor `"),
+            "{e}"
+        );
     }
     // A file cut inside its header is also a clean error.
     let dir = model_dir(&raw, 1);
     let f = dir.path().join(format!("{STEM}.safetensors"));
-    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(100).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(100)
+        .unwrap();
     let e = load_err(dir.path());
     assert!(e.contains(&format!("{STEM}.safetensors")), "{e}");
 }
@@ -203,19 +257,27 @@ fn bad_config_is_named() {
     let e = load_err(dir.path());
     assert!(e.contains("config.json") && e.contains("bad config"), "{e}");
 
-    let mut json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(tiny_model_dir().join("transformer/config.json")).unwrap()).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tiny_model_dir().join("transformer/config.json")).unwrap(),
+    )
+    .unwrap();
     json["axes_dims_rope"] = serde_json::json!([4, 6, 8]);
     std::fs::write(&cfg, json.to_string()).unwrap();
     let e = load_err(dir.path());
-    assert!(e.contains("config.json") && e.contains("axes_dims_rope"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("axes_dims_rope"),
+        "{e}"
+    );
 
     // A config that disagrees with the weights: the shape check catches it.
     json["axes_dims_rope"] = serde_json::json!([4, 6, 6]);
     json["joint_attention_dim"] = serde_json::json!(48);
     std::fs::write(&cfg, json.to_string()).unwrap();
     let e = load_err(dir.path());
-    assert!(e.contains("context_embedder.weight") && e.contains("[64, 48]"), "{e}");
+    assert!(
+        e.contains("context_embedder.weight") && e.contains("[64, 48]"),
+        "{e}"
+    );
 
     std::fs::remove_file(&cfg).unwrap();
     let e = load_err(dir.path());
@@ -226,7 +288,11 @@ fn bad_config_is_named() {
 fn missing_shard_is_named() {
     let raw = reference_tensors();
     let dir = model_dir(&raw, 3);
-    std::fs::remove_file(dir.path().join(format!("{STEM}-00002-of-00003.safetensors"))).unwrap();
+    std::fs::remove_file(
+        dir.path()
+            .join(format!("{STEM}-00002-of-00003.safetensors")),
+    )
+    .unwrap();
     let e = load_err(dir.path());
     assert!(e.contains("00002-of-00003"), "{e}");
 }

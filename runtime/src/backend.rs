@@ -42,20 +42,38 @@ impl Rows<'_> {
     }
 }
 
-/// Keys and values for one slice of a sequence: both buffers are `[rows, heads*head_dim]`.
+/// A buffer that attention reads: one of the mutable buffers passed to the call
+/// (`Own(i)`, whose query columns are also overwritten by the output), or any other
+/// tensor (`Ext`, e.g. a template's cached K/V).
+#[derive(Clone, Copy, Debug)]
+pub enum Src<'a, T> {
+    Own(usize),
+    Ext(&'a T),
+}
+
+/// Keys and values for one slice of a sequence: rows `rows` of `src`, keys in columns
+/// `k_col..k_col+width` and values in `v_col..v_col+width`.
 #[derive(Clone, Debug)]
 pub struct KvSource<'a, T> {
-    pub k: &'a T,
-    pub v: &'a T,
+    pub src: Src<'a, T>,
+    pub k_col: usize,
+    pub v_col: usize,
     pub rows: Rows<'a>,
 }
 
-/// One attention sequence: its query rows (contiguous in the packed query matrix; the
-/// output uses the same rows) and the key/value slices it attends to. Key order does
-/// not matter to attention, so sources can be listed in any order.
+/// Query rows `rows` of buffer `buf`.
+#[derive(Clone, Debug)]
+pub struct QSpan {
+    pub buf: usize,
+    pub rows: Range<usize>,
+}
+
+/// One attention sequence: its query rows (possibly in several buffers, e.g. the text
+/// and image streams of a double block) and the key/value slices it attends to. Key
+/// order does not matter to attention, so sources can be listed in any order.
 #[derive(Clone, Debug)]
 pub struct AttnSeq<'a, T> {
-    pub q: Range<usize>,
+    pub q: Vec<QSpan>,
     pub kv: Vec<KvSource<'a, T>>,
 }
 
@@ -73,17 +91,38 @@ pub struct Modulation<'a, T> {
 /// inside it except through these methods.
 pub trait Backend: Send + Sync {
     type Tensor: Send + Sync;
+    /// A Linear layer's weight, in whatever layout the backend multiplies fastest.
+    type Weight: Send + Sync;
 
     /// Short human-readable name, e.g. `cpu (2 threads, avx512)`.
     fn name(&self) -> String;
 
     fn upload(&self, t: &Tensor) -> Result<Self::Tensor>;
+    /// Takes a Linear weight in PyTorch layout `[out, in]`.
+    fn upload_weight(&self, w: &Tensor) -> Result<Self::Weight>;
     fn download(&self, t: &Self::Tensor) -> Result<Tensor>;
     fn shape<'a>(&self, t: &'a Self::Tensor) -> &'a [usize];
 
     /// `x[n,k] @ w[o,k]^T + b[o]` (PyTorch Linear layout).
-    fn linear(&self, x: &Self::Tensor, w: &Self::Tensor, b: Option<&Self::Tensor>)
-        -> Result<Self::Tensor>;
+    fn linear(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        b: Option<&Self::Tensor>,
+    ) -> Result<Self::Tensor> {
+        let k = self.shape(x).last().copied().unwrap_or(0);
+        self.linear_cols(x, 0..k, w, b)
+    }
+
+    /// Linear over the column block `cols` of `x` (a view, not a copy): how fused
+    /// projections feed the next layer without splitting buffers.
+    fn linear_cols(
+        &self,
+        x: &Self::Tensor,
+        cols: Range<usize>,
+        w: &Self::Weight,
+        b: Option<&Self::Tensor>,
+    ) -> Result<Self::Tensor>;
 
     /// LayerNorm without affine (eps given), then `x*(1+scale)+shift` per row segment.
     fn layer_norm_modulate(
@@ -94,28 +133,35 @@ pub trait Backend: Send + Sync {
         scale: Modulation<'_, Self::Tensor>,
     ) -> Result<Self::Tensor>;
 
-    /// Per-head RMSNorm with a learned `[head_dim]` weight, in place, optionally
-    /// followed by interleaved RoPE with per-row `cos`/`sin` tables `[rows, head_dim]`.
+    /// Per-head RMSNorm with a learned `[head_dim]` weight over columns `cols` of `x`,
+    /// in place, optionally followed by interleaved RoPE with per-row `cos`/`sin`
+    /// tables `[rows, head_dim]`.
     fn rms_norm_rope(
         &self,
         x: &mut Self::Tensor,
+        cols: Range<usize>,
         weight: &Self::Tensor,
         eps: f32,
         rope: Option<(&Self::Tensor, &Self::Tensor)>,
     ) -> Result<()>;
 
-    /// Multi-head softmax attention with scale `1/sqrt(head_dim)`, no mask. `q` is
-    /// `[rows, heads*head_dim]`; the output has the same shape.
+    /// Multi-head softmax attention with scale `1/sqrt(head_dim)` and no mask.
+    /// Queries are columns `q_col..q_col+width` of the buffers in `bufs`; each
+    /// sequence's output overwrites its queries in place (every consumer of attention
+    /// reads the output next, and this saves a buffer and a copy per block).
     fn attention(
         &self,
-        q: &Self::Tensor,
+        bufs: &mut [&mut Self::Tensor],
+        q_col: usize,
+        width: usize,
         heads: usize,
         seqs: &[AttnSeq<'_, Self::Tensor>],
-    ) -> Result<Self::Tensor>;
+    ) -> Result<()>;
 
     /// `x += y`, same shapes.
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
-    fn gelu_tanh(&self, x: &mut Self::Tensor) -> Result<()>;
+    /// GELU (tanh approximation) in place over columns `cols`.
+    fn gelu_tanh(&self, x: &mut Self::Tensor, cols: Range<usize>) -> Result<()>;
     fn silu(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
 
     /// `x += gate[seg] * y`: the adaLN-Zero gated residual.
@@ -130,8 +176,12 @@ pub trait Backend: Send + Sync {
     /// `index[i].1` of `srcs[index[i].0]`. All sources have the same width.
     fn gather_rows(&self, srcs: &[&Self::Tensor], index: &[(u32, u32)]) -> Result<Self::Tensor>;
 
-    /// Splits `[n, sum(widths)]` into column blocks.
-    fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
-    /// Concatenates matrices with the same row count along columns.
-    fn concat_cols(&self, xs: &[&Self::Tensor]) -> Result<Self::Tensor>;
+    /// Builds a matrix from rows `rows` of column block `cols` of `x` (used to take
+    /// K/V out of fused projections for the template cache).
+    fn gather_cols(
+        &self,
+        x: &Self::Tensor,
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Result<Self::Tensor>;
 }

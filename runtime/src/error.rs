@@ -15,13 +15,17 @@ pub enum Error {
     },
     #[error("{path}: not a valid safetensors file: {reason}")]
     BadSafetensors { path: PathBuf, reason: String },
-    #[error("{path}: truncated: tensor `{tensor}` needs bytes up to {needed} but the file has {actual}")]
+    #[error(
+        "{path}: truncated: tensor `{tensor}` needs bytes up to {needed} but the file has {actual}"
+    )]
     Truncated {
         path: PathBuf,
         tensor: String,
         needed: usize,
         actual: usize,
     },
+    #[error("{path}: cannot write: {reason}")]
+    Write { path: PathBuf, reason: String },
     #[error("{path}: bad config: {reason}")]
     BadConfig { path: PathBuf, reason: String },
     #[error("tensor `{name}` is missing from {dir}")]

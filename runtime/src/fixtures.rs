@@ -43,14 +43,16 @@ impl RefCase {
     pub fn open(key: &str) -> Result<Self> {
         let dir = fixtures_dir().join("cases");
         let manifest_path = dir.join("cases.json");
-        let text = std::fs::read_to_string(&manifest_path).map_err(|e| Error::io(&manifest_path, e))?;
-        let manifest: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::BadConfig {
-            path: manifest_path.clone(),
-            reason: e.to_string(),
+        let text =
+            std::fs::read_to_string(&manifest_path).map_err(|e| Error::io(&manifest_path, e))?;
+        let manifest: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::BadConfig {
+                path: manifest_path.clone(),
+                reason: e.to_string(),
+            })?;
+        let case = manifest["cases"].get(key).ok_or_else(|| {
+            Error::Invalid(format!("no case `{key}` in {}", manifest_path.display()))
         })?;
-        let case = manifest["cases"]
-            .get(key)
-            .ok_or_else(|| Error::Invalid(format!("no case `{key}` in {}", manifest_path.display())))?;
         let file = case["file"].as_str().unwrap_or_default();
         Ok(RefCase {
             file: SafetensorsFile::open(dir.join(file))?,
@@ -81,12 +83,24 @@ impl RefCase {
     /// leading 1-dims) and returns the max difference.
     pub fn assert_close(&self, name: &str, got: &Tensor, tier: Tier) -> f32 {
         let want = self.tensor(name);
-        let squeeze = |s: &[usize]| s.iter().copied().skip_while(|&d| d == 1).collect::<Vec<_>>();
-        assert_eq!(squeeze(got.shape()), squeeze(want.shape()), "shape of `{name}`");
+        let squeeze = |s: &[usize]| {
+            s.iter()
+                .copied()
+                .skip_while(|&d| d == 1)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            squeeze(got.shape()),
+            squeeze(want.shape()),
+            "shape of `{name}`"
+        );
         let got = got.clone().reshape(want.shape().to_vec()).unwrap();
         let diff = got.max_abs_diff(&want).unwrap();
         let tol = self.atol(name, tier);
-        assert!(diff <= tol, "`{name}`: max abs diff {diff:.3e} > atol {tol:.1e} ({tier:?})");
+        assert!(
+            diff <= tol,
+            "`{name}`: max abs diff {diff:.3e} > atol {tol:.1e} ({tier:?})"
+        );
         diff
     }
 }

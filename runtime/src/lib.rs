@@ -7,13 +7,14 @@
 //! actors in `denoised-actors`.
 
 pub mod backend;
+pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod fixtures;
 pub mod tensor;
 pub mod weights;
 
-pub use backend::{AttnSeq, Backend, KvSource, Rows};
+pub use backend::{AttnSeq, Backend, KvSource, Modulation, QSpan, Rows, Src};
 pub use cpu::CpuBackend;
 pub use error::{Error, Result};
 pub use tensor::{DType, Tensor};

@@ -72,12 +72,7 @@ impl Tensor {
 
     /// Number of rows when viewed as a matrix `[rows, last_dim]`.
     pub fn rows(&self) -> usize {
-        let c = self.cols();
-        if c == 0 {
-            0
-        } else {
-            self.data.len() / c
-        }
+        self.data.len().checked_div(self.cols()).unwrap_or(0)
     }
     /// The last dimension (1 for a scalar).
     pub fn cols(&self) -> usize {
@@ -115,6 +110,12 @@ impl Tensor {
             .iter()
             .zip(&other.data)
             .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, |m, d| if m.is_nan() || d.is_nan() { f32::NAN } else { m.max(d) }))
+            .fold(0.0f32, |m, d| {
+                if m.is_nan() || d.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(d)
+                }
+            }))
     }
 }

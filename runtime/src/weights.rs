@@ -30,7 +30,9 @@ pub struct SafetensorsFile {
 
 impl std::fmt::Debug for SafetensorsFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SafetensorsFile").field("path", &self.path).finish()
+        f.debug_struct("SafetensorsFile")
+            .field("path", &self.path)
+            .finish()
     }
 }
 
@@ -44,7 +46,9 @@ impl SafetensorsFile {
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
         let (n, meta) = match SafeTensors::read_metadata(&mmap) {
             Ok(x) => x,
-            Err(SafeTensorError::MetadataIncompleteBuffer) => return Err(truncation_error(&path, &mmap)),
+            Err(SafeTensorError::MetadataIncompleteBuffer) => {
+                return Err(truncation_error(&path, &mmap))
+            }
             Err(e) => {
                 return Err(Error::BadSafetensors {
                     path,
@@ -74,7 +78,9 @@ impl SafetensorsFile {
 
     /// Shape and dtype name of a tensor.
     pub fn info(&self, name: &str) -> Option<(Vec<usize>, String)> {
-        self.meta.info(name).map(|i| (i.shape.clone(), format!("{:?}", i.dtype)))
+        self.meta
+            .info(name)
+            .map(|i| (i.shape.clone(), format!("{:?}", i.dtype)))
     }
 
     fn raw(&self, name: &str) -> Result<(&[u8], Dtype, &[usize])> {
@@ -83,7 +89,11 @@ impl SafetensorsFile {
             dir: self.path.clone(),
         })?;
         let (s, e) = info.data_offsets;
-        Ok((&self.mmap[self.data_start + s..self.data_start + e], info.dtype, &info.shape))
+        Ok((
+            &self.mmap[self.data_start + s..self.data_start + e],
+            info.dtype,
+            &info.shape,
+        ))
     }
 
     /// A floating-point tensor (F32, BF16, F16 or F64) converted to f32.
@@ -108,16 +118,30 @@ impl SafetensorsFile {
     pub fn tensor_f64(&self, name: &str) -> Result<Vec<f64>> {
         let (bytes, dtype, _) = self.raw(name)?;
         match dtype {
-            Dtype::F64 => Ok(bytes.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap())).collect()),
-            _ => Ok(self.tensor_f32(name)?.into_data().into_iter().map(f64::from).collect()),
+            Dtype::F64 => Ok(bytes
+                .chunks_exact(8)
+                .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
+                .collect()),
+            _ => Ok(self
+                .tensor_f32(name)?
+                .into_data()
+                .into_iter()
+                .map(f64::from)
+                .collect()),
         }
     }
 
     pub fn tensor_i64(&self, name: &str) -> Result<Vec<i64>> {
         let (bytes, dtype, _) = self.raw(name)?;
         match dtype {
-            Dtype::I64 => Ok(bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect()),
-            Dtype::I32 => Ok(bytes.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap()) as i64).collect()),
+            Dtype::I64 => Ok(bytes
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+                .collect()),
+            Dtype::I32 => Ok(bytes
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as i64)
+                .collect()),
             other => Err(Error::UnsupportedDType {
                 name: name.to_string(),
                 dtype: format!("{other:?} (expected an integer type)"),
@@ -128,7 +152,10 @@ impl SafetensorsFile {
 
 fn convert_weight(name: &str, bytes: &[u8], dtype: Dtype) -> Result<Vec<f32>> {
     Ok(match dtype {
-        Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect(),
         Dtype::BF16 => bytes
             .chunks_exact(2)
             .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
@@ -152,13 +179,17 @@ fn truncation_error(path: &Path, buf: &[u8]) -> Error {
         path: path.to_path_buf(),
         reason: reason.to_string(),
     };
-    let Some(n) = buf.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize) else {
+    let Some(n) = buf
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize)
+    else {
         return bad("header too small");
     };
     let Some(header) = buf.get(8..8 + n) else {
         return bad("header length beyond the end of the file");
     };
-    let Ok(serde_json::Value::Object(map)) = serde_json::from_slice::<serde_json::Value>(header) else {
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_slice::<serde_json::Value>(header)
+    else {
         return bad("header is not a JSON object");
     };
     let actual = buf.len() - 8 - n;
@@ -180,7 +211,9 @@ fn truncation_error(path: &Path, buf: &[u8]) -> Error {
             needed,
             actual,
         },
-        None => bad("data section length does not match the header (extra bytes after the last tensor)"),
+        None => {
+            bad("data section length does not match the header (extra bytes after the last tensor)")
+        }
     }
 }
 
@@ -202,15 +235,20 @@ impl WeightStore {
         let mut files = Vec::new();
         let mut index = HashMap::new();
         if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
-            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::BadConfig {
-                path: index_path.clone(),
-                reason: e.to_string(),
-            })?;
-            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::BadConfig {
-                path: index_path.clone(),
-                reason: "no `weight_map` object".into(),
-            })?;
+            let text =
+                std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| Error::BadConfig {
+                    path: index_path.clone(),
+                    reason: e.to_string(),
+                })?;
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| Error::BadConfig {
+                    path: index_path.clone(),
+                    reason: "no `weight_map` object".into(),
+                })?;
             let shards: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
             let mut shard_idx = HashMap::new();
             for shard in shards {
@@ -240,7 +278,10 @@ impl WeightStore {
         } else {
             return Err(Error::io(
                 &single,
-                std::io::Error::new(std::io::ErrorKind::NotFound, format!("no {stem}.safetensors or {stem}.safetensors.index.json")),
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("no {stem}.safetensors or {stem}.safetensors.index.json"),
+                ),
             ));
         }
         Ok(WeightStore { dir, files, index })
@@ -284,7 +325,11 @@ impl WeightStore {
             return Ok(());
         }
         extra.sort();
-        let more = if extra.len() > 5 { format!(" (and {} more)", extra.len() - 5) } else { String::new() };
+        let more = if extra.len() > 5 {
+            format!(" (and {} more)", extra.len() - 5)
+        } else {
+            String::new()
+        };
         Err(Error::UnexpectedTensors {
             dir: self.dir.clone(),
             names: format!("{}{more}", extra[..extra.len().min(5)].join(", ")),
@@ -309,7 +354,7 @@ pub fn write_safetensors(path: impl AsRef<Path>, tensors: &[(&str, &Tensor)]) ->
                 .map_err(|e| Error::Invalid(format!("tensor `{name}`: {e}")))
         })
         .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize_to_file(views, None, path).map_err(|e| Error::BadSafetensors {
+    safetensors::serialize_to_file(views, None, path).map_err(|e| Error::Write {
         path: path.to_path_buf(),
         reason: e.to_string(),
     })

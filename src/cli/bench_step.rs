@@ -49,21 +49,28 @@ fn random(shape: &[usize], rng: &mut SplitMix) -> Tensor {
 }
 
 pub fn run(a: Args) -> CliResult {
-    let cfg = FluxConfig::named(&a.config)
-        .ok_or_else(|| format!("unknown config `{}`; known: {}", a.config, FluxConfig::NAMES.join(", ")))?;
+    let cfg = FluxConfig::named(&a.config).ok_or_else(|| {
+        format!(
+            "unknown config `{}`; known: {}",
+            a.config,
+            FluxConfig::NAMES.join(", ")
+        )
+    })?;
     if a.image_tokens == 0 || a.iters == 0 {
         return Err("--image-tokens and --iters must be positive".into());
     }
     let backend = a.device.cpu_backend()?;
     let backend_name = backend.name();
     let model = FluxTransformer::seeded(backend, cfg.clone(), a.seed)?;
-    let mut rng = SplitMix(a.seed ^ 0xbe4c);
+    let mut rng = SplitMix::new(a.seed ^ 0xbe4c);
     let (rows, cols) = grid(a.image_tokens);
     let img = random(&[a.image_tokens, cfg.in_channels], &mut rng);
     let img_ids = Tensor::new([a.image_tokens, 3], image_ids(rows, cols))?;
     let txt = random(&[a.text_tokens, cfg.joint_attention_dim], &mut rng);
     let txt_ids = Tensor::zeros([a.text_tokens, 3]);
-    let pooled: Vec<f32> = (0..cfg.pooled_projection_dim).map(|_| rng.normal()).collect();
+    let pooled: Vec<f32> = (0..cfg.pooled_projection_dim)
+        .map(|_| rng.normal())
+        .collect();
     let req = FluxRequest {
         img: &img,
         img_ids: &img_ids,

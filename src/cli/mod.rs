@@ -40,7 +40,9 @@ pub enum Command {
 
 pub fn run(cli: Cli) -> CliResult {
     if cli.threads > 0 {
-        rayon::ThreadPoolBuilder::new().num_threads(cli.threads).build_global()?;
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(cli.threads)
+            .build_global()?;
     }
     match cli.command {
         Command::Forward(a) => forward::run(a),
@@ -64,10 +66,17 @@ impl DeviceArgs {
         match (self.device, denoised_cuda::resolve(self.device)?) {
             (_, Resolved::Cpu) => Ok(CpuBackend::new()),
             (DeviceSpec::Auto, Resolved::Cuda(g)) => {
-                tracing::info!("device auto: found {} but this build has no CUDA backend yet; using the CPU", g.name);
+                tracing::info!(
+                    "device auto: found {} but this build has no CUDA backend yet; using the CPU",
+                    g.name
+                );
                 Ok(CpuBackend::new())
             }
-            (spec, Resolved::Cuda(g)) => Err(format!("{spec} ({}) requested, but this build has no CUDA backend yet; use --device cpu", g.name).into()),
+            (spec, Resolved::Cuda(g)) => Err(format!(
+                "{spec} ({}) requested, but this build has no CUDA backend yet; use --device cpu",
+                g.name
+            )
+            .into()),
         }
     }
 }

@@ -63,7 +63,10 @@ impl FluxConfig {
 
     pub fn validate(&self) -> Result<(), String> {
         if self.patch_size != 1 {
-            return Err(format!("patch_size {} is not supported (Flux uses 1)", self.patch_size));
+            return Err(format!(
+                "patch_size {} is not supported (Flux uses 1)",
+                self.patch_size
+            ));
         }
         let positive = [
             ("in_channels", self.in_channels),
@@ -79,10 +82,16 @@ impl FluxConfig {
             }
         }
         if self.axes_dims_rope.len() != 3 {
-            return Err(format!("axes_dims_rope must have 3 entries, got {:?}", self.axes_dims_rope));
+            return Err(format!(
+                "axes_dims_rope must have 3 entries, got {:?}",
+                self.axes_dims_rope
+            ));
         }
         if self.axes_dims_rope.iter().any(|d| d % 2 != 0) {
-            return Err(format!("axes_dims_rope entries must be even, got {:?}", self.axes_dims_rope));
+            return Err(format!(
+                "axes_dims_rope entries must be even, got {:?}",
+                self.axes_dims_rope
+            ));
         }
         let sum: usize = self.axes_dims_rope.iter().sum();
         if sum != self.attention_head_dim {
@@ -178,7 +187,13 @@ impl FluxConfig {
         })
     }
 
-    pub const NAMES: &'static [&'static str] = &["flux1-dev", "flux1-schnell", "flux1-fill-dev", "flux-tiny", "flux-small"];
+    pub const NAMES: &'static [&'static str] = &[
+        "flux1-dev",
+        "flux1-schnell",
+        "flux1-fill-dev",
+        "flux-tiny",
+        "flux-small",
+    ];
 }
 
 #[cfg(test)]

@@ -18,7 +18,11 @@ pub struct StepShape {
 
 impl StepShape {
     pub fn full(text: usize, image: usize) -> Self {
-        StepShape { text, active: image, image }
+        StepShape {
+            text,
+            active: image,
+            image,
+        }
     }
 }
 
@@ -65,7 +69,14 @@ mod tests {
         // DESIGN.md: the per-step bound is about (T+L)/(T+A), 3.46x at T=512, L=4096, m=0.2.
         let c = FluxConfig::flux1_fill_dev();
         let full = forward_flops(&c, StepShape::full(512, 4096));
-        let masked = forward_flops(&c, StepShape { text: 512, active: 819, image: 4096 });
+        let masked = forward_flops(
+            &c,
+            StepShape {
+                text: 512,
+                active: 819,
+                image: 4096,
+            },
+        );
         let ratio = full / masked;
         assert!((ratio - 4608.0 / 1331.0).abs() < 0.05, "{ratio}");
     }

@@ -43,7 +43,11 @@ pub fn rope_tables(ids: &[f32], axes: &[usize]) -> (Vec<f32>, Vec<f32>) {
     let n = ids.len() / axes.len().max(1);
     let freqs: Vec<Vec<f64>> = axes
         .iter()
-        .map(|&d| (0..d / 2).map(|j| 1.0 / ROPE_THETA.powf((2 * j) as f64 / d as f64)).collect())
+        .map(|&d| {
+            (0..d / 2)
+                .map(|j| 1.0 / ROPE_THETA.powf((2 * j) as f64 / d as f64))
+                .collect()
+        })
         .collect();
     let mut cos = Vec::with_capacity(n * hd);
     let mut sin = Vec::with_capacity(n * hd);

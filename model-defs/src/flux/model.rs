@@ -14,7 +14,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use denoised_runtime::backend::Modulation;
-use denoised_runtime::{AttnSeq, Backend, Error, KvSource, Result, Rows, Tensor};
+use denoised_runtime::{AttnSeq, Backend, Error, KvSource, QSpan, Result, Rows, Src, Tensor};
 
 use super::config::FluxConfig;
 use super::embed;
@@ -47,8 +47,9 @@ pub struct FluxRequest<'a, T> {
 pub trait KvCache<T>: Sync {
     /// Indices (rows of the cached buffers) of the tokens not computed.
     fn inactive(&self) -> &[u32];
-    /// K and V `[L, hidden]` of block `b` (double blocks first, then single blocks).
-    fn block(&self, b: usize) -> (&T, &T);
+    /// `[L, 2*hidden]` rows of `[K | V]` for block `b` (double blocks first, then
+    /// single blocks), K post-norm and post-RoPE.
+    fn block(&self, b: usize) -> &T;
 }
 
 /// Receives intermediate values of a forward pass (tests, template capture).
@@ -62,9 +63,9 @@ pub trait ForwardObserver {
     fn wants_kv(&self) -> bool {
         false
     }
-    /// K (post-norm, post-RoPE) and V of request `req`'s computed image tokens
-    /// `[A, hidden]` at block `block`.
-    fn image_kv(&mut self, _req: usize, _block: usize, _k: Tensor, _v: Tensor) {}
+    /// `[K | V]` rows `[A, 2*hidden]` of request `req`'s computed image tokens at block
+    /// `block`, K post-norm and post-RoPE: the template cache layout.
+    fn image_kv(&mut self, _req: usize, _block: usize, _kv: Tensor) {}
 }
 
 /// The observer that observes nothing.
@@ -85,7 +86,7 @@ pub struct FluxInputs {
 pub struct FluxTransformer<B: Backend> {
     pub config: FluxConfig,
     backend: B,
-    w: FluxWeights<B::Tensor>,
+    w: FluxWeights<B>,
     time_freqs: Vec<f32>,
 }
 
@@ -148,7 +149,10 @@ fn modl<'a, T>(table: &'a T, chunk: usize, seg: &'a [u32]) -> Modulation<'a, T> 
 
 fn check_shape(what: &str, t: &Tensor, expected: &[usize]) -> Result<()> {
     if t.shape() != expected {
-        return Err(Error::Invalid(format!("{what}: shape {:?}, expected {expected:?}", t.shape())));
+        return Err(Error::Invalid(format!(
+            "{what}: shape {:?}, expected {expected:?}",
+            t.shape()
+        )));
     }
     Ok(())
 }
@@ -169,7 +173,7 @@ impl<B: Backend> FluxTransformer<B> {
         Ok(Self::from_parts(backend, config, w))
     }
 
-    fn from_parts(backend: B, config: FluxConfig, w: FluxWeights<B::Tensor>) -> Self {
+    fn from_parts(backend: B, config: FluxConfig, w: FluxWeights<B>) -> Self {
         FluxTransformer {
             config,
             backend,
@@ -184,7 +188,11 @@ impl<B: Backend> FluxTransformer<B> {
     /// bring-up comparisons use to tell real bugs from this known difference.
     pub fn set_time_proj_freqs(&mut self, freqs: Vec<f32>) -> Result<()> {
         if freqs.len() != self.time_freqs.len() {
-            return Err(Error::Invalid(format!("{} sinusoid frequencies, expected {}", freqs.len(), self.time_freqs.len())));
+            return Err(Error::Invalid(format!(
+                "{} sinusoid frequencies, expected {}",
+                freqs.len(),
+                self.time_freqs.len()
+            )));
         }
         self.time_freqs = freqs;
         Ok(())
@@ -199,7 +207,7 @@ impl<B: Backend> FluxTransformer<B> {
         self.config.num_layers + self.config.num_single_layers
     }
 
-    fn linear(&self, x: &B::Tensor, l: &Linear<B::Tensor>) -> Result<B::Tensor> {
+    fn linear(&self, x: &B::Tensor, l: &Linear<B>) -> Result<B::Tensor> {
         self.backend.linear(x, &l.w, l.b.as_ref())
     }
 
@@ -210,7 +218,13 @@ impl<B: Backend> FluxTransformer<B> {
         Ok(())
     }
 
-    fn emit_rows(&self, obs: &mut dyn ForwardObserver, name: &str, t: &B::Tensor, rows: &[(u32, u32)]) -> Result<()> {
+    fn emit_rows(
+        &self,
+        obs: &mut dyn ForwardObserver,
+        name: &str,
+        t: &B::Tensor,
+        rows: &[(u32, u32)],
+    ) -> Result<()> {
         if obs.wants_hidden() {
             let g = self.backend.gather_rows(&[t], rows)?;
             obs.hidden(name, self.backend.download(&g)?);
@@ -222,17 +236,28 @@ impl<B: Backend> FluxTransformer<B> {
     pub fn forward_inputs(&self, x: &FluxInputs, obs: &mut dyn ForwardObserver) -> Result<Tensor> {
         let hs = x.hidden_states.shape();
         if hs.len() != 3 {
-            return Err(Error::Invalid(format!("hidden_states: expected [B, N, C], got {hs:?}")));
+            return Err(Error::Invalid(format!(
+                "hidden_states: expected [B, N, C], got {hs:?}"
+            )));
         }
         let (b, n) = (hs[0], hs[1]);
         let ts = x.encoder_hidden_states.shape();
         if ts.len() != 3 || ts[0] != b {
-            return Err(Error::Invalid(format!("encoder_hidden_states: expected [{b}, T, C], got {ts:?}")));
+            return Err(Error::Invalid(format!(
+                "encoder_hidden_states: expected [{b}, T, C], got {ts:?}"
+            )));
         }
         let t = ts[1];
         let split = |t: &Tensor, rows: usize| -> Result<Vec<Tensor>> {
             let c = t.cols();
-            (0..b).map(|i| Tensor::new([rows, c], t.data()[i * rows * c..(i + 1) * rows * c].to_vec())).collect()
+            (0..b)
+                .map(|i| {
+                    Tensor::new(
+                        [rows, c],
+                        t.data()[i * rows * c..(i + 1) * rows * c].to_vec(),
+                    )
+                })
+                .collect()
         };
         let imgs = split(&x.hidden_states, n)?;
         let txts = split(&x.encoder_hidden_states, t)?;
@@ -247,7 +272,11 @@ impl<B: Backend> FluxTransformer<B> {
             }
         };
         let timestep = per_batch(&x.timestep, "timestep")?;
-        let guidance = if x.guidance.is_empty() { vec![0.0; b] } else { per_batch(&x.guidance, "guidance")? };
+        let guidance = if x.guidance.is_empty() {
+            vec![0.0; b]
+        } else {
+            per_batch(&x.guidance, "guidance")?
+        };
         let reqs: Vec<FluxRequest<'_, B::Tensor>> = (0..b)
             .map(|i| FluxRequest {
                 img: &imgs[i],
@@ -267,10 +296,15 @@ impl<B: Backend> FluxTransformer<B> {
     }
 
     /// One forward over a batch; returns each request's output `[A_r, out_channels]`.
-    pub fn forward(&self, reqs: &[FluxRequest<'_, B::Tensor>], obs: &mut dyn ForwardObserver) -> Result<Vec<Tensor>> {
+    pub fn forward(
+        &self,
+        reqs: &[FluxRequest<'_, B::Tensor>],
+        obs: &mut dyn ForwardObserver,
+    ) -> Result<Vec<Tensor>> {
         let c = &self.config;
         let be = &self.backend;
         let d = c.hidden();
+        let heads = c.num_attention_heads;
         if reqs.is_empty() {
             return Ok(vec![]);
         }
@@ -280,9 +314,17 @@ impl<B: Backend> FluxTransformer<B> {
         let mut img_lens = vec![];
         for (i, r) in reqs.iter().enumerate() {
             let (a, t) = (r.img.rows(), r.txt.rows());
-            check_shape(&format!("request {i} image tokens"), r.img, &[a, c.in_channels])?;
+            check_shape(
+                &format!("request {i} image tokens"),
+                r.img,
+                &[a, c.in_channels],
+            )?;
             check_shape(&format!("request {i} image ids"), r.img_ids, &[a, 3])?;
-            check_shape(&format!("request {i} text tokens"), r.txt, &[t, c.joint_attention_dim])?;
+            check_shape(
+                &format!("request {i} text tokens"),
+                r.txt,
+                &[t, c.joint_attention_dim],
+            )?;
             check_shape(&format!("request {i} text ids"), r.txt_ids, &[t, 3])?;
             if r.pooled.len() != c.pooled_projection_dim {
                 return Err(Error::Invalid(format!(
@@ -300,14 +342,23 @@ impl<B: Backend> FluxTransformer<B> {
             img_lens.push(a);
         }
         let lay = Layout::new(&txt_lens, &img_lens);
-        fn cat<'r, T>(reqs: &'r [FluxRequest<'_, T>], f: impl Fn(&'r FluxRequest<'_, T>) -> &'r [f32]) -> Vec<f32> {
+        fn cat<'r, T>(
+            reqs: &'r [FluxRequest<'_, T>],
+            f: impl Fn(&'r FluxRequest<'_, T>) -> &'r [f32],
+        ) -> Vec<f32> {
             reqs.iter().flat_map(|r| f(r).iter().copied()).collect()
         }
         let n_img = lay.img_seg.len();
         let n_txt = lay.txt_seg.len();
         let n_joint = lay.joint_seg.len();
-        let img_in = be.upload(&Tensor::new([n_img, c.in_channels], cat(reqs, |r| r.img.data()))?)?;
-        let txt_in = be.upload(&Tensor::new([n_txt, c.joint_attention_dim], cat(reqs, |r| r.txt.data()))?)?;
+        let img_in = be.upload(&Tensor::new(
+            [n_img, c.in_channels],
+            cat(reqs, |r| r.img.data()),
+        )?)?;
+        let txt_in = be.upload(&Tensor::new(
+            [n_txt, c.joint_attention_dim],
+            cat(reqs, |r| r.txt.data()),
+        )?)?;
 
         // RoPE tables in joint order, and the same rows split per stream.
         let mut joint_ids = Vec::with_capacity(n_joint * 3);
@@ -320,11 +371,20 @@ impl<B: Backend> FluxTransformer<B> {
         let cos = Tensor::new([n_joint, hd], cos)?;
         let sin = Tensor::new([n_joint, hd], sin)?;
         let host_rows = |t: &Tensor, idx: &[(u32, u32)]| -> Result<Tensor> {
-            let data = idx.iter().flat_map(|&(_, r)| t.row(r as usize).iter().copied()).collect();
+            let data = idx
+                .iter()
+                .flat_map(|&(_, r)| t.row(r as usize).iter().copied())
+                .collect();
             Tensor::new([idx.len(), t.cols()], data)
         };
-        let rope_txt = (be.upload(&host_rows(&cos, &lay.txt_in_joint)?)?, be.upload(&host_rows(&sin, &lay.txt_in_joint)?)?);
-        let rope_img = (be.upload(&host_rows(&cos, &lay.img_in_joint)?)?, be.upload(&host_rows(&sin, &lay.img_in_joint)?)?);
+        let rope_txt = (
+            be.upload(&host_rows(&cos, &lay.txt_in_joint)?)?,
+            be.upload(&host_rows(&sin, &lay.txt_in_joint)?)?,
+        );
+        let rope_img = (
+            be.upload(&host_rows(&cos, &lay.img_in_joint)?)?,
+            be.upload(&host_rows(&sin, &lay.img_in_joint)?)?,
+        );
         let rope_joint = (be.upload(&cos)?, be.upload(&sin)?);
 
         // ---- conditioning vector temb [B, d] ------------------------------------
@@ -335,12 +395,21 @@ impl<B: Backend> FluxTransformer<B> {
         let mut temb = self.mlp2(&be.upload(&t_proj)?, &self.w.time_1, &self.w.time_2)?;
         if let Some((g1, g2)) = &self.w.guidance {
             let gs: Vec<f32> = reqs.iter().map(|r| r.guidance * 1000.0).collect();
-            let g_proj = be.upload(&Tensor::new([nb, 256], embed::sinusoid(&gs, &self.time_freqs))?)?;
+            let g_proj = be.upload(&Tensor::new(
+                [nb, 256],
+                embed::sinusoid(&gs, &self.time_freqs),
+            )?)?;
             self.emit(obs, "guidance_proj", &g_proj)?;
             be.add(&mut temb, &self.mlp2(&g_proj, g1, g2)?)?;
         }
-        let pooled = be.upload(&Tensor::new([nb, c.pooled_projection_dim], cat(reqs, |r| r.pooled))?)?;
-        be.add(&mut temb, &self.mlp2(&pooled, &self.w.text_1, &self.w.text_2)?)?;
+        let pooled = be.upload(&Tensor::new(
+            [nb, c.pooled_projection_dim],
+            cat(reqs, |r| r.pooled),
+        )?)?;
+        be.add(
+            &mut temb,
+            &self.mlp2(&pooled, &self.w.text_1, &self.w.text_2)?,
+        )?;
         self.emit(obs, "temb", &temb)?;
         let temb_act = be.silu(&temb)?;
 
@@ -349,36 +418,111 @@ impl<B: Backend> FluxTransformer<B> {
         self.emit(obs, "x_embedder", &x)?;
         self.emit(obs, "context_embedder", &ctx)?;
 
-
         // ---- double-stream blocks ------------------------------------------------
+        // Fused projections give [q | k | v] per stream; attention reads both streams
+        // in place and writes its output over q, which the output projections read.
         for (bi, blk) in self.w.double.iter().enumerate() {
             let m_img = self.linear(&temb_act, &blk.norm1)?;
             let m_txt = self.linear(&temb_act, &blk.norm1_context)?;
-            let nx = be.layer_norm_modulate(&x, NORM_EPS, modl(&m_img, 0, &lay.img_seg), modl(&m_img, 1, &lay.img_seg))?;
-            let nc = be.layer_norm_modulate(&ctx, NORM_EPS, modl(&m_txt, 0, &lay.txt_seg), modl(&m_txt, 1, &lay.txt_seg))?;
-            let [mut qi, mut ki, vi]: [B::Tensor; 3] = be.split_cols(&self.linear(&nx, &blk.qkv)?, &[d, d, d])?.try_into().ok().unwrap();
-            let [mut qt, mut kt, vt]: [B::Tensor; 3] = be.split_cols(&self.linear(&nc, &blk.add_qkv)?, &[d, d, d])?.try_into().ok().unwrap();
-            be.rms_norm_rope(&mut qi, &blk.norm_q, NORM_EPS, Some((&rope_img.0, &rope_img.1)))?;
-            be.rms_norm_rope(&mut ki, &blk.norm_k, NORM_EPS, Some((&rope_img.0, &rope_img.1)))?;
-            be.rms_norm_rope(&mut qt, &blk.norm_added_q, NORM_EPS, Some((&rope_txt.0, &rope_txt.1)))?;
-            be.rms_norm_rope(&mut kt, &blk.norm_added_k, NORM_EPS, Some((&rope_txt.0, &rope_txt.1)))?;
-            let q = be.gather_rows(&[&qt, &qi], &lay.joint_index)?;
-            let k = be.gather_rows(&[&kt, &ki], &lay.joint_index)?;
-            let v = be.gather_rows(&[&vt, &vi], &lay.joint_index)?;
-            let attn = self.attend(reqs, &lay, bi, &q, &k, &v, obs)?;
-            let a_img = self.linear(&be.gather_rows(&[&attn], &lay.img_in_joint)?, &blk.to_out)?;
-            let a_txt = self.linear(&be.gather_rows(&[&attn], &lay.txt_in_joint)?, &blk.to_add_out)?;
+            let nx = be.layer_norm_modulate(
+                &x,
+                NORM_EPS,
+                modl(&m_img, 0, &lay.img_seg),
+                modl(&m_img, 1, &lay.img_seg),
+            )?;
+            let nc = be.layer_norm_modulate(
+                &ctx,
+                NORM_EPS,
+                modl(&m_txt, 0, &lay.txt_seg),
+                modl(&m_txt, 1, &lay.txt_seg),
+            )?;
+            let mut qkv_i = self.linear(&nx, &blk.qkv)?;
+            let mut qkv_t = self.linear(&nc, &blk.add_qkv)?;
+            drop((nx, nc));
+            be.rms_norm_rope(
+                &mut qkv_i,
+                0..d,
+                &blk.norm_q,
+                NORM_EPS,
+                Some((&rope_img.0, &rope_img.1)),
+            )?;
+            be.rms_norm_rope(
+                &mut qkv_i,
+                d..2 * d,
+                &blk.norm_k,
+                NORM_EPS,
+                Some((&rope_img.0, &rope_img.1)),
+            )?;
+            be.rms_norm_rope(
+                &mut qkv_t,
+                0..d,
+                &blk.norm_added_q,
+                NORM_EPS,
+                Some((&rope_txt.0, &rope_txt.1)),
+            )?;
+            be.rms_norm_rope(
+                &mut qkv_t,
+                d..2 * d,
+                &blk.norm_added_k,
+                NORM_EPS,
+                Some((&rope_txt.0, &rope_txt.1)),
+            )?;
+            if obs.wants_kv() {
+                for (ri, rows) in lay.img.iter().enumerate() {
+                    obs.image_kv(
+                        ri,
+                        bi,
+                        be.download(&be.gather_cols(&qkv_i, rows.clone(), d..3 * d)?)?,
+                    );
+                }
+            }
+            let seqs: Vec<_> = (0..reqs.len())
+                .map(|r| {
+                    self.seq(
+                        &reqs[r],
+                        bi,
+                        vec![
+                            QSpan {
+                                buf: 0,
+                                rows: lay.txt[r].clone(),
+                            },
+                            QSpan {
+                                buf: 1,
+                                rows: lay.img[r].clone(),
+                            },
+                        ],
+                        vec![(0, lay.txt[r].clone()), (1, lay.img[r].clone())],
+                        d,
+                    )
+                })
+                .collect();
+            be.attention(&mut [&mut qkv_t, &mut qkv_i], 0, d, heads, &seqs)?;
+            drop(seqs);
+            let a_img = be.linear_cols(&qkv_i, 0..d, &blk.to_out.w, blk.to_out.b.as_ref())?;
+            let a_txt =
+                be.linear_cols(&qkv_t, 0..d, &blk.to_add_out.w, blk.to_add_out.b.as_ref())?;
+            drop((qkv_i, qkv_t));
             let p = format!("double_block.{bi}");
             self.emit(obs, &format!("{p}.attn.hidden_states"), &a_img)?;
             self.emit(obs, &format!("{p}.attn.encoder_hidden_states"), &a_txt)?;
             be.gated_residual(&mut x, &a_img, modl(&m_img, 2, &lay.img_seg))?;
             be.gated_residual(&mut ctx, &a_txt, modl(&m_txt, 2, &lay.txt_seg))?;
 
-            let nx = be.layer_norm_modulate(&x, NORM_EPS, modl(&m_img, 3, &lay.img_seg), modl(&m_img, 4, &lay.img_seg))?;
+            let nx = be.layer_norm_modulate(
+                &x,
+                NORM_EPS,
+                modl(&m_img, 3, &lay.img_seg),
+                modl(&m_img, 4, &lay.img_seg),
+            )?;
             let ff = self.ff(&nx, &blk.ff_in, &blk.ff_out)?;
             self.emit(obs, &format!("{p}.ff"), &ff)?;
             be.gated_residual(&mut x, &ff, modl(&m_img, 5, &lay.img_seg))?;
-            let nc = be.layer_norm_modulate(&ctx, NORM_EPS, modl(&m_txt, 3, &lay.txt_seg), modl(&m_txt, 4, &lay.txt_seg))?;
+            let nc = be.layer_norm_modulate(
+                &ctx,
+                NORM_EPS,
+                modl(&m_txt, 3, &lay.txt_seg),
+                modl(&m_txt, 4, &lay.txt_seg),
+            )?;
             let ffc = self.ff(&nc, &blk.ff_context_in, &blk.ff_context_out)?;
             self.emit(obs, &format!("{p}.ff_context"), &ffc)?;
             be.gated_residual(&mut ctx, &ffc, modl(&m_txt, 5, &lay.txt_seg))?;
@@ -387,24 +531,84 @@ impl<B: Backend> FluxTransformer<B> {
         }
 
         // ---- single-stream blocks over the joint [txt; img] rows ------------------
+        // One fused projection gives [k | v | q | mlp]; attention overwrites q, so
+        // columns d.. hold [k.. | attn | mlp] and proj_out reads [attn | mlp] in place.
         let mut h = be.gather_rows(&[&ctx, &x], &lay.joint_index)?;
         drop((x, ctx));
         let nd = c.num_layers;
         for (si, blk) in self.w.single.iter().enumerate() {
             let m = self.linear(&temb_act, &blk.norm)?;
-            let n = be.layer_norm_modulate(&h, NORM_EPS, modl(&m, 0, &lay.joint_seg), modl(&m, 1, &lay.joint_seg))?;
-            let [mut q, mut k, v, mut mlp]: [B::Tensor; 4] =
-                be.split_cols(&self.linear(&n, &blk.qkv_mlp)?, &[d, d, d, 4 * d])?.try_into().ok().unwrap();
+            let n = be.layer_norm_modulate(
+                &h,
+                NORM_EPS,
+                modl(&m, 0, &lay.joint_seg),
+                modl(&m, 1, &lay.joint_seg),
+            )?;
+            let mut f = self.linear(&n, &blk.qkv_mlp)?;
+            drop(n);
             let p = format!("single_block.{si}");
-            self.emit(obs, &format!("{p}.proj_mlp"), &mlp)?;
-            be.rms_norm_rope(&mut q, &blk.norm_q, NORM_EPS, Some((&rope_joint.0, &rope_joint.1)))?;
-            be.rms_norm_rope(&mut k, &blk.norm_k, NORM_EPS, Some((&rope_joint.0, &rope_joint.1)))?;
-            let attn = self.attend(reqs, &lay, nd + si, &q, &k, &v, obs)?;
-            self.emit(obs, &format!("{p}.attn"), &attn)?;
-            be.gelu_tanh(&mut mlp)?;
-            let out = self.linear(&be.concat_cols(&[&attn, &mlp])?, &blk.proj_out)?;
+            if obs.wants_hidden() {
+                obs.hidden(
+                    &format!("{p}.proj_mlp"),
+                    be.download(&be.gather_cols(&f, 0..n_joint, 3 * d..7 * d)?)?,
+                );
+            }
+            be.rms_norm_rope(
+                &mut f,
+                2 * d..3 * d,
+                &blk.norm_q,
+                NORM_EPS,
+                Some((&rope_joint.0, &rope_joint.1)),
+            )?;
+            be.rms_norm_rope(
+                &mut f,
+                0..d,
+                &blk.norm_k,
+                NORM_EPS,
+                Some((&rope_joint.0, &rope_joint.1)),
+            )?;
+            if obs.wants_kv() {
+                for (ri, jr) in lay.joint.iter().enumerate() {
+                    let rows = jr.start + lay.txt[ri].len()..jr.end;
+                    obs.image_kv(
+                        ri,
+                        nd + si,
+                        be.download(&be.gather_cols(&f, rows, 0..2 * d)?)?,
+                    );
+                }
+            }
+            let seqs: Vec<_> = (0..reqs.len())
+                .map(|r| {
+                    self.seq(
+                        &reqs[r],
+                        nd + si,
+                        vec![QSpan {
+                            buf: 0,
+                            rows: lay.joint[r].clone(),
+                        }],
+                        vec![(0, lay.joint[r].clone())],
+                        0,
+                    )
+                })
+                .collect();
+            be.attention(&mut [&mut f], 2 * d, d, heads, &seqs)?;
+            drop(seqs);
+            if obs.wants_hidden() {
+                obs.hidden(
+                    &format!("{p}.attn"),
+                    be.download(&be.gather_cols(&f, 0..n_joint, 2 * d..3 * d)?)?,
+                );
+            }
+            be.gelu_tanh(&mut f, 3 * d..7 * d)?;
+            let out = be.linear_cols(&f, 2 * d..7 * d, &blk.proj_out.w, blk.proj_out.b.as_ref())?;
+            drop(f);
             be.gated_residual(&mut h, &out, modl(&m, 2, &lay.joint_seg))?;
-            self.emit_rows(obs, &format!("{p}.encoder_hidden_states"), &h, &lay.txt_in_joint)?;
+            self.emit_rows(
+                obs,
+                &format!("{p}.encoder_hidden_states"),
+                &h,
+                &lay.txt_in_joint,
+            )?;
             self.emit_rows(obs, &format!("{p}.hidden_states"), &h, &lay.img_in_joint)?;
         }
 
@@ -412,7 +616,12 @@ impl<B: Backend> FluxTransformer<B> {
         let x = be.gather_rows(&[&h], &lay.img_in_joint)?;
         let m = self.linear(&temb_act, &self.w.norm_out)?;
         // AdaLayerNormContinuous chunks are (scale, shift): reversed from adaLN-Zero.
-        let nx = be.layer_norm_modulate(&x, NORM_EPS, modl(&m, 1, &lay.img_seg), modl(&m, 0, &lay.img_seg))?;
+        let nx = be.layer_norm_modulate(
+            &x,
+            NORM_EPS,
+            modl(&m, 1, &lay.img_seg),
+            modl(&m, 0, &lay.img_seg),
+        )?;
         self.emit(obs, "norm_out", &nx)?;
         let out = be.download(&self.linear(&nx, &self.w.proj_out)?)?;
         let oc = c.out_channels();
@@ -422,55 +631,51 @@ impl<B: Backend> FluxTransformer<B> {
             .collect()
     }
 
+    /// The attention sequence of one request at one block: queries `q`, fresh keys
+    /// and values from `fresh` (buffer, rows) with K at column `k_col` and V right
+    /// after it, plus the request's cached K/V of the tokens it does not compute.
+    fn seq<'a>(
+        &self,
+        req: &FluxRequest<'a, B::Tensor>,
+        block: usize,
+        q: Vec<QSpan>,
+        fresh: Vec<(usize, Range<usize>)>,
+        k_col: usize,
+    ) -> AttnSeq<'a, B::Tensor> {
+        let d = self.config.hidden();
+        let mut kv: Vec<KvSource<'a, B::Tensor>> = fresh
+            .into_iter()
+            .map(|(b, rows)| KvSource {
+                src: Src::Own(b),
+                k_col,
+                v_col: k_col + d,
+                rows: Rows::Range(rows),
+            })
+            .collect();
+        if let Some(cache) = req.cache {
+            if !cache.inactive().is_empty() {
+                kv.push(KvSource {
+                    src: Src::Ext(cache.block(block)),
+                    k_col: 0,
+                    v_col: d,
+                    rows: Rows::Index(cache.inactive()),
+                });
+            }
+        }
+        AttnSeq { q, kv }
+    }
+
     /// Linear → SiLU → Linear (the timestep, guidance and text embedders).
-    fn mlp2(&self, x: &B::Tensor, l1: &Linear<B::Tensor>, l2: &Linear<B::Tensor>) -> Result<B::Tensor> {
+    fn mlp2(&self, x: &B::Tensor, l1: &Linear<B>, l2: &Linear<B>) -> Result<B::Tensor> {
         let h = self.backend.silu(&self.linear(x, l1)?)?;
         self.linear(&h, l2)
     }
 
     /// FeedForward: Linear → GELU(tanh) → Linear.
-    fn ff(&self, x: &B::Tensor, l1: &Linear<B::Tensor>, l2: &Linear<B::Tensor>) -> Result<B::Tensor> {
+    fn ff(&self, x: &B::Tensor, l1: &Linear<B>, l2: &Linear<B>) -> Result<B::Tensor> {
         let mut h = self.linear(x, l1)?;
-        self.backend.gelu_tanh(&mut h)?;
+        let w = self.backend.shape(&h)[1];
+        self.backend.gelu_tanh(&mut h, 0..w)?;
         self.linear(&h, l2)
-    }
-
-    /// Joint attention of every request, with cached K/V for tokens it does not compute.
-    #[allow(clippy::too_many_arguments)]
-    fn attend(
-        &self,
-        reqs: &[FluxRequest<'_, B::Tensor>],
-        lay: &Layout,
-        block: usize,
-        q: &B::Tensor,
-        k: &B::Tensor,
-        v: &B::Tensor,
-        obs: &mut dyn ForwardObserver,
-    ) -> Result<B::Tensor> {
-        let be = &self.backend;
-        if obs.wants_kv() {
-            for (ri, jr) in lay.joint.iter().enumerate() {
-                let t = lay.txt[ri].len();
-                let rows: Vec<(u32, u32)> = (jr.start + t..jr.end).map(|r| (0, r as u32)).collect();
-                let ki = be.download(&be.gather_rows(&[k], &rows)?)?;
-                let vi = be.download(&be.gather_rows(&[v], &rows)?)?;
-                obs.image_kv(ri, block, ki, vi);
-            }
-        }
-        let seqs: Vec<AttnSeq<'_, B::Tensor>> = reqs
-            .iter()
-            .zip(&lay.joint)
-            .map(|(r, jr)| {
-                let mut kv = vec![KvSource { k, v, rows: Rows::Range(jr.clone()) }];
-                if let Some(cache) = r.cache {
-                    let (ck, cv) = cache.block(block);
-                    if !cache.inactive().is_empty() {
-                        kv.push(KvSource { k: ck, v: cv, rows: Rows::Index(cache.inactive()) });
-                    }
-                }
-                AttnSeq { q: jr.clone(), kv }
-            })
-            .collect();
-        be.attention(q, self.config.num_attention_heads, &seqs)
     }
 }

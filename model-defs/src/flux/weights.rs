@@ -14,52 +14,56 @@ use rayon::prelude::*;
 
 use super::config::{FluxConfig, TIME_PROJ_DIM};
 
-/// A PyTorch Linear: weight `[out, in]` and optional bias `[out]`.
-pub struct Linear<T> {
-    pub w: T,
-    pub b: Option<T>,
+/// A PyTorch Linear: weight (`[out, in]` on disk, the backend's layout in memory) and
+/// optional bias `[out]`.
+pub struct Linear<B: Backend> {
+    pub w: B::Weight,
+    pub b: Option<B::Tensor>,
 }
 
-pub struct DoubleBlock<T> {
-    pub norm1: Linear<T>,
-    pub norm1_context: Linear<T>,
+pub struct DoubleBlock<B: Backend> {
+    pub norm1: Linear<B>,
+    pub norm1_context: Linear<B>,
     /// `to_q|to_k|to_v` fused: `[3d, d]`.
-    pub qkv: Linear<T>,
+    pub qkv: Linear<B>,
     /// `add_q_proj|add_k_proj|add_v_proj` fused: `[3d, d]`.
-    pub add_qkv: Linear<T>,
-    pub norm_q: T,
-    pub norm_k: T,
-    pub norm_added_q: T,
-    pub norm_added_k: T,
-    pub to_out: Linear<T>,
-    pub to_add_out: Linear<T>,
-    pub ff_in: Linear<T>,
-    pub ff_out: Linear<T>,
-    pub ff_context_in: Linear<T>,
-    pub ff_context_out: Linear<T>,
+    pub add_qkv: Linear<B>,
+    pub norm_q: B::Tensor,
+    pub norm_k: B::Tensor,
+    pub norm_added_q: B::Tensor,
+    pub norm_added_k: B::Tensor,
+    pub to_out: Linear<B>,
+    pub to_add_out: Linear<B>,
+    pub ff_in: Linear<B>,
+    pub ff_out: Linear<B>,
+    pub ff_context_in: Linear<B>,
+    pub ff_context_out: Linear<B>,
 }
 
-pub struct SingleBlock<T> {
-    pub norm: Linear<T>,
-    /// `to_q|to_k|to_v|proj_mlp` fused: `[7d, d]`.
-    pub qkv_mlp: Linear<T>,
-    pub norm_q: T,
-    pub norm_k: T,
-    pub proj_out: Linear<T>,
+pub struct SingleBlock<B: Backend> {
+    pub norm: Linear<B>,
+    /// `to_k|to_v|to_q|proj_mlp` fused: `[7d, d]`. This order puts K and V side by
+    /// side (the template cache's `[K|V]` row layout) and the attention output, which
+    /// overwrites Q in place, right before the MLP activations, so `proj_out` reads
+    /// `[attn | mlp]` as one column block without a concatenation.
+    pub qkv_mlp: Linear<B>,
+    pub norm_q: B::Tensor,
+    pub norm_k: B::Tensor,
+    pub proj_out: Linear<B>,
 }
 
-pub struct FluxWeights<T> {
-    pub x_embedder: Linear<T>,
-    pub context_embedder: Linear<T>,
-    pub time_1: Linear<T>,
-    pub time_2: Linear<T>,
-    pub guidance: Option<(Linear<T>, Linear<T>)>,
-    pub text_1: Linear<T>,
-    pub text_2: Linear<T>,
-    pub double: Vec<DoubleBlock<T>>,
-    pub single: Vec<SingleBlock<T>>,
-    pub norm_out: Linear<T>,
-    pub proj_out: Linear<T>,
+pub struct FluxWeights<B: Backend> {
+    pub x_embedder: Linear<B>,
+    pub context_embedder: Linear<B>,
+    pub time_1: Linear<B>,
+    pub time_2: Linear<B>,
+    pub guidance: Option<(Linear<B>, Linear<B>)>,
+    pub text_1: Linear<B>,
+    pub text_2: Linear<B>,
+    pub double: Vec<DoubleBlock<B>>,
+    pub single: Vec<SingleBlock<B>>,
+    pub norm_out: Linear<B>,
+    pub proj_out: Linear<B>,
 }
 
 /// Every parameter of the model: diffusers name and shape.
@@ -73,19 +77,40 @@ pub fn param_specs(c: &FluxConfig) -> Vec<(String, Vec<usize>)> {
     };
     lin("x_embedder", d, c.in_channels);
     lin("context_embedder", d, c.joint_attention_dim);
-    lin("time_text_embed.timestep_embedder.linear_1", d, TIME_PROJ_DIM);
+    lin(
+        "time_text_embed.timestep_embedder.linear_1",
+        d,
+        TIME_PROJ_DIM,
+    );
     lin("time_text_embed.timestep_embedder.linear_2", d, d);
     if c.guidance_embeds {
-        lin("time_text_embed.guidance_embedder.linear_1", d, TIME_PROJ_DIM);
+        lin(
+            "time_text_embed.guidance_embedder.linear_1",
+            d,
+            TIME_PROJ_DIM,
+        );
         lin("time_text_embed.guidance_embedder.linear_2", d, d);
     }
-    lin("time_text_embed.text_embedder.linear_1", d, c.pooled_projection_dim);
+    lin(
+        "time_text_embed.text_embedder.linear_1",
+        d,
+        c.pooled_projection_dim,
+    );
     lin("time_text_embed.text_embedder.linear_2", d, d);
     for i in 0..c.num_layers {
         let p = format!("transformer_blocks.{i}");
         lin(&format!("{p}.norm1.linear"), 6 * d, d);
         lin(&format!("{p}.norm1_context.linear"), 6 * d, d);
-        for n in ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out"] {
+        for n in [
+            "to_q",
+            "to_k",
+            "to_v",
+            "add_q_proj",
+            "add_k_proj",
+            "add_v_proj",
+            "to_out.0",
+            "to_add_out",
+        ] {
             lin(&format!("{p}.attn.{n}"), d, d);
         }
         lin(&format!("{p}.ff.net.0.proj"), 4 * d, d);
@@ -103,7 +128,11 @@ pub fn param_specs(c: &FluxConfig) -> Vec<(String, Vec<usize>)> {
         lin(&format!("{p}.proj_out"), d, 5 * d);
     }
     lin("norm_out.linear", 2 * d, d);
-    lin("proj_out", c.patch_size * c.patch_size * c.out_channels(), d);
+    lin(
+        "proj_out",
+        c.patch_size * c.patch_size * c.out_channels(),
+        d,
+    );
     for i in 0..c.num_layers {
         for n in ["norm_q", "norm_k", "norm_added_q", "norm_added_k"] {
             v.push((format!("transformer_blocks.{i}.attn.{n}.weight"), vec![hd]));
@@ -111,7 +140,10 @@ pub fn param_specs(c: &FluxConfig) -> Vec<(String, Vec<usize>)> {
     }
     for i in 0..c.num_single_layers {
         for n in ["norm_q", "norm_k"] {
-            v.push((format!("single_transformer_blocks.{i}.attn.{n}.weight"), vec![hd]));
+            v.push((
+                format!("single_transformer_blocks.{i}.attn.{n}.weight"),
+                vec![hd],
+            ));
         }
     }
     v
@@ -149,27 +181,42 @@ impl Source for Seeded {
         };
         const CHUNK: usize = 1 << 16;
         let mut data = vec![0.0f32; n];
-        data.par_chunks_mut(CHUNK).enumerate().for_each(|(ci, chunk)| {
-            let mut rng = SplitMix(base.wrapping_add((ci as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
-            for v in chunk.iter_mut() {
-                *v = mean + std * rng.normal();
-            }
-        });
+        data.par_chunks_mut(CHUNK)
+            .enumerate()
+            .for_each(|(ci, chunk)| {
+                let mut rng = SplitMix::new(
+                    base.wrapping_add((ci as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+                );
+                for v in chunk.iter_mut() {
+                    *v = mean + std * rng.normal();
+                }
+            });
         Tensor::new(shape.to_vec(), data)
     }
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3))
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// SplitMix64: tiny, fast, and good enough for synthetic weights and test data.
-pub struct SplitMix(pub u64);
+pub struct SplitMix {
+    state: u64,
+    spare: Option<f32>,
+}
 
 impl SplitMix {
+    pub fn new(seed: u64) -> Self {
+        SplitMix {
+            state: seed,
+            spare: None,
+        }
+    }
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
@@ -178,16 +225,22 @@ impl SplitMix {
     pub fn uniform(&mut self) -> f32 {
         ((self.next_u64() >> 40) as f32 + 1.0) / (1u64 << 24) as f32
     }
-    /// Standard normal (Box-Muller).
+    /// Standard normal (Box-Muller; both values of a pair are used).
     pub fn normal(&mut self) -> f32 {
+        if let Some(v) = self.spare.take() {
+            return v;
+        }
         let (u1, u2) = (self.uniform(), self.uniform());
-        (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+        let r = (-2.0 * u1.ln()).sqrt();
+        let (s, c) = (std::f32::consts::TAU * u2).sin_cos();
+        self.spare = Some(r * s);
+        r * c
     }
 }
 
-impl<T> FluxWeights<T> {
+impl<B: Backend> FluxWeights<B> {
     /// Loads from a diffusers `transformer/` directory, checking every tensor.
-    pub fn load<B: Backend<Tensor = T>>(backend: &B, cfg: &FluxConfig, dir: &Path) -> Result<Self> {
+    pub fn load(backend: &B, cfg: &FluxConfig, dir: &Path) -> Result<Self> {
         let store = WeightStore::open(dir, "diffusion_pytorch_model")?;
         let specs = param_specs(cfg);
         store.check_all_used(specs.iter().map(|(n, _)| n.as_str()))?;
@@ -195,23 +248,29 @@ impl<T> FluxWeights<T> {
     }
 
     /// Seeded random weights (the built-in model, benchmarks).
-    pub fn seeded<B: Backend<Tensor = T>>(backend: &B, cfg: &FluxConfig, seed: u64) -> Result<Self> {
+    pub fn seeded(backend: &B, cfg: &FluxConfig, seed: u64) -> Result<Self> {
         Self::build(backend, cfg, &Seeded { seed })
     }
 
-    fn build<B: Backend<Tensor = T>>(backend: &B, c: &FluxConfig, src: &dyn Source) -> Result<Self> {
+    fn build(backend: &B, c: &FluxConfig, src: &dyn Source) -> Result<Self> {
         let d = c.hidden();
         let hd = c.attention_head_dim;
         let up = |t: Tensor| backend.upload(&t);
         let raw_lin = |name: &str, o: usize, i: usize| -> Result<(Tensor, Tensor)> {
-            Ok((src.get(&format!("{name}.weight"), &[o, i])?, src.get(&format!("{name}.bias"), &[o])?))
+            Ok((
+                src.get(&format!("{name}.weight"), &[o, i])?,
+                src.get(&format!("{name}.bias"), &[o])?,
+            ))
         };
-        let lin = |name: &str, o: usize, i: usize| -> Result<Linear<T>> {
+        let lin = |name: &str, o: usize, i: usize| -> Result<Linear<B>> {
             let (w, b) = raw_lin(name, o, i)?;
-            Ok(Linear { w: up(w)?, b: Some(up(b)?) })
+            Ok(Linear {
+                w: backend.upload_weight(&w)?,
+                b: Some(up(b)?),
+            })
         };
         // Stacks Linears that read the same input into one `[sum(out), in]` Linear.
-        let fused = |names: &[(&str, usize)], i: usize| -> Result<Linear<T>> {
+        let fused = |names: &[(&str, usize)], i: usize| -> Result<Linear<B>> {
             let mut w = Vec::new();
             let mut b = Vec::new();
             let mut o = 0;
@@ -221,9 +280,12 @@ impl<T> FluxWeights<T> {
                 b.extend_from_slice(bt.data());
                 o += rows;
             }
-            Ok(Linear { w: up(Tensor::new([o, i], w)?)?, b: Some(up(Tensor::new([o], b)?)?) })
+            Ok(Linear {
+                w: backend.upload_weight(&Tensor::new([o, i], w)?)?,
+                b: Some(up(Tensor::new([o], b)?)?),
+            })
         };
-        let vecw = |name: &str| -> Result<T> { up(src.get(name, &[hd])?) };
+        let vecw = |name: &str| -> Result<B::Tensor> { up(src.get(name, &[hd])?) };
 
         let mut double = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
@@ -232,8 +294,22 @@ impl<T> FluxWeights<T> {
             double.push(DoubleBlock {
                 norm1: lin(&format!("{p}.norm1.linear"), 6 * d, d)?,
                 norm1_context: lin(&format!("{p}.norm1_context.linear"), 6 * d, d)?,
-                qkv: fused(&[(&format!("{a}.to_q"), d), (&format!("{a}.to_k"), d), (&format!("{a}.to_v"), d)], d)?,
-                add_qkv: fused(&[(&format!("{a}.add_q_proj"), d), (&format!("{a}.add_k_proj"), d), (&format!("{a}.add_v_proj"), d)], d)?,
+                qkv: fused(
+                    &[
+                        (&format!("{a}.to_q"), d),
+                        (&format!("{a}.to_k"), d),
+                        (&format!("{a}.to_v"), d),
+                    ],
+                    d,
+                )?,
+                add_qkv: fused(
+                    &[
+                        (&format!("{a}.add_q_proj"), d),
+                        (&format!("{a}.add_k_proj"), d),
+                        (&format!("{a}.add_v_proj"), d),
+                    ],
+                    d,
+                )?,
                 norm_q: vecw(&format!("{a}.norm_q.weight"))?,
                 norm_k: vecw(&format!("{a}.norm_k.weight"))?,
                 norm_added_q: vecw(&format!("{a}.norm_added_q.weight"))?,
@@ -253,7 +329,12 @@ impl<T> FluxWeights<T> {
             single.push(SingleBlock {
                 norm: lin(&format!("{p}.norm.linear"), 3 * d, d)?,
                 qkv_mlp: fused(
-                    &[(&format!("{a}.to_q"), d), (&format!("{a}.to_k"), d), (&format!("{a}.to_v"), d), (&format!("{p}.proj_mlp"), 4 * d)],
+                    &[
+                        (&format!("{a}.to_k"), d),
+                        (&format!("{a}.to_v"), d),
+                        (&format!("{a}.to_q"), d),
+                        (&format!("{p}.proj_mlp"), 4 * d),
+                    ],
                     d,
                 )?,
                 norm_q: vecw(&format!("{a}.norm_q.weight"))?,
@@ -265,22 +346,38 @@ impl<T> FluxWeights<T> {
         Ok(FluxWeights {
             x_embedder: lin("x_embedder", d, c.in_channels)?,
             context_embedder: lin("context_embedder", d, c.joint_attention_dim)?,
-            time_1: lin(&format!("{tte}.timestep_embedder.linear_1"), d, TIME_PROJ_DIM)?,
+            time_1: lin(
+                &format!("{tte}.timestep_embedder.linear_1"),
+                d,
+                TIME_PROJ_DIM,
+            )?,
             time_2: lin(&format!("{tte}.timestep_embedder.linear_2"), d, d)?,
             guidance: if c.guidance_embeds {
                 Some((
-                    lin(&format!("{tte}.guidance_embedder.linear_1"), d, TIME_PROJ_DIM)?,
+                    lin(
+                        &format!("{tte}.guidance_embedder.linear_1"),
+                        d,
+                        TIME_PROJ_DIM,
+                    )?,
                     lin(&format!("{tte}.guidance_embedder.linear_2"), d, d)?,
                 ))
             } else {
                 None
             },
-            text_1: lin(&format!("{tte}.text_embedder.linear_1"), d, c.pooled_projection_dim)?,
+            text_1: lin(
+                &format!("{tte}.text_embedder.linear_1"),
+                d,
+                c.pooled_projection_dim,
+            )?,
             text_2: lin(&format!("{tte}.text_embedder.linear_2"), d, d)?,
             double,
             single,
             norm_out: lin("norm_out.linear", 2 * d, d)?,
-            proj_out: lin("proj_out", c.patch_size * c.patch_size * c.out_channels(), d)?,
+            proj_out: lin(
+                "proj_out",
+                c.patch_size * c.patch_size * c.out_channels(),
+                d,
+            )?,
         })
     }
 }

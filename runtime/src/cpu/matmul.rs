@@ -60,8 +60,14 @@ pub fn matmul(
     // Bounds are checked here once so the unsafe call below cannot read or write
     // outside the slices.
     assert!(dst.len() >= (m - 1) * dst_rs + n, "matmul: dst too small");
-    assert!(lhs.data.len() > (m - 1) * lhs.rs + (k - 1) * lhs.cs, "matmul: lhs too small");
-    assert!(rhs.data.len() > (k - 1) * rhs.rs + (n - 1) * rhs.cs, "matmul: rhs too small");
+    assert!(
+        lhs.data.len() > (m - 1) * lhs.rs + (k - 1) * lhs.cs,
+        "matmul: lhs too small"
+    );
+    assert!(
+        rhs.data.len() > (k - 1) * rhs.rs + (n - 1) * rhs.cs,
+        "matmul: rhs too small"
+    );
     let par = if parallel && rayon::current_num_threads() > 1 {
         Parallelism::Rayon(0)
     } else {
@@ -94,26 +100,43 @@ pub fn matmul(
     }
 }
 
-/// PyTorch Linear: `out[n,o] = x[n,k] @ w[o,k]^T + b`.
-pub fn linear(x: &[f32], k: usize, w: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
-    let o = w.len() / k.max(1);
-    let n = x.len() / k.max(1);
-    if let Some(b) = bias {
-        for row in out.chunks_exact_mut(o) {
-            row.copy_from_slice(b);
-        }
+/// Linear over a column block of `x`: `out[n,o] = x[:, col..col+k] @ wt[k,o] + b`, where
+/// `x` is row-major with `x_cols` columns and `wt` is the transposed (`[in, out]`)
+/// weight. Returns the new `[n, o]` buffer.
+pub fn linear(
+    x: &[f32],
+    x_cols: usize,
+    col: usize,
+    k: usize,
+    wt: &[f32],
+    o: usize,
+    bias: Option<&[f32]>,
+) -> Vec<f32> {
+    let n = x.len() / x_cols.max(1);
+    // Start from the bias (or zeros) without a separate memset pass.
+    let mut out = Vec::with_capacity(n * o);
+    match bias {
+        Some(b) => (0..n).for_each(|_| out.extend_from_slice(b)),
+        None => out.resize(n * o, 0.0),
     }
-    matmul(
-        n,
-        o,
-        k,
-        out,
-        o,
-        MatRef::row_major(x, k),
-        MatRef::transposed(w, k),
-        bias.is_some(),
-        true,
-    );
+    if n > 0 {
+        matmul(
+            n,
+            o,
+            k,
+            &mut out,
+            o,
+            MatRef {
+                data: &x[col..],
+                rs: x_cols,
+                cs: 1,
+            },
+            MatRef::row_major(wt, o),
+            bias.is_some(),
+            true,
+        );
+    }
+    out
 }
 
 #[cfg(test)]
@@ -139,15 +162,36 @@ mod tests {
     #[test]
     fn linear_matches_naive() {
         for &(n, k, o) in &[(1, 1, 1), (3, 5, 7), (65, 130, 33), (200, 64, 300)] {
-            let x: Vec<f32> = (0..n * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
-            let w: Vec<f32> = (0..o * k).map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0).collect();
+            let x: Vec<f32> = (0..n * k)
+                .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
+                .collect();
+            let w: Vec<f32> = (0..o * k)
+                .map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0)
+                .collect();
             let b: Vec<f32> = (0..o).map(|i| i as f32 * 0.01).collect();
-            let mut out = vec![0.0; n * o];
-            linear(&x, k, &w, Some(&b), &mut out);
+            let wt: Vec<f32> = (0..k * o).map(|i| w[(i % o) * k + i / o]).collect();
+            let out = linear(&x, k, 0, k, &wt, o, Some(&b));
             let want = naive(&x, k, &w, &b);
             for (a, e) in out.iter().zip(&want) {
-                assert!((a - e).abs() < 1e-4 * (1.0 + e.abs()), "{n}x{k}x{o}: {a} vs {e}");
+                assert!(
+                    (a - e).abs() < 1e-4 * (1.0 + e.abs()),
+                    "{n}x{k}x{o}: {a} vs {e}"
+                );
             }
         }
+    }
+}
+
+#[test]
+fn linear_over_a_column_block() {
+    // x is [3, 7]; use its columns 2..5 as the input.
+    let x: Vec<f32> = (0..21).map(|i| i as f32).collect();
+    // w = [[1, 0, -1], [0.5, 0.5, 0.5]] stored transposed as [3, 2].
+    let wt = vec![1.0, 0.5, 0.0, 0.5, -1.0, 0.5];
+    let out = linear(&x, 7, 2, 3, &wt, 2, None);
+    for r in 0..3 {
+        let v = &x[r * 7 + 2..r * 7 + 5];
+        assert_eq!(out[r * 2], v[0] - v[2]);
+        assert_eq!(out[r * 2 + 1], 0.5 * (v[0] + v[1] + v[2]));
     }
 }
