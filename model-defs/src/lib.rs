@@ -5,6 +5,7 @@
 //! - [`scheduler`]: the flow-match Euler scheduler as FluxFillPipeline drives it.
 
 pub mod flux;
+pub mod mask;
 pub mod scheduler;
 pub mod source;
 

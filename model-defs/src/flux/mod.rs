@@ -7,8 +7,10 @@
 
 pub mod config;
 pub mod cost;
+pub mod edit;
 pub mod embed;
 pub mod model;
+pub mod template;
 pub mod weights;
 
 pub use config::FluxConfig;

@@ -1,0 +1,357 @@
+//! Mask-aware computation on the tiny reference model, with the inputs of the
+//! diffusers end-to-end case:
+//!
+//! - the plain denoising loop reproduces diffusers' per-step latents;
+//! - the identity invariant: an edit with exactly a capture's inputs gives the
+//!   capture's final latent (1e-5 relative), for empty, full, one-token and irregular
+//!   masks, alone and in a batch of requests at different steps;
+//! - batch independence: a request's result does not depend on its batch mates;
+//! - an all-active edit equals a plain full run.
+
+use denoised_models::flux::edit::{run, step_batch, DenoiseInputs, Job, Mode};
+use denoised_models::flux::template::{TemplateCache, TemplateLayout};
+use denoised_models::mask::TokenMask;
+use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
+use denoised_models::FluxTransformer;
+use denoised_runtime::fixtures::{tiny_model_dir, RefCase, Tier};
+use denoised_runtime::{CpuBackend, DType, Tensor};
+
+fn model() -> FluxTransformer<CpuBackend> {
+    FluxTransformer::load(CpuBackend::new(), tiny_model_dir().join("transformer")).unwrap()
+}
+
+fn squeeze(t: Tensor) -> Tensor {
+    let s = t.shape().to_vec();
+    let cols = *s.last().unwrap();
+    let rows = t.len() / cols;
+    t.reshape([rows, cols]).unwrap()
+}
+
+fn e2e_inputs(case: &RefCase) -> DenoiseInputs {
+    let mil = squeeze(case.tensor("masked_image_latents_packed"));
+    let mask = squeeze(case.tensor("mask_packed"));
+    let cond: Vec<f32> = (0..mil.rows())
+        .flat_map(|r| {
+            mil.row(r)
+                .iter()
+                .chain(mask.row(r))
+                .copied()
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    DenoiseInputs {
+        latents: squeeze(case.tensor("initial_latents")),
+        cond: Tensor::new([mil.rows(), mil.cols() + mask.cols()], cond).unwrap(),
+        img_ids: case.tensor("img_ids"),
+        txt: squeeze(case.tensor("prompt_embeds")),
+        txt_ids: case.tensor("txt_ids"),
+        pooled: case.tensor("pooled_prompt_embeds").into_data(),
+        guidance: case.tensor("guidance").data()[0],
+    }
+}
+
+fn schedule() -> FlowMatchEuler {
+    FlowMatchEuler::new(&SchedulerConfig::default(), 4, 256).unwrap()
+}
+
+fn capture(
+    m: &FluxTransformer<CpuBackend>,
+    inputs: &DenoiseInputs,
+    s: &FlowMatchEuler,
+) -> (TemplateCache, Tensor) {
+    let mut cache = TemplateCache::new(TemplateLayout::for_model(
+        &m.config,
+        256,
+        s.steps(),
+        DType::F32,
+    ));
+    let fin = run(m, Job::new(inputs, s, Mode::Capture(&mut cache)).unwrap()).unwrap();
+    assert!(cache.is_complete());
+    (cache, fin)
+}
+
+/// max |a - b| / max |b|.
+fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+    a.max_abs_diff(b).unwrap() / b.data().iter().fold(0.0f32, |m, v| m.max(v.abs()))
+}
+
+/// The e2e case's 64x64 mask (soft edges, binarised at 0.5) as 4x4-pixel tokens.
+fn e2e_token_mask(case: &RefCase, dilation: usize) -> TokenMask {
+    let px: Vec<bool> = case
+        .tensor("mask_image")
+        .data()
+        .iter()
+        .map(|&v| v >= 0.5)
+        .collect();
+    TokenMask::from_pixels(&px, 64, 64, 4, dilation).unwrap()
+}
+
+fn masks(case: &RefCase) -> Vec<(&'static str, TokenMask)> {
+    let mut one = vec![false; 256];
+    one[7 * 16 + 9] = true;
+    let mut ring = vec![false; 256];
+    for (i, f) in ring.iter_mut().enumerate() {
+        let (r, c) = (i / 16, i % 16);
+        *f = (r == 0 || c == 15 || (r + 2 * c) % 7 == 0) && i % 5 != 0;
+    }
+    vec![
+        (
+            "empty",
+            TokenMask::from_tokens(16, 16, &[false; 256]).unwrap(),
+        ),
+        ("full", TokenMask::full(16, 16)),
+        ("one token", TokenMask::from_tokens(16, 16, &one).unwrap()),
+        ("e2e mask", e2e_token_mask(case, 0)),
+        ("e2e mask dilated", e2e_token_mask(case, 1)),
+        (
+            "irregular, touching borders",
+            TokenMask::from_tokens(16, 16, &ring).unwrap(),
+        ),
+    ]
+}
+
+#[test]
+fn full_loop_matches_diffusers_per_step() {
+    let case = RefCase::open("e2e").unwrap();
+    let s = schedule();
+    assert_eq!(s.timesteps, case.tensor("timesteps").into_data());
+    assert_eq!(s.sigmas, case.tensor("sigmas").into_data());
+    for (torch_freqs, tier) in [(false, Tier::Suggested), (true, Tier::Strict)] {
+        let mut m = model();
+        if torch_freqs {
+            m.set_time_proj_freqs(
+                RefCase::open("transformer_case1")
+                    .unwrap()
+                    .tensor("time_proj_freqs")
+                    .into_data(),
+            )
+            .unwrap();
+        }
+        let inputs = e2e_inputs(&case);
+        let mut job = Job::new(&inputs, &s, Mode::Full).unwrap();
+        for i in 0..4 {
+            step_batch(&m, &mut [&mut job]).unwrap();
+            let d = case.assert_close(&format!("step{i}.latents"), job.latents(), tier);
+            println!("step{i}.latents ({tier:?}): {d:.2e}");
+        }
+    }
+}
+
+#[test]
+fn identity_invariant_for_every_mask() {
+    let case = RefCase::open("e2e").unwrap();
+    let (m, s, inputs) = (model(), schedule(), e2e_inputs(&case));
+    let (cache, template_final) = capture(&m, &inputs, &s);
+    for (name, mask) in masks(&case) {
+        let fin = run(
+            &m,
+            Job::new(
+                &inputs,
+                &s,
+                Mode::Edit {
+                    mask: &mask,
+                    cache: &cache,
+                },
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let rel = rel_diff(&fin, &template_final);
+        println!(
+            "{name}: {} of 256 tokens active, relative diff {rel:.1e}",
+            mask.active().len()
+        );
+        assert!(rel <= 1e-5, "{name}: relative diff {rel:.2e}");
+    }
+}
+
+#[test]
+fn identity_invariant_in_a_batch_at_different_steps() {
+    let case = RefCase::open("e2e").unwrap();
+    let (m, s, inputs) = (model(), schedule(), e2e_inputs(&case));
+    let (cache, template_final) = capture(&m, &inputs, &s);
+    let all = masks(&case);
+    let (ma, mb, mc) = (&all[3].1, &all[2].1, &all[5].1);
+    let mut a = Job::new(
+        &inputs,
+        &s,
+        Mode::Edit {
+            mask: ma,
+            cache: &cache,
+        },
+    )
+    .unwrap();
+    let mut b = Job::new(
+        &inputs,
+        &s,
+        Mode::Edit {
+            mask: mb,
+            cache: &cache,
+        },
+    )
+    .unwrap();
+    let mut c = Job::new(
+        &inputs,
+        &s,
+        Mode::Edit {
+            mask: mc,
+            cache: &cache,
+        },
+    )
+    .unwrap();
+    // a starts first, b joins one step later, c two steps later: the batch holds
+    // requests at steps (2, 1, 0) at its third call.
+    step_batch(&m, &mut [&mut a]).unwrap();
+    step_batch(&m, &mut [&mut a, &mut b]).unwrap();
+    assert_eq!((a.step(), b.step(), c.step()), (2, 1, 0));
+    while !(a.done() && b.done() && c.done()) {
+        step_batch(&m, &mut [&mut a, &mut b, &mut c]).unwrap();
+    }
+    for (name, j) in [("a", a), ("b", b), ("c", c)] {
+        let rel = rel_diff(j.latents(), &template_final);
+        assert!(rel <= 1e-5, "{name}: relative diff {rel:.2e}");
+    }
+}
+
+#[test]
+fn batch_results_do_not_depend_on_batch_mates() {
+    let case = RefCase::open("e2e").unwrap();
+    let (m, s, inputs) = (model(), schedule(), e2e_inputs(&case));
+    let (cache, _) = capture(&m, &inputs, &s);
+    // A real edit: different noise in the masked region and a different prompt scale.
+    let mut edit_inputs = inputs.clone();
+    for v in edit_inputs.latents.data_mut() {
+        *v = -*v * 0.9;
+    }
+    edit_inputs.guidance = 7.5;
+    let all = masks(&case);
+    let solo =
+        |mode: Mode<'_>, inp: &DenoiseInputs| run(&m, Job::new(inp, &s, mode).unwrap()).unwrap();
+    let want_a = solo(
+        Mode::Edit {
+            mask: &all[3].1,
+            cache: &cache,
+        },
+        &edit_inputs,
+    );
+    let want_b = solo(
+        Mode::Edit {
+            mask: &all[5].1,
+            cache: &cache,
+        },
+        &inputs,
+    );
+    let want_c = solo(Mode::Full, &edit_inputs);
+    let mut a = Job::new(
+        &edit_inputs,
+        &s,
+        Mode::Edit {
+            mask: &all[3].1,
+            cache: &cache,
+        },
+    )
+    .unwrap();
+    let mut b = Job::new(
+        &inputs,
+        &s,
+        Mode::Edit {
+            mask: &all[5].1,
+            cache: &cache,
+        },
+    )
+    .unwrap();
+    let mut c = Job::new(&edit_inputs, &s, Mode::Full).unwrap();
+    step_batch(&m, &mut [&mut c]).unwrap();
+    while !(a.done() && b.done() && c.done()) {
+        step_batch(&m, &mut [&mut a, &mut b, &mut c]).unwrap();
+    }
+    for (name, got, want) in [
+        ("a", a.latents(), &want_a),
+        ("b", b.latents(), &want_b),
+        ("c", c.latents(), &want_c),
+    ] {
+        let rel = rel_diff(got, want);
+        println!("{name}: batch vs solo relative diff {rel:.1e}");
+        assert!(rel <= 1e-6, "{name}: batch vs solo relative diff {rel:.2e}");
+    }
+    // The edit really changed something inside the mask, and nothing outside it.
+    let (_, template_final) = capture(&m, &inputs, &s);
+    let inactive = all[3].1.inactive();
+    let moved = all[3]
+        .1
+        .active()
+        .iter()
+        .any(|&t| want_a.row(t as usize) != template_final.row(t as usize));
+    assert!(
+        moved,
+        "an edit with new noise must change the masked tokens"
+    );
+    for t in inactive {
+        assert_eq!(
+            want_a.row(t as usize),
+            template_final.row(t as usize),
+            "token {t} outside the mask drifted"
+        );
+    }
+}
+
+#[test]
+fn all_active_edit_equals_full_run() {
+    let case = RefCase::open("e2e").unwrap();
+    let (m, s, inputs) = (model(), schedule(), e2e_inputs(&case));
+    let (cache, _) = capture(&m, &inputs, &s);
+    let mut other = inputs.clone();
+    other.guidance = 4.0;
+    for v in other.latents.data_mut() {
+        *v *= 1.1;
+    }
+    let full = TokenMask::full(16, 16);
+    let edit = run(
+        &m,
+        Job::new(
+            &other,
+            &s,
+            Mode::Edit {
+                mask: &full,
+                cache: &cache,
+            },
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let plain = run(&m, Job::new(&other, &s, Mode::Full).unwrap()).unwrap();
+    let rel = rel_diff(&edit, &plain);
+    assert!(rel <= 1e-6, "relative diff {rel:.2e}");
+}
+
+#[test]
+fn mismatched_templates_are_rejected() {
+    let case = RefCase::open("e2e").unwrap();
+    let (m, inputs) = (model(), e2e_inputs(&case));
+    let s4 = schedule();
+    let (cache, _) = capture(&m, &inputs, &s4);
+    let s8 = FlowMatchEuler::new(&SchedulerConfig::default(), 8, 256).unwrap();
+    let mask = e2e_token_mask(&case, 0);
+    let e = Job::new(
+        &inputs,
+        &s8,
+        Mode::Edit {
+            mask: &mask,
+            cache: &cache,
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("4 steps") && e.contains("8"), "{e}");
+    let small = TokenMask::full(8, 8);
+    assert!(Job::new(
+        &inputs,
+        &s4,
+        Mode::Edit {
+            mask: &small,
+            cache: &cache
+        }
+    )
+    .is_err());
+}
