@@ -4,7 +4,7 @@
 
 use std::hint::black_box;
 
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use denoised_runtime::backend::{AttnSeq, KvSource, QSpan, Rows, Src};
 use denoised_runtime::{Backend, CpuBackend, Modulation, Tensor};
 
@@ -33,20 +33,23 @@ fn kernels(c: &mut Criterion) {
     let qkv = filled(&[n, 3 * d], 4);
     g.throughput(Throughput::Elements((4 * n * n * d) as u64));
     g.bench_function("attention 1152 tokens (flop)", |bch| {
-        bch.iter(|| {
-            let mut buf = qkv.clone();
-            let seq = AttnSeq {
-                q: vec![QSpan { buf: 0, rows: 0..n }],
-                kv: vec![KvSource {
-                    src: Src::Own(0),
-                    k_col: d,
-                    v_col: 2 * d,
-                    rows: Rows::Range(0..n),
-                }],
-            };
-            be.attention(&mut [&mut buf], 0, d, heads, &[seq]).unwrap();
-            buf
-        })
+        bch.iter_batched(
+            || qkv.clone(),
+            |mut buf| {
+                let seq = AttnSeq {
+                    q: vec![QSpan { buf: 0, rows: 0..n }],
+                    kv: vec![KvSource {
+                        src: Src::Own(0),
+                        k_col: d,
+                        v_col: 2 * d,
+                        rows: Rows::Range(0..n),
+                    }],
+                };
+                be.attention(&mut [&mut buf], 0, d, heads, &[seq]).unwrap();
+                buf
+            },
+            BatchSize::LargeInput,
+        )
     });
 
     let table = filled(&[1, 6 * d], 5);

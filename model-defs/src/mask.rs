@@ -160,6 +160,88 @@ impl TokenMask {
     }
 }
 
+impl TokenMask {
+    /// A random irregular mask with exactly `count` active tokens: a few blobs grown
+    /// from random seeds by random flood fill, like hand-drawn inpainting masks.
+    /// Deterministic for a seed (benchmarks and load generators).
+    pub fn random_blobs(rows: usize, cols: usize, count: usize, seed: u64) -> Self {
+        let n = rows * cols;
+        let count = count.min(n);
+        let mut rng = seed ^ 0x9E37_79B9_7F4A_7C15;
+        let mut next = move |m: usize| {
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((rng >> 33) as usize) % m.max(1)
+        };
+        let mut on = vec![false; n];
+        let mut frontier: Vec<usize> = Vec::new();
+        let mut got = 0;
+        let blobs = 1 + count / 256;
+        while got < count {
+            if frontier.is_empty() || (got < blobs && next(4) == 0) {
+                let s = next(n);
+                if !on[s] {
+                    on[s] = true;
+                    got += 1;
+                }
+                frontier.push(s);
+                continue;
+            }
+            let k = next(frontier.len());
+            let t = frontier[k];
+            let (r, c) = (t / cols, t % cols);
+            let nb: Vec<usize> = [
+                (r > 0).then(|| t - cols),
+                (r + 1 < rows).then(|| t + cols),
+                (c > 0).then(|| t - 1),
+                (c + 1 < cols).then(|| t + 1),
+            ]
+            .into_iter()
+            .flatten()
+            .filter(|&x| !on[x])
+            .collect();
+            if nb.is_empty() {
+                frontier.swap_remove(k);
+                continue;
+            }
+            let x = nb[next(nb.len())];
+            on[x] = true;
+            got += 1;
+            frontier.push(x);
+        }
+        TokenMask::from_tokens(rows, cols, &on).expect("flags match the grid")
+    }
+}
+
+/// Reads a mask-ratio trace: one ratio in [0, 1] per line; blank lines and `#`
+/// comments are skipped.
+pub fn read_ratio_trace(path: impl AsRef<std::path::Path>) -> Result<Vec<f64>> {
+    let path = path.as_ref();
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        match line.parse::<f64>() {
+            Ok(v) if (0.0..=1.0).contains(&v) => out.push(v),
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "{}:{}: `{line}` is not a ratio in [0, 1]",
+                    path.display(),
+                    i + 1
+                )))
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(Error::Invalid(format!("{}: no ratios", path.display())));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,6 +286,36 @@ mod tests {
             let masked = mask.iter().filter(|&&m| m).count() as f64 / (h * w) as f64;
             prop_assert!((tm.pixel_ratio - masked).abs() < 1e-12);
         }
+    }
+
+    #[test]
+    fn random_blobs_have_the_exact_count() {
+        for (count, seed) in [(0, 1), (1, 2), (205, 3), (819, 4), (4096, 5)] {
+            let m = TokenMask::random_blobs(64, 64, count, seed);
+            assert_eq!(m.active().len(), count);
+        }
+        assert_eq!(
+            TokenMask::random_blobs(8, 8, 20, 9),
+            TokenMask::random_blobs(8, 8, 20, 9)
+        );
+    }
+
+    #[test]
+    fn traces_parse() {
+        let dir = denoised_runtime::fixtures::fixtures_dir().join("traces");
+        let prod = read_ratio_trace(dir.join("production_faceswap_tryon.txt")).unwrap();
+        let mean = prod.iter().sum::<f64>() / prod.len() as f64;
+        assert!(
+            prod.len() > 900 && (mean - 0.11).abs() < 0.01,
+            "{} ratios, mean {mean}",
+            prod.len()
+        );
+        let bad = std::env::temp_dir().join("denoised-bad-trace.txt");
+        std::fs::write(&bad, "0.1\n1.5\n").unwrap();
+        assert!(read_ratio_trace(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains(":2:"));
     }
 
     #[test]

@@ -1,15 +1,25 @@
-//! `denoised bench-step`: times one transformer step of a named config with seeded
-//! random weights and prints one JSON line. Figures in docs/performance.md come from
-//! here.
+//! `denoised bench-step`: times transformer steps of a named config with seeded random
+//! weights and prints one JSON line per measurement. Figures in docs/performance.md
+//! come from here.
+//!
+//! Without `--mask-ratio` it times one full step. With mask ratios it first captures a
+//! template (one full step, whose K/V stay in memory), then times, in the same run, the
+//! full step and a mask-aware edit step at each ratio (a random irregular mask with
+//! that share of tokens), and prints the measured speedup beside the FLOP bound
+//! `(T+L)/(T+A)`. `--batch N` times N requests in one step, their masks drawn from
+//! `--mask-trace` (or the first ratio).
 
+use std::path::PathBuf;
 use std::time::Instant;
 
-use denoised_models::flux::cost::{forward_flops, StepShape};
+use denoised_models::flux::cost::{flop_bound, forward_flops, StepShape};
+use denoised_models::flux::edit::{step_batch, DenoiseInputs, Job, Mode};
 use denoised_models::flux::embed::image_ids;
-use denoised_models::flux::model::{FluxRequest, NoObserver};
+use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::weights::SplitMix;
-use denoised_models::{FluxConfig, FluxTransformer};
-use denoised_runtime::{Backend, Tensor};
+use denoised_models::mask::{read_ratio_trace, TokenMask};
+use denoised_models::{FlowMatchEuler, FluxConfig, FluxTransformer};
+use denoised_runtime::{Backend, DType, Tensor};
 
 use super::{CliResult, DeviceArgs};
 
@@ -24,10 +34,20 @@ pub struct Args {
     /// Text tokens per request.
     #[arg(long, default_value_t = 128)]
     pub text_tokens: usize,
+    /// Mask ratios (share of active image tokens) to time as mask-aware edits against
+    /// a cached template, comma-separated; 1.0 alone times a plain full step.
+    #[arg(long, value_delimiter = ',', default_value = "1.0")]
+    pub mask_ratio: Vec<f64>,
+    /// Requests per step. Each gets its own random mask.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Draw each request's mask ratio from this trace (one ratio per line) instead.
+    #[arg(long)]
+    pub mask_trace: Option<PathBuf>,
     /// Timed iterations (after one warm-up).
     #[arg(long, default_value_t = 5)]
     pub iters: usize,
-    /// Seed of the random weights and inputs.
+    /// Seed of the random weights, inputs and masks.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[command(flatten)]
@@ -48,6 +68,34 @@ fn random(shape: &[usize], rng: &mut SplitMix) -> Tensor {
     Tensor::new(shape.to_vec(), (0..n).map(|_| rng.normal()).collect()).expect("shape matches")
 }
 
+struct Timing {
+    min: f64,
+    median: f64,
+}
+
+/// Times `iters` runs of `f` after one warm-up; `setup` builds fresh state outside the
+/// timed region.
+fn time<S>(
+    iters: usize,
+    mut setup: impl FnMut() -> CliResult<S>,
+    mut f: impl FnMut(&mut S) -> CliResult,
+) -> CliResult<Timing> {
+    let mut warm = setup()?;
+    f(&mut warm)?;
+    let mut ts = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let mut s = setup()?;
+        let t = Instant::now();
+        f(&mut s)?;
+        ts.push(t.elapsed().as_secs_f64());
+    }
+    ts.sort_by(|a, b| a.total_cmp(b));
+    Ok(Timing {
+        min: ts[0],
+        median: ts[ts.len() / 2],
+    })
+}
+
 pub fn run(a: Args) -> CliResult {
     let cfg = FluxConfig::named(&a.config).ok_or_else(|| {
         format!(
@@ -56,53 +104,148 @@ pub fn run(a: Args) -> CliResult {
             FluxConfig::NAMES.join(", ")
         )
     })?;
-    if a.image_tokens == 0 || a.iters == 0 {
-        return Err("--image-tokens and --iters must be positive".into());
+    if a.image_tokens == 0 || a.iters == 0 || a.batch == 0 {
+        return Err("--image-tokens, --iters and --batch must be positive".into());
+    }
+    if let Some(bad) = a.mask_ratio.iter().find(|r| !(0.0..=1.0).contains(*r)) {
+        return Err(format!("--mask-ratio {bad} is not in [0, 1]").into());
     }
     let backend = a.device.cpu_backend()?;
     let backend_name = backend.name();
     let model = FluxTransformer::seeded(backend, cfg.clone(), a.seed)?;
+    let (l, t) = (a.image_tokens, a.text_tokens);
+    let (rows, cols) = grid(l);
+    let c = cfg.out_channels();
     let mut rng = SplitMix::new(a.seed ^ 0xbe4c);
-    let (rows, cols) = grid(a.image_tokens);
-    let img = random(&[a.image_tokens, cfg.in_channels], &mut rng);
-    let img_ids = Tensor::new([a.image_tokens, 3], image_ids(rows, cols))?;
-    let txt = random(&[a.text_tokens, cfg.joint_attention_dim], &mut rng);
-    let txt_ids = Tensor::zeros([a.text_tokens, 3]);
-    let pooled: Vec<f32> = (0..cfg.pooled_projection_dim)
-        .map(|_| rng.normal())
-        .collect();
-    let req = FluxRequest {
-        img: &img,
-        img_ids: &img_ids,
-        txt: &txt,
-        txt_ids: &txt_ids,
-        pooled: &pooled,
-        timestep: 0.75,
+    let inputs = DenoiseInputs {
+        latents: random(&[l, c], &mut rng),
+        cond: random(&[l, cfg.in_channels - c], &mut rng),
+        img_ids: Tensor::new([l, 3], image_ids(rows, cols))?,
+        txt: random(&[t, cfg.joint_attention_dim], &mut rng),
+        txt_ids: Tensor::zeros([t, 3]),
+        pooled: (0..cfg.pooled_projection_dim)
+            .map(|_| rng.normal())
+            .collect(),
         guidance: 30.0,
-        cache: None,
     };
-    let reqs = [req];
-    model.forward(&reqs, &mut NoObserver)?;
-    let mut times = Vec::with_capacity(a.iters);
-    for _ in 0..a.iters {
-        let t = Instant::now();
-        model.forward(&reqs, &mut NoObserver)?;
-        times.push(t.elapsed().as_secs_f64());
+    // One step of the real schedule at this resolution: timing does not depend on
+    // which step it is, and a one-step template keeps the cache in memory small.
+    let schedule = FlowMatchEuler::new(&Default::default(), 1, l)?;
+    let batch = a.batch;
+    let full_flops = forward_flops(&cfg, StepShape::full(t, l));
+    let full = time(
+        a.iters,
+        || {
+            Ok((0..batch)
+                .map(|_| Job::new(&inputs, &schedule, Mode::Full))
+                .collect::<Result<Vec<_>, _>>()?)
+        },
+        |jobs| {
+            Ok(step_batch(
+                &model,
+                &mut jobs.iter_mut().collect::<Vec<_>>(),
+            )?)
+        },
+    )?;
+    let line = |ratio: serde_json::Value, tm: &Timing, flops: f64, extra: serde_json::Value| {
+        let mut v = serde_json::json!({
+            "config": a.config, "image_tokens": l, "text_tokens": t, "mask_ratio": ratio,
+            "batch": batch, "min_s": tm.min, "median_s": tm.median, "gflops": flops / tm.median / 1e9,
+            "backend": backend_name,
+        });
+        if let (Some(o), serde_json::Value::Object(e)) = (v.as_object_mut(), extra) {
+            o.extend(e);
+        }
+        println!("{v}");
+    };
+    let masked_runs = a.mask_trace.is_some() || a.mask_ratio.iter().any(|&r| r < 1.0);
+    if !masked_runs {
+        line(
+            1.0.into(),
+            &full,
+            batch as f64 * full_flops,
+            serde_json::json!({}),
+        );
+        return Ok(());
     }
-    times.sort_by(|x, y| x.total_cmp(y));
-    let median = times[times.len() / 2];
-    let flops = forward_flops(&cfg, StepShape::full(a.text_tokens, a.image_tokens));
-    let line = serde_json::json!({
-        "config": a.config,
-        "image_tokens": a.image_tokens,
-        "text_tokens": a.text_tokens,
-        "mask_ratio": 1.0,
-        "batch": 1,
-        "min_s": times[0],
-        "median_s": median,
-        "gflops": flops / median / 1e9,
-        "backend": backend_name,
-    });
-    println!("{line}");
+
+    let mut cache = TemplateCache::new(TemplateLayout::for_model(&cfg, l, 1, DType::F32));
+    step_batch(
+        &model,
+        &mut [&mut Job::new(
+            &inputs,
+            &schedule,
+            Mode::Capture(&mut cache),
+        )?],
+    )?;
+    let trace = a.mask_trace.as_ref().map(read_ratio_trace).transpose()?;
+    let ratio_sets: Vec<Vec<f64>> = match &trace {
+        Some(tr) => vec![(0..batch)
+            .map(|_| tr[rng.next_u64() as usize % tr.len()])
+            .collect()],
+        None => a.mask_ratio.iter().map(|&r| vec![r; batch]).collect(),
+    };
+    for ratios in ratio_sets {
+        let masks: Vec<TokenMask> = ratios
+            .iter()
+            .map(|&r| {
+                TokenMask::random_blobs(rows, cols, (r * l as f64).round() as usize, rng.next_u64())
+            })
+            .collect();
+        let shapes: Vec<StepShape> = masks
+            .iter()
+            .map(|m| StepShape {
+                text: t,
+                active: m.active().len(),
+                image: l,
+            })
+            .collect();
+        let flops: f64 = shapes.iter().map(|s| forward_flops(&cfg, *s)).sum();
+        let tm = time(
+            a.iters,
+            || {
+                Ok(masks
+                    .iter()
+                    .map(|m| {
+                        Job::new(
+                            &inputs,
+                            &schedule,
+                            Mode::Edit {
+                                mask: m,
+                                cache: &cache,
+                            },
+                        )
+                    })
+                    .collect::<Result<Vec<_>, _>>()?)
+            },
+            |jobs| {
+                Ok(step_batch(
+                    &model,
+                    &mut jobs.iter_mut().collect::<Vec<_>>(),
+                )?)
+            },
+        )?;
+        let bound = batch as f64 * full_flops / flops;
+        let speedup = full.median / tm.median;
+        let token_ratio = shapes.iter().map(|s| s.active as f64).sum::<f64>() / (batch * l) as f64;
+        let ratio_field = if trace.is_some() {
+            serde_json::json!(ratios)
+        } else {
+            serde_json::json!(ratios[0])
+        };
+        let single_bound = (batch == 1).then(|| flop_bound(&cfg, shapes[0]));
+        line(
+            ratio_field,
+            &tm,
+            flops,
+            serde_json::json!({
+                "token_ratio": token_ratio,
+                "full_median_s": full.median,
+                "speedup": speedup,
+                "flop_bound": single_bound.unwrap_or(bound),
+                "fraction_of_bound": speedup / bound,
+            }),
+        );
+    }
     Ok(())
 }

@@ -2,6 +2,7 @@
 
 mod bench_step;
 mod devices;
+mod footprint;
 mod forward;
 
 use clap::{Parser, Subcommand};
@@ -34,6 +35,8 @@ pub enum Command {
     Forward(forward::Args),
     /// Time one transformer step of a named config with random weights; prints a JSON line.
     BenchStep(bench_step::Args),
+    /// Print the template cache size of models at a resolution (computed, not allocated).
+    Footprint(footprint::Args),
     /// List the compute devices this machine offers.
     Devices,
 }
@@ -47,6 +50,7 @@ pub fn run(cli: Cli) -> CliResult {
     match cli.command {
         Command::Forward(a) => forward::run(a),
         Command::BenchStep(a) => bench_step::run(a),
+        Command::Footprint(a) => footprint::run(a),
         Command::Devices => devices::run(),
     }
 }

@@ -5,6 +5,8 @@
 //! two attention products (QK^T and PV); norms, activations and modulation of a few
 //! rows are left out (well under 1% of a step).
 
+use denoised_runtime::DType;
+
 use super::config::FluxConfig;
 
 /// The shape of one request's step: `text` tokens, `active` image tokens computed,
@@ -60,6 +62,20 @@ pub fn forward_flops(c: &FluxConfig, s: StepShape) -> f64 {
     block_flops(c, s).iter().map(BlockFlops::total).sum::<f64>() + edges
 }
 
+/// Bytes of template cache one step of a request reads: the K|V rows of its inactive
+/// tokens for every block, and their latent after the step.
+pub fn cache_read_bytes(c: &FluxConfig, s: StepShape, dtype: DType) -> usize {
+    let inactive = s.image - s.active;
+    let blocks = c.num_layers + c.num_single_layers;
+    inactive * (blocks * 2 * c.hidden() + c.out_channels()) * dtype.size_bytes()
+}
+
+/// The per-step speedup bound of a masked step over a full one: the FLOP ratio, about
+/// `(T+L)/(T+A)` (DESIGN.md §Costs).
+pub fn flop_bound(c: &FluxConfig, s: StepShape) -> f64 {
+    forward_flops(c, StepShape::full(s.text, s.image)) / forward_flops(c, s)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -79,5 +95,31 @@ mod tests {
         );
         let ratio = full / masked;
         assert!((ratio - 4608.0 / 1331.0).abs() < 0.05, "{ratio}");
+        assert_eq!(
+            ratio,
+            flop_bound(
+                &c,
+                StepShape {
+                    text: 512,
+                    active: 819,
+                    image: 4096
+                }
+            )
+        );
+        // An empty edit reads every token's K/V; a full one reads nothing.
+        let none = cache_read_bytes(
+            &c,
+            StepShape {
+                text: 512,
+                active: 0,
+                image: 4096,
+            },
+            DType::BF16,
+        );
+        assert_eq!(none, 4096 * (57 * 2 * 3072 + 64) * 2);
+        assert_eq!(
+            cache_read_bytes(&c, StepShape::full(512, 4096), DType::BF16),
+            0
+        );
     }
 }

@@ -1,10 +1,11 @@
 //! Multi-head attention on the CPU, tiled like FlashAttention.
 //!
-//! For each (query span, head, tile of queries) the kernel streams keys and values in
-//! tiles, gathering each tile from its source rows (a range of a fresh buffer or an
-//! index into a cached one) into a small packed buffer that stays in L1/L2, and keeps
-//! an online softmax (running max and sum) so no score matrix is ever built. The two
-//! products per tile go through gemm. This is the CPU reference of the CUDA
+//! For each (sequence, head, chunk of up to 1024 queries) the kernel streams keys and
+//! values in tiles of 256: read in place from a range of a fresh buffer, or gathered
+//! through an index from a cached one into a small packed tile. Every query sub-tile
+//! of the chunk consumes the tile while it is hot in cache, with an online softmax
+//! (running max and sum) so no score matrix is ever built. The two products per tile go
+//! through gemm, reading queries and fresh keys through strides, without copies. This is the CPU reference of the CUDA
 //! masked-query attention kernel and has the same contract: keys may come from any mix
 //! of sources, which is what mask-aware editing needs, and the output overwrites the
 //! queries in place.
@@ -13,14 +14,18 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::matmul::{matmul, MatRef};
+use super::matmul::matmul_raw;
 use super::simd;
 use crate::backend::Rows;
 
-/// Query rows per work unit.
+/// Query rows per gemm call (one sub-tile of a unit's queries).
 const BQ: usize = 128;
 /// Keys per streamed tile.
 const BK: usize = 256;
+/// Query rows per work unit. Each unit streams every key of its sequence once, so
+/// bigger units gather cached keys fewer times; the cap bounds the unit's softmax
+/// state (`QCHUNK x head_dim` floats) and keeps enough units for all cores.
+const QCHUNK: usize = 1024;
 
 /// A row-major matrix reachable from several threads. Work units read K/V columns of
 /// any row and read-then-write the query columns of their own rows and head only; the
@@ -152,37 +157,41 @@ pub fn validate(
 /// Runs attention; call [`validate`] first.
 pub fn attention(bufs: &[Buf], q_col: usize, width: usize, heads: usize, seqs: &[Seq<'_>]) {
     let hd = width / heads;
-    let mut units = Vec::new();
+    // Units: (sequence, head, pieces of query rows totalling at most QCHUNK).
+    let mut units: Vec<(usize, usize, Vec<(usize, Range<usize>)>)> = Vec::new();
     for (si, s) in seqs.iter().enumerate() {
+        let mut chunks: Vec<Vec<(usize, Range<usize>)>> = vec![vec![]];
+        let mut fill = 0;
         for (b, rows) in &s.q {
-            for h in 0..heads {
-                let mut r = rows.start;
-                while r < rows.end {
-                    let e = (r + BQ).min(rows.end);
-                    units.push((si, *b, h, r, e));
-                    r = e;
+            let mut r = rows.start;
+            while r < rows.end {
+                if fill == QCHUNK {
+                    chunks.push(vec![]);
+                    fill = 0;
+                }
+                let e = (r + QCHUNK - fill).min(rows.end);
+                chunks.last_mut().expect("non-empty").push((*b, r..e));
+                fill += e - r;
+                r = e;
+            }
+        }
+        for h in 0..heads {
+            for c in &chunks {
+                if !c.is_empty() {
+                    units.push((si, h, c.clone()));
                 }
             }
         }
     }
     units.par_iter().for_each_init(
         || Scratch::new(hd),
-        |scratch, &(si, b, h, r0, r1)| {
-            attend_tile(
-                bufs[b],
-                q_col + h * hd,
-                hd,
-                h,
-                r0..r1,
-                &seqs[si].kv,
-                scratch,
-            );
+        |scratch, (si, h, pieces)| {
+            attend_unit(bufs, q_col + h * hd, hd, *h, pieces, &seqs[*si].kv, scratch)
         },
     );
 }
 
 struct Scratch {
-    qt: Vec<f32>,
     kt: Vec<f32>,
     vt: Vec<f32>,
     s: Vec<f32>,
@@ -194,109 +203,137 @@ struct Scratch {
 impl Scratch {
     fn new(hd: usize) -> Self {
         Scratch {
-            qt: vec![0.0; BQ * hd],
             kt: vec![0.0; BK * hd],
             vt: vec![0.0; BK * hd],
             s: vec![0.0; BQ * BK],
-            acc: vec![0.0; BQ * hd],
-            m: vec![0.0; BQ],
-            l: vec![0.0; BQ],
+            acc: vec![0.0; QCHUNK * hd],
+            m: vec![0.0; QCHUNK],
+            l: vec![0.0; QCHUNK],
         }
     }
 }
 
-fn attend_tile(
-    q: Buf,
+/// One (sequence, head, query chunk): streams the sequence's keys tile by tile; each
+/// tile is used by every query sub-tile of the chunk while it is hot in cache.
+fn attend_unit(
+    bufs: &[Buf],
     col: usize,
     hd: usize,
     h: usize,
-    rows: Range<usize>,
+    pieces: &[(usize, Range<usize>)],
     kv: &[Kv<'_>],
     sc: &mut Scratch,
 ) {
-    let bq = rows.len();
+    let n: usize = pieces.iter().map(|(_, r)| r.len()).sum();
     let scale = 1.0 / (hd as f32).sqrt();
-    for (i, r) in rows.clone().enumerate() {
-        // SAFETY: validated row/column; this unit owns these query elements.
-        let src = unsafe { std::slice::from_raw_parts(q.row(r, col, hd), hd) };
-        for (d, s) in sc.qt[i * hd..(i + 1) * hd].iter_mut().zip(src) {
-            *d = s * scale;
-        }
-    }
-    sc.m[..bq].fill(f32::NEG_INFINITY);
-    sc.l[..bq].fill(0.0);
-    sc.acc[..bq * hd].fill(0.0);
+    sc.m[..n].fill(f32::NEG_INFINITY);
+    sc.l[..n].fill(0.0);
+    sc.acc[..n * hd].fill(0.0);
 
     for src in kv {
-        let n = src.rows.len();
+        let total = src.rows.len();
         let (kc, vc) = (src.k_col + h * hd, src.v_col + h * hd);
         let mut t0 = 0;
-        while t0 < n {
-            let bk = (n - t0).min(BK);
-            for j in 0..bk {
-                let r = src.rows.get(t0 + j);
-                // SAFETY: validated rows and columns; K/V columns are never written
-                // during the call.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        src.buf.row(r, kc, hd),
-                        sc.kt.as_mut_ptr().add(j * hd),
-                        hd,
-                    );
-                    std::ptr::copy_nonoverlapping(
-                        src.buf.row(r, vc, hd),
-                        sc.vt.as_mut_ptr().add(j * hd),
-                        hd,
-                    );
+        while t0 < total {
+            let bk = (total - t0).min(BK);
+            // Keys and values of this tile: read in place from a range of rows, or
+            // gathered through the index into the packed scratch tiles.
+            let (kp, vp, rs) = match &src.rows {
+                Rows::Range(r) => (
+                    src.buf.row(r.start + t0, kc, hd) as *const f32,
+                    src.buf.row(r.start + t0, vc, hd) as *const f32,
+                    src.buf.cols,
+                ),
+                Rows::Index(_) => {
+                    for j in 0..bk {
+                        let r = src.rows.get(t0 + j);
+                        // SAFETY: validated rows and columns; K/V columns are never
+                        // written during the call.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                src.buf.row(r, kc, hd),
+                                sc.kt.as_mut_ptr().add(j * hd),
+                                hd,
+                            );
+                            std::ptr::copy_nonoverlapping(
+                                src.buf.row(r, vc, hd),
+                                sc.vt.as_mut_ptr().add(j * hd),
+                                hd,
+                            );
+                        }
+                    }
+                    (sc.kt.as_ptr(), sc.vt.as_ptr(), hd)
+                }
+            };
+            let mut i0 = 0; // row offset of the sub-tile in the unit's state
+            for (b, rows) in pieces {
+                let q = bufs[*b];
+                let mut r = rows.start;
+                while r < rows.end {
+                    let bq = (rows.end - r).min(BQ);
+                    // SAFETY: validated rows/columns; this unit is the only one that
+                    // touches these query elements, and reads K/V columns nobody writes.
+                    unsafe {
+                        matmul_raw(
+                            bq,
+                            bk,
+                            hd,
+                            sc.s.as_mut_ptr(),
+                            bk,
+                            (q.row(r, col, hd), q.cols, 1),
+                            (kp, 1, rs),
+                            scale,
+                            false,
+                        );
+                    }
+                    for i in 0..bq {
+                        let srow = &mut sc.s[i * bk..(i + 1) * bk];
+                        let si = i0 + i;
+                        let m_old = sc.m[si];
+                        let m_new = m_old.max(simd::max(srow));
+                        let corr = if m_old == f32::NEG_INFINITY {
+                            0.0
+                        } else {
+                            simd::exp(m_old - m_new)
+                        };
+                        let sum = simd::exp_sub_sum(srow, m_new);
+                        sc.l[si] = sc.l[si] * corr + sum;
+                        if corr != 1.0 {
+                            simd::scale(&mut sc.acc[si * hd..(si + 1) * hd], corr);
+                        }
+                        sc.m[si] = m_new;
+                    }
+                    // SAFETY: scratch buffers are sized for BQ x BK and QCHUNK x hd.
+                    unsafe {
+                        matmul_raw(
+                            bq,
+                            hd,
+                            bk,
+                            sc.acc.as_mut_ptr().add(i0 * hd),
+                            hd,
+                            (sc.s.as_ptr(), bk, 1),
+                            (vp, rs, 1),
+                            1.0,
+                            true,
+                        );
+                    }
+                    i0 += bq;
+                    r += bq;
                 }
             }
-            matmul(
-                bq,
-                bk,
-                hd,
-                &mut sc.s,
-                bk,
-                MatRef::row_major(&sc.qt, hd),
-                MatRef::transposed(&sc.kt[..bk * hd], hd),
-                false,
-                false,
-            );
-            for i in 0..bq {
-                let srow = &mut sc.s[i * bk..(i + 1) * bk];
-                let m_old = sc.m[i];
-                let m_new = m_old.max(simd::max(srow));
-                let corr = if m_old == f32::NEG_INFINITY {
-                    0.0
-                } else {
-                    simd::exp(m_old - m_new)
-                };
-                let sum = simd::exp_sub_sum(srow, m_new);
-                sc.l[i] = sc.l[i] * corr + sum;
-                if corr != 1.0 {
-                    simd::scale(&mut sc.acc[i * hd..(i + 1) * hd], corr);
-                }
-                sc.m[i] = m_new;
-            }
-            matmul(
-                bq,
-                hd,
-                bk,
-                &mut sc.acc,
-                hd,
-                MatRef::row_major(&sc.s[..bq * bk], bk),
-                MatRef::row_major(&sc.vt[..bk * hd], hd),
-                true,
-                false,
-            );
             t0 += bk;
         }
     }
-    for (i, r) in rows.enumerate() {
-        let inv = if sc.l[i] > 0.0 { 1.0 / sc.l[i] } else { 0.0 };
-        // SAFETY: this unit owns columns col..col+hd of rows `rows` (see Buf).
-        let dst = unsafe { std::slice::from_raw_parts_mut(q.row(r, col, hd), hd) };
-        for (d, a) in dst.iter_mut().zip(&sc.acc[i * hd..(i + 1) * hd]) {
-            *d = a * inv;
+    let mut i0 = 0;
+    for (b, rows) in pieces {
+        for r in rows.clone() {
+            let inv = if sc.l[i0] > 0.0 { 1.0 / sc.l[i0] } else { 0.0 };
+            // SAFETY: this unit owns columns col..col+hd of its query rows (see Buf).
+            let dst = unsafe { std::slice::from_raw_parts_mut(bufs[*b].row(r, col, hd), hd) };
+            for (d, a) in dst.iter_mut().zip(&sc.acc[i0 * hd..(i0 + 1) * hd]) {
+                *d = a * inv;
+            }
+            i0 += 1;
         }
     }
 }
@@ -439,6 +476,74 @@ mod tests {
         for (a, b) in fused.chunks(fw).zip(orig.chunks(fw)) {
             assert_eq!(a[width..], b[width..]);
         }
+    }
+
+    /// Queries in two buffers (text and image streams of a double block) whose total
+    /// crosses the QCHUNK boundary, keys from both plus a cache.
+    #[test]
+    fn chunks_spanning_two_buffers() {
+        let (heads, hd) = (2, 8);
+        let width = heads * hd;
+        let fw = 3 * width;
+        let (nt, ni) = (300, 900);
+        let mut txt = data(nt * fw, 7);
+        let mut img = data(ni * fw, 8);
+        let (txt0, img0) = (txt.clone(), img.clone());
+        let cache = data(50 * 2 * width, 9);
+        let idx: Vec<u32> = (0..50).rev().collect();
+        let (tb, ib) = (Buf::new(&mut txt, fw), Buf::new(&mut img, fw));
+        let cb = Buf::external(&cache, 2 * width);
+        let seq = Seq {
+            q: vec![(0, 0..nt), (1, 0..ni)],
+            kv: vec![
+                Kv {
+                    buf: tb,
+                    k_col: width,
+                    v_col: 2 * width,
+                    rows: Rows::Range(0..nt),
+                },
+                Kv {
+                    buf: ib,
+                    k_col: width,
+                    v_col: 2 * width,
+                    rows: Rows::Range(0..ni),
+                },
+                Kv {
+                    buf: cb,
+                    k_col: 0,
+                    v_col: width,
+                    rows: Rows::Index(&idx),
+                },
+            ],
+        };
+        validate(&[tb, ib], 0, width, heads, std::slice::from_ref(&seq)).unwrap();
+        attention(&[tb, ib], 0, width, heads, &[seq]);
+        // Reference over the joint [txt; img] matrix.
+        let joint: Vec<f32> = txt0.iter().chain(&img0).copied().collect();
+        let kv_view: Vec<f32> = joint.chunks(fw).flat_map(|r| r[width..].to_vec()).collect();
+        let idxu: Vec<usize> = idx.iter().map(|&i| i as usize).collect();
+        let want = naive(
+            &joint,
+            fw,
+            0..nt + ni,
+            &[
+                (&kv_view, 2 * width, (0..nt + ni).collect()),
+                (&cache, 2 * width, idxu),
+            ],
+            width,
+            heads,
+        );
+        let got: Vec<f32> = txt
+            .chunks(fw)
+            .chain(img.chunks(fw))
+            .flat_map(|r| r[..width].to_vec())
+            .collect();
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 2e-5, "max abs diff {worst}");
     }
 
     #[test]

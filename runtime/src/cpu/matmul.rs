@@ -31,6 +31,51 @@ impl<'a> MatRef<'a> {
     }
 }
 
+/// Raw-pointer form of [`matmul`] with a scale on the product:
+/// `dst = (accumulate ? dst : 0) + scale * lhs @ rhs`, single-threaded.
+///
+/// # Safety
+/// Every element `lhs[i*lhs_rs + j*lhs_cs]` (i < m, j < k), `rhs[..]` (k x n) and
+/// `dst[i*dst_rs + j]` (i < m, j < n) must be valid, `dst` must not alias `lhs` or
+/// `rhs`, and no other thread may write the elements read or touch those written.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn matmul_raw(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    lhs: (*const f32, usize, usize),
+    rhs: (*const f32, usize, usize),
+    scale: f32,
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 || k == 0 {
+        return;
+    }
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        accumulate,
+        lhs.0,
+        lhs.2 as isize,
+        lhs.1 as isize,
+        rhs.0,
+        rhs.2 as isize,
+        rhs.1 as isize,
+        1.0,
+        scale,
+        false,
+        false,
+        false,
+        Parallelism::None,
+    )
+}
+
 /// `dst[m,n] = (accumulate ? dst : 0) + lhs[m,k] @ rhs[k,n]`, with `dst` row-major with
 /// row stride `dst_rs`. `parallel` lets gemm split the work over the rayon pool; pass
 /// false when already inside a parallel loop.

@@ -1,0 +1,76 @@
+//! `denoised footprint`: the template cache size of a model at a resolution, computed
+//! from the layout (nothing is allocated). Capacity planning for the cache tiers
+//! starts here.
+
+use denoised_models::flux::template::TemplateLayout;
+use denoised_models::FluxConfig;
+use denoised_runtime::DType;
+
+use super::CliResult;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Named configs to report, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "flux-small,flux1-fill-dev"
+    )]
+    pub config: Vec<String>,
+    /// Image height and width in pixels.
+    #[arg(long, default_value_t = 1024)]
+    pub height: usize,
+    #[arg(long, default_value_t = 1024)]
+    pub width: usize,
+    /// VAE downsampling factor (8 for FLUX.1; the tiny fixture model uses 2).
+    #[arg(long, default_value_t = 8)]
+    pub vae_scale_factor: usize,
+    /// Denoising steps the template is captured for.
+    #[arg(long, default_value_t = 28)]
+    pub steps: usize,
+    /// Storage dtype of the cache: f32, bf16 or f16.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+pub fn run(a: Args) -> CliResult {
+    let dtype = match a.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        other => {
+            return Err(format!("unknown --dtype `{other}`: expected f32, bf16 or f16").into())
+        }
+    };
+    let tok = 2 * a.vae_scale_factor;
+    if a.height == 0 || a.width == 0 || a.height % tok != 0 || a.width % tok != 0 {
+        return Err(format!(
+            "{}x{} is not a positive multiple of the {tok}-pixel token size",
+            a.width, a.height
+        )
+        .into());
+    }
+    let tokens = (a.height / tok) * (a.width / tok);
+    for name in &a.config {
+        let cfg = FluxConfig::named(name).ok_or_else(|| {
+            format!(
+                "unknown config `{name}`; known: {}",
+                FluxConfig::NAMES.join(", ")
+            )
+        })?;
+        let l = TemplateLayout::for_model(&cfg, tokens, a.steps, dtype);
+        println!(
+            "{}",
+            serde_json::json!({
+                "config": name, "height": a.height, "width": a.width, "image_tokens": tokens,
+                "steps": a.steps, "blocks": l.blocks, "hidden": l.hidden, "dtype": a.dtype,
+                "kv_slab_bytes": l.kv_slab_bytes(), "bytes_per_step": l.kv_bytes_per_step() + l.latent_bytes(),
+                "total_bytes": l.total_bytes(), "total_gib": l.total_bytes() as f64 / GIB,
+                "total_gb": l.total_bytes() as f64 / 1e9,
+            })
+        );
+    }
+    Ok(())
+}
