@@ -8,6 +8,8 @@ pub mod flux;
 pub mod mask;
 pub mod scheduler;
 pub mod source;
+pub mod text;
+pub mod vae;
 
 pub use flux::{FluxConfig, FluxInputs, FluxTransformer};
 pub use scheduler::FlowMatchEuler;

@@ -1,0 +1,1 @@
+//! AutoencoderKL as FLUX.1 uses it (work in progress).
