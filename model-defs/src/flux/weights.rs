@@ -149,8 +149,9 @@ pub fn param_specs(c: &FluxConfig) -> Vec<(String, Vec<usize>)> {
     v
 }
 
-/// Host tensors by name, from a directory or a generator.
-trait Source {
+/// Host tensors by name, from a directory or a generator. Every model's loader takes
+/// one, so the built-in (seeded) models and real checkpoints share one code path.
+pub trait Source {
     fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
 }
 
