@@ -6,6 +6,7 @@
 
 pub mod flux;
 pub mod mask;
+pub mod pipeline;
 pub mod scheduler;
 pub mod source;
 pub mod text;

@@ -1,0 +1,139 @@
+//! FluxFillPipeline's tensor plumbing: latent packing, the Fill conditioning (masked
+//! image and space-to-depth mask), exactly as diffusers builds them (fixture README,
+//! "Packing" and "Fill conditioning").
+//!
+//! Packed layouts: a latent `[C, h, w]` (h, w even) becomes `[(h/2)*(w/2), 4C]`, token
+//! `r*(w/2) + c` row-major over 2x2 patches, channel `ch*4 + dy*2 + dx`.
+
+use denoised_runtime::{Error, Result, Tensor};
+
+use super::image::Mask;
+
+/// `[C, h, w]` planar -> `[(h/2)*(w/2), 4C]` packed tokens.
+pub fn pack_latents(lat: &[f32], c: usize, h: usize, w: usize) -> Result<Tensor> {
+    if h % 2 != 0 || w % 2 != 0 || lat.len() != c * h * w {
+        return Err(Error::Invalid(format!(
+            "cannot pack a latent of {} values as [{c}, {h}, {w}]",
+            lat.len()
+        )));
+    }
+    let (th, tw) = (h / 2, w / 2);
+    let mut out = vec![0.0f32; c * h * w];
+    for r in 0..th {
+        for col in 0..tw {
+            let t = r * tw + col;
+            for ch in 0..c {
+                for dy in 0..2 {
+                    for dx in 0..2 {
+                        out[t * 4 * c + ch * 4 + dy * 2 + dx] =
+                            lat[ch * h * w + (2 * r + dy) * w + 2 * col + dx];
+                    }
+                }
+            }
+        }
+    }
+    Tensor::new([th * tw, 4 * c], out)
+}
+
+/// The inverse of [`pack_latents`]: `[(h/2)*(w/2), 4C]` -> `[C, h, w]`.
+pub fn unpack_latents(t: &Tensor, h: usize, w: usize) -> Result<Vec<f32>> {
+    let (th, tw) = (h / 2, w / 2);
+    let c = t.cols() / 4;
+    if t.shape() != [th * tw, 4 * c] || h % 2 != 0 || w % 2 != 0 {
+        return Err(Error::Invalid(format!(
+            "cannot unpack {:?} to a {h}x{w} latent",
+            t.shape()
+        )));
+    }
+    let mut out = vec![0.0f32; c * h * w];
+    for r in 0..th {
+        for col in 0..tw {
+            let row = t.row(r * tw + col);
+            for ch in 0..c {
+                for dy in 0..2 {
+                    for dx in 0..2 {
+                        out[ch * h * w + (2 * r + dy) * w + 2 * col + dx] =
+                            row[ch * 4 + dy * 2 + dx];
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The packed Fill mask `[(h/2)*(w/2), 4*vsf*vsf]`: space-to-depth by the VAE factor
+/// (channel `dy*vsf + dx` for pixel `(y*vsf+dy, x*vsf+dx)`), then packed like latents.
+/// No interpolation: every pixel of the mask is kept.
+pub fn pack_mask(mask: &Mask, vsf: usize) -> Result<Tensor> {
+    let (hh, ww) = (mask.height, mask.width);
+    if vsf == 0 || hh % (2 * vsf) != 0 || ww % (2 * vsf) != 0 {
+        return Err(Error::Invalid(format!(
+            "mask {ww}x{hh} is not a multiple of {}",
+            2 * vsf
+        )));
+    }
+    let (h, w) = (hh / vsf, ww / vsf);
+    let c = vsf * vsf;
+    let mut s2d = vec![0.0f32; c * h * w];
+    for y in 0..hh {
+        for x in 0..ww {
+            if mask.data[y * ww + x] {
+                s2d[((y % vsf) * vsf + x % vsf) * h * w + (y / vsf) * w + x / vsf] = 1.0;
+            }
+        }
+    }
+    pack_latents(&s2d, c, h, w)
+}
+
+/// `image * (1 - mask)` on `[3, H, W]` planar model-space pixels: masked pixels become 0.
+pub fn masked_image(image: &[f32], mask: &Mask) -> Vec<f32> {
+    let n = mask.width * mask.height;
+    image
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| if mask.data[i % n] { 0.0 } else { v })
+        .collect()
+}
+
+/// `pack((z - shift) * scale)`: VAE latents `[C, h, w]` to the transformer's space.
+pub fn normalize_and_pack(
+    z: &[f32],
+    c: usize,
+    h: usize,
+    w: usize,
+    shift: f32,
+    scale: f32,
+) -> Result<Tensor> {
+    let norm: Vec<f32> = z.iter().map(|v| (v - shift) * scale).collect();
+    pack_latents(&norm, c, h, w)
+}
+
+/// `unpack(x) / scale + shift`: the decoder's input from packed transformer latents.
+pub fn unpack_and_denormalize(
+    t: &Tensor,
+    h: usize,
+    w: usize,
+    shift: f32,
+    scale: f32,
+) -> Result<Vec<f32>> {
+    Ok(unpack_latents(t, h, w)?
+        .into_iter()
+        .map(|v| v / scale + shift)
+        .collect())
+}
+
+/// Concatenates per-token rows: `[N, a] ++ [N, b] -> [N, a+b]`.
+pub fn concat_rows(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.rows() != b.rows() {
+        return Err(Error::Invalid(format!(
+            "cannot concatenate {:?} and {:?}",
+            a.shape(),
+            b.shape()
+        )));
+    }
+    let data = (0..a.rows())
+        .flat_map(|r| a.row(r).iter().chain(b.row(r)).copied().collect::<Vec<_>>())
+        .collect();
+    Tensor::new([a.rows(), a.cols() + b.cols()], data)
+}

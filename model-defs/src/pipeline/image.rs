@@ -1,0 +1,268 @@
+//! Images in and out: decoding PNG/JPEG uploads, binarising masks, encoding results.
+//!
+//! Conventions follow diffusers' `VaeImageProcessor` as FluxFillPipeline configures it,
+//! so that results match the reference pipeline bit for bit:
+//!
+//! - **Images** are converted to RGB, scaled to [0, 1] (`u8 / 255`) and normalised to
+//!   [-1, 1] (`2x - 1`). Sizes must be multiples of the token size `2 * vae_scale_factor`
+//!   (16 for FLUX.1): other sizes are **rejected**, not resized, because resizing would
+//!   change every pixel, and paste-back promises that unmasked pixels come back exactly.
+//! - **Masks** may be grayscale, grayscale+alpha, RGB or RGBA images of the same size as
+//!   the image. They are converted to luminance as PIL's `convert("L")` does
+//!   (`(19595 R + 38470 G + 7471 B + 32768) >> 16`, alpha ignored), scaled by 1/255 and
+//!   binarised: `>= 0.5` (luminance 128 and up) means "repaint".
+//! - Decoding is bounded: dimensions are read from the header and checked against the
+//!   pixel limit before any pixel buffer is allocated.
+
+use std::io::Cursor;
+
+use denoised_runtime::{Error, Result};
+use image::{DynamicImage, ImageFormat, ImageReader};
+
+/// An RGB image, 8 bits per channel, row-major `[H, W, 3]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rgb8 {
+    pub width: usize,
+    pub height: usize,
+    pub data: Vec<u8>,
+}
+
+/// A binary mask, row-major `[H, W]`; `true` = repaint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mask {
+    pub width: usize,
+    pub height: usize,
+    pub data: Vec<bool>,
+}
+
+impl Mask {
+    /// Share of masked pixels.
+    pub fn ratio(&self) -> f64 {
+        self.data.iter().filter(|&&m| m).count() as f64 / self.data.len().max(1) as f64
+    }
+}
+
+/// Limits on what a decode may produce.
+#[derive(Clone, Copy, Debug)]
+pub struct ImageLimits {
+    /// Largest accepted width x height.
+    pub max_pixels: usize,
+    /// Sides must be multiples of this (2 * vae_scale_factor).
+    pub multiple_of: usize,
+}
+
+fn decode(bytes: &[u8], what: &str, limits: &ImageLimits) -> Result<DynamicImage> {
+    if bytes.is_empty() {
+        return Err(Error::Invalid(format!("{what}: empty input")));
+    }
+    let reader = ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| Error::Invalid(format!("{what}: cannot read: {e}")))?;
+    match reader.format() {
+        Some(ImageFormat::Png) | Some(ImageFormat::Jpeg) => {}
+        Some(f) => {
+            return Err(Error::Invalid(format!(
+                "{what}: {f:?} images are not supported (use PNG or JPEG)"
+            )))
+        }
+        None => return Err(Error::Invalid(format!("{what}: not a PNG or JPEG image"))),
+    }
+    let (w, h) = reader
+        .into_dimensions()
+        .map_err(|e| Error::Invalid(format!("{what}: corrupt or truncated image header: {e}")))?;
+    check_size(what, w as usize, h as usize, limits)?;
+    let mut reader = ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
+    let mut lim = image::Limits::default();
+    lim.max_image_width = Some(w);
+    lim.max_image_height = Some(h);
+    lim.max_alloc = Some((limits.max_pixels as u64) * 16 + (1 << 20));
+    reader.limits(lim);
+    reader
+        .decode()
+        .map_err(|e| Error::Invalid(format!("{what}: corrupt or truncated image: {e}")))
+}
+
+fn check_size(what: &str, w: usize, h: usize, limits: &ImageLimits) -> Result<()> {
+    if w == 0 || h == 0 {
+        return Err(Error::Invalid(format!(
+            "{what}: zero-sized image ({w}x{h})"
+        )));
+    }
+    if w * h > limits.max_pixels {
+        return Err(Error::Invalid(format!(
+            "{what}: {w}x{h} = {} pixels exceeds the limit of {}",
+            w * h,
+            limits.max_pixels
+        )));
+    }
+    let m = limits.multiple_of.max(1);
+    if w % m != 0 || h % m != 0 {
+        return Err(Error::Invalid(format!(
+            "{what}: {w}x{h} is not a multiple of {m} pixels in both sides (the model's token size); crop or pad it first"
+        )));
+    }
+    Ok(())
+}
+
+/// Decodes an uploaded image (PNG or JPEG) to RGB.
+pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<Rgb8> {
+    let img = decode(bytes, "image", limits)?.into_rgb8();
+    Ok(Rgb8 {
+        width: img.width() as usize,
+        height: img.height() as usize,
+        data: img.into_raw(),
+    })
+}
+
+/// Decodes a mask image and binarises it; it must be `width x height`.
+pub fn decode_mask(
+    bytes: &[u8],
+    width: usize,
+    height: usize,
+    limits: &ImageLimits,
+) -> Result<Mask> {
+    let img = decode(bytes, "mask", limits)?;
+    let (w, h) = (img.width() as usize, img.height() as usize);
+    if (w, h) != (width, height) {
+        return Err(Error::Invalid(format!(
+            "mask is {w}x{h} but the image is {width}x{height}"
+        )));
+    }
+    let lum: Vec<u8> = match img {
+        DynamicImage::ImageLuma8(g) => g.into_raw(),
+        DynamicImage::ImageLumaA8(g) => g.into_raw().chunks_exact(2).map(|p| p[0]).collect(),
+        other => other
+            .into_rgb8()
+            .into_raw()
+            .chunks_exact(3)
+            .map(|p| pil_luma(p[0], p[1], p[2]))
+            .collect(),
+    };
+    Ok(Mask {
+        width,
+        height,
+        data: lum.into_iter().map(|l| l >= 128).collect(),
+    })
+}
+
+/// PIL's RGB -> L conversion (ITU-R 601-2 luma in 16-bit fixed point).
+pub fn pil_luma(r: u8, g: u8, b: u8) -> u8 {
+    ((r as u32 * 19595 + g as u32 * 38470 + b as u32 * 7471 + 0x8000) >> 16) as u8
+}
+
+/// `[3, H, W]` planar floats in [-1, 1], as `VaeImageProcessor.preprocess` makes them.
+pub fn to_model_space(img: &Rgb8) -> Vec<f32> {
+    let n = img.width * img.height;
+    let mut out = vec![0.0f32; 3 * n];
+    for (i, px) in img.data.chunks_exact(3).enumerate() {
+        for c in 0..3 {
+            out[c * n + i] = 2.0 * (px[c] as f32 / 255.0) - 1.0;
+        }
+    }
+    out
+}
+
+/// The pipeline's output conversion: `[3, H, W]` raw decoder output to 8-bit RGB:
+/// `clamp(x * 0.5 + 0.5, 0, 1)`, then `round(x * 255)`.
+pub fn from_model_space(planar: &[f32], width: usize, height: usize) -> Rgb8 {
+    let n = width * height;
+    let mut data = vec![0u8; 3 * n];
+    for i in 0..n {
+        for c in 0..3 {
+            let v = (planar[c * n + i] * 0.5 + 0.5).clamp(0.0, 1.0);
+            data[i * 3 + c] = (v * 255.0).round() as u8;
+        }
+    }
+    Rgb8 {
+        width,
+        height,
+        data,
+    }
+}
+
+/// Encodes RGB as PNG.
+pub fn encode_png(img: &Rgb8) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    let buf = image::RgbImage::from_raw(img.width as u32, img.height as u32, img.data.clone())
+        .ok_or_else(|| Error::Invalid("image buffer does not match its size".into()))?;
+    buf.write_to(&mut Cursor::new(&mut out), ImageFormat::Png)
+        .map_err(|e| Error::Invalid(format!("PNG encode: {e}")))?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIM: ImageLimits = ImageLimits {
+        max_pixels: 4096 * 4096,
+        multiple_of: 4,
+    };
+
+    fn png(img: DynamicImage) -> Vec<u8> {
+        let mut v = Vec::new();
+        img.write_to(&mut Cursor::new(&mut v), ImageFormat::Png)
+            .unwrap();
+        v
+    }
+
+    #[test]
+    fn luma_matches_pil() {
+        // Values computed with PIL's Image.convert("L") on single pixels.
+        assert_eq!(pil_luma(255, 255, 255), 255);
+        assert_eq!(pil_luma(0, 0, 0), 0);
+        assert_eq!(pil_luma(255, 0, 0), 76);
+        assert_eq!(pil_luma(0, 255, 0), 150);
+        assert_eq!(pil_luma(0, 0, 255), 29);
+        assert_eq!(pil_luma(128, 128, 128), 128);
+    }
+
+    #[test]
+    fn mask_formats_binarise_alike() {
+        let (w, h) = (8, 4);
+        let gray = image::GrayImage::from_fn(w, h, |x, _| image::Luma([(x * 36) as u8]));
+        let want: Vec<bool> = (0..h).flat_map(|_| (0..w).map(|x| x * 36 >= 128)).collect();
+        let rgb = DynamicImage::ImageLuma8(gray.clone()).into_rgb8();
+        let rgba = DynamicImage::ImageLuma8(gray.clone()).into_rgba8();
+        for bytes in [
+            png(DynamicImage::ImageLuma8(gray)),
+            png(DynamicImage::ImageRgb8(rgb)),
+            png(DynamicImage::ImageRgba8(rgba)),
+        ] {
+            let m = decode_mask(&bytes, 8, 4, &LIM).unwrap();
+            assert_eq!(m.data, want);
+        }
+    }
+
+    #[test]
+    fn bad_inputs_are_clear_errors() {
+        let ok = png(DynamicImage::ImageRgb8(image::RgbImage::new(8, 8)));
+        let err = |r: Result<Rgb8>| r.unwrap_err().to_string();
+        assert!(err(decode_image(&ok[..ok.len() / 2], &LIM)).contains("corrupt or truncated"));
+        assert!(err(decode_image(b"not an image at all", &LIM)).contains("not a PNG or JPEG"));
+        assert!(err(decode_image(&[], &LIM)).contains("empty"));
+        let odd = png(DynamicImage::ImageRgb8(image::RgbImage::new(10, 8)));
+        assert!(err(decode_image(&odd, &LIM)).contains("not a multiple of 4"));
+        let small = ImageLimits {
+            max_pixels: 32,
+            multiple_of: 4,
+        };
+        assert!(err(decode_image(&ok, &small)).contains("exceeds the limit"));
+        let e = decode_mask(&ok, 16, 8, &LIM).unwrap_err().to_string();
+        assert!(e.contains("mask is 8x8 but the image is 16x8"), "{e}");
+        let e = decode_mask(b"hello", 8, 8, &LIM).unwrap_err().to_string();
+        assert!(e.starts_with("mask:"), "{e}");
+    }
+
+    #[test]
+    fn png_round_trip() {
+        let img = Rgb8 {
+            width: 4,
+            height: 4,
+            data: (0..48).map(|i| (i * 5) as u8).collect(),
+        };
+        assert_eq!(decode_image(&encode_png(&img).unwrap(), &LIM).unwrap(), img);
+    }
+}

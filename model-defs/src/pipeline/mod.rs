@@ -1,0 +1,6 @@
+//! The FLUX.1 Fill pipeline around the transformer: images and masks in, Fill
+//! conditioning, latents out through the VAE, paste-back.
+
+pub mod fill;
+pub mod image;
+pub mod paste;
