@@ -11,6 +11,7 @@ pub mod edit;
 pub mod embed;
 pub mod model;
 pub mod template;
+pub mod template_file;
 pub mod weights;
 
 pub use config::FluxConfig;
