@@ -2,6 +2,7 @@
 
 mod bench_step;
 mod devices;
+mod edit;
 mod footprint;
 mod forward;
 
@@ -35,10 +36,22 @@ pub enum Command {
     Forward(forward::Args),
     /// Time one transformer step of a named config with random weights; prints a JSON line.
     BenchStep(bench_step::Args),
+    /// Edit an image: inpaint the masked region from a prompt (FLUX.1 Fill). With
+    /// --template, only the masked tokens are computed.
+    Edit(edit::EditArgs),
+    /// Template management.
+    #[command(subcommand)]
+    Template(TemplateCommand),
     /// Print the template cache size of models at a resolution (computed, not allocated).
     Footprint(footprint::Args),
     /// List the compute devices this machine offers.
     Devices,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum TemplateCommand {
+    /// Capture a template: a full run over the image whose activations edits reuse.
+    Capture(edit::CaptureArgs),
 }
 
 pub fn run(cli: Cli) -> CliResult {
@@ -50,6 +63,8 @@ pub fn run(cli: Cli) -> CliResult {
     match cli.command {
         Command::Forward(a) => forward::run(a),
         Command::BenchStep(a) => bench_step::run(a),
+        Command::Edit(a) => edit::run_edit(a),
+        Command::Template(TemplateCommand::Capture(a)) => edit::run_capture(a),
         Command::Footprint(a) => footprint::run(a),
         Command::Devices => devices::run(),
     }

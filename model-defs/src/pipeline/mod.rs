@@ -2,5 +2,6 @@
 //! conditioning, latents out through the VAE, paste-back.
 
 pub mod fill;
+pub mod flux_fill;
 pub mod image;
 pub mod paste;

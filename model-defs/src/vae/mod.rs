@@ -1,1 +1,17 @@
-//! AutoencoderKL as FLUX.1 uses it (work in progress).
+//! AutoencoderKL as FLUX.1 uses it: images to latents (encode) and back (decode), on
+//! the CPU, numerically matching diffusers.
+//!
+//! - [`config`]: `vae/config.json`, validated (only the FLUX variant: no quant convs).
+//! - [`weights`]: the parameter set, loaded from diffusers or generated from a seed.
+//! - [`model`]: [`AutoencoderKL`], the encoder and decoder forward passes.
+//!
+//! The convolution, GroupNorm and upsampling kernels live in
+//! `denoised_runtime::cpu::conv`; the mid-block attention reuses the runtime's CPU
+//! attention kernel.
+
+pub mod config;
+pub mod model;
+pub mod weights;
+
+pub use config::VaeConfig;
+pub use model::AutoencoderKL;

@@ -5,6 +5,7 @@
 //! crate; the other ops are hand-written loops, vectorised through [`simd`].
 
 pub mod attention;
+pub mod conv;
 pub mod matmul;
 pub mod norm;
 pub mod simd;

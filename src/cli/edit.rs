@@ -1,0 +1,317 @@
+//! `denoised edit` and `denoised template capture`: the FLUX.1 Fill pipeline from the
+//! command line, in one process. With `--template`, the edit is mask-aware: only the
+//! masked tokens are computed, against the template's cached activations.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use denoised_models::flux::edit::{step_batch, Job, Mode};
+use denoised_models::flux::template::{TemplateCache, TemplateLayout};
+use denoised_models::flux::template_file::{self, TemplateMeta};
+use denoised_models::mask::TokenMask;
+use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Timings};
+use denoised_models::pipeline::image::{decode_image, decode_mask, encode_png, Mask};
+use denoised_models::ModelSource;
+use denoised_runtime::weights::SafetensorsFile;
+use denoised_runtime::{CpuBackend, DType, Tensor};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::{CliResult, DeviceArgs};
+
+/// Options shared by edits and captures.
+#[derive(clap::Args, Debug)]
+pub struct Common {
+    /// Model: a diffusers FLUX.1 Fill directory, or `builtin`.
+    #[arg(long, env = "DENOISED_MODEL", default_value = "builtin")]
+    pub model: ModelSource,
+    /// The prompt. Longer prompts are truncated to the encoders' maximum length, as
+    /// diffusers does (with a warning).
+    #[arg(long, default_value = "")]
+    pub prompt: String,
+    /// Denoising steps [default: 28, or the template's].
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Guidance scale [default: 30, or the template's].
+    #[arg(long)]
+    pub guidance: Option<f32>,
+    /// Seed of the initial noise and the VAE posterior sample.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// T5 sequence length.
+    #[arg(long, default_value_t = 512)]
+    pub max_sequence_length: usize,
+    /// Print per-stage timings as one JSON line on stdout.
+    #[arg(long)]
+    pub timings: bool,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct EditArgs {
+    #[command(flatten)]
+    pub common: Common,
+    /// Input image (PNG or JPEG). Optional with --template (the template's image).
+    #[arg(long)]
+    pub image: Option<PathBuf>,
+    /// Mask image of the same size: white (>= 50% luminance) = repaint.
+    #[arg(long)]
+    pub mask: PathBuf,
+    /// A captured template directory: compute only the masked tokens.
+    #[arg(long)]
+    pub template: Option<PathBuf>,
+    /// Extra ring of computed tokens around the mask (template edits).
+    #[arg(long, default_value_t = 0)]
+    pub dilation: usize,
+    /// Safetensors with `initial_latents` (packed noise) and optionally `posterior_eps`,
+    /// e.g. a reference case file, to reproduce a diffusers run exactly.
+    #[arg(long)]
+    pub noise: Option<PathBuf>,
+    /// Return the decoded image as is, without pasting back the original pixels
+    /// outside the mask (for comparisons with diffusers).
+    #[arg(long)]
+    pub no_paste_back: bool,
+    /// Feather width at the seam in pixels (inside the mask).
+    #[arg(long, default_value_t = 3)]
+    pub feather: usize,
+    /// Output PNG.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct CaptureArgs {
+    #[command(flatten)]
+    pub common: Common,
+    /// Template image (PNG or JPEG).
+    #[arg(long)]
+    pub image: PathBuf,
+    /// Output directory (template.json, cache.bin, image.png, reconstruction.png).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+fn read(path: &Path) -> CliResult<Vec<u8>> {
+    std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()).into())
+}
+
+fn progress(steps: usize) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(steps as u64);
+    if let Ok(style) = ProgressStyle::with_template(
+        "{spinner} denoising [{bar:30}] step {pos}/{len} {elapsed_precise}",
+    ) {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb
+}
+
+fn load_pipeline(c: &Common) -> CliResult<FluxFill<CpuBackend>> {
+    Ok(FluxFill::load(&c.model, c.device.cpu_backend()?)?)
+}
+
+fn read_noise(path: &Path) -> CliResult<Noise> {
+    let f = SafetensorsFile::open(path)?;
+    let get = |n: &str| -> CliResult<Option<Tensor>> {
+        Ok(if f.contains(n) {
+            Some(f.tensor_f32(n)?)
+        } else {
+            None
+        })
+    };
+    let noise = Noise {
+        initial_latents: get("initial_latents")?,
+        posterior_eps: get("posterior_eps")?,
+    };
+    if noise.initial_latents.is_none() {
+        return Err(format!("{}: no `initial_latents` tensor", path.display()).into());
+    }
+    Ok(noise)
+}
+
+/// Runs a job to the end with a progress bar.
+fn denoise(
+    p: &FluxFill<CpuBackend>,
+    mut job: Job<'_>,
+    steps: usize,
+    t: &mut Timings,
+) -> CliResult<Tensor> {
+    let pb = progress(steps);
+    let t0 = Instant::now();
+    while !job.done() {
+        step_batch(&p.transformer, &mut [&mut job])?;
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    t.denoise_s += t0.elapsed().as_secs_f64();
+    Ok(job.into_latents())
+}
+
+fn write_png(
+    path: &Path,
+    img: &denoised_models::pipeline::image::Rgb8,
+    t: &mut Timings,
+) -> CliResult {
+    let t0 = Instant::now();
+    let png = encode_png(img)?;
+    t.png_encode_s += t0.elapsed().as_secs_f64();
+    std::fs::write(path, png).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(())
+}
+
+fn report(c: &Common, t: &Timings, what: &str, out: &Path) {
+    eprintln!("{what}: wrote {}", out.display());
+    if c.timings {
+        println!("{}", serde_json::to_string(t).unwrap_or_default());
+    }
+}
+
+pub fn run_edit(a: EditArgs) -> CliResult {
+    let c = &a.common;
+    let p = load_pipeline(c)?;
+    let mut t = Timings::default();
+    let template = match &a.template {
+        Some(dir) => Some((dir.clone(), template_file::read_meta(dir)?)),
+        None => None,
+    };
+    let image_path = match (&a.image, &template) {
+        (Some(i), _) => i.clone(),
+        (None, Some((dir, _))) => dir.join("image.png"),
+        (None, None) => return Err("--image is required without --template".into()),
+    };
+    let image = decode_image(&read(&image_path)?, &p.limits)
+        .map_err(|e| format!("{}: {e}", image_path.display()))?;
+    let mask = decode_mask(&read(&a.mask)?, image.width, image.height, &p.limits)
+        .map_err(|e| format!("{}: {e}", a.mask.display()))?;
+    let (steps, guidance) = match &template {
+        Some((_, m)) => {
+            for (flag, given, have) in [
+                ("--steps", c.steps.map(|s| s as f32), m.steps as f32),
+                ("--guidance", c.guidance, m.guidance),
+            ] {
+                if given.is_some_and(|g| g != have) {
+                    return Err(format!("{flag} {} differs from the template's {have}: a template serves only the steps and guidance it was captured with", given.unwrap_or_default()).into());
+                }
+            }
+            (m.steps, m.guidance)
+        }
+        None => (c.steps.unwrap_or(28), c.guidance.unwrap_or(30.0)),
+    };
+    let opts = EditOptions {
+        steps,
+        guidance,
+        seed: c.seed,
+        max_sequence_length: c.max_sequence_length,
+        paste_back: !a.no_paste_back,
+        feather: a.feather,
+        dilation: a.dilation,
+    };
+    let noise = a
+        .noise
+        .as_deref()
+        .map(read_noise)
+        .transpose()?
+        .unwrap_or_default();
+    let prepared = p.prepare(&image, &mask, &c.prompt, &opts, &noise, &mut t)?;
+    if prepared.prompt_truncated {
+        tracing::warn!("the prompt was truncated to the text encoders' maximum length");
+    }
+    let schedule = p.schedule(steps, image.width, image.height)?;
+    let latents = match &template {
+        None => denoise(
+            &p,
+            Job::new(&prepared.inputs, &schedule, Mode::Full)?,
+            steps,
+            &mut t,
+        )?,
+        Some((dir, _)) => {
+            let (rows, cols) = p.tokens(image.width, image.height);
+            let layout =
+                TemplateLayout::for_model(&p.transformer.config, rows * cols, steps, DType::F32);
+            let (cache, _) = template_file::load(dir, &p.fingerprint, &layout)?;
+            let block = 2 * p.vae_scale_factor();
+            let tm =
+                TokenMask::from_pixels(&mask.data, image.height, image.width, block, a.dilation)?;
+            eprintln!(
+                "mask-aware edit: {} of {} tokens active ({:.1}% of pixels masked)",
+                tm.active().len(),
+                tm.len(),
+                100.0 * tm.pixel_ratio
+            );
+            denoise(
+                &p,
+                Job::new(
+                    &prepared.inputs,
+                    &schedule,
+                    Mode::Edit {
+                        mask: &tm,
+                        cache: &cache,
+                    },
+                )?,
+                steps,
+                &mut t,
+            )?
+        }
+    };
+    let out = p.finish(&prepared, &latents, &opts, &mut t)?;
+    write_png(&a.out, &out, &mut t)?;
+    report(c, &t, "edit", &a.out);
+    Ok(())
+}
+
+pub fn run_capture(a: CaptureArgs) -> CliResult {
+    let c = &a.common;
+    let p = load_pipeline(c)?;
+    let mut t = Timings::default();
+    let bytes = read(&a.image)?;
+    let image =
+        decode_image(&bytes, &p.limits).map_err(|e| format!("{}: {e}", a.image.display()))?;
+    // A template is captured with an empty mask: the model reconstructs the whole image.
+    let mask = Mask {
+        width: image.width,
+        height: image.height,
+        data: vec![false; image.width * image.height],
+    };
+    let opts = EditOptions {
+        steps: c.steps.unwrap_or(28),
+        guidance: c.guidance.unwrap_or(30.0),
+        seed: c.seed,
+        max_sequence_length: c.max_sequence_length,
+        paste_back: false,
+        ..Default::default()
+    };
+    let prepared = p.prepare(&image, &mask, &c.prompt, &opts, &Noise::default(), &mut t)?;
+    let schedule = p.schedule(opts.steps, image.width, image.height)?;
+    let (rows, cols) = p.tokens(image.width, image.height);
+    let mut cache = TemplateCache::new(TemplateLayout::for_model(
+        &p.transformer.config,
+        rows * cols,
+        opts.steps,
+        DType::F32,
+    ));
+    let latents = denoise(
+        &p,
+        Job::new(&prepared.inputs, &schedule, Mode::Capture(&mut cache))?,
+        opts.steps,
+        &mut t,
+    )?;
+    let recon = p.finish(&prepared, &latents, &opts, &mut t)?;
+    let meta = TemplateMeta {
+        model: p.fingerprint.clone(),
+        height: image.height,
+        width: image.width,
+        steps: opts.steps,
+        guidance: opts.guidance,
+        seed: c.seed,
+        prompt: c.prompt.clone(),
+    };
+    template_file::save(&a.out, &cache, &meta)?;
+    // Keep the original bytes re-encoded losslessly: edits read the image from here.
+    write_png(&a.out.join("image.png"), &image, &mut t)?;
+    write_png(&a.out.join("reconstruction.png"), &recon, &mut t)?;
+    report(c, &t, "template", &a.out);
+    Ok(())
+}
