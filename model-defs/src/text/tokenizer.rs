@@ -316,13 +316,13 @@ impl T5Tokenizer {
     fn build(mut tk: Tokenizer, cfg: serde_json::Value, path: &Path) -> Result<Self> {
         // Truncation and padding are applied in `encode`.
         tk.with_truncation(None)
-            .map_err(|e| tk_err(&path, "truncation", e))?;
+            .map_err(|e| tk_err(path, "truncation", e))?;
         tk.with_padding(None);
         let id_of = |key: &str, default: &str| {
             let t = config_token(&cfg, key, default);
             tk.token_to_id(&t).ok_or_else(|| {
                 tk_err(
-                    &path,
+                    path,
                     "special token",
                     format!("`{t}` is not in the vocabulary"),
                 )

@@ -154,11 +154,14 @@ pub fn validate(
     Ok(())
 }
 
+/// A work unit: (sequence, head, pieces of query rows as (buffer, rows)).
+type Unit = (usize, usize, Vec<(usize, Range<usize>)>);
+
 /// Runs attention; call [`validate`] first.
 pub fn attention(bufs: &[Buf], q_col: usize, width: usize, heads: usize, seqs: &[Seq<'_>]) {
     let hd = width / heads;
     // Units: (sequence, head, pieces of query rows totalling at most QCHUNK).
-    let mut units: Vec<(usize, usize, Vec<(usize, Range<usize>)>)> = Vec::new();
+    let mut units: Vec<Unit> = Vec::new();
     for (si, s) in seqs.iter().enumerate() {
         let mut chunks: Vec<Vec<(usize, Range<usize>)>> = vec![vec![]];
         let mut fill = 0;
