@@ -41,6 +41,9 @@ pub struct Common {
     /// T5 sequence length.
     #[arg(long, default_value_t = 512)]
     pub max_sequence_length: usize,
+    /// Largest accepted image, in pixels (width x height).
+    #[arg(long, env = "DENOISED_MAX_PIXELS", default_value_t = 2048 * 2048)]
+    pub max_pixels: usize,
     /// Print per-stage timings as one JSON line on stdout.
     #[arg(long)]
     pub timings: bool,
@@ -110,7 +113,9 @@ fn progress(steps: usize) -> ProgressBar {
 }
 
 fn load_pipeline(c: &Common) -> CliResult<FluxFill<CpuBackend>> {
-    Ok(FluxFill::load(&c.model, c.device.cpu_backend()?)?)
+    let mut p = FluxFill::load(&c.model, c.device.cpu_backend()?)?;
+    p.limits.max_pixels = c.max_pixels;
+    Ok(p)
 }
 
 fn read_noise(path: &Path) -> CliResult<Noise> {
@@ -217,7 +222,10 @@ pub fn run_edit(a: EditArgs) -> CliResult {
         .unwrap_or_default();
     let prepared = p.prepare(&image, &mask, &c.prompt, &opts, &noise, &mut t)?;
     if prepared.prompt_truncated {
-        tracing::warn!("the prompt was truncated to the text encoders' maximum length");
+        tracing::warn!(
+            "the prompt is longer than the text encoders take (77 CLIP tokens, {} T5 tokens) and was truncated, as diffusers does",
+            c.max_sequence_length
+        );
     }
     let schedule = p.schedule(steps, image.width, image.height)?;
     let latents = match &template {

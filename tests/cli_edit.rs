@@ -1,0 +1,407 @@
+//! `denoised edit` and `denoised template capture` as a user runs them: real processes,
+//! real files. Covers equality with diffusers through the CLI, template capture and
+//! mask-aware edits (paste-back, the identity invariant end to end), and clear errors
+//! with a non-zero exit for bad inputs.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use denoised_models::pipeline::image::{decode_image, decode_mask, encode_png, ImageLimits, Rgb8};
+
+const LIM: ImageLimits = ImageLimits {
+    max_pixels: 1 << 24,
+    multiple_of: 1,
+};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+fn case(name: &str) -> PathBuf {
+    fixtures().join("cases").join(name)
+}
+
+/// Runs the binary; returns (success, stdout, stderr).
+fn denoised(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_denoised"))
+        .args(args)
+        .env("DENOISED_LOG", "warn")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+fn ok(args: &[&str]) -> String {
+    let (success, stdout, stderr) = denoised(args);
+    assert!(success, "denoised {args:?} failed:\n{stderr}");
+    stdout + &stderr
+}
+
+fn fails(args: &[&str], needle: &str) {
+    let (success, _, stderr) = denoised(args);
+    assert!(!success, "denoised {args:?} should fail");
+    assert!(
+        stderr.contains(needle),
+        "stderr of {args:?} lacks `{needle}`:\n{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "panic:\n{stderr}");
+}
+
+fn png(path: &Path) -> Rgb8 {
+    decode_image(&std::fs::read(path).unwrap(), &LIM).unwrap()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+const PROMPT: &str = "a blue ceramic teapot on a wooden table";
+
+#[test]
+fn edit_matches_diffusers_through_the_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.png");
+    let model = fixtures().join("flux-fill-tiny");
+    ok(&[
+        "edit",
+        "--model",
+        s(&model),
+        "--image",
+        s(&case("e2e_input.png")),
+        "--mask",
+        s(&case("e2e_mask.png")),
+        "--prompt",
+        PROMPT,
+        "--steps",
+        "4",
+        "--guidance",
+        "30",
+        "--max-sequence-length",
+        "32",
+        "--noise",
+        s(&case("e2e.safetensors")),
+        "--no-paste-back",
+        "--out",
+        s(&out),
+    ]);
+    let (got, want) = (png(&out), png(&case("e2e_output.png")));
+    let worst = got
+        .data
+        .iter()
+        .zip(&want.data)
+        .map(|(a, b)| a.abs_diff(*b))
+        .max()
+        .unwrap();
+    let off = got
+        .data
+        .iter()
+        .zip(&want.data)
+        .filter(|(a, b)| a != b)
+        .count();
+    println!(
+        "CLI vs diffusers: max level diff {worst}, {off} of {} values differ",
+        got.data.len()
+    );
+    assert!(worst <= 1, "max level diff {worst}");
+}
+
+#[test]
+fn template_capture_and_mask_aware_edits() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path().join("tpl");
+    let input = case("e2e_input.png");
+    let out = ok(&[
+        "template",
+        "capture",
+        "--model",
+        "builtin",
+        "--image",
+        s(&input),
+        "--steps",
+        "4",
+        "--max-sequence-length",
+        "32",
+        "--out",
+        s(&t),
+        "--timings",
+    ]);
+    assert!(out.contains("tokenize_s"), "{out}");
+    for f in [
+        "template.json",
+        "cache.bin",
+        "image.png",
+        "reconstruction.png",
+    ] {
+        assert!(t.join(f).exists(), "{f} missing");
+    }
+
+    // A mask-aware edit: outside the mask, the input pixels exactly; inside, new ones.
+    let edited = dir.path().join("edited.png");
+    let log = ok(&[
+        "edit",
+        "--model",
+        "builtin",
+        "--template",
+        s(&t),
+        "--mask",
+        s(&case("e2e_mask.png")),
+        "--prompt",
+        "a red mug",
+        "--max-sequence-length",
+        "32",
+        "--seed",
+        "7",
+        "--out",
+        s(&edited),
+    ]);
+    assert!(
+        log.contains("mask-aware edit:") && log.contains("of 256 tokens active"),
+        "{log}"
+    );
+    let (img, res) = (png(&input), png(&edited));
+    let mask = decode_mask(&std::fs::read(case("e2e_mask.png")).unwrap(), 64, 64, &LIM).unwrap();
+    let mut changed_inside = 0;
+    for i in 0..64 * 64 {
+        let (a, b) = (&res.data[i * 3..i * 3 + 3], &img.data[i * 3..i * 3 + 3]);
+        if mask.data[i] {
+            changed_inside += (a != b) as usize;
+        } else {
+            assert_eq!(a, b, "pixel {i} outside the mask changed");
+        }
+    }
+    assert!(
+        changed_inside > 100,
+        "only {changed_inside} masked pixels changed"
+    );
+
+    // Identity end to end: an edit that computes no token reproduces the capture.
+    let empty = dir.path().join("empty.png");
+    std::fs::write(
+        &empty,
+        encode_png(&Rgb8 {
+            width: 64,
+            height: 64,
+            data: vec![0; 64 * 64 * 3],
+        })
+        .unwrap(),
+    )
+    .unwrap();
+    let same = dir.path().join("same.png");
+    let log = ok(&[
+        "edit",
+        "--model",
+        "builtin",
+        "--template",
+        s(&t),
+        "--mask",
+        s(&empty),
+        "--max-sequence-length",
+        "32",
+        "--no-paste-back",
+        "--out",
+        s(&same),
+    ]);
+    assert!(log.contains("0 of 256 tokens active"), "{log}");
+    assert_eq!(png(&same), png(&t.join("reconstruction.png")));
+
+    // Steps that differ from the template's are refused.
+    fails(
+        &[
+            "edit",
+            "--model",
+            "builtin",
+            "--template",
+            s(&t),
+            "--mask",
+            s(&empty),
+            "--steps",
+            "8",
+            "--out",
+            s(&same),
+        ],
+        "differs from the template",
+    );
+    // A template of another model is refused.
+    let model = fixtures().join("flux-fill-tiny");
+    fails(
+        &[
+            "edit",
+            "--model",
+            s(&model),
+            "--template",
+            s(&t),
+            "--mask",
+            s(&empty),
+            "--max-sequence-length",
+            "32",
+            "--out",
+            s(&same),
+        ],
+        "captured by model",
+    );
+    // Another resolution is refused.
+    let small = dir.path().join("small.png");
+    std::fs::write(
+        &small,
+        encode_png(&Rgb8 {
+            width: 32,
+            height: 32,
+            data: vec![90; 32 * 32 * 3],
+        })
+        .unwrap(),
+    )
+    .unwrap();
+    let small_mask = dir.path().join("small_mask.png");
+    std::fs::write(
+        &small_mask,
+        encode_png(&Rgb8 {
+            width: 32,
+            height: 32,
+            data: vec![255; 32 * 32 * 3],
+        })
+        .unwrap(),
+    )
+    .unwrap();
+    fails(
+        &[
+            "edit",
+            "--model",
+            "builtin",
+            "--template",
+            s(&t),
+            "--image",
+            s(&small),
+            "--mask",
+            s(&small_mask),
+            "--out",
+            s(&same),
+        ],
+        "template is for 256 tokens",
+    );
+    // A corrupted cache is refused.
+    let data = t.join("cache.bin");
+    let mut bytes = std::fs::read(&data).unwrap();
+    bytes[12345] ^= 0x10;
+    std::fs::write(&data, bytes).unwrap();
+    fails(
+        &[
+            "edit",
+            "--model",
+            "builtin",
+            "--template",
+            s(&t),
+            "--mask",
+            s(&empty),
+            "--out",
+            s(&same),
+        ],
+        "checksum mismatch",
+    );
+}
+
+#[test]
+fn bad_inputs_give_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("o.png");
+    let input = case("e2e_input.png");
+    let mask = case("e2e_mask.png");
+    let base = |img: &Path, m: &Path| -> Vec<String> {
+        [
+            "edit",
+            "--model",
+            "builtin",
+            "--image",
+            s(img),
+            "--mask",
+            s(m),
+            "--steps",
+            "2",
+            "--max-sequence-length",
+            "32",
+            "--out",
+            s(&out),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let run_fail = |args: Vec<String>, needle: &str| {
+        fails(&args.iter().map(|a| a.as_str()).collect::<Vec<_>>(), needle)
+    };
+
+    let bytes = std::fs::read(&input).unwrap();
+    let trunc = dir.path().join("trunc.png");
+    std::fs::write(&trunc, &bytes[..bytes.len() / 2]).unwrap();
+    run_fail(base(&trunc, &mask), "corrupt or truncated");
+
+    let jpg = dir.path().join("bad.jpg");
+    std::fs::write(
+        &jpg,
+        [0xFF, 0xD8, 0xFF, 0xE0, 0, 16, b'J', b'F', b'I', b'F', 0, 1],
+    )
+    .unwrap();
+    run_fail(base(&jpg, &mask), "image");
+
+    let text = dir.path().join("mask.txt");
+    std::fs::write(&text, "this is not an image").unwrap();
+    run_fail(base(&input, &text), "mask: not a PNG or JPEG");
+
+    let small = dir.path().join("small.png");
+    std::fs::write(
+        &small,
+        encode_png(&Rgb8 {
+            width: 32,
+            height: 32,
+            data: vec![0; 32 * 32 * 3],
+        })
+        .unwrap(),
+    )
+    .unwrap();
+    run_fail(base(&input, &small), "mask is 32x32 but the image is 64x64");
+
+    let odd = dir.path().join("odd.png");
+    std::fs::write(
+        &odd,
+        encode_png(&Rgb8 {
+            width: 30,
+            height: 32,
+            data: vec![0; 30 * 32 * 3],
+        })
+        .unwrap(),
+    )
+    .unwrap();
+    run_fail(base(&odd, &mask), "not a multiple of 4 pixels");
+
+    // A well-formed PNG header that claims 0 x 0 pixels (IHDR CRC recomputed).
+    let mut zero = std::fs::read(&small).unwrap();
+    zero[16..24].copy_from_slice(&[0; 8]);
+    let crc = crc32fast::hash(&zero[12..29]);
+    zero[29..33].copy_from_slice(&crc.to_be_bytes());
+    let zero_path = dir.path().join("zero.png");
+    std::fs::write(&zero_path, zero).unwrap();
+    run_fail(base(&zero_path, &mask), "image:");
+    let (_, _, stderr) = denoised(
+        &base(&zero_path, &mask)
+            .iter()
+            .map(|a| a.as_str())
+            .collect::<Vec<_>>(),
+    );
+    println!("zero-sized image: {stderr}");
+
+    let mut big = base(&input, &mask);
+    big.extend(["--max-pixels".to_string(), "1000".to_string()]);
+    run_fail(big, "exceeds the limit of 1000");
+
+    run_fail(base(&dir.path().join("missing.png"), &mask), "missing.png");
+
+    // A prompt longer than the encoders take is truncated, as diffusers does, and the
+    // edit succeeds.
+    let long = "a very long prompt ".repeat(100);
+    let mut args = base(&input, &mask);
+    args.extend(["--prompt".to_string(), long]);
+    let (success, _, stderr) = denoised(&args.iter().map(|a| a.as_str()).collect::<Vec<_>>());
+    assert!(success, "{stderr}");
+    assert!(png(&out).width == 64);
+}
