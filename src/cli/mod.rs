@@ -1,5 +1,6 @@
 //! Command-line interface: one module per subcommand, shared options here.
 
+mod bench_pipeline;
 mod bench_step;
 mod devices;
 mod edit;
@@ -42,6 +43,8 @@ pub enum Command {
     /// Template management.
     #[command(subcommand)]
     Template(TemplateCommand),
+    /// Time each stage of a whole edit with seeded components; prints a JSON line.
+    BenchPipeline(bench_pipeline::Args),
     /// Print the template cache size of models at a resolution (computed, not allocated).
     Footprint(footprint::Args),
     /// List the compute devices this machine offers.
@@ -65,6 +68,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::BenchStep(a) => bench_step::run(a),
         Command::Edit(a) => edit::run_edit(a),
         Command::Template(TemplateCommand::Capture(a)) => edit::run_capture(a),
+        Command::BenchPipeline(a) => bench_pipeline::run(a),
         Command::Footprint(a) => footprint::run(a),
         Command::Devices => devices::run(),
     }

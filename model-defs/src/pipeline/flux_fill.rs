@@ -22,8 +22,8 @@ use crate::flux::weights::SplitMix;
 use crate::flux::FluxTransformer;
 use crate::scheduler::{FlowMatchEuler, SchedulerConfig};
 use crate::source::{ModelSource, BUILTIN_SEED};
-use crate::text::{ClipTextModel, ClipTokenizer, T5Encoder, T5Tokenizer};
-use crate::vae::AutoencoderKL;
+use crate::text::{ClipTextConfig, ClipTextModel, ClipTokenizer, T5Config, T5Encoder, T5Tokenizer};
+use crate::vae::{AutoencoderKL, VaeConfig};
 
 /// Per-request options, with FluxFillPipeline's defaults.
 #[derive(Clone, Debug)]
@@ -99,6 +99,28 @@ pub struct FluxFill<B: Backend<Tensor = Tensor>> {
     pub limits: ImageLimits,
 }
 
+type Parts = (
+    AutoencoderKL,
+    ClipTokenizer,
+    ClipTextModel,
+    T5Tokenizer,
+    T5Encoder,
+    SchedulerConfig,
+);
+
+/// Seeded VAE and text encoders with the built-in tokenizers.
+fn seeded_parts(vae: VaeConfig, clip: ClipTextConfig, t5: T5Config, seed: u64) -> Result<Parts> {
+    use builtin_files::*;
+    Ok((
+        AutoencoderKL::seeded(vae, seed ^ 1)?,
+        ClipTokenizer::from_parts(CLIP_VOCAB, CLIP_MERGES, Some(CLIP_TOKENIZER_CONFIG))?,
+        ClipTextModel::seeded(clip, seed ^ 2)?,
+        T5Tokenizer::from_parts(T5_TOKENIZER, Some(T5_TOKENIZER_CONFIG))?,
+        T5Encoder::seeded(t5, seed ^ 3)?,
+        SchedulerConfig::default(),
+    ))
+}
+
 /// Files of the built-in model that cannot be generated from a seed: the configs and
 /// the two tokenizers of the reference fixture model (trained on a small corpus; 400 KB).
 mod builtin_files {
@@ -130,24 +152,9 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 let parse = |what: &str, e: serde_json::Error| {
                     Error::Invalid(format!("built-in {what} config: {e}"))
                 };
-                (
-                    AutoencoderKL::seeded(crate::vae::VaeConfig::tiny(), BUILTIN_SEED ^ 1)?,
-                    ClipTokenizer::from_parts(
-                        CLIP_VOCAB,
-                        CLIP_MERGES,
-                        Some(CLIP_TOKENIZER_CONFIG),
-                    )?,
-                    ClipTextModel::seeded(
-                        serde_json::from_str(CLIP_CONFIG).map_err(|e| parse("CLIP", e))?,
-                        BUILTIN_SEED ^ 2,
-                    )?,
-                    T5Tokenizer::from_parts(T5_TOKENIZER, Some(T5_TOKENIZER_CONFIG))?,
-                    T5Encoder::seeded(
-                        serde_json::from_str(T5_CONFIG).map_err(|e| parse("T5", e))?,
-                        BUILTIN_SEED ^ 3,
-                    )?,
-                    SchedulerConfig::default(),
-                )
+                let clip_cfg = serde_json::from_str(CLIP_CONFIG).map_err(|e| parse("CLIP", e))?;
+                let t5_cfg = serde_json::from_str(T5_CONFIG).map_err(|e| parse("T5", e))?;
+                seeded_parts(VaeConfig::tiny(), clip_cfg, t5_cfg, BUILTIN_SEED)?
             }
             ModelSource::Dir(d) => (
                 AutoencoderKL::load(d.join("vae"))?,
@@ -158,6 +165,57 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 SchedulerConfig::from_file(d.join("scheduler/scheduler_config.json"))?,
             ),
         };
+        Self::assemble(
+            transformer,
+            vae,
+            clip_tokenizer,
+            clip,
+            t5_tokenizer,
+            t5,
+            scheduler,
+            fingerprint,
+        )
+    }
+
+    /// A pipeline of seeded components at benchmark scale (`flux-small`): the
+    /// flux-small transformer, FLUX.1's VAE, CLIP-L and a T5 of width 768 (the
+    /// transformer's joint dimension), with the built-in tokenizers. For measuring
+    /// stage times without real weights.
+    pub fn seeded_small(backend: B, seed: u64) -> Result<Self> {
+        let transformer = FluxTransformer::seeded(backend, crate::flux::FluxConfig::small(), seed)?;
+        let t5 = T5Config {
+            d_model: 768,
+            d_kv: 64,
+            d_ff: 2048,
+            num_layers: 12,
+            num_heads: 12,
+            ..T5Config::t5_v1_1_xxl()
+        };
+        let (vae, ct, clip, tt, t5, sched) =
+            seeded_parts(VaeConfig::flux1(), ClipTextConfig::clip_l(), t5, seed)?;
+        Self::assemble(
+            transformer,
+            vae,
+            ct,
+            clip,
+            tt,
+            t5,
+            sched,
+            format!("seeded-flux-small-{seed:016x}"),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        transformer: FluxTransformer<B>,
+        vae: AutoencoderKL,
+        clip_tokenizer: ClipTokenizer,
+        clip: ClipTextModel,
+        t5_tokenizer: T5Tokenizer,
+        t5: T5Encoder,
+        scheduler: SchedulerConfig,
+        fingerprint: String,
+    ) -> Result<Self> {
         let vsf = vae.config().vae_scale_factor();
         let expected_in = 2 * 4 * vae.config().latent_channels + 4 * vsf * vsf;
         let c = &transformer.config;
@@ -167,6 +225,17 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 c.in_channels,
                 c.out_channels(),
                 4 * vae.config().latent_channels
+            )));
+        }
+        if t5.config().d_model != c.joint_attention_dim
+            || clip.config().hidden_size != c.pooled_projection_dim
+        {
+            return Err(Error::Invalid(format!(
+                "text encoders (T5 width {}, CLIP width {}) do not fit the transformer (joint {}, pooled {})",
+                t5.config().d_model,
+                clip.config().hidden_size,
+                c.joint_attention_dim,
+                c.pooled_projection_dim
             )));
         }
         let limits = ImageLimits {

@@ -1,0 +1,109 @@
+//! `denoised bench-pipeline`: per-stage timings of a whole edit (tokenize, encode text,
+//! VAE encode, denoise, VAE decode, PNG encode) with seeded components, on a random
+//! image and an irregular mask. One JSON line.
+
+use std::time::Instant;
+
+use denoised_models::flux::edit::{step_batch, Job, Mode};
+use denoised_models::flux::weights::SplitMix;
+use denoised_models::mask::TokenMask;
+use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Timings};
+use denoised_models::pipeline::image::{encode_png, Mask, Rgb8};
+use denoised_models::ModelSource;
+use denoised_runtime::CpuBackend;
+
+use super::{CliResult, DeviceArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// `builtin` (the tiny model) or `flux-small` (seeded flux-small transformer,
+    /// FLUX.1 VAE, CLIP-L, a 768-wide T5).
+    #[arg(long, default_value = "builtin")]
+    pub pipeline: String,
+    /// Image side in pixels (square).
+    #[arg(long, default_value_t = 512)]
+    pub size: usize,
+    /// Denoising steps to run (the JSON also gives the time per step).
+    #[arg(long, default_value_t = 4)]
+    pub steps: usize,
+    /// T5 sequence length.
+    #[arg(long, default_value_t = 512)]
+    pub max_sequence_length: usize,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+}
+
+pub fn run(a: Args) -> CliResult {
+    let backend: CpuBackend = a.device.cpu_backend()?;
+    let t0 = Instant::now();
+    let p = match a.pipeline.as_str() {
+        "builtin" => FluxFill::load(&ModelSource::Builtin, backend)?,
+        "flux-small" => FluxFill::seeded_small(backend, 0)?,
+        other => return Err(format!("unknown --pipeline `{other}`: builtin or flux-small").into()),
+    };
+    let load_s = t0.elapsed().as_secs_f64();
+    let n = a.size;
+    let mut rng = SplitMix::new(5);
+    let image = Rgb8 {
+        width: n,
+        height: n,
+        data: (0..n * n * 3)
+            .map(|_| (rng.next_u64() >> 56) as u8)
+            .collect(),
+    };
+    // An irregular mask covering about 20% of the image, drawn at token resolution.
+    let tok = 2 * p.vae_scale_factor();
+    let (tr, tc) = (n / tok, n / tok);
+    let tm = TokenMask::random_blobs(tr, tc, tr * tc / 5, 11);
+    let mut on = vec![false; tr * tc];
+    for &t in tm.active() {
+        on[t as usize] = true;
+    }
+    let mask = Mask {
+        width: n,
+        height: n,
+        data: (0..n * n)
+            .map(|i| on[(i / n / tok) * tc + (i % n) / tok])
+            .collect(),
+    };
+    let opts = EditOptions {
+        steps: a.steps,
+        max_sequence_length: a.max_sequence_length,
+        ..Default::default()
+    };
+    let mut t = Timings::default();
+    let prep = p.prepare(
+        &image,
+        &mask,
+        "a photo of a cat wearing a small hat",
+        &opts,
+        &Noise::default(),
+        &mut t,
+    )?;
+    let schedule = p.schedule(a.steps, n, n)?;
+    let d0 = Instant::now();
+    let mut job = Job::new(&prep.inputs, &schedule, Mode::Full)?;
+    while !job.done() {
+        step_batch(&p.transformer, &mut [&mut job])?;
+    }
+    t.denoise_s = d0.elapsed().as_secs_f64();
+    let out = p.finish(&prep, job.latents(), &opts, &mut t)?;
+    let e0 = Instant::now();
+    let png = encode_png(&out)?;
+    t.png_encode_s = e0.elapsed().as_secs_f64();
+    let mut v = serde_json::to_value(&t)?;
+    if let Some(o) = v.as_object_mut() {
+        o.insert("pipeline".into(), a.pipeline.clone().into());
+        o.insert("size".into(), n.into());
+        o.insert("image_tokens".into(), (tr * tc).into());
+        o.insert("steps".into(), a.steps.into());
+        o.insert(
+            "denoise_step_s".into(),
+            (t.denoise_s / a.steps.max(1) as f64).into(),
+        );
+        o.insert("load_s".into(), load_s.into());
+        o.insert("png_bytes".into(), png.len().into());
+    }
+    println!("{v}");
+    Ok(())
+}
