@@ -55,17 +55,9 @@ impl Default for SchedulerConfig {
 
 impl SchedulerConfig {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let cfg: SchedulerConfig = serde_json::from_str(&text).map_err(|e| Error::BadConfig {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-        cfg.check().map_err(|reason| Error::BadConfig {
-            path: path.to_path_buf(),
-            reason,
-        })?;
-        Ok(cfg)
+        denoised_runtime::config::read_json_validated(path.as_ref(), |c: &SchedulerConfig| {
+            c.check()
+        })
     }
 
     /// Rejects options FluxFillPipeline's scheduler does not use and that are not

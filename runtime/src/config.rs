@@ -65,6 +65,29 @@ impl Config {
     }
 }
 
+/// Reads a JSON config file (a diffusers `config.json`, a tokenizer config, ...);
+/// errors name the file.
+pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::BadConfig {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
+/// [`read_json`], then a validation whose message becomes a `BadConfig` naming the file.
+pub fn read_json_validated<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    validate: impl FnOnce(&T) -> Result<(), String>,
+) -> Result<T> {
+    let cfg = read_json(path)?;
+    validate(&cfg).map_err(|reason| Error::BadConfig {
+        path: path.to_path_buf(),
+        reason,
+    })?;
+    Ok(cfg)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use denoised_runtime::{Error, Result};
+use denoised_runtime::Result;
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -48,17 +48,7 @@ impl FluxConfig {
 
     /// Reads and validates `config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let cfg: FluxConfig = serde_json::from_str(&text).map_err(|e| Error::BadConfig {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-        cfg.validate().map_err(|reason| Error::BadConfig {
-            path: path.to_path_buf(),
-            reason,
-        })?;
-        Ok(cfg)
+        denoised_runtime::config::read_json_validated(path.as_ref(), |c: &FluxConfig| c.validate())
     }
 
     pub fn validate(&self) -> Result<(), String> {

@@ -264,11 +264,4 @@ fn softmax_prefix(row: &mut [f32], n: usize) {
     live.iter_mut().for_each(|v| *v = (*v as f64 / sum) as f32);
 }
 
-/// Reads and parses a `config.json` (or any JSON file), naming the file on error.
-pub(crate) fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> Result<T> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    serde_json::from_str(&text).map_err(|e| Error::BadConfig {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })
-}
+pub(crate) use denoised_runtime::config::read_json;
