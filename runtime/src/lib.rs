@@ -11,6 +11,7 @@ pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod fixtures;
+pub mod shm;
 pub mod tensor;
 pub mod weights;
 
