@@ -258,13 +258,23 @@ mod tests {
 
     #[test]
     fn jpeg_decodes() {
-        let src = image::RgbImage::from_fn(16, 8, |x, y| image::Rgb([(x * 16) as u8, (y * 32) as u8, 128]));
+        let src = image::RgbImage::from_fn(16, 8, |x, y| {
+            image::Rgb([(x * 16) as u8, (y * 32) as u8, 128])
+        });
         let mut jpg = Vec::new();
-        DynamicImage::ImageRgb8(src.clone()).write_to(&mut Cursor::new(&mut jpg), ImageFormat::Jpeg).unwrap();
+        DynamicImage::ImageRgb8(src.clone())
+            .write_to(&mut Cursor::new(&mut jpg), ImageFormat::Jpeg)
+            .unwrap();
         let img = decode_image(&jpg, &LIM).unwrap();
         assert_eq!((img.width, img.height), (16, 8));
         // Lossy, but close to the source.
-        let worst = img.data.iter().zip(src.as_raw()).map(|(a, b)| a.abs_diff(*b)).max().unwrap();
+        let worst = img
+            .data
+            .iter()
+            .zip(src.as_raw())
+            .map(|(a, b)| a.abs_diff(*b))
+            .max()
+            .unwrap();
         assert!(worst < 40, "{worst}");
         let m = decode_mask(&jpg, 16, 8, &LIM).unwrap();
         assert_eq!(m.data.len(), 128);
