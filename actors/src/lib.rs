@@ -4,3 +4,5 @@
 //! The serving runtime is built on top of the engine crates (`denoised-runtime`,
 //! `denoised-models`); see DESIGN.md §"Processes and actors". Its first pieces land
 //! with the serving work.
+
+pub mod scheduler;

@@ -1,0 +1,422 @@
+//! The pure batch scheduler of the denoise loop (DESIGN.md §"Processes and actors").
+//!
+//! The denoise loop is schedule → execute → update, at step granularity. This module is
+//! the "schedule" and "update" halves as plain code and data: it holds no device, no
+//! clock, no thread and does no I/O. The denoise actor drives it:
+//!
+//! ```text
+//! loop {
+//!     for req in newly_arrived { sched.submit(req)?; }      // join at the next step
+//!     let plan = sched.plan();                              // admit + step plan
+//!     if plan.is_empty() { wait for work; continue; }
+//!     run one batched forward of plan.ids();                // the only device work
+//!     for id in sched.complete_step(&plan) { hand the latent of `id` to postprocess; }
+//! }
+//! ```
+//!
+//! The same state machine replays without a model in [`simulate`] (discrete-event), which
+//! is how the router prices "this worker's pipeline latency with the new request added".
+//!
+//! # Policy
+//!
+//! * **Running requests are never preempted or reordered.** Every step runs every
+//!   running request, in admission order; a request leaves the batch in the step it
+//!   finishes (its last step), never later.
+//! * **Admission is strict FIFO with head-of-line blocking.** Waiting requests are admitted
+//!   in submission order while the batch stays within `max_batch` requests and
+//!   `token_budget` rows; the first request that does not fit stops admission for this
+//!   step, even if a later, smaller one would fit. Skipping ahead would raise utilisation
+//!   a little, but lets a stream of small (masked) requests starve a large (full-image)
+//!   one indefinitely; with strict FIFO no request waits for more than the remaining
+//!   steps of the batch in front of it, which is what the router's latency estimate and
+//!   the per-request deadline need. The lost utilisation is bounded: the blocked head
+//!   joins as soon as enough running requests finish, at most one request's run later.
+//! * **An oversized request runs alone.** A request whose rows exceed the whole
+//!   `token_budget` is admitted when the batch is empty (otherwise it would wait forever),
+//!   and nothing joins it until it finishes. This is the only way the total rows of a
+//!   step exceed the budget.
+//! * **`Batching::Static`** (a baseline for measured comparisons): admission happens only
+//!   when nothing is running; it then takes as many waiting requests as fit (same FIFO
+//!   rule), and no request joins until the whole batch has finished.
+//!
+//! # Cost
+//!
+//! `plan()` + `complete_step()` are O(running + admitted) with one allocation (the id
+//! list of the plan); ids are checked for uniqueness with a hash set at `submit`.
+//! See the ignored `bench_plan_complete_step` test for the measured time.
+
+mod sim;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashSet, VecDeque};
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+pub use sim::{simulate, SimOutcome};
+
+/// A request's id, unique among the requests a scheduler holds (waiting or running).
+pub type RequestId = u64;
+
+/// What the scheduler knows of a request: plain numbers, no tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SchedRequest {
+    pub id: RequestId,
+    /// Rows this request adds to a batched step: text tokens T plus active image tokens
+    /// A (A = L, all image tokens, for full runs and template captures). The token
+    /// budget counts these rows.
+    pub rows_per_step: usize,
+    /// Denoising steps of the whole request.
+    pub steps_total: u32,
+    /// Steps already run (0 for a new request; more for one resumed elsewhere).
+    pub steps_done: u32,
+    /// The caller's logical arrival stamp (a time or a sequence number), carried along
+    /// for bookkeeping. It does not order admission: submission order does.
+    pub arrival: u64,
+}
+
+impl SchedRequest {
+    /// A new request with no step run yet and arrival stamp 0.
+    pub fn new(id: RequestId, rows_per_step: usize, steps_total: u32) -> Self {
+        SchedRequest {
+            id,
+            rows_per_step,
+            steps_total,
+            steps_done: 0,
+            arrival: 0,
+        }
+    }
+
+    /// Steps still to run.
+    pub fn steps_left(&self) -> u32 {
+        self.steps_total.saturating_sub(self.steps_done)
+    }
+
+    /// Whether every step has run.
+    pub fn is_finished(&self) -> bool {
+        self.steps_done >= self.steps_total
+    }
+}
+
+/// How requests join the batch (config key `[denoise] batching`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Batching {
+    /// New requests join the running batch at the next step; finished ones leave at once.
+    #[default]
+    Continuous,
+    /// Baseline: a batch runs to completion before new requests join.
+    Static,
+}
+
+/// Limits and mode of the denoise batch: the `[denoise]` section of config.toml.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SchedulerConfig {
+    /// Most requests in one batched step (`[denoise] max_batch`, at least 1).
+    pub max_batch: usize,
+    /// Most rows (text + active image tokens, summed over the batch) in one step
+    /// (`[denoise] token_budget`, at least 1). A single request larger than the budget
+    /// still runs, alone.
+    pub token_budget: usize,
+    /// `"continuous"` (default) or `"static"`, the baseline for measured comparisons
+    /// (`[denoise] batching`).
+    #[serde(rename = "batching")]
+    pub mode: Batching,
+}
+
+impl SchedulerConfig {
+    /// Default `max_batch`.
+    pub const DEFAULT_MAX_BATCH: usize = 16;
+    /// Default `token_budget`: about seven full 1024x1024 FLUX requests (4096 image
+    /// tokens + 512 text tokens each), or many more masked ones.
+    pub const DEFAULT_TOKEN_BUDGET: usize = 32768;
+
+    /// Checks the limits (both must be at least 1).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_batch == 0 {
+            return Err(ConfigError::ZeroMaxBatch);
+        }
+        if self.token_budget == 0 {
+            return Err(ConfigError::ZeroTokenBudget);
+        }
+        Ok(())
+    }
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_batch: Self::DEFAULT_MAX_BATCH,
+            token_budget: Self::DEFAULT_TOKEN_BUDGET,
+            mode: Batching::Continuous,
+        }
+    }
+}
+
+/// An invalid [`SchedulerConfig`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConfigError {
+    ZeroMaxBatch,
+    ZeroTokenBudget,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::ZeroMaxBatch => write!(f, "[denoise] max_batch must be at least 1"),
+            ConfigError::ZeroTokenBudget => {
+                write!(f, "[denoise] token_budget must be at least 1")
+            }
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Why [`BatchScheduler::submit`] refused a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SubmitError {
+    /// A request with this id is already waiting or running.
+    DuplicateId(RequestId),
+    /// The request has no rows (nothing to compute).
+    ZeroRows(RequestId),
+    /// The request has no step left (`steps_done >= steps_total`).
+    NoStepsLeft(RequestId),
+}
+
+impl fmt::Display for SubmitError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SubmitError::DuplicateId(id) => write!(f, "request {id} is already scheduled"),
+            SubmitError::ZeroRows(id) => write!(f, "request {id} has no rows per step"),
+            SubmitError::NoStepsLeft(id) => write!(f, "request {id} has no step left"),
+        }
+    }
+}
+
+impl std::error::Error for SubmitError {}
+
+/// The requests of one step, returned by [`BatchScheduler::plan`] and given back to
+/// [`BatchScheduler::complete_step`] once the step has run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepPlan {
+    ids: Vec<RequestId>,
+    admitted: usize,
+    rows: usize,
+    step: u64,
+    /// Admission tickets below this one are in the plan (every request running when the
+    /// plan was made); later admissions are not.
+    ticket_end: u64,
+}
+
+impl StepPlan {
+    /// The requests to run, in batch order: the ones already running in admission
+    /// order, then the newly admitted ones in FIFO order.
+    pub fn ids(&self) -> &[RequestId] {
+        &self.ids
+    }
+
+    /// The requests that join the batch with this step (a suffix of [`StepPlan::ids`]).
+    pub fn admitted(&self) -> &[RequestId] {
+        &self.ids[self.ids.len() - self.admitted..]
+    }
+
+    /// Total rows of the step.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The step's index (steps completed by the scheduler before it).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// An empty plan: nothing to run (the loop waits for a submission).
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+}
+
+/// The scheduler state: a FIFO of waiting requests and the running batch.
+#[derive(Clone, Debug)]
+pub struct BatchScheduler {
+    config: SchedulerConfig,
+    waiting: VecDeque<SchedRequest>,
+    /// The running batch in admission order, with `tickets` in lockstep.
+    running: Vec<SchedRequest>,
+    tickets: Vec<u64>,
+    running_rows: usize,
+    /// Ids waiting or running.
+    live: HashSet<RequestId>,
+    next_ticket: u64,
+    step: u64,
+}
+
+impl BatchScheduler {
+    /// An empty scheduler; fails on an invalid config.
+    pub fn new(config: SchedulerConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(BatchScheduler {
+            config,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            tickets: Vec::new(),
+            running_rows: 0,
+            live: HashSet::new(),
+            next_ticket: 0,
+            step: 0,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Queues a request; it joins the batch at a later [`plan`](Self::plan).
+    pub fn submit(&mut self, req: SchedRequest) -> Result<(), SubmitError> {
+        if req.rows_per_step == 0 {
+            return Err(SubmitError::ZeroRows(req.id));
+        }
+        if req.is_finished() {
+            return Err(SubmitError::NoStepsLeft(req.id));
+        }
+        if !self.live.insert(req.id) {
+            return Err(SubmitError::DuplicateId(req.id));
+        }
+        self.waiting.push_back(req);
+        Ok(())
+    }
+
+    /// Removes a request, waiting or running; false if it is neither. A running request
+    /// cancelled while its step runs is not advanced by [`complete_step`](Self::complete_step)
+    /// and not reported as finished.
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        if !self.live.remove(&id) {
+            return false;
+        }
+        if let Some(i) = self.running.iter().position(|r| r.id == id) {
+            let r = self.running.remove(i);
+            self.tickets.remove(i);
+            self.running_rows -= r.rows_per_step;
+        } else if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
+            self.waiting.remove(i);
+        } else {
+            unreachable!("live id {id} neither waiting nor running");
+        }
+        true
+    }
+
+    /// Admits waiting requests (see the module's policy) and returns the next step: every
+    /// running request. Calling it again before [`complete_step`](Self::complete_step)
+    /// supersedes the earlier plan (and may admit more).
+    pub fn plan(&mut self) -> StepPlan {
+        let before = self.running.len();
+        self.admit();
+        StepPlan {
+            ids: self.running.iter().map(|r| r.id).collect(),
+            admitted: self.running.len() - before,
+            rows: self.running_rows,
+            step: self.step,
+            ticket_end: self.next_ticket,
+        }
+    }
+
+    fn admit(&mut self) {
+        if self.config.mode == Batching::Static && !self.running.is_empty() {
+            return;
+        }
+        while let Some(head) = self.waiting.front() {
+            if self.running.len() >= self.config.max_batch {
+                break;
+            }
+            // The empty-batch exception lets an oversized request run, alone.
+            if !self.running.is_empty()
+                && self.running_rows.saturating_add(head.rows_per_step) > self.config.token_budget
+            {
+                break; // Head-of-line blocking: nothing overtakes the head.
+            }
+            let req = self.waiting.pop_front().expect("front exists");
+            self.running_rows += req.rows_per_step;
+            self.running.push(req);
+            self.tickets.push(self.next_ticket);
+            self.next_ticket += 1;
+        }
+    }
+
+    /// Records that `plan`'s step has run: advances every request of the plan that is
+    /// still running by one step, and removes and returns (in batch order) the ones that
+    /// have finished. Panics if `plan` is not from the current step (a plan runs once).
+    pub fn complete_step(&mut self, plan: &StepPlan) -> Vec<RequestId> {
+        assert_eq!(
+            plan.step, self.step,
+            "complete_step: plan of step {} given at step {}",
+            plan.step, self.step
+        );
+        self.step += 1;
+        let mut finished = Vec::new();
+        let mut keep = 0;
+        for i in 0..self.running.len() {
+            let mut r = self.running[i];
+            let ticket = self.tickets[i];
+            if ticket < plan.ticket_end {
+                r.steps_done += 1;
+                if r.is_finished() {
+                    finished.push(r.id);
+                    self.live.remove(&r.id);
+                    self.running_rows -= r.rows_per_step;
+                    continue;
+                }
+            }
+            self.running[keep] = r;
+            self.tickets[keep] = ticket;
+            keep += 1;
+        }
+        self.running.truncate(keep);
+        self.tickets.truncate(keep);
+        finished
+    }
+
+    /// The running batch, in admission (batch) order.
+    pub fn running(&self) -> &[SchedRequest] {
+        &self.running
+    }
+
+    /// The waiting queue, head first.
+    pub fn waiting(&self) -> impl ExactSizeIterator<Item = &SchedRequest> + '_ {
+        self.waiting.iter()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Total rows of the running batch.
+    pub fn running_rows(&self) -> usize {
+        self.running_rows
+    }
+
+    /// Steps completed so far.
+    pub fn steps_completed(&self) -> u64 {
+        self.step
+    }
+
+    /// Nothing waiting and nothing running.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// Whether a request is waiting or running.
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.live.contains(&id)
+    }
+}
