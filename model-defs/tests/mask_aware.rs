@@ -8,7 +8,9 @@
 //! - batch independence: a request's result does not depend on its batch mates;
 //! - an all-active edit equals a plain full run.
 
-use denoised_models::flux::edit::{run, step_batch, DenoiseInputs, Job, Mode};
+use std::sync::Arc;
+
+use denoised_models::flux::edit::{run, run_job, step_batch, DenoiseInputs, Job, Mode};
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::mask::TokenMask;
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
@@ -58,16 +60,18 @@ fn capture(
     m: &FluxTransformer<CpuBackend>,
     inputs: &DenoiseInputs,
     s: &FlowMatchEuler,
-) -> (TemplateCache, Tensor) {
-    let mut cache = TemplateCache::new(TemplateLayout::for_model(
+) -> (Arc<TemplateCache>, Tensor) {
+    let cache = TemplateCache::new(TemplateLayout::for_model(
         &m.config,
         256,
         s.steps(),
         DType::F32,
     ));
-    let fin = run(m, Job::new(inputs, s, Mode::Capture(&mut cache)).unwrap()).unwrap();
+    let job = Job::new(inputs.clone(), s.clone(), Mode::Capture(Box::new(cache))).unwrap();
+    let (fin, cache) = run_job(m, job).unwrap().into_parts();
+    let cache = cache.unwrap();
     assert!(cache.is_complete());
-    (cache, fin)
+    (Arc::new(cache), fin)
 }
 
 /// max |a - b| / max |b|.
@@ -128,7 +132,7 @@ fn full_loop_matches_diffusers_per_step() {
             .unwrap();
         }
         let inputs = e2e_inputs(&case);
-        let mut job = Job::new(&inputs, &s, Mode::Full).unwrap();
+        let mut job = Job::new(inputs.clone(), s.clone(), Mode::Full).unwrap();
         for i in 0..4 {
             step_batch(&m, &mut [&mut job]).unwrap();
             let d = case.assert_close(&format!("step{i}.latents"), job.latents(), tier);
@@ -146,11 +150,11 @@ fn identity_invariant_for_every_mask() {
         let fin = run(
             &m,
             Job::new(
-                &inputs,
-                &s,
+                inputs.clone(),
+                s.clone(),
                 Mode::Edit {
-                    mask: &mask,
-                    cache: &cache,
+                    mask: Arc::new(mask.clone()),
+                    cache: cache.clone(),
                 },
             )
             .unwrap(),
@@ -173,29 +177,29 @@ fn identity_invariant_in_a_batch_at_different_steps() {
     let all = masks(&case);
     let (ma, mb, mc) = (&all[3].1, &all[2].1, &all[5].1);
     let mut a = Job::new(
-        &inputs,
-        &s,
+        inputs.clone(),
+        s.clone(),
         Mode::Edit {
-            mask: ma,
-            cache: &cache,
+            mask: Arc::new(ma.clone()),
+            cache: cache.clone(),
         },
     )
     .unwrap();
     let mut b = Job::new(
-        &inputs,
-        &s,
+        inputs.clone(),
+        s.clone(),
         Mode::Edit {
-            mask: mb,
-            cache: &cache,
+            mask: Arc::new(mb.clone()),
+            cache: cache.clone(),
         },
     )
     .unwrap();
     let mut c = Job::new(
-        &inputs,
-        &s,
+        inputs.clone(),
+        s.clone(),
         Mode::Edit {
-            mask: mc,
-            cache: &cache,
+            mask: Arc::new(mc.clone()),
+            cache: cache.clone(),
         },
     )
     .unwrap();
@@ -225,42 +229,43 @@ fn batch_results_do_not_depend_on_batch_mates() {
     }
     edit_inputs.guidance = 7.5;
     let all = masks(&case);
-    let solo =
-        |mode: Mode<'_>, inp: &DenoiseInputs| run(&m, Job::new(inp, &s, mode).unwrap()).unwrap();
+    let solo = |mode: Mode, inp: &DenoiseInputs| {
+        run(&m, Job::new(inp.clone(), s.clone(), mode).unwrap()).unwrap()
+    };
     let want_a = solo(
         Mode::Edit {
-            mask: &all[3].1,
-            cache: &cache,
+            mask: Arc::new(all[3].1.clone()),
+            cache: cache.clone(),
         },
         &edit_inputs,
     );
     let want_b = solo(
         Mode::Edit {
-            mask: &all[5].1,
-            cache: &cache,
+            mask: Arc::new(all[5].1.clone()),
+            cache: cache.clone(),
         },
         &inputs,
     );
     let want_c = solo(Mode::Full, &edit_inputs);
     let mut a = Job::new(
-        &edit_inputs,
-        &s,
+        edit_inputs.clone(),
+        s.clone(),
         Mode::Edit {
-            mask: &all[3].1,
-            cache: &cache,
+            mask: Arc::new(all[3].1.clone()),
+            cache: cache.clone(),
         },
     )
     .unwrap();
     let mut b = Job::new(
-        &inputs,
-        &s,
+        inputs.clone(),
+        s.clone(),
         Mode::Edit {
-            mask: &all[5].1,
-            cache: &cache,
+            mask: Arc::new(all[5].1.clone()),
+            cache: cache.clone(),
         },
     )
     .unwrap();
-    let mut c = Job::new(&edit_inputs, &s, Mode::Full).unwrap();
+    let mut c = Job::new(edit_inputs.clone(), s.clone(), Mode::Full).unwrap();
     step_batch(&m, &mut [&mut c]).unwrap();
     while !(a.done() && b.done() && c.done()) {
         step_batch(&m, &mut [&mut a, &mut b, &mut c]).unwrap();
@@ -309,17 +314,17 @@ fn all_active_edit_equals_full_run() {
     let edit = run(
         &m,
         Job::new(
-            &other,
-            &s,
+            other.clone(),
+            s.clone(),
             Mode::Edit {
-                mask: &full,
-                cache: &cache,
+                mask: Arc::new(full.clone()),
+                cache: cache.clone(),
             },
         )
         .unwrap(),
     )
     .unwrap();
-    let plain = run(&m, Job::new(&other, &s, Mode::Full).unwrap()).unwrap();
+    let plain = run(&m, Job::new(other.clone(), s.clone(), Mode::Full).unwrap()).unwrap();
     let rel = rel_diff(&edit, &plain);
     assert!(rel <= 1e-6, "relative diff {rel:.2e}");
 }
@@ -333,11 +338,11 @@ fn mismatched_templates_are_rejected() {
     let s8 = FlowMatchEuler::new(&SchedulerConfig::default(), 8, 256).unwrap();
     let mask = e2e_token_mask(&case, 0);
     let e = Job::new(
-        &inputs,
-        &s8,
+        inputs.clone(),
+        s8.clone(),
         Mode::Edit {
-            mask: &mask,
-            cache: &cache,
+            mask: Arc::new(mask.clone()),
+            cache: cache.clone(),
         },
     )
     .err()
@@ -346,11 +351,11 @@ fn mismatched_templates_are_rejected() {
     assert!(e.contains("4 steps") && e.contains("8"), "{e}");
     let small = TokenMask::full(8, 8);
     assert!(Job::new(
-        &inputs,
-        &s4,
+        inputs.clone(),
+        s4.clone(),
         Mode::Edit {
-            mask: &small,
-            cache: &cache
+            mask: Arc::new(small.clone()),
+            cache: cache.clone()
         }
     )
     .is_err());

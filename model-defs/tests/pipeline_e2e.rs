@@ -73,7 +73,7 @@ fn end_to_end_matches_diffusers() {
 
     let schedule = p.schedule(4, 64, 64).unwrap();
     assert_eq!(schedule.timesteps, case.tensor("timesteps").into_data());
-    let mut job = Job::new(&prep.inputs, &schedule, Mode::Full).unwrap();
+    let mut job = Job::new(prep.inputs.clone(), schedule.clone(), Mode::Full).unwrap();
     for i in 0..4 {
         step_batch(&p.transformer, &mut [&mut job]).unwrap();
         let d = case.assert_close(&format!("step{i}.latents"), job.latents(), Tier::Strict);
@@ -151,7 +151,7 @@ fn paste_back_keeps_every_unmasked_pixel() {
     let s = p.schedule(4, 64, 64).unwrap();
     let lat = denoised_models::flux::edit::run(
         &p.transformer,
-        Job::new(&prep.inputs, &s, Mode::Full).unwrap(),
+        Job::new(prep.inputs.clone(), s.clone(), Mode::Full).unwrap(),
     )
     .unwrap();
     let out = p.finish(&prep, &lat, &opts, &mut t).unwrap();

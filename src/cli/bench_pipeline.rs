@@ -82,7 +82,7 @@ pub fn run(a: Args) -> CliResult {
     )?;
     let schedule = p.schedule(a.steps, n, n)?;
     let d0 = Instant::now();
-    let mut job = Job::new(&prep.inputs, &schedule, Mode::Full)?;
+    let mut job = Job::new(prep.inputs.clone(), schedule, Mode::Full)?;
     while !job.done() {
         step_batch(&p.transformer, &mut [&mut job])?;
     }

@@ -10,6 +10,7 @@
 //! `--mask-trace` (or the first ratio).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use denoised_models::flux::cost::{flop_bound, forward_flops, StepShape};
@@ -117,7 +118,7 @@ pub fn run(a: Args) -> CliResult {
     let (rows, cols) = grid(l);
     let c = cfg.out_channels();
     let mut rng = SplitMix::new(a.seed ^ 0xbe4c);
-    let inputs = DenoiseInputs {
+    let inputs = Arc::new(DenoiseInputs {
         latents: random(&[l, c], &mut rng),
         cond: random(&[l, cfg.in_channels - c], &mut rng),
         img_ids: Tensor::new([l, 3], image_ids(rows, cols))?,
@@ -127,17 +128,17 @@ pub fn run(a: Args) -> CliResult {
             .map(|_| rng.normal())
             .collect(),
         guidance: 30.0,
-    };
+    });
     // One step of the real schedule at this resolution: timing does not depend on
     // which step it is, and a one-step template keeps the cache in memory small.
-    let schedule = FlowMatchEuler::new(&Default::default(), 1, l)?;
+    let schedule = Arc::new(FlowMatchEuler::new(&Default::default(), 1, l)?);
     let batch = a.batch;
     let full_flops = forward_flops(&cfg, StepShape::full(t, l));
     let full = time(
         a.iters,
         || {
             Ok((0..batch)
-                .map(|_| Job::new(&inputs, &schedule, Mode::Full))
+                .map(|_| Job::new(inputs.clone(), schedule.clone(), Mode::Full))
                 .collect::<Result<Vec<_>, _>>()?)
         },
         |jobs| {
@@ -169,15 +170,14 @@ pub fn run(a: Args) -> CliResult {
         return Ok(());
     }
 
-    let mut cache = TemplateCache::new(TemplateLayout::for_model(&cfg, l, 1, DType::F32));
-    step_batch(
-        &model,
-        &mut [&mut Job::new(
-            &inputs,
-            &schedule,
-            Mode::Capture(&mut cache),
-        )?],
+    let cache = TemplateCache::new(TemplateLayout::for_model(&cfg, l, 1, DType::F32));
+    let mut capture = Job::new(
+        inputs.clone(),
+        schedule.clone(),
+        Mode::Capture(Box::new(cache)),
     )?;
+    step_batch(&model, &mut [&mut capture])?;
+    let cache = Arc::new(capture.into_parts().1.ok_or("capture returned no cache")?);
     let trace = a.mask_trace.as_ref().map(read_ratio_trace).transpose()?;
     let ratio_sets: Vec<Vec<f64>> = match &trace {
         Some(tr) => vec![(0..batch)
@@ -186,10 +186,15 @@ pub fn run(a: Args) -> CliResult {
         None => a.mask_ratio.iter().map(|&r| vec![r; batch]).collect(),
     };
     for ratios in ratio_sets {
-        let masks: Vec<TokenMask> = ratios
+        let masks: Vec<Arc<TokenMask>> = ratios
             .iter()
             .map(|&r| {
-                TokenMask::random_blobs(rows, cols, (r * l as f64).round() as usize, rng.next_u64())
+                Arc::new(TokenMask::random_blobs(
+                    rows,
+                    cols,
+                    (r * l as f64).round() as usize,
+                    rng.next_u64(),
+                ))
             })
             .collect();
         let shapes: Vec<StepShape> = masks
@@ -208,11 +213,11 @@ pub fn run(a: Args) -> CliResult {
                     .iter()
                     .map(|m| {
                         Job::new(
-                            &inputs,
-                            &schedule,
+                            inputs.clone(),
+                            schedule.clone(),
                             Mode::Edit {
-                                mask: m,
-                                cache: &cache,
+                                mask: m.clone(),
+                                cache: cache.clone(),
                             },
                         )
                     })

@@ -4,6 +4,7 @@
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use denoised_models::flux::edit::{step_batch, Job, Mode};
@@ -140,10 +141,10 @@ fn read_noise(path: &Path) -> CliResult<Noise> {
 /// Runs a job to the end with a progress bar.
 fn denoise(
     p: &FluxFill<CpuBackend>,
-    mut job: Job<'_>,
+    mut job: Job,
     steps: usize,
     t: &mut Timings,
-) -> CliResult<Tensor> {
+) -> CliResult<Job> {
     let pb = progress(steps);
     let t0 = Instant::now();
     while !job.done() {
@@ -152,7 +153,7 @@ fn denoise(
     }
     pb.finish_and_clear();
     t.denoise_s += t0.elapsed().as_secs_f64();
-    Ok(job.into_latents())
+    Ok(job)
 }
 
 fn write_png(
@@ -231,10 +232,11 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     let latents = match &template {
         None => denoise(
             &p,
-            Job::new(&prepared.inputs, &schedule, Mode::Full)?,
+            Job::new(prepared.inputs.clone(), schedule, Mode::Full)?,
             steps,
             &mut t,
-        )?,
+        )?
+        .into_latents(),
         Some((dir, _)) => {
             let (rows, cols) = p.tokens(image.width, image.height);
             let layout =
@@ -252,16 +254,17 @@ pub fn run_edit(a: EditArgs) -> CliResult {
             denoise(
                 &p,
                 Job::new(
-                    &prepared.inputs,
-                    &schedule,
+                    prepared.inputs.clone(),
+                    schedule,
                     Mode::Edit {
-                        mask: &tm,
-                        cache: &cache,
+                        mask: Arc::new(tm),
+                        cache: Arc::new(cache),
                     },
                 )?,
                 steps,
                 &mut t,
             )?
+            .into_latents()
         }
     };
     let out = p.finish(&prepared, &latents, &opts, &mut t)?;
@@ -294,18 +297,24 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
     let prepared = p.prepare(&image, &mask, &c.prompt, &opts, &Noise::default(), &mut t)?;
     let schedule = p.schedule(opts.steps, image.width, image.height)?;
     let (rows, cols) = p.tokens(image.width, image.height);
-    let mut cache = TemplateCache::new(TemplateLayout::for_model(
+    let cache = TemplateCache::new(TemplateLayout::for_model(
         &p.transformer.config,
         rows * cols,
         opts.steps,
         DType::F32,
     ));
-    let latents = denoise(
+    let (latents, cache) = denoise(
         &p,
-        Job::new(&prepared.inputs, &schedule, Mode::Capture(&mut cache))?,
+        Job::new(
+            prepared.inputs.clone(),
+            schedule,
+            Mode::Capture(Box::new(cache)),
+        )?,
         opts.steps,
         &mut t,
-    )?;
+    )?
+    .into_parts();
+    let cache = cache.ok_or("the capture run returned no template cache")?;
     let recon = p.finish(&prepared, &latents, &opts, &mut t)?;
     let meta = TemplateMeta {
         model: p.fingerprint.clone(),

@@ -17,6 +17,8 @@
 //! identity invariant): every computed row sees the same keys and values as in the full
 //! run. This module is plain compute over data, with no I/O; the serving loop drives it.
 
+use std::sync::Arc;
+
 use denoised_runtime::{Backend, Error, Result, Tensor};
 
 use super::model::{FluxRequest, FluxTransformer, ForwardObserver, KvCache};
@@ -48,33 +50,36 @@ impl DenoiseInputs {
     }
 }
 
-/// What a job computes.
-pub enum Mode<'a> {
+/// What a job computes. Jobs own (or share) everything they read, so a serving loop
+/// can hold them across steps while requests come and go.
+pub enum Mode {
     Full,
-    Capture(&'a mut TemplateCache),
+    /// Fills this cache as the job runs; take it back with [`Job::into_parts`].
+    Capture(Box<TemplateCache>),
     Edit {
-        mask: &'a TokenMask,
-        cache: &'a TemplateCache,
+        mask: Arc<TokenMask>,
+        cache: Arc<TemplateCache>,
     },
 }
 
-pub struct Job<'a> {
-    inputs: &'a DenoiseInputs,
-    schedule: &'a FlowMatchEuler,
+pub struct Job {
+    inputs: Arc<DenoiseInputs>,
+    schedule: Arc<FlowMatchEuler>,
     step: usize,
     latents: Tensor,
-    mode: Mode<'a>,
+    mode: Mode,
     /// Token rows computed each step, and the rest (edits only).
     active: Vec<u32>,
     inactive: Vec<u32>,
 }
 
-impl<'a> Job<'a> {
+impl Job {
     pub fn new(
-        inputs: &'a DenoiseInputs,
-        schedule: &'a FlowMatchEuler,
-        mode: Mode<'a>,
+        inputs: impl Into<Arc<DenoiseInputs>>,
+        schedule: impl Into<Arc<FlowMatchEuler>>,
+        mode: Mode,
     ) -> Result<Self> {
+        let (inputs, schedule) = (inputs.into(), schedule.into());
         let l = inputs.tokens();
         let c = inputs.latents.cols();
         if inputs.cond.rows() != l || inputs.img_ids.shape() != [l, 3] {
@@ -115,10 +120,10 @@ impl<'a> Job<'a> {
             }
         }
         Ok(Job {
+            latents: inputs.latents.clone(),
             inputs,
             schedule,
             step: 0,
-            latents: inputs.latents.clone(),
             mode,
             active,
             inactive,
@@ -137,6 +142,17 @@ impl<'a> Job<'a> {
     }
     pub fn into_latents(self) -> Tensor {
         self.latents
+    }
+    /// The final latent and, for a capture, the filled template cache.
+    pub fn into_parts(self) -> (Tensor, Option<TemplateCache>) {
+        let cache = match self.mode {
+            Mode::Capture(c) => Some(*c),
+            _ => None,
+        };
+        (self.latents, cache)
+    }
+    pub fn inputs(&self) -> &DenoiseInputs {
+        &self.inputs
     }
     /// Image tokens computed per step.
     pub fn active_tokens(&self) -> usize {
@@ -185,7 +201,7 @@ impl ForwardObserver for CaptureSink {
 /// Advances every unfinished job by one step with one forward call.
 pub fn step_batch<B: Backend<Tensor = Tensor>>(
     model: &FluxTransformer<B>,
-    jobs: &mut [&mut Job<'_>],
+    jobs: &mut [&mut Job],
 ) -> Result<()> {
     let live: Vec<usize> = (0..jobs.len()).filter(|&i| !jobs[i].done()).collect();
     if live.is_empty() {
@@ -292,12 +308,17 @@ pub fn step_batch<B: Backend<Tensor = Tensor>>(
 }
 
 /// Runs one job to the end and returns its final latent.
-pub fn run<B: Backend<Tensor = Tensor>>(
+pub fn run<B: Backend<Tensor = Tensor>>(model: &FluxTransformer<B>, job: Job) -> Result<Tensor> {
+    Ok(run_job(model, job)?.into_latents())
+}
+
+/// Runs one job to the end and returns it (see [`Job::into_parts`]).
+pub fn run_job<B: Backend<Tensor = Tensor>>(
     model: &FluxTransformer<B>,
-    mut job: Job<'_>,
-) -> Result<Tensor> {
+    mut job: Job,
+) -> Result<Job> {
     while !job.done() {
         step_batch(model, &mut [&mut job])?;
     }
-    Ok(job.into_latents())
+    Ok(job)
 }
