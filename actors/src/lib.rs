@@ -5,4 +5,5 @@
 //! `denoised-models`); see DESIGN.md §"Processes and actors". Its first pieces land
 //! with the serving work.
 
+pub mod denoise;
 pub mod scheduler;

@@ -172,7 +172,7 @@ fn resumed_request_runs_only_its_remaining_steps() {
     let mut r = req(1, 10, 28);
     r.steps_done = 26;
     s.submit(r).unwrap();
-    assert_eq!(step(&mut s).2, vec![]);
+    assert_eq!(step(&mut s).2, Vec::<u64>::new());
     assert_eq!(step(&mut s).2, vec![1]);
 }
 

@@ -1,0 +1,273 @@
+//! The denoise worker's step loop: schedule → execute → update, on its own OS thread.
+//!
+//! The thread owns the model (and, with a GPU, the device). Everything else talks to it
+//! through channels: [`Command`]s in (submit, cancel, shut down), [`Event`]s out (steps,
+//! progress, finished latents). The loop never blocks on anything but the model: it
+//! drains commands without waiting while there is work, sends results on an unbounded
+//! channel, and only sleeps on the command channel when it has nothing to run. New
+//! requests join the running batch at the next step; finished ones leave at once
+//! (continuous batching, [`crate::scheduler`]); `Batching::Static` is the baseline.
+//!
+//! A step that fails (a broken invariant, an error from the backend) fails the requests
+//! in that batch with the error, and the loop goes on serving the others.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crossbeam_channel::{unbounded, Receiver, Sender};
+use denoised_models::flux::edit::{step_batch, DenoiseInputs, Job, Mode};
+use denoised_models::flux::template::{TemplateCache, TemplateLayout};
+use denoised_models::mask::TokenMask;
+use denoised_models::{FlowMatchEuler, FluxTransformer};
+use denoised_runtime::{Backend, Tensor};
+
+use crate::scheduler::{BatchScheduler, RequestId, SchedRequest, SchedulerConfig};
+
+/// What a request asks the denoiser to do.
+pub enum Work {
+    /// A plain full run.
+    Full,
+    /// A full run that records a template cache of this layout.
+    Capture(TemplateLayout),
+    /// A mask-aware edit against a template.
+    Edit {
+        mask: Arc<TokenMask>,
+        cache: Arc<TemplateCache>,
+    },
+}
+
+pub struct DenoiseRequest {
+    pub id: RequestId,
+    pub inputs: Arc<DenoiseInputs>,
+    pub schedule: Arc<FlowMatchEuler>,
+    pub work: Work,
+}
+
+pub enum Command {
+    Submit(DenoiseRequest),
+    Cancel(RequestId),
+    Shutdown,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    /// One batched step ran: its number, the requests in it, and how long it took.
+    Step {
+        step: u64,
+        batch: Vec<RequestId>,
+        seconds: f64,
+    },
+    /// A request finished its last step: the final packed latent, and for a capture
+    /// the template cache.
+    Finished {
+        id: RequestId,
+        latents: Tensor,
+        cache: Option<Box<TemplateCache>>,
+    },
+    /// A request could not be run; the message says why.
+    Failed {
+        id: RequestId,
+        error: String,
+    },
+    Cancelled {
+        id: RequestId,
+    },
+}
+
+/// Handle to a running loop: a command sender and an event receiver. Dropping it
+/// shuts the loop down.
+pub struct DenoiseLoop {
+    commands: Sender<Command>,
+    events: Receiver<Event>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Knobs for tests and benchmarks.
+#[derive(Default)]
+pub struct LoopOptions {
+    /// When set, the loop takes one token from this channel before each step (and then
+    /// reads the commands that arrived), so a test can interleave submissions and
+    /// cancellations with steps deterministically. Serving leaves it unset.
+    pub step_gate: Option<Receiver<()>>,
+}
+
+impl DenoiseLoop {
+    pub fn spawn<B>(
+        model: Arc<FluxTransformer<B>>,
+        config: SchedulerConfig,
+        options: LoopOptions,
+    ) -> Result<Self, String>
+    where
+        B: Backend<Tensor = Tensor> + 'static,
+    {
+        let sched = BatchScheduler::new(config).map_err(|e| e.to_string())?;
+        let (commands, rx) = unbounded();
+        let (tx, events) = unbounded();
+        let thread = std::thread::Builder::new()
+            .name("denoise-loop".into())
+            .spawn(move || run(&model, sched, rx, tx, options))
+            .map_err(|e| format!("cannot start the denoise thread: {e}"))?;
+        Ok(DenoiseLoop {
+            commands,
+            events,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn submit(&self, req: DenoiseRequest) {
+        // The loop only stops after Shutdown, which only Drop sends.
+        let _ = self.commands.send(Command::Submit(req));
+    }
+
+    pub fn cancel(&self, id: RequestId) {
+        let _ = self.commands.send(Command::Cancel(id));
+    }
+
+    pub fn events(&self) -> &Receiver<Event> {
+        &self.events
+    }
+}
+
+impl Drop for DenoiseLoop {
+    fn drop(&mut self) {
+        let _ = self.commands.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Loop state: the scheduler's view plus the jobs it schedules.
+struct State {
+    sched: BatchScheduler,
+    jobs: HashMap<RequestId, Job>,
+    tx: Sender<Event>,
+}
+
+impl State {
+    /// Applies a command; returns false on shutdown.
+    fn apply(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Shutdown => return false,
+            Command::Cancel(id) => {
+                if self.sched.cancel(id) {
+                    self.jobs.remove(&id);
+                    let _ = self.tx.send(Event::Cancelled { id });
+                }
+            }
+            Command::Submit(r) => {
+                let id = r.id;
+                if let Err(error) = self.admit(r) {
+                    let _ = self.tx.send(Event::Failed { id, error });
+                }
+            }
+        }
+        true
+    }
+
+    fn admit(&mut self, r: DenoiseRequest) -> Result<(), String> {
+        let steps = r.schedule.steps() as u32;
+        let text = r.inputs.txt.rows();
+        let mode = match r.work {
+            Work::Full => Mode::Full,
+            Work::Capture(layout) => Mode::Capture(Box::new(TemplateCache::new(layout))),
+            Work::Edit { mask, cache } => Mode::Edit { mask, cache },
+        };
+        let job = Job::new(r.inputs, r.schedule, mode).map_err(|e| e.to_string())?;
+        let rows = text + job.active_tokens();
+        self.sched
+            .submit(SchedRequest::new(r.id, rows.max(1), steps))
+            .map_err(|e| e.to_string())?;
+        self.jobs.insert(r.id, job);
+        Ok(())
+    }
+}
+
+fn run<B: Backend<Tensor = Tensor>>(
+    model: &FluxTransformer<B>,
+    sched: BatchScheduler,
+    rx: Receiver<Command>,
+    tx: Sender<Event>,
+    options: LoopOptions,
+) {
+    let mut st = State {
+        sched,
+        jobs: HashMap::new(),
+        tx,
+    };
+    loop {
+        // Sleep on the channel only when idle; otherwise take what has arrived and go.
+        if st.sched.is_idle() {
+            match rx.recv() {
+                Ok(cmd) => {
+                    if !st.apply(cmd) {
+                        return;
+                    }
+                }
+                Err(_) => return,
+            }
+        }
+        if let Some(gate) = &options.step_gate {
+            if gate.recv().is_err() {
+                return;
+            }
+        }
+        while let Ok(cmd) = rx.try_recv() {
+            if !st.apply(cmd) {
+                return;
+            }
+        }
+        let plan = st.sched.plan();
+        if plan.is_empty() {
+            continue;
+        }
+        let t0 = Instant::now();
+        // Take the plan's jobs out of the map for the step (the map keeps the rest).
+        let mut batch: Vec<(RequestId, Job)> = plan
+            .ids()
+            .iter()
+            .filter_map(|id| st.jobs.remove(id).map(|j| (*id, j)))
+            .collect();
+        let result = {
+            let mut refs: Vec<&mut Job> = batch.iter_mut().map(|(_, j)| j).collect();
+            step_batch(model, &mut refs)
+        };
+        if let Err(e) = result {
+            tracing::error!("denoise step failed: {e}");
+            for (id, _) in batch {
+                st.sched.cancel(id);
+                let _ = st.tx.send(Event::Failed {
+                    id,
+                    error: e.to_string(),
+                });
+            }
+            continue;
+        }
+        let finished = st.sched.complete_step(&plan);
+        let seconds = t0.elapsed().as_secs_f64();
+        // Finished results go out first, so whoever sees a step's event has already been
+        // sent everything that step produced.
+        for (id, job) in batch {
+            if finished.contains(&id) {
+                let (latents, cache) = job.into_parts();
+                let _ = st.tx.send(Event::Finished {
+                    id,
+                    latents,
+                    cache: cache.map(Box::new),
+                });
+            } else {
+                st.jobs.insert(id, job);
+            }
+        }
+        let _ = st.tx.send(Event::Step {
+            step: plan.step(),
+            batch: plan.ids().to_vec(),
+            seconds,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests;

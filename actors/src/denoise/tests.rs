@@ -1,0 +1,233 @@
+//! The denoise loop on the built-in tiny model: continuous batching is visible (a
+//! request arriving mid-way joins before the earliest running request finishes),
+//! static batching is not, results equal solo runs, cancellation and bad requests do
+//! not stop the loop, and capture + edit through the loop keep the identity invariant.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{unbounded, Sender};
+use denoised_models::flux::edit::{run, DenoiseInputs, Job, Mode};
+use denoised_models::flux::embed::image_ids;
+use denoised_models::flux::template::TemplateLayout;
+use denoised_models::flux::weights::SplitMix;
+use denoised_models::mask::TokenMask;
+use denoised_models::{FlowMatchEuler, FluxConfig, FluxTransformer, ModelSource};
+use denoised_runtime::{CpuBackend, DType, Tensor};
+
+use super::*;
+use crate::scheduler::Batching;
+
+const SIDE: usize = 8; // 8x8 tokens
+
+fn model() -> Arc<FluxTransformer<CpuBackend>> {
+    Arc::new(
+        ModelSource::Builtin
+            .load_transformer(CpuBackend::new())
+            .unwrap(),
+    )
+}
+
+fn inputs(seed: u64) -> Arc<DenoiseInputs> {
+    let c = FluxConfig::tiny();
+    let l = SIDE * SIDE;
+    let mut rng = SplitMix::new(seed);
+    let mut rand = |n: usize| (0..n).map(|_| rng.normal()).collect::<Vec<f32>>();
+    Arc::new(DenoiseInputs {
+        latents: Tensor::new([l, 64], rand(l * 64)).unwrap(),
+        cond: Tensor::new([l, c.in_channels - 64], rand(l * (c.in_channels - 64))).unwrap(),
+        img_ids: Tensor::new([l, 3], image_ids(SIDE, SIDE)).unwrap(),
+        txt: Tensor::new([8, c.joint_attention_dim], rand(8 * c.joint_attention_dim)).unwrap(),
+        txt_ids: Tensor::zeros([8, 3]),
+        pooled: rand(c.pooled_projection_dim),
+        guidance: 30.0,
+    })
+}
+
+fn schedule(steps: usize) -> Arc<FlowMatchEuler> {
+    Arc::new(FlowMatchEuler::new(&Default::default(), steps, SIDE * SIDE).unwrap())
+}
+
+fn gated(mode: Batching) -> (DenoiseLoop, Sender<()>) {
+    let (gate_tx, gate_rx) = unbounded();
+    let cfg = SchedulerConfig {
+        max_batch: 8,
+        token_budget: 1 << 20,
+        mode,
+    };
+    let lp = DenoiseLoop::spawn(
+        model(),
+        cfg,
+        LoopOptions {
+            step_gate: Some(gate_rx),
+        },
+    )
+    .unwrap();
+    (lp, gate_tx)
+}
+
+fn next(lp: &DenoiseLoop) -> Event {
+    lp.events()
+        .recv_timeout(Duration::from_secs(60))
+        .expect("an event from the denoise loop")
+}
+
+fn full(id: u64, seed: u64, steps: usize) -> DenoiseRequest {
+    DenoiseRequest {
+        id,
+        inputs: inputs(seed),
+        schedule: schedule(steps),
+        work: Work::Full,
+    }
+}
+
+/// Runs steps one token at a time until `want` requests finished; returns the step
+/// batches in order, the finished latents, and the finishing order. The loop sends a
+/// step's results before the step's own event, so reading up to that event is enough.
+fn drive(
+    lp: &DenoiseLoop,
+    gate: &Sender<()>,
+    want: usize,
+) -> (Vec<Vec<u64>>, HashMap<u64, Tensor>, Vec<u64>) {
+    let (mut steps, mut done, mut order) = (vec![], HashMap::new(), vec![]);
+    while done.len() < want {
+        gate.send(()).unwrap();
+        loop {
+            match next(lp) {
+                Event::Step { batch, .. } => {
+                    steps.push(batch);
+                    break;
+                }
+                Event::Finished { id, latents, .. } => {
+                    order.push(id);
+                    done.insert(id, latents);
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+    (steps, done, order)
+}
+
+#[test]
+fn a_request_arriving_mid_way_joins_before_the_first_finishes() {
+    let (lp, gate) = gated(Batching::Continuous);
+    lp.submit(full(1, 1, 6));
+    gate.send(()).unwrap();
+    assert!(matches!(next(&lp), Event::Step { ref batch, .. } if batch == &[1]));
+    lp.submit(full(2, 2, 6));
+    let (steps, done, order) = drive(&lp, &gate, 2);
+    // Request 2 is in a batch together with request 1, before request 1 finishes.
+    let joined = steps
+        .iter()
+        .position(|b| b.contains(&2))
+        .expect("request 2 ran");
+    assert!(steps[joined].contains(&1), "request 2 ran alone: {steps:?}");
+    // `steps` starts with the first step after the submission.
+    assert_eq!(
+        joined, 0,
+        "request 2 must join at the very next step: {steps:?}"
+    );
+    assert_eq!(order, vec![1, 2]);
+    // Results equal solo runs.
+    let m = model();
+    for (id, seed) in [(1, 1), (2, 2)] {
+        let solo = run(&m, Job::new(inputs(seed), schedule(6), Mode::Full).unwrap()).unwrap();
+        let rel = done[&id].max_abs_diff(&solo).unwrap()
+            / solo.data().iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        assert!(rel <= 1e-6, "request {id}: {rel:e}");
+    }
+}
+
+#[test]
+fn static_batching_holds_new_requests_until_the_batch_ends() {
+    let (lp, gate) = gated(Batching::Static);
+    lp.submit(full(1, 1, 4));
+    gate.send(()).unwrap();
+    assert!(matches!(next(&lp), Event::Step { .. }));
+    lp.submit(full(2, 2, 4));
+    let (steps, _, order) = drive(&lp, &gate, 2);
+    assert!(steps.iter().all(|b| b.len() == 1), "{steps:?}");
+    assert_eq!(order, vec![1, 2]);
+}
+
+#[test]
+fn cancel_and_bad_requests_do_not_stop_the_loop() {
+    let (lp, gate) = gated(Batching::Continuous);
+    lp.submit(full(1, 1, 5));
+    gate.send(()).unwrap();
+    assert!(matches!(next(&lp), Event::Step { .. }));
+    lp.cancel(1);
+    // An edit whose template does not match its schedule fails on submission.
+    let layout = TemplateLayout::for_model(&FluxConfig::tiny(), SIDE * SIDE, 2, DType::F32);
+    let bad = DenoiseRequest {
+        id: 2,
+        inputs: inputs(2),
+        schedule: schedule(4),
+        work: Work::Edit {
+            mask: Arc::new(TokenMask::full(SIDE, SIDE)),
+            cache: Arc::new(TemplateCache::new(layout)),
+        },
+    };
+    lp.submit(bad);
+    lp.submit(full(3, 3, 2));
+    let mut seen: Vec<String> = vec![];
+    while !seen.iter().any(|e| e.starts_with("finished 3")) {
+        gate.send(()).unwrap();
+        loop {
+            let ev = next(&lp);
+            let last = matches!(ev, Event::Step { .. });
+            seen.push(match ev {
+                Event::Cancelled { id } => format!("cancelled {id}"),
+                Event::Failed { id, error } => format!("failed {id}: {error}"),
+                Event::Finished { id, .. } => format!("finished {id}"),
+                Event::Step { batch, .. } => format!("step {batch:?}"),
+            });
+            if last {
+                break;
+            }
+        }
+    }
+    assert!(seen.contains(&"cancelled 1".to_string()), "{seen:?}");
+    assert!(
+        seen.iter()
+            .any(|e| e.starts_with("failed 2:") && e.contains("steps")),
+        "{seen:?}"
+    );
+    assert!(!seen.iter().any(|e| e.contains("step [1"))); // never stepped after the cancel
+}
+
+#[test]
+fn capture_then_edit_through_the_loop_keeps_the_identity() {
+    let lp =
+        DenoiseLoop::spawn(model(), SchedulerConfig::default(), LoopOptions::default()).unwrap();
+    let (inp, s) = (inputs(9), schedule(3));
+    let layout = TemplateLayout::for_model(&FluxConfig::tiny(), SIDE * SIDE, 3, DType::F32);
+    lp.submit(DenoiseRequest {
+        id: 1,
+        inputs: inp.clone(),
+        schedule: s.clone(),
+        work: Work::Capture(layout),
+    });
+    let (fin, cache) = loop {
+        if let Event::Finished { latents, cache, .. } = next(&lp) {
+            break (latents, cache.expect("a capture returns its cache"));
+        }
+    };
+    let cache: Arc<TemplateCache> = Arc::new(*cache);
+    let mask = Arc::new(TokenMask::random_blobs(SIDE, SIDE, 13, 4));
+    lp.submit(DenoiseRequest {
+        id: 2,
+        inputs: inp,
+        schedule: s,
+        work: Work::Edit { mask, cache },
+    });
+    let edited = loop {
+        if let Event::Finished { latents, .. } = next(&lp) {
+            break latents;
+        }
+    };
+    let rel =
+        edited.max_abs_diff(&fin).unwrap() / fin.data().iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    assert!(rel <= 1e-5, "{rel:e}");
+}
