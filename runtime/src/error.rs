@@ -46,6 +46,8 @@ pub enum Error {
     Invalid(String),
     #[error("device error: {0}")]
     Device(String),
+    #[error(transparent)]
+    Shm(#[from] crate::shm::ShmError),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

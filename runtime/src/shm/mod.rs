@@ -307,3 +307,20 @@ mod tests {
         assert_eq!(byte_len(DType::F32, &[0, 5]), Some(0));
     }
 }
+
+#[cfg(test)]
+mod error_conversion_tests {
+    /// Shared-memory errors flow into the runtime's error type with `?`, keeping their
+    /// message.
+    #[test]
+    fn shm_errors_convert() {
+        fn attach_missing() -> crate::Result<()> {
+            let dir = tempfile::tempdir().expect("tempdir");
+            super::ArenaView::attach(dir.path(), "conv", "nope")?;
+            Ok(())
+        }
+        let e = attach_missing().unwrap_err();
+        assert!(matches!(e, crate::Error::Shm(_)), "{e:?}");
+        assert!(e.to_string().contains("nope"), "{e}");
+    }
+}
