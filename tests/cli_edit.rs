@@ -54,6 +54,18 @@ fn png(path: &Path) -> Rgb8 {
     decode_image(&std::fs::read(path).unwrap(), &LIM).unwrap()
 }
 
+/// Writes a `w x h` PNG of one grey level; returns its path.
+fn solid_png(dir: &Path, name: &str, w: usize, h: usize, level: u8) -> PathBuf {
+    let path = dir.join(name);
+    let img = Rgb8 {
+        width: w,
+        height: h,
+        data: vec![level; w * h * 3],
+    };
+    std::fs::write(&path, encode_png(&img).unwrap()).unwrap();
+    path
+}
+
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -178,17 +190,7 @@ fn template_capture_and_mask_aware_edits() {
     );
 
     // Identity end to end: an edit that computes no token reproduces the capture.
-    let empty = dir.path().join("empty.png");
-    std::fs::write(
-        &empty,
-        encode_png(&Rgb8 {
-            width: 64,
-            height: 64,
-            data: vec![0; 64 * 64 * 3],
-        })
-        .unwrap(),
-    )
-    .unwrap();
+    let empty = solid_png(dir.path(), "empty.png", 64, 64, 0);
     let same = dir.path().join("same.png");
     let log = ok(&[
         "edit",
@@ -243,28 +245,8 @@ fn template_capture_and_mask_aware_edits() {
         "captured by model",
     );
     // Another resolution is refused.
-    let small = dir.path().join("small.png");
-    std::fs::write(
-        &small,
-        encode_png(&Rgb8 {
-            width: 32,
-            height: 32,
-            data: vec![90; 32 * 32 * 3],
-        })
-        .unwrap(),
-    )
-    .unwrap();
-    let small_mask = dir.path().join("small_mask.png");
-    std::fs::write(
-        &small_mask,
-        encode_png(&Rgb8 {
-            width: 32,
-            height: 32,
-            data: vec![255; 32 * 32 * 3],
-        })
-        .unwrap(),
-    )
-    .unwrap();
+    let small = solid_png(dir.path(), "small.png", 32, 32, 90);
+    let small_mask = solid_png(dir.path(), "small_mask.png", 32, 32, 255);
     fails(
         &[
             "edit",
@@ -348,30 +330,10 @@ fn bad_inputs_give_clear_errors() {
     std::fs::write(&text, "this is not an image").unwrap();
     run_fail(base(&input, &text), "mask: not a PNG or JPEG");
 
-    let small = dir.path().join("small.png");
-    std::fs::write(
-        &small,
-        encode_png(&Rgb8 {
-            width: 32,
-            height: 32,
-            data: vec![0; 32 * 32 * 3],
-        })
-        .unwrap(),
-    )
-    .unwrap();
+    let small = solid_png(dir.path(), "small.png", 32, 32, 0);
     run_fail(base(&input, &small), "mask is 32x32 but the image is 64x64");
 
-    let odd = dir.path().join("odd.png");
-    std::fs::write(
-        &odd,
-        encode_png(&Rgb8 {
-            width: 30,
-            height: 32,
-            data: vec![0; 30 * 32 * 3],
-        })
-        .unwrap(),
-    )
-    .unwrap();
+    let odd = solid_png(dir.path(), "odd.png", 30, 32, 0);
     run_fail(base(&odd, &mask), "not a multiple of 4 pixels");
 
     // A well-formed PNG header that claims 0 x 0 pixels (IHDR CRC recomputed).

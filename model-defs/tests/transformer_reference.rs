@@ -19,15 +19,7 @@ fn model() -> FluxTransformer<CpuBackend> {
 }
 
 fn inputs(case: &RefCase) -> FluxInputs {
-    FluxInputs {
-        hidden_states: case.tensor("hidden_states"),
-        encoder_hidden_states: case.tensor("encoder_hidden_states"),
-        pooled_projections: case.tensor("pooled_projections"),
-        timestep: case.tensor("timestep").into_data(),
-        guidance: case.tensor("guidance").into_data(),
-        img_ids: case.tensor("img_ids"),
-        txt_ids: case.tensor("txt_ids"),
-    }
+    FluxInputs::from_file(case.file()).unwrap()
 }
 
 #[test]

@@ -87,15 +87,7 @@ fn model_dir(tensors: &Raw, shards: usize) -> tempfile::TempDir {
 
 fn case1_output(m: &FluxTransformer<CpuBackend>) -> Tensor {
     let case = RefCase::open("transformer_case1").unwrap();
-    let x = FluxInputs {
-        hidden_states: case.tensor("hidden_states"),
-        encoder_hidden_states: case.tensor("encoder_hidden_states"),
-        pooled_projections: case.tensor("pooled_projections"),
-        timestep: case.tensor("timestep").into_data(),
-        guidance: case.tensor("guidance").into_data(),
-        img_ids: case.tensor("img_ids"),
-        txt_ids: case.tensor("txt_ids"),
-    };
+    let x = FluxInputs::from_file(case.file()).unwrap();
     m.forward_inputs(&x, &mut NoObserver).unwrap()
 }
 

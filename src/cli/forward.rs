@@ -30,20 +30,7 @@ pub fn run(a: Args) -> CliResult {
     let model = a.model.load_transformer(backend)?;
     let load_s = t0.elapsed().as_secs_f64();
     let f = SafetensorsFile::open(&a.inputs)?;
-    let get = |n: &str| f.tensor_f32(n);
-    let inputs = FluxInputs {
-        hidden_states: get("hidden_states")?,
-        encoder_hidden_states: get("encoder_hidden_states")?,
-        pooled_projections: get("pooled_projections")?,
-        timestep: get("timestep")?.into_data(),
-        guidance: if f.contains("guidance") {
-            get("guidance")?.into_data()
-        } else {
-            vec![]
-        },
-        img_ids: get("img_ids")?,
-        txt_ids: get("txt_ids")?,
-    };
+    let inputs = FluxInputs::from_file(&f)?;
     if model.config.guidance_embeds && inputs.guidance.is_empty() {
         return Err(format!(
             "{}: this model embeds guidance, but the inputs have no `guidance` tensor",
@@ -66,7 +53,7 @@ pub fn run(a: Args) -> CliResult {
         if a.model == ModelSource::Builtin {
             println!("inputs hold a reference `output`; not compared: the built-in model's weights are seeded, not the reference checkpoint's");
         } else {
-            let want = get("output")?;
+            let want = f.tensor_f32("output")?;
             if want.shape() == out.shape() {
                 let diff = out.max_abs_diff(&want)?;
                 let scale = want.data().iter().fold(0.0f32, |m, v| m.max(v.abs()));

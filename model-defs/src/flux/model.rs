@@ -83,6 +83,27 @@ pub struct FluxInputs {
     pub txt_ids: Tensor,
 }
 
+impl FluxInputs {
+    /// Reads the inputs from a safetensors file under the reference cases' tensor names
+    /// (`hidden_states`, `encoder_hidden_states`, `pooled_projections`, `timestep`,
+    /// `guidance` (optional: empty when absent), `img_ids`, `txt_ids`).
+    pub fn from_file(f: &denoised_runtime::weights::SafetensorsFile) -> Result<Self> {
+        Ok(FluxInputs {
+            hidden_states: f.tensor_f32("hidden_states")?,
+            encoder_hidden_states: f.tensor_f32("encoder_hidden_states")?,
+            pooled_projections: f.tensor_f32("pooled_projections")?,
+            timestep: f.tensor_f32("timestep")?.into_data(),
+            guidance: if f.contains("guidance") {
+                f.tensor_f32("guidance")?.into_data()
+            } else {
+                vec![]
+            },
+            img_ids: f.tensor_f32("img_ids")?,
+            txt_ids: f.tensor_f32("txt_ids")?,
+        })
+    }
+}
+
 pub struct FluxTransformer<B: Backend> {
     pub config: FluxConfig,
     backend: B,
