@@ -100,19 +100,7 @@ fn edit_matches_diffusers_through_the_cli() {
         s(&out),
     ]);
     let (got, want) = (png(&out), png(&case("e2e_output.png")));
-    let worst = got
-        .data
-        .iter()
-        .zip(&want.data)
-        .map(|(a, b)| a.abs_diff(*b))
-        .max()
-        .unwrap();
-    let off = got
-        .data
-        .iter()
-        .zip(&want.data)
-        .filter(|(a, b)| a != b)
-        .count();
+    let (worst, off) = got.level_diff(&want);
     println!(
         "CLI vs diffusers: max level diff {worst}, {off} of {} values differ",
         got.data.len()

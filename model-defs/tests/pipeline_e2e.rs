@@ -102,19 +102,7 @@ fn end_to_end_matches_diffusers() {
     // The PNG: e2e_output.png holds image_uint8.
     let img = from_model_space(raw.data(), 64, 64);
     let want = decode_image(&read("e2e_output.png"), &p.limits).unwrap();
-    let worst = img
-        .data
-        .iter()
-        .zip(&want.data)
-        .map(|(a, b)| a.abs_diff(*b))
-        .max()
-        .unwrap();
-    let off = img
-        .data
-        .iter()
-        .zip(&want.data)
-        .filter(|(a, b)| a != b)
-        .count();
+    let (worst, off) = img.level_diff(&want);
     println!(
         "image_uint8: max level diff {worst}, {off} of {} values differ",
         img.data.len()

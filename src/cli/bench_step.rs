@@ -74,20 +74,20 @@ struct Timing {
     median: f64,
 }
 
-/// Times `iters` runs of `f` after one warm-up; `setup` builds fresh state outside the
-/// timed region.
-fn time<S>(
+/// Times `iters` batched steps of the jobs `setup` builds (fresh ones for every run,
+/// outside the timed region), after one warm-up.
+fn time_steps<B: Backend<Tensor = Tensor>>(
+    model: &FluxTransformer<B>,
     iters: usize,
-    mut setup: impl FnMut() -> CliResult<S>,
-    mut f: impl FnMut(&mut S) -> CliResult,
+    mut setup: impl FnMut() -> CliResult<Vec<Job>>,
 ) -> CliResult<Timing> {
-    let mut warm = setup()?;
-    f(&mut warm)?;
+    let run = |jobs: &mut Vec<Job>| step_batch(model, &mut jobs.iter_mut().collect::<Vec<_>>());
+    run(&mut setup()?)?;
     let mut ts = Vec::with_capacity(iters);
     for _ in 0..iters {
-        let mut s = setup()?;
+        let mut jobs = setup()?;
         let t = Instant::now();
-        f(&mut s)?;
+        run(&mut jobs)?;
         ts.push(t.elapsed().as_secs_f64());
     }
     ts.sort_by(|a, b| a.total_cmp(b));
@@ -134,20 +134,11 @@ pub fn run(a: Args) -> CliResult {
     let schedule = Arc::new(FlowMatchEuler::new(&Default::default(), 1, l)?);
     let batch = a.batch;
     let full_flops = forward_flops(&cfg, StepShape::full(t, l));
-    let full = time(
-        a.iters,
-        || {
-            Ok((0..batch)
-                .map(|_| Job::new(inputs.clone(), schedule.clone(), Mode::Full))
-                .collect::<Result<Vec<_>, _>>()?)
-        },
-        |jobs| {
-            Ok(step_batch(
-                &model,
-                &mut jobs.iter_mut().collect::<Vec<_>>(),
-            )?)
-        },
-    )?;
+    let full = time_steps(&model, a.iters, || {
+        Ok((0..batch)
+            .map(|_| Job::new(inputs.clone(), schedule.clone(), Mode::Full))
+            .collect::<Result<Vec<_>, _>>()?)
+    })?;
     let line = |ratio: serde_json::Value, tm: &Timing, flops: f64, extra: serde_json::Value| {
         let mut v = serde_json::json!({
             "config": a.config, "image_tokens": l, "text_tokens": t, "mask_ratio": ratio,
@@ -206,30 +197,21 @@ pub fn run(a: Args) -> CliResult {
             })
             .collect();
         let flops: f64 = shapes.iter().map(|s| forward_flops(&cfg, *s)).sum();
-        let tm = time(
-            a.iters,
-            || {
-                Ok(masks
-                    .iter()
-                    .map(|m| {
-                        Job::new(
-                            inputs.clone(),
-                            schedule.clone(),
-                            Mode::Edit {
-                                mask: m.clone(),
-                                cache: cache.clone(),
-                            },
-                        )
-                    })
-                    .collect::<Result<Vec<_>, _>>()?)
-            },
-            |jobs| {
-                Ok(step_batch(
-                    &model,
-                    &mut jobs.iter_mut().collect::<Vec<_>>(),
-                )?)
-            },
-        )?;
+        let tm = time_steps(&model, a.iters, || {
+            Ok(masks
+                .iter()
+                .map(|m| {
+                    Job::new(
+                        inputs.clone(),
+                        schedule.clone(),
+                        Mode::Edit {
+                            mask: m.clone(),
+                            cache: cache.clone(),
+                        },
+                    )
+                })
+                .collect::<Result<Vec<_>, _>>()?)
+        })?;
         let bound = batch as f64 * full_flops / flops;
         let speedup = full.median / tm.median;
         let token_ratio = shapes.iter().map(|s| s.active as f64).sum::<f64>() / (batch * l) as f64;

@@ -27,6 +27,20 @@ pub struct Rgb8 {
     pub data: Vec<u8>,
 }
 
+impl Rgb8 {
+    /// `(largest per-channel level difference, number of differing values)` against an
+    /// image of the same size: how outputs are compared with a reference PNG.
+    pub fn level_diff(&self, other: &Rgb8) -> (u8, usize) {
+        let pairs = self.data.iter().zip(&other.data);
+        let worst = pairs
+            .clone()
+            .map(|(a, b)| a.abs_diff(*b))
+            .max()
+            .unwrap_or(0);
+        (worst, pairs.filter(|(a, b)| a != b).count())
+    }
+}
+
 /// A binary mask, row-major `[H, W]`; `true` = repaint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Mask {
