@@ -30,8 +30,9 @@ fn main() -> ExitCode {
     let args = cli::Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("DENOISED_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            tracing_subscriber::EnvFilter::try_from_env("DENOISED_LOG").unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("info,ractor=warn,ractor_cluster=warn")
+            }),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

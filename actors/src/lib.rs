@@ -6,4 +6,11 @@
 //! with the serving work.
 
 pub mod denoise;
+pub mod node;
+pub mod process;
+pub mod router;
 pub mod scheduler;
+pub mod stages;
+pub mod supervisor;
+pub mod wire;
+pub mod workers;

@@ -16,6 +16,10 @@ pub const BUILTIN_SEED: u64 = 0x00de_0015_ed00_0001;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ModelSource {
     Builtin,
+    /// `builtin:flux-small`: seeded weights at benchmark scale (the flux-small
+    /// transformer, FLUX.1's VAE, CLIP-L, a T5 of width 768); see
+    /// `FluxFill::seeded_small`. For serving benchmarks without model files.
+    BuiltinSmall,
     /// A diffusers pipeline directory (with `transformer/`) or a transformer
     /// directory itself.
     Dir(PathBuf),
@@ -26,6 +30,8 @@ impl FromStr for ModelSource {
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         Ok(if s == "builtin" {
             ModelSource::Builtin
+        } else if s == "builtin:flux-small" {
+            ModelSource::BuiltinSmall
         } else {
             ModelSource::Dir(PathBuf::from(s))
         })
@@ -36,6 +42,7 @@ impl std::fmt::Display for ModelSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ModelSource::Builtin => write!(f, "builtin"),
+            ModelSource::BuiltinSmall => write!(f, "builtin:flux-small"),
             ModelSource::Dir(p) => write!(f, "{}", p.display()),
         }
     }
@@ -73,6 +80,7 @@ impl ModelSource {
     pub fn fingerprint(&self) -> Result<String> {
         match self {
             ModelSource::Builtin => Ok(format!("builtin-flux-tiny-{BUILTIN_SEED:016x}")),
+            ModelSource::BuiltinSmall => Ok(format!("seeded-flux-small-{BUILTIN_SEED:016x}")),
             ModelSource::Dir(d) => {
                 let t = transformer_dir(d)?;
                 let mut h = crc32fast::Hasher::new();
@@ -114,6 +122,9 @@ impl ModelSource {
         match self {
             ModelSource::Builtin => {
                 FluxTransformer::seeded(backend, FluxConfig::tiny(), BUILTIN_SEED)
+            }
+            ModelSource::BuiltinSmall => {
+                FluxTransformer::seeded(backend, FluxConfig::small(), BUILTIN_SEED)
             }
             ModelSource::Dir(d) => FluxTransformer::load(backend, transformer_dir(d)?),
         }

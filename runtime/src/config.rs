@@ -15,6 +15,122 @@ use crate::error::{Error, Result};
 pub struct Config {
     pub model: ModelConfig,
     pub device: DeviceConfig,
+    pub server: ServerConfig,
+    pub workers: WorkersConfig,
+    pub denoise: DenoiseConfig,
+    pub cluster: ClusterConfig,
+}
+
+/// `[server]`: the HTTP API of the router process.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Address of the HTTP API. Loopback by default: exposing it is a deliberate choice.
+    pub listen: String,
+    /// Largest accepted request body in bytes (base64 images included).
+    pub max_body_bytes: usize,
+    /// Largest accepted image, in pixels (width x height).
+    pub max_pixels: usize,
+    /// Most denoising steps a request may ask for.
+    pub max_steps: usize,
+    /// When not empty, every /v1 request must carry `Authorization: Bearer <token>`.
+    pub api_token: String,
+    /// Finished async jobs are kept this long for `GET /v1/jobs/{id}`.
+    pub job_ttl_seconds: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: "127.0.0.1:8080".into(),
+            max_body_bytes: 32 << 20,
+            max_pixels: 2048 * 2048,
+            max_steps: 100,
+            api_token: String::new(),
+            job_ttl_seconds: 600,
+        }
+    }
+}
+
+/// `[workers]`: how many processes of each actor group the supervisor runs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkersConfig {
+    pub preprocess: usize,
+    pub postprocess: usize,
+    /// Denoise workers: one per GPU; on a CPU-only machine, 1.
+    pub denoise: usize,
+    /// Bytes of the shared-memory arena each worker process owns.
+    pub arena_bytes: u64,
+}
+
+impl Default for WorkersConfig {
+    fn default() -> Self {
+        WorkersConfig {
+            preprocess: 1,
+            postprocess: 1,
+            denoise: 1,
+            arena_bytes: 1 << 30,
+        }
+    }
+}
+
+/// How requests join the denoise batch (`[denoise] batching`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Batching {
+    /// New requests join the running batch at the next step; finished ones leave at once.
+    #[default]
+    Continuous,
+    /// Baseline: a batch runs to completion before new requests join.
+    Static,
+}
+
+/// `[denoise]`: the batching loop of each denoise worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DenoiseConfig {
+    /// Most requests in one batched step.
+    pub max_batch: usize,
+    /// Most rows (text + active image tokens over the batch) in one step.
+    pub token_budget: usize,
+    pub batching: Batching,
+    /// false: pre- and post-processing run inside the denoise process, between steps
+    /// (the baseline that disaggregation is measured against).
+    pub disaggregate: bool,
+}
+
+impl Default for DenoiseConfig {
+    fn default() -> Self {
+        DenoiseConfig {
+            max_batch: 16,
+            token_budget: 32768,
+            batching: Batching::Continuous,
+            disaggregate: true,
+        }
+    }
+}
+
+/// `[cluster]`: the ractor_cluster transport between the processes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// TCP port of the router's cluster node on 127.0.0.1; 0 picks a free one (logged).
+    pub port: u16,
+    /// Shared secret of the cluster; empty generates a random one per start.
+    pub cookie: String,
+    /// Directory of the shared-memory arenas; empty means /dev/shm.
+    pub shm_dir: String,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            port: 0,
+            cookie: String::new(),
+            shm_dir: String::new(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -6,12 +6,14 @@
 
 use crate::error::{Error, Result};
 
-/// Storage dtypes a checkpoint may use. Compute is always f32 on the host.
+/// Storage dtypes a checkpoint may use (compute is always f32 on the host), plus `U8`
+/// for raw bytes (images, encoded files) in shared-memory slices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
     BF16,
     F16,
+    U8,
 }
 
 impl DType {
@@ -19,6 +21,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::BF16 | DType::F16 => 2,
+            DType::U8 => 1,
         }
     }
 }

@@ -6,6 +6,7 @@ mod devices;
 mod edit;
 mod footprint;
 mod forward;
+mod serve;
 
 use clap::{Parser, Subcommand};
 use denoised_cuda::{DeviceSpec, Resolved};
@@ -49,6 +50,12 @@ pub enum Command {
     Footprint(footprint::Args),
     /// List the compute devices this machine offers.
     Devices,
+    /// Run the daemon: a supervisor that starts the router (HTTP API), preprocess,
+    /// denoise, postprocess and cache processes, and restarts any that die.
+    Serve(serve::ServeArgs),
+    /// One process of the daemon (started by `serve`; not for direct use).
+    #[command(hide = true)]
+    Worker(serve::WorkerArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -71,6 +78,8 @@ pub fn run(cli: Cli) -> CliResult {
         Command::BenchPipeline(a) => bench_pipeline::run(a),
         Command::Footprint(a) => footprint::run(a),
         Command::Devices => devices::run(),
+        Command::Serve(a) => serve::run_serve(a),
+        Command::Worker(a) => serve::run_worker(a),
     }
 }
 

@@ -11,6 +11,7 @@
 //! A step that fails (a broken invariant, an error from the backend) fails the requests
 //! in that batch with the error, and the loop goes on serving the others.
 
+use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -48,7 +49,23 @@ pub struct DenoiseRequest {
 pub enum Command {
     Submit(DenoiseRequest),
     Cancel(RequestId),
+    /// Work to run on the loop thread at the next step boundary. This is how the
+    /// non-disaggregated baseline (`[denoise] disaggregate = false`) runs pre- and
+    /// post-processing "between steps", stalling the batch exactly as a one-process
+    /// server would. It may send further commands (e.g. the `Submit` of what it
+    /// prepared) through a [`LoopSender`]; they are taken in the same drain.
+    Run(Box<dyn FnOnce() + Send>),
     Shutdown,
+}
+
+/// A cloneable sender of commands to a loop (for threads other than the owner's).
+#[derive(Clone)]
+pub struct LoopSender(Sender<Command>);
+
+impl LoopSender {
+    pub fn send(&self, cmd: Command) {
+        let _ = self.0.send(cmd);
+    }
 }
 
 #[derive(Debug)]
@@ -94,20 +111,23 @@ pub struct LoopOptions {
 }
 
 impl DenoiseLoop {
-    pub fn spawn<B>(
-        model: Arc<FluxTransformer<B>>,
+    /// Starts the loop thread. `model` is the transformer or anything that holds one
+    /// (a whole pipeline, when the baseline runs the CPU stages on this thread too).
+    pub fn spawn<B, M>(
+        model: Arc<M>,
         config: SchedulerConfig,
         options: LoopOptions,
     ) -> Result<Self, String>
     where
         B: Backend<Tensor = Tensor> + 'static,
+        M: Borrow<FluxTransformer<B>> + Send + Sync + 'static,
     {
         let sched = BatchScheduler::new(config).map_err(|e| e.to_string())?;
         let (commands, rx) = unbounded();
         let (tx, events) = unbounded();
         let thread = std::thread::Builder::new()
             .name("denoise-loop".into())
-            .spawn(move || run(&model, sched, rx, tx, options))
+            .spawn(move || run((*model).borrow(), sched, rx, tx, options))
             .map_err(|e| format!("cannot start the denoise thread: {e}"))?;
         Ok(DenoiseLoop {
             commands,
@@ -127,6 +147,10 @@ impl DenoiseLoop {
 
     pub fn events(&self) -> &Receiver<Event> {
         &self.events
+    }
+
+    pub fn sender(&self) -> LoopSender {
+        LoopSender(self.commands.clone())
     }
 }
 
@@ -151,6 +175,7 @@ impl State {
     fn apply(&mut self, cmd: Command) -> bool {
         match cmd {
             Command::Shutdown => return false,
+            Command::Run(f) => f(),
             Command::Cancel(id) => {
                 if self.sched.cancel(id) {
                     self.jobs.remove(&id);
@@ -271,3 +296,6 @@ fn run<B: Backend<Tensor = Tensor>>(
 
 #[cfg(test)]
 mod tests;
+
+pub mod actor;
+pub mod inline;

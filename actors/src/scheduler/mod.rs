@@ -99,16 +99,7 @@ impl SchedRequest {
     }
 }
 
-/// How requests join the batch (config key `[denoise] batching`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Batching {
-    /// New requests join the running batch at the next step; finished ones leave at once.
-    #[default]
-    Continuous,
-    /// Baseline: a batch runs to completion before new requests join.
-    Static,
-}
+pub use denoised_runtime::config::Batching;
 
 /// Limits and mode of the denoise batch: the `[denoise]` section of config.toml.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

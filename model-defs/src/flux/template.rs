@@ -137,6 +137,53 @@ impl TemplateCache {
             .ok_or_else(|| Error::Invalid(format!("template cache has no latent for step {step}")))
     }
 
+    /// Writes the cache into a flat f32 buffer of `layout.total_bytes() / 4` elements in
+    /// the [`TemplateLayout`] order (the shared-memory form the cache actor holds).
+    pub fn write_flat(&self, out: &mut [f32]) -> Result<()> {
+        let l = self.layout;
+        if out.len() * 4 != l.total_bytes() || !self.is_complete() || l.dtype != DType::F32 {
+            return Err(Error::Invalid(format!(
+                "cannot flatten a template cache (complete: {}) into {} floats; it needs {}",
+                self.is_complete(),
+                out.len(),
+                l.total_bytes() / 4
+            )));
+        }
+        for s in 0..l.steps {
+            for b in 0..l.blocks {
+                let off = l.kv_offset(s, b) / 4;
+                out[off..off + l.kv_slab_elems()].copy_from_slice(self.kv(s, b)?.data());
+            }
+            let off = l.latent_offset(s) / 4;
+            out[off..off + l.tokens * l.latent_channels].copy_from_slice(self.latent(s)?.data());
+        }
+        Ok(())
+    }
+
+    /// The inverse of [`write_flat`](Self::write_flat).
+    pub fn from_flat(layout: TemplateLayout, flat: &[f32]) -> Result<Self> {
+        let l = layout;
+        if flat.len() * 4 != l.total_bytes() || l.dtype != DType::F32 {
+            return Err(Error::Invalid(format!(
+                "flat template of {} floats does not match a layout of {} bytes",
+                flat.len(),
+                l.total_bytes()
+            )));
+        }
+        let mut c = TemplateCache::new(l);
+        for s in 0..l.steps {
+            for b in 0..l.blocks {
+                let off = l.kv_offset(s, b) / 4;
+                let kv = flat[off..off + l.kv_slab_elems()].to_vec();
+                c.set_kv(s, b, Tensor::new([l.tokens, 2 * l.hidden], kv)?)?;
+            }
+            let off = l.latent_offset(s) / 4;
+            let lat = flat[off..off + l.tokens * l.latent_channels].to_vec();
+            c.set_latent(s, Tensor::new([l.tokens, l.latent_channels], lat)?)?;
+        }
+        Ok(c)
+    }
+
     /// Whether every step the cache covers has its K/V and latent.
     pub fn is_complete(&self) -> bool {
         self.kv.iter().all(Option::is_some) && self.latents.iter().all(Option::is_some)
@@ -159,6 +206,19 @@ mod tests {
         );
         assert_eq!(l.kv_offset(1, 0), 57 * l.kv_slab_bytes());
         assert_eq!(l.latent_offset(0), 28 * 57 * l.kv_slab_bytes());
+    }
+
+    #[test]
+    fn flat_form_round_trips() {
+        let l = TemplateLayout::for_model(&FluxConfig::tiny(), 4, 2, DType::F32);
+        let n = l.total_bytes() / 4;
+        let flat: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let c = TemplateCache::from_flat(l, &flat).unwrap();
+        assert!(c.is_complete());
+        let mut back = vec![0.0; n];
+        c.write_flat(&mut back).unwrap();
+        assert_eq!(back, flat);
+        assert!(TemplateCache::from_flat(l, &flat[1..]).is_err());
     }
 
     #[test]

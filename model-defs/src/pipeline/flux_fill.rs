@@ -144,6 +144,9 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     /// Loads every component of a diffusers FLUX.1 Fill directory, or builds the
     /// built-in tiny model.
     pub fn load(source: &ModelSource, backend: B) -> Result<Self> {
+        if *source == ModelSource::BuiltinSmall {
+            return Self::seeded_small(backend, crate::source::BUILTIN_SEED);
+        }
         let transformer = source.load_transformer(backend)?;
         let fingerprint = source.fingerprint()?;
         let (vae, clip_tokenizer, clip, t5_tokenizer, t5, scheduler) = match source {
@@ -156,6 +159,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 let t5_cfg = serde_json::from_str(T5_CONFIG).map_err(|e| parse("T5", e))?;
                 seeded_parts(VaeConfig::tiny(), clip_cfg, t5_cfg, BUILTIN_SEED)?
             }
+            ModelSource::BuiltinSmall => unreachable!("handled above"),
             ModelSource::Dir(d) => (
                 AutoencoderKL::load(d.join("vae"))?,
                 ClipTokenizer::from_dir(d.join("tokenizer"))?,
@@ -401,5 +405,12 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         } else {
             generated
         })
+    }
+}
+
+/// Lets code that runs the transformer (the denoise loop) hold a whole pipeline.
+impl<B: Backend<Tensor = Tensor>> std::borrow::Borrow<FluxTransformer<B>> for FluxFill<B> {
+    fn borrow(&self) -> &FluxTransformer<B> {
+        &self.transformer
     }
 }

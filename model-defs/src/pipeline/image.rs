@@ -206,6 +206,20 @@ pub fn encode_png(img: &Rgb8) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// Encodes RGB as JPEG at `quality` (1-100).
+pub fn encode_jpeg(img: &Rgb8, quality: u8) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, quality.clamp(1, 100))
+        .encode(
+            &img.data,
+            img.width as u32,
+            img.height as u32,
+            image::ExtendedColorType::Rgb8,
+        )
+        .map_err(|e| Error::Invalid(format!("JPEG encode: {e}")))?;
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

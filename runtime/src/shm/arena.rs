@@ -213,6 +213,17 @@ impl Arena {
         Ok(h)
     }
 
+    /// Allocate a `U8` slice of shape `[bytes.len()]` and copy the bytes in (images,
+    /// encoded files).
+    pub fn write_bytes(&mut self, bytes: &[u8]) -> Result<Handle> {
+        let h = self.alloc(DType::U8, &[bytes.len()])?;
+        let dst = self.view.data_ptr(&h) as *mut u8;
+        // SAFETY: alloc just reserved h.len == bytes.len() bytes at this offset inside
+        // the owner's writable mapping; nobody else has the handle yet.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len()) };
+        Ok(h)
+    }
+
     /// See [`ArenaView::write_f32`].
     pub fn write_f32(&mut self, h: &Handle, data: &[f32]) -> Result<()> {
         self.view.write_f32(h, data)

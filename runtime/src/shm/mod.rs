@@ -167,6 +167,7 @@ enum DTypeDef {
     F32,
     BF16,
     F16,
+    U8,
 }
 
 /// A reference to a slice of an arena. Cheap to clone; travels in messages (serde).

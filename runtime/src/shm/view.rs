@@ -190,6 +190,18 @@ impl ArenaView {
         })
     }
 
+    /// Copy a byte slice out (any dtype: the raw bytes). Like
+    /// [`read_tensor`](Self::read_tensor), the generation is re-checked after the copy.
+    pub fn read_bytes(&self, h: &Handle) -> Result<Vec<u8>> {
+        let out = self.slice_bytes(h)?.to_vec();
+        fence(Ordering::Acquire);
+        let current = self.generation(h.slot);
+        if current != h.generation {
+            return Err(self.stale(h, current));
+        }
+        Ok(out)
+    }
+
     /// Copy a slice out into a host tensor, converting BF16/F16 to f32. The generation is
     /// checked again after the copy, so a concurrent free or reuse is reported as
     /// [`ShmError::StaleHandle`] instead of returning torn data.
@@ -208,6 +220,10 @@ impl ArenaView {
                 DType::F16 => std::slice::from_raw_parts(ptr as *const u16, numel)
                     .iter()
                     .map(|&b| f16::from_bits(b).to_f32())
+                    .collect(),
+                DType::U8 => std::slice::from_raw_parts(ptr, numel)
+                    .iter()
+                    .map(|&b| b as f32)
                     .collect(),
             }
         };
@@ -269,12 +285,18 @@ impl ArenaView {
                         *d = f16::from_f32(s).to_bits();
                     }
                 }
+                DType::U8 => {
+                    let dst = std::slice::from_raw_parts_mut(ptr, src.len());
+                    for (d, &s) in dst.iter_mut().zip(src) {
+                        *d = s.round().clamp(0.0, 255.0) as u8;
+                    }
+                }
             }
         }
         Ok(())
     }
 
-    fn data_ptr(&self, h: &Handle) -> *const u8 {
+    pub(super) fn data_ptr(&self, h: &Handle) -> *const u8 {
         // SAFETY: callers have validated h (offset + len <= capacity) and the header
         // guarantees data_off + capacity <= the mapping length.
         unsafe {

@@ -1,0 +1,371 @@
+//! The denoise actor: the cluster-facing side of a denoise worker.
+//!
+//! The actor feeds the step loop ([`DenoiseLoop`], its own OS thread, which owns the
+//! model) and an event thread drains it: per-step statistics and progress reports to
+//! the router, finished latents (and capture caches) written to this process's arena,
+//! and a `Done` message back to the actor, which answers the router's call. Neither
+//! side ever waits on the other's work: the actor only reads inputs from shared memory
+//! and enqueues, so the loop runs step after step.
+//!
+//! With `[denoise] disaggregate = false` (the baseline) the same actor also prepares
+//! and finishes requests itself, as `Command::Run` work on the loop thread between
+//! steps (see [`super::inline`]).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crossbeam_channel::Receiver;
+use denoised_models::flux::edit::DenoiseInputs;
+use denoised_models::flux::template::{TemplateCache, TemplateLayout};
+use denoised_models::mask::TokenMask;
+use denoised_models::FlowMatchEuler;
+use denoised_runtime::shm::Handle;
+use denoised_runtime::{DType, Tensor};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+
+use super::inline::{self, InlineJobs};
+use super::{DenoiseLoop, DenoiseRequest, Event, LoopOptions, Work};
+use crate::node::{self, Shm};
+use crate::scheduler::SchedulerConfig;
+use crate::stages::Pipeline;
+use crate::wire::{
+    groups, DenoiseMsg, DenoiseReq, DenoiseStats, DenoiseWork, Denoised, ErrorKind, InputHandles,
+    JobId, Progress, Reply, RouterMsg, TemplateRef, Wire, WireError,
+};
+
+/// Templates a worker keeps decoded in its own memory (most recently used first).
+/// Edits of a hot template then skip the copy out of the cache arena.
+const TEMPLATE_SLOTS: usize = 4;
+
+pub struct DenoiseActor;
+
+pub struct DenoiseArgs {
+    pub pipeline: Arc<Pipeline>,
+    pub shm: Arc<Shm>,
+    pub sched: SchedulerConfig,
+}
+
+pub struct DenoiseState {
+    lp: DenoiseLoop,
+    pipeline: Arc<Pipeline>,
+    shm: Arc<Shm>,
+    pending: HashMap<JobId, (Reply<Denoised>, f64)>,
+    inline: InlineJobs,
+    templates: VecDeque<(Handle, Arc<TemplateCache>)>,
+}
+
+pub fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+impl Actor for DenoiseActor {
+    type Msg = DenoiseMsg;
+    type State = DenoiseState;
+    type Arguments = DenoiseArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        a: Self::Arguments,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        let lp = DenoiseLoop::spawn(a.pipeline.clone(), a.sched, LoopOptions::default())?;
+        let inline: InlineJobs = Arc::new(Mutex::new(HashMap::new()));
+        let events = lp.events().clone();
+        let ctx = EventCtx {
+            shm: a.shm.clone(),
+            pipeline: a.pipeline.clone(),
+            inline: inline.clone(),
+            loop_tx: lp.sender(),
+            myself,
+        };
+        std::thread::Builder::new()
+            .name("denoise-events".into())
+            .spawn(move || drain_events(events, ctx))?;
+        Ok(DenoiseState {
+            lp,
+            pipeline: a.pipeline,
+            shm: a.shm,
+            pending: HashMap::new(),
+            inline,
+            templates: VecDeque::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        st: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            DenoiseMsg::Denoise(Wire(req), reply) => {
+                let job = req.job;
+                match st.request(&req) {
+                    Ok(r) => {
+                        st.pending.insert(job, (reply, unix_now()));
+                        st.lp.submit(r);
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Wire(Err(e)));
+                    }
+                }
+            }
+            DenoiseMsg::Inline(Wire(req), reply) => {
+                let template = match &req.work {
+                    DenoiseWork::Edit { template } => match st.template(template, &req) {
+                        Ok(t) => Some(t),
+                        Err(e) => {
+                            let _ = reply.send(Wire(Err(e)));
+                            return Ok(());
+                        }
+                    },
+                    _ => None,
+                };
+                inline::submit(
+                    &st.lp.sender(),
+                    &st.pipeline,
+                    &st.shm,
+                    &st.inline,
+                    req,
+                    template,
+                    reply,
+                );
+            }
+            DenoiseMsg::Cancel(Wire(job)) => st.lp.cancel(job),
+            DenoiseMsg::Release(Wire(handles)) => st.shm.release(&handles),
+            DenoiseMsg::Done(Wire((job, result))) => {
+                if let Some((reply, arrived)) = st.pending.remove(&job) {
+                    let result = result.map(|mut d| {
+                        d.stats.queue_s = (d.stats.first_step_unix - arrived).max(0.0);
+                        d
+                    });
+                    let _ = reply.send(Wire(result));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl DenoiseState {
+    /// Builds the loop request of a call: inputs copied out of the preprocess arena,
+    /// the schedule, and for an edit the template cache and token mask.
+    fn request(&mut self, req: &DenoiseReq) -> Result<DenoiseRequest, WireError> {
+        let inputs = read_inputs(&self.shm, &req.inputs)?;
+        let n = (req.rows * req.cols) as usize;
+        let schedule = FlowMatchEuler::new(&self.pipeline.scheduler, req.steps as usize, n)
+            .map_err(|e| WireError::bad_input(e.to_string()))?;
+        let work = match &req.work {
+            DenoiseWork::Full => Work::Full,
+            DenoiseWork::Capture => Work::Capture(self.layout(n, req.steps)),
+            DenoiseWork::Edit { template } => Work::Edit {
+                mask: Arc::new(token_mask(req.rows, req.cols, &req.active)?),
+                cache: self.template(template, req)?,
+            },
+        };
+        Ok(DenoiseRequest {
+            id: req.job,
+            inputs: Arc::new(inputs),
+            schedule: Arc::new(schedule),
+            work,
+        })
+    }
+
+    fn layout(&self, tokens: usize, steps: u32) -> TemplateLayout {
+        TemplateLayout::for_model(
+            &self.pipeline.transformer.config,
+            tokens,
+            steps as usize,
+            DType::F32,
+        )
+    }
+
+    /// The template's cache, from this worker's recent templates or copied out of the
+    /// cache actor's arena.
+    fn template(
+        &mut self,
+        t: &TemplateRef,
+        req: &impl Shape,
+    ) -> Result<Arc<TemplateCache>, WireError> {
+        if let Some(i) = self.templates.iter().position(|(h, _)| *h == t.blob) {
+            let hit = self.templates.remove(i).expect("index from position");
+            self.templates.push_front(hit.clone());
+            return Ok(hit.1);
+        }
+        let (tokens, steps) = req.tokens_steps();
+        if (t.tokens, t.steps) != (tokens, steps) {
+            return Err(WireError::bad_input(format!(
+                "template `{}` is for {} tokens x {} steps, the request has {tokens} x {steps}",
+                t.id, t.tokens, t.steps
+            )));
+        }
+        let layout = self.layout(tokens as usize, steps);
+        let flat = self.shm.read_tensor(&t.blob)?;
+        let cache = Arc::new(
+            TemplateCache::from_flat(layout, flat.data())
+                .map_err(|e| WireError::internal(e.to_string()))?,
+        );
+        self.templates.push_front((t.blob.clone(), cache.clone()));
+        self.templates.truncate(TEMPLATE_SLOTS);
+        Ok(cache)
+    }
+}
+
+/// Token count and steps of a request, for checking a template against it.
+pub(super) trait Shape {
+    fn tokens_steps(&self) -> (u32, u32);
+}
+
+impl Shape for DenoiseReq {
+    fn tokens_steps(&self) -> (u32, u32) {
+        (self.rows * self.cols, self.steps)
+    }
+}
+
+impl Shape for crate::wire::InlineReq {
+    fn tokens_steps(&self) -> (u32, u32) {
+        // The template and the request share the image, so the template's own token
+        // count is the request's; only the steps can disagree.
+        match &self.work {
+            DenoiseWork::Edit { template } => (template.tokens, self.prepare.params.steps),
+            _ => (0, self.prepare.params.steps),
+        }
+    }
+}
+
+pub(super) fn token_mask(rows: u32, cols: u32, active: &[u32]) -> Result<TokenMask, WireError> {
+    let (rows, cols) = (rows as usize, cols as usize);
+    let mut on = vec![false; rows * cols];
+    for &a in active {
+        *on.get_mut(a as usize).ok_or_else(|| {
+            WireError::bad_input(format!("active token {a} outside {rows}x{cols}"))
+        })? = true;
+    }
+    TokenMask::from_tokens(rows, cols, &on).map_err(|e| WireError::bad_input(e.to_string()))
+}
+
+fn read_inputs(shm: &Shm, h: &InputHandles) -> Result<DenoiseInputs, WireError> {
+    Ok(DenoiseInputs {
+        latents: shm.read_tensor(&h.latents)?,
+        cond: shm.read_tensor(&h.cond)?,
+        img_ids: shm.read_tensor(&h.img_ids)?,
+        txt: shm.read_tensor(&h.txt)?,
+        txt_ids: shm.read_tensor(&h.txt_ids)?,
+        pooled: shm.read_tensor(&h.pooled)?.data().to_vec(),
+        guidance: h.guidance,
+    })
+}
+
+/// What the event thread needs.
+pub(super) struct EventCtx {
+    pub shm: Arc<Shm>,
+    pub pipeline: Arc<Pipeline>,
+    pub inline: InlineJobs,
+    pub loop_tx: super::LoopSender,
+    pub myself: ActorRef<DenoiseMsg>,
+}
+
+/// Per-request statistics the event thread accumulates from step events.
+#[derive(Default)]
+struct Acc {
+    stats: DenoiseStats,
+    steps_done: u32,
+}
+
+/// Drains the loop's events until the loop is gone.
+fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
+    let mut acc: HashMap<JobId, Acc> = HashMap::new();
+    // Finished results arrive just before the step event that finished them; they are
+    // held until that event has been counted.
+    let mut ready: Vec<(JobId, Tensor, Option<Box<TemplateCache>>)> = Vec::new();
+    for ev in events {
+        match ev {
+            Event::Step { batch, seconds, .. } => {
+                let now = unix_now();
+                let router = node::members(groups::ROUTER);
+                for &id in &batch {
+                    let a = acc.entry(id).or_default();
+                    if a.steps_done == 0 {
+                        a.stats.first_step_unix = now - seconds;
+                    }
+                    a.steps_done += 1;
+                    a.stats.batch_sizes.push(batch.len() as u32);
+                    a.stats.denoise_s = now - a.stats.first_step_unix;
+                    a.stats.finished_unix = now;
+                    if let Some(r) = router.first() {
+                        node::tell(
+                            r,
+                            RouterMsg::Progress(Wire(Progress {
+                                job: id,
+                                step: a.steps_done,
+                                steps: 0,
+                                batch: batch.len() as u32,
+                            })),
+                        );
+                    }
+                }
+                for (id, latents, cache) in ready.drain(..) {
+                    let stats = acc.remove(&id).unwrap_or_default().stats;
+                    finished(&ctx, id, latents, cache, stats);
+                }
+            }
+            Event::Finished { id, latents, cache } => ready.push((id, latents, cache)),
+            Event::Failed { id, error } => {
+                acc.remove(&id);
+                failed(&ctx, id, WireError::internal(error));
+            }
+            Event::Cancelled { id } => {
+                acc.remove(&id);
+                failed(
+                    &ctx,
+                    id,
+                    WireError::new(ErrorKind::Cancelled, "the request was cancelled"),
+                );
+            }
+        }
+    }
+}
+
+fn failed(ctx: &EventCtx, id: JobId, e: WireError) {
+    if let Some(job) = inline::take(&ctx.inline, id) {
+        let _ = job.reply.send(Wire(Err(e)));
+    } else {
+        let _ = ctx.myself.cast(DenoiseMsg::Done(Wire((id, Err(e)))));
+    }
+}
+
+fn finished(
+    ctx: &EventCtx,
+    id: JobId,
+    latents: Tensor,
+    cache: Option<Box<TemplateCache>>,
+    stats: DenoiseStats,
+) {
+    let cache = match cache.map(|c| write_cache(&ctx.shm, &c)).transpose() {
+        Ok(c) => c,
+        Err(e) => return failed(ctx, id, e),
+    };
+    if let Some(job) = inline::take(&ctx.inline, id) {
+        inline::finish(ctx, job, latents, cache, stats);
+        return;
+    }
+    let result = ctx.shm.write_tensor(&latents).map(|latents| Denoised {
+        latents,
+        cache,
+        stats,
+    });
+    let _ = ctx.myself.cast(DenoiseMsg::Done(Wire((id, result))));
+}
+
+/// Writes a capture's cache into this process's arena in its flat form.
+fn write_cache(shm: &Shm, c: &TemplateCache) -> Result<Handle, WireError> {
+    let n = c.layout().total_bytes() / 4;
+    shm.write_with(&[n], |out| {
+        c.write_flat(out)
+            .map_err(|e| WireError::internal(e.to_string()))
+    })
+}

@@ -1,0 +1,175 @@
+//! The non-disaggregated baseline (`[denoise] disaggregate = false`): the denoise
+//! process prepares and finishes its requests itself, on the loop thread, between
+//! steps. Every preparation and every VAE decode then stalls the whole running batch,
+//! which is the cost that disaggregation removes; this mode exists so that the cost is
+//! measured side by side (`denoised bench-serve`, docs/performance.md).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use denoised_models::flux::template::{TemplateCache, TemplateLayout};
+use denoised_models::pipeline::flux_fill::Prepared;
+use denoised_models::FlowMatchEuler;
+use denoised_runtime::shm::Handle;
+use denoised_runtime::{DType, Tensor};
+
+use super::actor::{unix_now, EventCtx};
+use super::{Command, DenoiseRequest, LoopSender, Work};
+use crate::node::Shm;
+use crate::stages::{self, MaskInput, Pipeline};
+use crate::wire::{
+    DenoiseStats, DenoiseWork, FinishParams, InlineDone, InlineReq, JobId, MaskSpec, Reply, Wire,
+    WireError,
+};
+
+/// A request between its preparation and its reply.
+pub struct InlineJob {
+    pub reply: Reply<InlineDone>,
+    prepared: Prepared,
+    finish: Option<FinishParams>,
+    tokens: u32,
+    active: u32,
+    pixel_ratio: f64,
+    preprocess_s: f64,
+    submitted_unix: f64,
+}
+
+pub type InlineJobs = Arc<Mutex<HashMap<JobId, InlineJob>>>;
+
+pub fn take(jobs: &InlineJobs, id: JobId) -> Option<InlineJob> {
+    jobs.lock().unwrap_or_else(|p| p.into_inner()).remove(&id)
+}
+
+/// Queues the preparation of `req` on the loop thread; it submits the request to the
+/// loop when done, or answers the error.
+pub fn submit(
+    loop_tx: &LoopSender,
+    pipeline: &Arc<Pipeline>,
+    shm: &Shm,
+    jobs: &InlineJobs,
+    req: InlineReq,
+    template: Option<Arc<TemplateCache>>,
+    reply: Reply<InlineDone>,
+) {
+    let read = || -> Result<(Vec<u8>, Option<Vec<u8>>), WireError> {
+        let image = shm.read_bytes(&req.prepare.image)?;
+        let mask = match &req.prepare.mask {
+            MaskSpec::Image(h) => Some(shm.read_bytes(h)?),
+            _ => None,
+        };
+        Ok((image, mask))
+    };
+    let (image, mask_bytes) = match read() {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = reply.send(Wire(Err(e)));
+            return;
+        }
+    };
+    let (tx, p, jobs) = (loop_tx.clone(), pipeline.clone(), jobs.clone());
+    loop_tx.send(Command::Run(Box::new(move || {
+        let t0 = Instant::now();
+        let mask = match (&req.prepare.mask, &mask_bytes) {
+            (MaskSpec::Image(_), Some(b)) => MaskInput::Image(b),
+            (MaskSpec::Boxes(b), _) => MaskInput::Boxes(b),
+            (MaskSpec::Polygons(q), _) => MaskInput::Polygons(q),
+            _ => MaskInput::Empty,
+        };
+        let params = &req.prepare.params;
+        let built = stages::prepare(&p, &image, mask, params, req.prepare.max_pixels as usize)
+            .and_then(|s1| {
+                let n = s1.token_mask.len();
+                let schedule = FlowMatchEuler::new(&p.scheduler, params.steps as usize, n)
+                    .map_err(|e| WireError::bad_input(e.to_string()))?;
+                let active = s1.token_mask.active().len() as u32;
+                let pixel_ratio = s1.token_mask.pixel_ratio;
+                let work = match (&req.work, template) {
+                    (DenoiseWork::Edit { .. }, Some(cache)) => Work::Edit {
+                        mask: Arc::new(s1.token_mask),
+                        cache,
+                    },
+                    (DenoiseWork::Capture, _) => Work::Capture(TemplateLayout::for_model(
+                        &p.transformer.config,
+                        n,
+                        params.steps as usize,
+                        DType::F32,
+                    )),
+                    _ => Work::Full,
+                };
+                let r = DenoiseRequest {
+                    id: req.prepare.job,
+                    inputs: Arc::new(s1.prepared.inputs.clone()),
+                    schedule: Arc::new(schedule),
+                    work,
+                };
+                Ok((r, s1.prepared, active, pixel_ratio))
+            });
+        match built {
+            Ok((r, prepared, active, pixel_ratio)) => {
+                let job = InlineJob {
+                    reply,
+                    tokens: prepared.inputs.tokens() as u32,
+                    prepared,
+                    finish: req.finish,
+                    active,
+                    pixel_ratio,
+                    preprocess_s: t0.elapsed().as_secs_f64(),
+                    submitted_unix: unix_now(),
+                };
+                jobs.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(r.id, job);
+                tx.send(Command::Submit(r));
+            }
+            Err(e) => {
+                let _ = reply.send(Wire(Err(e)));
+            }
+        }
+    })));
+}
+
+/// A finished inline request: a capture answers at once; an edit queues its decode on
+/// the loop thread (between steps, like the preparation).
+pub(super) fn finish(
+    ctx: &EventCtx,
+    job: InlineJob,
+    latents: Tensor,
+    cache: Option<Handle>,
+    mut stats: DenoiseStats,
+) {
+    stats.queue_s = (stats.first_step_unix - job.submitted_unix).max(0.0);
+    let done =
+        move |image: Option<Handle>, postprocess_s: f64, job: &InlineJob, stats| InlineDone {
+            image,
+            cache: cache.clone(),
+            width: job.prepared.image.width as u32,
+            height: job.prepared.image.height as u32,
+            tokens: job.tokens,
+            active: job.active,
+            pixel_ratio: job.pixel_ratio,
+            prompt_truncated: job.prepared.prompt_truncated,
+            stats,
+            preprocess_s: job.preprocess_s,
+            postprocess_s,
+        };
+    let Some(params) = job.finish.clone() else {
+        let d = done(None, 0.0, &job, stats);
+        let _ = job.reply.send(Wire(Ok(d)));
+        return;
+    };
+    let (p, shm) = (ctx.pipeline.clone(), ctx.shm.clone());
+    ctx.loop_tx.send(Command::Run(Box::new(move || {
+        let t0 = Instant::now();
+        let r = stages::finish(
+            &p,
+            &job.prepared.image,
+            &job.prepared.mask,
+            &latents,
+            &params,
+        )
+        .and_then(|bytes| shm.write_bytes(&bytes))
+        .map(|h| done(Some(h), t0.elapsed().as_secs_f64(), &job, stats));
+        let _ = job.reply.send(Wire(r));
+    })));
+}

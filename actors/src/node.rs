@@ -1,0 +1,321 @@
+//! What every serving process shares: its identity and settings from the supervisor,
+//! its ractor_cluster node, its shared-memory arena, and typed calls to other groups.
+//!
+//! The topology is a star: the router's node listens on 127.0.0.1 (`[cluster] port`)
+//! and every worker connects to it with the cookie. Workers register their actor in a
+//! process group ([`crate::wire::groups`]); ractor_cluster mirrors group membership to
+//! the router, which finds workers with [`members`] and talks to them through typed
+//! calls ([`ask`]). A call to a worker whose process dies fails with
+//! [`ErrorKind::WorkerLost`], which the router answers by retrying elsewhere.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use denoised_runtime::config::Config;
+use denoised_runtime::shm::{self, Arena, ArenaView, Handle};
+use denoised_runtime::Tensor;
+use ractor::rpc::CallResult;
+use ractor::{ActorCell, ActorRef, Message};
+use ractor_cluster::{NodeServer, NodeServerMessage};
+use serde::{Deserialize, Serialize};
+
+use crate::wire::{ErrorKind, Res, WireError};
+
+/// The actor groups, one process each (several for preprocess, denoise, postprocess).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Router,
+    Preprocess,
+    Denoise,
+    Postprocess,
+    Cache,
+}
+
+impl Role {
+    pub const ALL: [Role; 5] = [
+        Role::Router,
+        Role::Preprocess,
+        Role::Denoise,
+        Role::Postprocess,
+        Role::Cache,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Router => "router",
+            Role::Preprocess => "preprocess",
+            Role::Denoise => "denoise",
+            Role::Postprocess => "postprocess",
+            Role::Cache => "cache",
+        }
+    }
+    /// How many processes of this role the configuration asks for.
+    pub fn count(self, c: &Config) -> usize {
+        match self {
+            Role::Router | Role::Cache => 1,
+            Role::Preprocess => c.workers.preprocess,
+            Role::Denoise => c.workers.denoise,
+            Role::Postprocess => c.workers.postprocess,
+        }
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Role::ALL
+            .into_iter()
+            .find(|r| r.name() == s)
+            .ok_or_else(|| {
+                format!("unknown role `{s}` (router, preprocess, denoise, postprocess, cache)")
+            })
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Everything a worker process needs to know, handed over by the supervisor as JSON in
+/// the [`WorkerEnv::VAR`] environment variable (the role and index also come as flags,
+/// so that `ps` shows which process is which).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct WorkerEnv {
+    pub config: Config,
+    pub role: Role,
+    pub index: usize,
+    /// Shared-memory namespace of this daemon instance.
+    pub namespace: String,
+    pub cookie: String,
+    /// The router's cluster node port on 127.0.0.1.
+    pub router_port: u16,
+    pub shm_dir: PathBuf,
+}
+
+impl WorkerEnv {
+    pub const VAR: &'static str = "DENOISED_WORKER_ENV";
+
+    pub fn from_env() -> Result<Self, String> {
+        let text = std::env::var(Self::VAR).map_err(|_| {
+            format!(
+                "{} is not set: worker processes are started by `denoised serve`",
+                Self::VAR
+            )
+        })?;
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", Self::VAR))
+    }
+
+    /// The node and arena name of this process, e.g. `preprocess0`.
+    pub fn name(&self) -> String {
+        format!("{}{}", self.role, self.index)
+    }
+}
+
+/// Starts this process's cluster node on 127.0.0.1:`port` (0: any free port).
+pub async fn start_node(env: &WorkerEnv, port: u16) -> Result<ActorRef<NodeServerMessage>, String> {
+    let server = NodeServer::new(
+        port,
+        env.cookie.clone(),
+        env.name(),
+        "127.0.0.1".into(),
+        None,
+        None,
+    )
+    .with_listen_addr(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+    let (node, _) = ractor::Actor::spawn(None, server, ())
+        .await
+        .map_err(|e| format!("cannot start the cluster node: {e}"))?;
+    Ok(node)
+}
+
+/// Connects to the router's node, retrying while it starts (up to `patience`).
+pub async fn connect_router(
+    node: &ActorRef<NodeServerMessage>,
+    port: u16,
+    patience: Duration,
+) -> Result<(), String> {
+    let t0 = Instant::now();
+    loop {
+        match ractor_cluster::client_connect(node, ("127.0.0.1", port)).await {
+            Ok(()) => return Ok(()),
+            Err(e) if t0.elapsed() < patience => {
+                tracing::debug!("router node not reachable yet: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(format!("cannot reach the router node on port {port}: {e}")),
+        }
+    }
+}
+
+/// Registers an actor in its group, so the router (and bus clients) can find it.
+pub fn register(group: &str, cell: ActorCell) {
+    ractor::pg::join(group.to_string(), vec![cell]);
+}
+
+/// The actors of a group, local and remote.
+pub fn members(group: &str) -> Vec<ActorCell> {
+    ractor::pg::get_members(&group.to_string())
+}
+
+/// A typed call: the reply, or a typed error. A failed send or a dropped reply port
+/// means the worker process went away ([`ErrorKind::WorkerLost`]).
+pub async fn ask<M, T>(
+    cell: &ActorCell,
+    build: impl FnOnce(ractor::RpcReplyPort<Res<T>>) -> M,
+) -> Result<T, WireError>
+where
+    M: Message,
+    T: Send + 'static,
+{
+    let actor: ActorRef<M> = cell.clone().into();
+    match actor.call(build, None).await {
+        Ok(CallResult::Success(reply)) => reply.0,
+        Ok(CallResult::Timeout) => Err(WireError::internal("call timed out")),
+        Ok(CallResult::SenderError) | Err(_) => Err(WireError::new(
+            ErrorKind::WorkerLost,
+            format!("worker {} went away", cell.get_id()),
+        )),
+    }
+}
+
+/// Casts a message; a failure (the receiver is gone) is logged, not fatal.
+pub fn tell<M: Message>(cell: &ActorCell, msg: M) {
+    let actor: ActorRef<M> = cell.clone().into();
+    if let Err(e) = actor.cast(msg) {
+        tracing::debug!("message to {} not delivered: {e}", cell.get_id());
+    }
+}
+
+/// This process's arena plus read access to everyone else's.
+///
+/// Only the owner allocates and frees in an arena, so the allocator is behind a mutex
+/// here (the worker thread allocates, the actor frees on `Release`). Views of other
+/// arenas are attached lazily and kept; a worker restarted by the supervisor recreates
+/// its arena under the same name, so a read that fails through a kept view re-attaches
+/// once before giving up.
+pub struct Shm {
+    dir: PathBuf,
+    namespace: String,
+    own: Mutex<Arena>,
+    views: Mutex<HashMap<String, Arc<ArenaView>>>,
+}
+
+impl Shm {
+    pub fn create(env: &WorkerEnv) -> Result<Shm, String> {
+        let arena = Arena::create(
+            &env.shm_dir,
+            &env.namespace,
+            &env.name(),
+            env.config.workers.arena_bytes,
+        )
+        .map_err(|e| e.to_string())?;
+        Ok(Shm {
+            dir: env.shm_dir.clone(),
+            namespace: env.namespace.clone(),
+            own: Mutex::new(arena),
+            views: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn own_name(&self) -> String {
+        self.arena().name().to_string()
+    }
+
+    fn arena(&self) -> std::sync::MutexGuard<'_, Arena> {
+        // A panic while holding the lock leaves the allocator consistent (every method
+        // completes its bookkeeping before it can fail), so poisoning is ignored.
+        self.own.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn view(&self, name: &str, fresh: bool) -> Result<Arc<ArenaView>, WireError> {
+        let mut views = self.views.lock().unwrap_or_else(|p| p.into_inner());
+        if !fresh {
+            if let Some(v) = views.get(name) {
+                return Ok(v.clone());
+            }
+        }
+        let v = Arc::new(
+            ArenaView::attach(&self.dir, &self.namespace, name)
+                .map_err(|e| WireError::new(ErrorKind::WorkerLost, e.to_string()))?,
+        );
+        views.insert(name.to_string(), v.clone());
+        Ok(v)
+    }
+
+    /// Runs `f` on a view of the handle's arena (this process's own arena included).
+    pub fn with<R>(
+        &self,
+        h: &Handle,
+        f: impl Fn(&ArenaView) -> shm::Result<R>,
+    ) -> Result<R, WireError> {
+        if h.arena == self.own_name() {
+            return f(&self.arena()).map_err(|e| WireError::internal(e.to_string()));
+        }
+        match f(&*self.view(&h.arena, false)?) {
+            Ok(r) => Ok(r),
+            Err(_) => f(&*self.view(&h.arena, true)?)
+                .map_err(|e| WireError::new(ErrorKind::WorkerLost, e.to_string())),
+        }
+    }
+
+    pub fn read_tensor(&self, h: &Handle) -> Result<Tensor, WireError> {
+        self.with(h, |v| v.read_tensor(h))
+    }
+
+    pub fn read_bytes(&self, h: &Handle) -> Result<Vec<u8>, WireError> {
+        self.with(h, |v| v.read_bytes(h))
+    }
+
+    pub fn write_tensor(&self, t: &Tensor) -> Result<Handle, WireError> {
+        self.arena()
+            .write_tensor(t)
+            .map_err(|e| WireError::internal(e.to_string()))
+    }
+
+    pub fn write_bytes(&self, b: &[u8]) -> Result<Handle, WireError> {
+        self.arena()
+            .write_bytes(b)
+            .map_err(|e| WireError::internal(e.to_string()))
+    }
+
+    /// Allocates an F32 slice and fills it through `fill` (no intermediate copy).
+    pub fn write_with(
+        &self,
+        shape: &[usize],
+        fill: impl FnOnce(&mut [f32]) -> Result<(), WireError>,
+    ) -> Result<Handle, WireError> {
+        let mut a = self.arena();
+        let h = a
+            .alloc(denoised_runtime::DType::F32, shape)
+            .map_err(|e| WireError::internal(e.to_string()))?;
+        let r = a
+            .slice_f32_mut(&h)
+            .map_err(|e| WireError::internal(e.to_string()))
+            .and_then(fill);
+        if let Err(e) = r {
+            let _ = a.free(&h);
+            return Err(e);
+        }
+        Ok(h)
+    }
+
+    /// Frees slices of this process's arena; handles of other arenas and stale ones
+    /// are ignored (a release can race with a restart).
+    pub fn release(&self, handles: &[Handle]) {
+        let own = self.own_name();
+        let mut a = self.arena();
+        for h in handles.iter().filter(|h| h.arena == own) {
+            if let Err(e) = a.free(h) {
+                tracing::debug!("release: {e}");
+            }
+        }
+    }
+
+    pub fn used_bytes(&self) -> u64 {
+        self.arena().used_bytes()
+    }
+}

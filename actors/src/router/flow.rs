@@ -1,0 +1,550 @@
+//! The life of a request, as the router drives it: preprocess → (router learns the
+//! active tokens) → denoise worker → postprocess → client (DESIGN.md §Edit request
+//! flow), and the same flow for a template capture, whose cache goes to the cache actor.
+//!
+//! The router owns each request's lifetime: it holds every shared-memory handle the
+//! request produced and releases them (a `Release` message to each owner) when it is
+//! done, whether the request succeeded or not. When a worker process dies under a
+//! request (`ErrorKind::WorkerLost`), the flow starts over on the surviving or
+//! restarted workers from the bytes it still holds, so a crash loses nothing.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use denoised_runtime::config::Config;
+use denoised_runtime::shm::Handle;
+use ractor::ActorCell;
+
+use super::jobs::{Jobs, Status};
+use crate::denoise::actor::unix_now;
+use crate::node::{self, Shm};
+use crate::wire::*;
+
+/// Attempts of a request when workers die under it.
+const ATTEMPTS: usize = 3;
+/// How long a request waits for a group to have a live member (a restart).
+const WORKER_WAIT: Duration = Duration::from_secs(60);
+
+/// State shared by the router's request flows.
+pub struct Ctx {
+    pub config: Config,
+    pub shm: Shm,
+    pub jobs: Jobs,
+    /// Fingerprint of the served model (recorded in template descriptions).
+    pub model: String,
+    next_job: AtomicU64,
+    rr: [AtomicUsize; 3],
+}
+
+impl Ctx {
+    pub fn new(config: Config, shm: Shm, jobs: Jobs, model: String) -> Ctx {
+        // Job ids start from the clock so that ids of a restarted router do not repeat.
+        let seed = (unix_now() * 1e6) as u64;
+        Ctx {
+            config,
+            shm,
+            jobs,
+            model,
+            next_job: AtomicU64::new(seed << 8),
+            rr: Default::default(),
+        }
+    }
+
+    pub fn next_job(&self) -> JobId {
+        self.next_job.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Round-robin pick of a live member of `group` (waiting for one while workers
+    /// restart). The mask-aware policy replaces this for denoise workers later.
+    async fn pick(&self, group: &'static str, slot: usize) -> Result<ActorCell, WireError> {
+        let t0 = Instant::now();
+        loop {
+            let mut m = node::members(group);
+            if !m.is_empty() {
+                m.sort_by_key(|c| c.get_id().to_string());
+                let i = self.rr[slot].fetch_add(1, Ordering::Relaxed) % m.len();
+                return Ok(m.swap_remove(i));
+            }
+            if t0.elapsed() > WORKER_WAIT {
+                return Err(WireError::new(
+                    ErrorKind::Unavailable,
+                    format!("no live {group} worker"),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn cache(&self) -> Result<ActorCell, WireError> {
+        let t0 = Instant::now();
+        loop {
+            if let Some(c) = node::members(groups::CACHE).into_iter().next() {
+                return Ok(c);
+            }
+            if t0.elapsed() > WORKER_WAIT {
+                return Err(WireError::new(ErrorKind::Unavailable, "no cache worker"));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub async fn template(&self, id: &str) -> Result<TemplateEntry, WireError> {
+        let c = self.cache().await?;
+        node::ask(&c, |p| CacheMsg::Get(Wire(id.to_string()), p)).await
+    }
+
+    pub async fn templates(&self) -> Result<Vec<TemplateInfo>, WireError> {
+        let c = self.cache().await?;
+        node::ask(&c, |p| CacheMsg::List(Wire(()), p)).await
+    }
+
+    pub async fn delete_template(&self, id: &str) -> Result<TemplateInfo, WireError> {
+        let c = self.cache().await?;
+        node::ask(&c, |p| CacheMsg::Delete(Wire(id.to_string()), p)).await
+    }
+
+    /// Whether every group has its configured number of live members.
+    pub fn ready(&self) -> Vec<(&'static str, usize, usize)> {
+        let c = &self.config;
+        [
+            (groups::PREPROCESS, c.workers.preprocess),
+            (groups::DENOISE, c.workers.denoise),
+            (groups::POSTPROCESS, c.workers.postprocess),
+            (groups::CACHE, 1),
+        ]
+        .into_iter()
+        .map(|(g, want)| (g, node::members(g).len(), want))
+        .collect()
+    }
+}
+
+/// Where an edit's image comes from.
+pub enum Source {
+    Template(String),
+    Image(Vec<u8>),
+}
+
+pub enum MaskIn {
+    Image(Vec<u8>),
+    Boxes(Vec<[u32; 4]>),
+    Polygons(Vec<Vec<[f32; 2]>>),
+}
+
+pub struct EditInput {
+    pub source: Source,
+    pub mask: MaskIn,
+    pub steps: Option<u32>,
+    pub guidance: Option<f32>,
+    pub prompt: String,
+    pub seed: u64,
+    pub dilation: u32,
+    pub max_sequence_length: u32,
+    pub finish: FinishParams,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Timings {
+    pub queue_s: f64,
+    pub preprocess_s: f64,
+    pub denoise_s: f64,
+    pub postprocess_s: f64,
+    pub total_s: f64,
+}
+
+pub struct EditOutput {
+    pub image: Vec<u8>,
+    pub width: u32,
+    pub height: u32,
+    pub tokens: u32,
+    pub active: u32,
+    pub pixel_ratio: f64,
+    pub prompt_truncated: bool,
+    pub timings: Timings,
+    pub stats: DenoiseStats,
+    pub attempts: usize,
+}
+
+pub struct TemplateInput {
+    pub id: String,
+    pub image: Vec<u8>,
+    pub prompt: String,
+    pub steps: u32,
+    pub guidance: f32,
+    pub seed: u64,
+    pub max_sequence_length: u32,
+}
+
+/// Handles a request holds, by owner; released when the request is done.
+#[derive(Default)]
+struct Held {
+    own: Vec<Handle>,
+    pre: Vec<(ActorCell, Vec<Handle>)>,
+    den: Vec<(ActorCell, Vec<Handle>)>,
+    post: Vec<(ActorCell, Vec<Handle>)>,
+}
+
+impl Held {
+    fn release(self, shm: &Shm) {
+        shm.release(&self.own);
+        for (c, h) in self.pre {
+            node::tell(&c, PreprocessMsg::Release(Wire(h)));
+        }
+        for (c, h) in self.den {
+            node::tell(&c, DenoiseMsg::Release(Wire(h)));
+        }
+        for (c, h) in self.post {
+            node::tell(&c, PostprocessMsg::Release(Wire(h)));
+        }
+    }
+}
+
+/// Runs `attempt` until it succeeds or fails for a reason other than a lost worker.
+async fn with_retries<T, F, Fut>(
+    ctx: &Ctx,
+    job: JobId,
+    mut attempt: F,
+) -> Result<(T, usize), WireError>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = Result<T, WireError>>,
+{
+    let mut last = None;
+    for n in 1..=ATTEMPTS {
+        match attempt(n).await {
+            Err(e) if e.kind == ErrorKind::WorkerLost => {
+                tracing::warn!(
+                    "job {job:x}: {}; retrying (attempt {n} of {ATTEMPTS})",
+                    e.message
+                );
+                ctx.jobs.stage(job, Status::Queued, None);
+                last = Some(e);
+            }
+            r => return r.map(|t| (t, n)),
+        }
+    }
+    Err(last.unwrap_or_else(|| WireError::internal("no attempt ran")))
+}
+
+async fn check_cancel(ctx: &Ctx, job: JobId) -> Result<(), WireError> {
+    if ctx.jobs.is_cancelled(job).await {
+        return Err(WireError::new(
+            ErrorKind::Cancelled,
+            "the request was cancelled",
+        ));
+    }
+    Ok(())
+}
+
+/// Runs an edit to its encoded image.
+pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput, WireError> {
+    let t0 = Instant::now();
+    // The template (404 before any work), and the steps and guidance it fixes.
+    let template = match &input.source {
+        Source::Template(id) => Some(ctx.template(id).await?),
+        Source::Image(_) => None,
+    };
+    let (steps, guidance) = match &template {
+        Some(t) => {
+            let i = &t.info;
+            if input.steps.is_some_and(|s| s != i.steps)
+                || input.guidance.is_some_and(|g| g != i.guidance)
+            {
+                return Err(WireError::bad_input(format!(
+                    "template `{}` was captured with steps {} and guidance {}; an edit of it must use the same",
+                    i.id, i.steps, i.guidance
+                )));
+            }
+            (i.steps, i.guidance)
+        }
+        None => (input.steps.unwrap_or(28), input.guidance.unwrap_or(30.0)),
+    };
+    let params = GenParams {
+        prompt: input.prompt.clone(),
+        steps,
+        guidance,
+        seed: input.seed,
+        max_sequence_length: input.max_sequence_length,
+        dilation: input.dilation,
+    };
+    let (mut out, attempts) = with_retries(ctx, job, |_| async {
+        let mut held = Held::default();
+        let r = edit_once(ctx, job, input, template.as_ref(), &params, &mut held).await;
+        held.release(&ctx.shm);
+        r
+    })
+    .await?;
+    out.attempts = attempts;
+    out.timings.total_s = t0.elapsed().as_secs_f64();
+    Ok(out)
+}
+
+async fn edit_once(
+    ctx: &Ctx,
+    job: JobId,
+    input: &EditInput,
+    template: Option<&TemplateEntry>,
+    params: &GenParams,
+    held: &mut Held,
+) -> Result<EditOutput, WireError> {
+    let image = match (&input.source, template) {
+        (_, Some(t)) => t.image.clone(),
+        (Source::Image(b), None) => {
+            let h = ctx.shm.write_bytes(b)?;
+            held.own.push(h.clone());
+            h
+        }
+        (Source::Template(_), None) => unreachable!("resolved by the caller"),
+    };
+    let mask = match &input.mask {
+        MaskIn::Image(b) => {
+            let h = ctx.shm.write_bytes(b)?;
+            held.own.push(h.clone());
+            MaskSpec::Image(h)
+        }
+        MaskIn::Boxes(b) => MaskSpec::Boxes(b.clone()),
+        MaskIn::Polygons(p) => MaskSpec::Polygons(p.clone()),
+    };
+    let prepare = PrepareReq {
+        job,
+        image,
+        mask,
+        params: params.clone(),
+        max_pixels: ctx.config.server.max_pixels as u64,
+    };
+    let work = |rows: u32, cols: u32| match template {
+        Some(t) => DenoiseWork::Edit {
+            template: TemplateRef {
+                id: t.info.id.clone(),
+                blob: t.blob.clone(),
+                steps: t.info.steps,
+                tokens: rows * cols,
+            },
+        },
+        None => DenoiseWork::Full,
+    };
+
+    if !ctx.config.denoise.disaggregate {
+        let den = ctx.pick(groups::DENOISE, 1).await?;
+        ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
+        let work = match template {
+            Some(t) => DenoiseWork::Edit {
+                template: TemplateRef {
+                    id: t.info.id.clone(),
+                    blob: t.blob.clone(),
+                    steps: t.info.steps,
+                    tokens: t.info.tokens,
+                },
+            },
+            None => DenoiseWork::Full,
+        };
+        let req = InlineReq {
+            prepare,
+            work,
+            finish: Some(input.finish.clone()),
+        };
+        let d = node::ask(&den, |p| DenoiseMsg::Inline(Wire(req), p)).await?;
+        let img = d
+            .image
+            .clone()
+            .ok_or_else(|| WireError::internal("inline edit returned no image"))?;
+        held.den.push((den, vec![img.clone()]));
+        let bytes = ctx.shm.read_bytes(&img)?;
+        return Ok(EditOutput {
+            image: bytes,
+            width: d.width,
+            height: d.height,
+            tokens: d.tokens,
+            active: d.active,
+            pixel_ratio: d.pixel_ratio,
+            prompt_truncated: d.prompt_truncated,
+            timings: Timings {
+                queue_s: d.stats.queue_s,
+                preprocess_s: d.preprocess_s,
+                denoise_s: d.stats.denoise_s,
+                postprocess_s: d.postprocess_s,
+                total_s: 0.0,
+            },
+            stats: d.stats,
+            attempts: 1,
+        });
+    }
+
+    ctx.jobs.stage(job, Status::Preprocessing, None);
+    let pre = ctx.pick(groups::PREPROCESS, 0).await?;
+    let prepared = node::ask(&pre, |p| PreprocessMsg::Prepare(Wire(prepare), p)).await?;
+    let mut pre_handles = prepared.inputs.all();
+    pre_handles.extend([prepared.image.clone(), prepared.mask.clone()]);
+    held.pre.push((pre, pre_handles));
+    check_cancel(ctx, job).await?;
+
+    let den = ctx.pick(groups::DENOISE, 1).await?;
+    ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
+    let req = DenoiseReq {
+        job,
+        inputs: prepared.inputs.clone(),
+        steps: params.steps,
+        rows: prepared.rows,
+        cols: prepared.cols,
+        active: if template.is_some() {
+            prepared.active.clone()
+        } else {
+            Vec::new()
+        },
+        work: work(prepared.rows, prepared.cols),
+    };
+    let d = node::ask(&den, |p| DenoiseMsg::Denoise(Wire(req), p)).await?;
+    held.den.push((den, vec![d.latents.clone()]));
+    check_cancel(ctx, job).await?;
+
+    ctx.jobs.stage(job, Status::Postprocessing, None);
+    let post = ctx.pick(groups::POSTPROCESS, 2).await?;
+    let fin = FinishReq {
+        job,
+        latents: d.latents.clone(),
+        image: prepared.image.clone(),
+        mask: prepared.mask.clone(),
+        width: prepared.width,
+        height: prepared.height,
+        params: input.finish.clone(),
+    };
+    let f = node::ask(&post, |p| PostprocessMsg::Finish(Wire(fin), p)).await?;
+    held.post.push((post, vec![f.image.clone()]));
+    let bytes = ctx.shm.read_bytes(&f.image)?;
+    let tokens = prepared.rows * prepared.cols;
+    Ok(EditOutput {
+        image: bytes,
+        width: prepared.width,
+        height: prepared.height,
+        tokens,
+        active: if template.is_some() {
+            prepared.active.len() as u32
+        } else {
+            tokens
+        },
+        pixel_ratio: prepared.pixel_ratio,
+        prompt_truncated: prepared.prompt_truncated,
+        timings: Timings {
+            queue_s: d.stats.queue_s,
+            preprocess_s: prepared.seconds,
+            denoise_s: d.stats.denoise_s,
+            postprocess_s: f.seconds,
+            total_s: 0.0,
+        },
+        stats: d.stats,
+        attempts: 1,
+    })
+}
+
+/// Registers a template: a capture run, then the cache goes to the cache actor.
+pub async fn capture(
+    ctx: &Ctx,
+    job: JobId,
+    input: &TemplateInput,
+) -> Result<TemplateInfo, WireError> {
+    let t0 = Instant::now();
+    let params = GenParams {
+        prompt: input.prompt.clone(),
+        steps: input.steps,
+        guidance: input.guidance,
+        seed: input.seed,
+        max_sequence_length: input.max_sequence_length,
+        dilation: 0,
+    };
+    let (info, _) = with_retries(ctx, job, |_| async {
+        let mut held = Held::default();
+        let r = capture_once(ctx, job, input, &params, &mut held).await;
+        held.release(&ctx.shm);
+        r
+    })
+    .await?;
+    tracing::info!(
+        "template {} registered in {:.2} s ({} bytes of cache)",
+        info.id,
+        t0.elapsed().as_secs_f64(),
+        info.cache_bytes
+    );
+    Ok(info)
+}
+
+async fn capture_once(
+    ctx: &Ctx,
+    job: JobId,
+    input: &TemplateInput,
+    params: &GenParams,
+    held: &mut Held,
+) -> Result<TemplateInfo, WireError> {
+    let image = ctx.shm.write_bytes(&input.image)?;
+    held.own.push(image.clone());
+    let prepare = PrepareReq {
+        job,
+        image: image.clone(),
+        mask: MaskSpec::Empty,
+        params: params.clone(),
+        max_pixels: ctx.config.server.max_pixels as u64,
+    };
+    let (blob, width, height, tokens) = if ctx.config.denoise.disaggregate {
+        ctx.jobs.stage(job, Status::Preprocessing, None);
+        let pre = ctx.pick(groups::PREPROCESS, 0).await?;
+        let prepared = node::ask(&pre, |p| PreprocessMsg::Prepare(Wire(prepare), p)).await?;
+        let mut pre_handles = prepared.inputs.all();
+        pre_handles.extend([prepared.image.clone(), prepared.mask.clone()]);
+        held.pre.push((pre, pre_handles));
+        check_cancel(ctx, job).await?;
+        let den = ctx.pick(groups::DENOISE, 1).await?;
+        ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
+        let req = DenoiseReq {
+            job,
+            inputs: prepared.inputs.clone(),
+            steps: params.steps,
+            rows: prepared.rows,
+            cols: prepared.cols,
+            active: Vec::new(),
+            work: DenoiseWork::Capture,
+        };
+        let d = node::ask(&den, |p| DenoiseMsg::Denoise(Wire(req), p)).await?;
+        let mut dh = vec![d.latents.clone()];
+        dh.extend(d.cache.clone());
+        held.den.push((den, dh));
+        let blob = d
+            .cache
+            .ok_or_else(|| WireError::internal("capture returned no cache"))?;
+        (
+            blob,
+            prepared.width,
+            prepared.height,
+            prepared.rows * prepared.cols,
+        )
+    } else {
+        let den = ctx.pick(groups::DENOISE, 1).await?;
+        ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
+        let req = InlineReq {
+            prepare,
+            work: DenoiseWork::Capture,
+            finish: None,
+        };
+        let d = node::ask(&den, |p| DenoiseMsg::Inline(Wire(req), p)).await?;
+        held.den.push((den, d.cache.iter().cloned().collect()));
+        let blob = d
+            .cache
+            .ok_or_else(|| WireError::internal("capture returned no cache"))?;
+        (blob, d.width, d.height, d.tokens)
+    };
+    let info = TemplateInfo {
+        id: input.id.clone(),
+        model: ctx.model.clone(),
+        width,
+        height,
+        tokens,
+        steps: params.steps,
+        guidance: params.guidance,
+        seed: params.seed,
+        prompt: params.prompt.clone(),
+        max_sequence_length: params.max_sequence_length,
+        cache_bytes: blob.len,
+        created_unix: unix_now(),
+    };
+    let cache = ctx.cache().await?;
+    let put = PutTemplate { info, blob, image };
+    let entry = node::ask(&cache, |p| CacheMsg::Put(Wire(put), p)).await?;
+    Ok(entry.info)
+}

@@ -1,0 +1,557 @@
+//! The HTTP API (axum) of the router process. docs/api.md documents it and
+//! docs/openapi.json describes it (served at `/openapi.json`).
+//!
+//! Every error is JSON, `{"error": {"code", "message"}}`, with the matching status:
+//! bad input 400, unknown template or job 404, cancelled 409, too large 413, workers
+//! not up 503. Bodies are read as bytes and parsed here, so that even a malformed body
+//! or one over the size limit gets that shape.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Multipart, Path, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use base64::Engine;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::flow::{self, Ctx, EditInput, EditOutput, MaskIn, Source, TemplateInput};
+use super::jobs::{job_name, parse_job_name, Status};
+use crate::wire::{ErrorKind, FinishParams, ImageFormat, WireError};
+
+const OPENAPI: &str = include_str!("../../../docs/openapi.json");
+
+/// A JSON error response.
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+    fn bad(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "bad_request", message)
+    }
+}
+
+impl From<WireError> for ApiError {
+    fn from(e: WireError) -> Self {
+        let (status, code) = match e.kind {
+            ErrorKind::BadInput => (StatusCode::BAD_REQUEST, "bad_request"),
+            ErrorKind::TooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
+            ErrorKind::NotFound => (StatusCode::NOT_FOUND, "not_found"),
+            ErrorKind::Cancelled => (StatusCode::CONFLICT, "cancelled"),
+            ErrorKind::WorkerLost | ErrorKind::Unavailable => {
+                (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+            }
+            ErrorKind::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        };
+        ApiError::new(status, code, e.message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"code": self.code, "message": self.message}});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+type ApiResult<T = Response> = Result<T, ApiError>;
+
+pub fn app(ctx: Arc<Ctx>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/readyz", get(readyz))
+        .route(
+            "/openapi.json",
+            get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
+        )
+        .route("/v1/templates", get(list_templates).post(create_template))
+        .route(
+            "/v1/templates/{id}",
+            get(get_template).delete(delete_template),
+        )
+        .route("/v1/edits", axum::routing::post(create_edit))
+        .route("/v1/jobs/{id}", get(get_job).delete(cancel_job))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route") })
+        .layer(middleware::from_fn_with_state(ctx.clone(), auth))
+        // Our own limit check (in `body`) gives the JSON error; axum's default 2 MiB
+        // limit is lifted to the configured one.
+        .layer(axum::extract::DefaultBodyLimit::max(
+            ctx.config.server.max_body_bytes,
+        ))
+        .with_state(ctx)
+}
+
+/// Bearer-token check for /v1 routes when `[server] api_token` is set.
+async fn auth(State(ctx): State<Arc<Ctx>>, req: Request, next: Next) -> Response {
+    let token = &ctx.config.server.api_token;
+    if !token.is_empty() && req.uri().path().starts_with("/v1") {
+        let ok = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|t| t == token);
+        if !ok {
+            return ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "missing or wrong bearer token",
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
+    let groups = ctx.ready();
+    let ready = groups.iter().all(|(_, have, want)| have >= want);
+    let detail: Value = groups
+        .iter()
+        .map(|(g, have, want)| (g.to_string(), json!({"live": have, "want": want})))
+        .collect::<serde_json::Map<_, _>>()
+        .into();
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(json!({"ready": ready, "workers": detail}))).into_response()
+}
+
+/// Reads a request body, mapping the size limit and transport errors to JSON errors.
+async fn body(ctx: &Ctx, req: Request) -> ApiResult<Bytes> {
+    let limit = ctx.config.server.max_body_bytes;
+    if let Some(len) = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        if len > limit {
+            return Err(too_large(len, limit));
+        }
+    }
+    Bytes::from_request(req, &())
+        .await
+        .map_err(|e| match e.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => too_large(0, limit),
+            s => ApiError::new(s, "bad_request", e.body_text()),
+        })
+}
+
+fn too_large(len: usize, limit: usize) -> ApiError {
+    let got = if len > 0 {
+        format!("{len} bytes")
+    } else {
+        "the body".to_string()
+    };
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "too_large",
+        format!("{got} exceeds the limit of {limit} bytes ([server] max_body_bytes)"),
+    )
+}
+
+fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> ApiResult<T> {
+    serde_json::from_slice(bytes).map_err(|e| ApiError::bad(format!("malformed JSON body: {e}")))
+}
+
+fn b64(field: &str, s: &str) -> ApiResult<Vec<u8>> {
+    // Accept data URLs too (`data:image/png;base64,...`).
+    let s = s.split_once(";base64,").map_or(s, |(_, d)| d);
+    base64::engine::general_purpose::STANDARD
+        .decode(s.trim())
+        .map_err(|e| ApiError::bad(format!("{field}: invalid base64: {e}")))
+}
+
+fn encode_b64(b: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(b)
+}
+
+fn check_steps(ctx: &Ctx, steps: Option<u32>) -> ApiResult<()> {
+    let max = ctx.config.server.max_steps as u32;
+    match steps {
+        Some(s) if s == 0 || s > max => {
+            Err(ApiError::bad(format!("steps {s} out of range 1..={max}")))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn check_guidance(g: Option<f32>) -> ApiResult<()> {
+    match g {
+        Some(g) if !(g.is_finite() && (0.0..=100.0).contains(&g)) => {
+            Err(ApiError::bad(format!("guidance {g} out of range 0..=100")))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn check_seq_len(n: u32) -> ApiResult<()> {
+    if n == 0 || n > 512 {
+        return Err(ApiError::bad(format!(
+            "max_sequence_length {n} out of range 1..=512"
+        )));
+    }
+    Ok(())
+}
+
+fn default_seq_len() -> u32 {
+    512
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TemplateBody {
+    image: String,
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    prompt: String,
+    steps: Option<u32>,
+    guidance: Option<f32>,
+    #[serde(default)]
+    seed: u64,
+    #[serde(default = "default_seq_len")]
+    max_sequence_length: u32,
+    #[serde(default, rename = "async")]
+    run_async: bool,
+}
+
+/// `POST /v1/templates`: JSON with a base64 image, or multipart with an `image` file
+/// and the other fields as text parts.
+async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
+    let is_multipart = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("multipart/form-data"));
+    let (image, b) = if is_multipart {
+        multipart_template(&ctx, req).await?
+    } else {
+        let b: TemplateBody = parse(&body(&ctx, req).await?)?;
+        (b64("image", &b.image)?, b)
+    };
+    check_steps(&ctx, b.steps)?;
+    check_guidance(b.guidance)?;
+    check_seq_len(b.max_sequence_length)?;
+    let id = match b.id {
+        Some(id) => {
+            if id.is_empty()
+                || id.len() > 64
+                || !id
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            {
+                return Err(ApiError::bad(format!(
+                    "template id `{id}`: use 1-64 characters of [A-Za-z0-9_-]"
+                )));
+            }
+            if ctx.template(&id).await.is_ok() {
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    "conflict",
+                    format!("template `{id}` already exists; DELETE it first"),
+                ));
+            }
+            id
+        }
+        None => format!("tpl_{:016x}", ctx.next_job()),
+    };
+    let input = TemplateInput {
+        id,
+        image,
+        prompt: b.prompt,
+        steps: b.steps.unwrap_or(28),
+        guidance: b.guidance.unwrap_or(30.0),
+        seed: b.seed,
+        max_sequence_length: b.max_sequence_length,
+    };
+    let job = ctx.next_job();
+    ctx.jobs.create(job, "template", input.steps);
+    let run = {
+        let ctx = ctx.clone();
+        async move {
+            let r = flow::capture(&ctx, job, &input).await;
+            ctx.jobs.finish(job, r.clone().map(|i| json!(i)));
+            r
+        }
+    };
+    if b.run_async {
+        tokio::spawn(run);
+        return Ok(accepted(job));
+    }
+    let info = run.await?;
+    Ok((StatusCode::CREATED, Json(json!(info))).into_response())
+}
+
+async fn multipart_template(ctx: &Ctx, req: Request) -> ApiResult<(Vec<u8>, TemplateBody)> {
+    let mut mp = Multipart::from_request(req, &())
+        .await
+        .map_err(|e| ApiError::bad(format!("multipart: {}", e.body_text())))?;
+    let mut image = None;
+    let mut fields = serde_json::Map::new();
+    let limit = ctx.config.server.max_body_bytes;
+    while let Some(field) = mp
+        .next_field()
+        .await
+        .map_err(|e| ApiError::bad(format!("multipart: {e}")))?
+    {
+        let name = field.name().unwrap_or_default().to_string();
+        let data = field.bytes().await.map_err(|e| {
+            if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                too_large(0, limit)
+            } else {
+                ApiError::bad(format!("multipart field `{name}`: {e}"))
+            }
+        })?;
+        if name == "image" {
+            image = Some(data.to_vec());
+            continue;
+        }
+        let text = String::from_utf8_lossy(&data).to_string();
+        let v = match name.as_str() {
+            "prompt" | "id" => Value::String(text),
+            "async" => Value::Bool(text == "true" || text == "1"),
+            _ => serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        };
+        fields.insert(name, v);
+    }
+    let image = image.ok_or_else(|| ApiError::bad("multipart: no `image` part"))?;
+    fields.insert("image".into(), Value::String(String::new()));
+    let b: TemplateBody = serde_json::from_value(Value::Object(fields))
+        .map_err(|e| ApiError::bad(format!("multipart fields: {e}")))?;
+    Ok((image, b))
+}
+
+fn accepted(job: u64) -> Response {
+    let id = job_name(job);
+    (
+        StatusCode::ACCEPTED,
+        [(header::LOCATION, format!("/v1/jobs/{id}"))],
+        Json(json!({"id": id, "status": "queued", "url": format!("/v1/jobs/{id}")})),
+    )
+        .into_response()
+}
+
+async fn list_templates(State(ctx): State<Arc<Ctx>>) -> ApiResult {
+    let list = ctx.templates().await?;
+    Ok(Json(json!({"templates": list})).into_response())
+}
+
+async fn get_template(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
+    Ok(Json(json!(ctx.template(&id).await?.info)).into_response())
+}
+
+async fn delete_template(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
+    Ok(Json(json!(ctx.delete_template(&id).await?)).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EditBody {
+    template_id: Option<String>,
+    image: Option<String>,
+    mask: Option<String>,
+    boxes: Option<Vec<[u32; 4]>>,
+    polygons: Option<Vec<Vec<[f32; 2]>>>,
+    #[serde(default)]
+    prompt: String,
+    steps: Option<u32>,
+    guidance: Option<f32>,
+    #[serde(default)]
+    seed: u64,
+    #[serde(default)]
+    dilation: u32,
+    #[serde(default = "default_seq_len")]
+    max_sequence_length: u32,
+    #[serde(default = "yes")]
+    paste_back: bool,
+    #[serde(default = "default_feather")]
+    feather: u32,
+    #[serde(default)]
+    format: Format,
+    #[serde(default, rename = "async")]
+    run_async: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_feather() -> u32 {
+    3
+}
+
+#[derive(Deserialize, Default, Clone, Copy)]
+#[serde(rename_all = "lowercase")]
+enum Format {
+    #[default]
+    Png,
+    Jpeg,
+}
+
+fn edit_input(b: EditBody) -> ApiResult<(EditInput, bool)> {
+    let source =
+        match (b.template_id, b.image) {
+            (Some(t), None) => Source::Template(t),
+            (None, Some(i)) => Source::Image(b64("image", &i)?),
+            _ => return Err(ApiError::bad(
+                "give exactly one of `template_id` (a mask-aware edit) and `image` (a full run)",
+            )),
+        };
+    let mask = match (b.mask, b.boxes, b.polygons) {
+        (Some(m), None, None) => MaskIn::Image(b64("mask", &m)?),
+        (None, Some(bx), None) => MaskIn::Boxes(bx),
+        (None, None, Some(p)) => MaskIn::Polygons(p),
+        _ => {
+            return Err(ApiError::bad(
+                "give exactly one of `mask` (base64 image), `boxes` and `polygons`",
+            ))
+        }
+    };
+    if b.dilation > 64 || b.feather > 64 {
+        return Err(ApiError::bad("dilation and feather must be at most 64"));
+    }
+    let input = EditInput {
+        source,
+        mask,
+        steps: b.steps,
+        guidance: b.guidance,
+        prompt: b.prompt,
+        seed: b.seed,
+        dilation: b.dilation,
+        max_sequence_length: b.max_sequence_length,
+        finish: FinishParams {
+            paste_back: b.paste_back,
+            feather: b.feather,
+            format: match b.format {
+                Format::Png => ImageFormat::Png,
+                Format::Jpeg => ImageFormat::Jpeg,
+            },
+        },
+    };
+    Ok((input, b.run_async))
+}
+
+/// The JSON of a finished edit.
+pub fn edit_json(job: u64, o: &EditOutput, format: ImageFormat) -> Value {
+    let sizes = &o.stats.batch_sizes;
+    let mean = if sizes.is_empty() {
+        0.0
+    } else {
+        sizes.iter().map(|&s| s as f64).sum::<f64>() / sizes.len() as f64
+    };
+    json!({
+        "id": job_name(job),
+        "image": encode_b64(&o.image),
+        "format": match format { ImageFormat::Png => "png", ImageFormat::Jpeg => "jpeg" },
+        "width": o.width,
+        "height": o.height,
+        "tokens": o.tokens,
+        "active_tokens": o.active,
+        "mask_ratio": o.pixel_ratio,
+        "prompt_truncated": o.prompt_truncated,
+        "attempts": o.attempts,
+        "timings": o.timings,
+        "batch": {"sizes": sizes, "mean": mean, "max": sizes.iter().max().copied().unwrap_or(0)},
+        "first_step_unix": o.stats.first_step_unix,
+        "finished_unix": o.stats.finished_unix,
+    })
+}
+
+/// `POST /v1/edits`.
+async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
+    let b: EditBody = parse(&body(&ctx, req).await?)?;
+    check_steps(&ctx, b.steps)?;
+    check_guidance(b.guidance)?;
+    check_seq_len(b.max_sequence_length)?;
+    let (input, run_async) = edit_input(b)?;
+    let job = ctx.next_job();
+    ctx.jobs.create(job, "edit", input.steps.unwrap_or(0));
+    let format = input.finish.format;
+    let run = {
+        let ctx = ctx.clone();
+        async move {
+            let r = flow::edit(&ctx, job, &input)
+                .await
+                .map(|o| edit_json(job, &o, format));
+            ctx.jobs.finish(job, r.clone());
+            r
+        }
+    };
+    if run_async {
+        tokio::spawn(run);
+        return Ok(accepted(job));
+    }
+    Ok(Json(run.await?).into_response())
+}
+
+fn job_id(s: &str) -> ApiResult<u64> {
+    parse_job_name(s).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("unknown job `{s}`"),
+        )
+    })
+}
+
+async fn get_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
+    let view = ctx.jobs.get(job_id(&id)?).await.ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("unknown job `{id}`"),
+        )
+    })?;
+    Ok(Json(json!(view)).into_response())
+}
+
+/// `DELETE /v1/jobs/{id}`: cancels a running job (it stops at the next step boundary).
+async fn cancel_job(
+    State(ctx): State<Arc<Ctx>>,
+    Path(id): Path<String>,
+    _h: HeaderMap,
+) -> ApiResult {
+    let job = job_id(&id)?;
+    let (before, worker) = ctx.jobs.cancel(job).await.ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("unknown job `{id}`"),
+        )
+    })?;
+    if before.is_final() {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!(
+                "job `{id}` already {}",
+                json!(before).as_str().unwrap_or("finished")
+            ),
+        ));
+    }
+    if let (Status::Denoising, Some(w)) = (before, worker) {
+        crate::node::tell(&w, crate::wire::DenoiseMsg::Cancel(crate::wire::Wire(job)));
+    }
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({"id": id, "status": "cancelling"})),
+    )
+        .into_response())
+}

@@ -1,0 +1,240 @@
+//! The job table: every request the router has accepted, its stage and progress, and
+//! for async jobs the result until it expires. One local actor owns the table; HTTP
+//! handlers, request flows and the router actor (progress from denoise workers) talk
+//! to it through [`Jobs`], a small handle.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort};
+use ractor_cluster::RactorMessage;
+use serde::Serialize;
+
+use crate::denoise::actor::unix_now;
+use crate::wire::{JobId, WireError};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Queued,
+    Preprocessing,
+    Denoising,
+    Postprocessing,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl Status {
+    pub fn is_final(self) -> bool {
+        matches!(self, Status::Succeeded | Status::Failed | Status::Cancelled)
+    }
+}
+
+/// What `GET /v1/jobs/{id}` shows.
+#[derive(Clone, Debug, Serialize)]
+pub struct JobView {
+    pub id: String,
+    pub kind: &'static str,
+    pub status: Status,
+    pub step: u32,
+    pub steps: u32,
+    pub created_unix: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<WireError>,
+}
+
+struct Job {
+    view: JobView,
+    /// The denoise worker holding the request, for cancellation.
+    worker: Option<ActorCell>,
+    cancel: bool,
+    finished: Option<Instant>,
+}
+
+#[derive(RactorMessage)]
+pub enum JobsMsg {
+    Create(JobId, &'static str, u32),
+    Stage(JobId, Status, Option<ActorCell>),
+    Progress(JobId, u32),
+    Finish(JobId, Result<serde_json::Value, WireError>),
+    Get(JobId, RpcReplyPort<Option<JobView>>),
+    /// Marks the job cancelled; replies with its status before, and the denoise worker
+    /// to tell, if any.
+    Cancel(JobId, RpcReplyPort<Option<(Status, Option<ActorCell>)>>),
+    IsCancelled(JobId, RpcReplyPort<bool>),
+}
+
+/// Handle to the job table.
+#[derive(Clone)]
+pub struct Jobs(ActorRef<JobsMsg>);
+
+pub fn job_name(id: JobId) -> String {
+    format!("job_{id:016x}")
+}
+
+pub fn parse_job_name(s: &str) -> Option<JobId> {
+    u64::from_str_radix(s.strip_prefix("job_")?, 16).ok()
+}
+
+impl Jobs {
+    pub async fn start(ttl: Duration) -> Result<Jobs, String> {
+        let (r, _) = Actor::spawn(None, JobsActor, ttl)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(Jobs(r))
+    }
+    pub fn create(&self, id: JobId, kind: &'static str, steps: u32) {
+        let _ = self.0.cast(JobsMsg::Create(id, kind, steps));
+    }
+    pub fn stage(&self, id: JobId, s: Status, worker: Option<ActorCell>) {
+        let _ = self.0.cast(JobsMsg::Stage(id, s, worker));
+    }
+    pub fn progress(&self, id: JobId, step: u32) {
+        let _ = self.0.cast(JobsMsg::Progress(id, step));
+    }
+    pub fn finish(&self, id: JobId, r: Result<serde_json::Value, WireError>) {
+        let _ = self.0.cast(JobsMsg::Finish(id, r));
+    }
+    pub async fn get(&self, id: JobId) -> Option<JobView> {
+        self.0
+            .call(|p| JobsMsg::Get(id, p), None)
+            .await
+            .ok()
+            .and_then(|r| r.success_or(()).ok())
+            .flatten()
+    }
+    pub async fn cancel(&self, id: JobId) -> Option<(Status, Option<ActorCell>)> {
+        self.0
+            .call(|p| JobsMsg::Cancel(id, p), None)
+            .await
+            .ok()
+            .and_then(|r| r.success_or(()).ok())
+            .flatten()
+    }
+    pub async fn is_cancelled(&self, id: JobId) -> bool {
+        self.0
+            .call(|p| JobsMsg::IsCancelled(id, p), None)
+            .await
+            .ok()
+            .and_then(|r| r.success_or(()).ok())
+            .unwrap_or(false)
+    }
+}
+
+struct JobsActor;
+
+struct Table {
+    jobs: HashMap<JobId, Job>,
+    ttl: Duration,
+}
+
+impl Table {
+    /// Drops finished jobs older than the TTL (on every insert: cheap and bounded).
+    fn expire(&mut self) {
+        let ttl = self.ttl;
+        self.jobs
+            .retain(|_, j| j.finished.is_none_or(|t| t.elapsed() < ttl));
+    }
+}
+
+impl Actor for JobsActor {
+    type Msg = JobsMsg;
+    type State = Table;
+    type Arguments = Duration;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        ttl: Duration,
+    ) -> Result<Table, ActorProcessingErr> {
+        Ok(Table {
+            jobs: HashMap::new(),
+            ttl,
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: JobsMsg,
+        t: &mut Table,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            JobsMsg::Create(id, kind, steps) => {
+                t.expire();
+                t.jobs.insert(
+                    id,
+                    Job {
+                        view: JobView {
+                            id: job_name(id),
+                            kind,
+                            status: Status::Queued,
+                            step: 0,
+                            steps,
+                            created_unix: unix_now(),
+                            result: None,
+                            error: None,
+                        },
+                        worker: None,
+                        cancel: false,
+                        finished: None,
+                    },
+                );
+            }
+            JobsMsg::Stage(id, s, worker) => {
+                if let Some(j) = t.jobs.get_mut(&id) {
+                    if !j.view.status.is_final() {
+                        j.view.status = s;
+                        j.worker = worker;
+                    }
+                }
+            }
+            JobsMsg::Progress(id, step) => {
+                if let Some(j) = t.jobs.get_mut(&id) {
+                    j.view.step = j.view.step.max(step);
+                }
+            }
+            JobsMsg::Finish(id, r) => {
+                if let Some(j) = t.jobs.get_mut(&id) {
+                    j.finished = Some(Instant::now());
+                    j.worker = None;
+                    match r {
+                        Ok(v) => {
+                            j.view.status = Status::Succeeded;
+                            j.view.step = j.view.steps;
+                            j.view.result = Some(v);
+                        }
+                        Err(e) => {
+                            j.view.status = if e.kind == crate::wire::ErrorKind::Cancelled {
+                                Status::Cancelled
+                            } else {
+                                Status::Failed
+                            };
+                            j.view.error = Some(e);
+                        }
+                    }
+                }
+            }
+            JobsMsg::Get(id, reply) => {
+                let _ = reply.send(t.jobs.get(&id).map(|j| j.view.clone()));
+            }
+            JobsMsg::Cancel(id, reply) => {
+                let r = t.jobs.get_mut(&id).map(|j| {
+                    let before = j.view.status;
+                    if !before.is_final() {
+                        j.cancel = true;
+                    }
+                    (before, j.worker.clone())
+                });
+                let _ = reply.send(r);
+            }
+            JobsMsg::IsCancelled(id, reply) => {
+                let _ = reply.send(t.jobs.get(&id).is_some_and(|j| j.cancel));
+            }
+        }
+        Ok(())
+    }
+}

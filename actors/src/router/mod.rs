@@ -1,0 +1,116 @@
+//! The router process: the HTTP API, the internal bus endpoint, the job table, and
+//! the flows that take each request through the worker groups.
+
+pub mod flow;
+pub mod http;
+pub mod jobs;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+
+use crate::node::{self, Shm, WorkerEnv};
+use crate::wire::{groups, BusEditResult, ImageFormat, RouterMsg, Wire};
+use flow::{Ctx, EditInput, MaskIn, Source};
+
+/// The router's cluster-facing actor: progress reports from denoise workers, and
+/// requests from other services' actors (the internal bus).
+pub struct RouterActor;
+
+impl Actor for RouterActor {
+    type Msg = RouterMsg;
+    type State = Arc<Ctx>;
+    type Arguments = Arc<Ctx>;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        ctx: Arc<Ctx>,
+    ) -> Result<Arc<Ctx>, ActorProcessingErr> {
+        Ok(ctx)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: RouterMsg,
+        ctx: &mut Arc<Ctx>,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            RouterMsg::Progress(Wire(p)) => ctx.jobs.progress(p.job, p.step),
+            RouterMsg::BusEdit(Wire(e), reply) => {
+                // Run the flow on its own task: the actor keeps taking progress reports.
+                let ctx = ctx.clone();
+                tokio::spawn(async move {
+                    let job = ctx.next_job();
+                    ctx.jobs.create(job, "edit", 0);
+                    let input = EditInput {
+                        source: Source::Template(e.template_id),
+                        mask: MaskIn::Image(e.mask_png),
+                        steps: None,
+                        guidance: None,
+                        prompt: e.prompt,
+                        seed: e.seed,
+                        dilation: 0,
+                        max_sequence_length: 512,
+                        finish: crate::wire::FinishParams {
+                            paste_back: true,
+                            feather: 3,
+                            format: ImageFormat::Png,
+                        },
+                    };
+                    let r = flow::edit(&ctx, job, &input).await;
+                    ctx.jobs.finish(
+                        job,
+                        r.as_ref()
+                            .map(|o| http::edit_json(job, o, ImageFormat::Png))
+                            .map_err(Clone::clone),
+                    );
+                    let _ = reply.send(Wire(r.map(|o| BusEditResult {
+                        job,
+                        png: o.image,
+                        active_tokens: o.active,
+                        tokens: o.tokens,
+                    })));
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs the router process until SIGTERM/SIGINT.
+pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
+    let model: denoised_models::ModelSource = env
+        .config
+        .model
+        .source
+        .parse()
+        .unwrap_or_else(|e| match e {});
+    let fingerprint = model.fingerprint().map_err(|e| e.to_string())?;
+    let shm = Shm::create(&env)?;
+    let jobs = jobs::Jobs::start(Duration::from_secs(env.config.server.job_ttl_seconds)).await?;
+    let ctx = Arc::new(Ctx::new(env.config.clone(), shm, jobs, fingerprint));
+    let _node = node::start_node(&env, env.router_port).await?;
+    let (router, _) = Actor::spawn(Some("router".into()), RouterActor, ctx.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    node::register(groups::ROUTER, router.get_cell());
+    let listener = tokio::net::TcpListener::bind(&listen)
+        .await
+        .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    // The supervisor (and tests, systemd logs) read this line to learn the address.
+    println!(
+        "denoised: listening on http://{addr} (cluster node 127.0.0.1:{})",
+        env.router_port
+    );
+    tracing::info!("HTTP API on http://{addr}");
+    axum::serve(listener, http::app(ctx))
+        .with_graceful_shutdown(async {
+            crate::process::terminated().await;
+        })
+        .await
+        .map_err(|e| e.to_string())
+}

@@ -1,0 +1,433 @@
+//! Messages between the serving processes, as they travel over ractor_cluster.
+//!
+//! Each actor group has one message enum (`RouterMsg`, `PreprocessMsg`, ...), derived
+//! with `RactorClusterMessage` so that a remote `ActorRef` can `cast` and `call` it.
+//! Every field is a [`Wire<T>`]: a plain serde type encoded with postcard. Requests and
+//! replies stay small: bulk data (images, latents, conditioning tensors, template
+//! caches) stays in shared-memory arenas and only [`Handle`]s travel here (DESIGN.md
+//! §Processes and actors). The one exception is the internal bus ([`BusEdit`]): a client
+//! of another service may run on another host, so, like an HTTP body, its request
+//! carries the image bytes; the router moves them into shared memory at once.
+//!
+//! Replies are `Result<T, WireError>`: a worker turns every failure into a typed error
+//! the router maps to an HTTP status.
+
+use denoised_runtime::shm::Handle;
+use ractor::{BytesConvertable, RpcReplyPort};
+use ractor_cluster::RactorClusterMessage;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// A serde value carried in a cluster message, encoded with postcard.
+#[derive(Clone, Debug)]
+pub struct Wire<T>(pub T);
+
+impl<T: Serialize + DeserializeOwned> BytesConvertable for Wire<T> {
+    fn into_bytes(self) -> Vec<u8> {
+        // postcard encodes every serde value we define (no maps with non-string keys,
+        // no untagged enums), so this cannot fail.
+        postcard::to_stdvec(&self.0).expect("postcard encodes the wire types")
+    }
+    fn from_bytes(bytes: Vec<u8>) -> Self {
+        // ractor_cluster's trait has no error path. Peers are authenticated by the
+        // cookie and run the same binary, so a payload that does not decode is a bug
+        // (or a version skew across hosts), and the panic stops only the receiving
+        // actor, which its process then reports.
+        Wire(postcard::from_bytes(&bytes).expect("cluster message does not decode"))
+    }
+}
+
+/// Request id, unique within a daemon.
+pub type JobId = u64;
+
+/// The reply of a call: a result or a typed error. (The derive macro recognises reply
+/// ports by the literal `RpcReplyPort<..>` type, so variants spell that out around it.)
+pub type Res<T> = Wire<Result<T, WireError>>;
+
+/// The reply port of a call, for the code that holds one.
+pub type Reply<T> = RpcReplyPort<Res<T>>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorKind {
+    /// The client's input is wrong (400/413/422).
+    BadInput,
+    /// The input is too large (413).
+    TooLarge,
+    /// An unknown template or job (404).
+    NotFound,
+    /// The request was cancelled (409 for a waiting client).
+    Cancelled,
+    /// A worker process went away while it held the request; the router retries.
+    WorkerLost,
+    /// A bug or a resource problem on our side (500).
+    Internal,
+    /// Not all worker groups are up yet (503).
+    Unavailable,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WireError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl WireError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        WireError {
+            kind,
+            message: message.into(),
+        }
+    }
+    pub fn bad_input(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::BadInput, message)
+    }
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Internal, message)
+    }
+}
+
+impl std::fmt::Display for WireError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}: {}", self.kind, self.message)
+    }
+}
+
+impl std::error::Error for WireError {}
+
+/// How the region to repaint is given.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum MaskSpec {
+    /// An encoded image (PNG/JPEG) of the image's size: white (>= 50% luma) = repaint.
+    Image(Handle),
+    /// Rectangles `[x, y, width, height]` in pixels.
+    Boxes(Vec<[u32; 4]>),
+    /// Polygons of `[x, y]` pixel vertices (even-odd fill, pixel centres).
+    Polygons(Vec<Vec<[f32; 2]>>),
+    /// Nothing to repaint: a template capture.
+    Empty,
+}
+
+/// Generation parameters of a request (validated by the router).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct GenParams {
+    pub prompt: String,
+    pub steps: u32,
+    pub guidance: f32,
+    pub seed: u64,
+    pub max_sequence_length: u32,
+    /// Extra ring of computed tokens around the mask (template edits).
+    pub dilation: u32,
+}
+
+/// router → preprocess: decode, mask, text, VAE encode, noise.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PrepareReq {
+    pub job: JobId,
+    /// Encoded image bytes (the request's image or the template's).
+    pub image: Handle,
+    pub mask: MaskSpec,
+    pub params: GenParams,
+    pub max_pixels: u64,
+}
+
+/// The conditioning tensors of one request, in the preprocess worker's arena.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct InputHandles {
+    pub latents: Handle,
+    pub cond: Handle,
+    pub img_ids: Handle,
+    pub txt: Handle,
+    pub txt_ids: Handle,
+    pub pooled: Handle,
+    pub guidance: f32,
+}
+
+impl InputHandles {
+    pub fn all(&self) -> Vec<Handle> {
+        vec![
+            self.latents.clone(),
+            self.cond.clone(),
+            self.img_ids.clone(),
+            self.txt.clone(),
+            self.txt_ids.clone(),
+            self.pooled.clone(),
+        ]
+    }
+}
+
+/// preprocess → router.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Prepared {
+    pub inputs: InputHandles,
+    /// Decoded RGB8 pixels `[h, w, 3]` and the binary pixel mask `[h, w]` (0/1), for
+    /// paste-back.
+    pub image: Handle,
+    pub mask: Handle,
+    pub width: u32,
+    pub height: u32,
+    /// Token grid of the image, and the active tokens (ascending) of its mask.
+    pub rows: u32,
+    pub cols: u32,
+    pub active: Vec<u32>,
+    pub pixel_ratio: f64,
+    pub prompt_truncated: bool,
+    pub seconds: f64,
+}
+
+/// A template's cache as the cache actor holds it: the flat f32 image of
+/// `TemplateLayout` in the cache process's arena.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TemplateRef {
+    pub id: String,
+    pub blob: Handle,
+    pub steps: u32,
+    pub tokens: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum DenoiseWork {
+    Full,
+    /// A full run that records a template cache.
+    Capture,
+    /// A mask-aware edit: only `active` tokens are computed.
+    Edit {
+        template: TemplateRef,
+    },
+}
+
+/// router → denoise.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DenoiseReq {
+    pub job: JobId,
+    pub inputs: InputHandles,
+    pub steps: u32,
+    /// Token grid of the image.
+    pub rows: u32,
+    pub cols: u32,
+    pub active: Vec<u32>,
+    pub work: DenoiseWork,
+}
+
+/// What a request saw in the denoise loop.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct DenoiseStats {
+    /// From arrival at the denoise worker to its first step.
+    pub queue_s: f64,
+    /// From its first step to its last.
+    pub denoise_s: f64,
+    /// Batch size of each of its steps.
+    pub batch_sizes: Vec<u32>,
+    /// Wall-clock (Unix) seconds of its first and last step, for cross-request ordering.
+    pub first_step_unix: f64,
+    pub finished_unix: f64,
+}
+
+/// denoise → router.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Denoised {
+    /// The final packed latent `[L, C]` in the denoise worker's arena.
+    pub latents: Handle,
+    /// For a capture: the template cache, flat, in the denoise worker's arena.
+    pub cache: Option<Handle>,
+    pub stats: DenoiseStats,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ImageFormat {
+    #[default]
+    Png,
+    Jpeg,
+}
+
+/// Postprocessing options of a request.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FinishParams {
+    pub paste_back: bool,
+    pub feather: u32,
+    pub format: ImageFormat,
+}
+
+/// router → postprocess.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FinishReq {
+    pub job: JobId,
+    pub latents: Handle,
+    pub image: Handle,
+    pub mask: Handle,
+    pub width: u32,
+    pub height: u32,
+    pub params: FinishParams,
+}
+
+/// postprocess → router: the encoded output image in the postprocess worker's arena.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Finished {
+    pub image: Handle,
+    pub seconds: f64,
+}
+
+/// The non-disaggregated baseline: the denoise process prepares, denoises and finishes
+/// a request itself, running the CPU stages between steps.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct InlineReq {
+    pub prepare: PrepareReq,
+    pub work: DenoiseWork,
+    /// None for a capture (no image is returned).
+    pub finish: Option<FinishParams>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct InlineDone {
+    /// Encoded output image, in the denoise worker's arena (None for a capture).
+    pub image: Option<Handle>,
+    pub cache: Option<Handle>,
+    pub width: u32,
+    pub height: u32,
+    pub tokens: u32,
+    pub active: u32,
+    pub pixel_ratio: f64,
+    pub prompt_truncated: bool,
+    pub stats: DenoiseStats,
+    pub preprocess_s: f64,
+    pub postprocess_s: f64,
+}
+
+/// A registered template's description.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TemplateInfo {
+    pub id: String,
+    pub model: String,
+    pub width: u32,
+    pub height: u32,
+    /// Image tokens (the template's cache covers all of them).
+    pub tokens: u32,
+    pub steps: u32,
+    pub guidance: f32,
+    pub seed: u64,
+    pub prompt: String,
+    pub max_sequence_length: u32,
+    pub cache_bytes: u64,
+    pub created_unix: f64,
+}
+
+/// router → cache: store a template (the cache actor copies both slices into its arena).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PutTemplate {
+    pub info: TemplateInfo,
+    pub blob: Handle,
+    pub image: Handle,
+}
+
+/// A template as the cache actor holds it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TemplateEntry {
+    pub info: TemplateInfo,
+    pub blob: Handle,
+    /// The template's encoded image bytes.
+    pub image: Handle,
+}
+
+/// Progress of a request, denoise → router after each of its steps.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Progress {
+    pub job: JobId,
+    pub step: u32,
+    pub steps: u32,
+    pub batch: u32,
+}
+
+/// An edit over the internal bus (see the module docs on why bytes travel here).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BusEdit {
+    pub template_id: String,
+    /// Encoded mask image (PNG/JPEG).
+    pub mask_png: Vec<u8>,
+    pub prompt: String,
+    pub seed: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BusEditResult {
+    pub job: JobId,
+    pub png: Vec<u8>,
+    pub active_tokens: u32,
+    pub tokens: u32,
+}
+
+#[derive(RactorClusterMessage)]
+pub enum RouterMsg {
+    /// A denoise worker reports a request's step.
+    Progress(Wire<Progress>),
+    /// The internal bus: an edit from another service's actor.
+    #[rpc]
+    BusEdit(Wire<BusEdit>, RpcReplyPort<Res<BusEditResult>>),
+}
+
+#[derive(RactorClusterMessage)]
+pub enum PreprocessMsg {
+    #[rpc]
+    Prepare(Wire<PrepareReq>, RpcReplyPort<Res<Prepared>>),
+    /// The router is done with these slices of this worker's arena.
+    Release(Wire<Vec<Handle>>),
+}
+
+#[derive(RactorClusterMessage)]
+pub enum DenoiseMsg {
+    #[rpc]
+    Denoise(Wire<DenoiseReq>, RpcReplyPort<Res<Denoised>>),
+    #[rpc]
+    Inline(Wire<InlineReq>, RpcReplyPort<Res<InlineDone>>),
+    Cancel(Wire<JobId>),
+    Release(Wire<Vec<Handle>>),
+    /// From the worker's own event thread: a request left the loop (finished, failed or
+    /// cancelled). Serializable only because every variant must be.
+    Done(Wire<(JobId, Result<Denoised, WireError>)>),
+}
+
+#[derive(RactorClusterMessage)]
+pub enum PostprocessMsg {
+    #[rpc]
+    Finish(Wire<FinishReq>, RpcReplyPort<Res<Finished>>),
+    Release(Wire<Vec<Handle>>),
+}
+
+#[derive(RactorClusterMessage)]
+pub enum CacheMsg {
+    #[rpc]
+    Put(Wire<PutTemplate>, RpcReplyPort<Res<TemplateEntry>>),
+    #[rpc]
+    Get(Wire<String>, RpcReplyPort<Res<TemplateEntry>>),
+    #[rpc]
+    List(Wire<()>, RpcReplyPort<Res<Vec<TemplateInfo>>>),
+    #[rpc]
+    Delete(Wire<String>, RpcReplyPort<Res<TemplateInfo>>),
+}
+
+/// Process-group names under which each group's actors register.
+pub mod groups {
+    pub const ROUTER: &str = "denoised.router";
+    pub const PREPROCESS: &str = "denoised.preprocess";
+    pub const DENOISE: &str = "denoised.denoise";
+    pub const POSTPROCESS: &str = "denoised.postprocess";
+    pub const CACHE: &str = "denoised.cache";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_values_round_trip_through_postcard() {
+        let p = Progress {
+            job: 7,
+            step: 3,
+            steps: 28,
+            batch: 4,
+        };
+        let back = Wire::<Progress>::from_bytes(Wire(p.clone()).into_bytes()).0;
+        assert_eq!((back.job, back.step, back.steps, back.batch), (7, 3, 28, 4));
+        let e: Result<u32, WireError> = Err(WireError::bad_input("mask is 32x32"));
+        let back = Wire::<Result<u32, WireError>>::from_bytes(Wire(e.clone()).into_bytes()).0;
+        assert_eq!(back, e);
+    }
+}

@@ -1,0 +1,118 @@
+//! `denoised serve` (the daemon's supervisor) and `denoised worker` (one of its
+//! processes, started by the supervisor).
+
+use std::path::PathBuf;
+
+use denoised_actors::node::Role;
+use denoised_runtime::config::{Batching, Config};
+
+use super::CliResult;
+
+/// Flags mirror config keys; a flag (or its environment variable) overrides the file.
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// Configuration file (see the documented config.toml). Without one, defaults.
+    #[arg(long, env = "DENOISED_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// `[model] source`: a diffusers FLUX.1 Fill directory, `builtin`, or
+    /// `builtin:flux-small`.
+    #[arg(long, env = "DENOISED_MODEL")]
+    pub model: Option<String>,
+    /// `[server] listen`: address of the HTTP API (port 0 picks a free port; the
+    /// chosen address is printed).
+    #[arg(long, env = "DENOISED_LISTEN")]
+    pub listen: Option<String>,
+    /// `[server] api_token`: require `Authorization: Bearer <token>` on /v1.
+    #[arg(long, env = "DENOISED_API_TOKEN", hide_env_values = true)]
+    pub api_token: Option<String>,
+    /// `[denoise] batching`: continuous or static.
+    #[arg(long, env = "DENOISED_BATCHING")]
+    pub batching: Option<String>,
+    /// `[denoise] disaggregate`: false runs pre/post-processing in the denoise process.
+    #[arg(long, env = "DENOISED_DISAGGREGATE")]
+    pub disaggregate: Option<bool>,
+    /// `[denoise] max_batch`.
+    #[arg(long, env = "DENOISED_MAX_BATCH")]
+    pub max_batch: Option<usize>,
+    /// `[denoise] token_budget`.
+    #[arg(long, env = "DENOISED_TOKEN_BUDGET")]
+    pub token_budget: Option<usize>,
+    /// `[cluster] port`: the router's cluster node port (0: a free one).
+    #[arg(long, env = "DENOISED_CLUSTER_PORT")]
+    pub cluster_port: Option<u16>,
+    /// `[cluster] cookie`: the cluster's shared secret (empty: random per start).
+    #[arg(long, env = "DENOISED_COOKIE", hide_env_values = true)]
+    pub cookie: Option<String>,
+}
+
+impl ServeArgs {
+    /// The configuration: the file (if any) with the flags applied.
+    pub fn resolve(&self) -> CliResult<Config> {
+        let mut c = match &self.config {
+            Some(p) => Config::from_file(p)?,
+            None => Config::default(),
+        };
+        if let Some(m) = &self.model {
+            c.model.source = m.clone();
+        }
+        if let Some(l) = &self.listen {
+            c.server.listen = l.clone();
+        }
+        if let Some(t) = &self.api_token {
+            c.server.api_token = t.clone();
+        }
+        if let Some(b) = &self.batching {
+            c.denoise.batching = match b.as_str() {
+                "continuous" => Batching::Continuous,
+                "static" => Batching::Static,
+                other => return Err(format!("--batching {other}: use continuous or static").into()),
+            };
+        }
+        if let Some(d) = self.disaggregate {
+            c.denoise.disaggregate = d;
+        }
+        if let Some(n) = self.max_batch {
+            c.denoise.max_batch = n;
+        }
+        if let Some(n) = self.token_budget {
+            c.denoise.token_budget = n;
+        }
+        if let Some(p) = self.cluster_port {
+            c.cluster.port = p;
+        }
+        if let Some(k) = &self.cookie {
+            c.cluster.cookie = k.clone();
+        }
+        if c.workers.preprocess == 0 || c.workers.postprocess == 0 || c.workers.denoise == 0 {
+            return Err("[workers] counts must be at least 1".into());
+        }
+        // Fail here, with the path, rather than in every worker.
+        let source: denoised_models::ModelSource = c.model.source.parse()?;
+        source.fingerprint()?;
+        Ok(c)
+    }
+}
+
+pub fn run_serve(a: ServeArgs) -> CliResult {
+    let config = a.resolve()?;
+    denoised_actors::supervisor::serve(config, None)?;
+    Ok(())
+}
+
+#[derive(clap::Args, Debug)]
+pub struct WorkerArgs {
+    /// router, preprocess, denoise, postprocess or cache.
+    #[arg(long)]
+    pub role: Role,
+    /// Index of this process within its group.
+    #[arg(long, default_value_t = 0)]
+    pub index: usize,
+    /// Router only: the HTTP address.
+    #[arg(long)]
+    pub listen: Option<String>,
+}
+
+pub fn run_worker(a: WorkerArgs) -> CliResult {
+    denoised_actors::process::run_worker(a.role, a.index, a.listen)?;
+    Ok(())
+}
