@@ -7,6 +7,8 @@
 
 pub mod denoise;
 pub mod node;
+pub mod notify;
+pub mod overheads;
 pub mod process;
 pub mod router;
 pub mod scheduler;

@@ -262,6 +262,22 @@ impl Shm {
         }
     }
 
+    /// Zero-copy: runs `f` on an F32 slice borrowed straight from shared memory (the
+    /// handle protocol guarantees nobody frees or writes it until this reader releases
+    /// it; see `denoised_runtime::shm`).
+    pub fn borrow_f32<R>(&self, h: &Handle, f: impl FnOnce(&[f32]) -> R) -> Result<R, WireError> {
+        let lost = |e: shm::ShmError| WireError::new(ErrorKind::WorkerLost, e.to_string());
+        if h.arena == self.own_name() {
+            let a = self.arena();
+            return Ok(f(a.slice_f32(h).map_err(lost)?));
+        }
+        let mut view = self.view(&h.arena, false)?;
+        if !view.is_live(h) {
+            view = self.view(&h.arena, true)?;
+        }
+        Ok(f(view.slice_f32(h).map_err(lost)?))
+    }
+
     pub fn read_tensor(&self, h: &Handle) -> Result<Tensor, WireError> {
         self.with(h, |v| v.read_tensor(h))
     }

@@ -15,7 +15,7 @@ use denoised_models::pipeline::image::{
     decode_image, decode_mask, encode_jpeg, encode_png, from_model_space, Mask, Rgb8,
 };
 use denoised_models::pipeline::paste::paste_back;
-use denoised_runtime::{CpuBackend, Tensor};
+use denoised_runtime::CpuBackend;
 
 use crate::wire::{ErrorKind, FinishParams, GenParams, ImageFormat, WireError};
 
@@ -147,11 +147,12 @@ pub fn finish(
     p: &Pipeline,
     image: &Rgb8,
     mask: &Mask,
-    latents: &Tensor,
+    latents: &[f32],
+    cols: usize,
     params: &FinishParams,
 ) -> Result<Vec<u8>, WireError> {
     let raw = p
-        .decode_raw(latents, image.width, image.height)
+        .decode_packed(latents, cols, image.width, image.height)
         .map_err(|e| WireError::internal(e.to_string()))?;
     let generated = from_model_space(raw.data(), image.width, image.height);
     let out = if params.paste_back {

@@ -194,6 +194,7 @@ pub fn serve(config: Config, listen: Option<String>) -> Result<(), String> {
         }
     }
     tracing::info!("supervisor: stopping");
+    crate::notify::notify("STOPPING=1");
     for w in &workers {
         // SAFETY: plain kill(2) on our own child's pid.
         unsafe { libc::kill(w.child.id() as i32, libc::SIGTERM) };

@@ -6,8 +6,9 @@
 //! replies stay small: bulk data (images, latents, conditioning tensors, template
 //! caches) stays in shared-memory arenas and only [`Handle`]s travel here (DESIGN.md
 //! §Processes and actors). The one exception is the internal bus ([`BusEdit`]): a client
-//! of another service may run on another host, so, like an HTTP body, its request
-//! carries the image bytes; the router moves them into shared memory at once.
+//! of another service does not share our arenas (and once the node listens beyond
+//! loopback, may run on another host), so, like an HTTP body, its request carries the
+//! image bytes; the router moves them into shared memory at once.
 //!
 //! Replies are `Result<T, WireError>`: a worker turns every failure into a typed error
 //! the router maps to an HTTP status.
@@ -31,8 +32,9 @@ impl<T: Serialize + DeserializeOwned> BytesConvertable for Wire<T> {
     fn from_bytes(bytes: Vec<u8>) -> Self {
         // ractor_cluster's trait has no error path. Peers are authenticated by the
         // cookie and run the same binary, so a payload that does not decode is a bug
-        // (or a version skew across hosts), and the panic stops only the receiving
-        // actor, which its process then reports.
+        // (or a version skew across hosts). ractor catches the panic and drops the
+        // message; a dropped call is then only noticed by its caller when the
+        // connection closes (calls have no timeout), so keep the wire types in step.
         Wire(postcard::from_bytes(&bytes).expect("cluster message does not decode"))
     }
 }
@@ -217,6 +219,8 @@ pub struct DenoiseStats {
     pub denoise_s: f64,
     /// Batch size of each of its steps.
     pub batch_sizes: Vec<u32>,
+    /// Largest per-step batch assembly time among its steps (the loop's overhead).
+    pub assembly_max_s: f64,
     /// Wall-clock (Unix) seconds of its first and last step, for cross-request ordering.
     pub first_step_unix: f64,
     pub finished_unix: f64,
@@ -358,11 +362,17 @@ pub struct BusEditResult {
 pub enum RouterMsg {
     /// A denoise worker reports a request's step.
     Progress(Wire<Progress>),
+    /// Echoes its argument: liveness checks and message round-trip measurements.
+    #[rpc]
+    Ping(Wire<u64>, RpcReplyPort<Res<u64>>),
     /// The internal bus: an edit from another service's actor.
     #[rpc]
     BusEdit(Wire<BusEdit>, RpcReplyPort<Res<BusEditResult>>),
 }
 
+// The derive needs the payload types as they are (no boxing), and a message is
+// short-lived, so the size difference between variants does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(RactorClusterMessage)]
 pub enum PreprocessMsg {
     #[rpc]
@@ -371,6 +381,9 @@ pub enum PreprocessMsg {
     Release(Wire<Vec<Handle>>),
 }
 
+// The derive needs the payload types as they are (no boxing), and a message is
+// short-lived, so the size difference between variants does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(RactorClusterMessage)]
 pub enum DenoiseMsg {
     #[rpc]
@@ -384,6 +397,9 @@ pub enum DenoiseMsg {
     Done(Wire<(JobId, Result<Denoised, WireError>)>),
 }
 
+// The derive needs the payload types as they are (no boxing), and a message is
+// short-lived, so the size difference between variants does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(RactorClusterMessage)]
 pub enum PostprocessMsg {
     #[rpc]
@@ -391,6 +407,9 @@ pub enum PostprocessMsg {
     Release(Wire<Vec<Handle>>),
 }
 
+// The derive needs the payload types as they are (no boxing), and a message is
+// short-lived, so the size difference between variants does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(RactorClusterMessage)]
 pub enum CacheMsg {
     #[rpc]

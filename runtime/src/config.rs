@@ -112,7 +112,7 @@ impl Default for DenoiseConfig {
 }
 
 /// `[cluster]`: the ractor_cluster transport between the processes.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ClusterConfig {
     /// TCP port of the router's cluster node on 127.0.0.1; 0 picks a free one (logged).
@@ -123,15 +123,7 @@ pub struct ClusterConfig {
     pub shm_dir: String,
 }
 
-impl Default for ClusterConfig {
-    fn default() -> Self {
-        ClusterConfig {
-            port: 0,
-            cookie: String::new(),
-            shm_dir: String::new(),
-        }
-    }
-}
+
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

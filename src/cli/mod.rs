@@ -1,6 +1,8 @@
 //! Command-line interface: one module per subcommand, shared options here.
 
+mod bench_overheads;
 mod bench_pipeline;
+mod bench_serve;
 mod bench_step;
 mod devices;
 mod edit;
@@ -46,10 +48,16 @@ pub enum Command {
     Template(TemplateCommand),
     /// Time each stage of a whole edit with seeded components; prints a JSON line.
     BenchPipeline(bench_pipeline::Args),
+    /// Load-test a running daemon: open-loop Poisson arrivals of edits with mask sizes
+    /// from a trace; reports latency percentiles, server stage timings and batch sizes.
+    BenchServe(bench_serve::Args),
     /// Print the template cache size of models at a resolution (computed, not allocated).
     Footprint(footprint::Args),
     /// List the compute devices this machine offers.
     Devices,
+    /// Measure the serving runtime's own overheads: batch assembly per step, the
+    /// shared-memory latent handoff, a cluster message round trip.
+    BenchOverheads(bench_overheads::Args),
     /// Run the daemon: a supervisor that starts the router (HTTP API), preprocess,
     /// denoise, postprocess and cache processes, and restarts any that die.
     Serve(serve::ServeArgs),
@@ -76,9 +84,11 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Edit(a) => edit::run_edit(a),
         Command::Template(TemplateCommand::Capture(a)) => edit::run_capture(a),
         Command::BenchPipeline(a) => bench_pipeline::run(a),
+        Command::BenchServe(a) => bench_serve::run(a),
         Command::Footprint(a) => footprint::run(a),
         Command::Devices => devices::run(),
         Command::Serve(a) => serve::run_serve(a),
+        Command::BenchOverheads(a) => bench_overheads::run(a),
         Command::Worker(a) => serve::run_worker(a),
     }
 }

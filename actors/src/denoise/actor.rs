@@ -284,7 +284,12 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
     let mut ready: Vec<(JobId, Tensor, Option<Box<TemplateCache>>)> = Vec::new();
     for ev in events {
         match ev {
-            Event::Step { batch, seconds, .. } => {
+            Event::Step {
+                batch,
+                seconds,
+                assembly_seconds,
+                ..
+            } => {
                 let now = unix_now();
                 let router = node::members(groups::ROUTER);
                 for &id in &batch {
@@ -294,6 +299,7 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
                     }
                     a.steps_done += 1;
                     a.stats.batch_sizes.push(batch.len() as u32);
+                    a.stats.assembly_max_s = a.stats.assembly_max_s.max(assembly_seconds);
                     a.stats.denoise_s = now - a.stats.first_step_unix;
                     a.stats.finished_unix = now;
                     if let Some(r) = router.first() {

@@ -165,7 +165,8 @@ pub(super) fn finish(
             &p,
             &job.prepared.image,
             &job.prepared.mask,
-            &latents,
+            latents.data(),
+            latents.cols(),
             &params,
         )
         .and_then(|bytes| shm.write_bytes(&bytes))

@@ -75,6 +75,9 @@ pub enum Event {
         step: u64,
         batch: Vec<RequestId>,
         seconds: f64,
+        /// Of which: building the batch (scheduler plan, taking the jobs out of the
+        /// table), the loop's own per-step overhead.
+        assembly_seconds: f64,
     },
     /// A request finished its last step: the final packed latent, and for a capture
     /// the template cache.
@@ -222,6 +225,7 @@ fn run<B: Backend<Tensor = Tensor>>(
         jobs: HashMap::new(),
         tx,
     };
+    let mut assembly_seconds;
     loop {
         // Sleep on the channel only when idle; otherwise take what has arrived and go.
         if st.sched.is_idle() {
@@ -244,11 +248,11 @@ fn run<B: Backend<Tensor = Tensor>>(
                 return;
             }
         }
+        let t0 = Instant::now();
         let plan = st.sched.plan();
         if plan.is_empty() {
             continue;
         }
-        let t0 = Instant::now();
         // Take the plan's jobs out of the map for the step (the map keeps the rest).
         let mut batch: Vec<(RequestId, Job)> = plan
             .ids()
@@ -257,6 +261,7 @@ fn run<B: Backend<Tensor = Tensor>>(
             .collect();
         let result = {
             let mut refs: Vec<&mut Job> = batch.iter_mut().map(|(_, j)| j).collect();
+            assembly_seconds = t0.elapsed().as_secs_f64();
             step_batch(model, &mut refs)
         };
         if let Err(e) = result {
@@ -290,6 +295,7 @@ fn run<B: Backend<Tensor = Tensor>>(
             step: plan.step(),
             batch: plan.ids().to_vec(),
             seconds,
+            assembly_seconds,
         });
     }
 }

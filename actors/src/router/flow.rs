@@ -258,6 +258,7 @@ pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput
         }
         None => (input.steps.unwrap_or(28), input.guidance.unwrap_or(30.0)),
     };
+    ctx.jobs.steps(job, steps);
     let params = GenParams {
         prompt: input.prompt.clone(),
         steps,
@@ -409,6 +410,7 @@ async fn edit_once(
     };
     let f = node::ask(&post, |p| PostprocessMsg::Finish(Wire(fin), p)).await?;
     held.post.push((post, vec![f.image.clone()]));
+    check_cancel(ctx, job).await?;
     let bytes = ctx.shm.read_bytes(&f.image)?;
     let tokens = prepared.rows * prepared.cols;
     Ok(EditOutput {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Multipart, Path, Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -85,6 +85,13 @@ pub fn app(ctx: Arc<Ctx>) -> Router {
         )
         .route("/v1/edits", axum::routing::post(create_edit))
         .route("/v1/jobs/{id}", get(get_job).delete(cancel_job))
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "method not allowed on this route",
+            )
+        })
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route") })
         .layer(middleware::from_fn_with_state(ctx.clone(), auth))
         // Our own limit check (in `body`) gives the JSON error; axum's default 2 MiB
@@ -103,18 +110,30 @@ async fn auth(State(ctx): State<Arc<Ctx>>, req: Request, next: Next) -> Response
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|t| t == token);
+            .and_then(|v| v.split_once(' '))
+            .is_some_and(|(scheme, t)| {
+                scheme.eq_ignore_ascii_case("bearer") && same(t.trim().as_bytes(), token.as_bytes())
+            });
         if !ok {
-            return ApiError::new(
+            let mut r = ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
                 "missing or wrong bearer token",
             )
             .into_response();
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+            return r;
         }
     }
     next.run(req).await
+}
+
+/// Compares in time independent of where the inputs differ (token checks).
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
@@ -292,11 +311,11 @@ async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult
             r
         }
     };
+    let task = tokio::spawn(run);
     if b.run_async {
-        tokio::spawn(run);
         return Ok(accepted(job));
     }
-    let info = run.await?;
+    let info = joined(task).await?;
     Ok((StatusCode::CREATED, Json(json!(info))).into_response())
 }
 
@@ -337,6 +356,18 @@ async fn multipart_template(ctx: &Ctx, req: Request) -> ApiResult<(Vec<u8>, Temp
     let b: TemplateBody = serde_json::from_value(Value::Object(fields))
         .map_err(|e| ApiError::bad(format!("multipart fields: {e}")))?;
     Ok((image, b))
+}
+
+/// Awaits a request's task. Requests run on their own task so that a client that
+/// disconnects does not cancel the flow half-way (which would strand its job and its
+/// shared-memory slices); the flow finishes and cleans up either way.
+async fn joined<T>(task: tokio::task::JoinHandle<Result<T, WireError>>) -> ApiResult<T> {
+    match task.await {
+        Ok(r) => r.map_err(ApiError::from),
+        Err(e) => Err(ApiError::from(WireError::internal(format!(
+            "request task failed: {e}"
+        )))),
+    }
 }
 
 fn accepted(job: u64) -> Response {
@@ -469,6 +500,7 @@ pub fn edit_json(job: u64, o: &EditOutput, format: ImageFormat) -> Value {
         "attempts": o.attempts,
         "timings": o.timings,
         "batch": {"sizes": sizes, "mean": mean, "max": sizes.iter().max().copied().unwrap_or(0)},
+        "assembly_max_s": o.stats.assembly_max_s,
         "first_step_unix": o.stats.first_step_unix,
         "finished_unix": o.stats.finished_unix,
     })
@@ -490,15 +522,25 @@ async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
             let r = flow::edit(&ctx, job, &input)
                 .await
                 .map(|o| edit_json(job, &o, format));
-            ctx.jobs.finish(job, r.clone());
+            // A synchronous client gets the image in its response; the job table keeps
+            // only the description (no second copy of the image for the TTL).
+            let kept = match (&r, run_async) {
+                (Ok(v), false) => {
+                    let mut v = v.clone();
+                    v.as_object_mut().map(|o| o.remove("image"));
+                    Ok(v)
+                }
+                _ => r.clone(),
+            };
+            ctx.jobs.finish(job, kept);
             r
         }
     };
+    let task = tokio::spawn(run);
     if run_async {
-        tokio::spawn(run);
         return Ok(accepted(job));
     }
-    Ok(Json(run.await?).into_response())
+    Ok(Json(joined(task).await?).into_response())
 }
 
 fn job_id(s: &str) -> ApiResult<u64> {
@@ -519,15 +561,16 @@ async fn get_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResu
             format!("unknown job `{id}`"),
         )
     })?;
-    Ok(Json(json!(view)).into_response())
+    let mut v = json!(view);
+    if let Some(e) = view.error {
+        let e = ApiError::from(e);
+        v["error"] = json!({"code": e.code, "message": e.message});
+    }
+    Ok(Json(v).into_response())
 }
 
 /// `DELETE /v1/jobs/{id}`: cancels a running job (it stops at the next step boundary).
-async fn cancel_job(
-    State(ctx): State<Arc<Ctx>>,
-    Path(id): Path<String>,
-    _h: HeaderMap,
-) -> ApiResult {
+async fn cancel_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
     let job = job_id(&id)?;
     let (before, worker) = ctx.jobs.cancel(job).await.ok_or_else(|| {
         ApiError::new(

@@ -59,6 +59,8 @@ pub enum JobsMsg {
     Create(JobId, &'static str, u32),
     Stage(JobId, Status, Option<ActorCell>),
     Progress(JobId, u32),
+    /// The step count, once the flow knows it (a template edit takes the template's).
+    Steps(JobId, u32),
     Finish(JobId, Result<serde_json::Value, WireError>),
     Get(JobId, RpcReplyPort<Option<JobView>>),
     /// Marks the job cancelled; replies with its status before, and the denoise worker
@@ -91,6 +93,9 @@ impl Jobs {
     }
     pub fn stage(&self, id: JobId, s: Status, worker: Option<ActorCell>) {
         let _ = self.0.cast(JobsMsg::Stage(id, s, worker));
+    }
+    pub fn steps(&self, id: JobId, steps: u32) {
+        let _ = self.0.cast(JobsMsg::Steps(id, steps));
     }
     pub fn progress(&self, id: JobId, step: u32) {
         let _ = self.0.cast(JobsMsg::Progress(id, step));
@@ -190,6 +195,11 @@ impl Actor for JobsActor {
                         j.view.status = s;
                         j.worker = worker;
                     }
+                }
+            }
+            JobsMsg::Steps(id, steps) => {
+                if let Some(j) = t.jobs.get_mut(&id) {
+                    j.view.steps = steps;
                 }
             }
             JobsMsg::Progress(id, step) => {

@@ -39,6 +39,9 @@ impl Actor for RouterActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             RouterMsg::Progress(Wire(p)) => ctx.jobs.progress(p.job, p.step),
+            RouterMsg::Ping(Wire(x), reply) => {
+                let _ = reply.send(Wire(Ok(x)));
+            }
             RouterMsg::BusEdit(Wire(e), reply) => {
                 // Run the flow on its own task: the actor keeps taking progress reports.
                 let ctx = ctx.clone();
@@ -61,10 +64,16 @@ impl Actor for RouterActor {
                         },
                     };
                     let r = flow::edit(&ctx, job, &input).await;
+                    // The caller gets the image in the reply; the job table keeps only
+                    // the description.
                     ctx.jobs.finish(
                         job,
                         r.as_ref()
-                            .map(|o| http::edit_json(job, o, ImageFormat::Png))
+                            .map(|o| {
+                                let mut v = http::edit_json(job, o, ImageFormat::Png);
+                                v.as_object_mut().map(|m| m.remove("image"));
+                                v
+                            })
                             .map_err(Clone::clone),
                     );
                     let _ = reply.send(Wire(r.map(|o| BusEditResult {
@@ -107,6 +116,16 @@ pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
         env.router_port
     );
     tracing::info!("HTTP API on http://{addr}");
+    {
+        // Tell systemd once every worker group is up.
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            while !ctx.ready().iter().all(|(_, have, want)| have >= want) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            crate::notify::notify(&format!("READY=1\nSTATUS=serving on http://{addr}"));
+        });
+    }
     axum::serve(listener, http::app(ctx))
         .with_graceful_shutdown(async {
             crate::process::terminated().await;

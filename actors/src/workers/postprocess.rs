@@ -58,10 +58,13 @@ impl Actor for PostprocessActor {
 fn finish_to_shm(p: &Pipeline, shm: &Shm, req: &FinishReq) -> Result<Finished, WireError> {
     let t0 = Instant::now();
     let (w, h) = (req.width as usize, req.height as usize);
-    let latents = shm.read_tensor(&req.latents)?;
     let image = stages::rgb_from_bytes(shm.read_bytes(&req.image)?, w, h)?;
     let mask = stages::mask_from_bytes(shm.read_bytes(&req.mask)?, w, h)?;
-    let bytes = stages::finish(p, &image, &mask, &latents, &req.params)?;
+    // The finished latent is decoded straight out of the denoise worker's arena.
+    let cols = req.latents.shape.get(1).copied().unwrap_or(0);
+    let bytes = shm.borrow_f32(&req.latents, |l| {
+        stages::finish(p, &image, &mask, l, cols, &req.params)
+    })??;
     Ok(Finished {
         image: shm.write_bytes(&bytes)?,
         seconds: t0.elapsed().as_secs_f64(),

@@ -37,18 +37,31 @@ pub fn pack_latents(lat: &[f32], c: usize, h: usize, w: usize) -> Result<Tensor>
 
 /// The inverse of [`pack_latents`]: `[(h/2)*(w/2), 4C]` -> `[C, h, w]`.
 pub fn unpack_latents(t: &Tensor, h: usize, w: usize) -> Result<Vec<f32>> {
-    let (th, tw) = (h / 2, w / 2);
-    let c = t.cols() / 4;
-    if t.shape() != [th * tw, 4 * c] || h % 2 != 0 || w % 2 != 0 {
+    if t.shape().len() != 2 {
         return Err(Error::Invalid(format!(
             "cannot unpack {:?} to a {h}x{w} latent",
             t.shape()
         )));
     }
+    unpack_latent_rows(t.data(), t.cols(), h, w)
+}
+
+/// [`unpack_latents`] over raw `[rows, cols]` data (e.g. a slice borrowed from shared
+/// memory, so a finished latent is decoded without copying it out first).
+pub fn unpack_latent_rows(data: &[f32], cols: usize, h: usize, w: usize) -> Result<Vec<f32>> {
+    let (th, tw) = (h / 2, w / 2);
+    let c = cols / 4;
+    if data.len() != th * tw * cols || cols != 4 * c || h % 2 != 0 || w % 2 != 0 {
+        return Err(Error::Invalid(format!(
+            "cannot unpack {} values of width {cols} to a {h}x{w} latent",
+            data.len()
+        )));
+    }
     let mut out = vec![0.0f32; c * h * w];
     for r in 0..th {
         for col in 0..tw {
-            let row = t.row(r * tw + col);
+            let i = r * tw + col;
+            let row = &data[i * cols..(i + 1) * cols];
             for ch in 0..c {
                 for dy in 0..2 {
                     for dx in 0..2 {
@@ -111,13 +124,14 @@ pub fn normalize_and_pack(
 
 /// `unpack(x) / scale + shift`: the decoder's input from packed transformer latents.
 pub fn unpack_and_denormalize(
-    t: &Tensor,
+    t: &[f32],
+    cols: usize,
     h: usize,
     w: usize,
     shift: f32,
     scale: f32,
 ) -> Result<Vec<f32>> {
-    Ok(unpack_latents(t, h, w)?
+    Ok(unpack_latent_rows(t, cols, h, w)?
         .into_iter()
         .map(|v| v / scale + shift)
         .collect())

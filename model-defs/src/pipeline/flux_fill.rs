@@ -377,10 +377,27 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
 
     /// The raw decoder output `[3, H, W]` of packed latents.
     pub fn decode_raw(&self, latents: &Tensor, width: usize, height: usize) -> Result<Tensor> {
+        self.decode_packed(latents.data(), latents.cols(), width, height)
+    }
+
+    /// [`decode_raw`](Self::decode_raw) of packed `[L, cols]` latent data.
+    pub fn decode_packed(
+        &self,
+        latents: &[f32],
+        cols: usize,
+        width: usize,
+        height: usize,
+    ) -> Result<Tensor> {
         let vsf = self.vae_scale_factor();
         let cfg = self.vae.config();
-        let z =
-            unpack_and_denormalize(latents, height / vsf, width / vsf, cfg.shift(), cfg.scale())?;
+        let z = unpack_and_denormalize(
+            latents,
+            cols,
+            height / vsf,
+            width / vsf,
+            cfg.shift(),
+            cfg.scale(),
+        )?;
         self.vae.decode(&Tensor::new(
             [1, cfg.latent_channels, height / vsf, width / vsf],
             z,

@@ -1,0 +1,522 @@
+//! The daemon end to end: each test starts the real `denoised serve` (a supervisor and
+//! its router, preprocess, denoise, postprocess and cache processes, talking over
+//! ractor_cluster and shared memory) on an ephemeral port with the built-in tiny model,
+//! and drives it over HTTP on loopback.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use denoised_models::pipeline::image::{decode_image, ImageLimits, Rgb8};
+use reqwest::blocking::Client;
+use serde_json::{json, Value};
+
+const LIM: ImageLimits = ImageLimits {
+    max_pixels: 1 << 24,
+    multiple_of: 1,
+};
+
+fn case(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/cases")
+        .join(name)
+}
+
+fn b64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+fn unb64(s: &str) -> Vec<u8> {
+    base64::engine::general_purpose::STANDARD.decode(s).unwrap()
+}
+
+fn image_b64() -> String {
+    b64(&std::fs::read(case("e2e_input.png")).unwrap())
+}
+
+fn mask_b64() -> String {
+    b64(&std::fs::read(case("e2e_mask.png")).unwrap())
+}
+
+/// A running daemon; dropping it stops it (SIGTERM) and waits for every process.
+struct Daemon {
+    child: Child,
+    url: String,
+    http: Client,
+}
+
+impl Daemon {
+    fn start(args: &[&str]) -> Daemon {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_denoised"))
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .env("DENOISED_LOG", "warn")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix("denoised: listening on ") {
+                    let _ = tx.send(rest.split_whitespace().next().unwrap().to_string());
+                }
+            }
+        });
+        let url = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the daemon did not print its address");
+        let d = Daemon {
+            child,
+            url,
+            http: Client::builder()
+                .timeout(Duration::from_secs(300))
+                .build()
+                .unwrap(),
+        };
+        let t0 = Instant::now();
+        while d.get("/readyz").0 != 200 {
+            assert!(t0.elapsed() < Duration::from_secs(60), "never ready");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        d
+    }
+
+    fn get(&self, path: &str) -> (u16, Value) {
+        match self.http.get(format!("{}{path}", self.url)).send() {
+            Ok(r) => (r.status().as_u16(), r.json().unwrap_or(Value::Null)),
+            Err(_) => (0, Value::Null),
+        }
+    }
+
+    fn delete(&self, path: &str) -> (u16, Value) {
+        let r = self
+            .http
+            .delete(format!("{}{path}", self.url))
+            .send()
+            .unwrap();
+        (r.status().as_u16(), r.json().unwrap_or(Value::Null))
+    }
+
+    fn post_raw(&self, path: &str, body: Vec<u8>) -> (u16, Value) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.url))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .unwrap();
+        (r.status().as_u16(), r.json().unwrap_or(Value::Null))
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        self.post_raw(path, serde_json::to_vec(body).unwrap())
+    }
+
+    fn template(&self, id: &str, steps: u32) {
+        let (s, v) = self.post(
+            "/v1/templates",
+            &json!({"image": image_b64(), "id": id, "steps": steps, "seed": 3, "prompt": "a room"}),
+        );
+        assert_eq!(s, 201, "{v}");
+    }
+
+    /// PID of one of the daemon's worker processes.
+    fn worker_pid(&self, role: &str) -> u32 {
+        let sup = self.child.id().to_string();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let ppid = stat
+                .rsplit(')')
+                .next()
+                .and_then(|s| s.split_whitespace().nth(1));
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if ppid == Some(sup.as_str()) && cmd.contains(&format!("--role {role}")) {
+                return pid;
+            }
+        }
+        panic!("no {role} worker");
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+fn png(bytes: &[u8]) -> Rgb8 {
+    decode_image(bytes, &LIM).unwrap()
+}
+
+fn edit_image(v: &Value) -> Vec<u8> {
+    unb64(
+        v["image"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no image in {v}")),
+    )
+}
+
+/// Waits for an async job to reach a final status.
+fn wait_job(d: &Daemon, id: &str) -> Value {
+    let t0 = Instant::now();
+    loop {
+        let (s, v) = d.get(&format!("/v1/jobs/{id}"));
+        assert_eq!(s, 200, "{v}");
+        if ["succeeded", "failed", "cancelled"].contains(&v["status"].as_str().unwrap()) {
+            return v;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "job {id} stuck: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn template_edit_equals_the_cli_on_the_same_inputs() {
+    let d = Daemon::start(&[]);
+    d.template("room", 4);
+    let (s, v) = d.post(
+        "/v1/edits",
+        &json!({"template_id": "room", "mask": mask_b64(), "prompt": "a cat", "seed": 5}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert!(v["active_tokens"].as_u64().unwrap() < v["tokens"].as_u64().unwrap());
+    let served = edit_image(&v);
+
+    let dir = tempfile::tempdir().unwrap();
+    let tdir = dir.path().join("tpl");
+    let out = dir.path().join("out.png");
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_denoised"))
+            .args(args)
+            .env("DENOISED_LOG", "warn")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let input = case("e2e_input.png");
+    let mask = case("e2e_mask.png");
+    run(&[
+        "template",
+        "capture",
+        "--image",
+        input.to_str().unwrap(),
+        "--steps",
+        "4",
+        "--seed",
+        "3",
+        "--prompt",
+        "a room",
+        "--out",
+        tdir.to_str().unwrap(),
+    ]);
+    run(&[
+        "edit",
+        "--template",
+        tdir.to_str().unwrap(),
+        "--mask",
+        mask.to_str().unwrap(),
+        "--prompt",
+        "a cat",
+        "--seed",
+        "5",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let cli = std::fs::read(&out).unwrap();
+    assert_eq!(png(&served), png(&cli), "daemon and CLI images differ");
+}
+
+#[test]
+fn twenty_concurrent_edits_each_equal_their_solo_result() {
+    let d = Daemon::start(&[]);
+    d.template("t", 6);
+    // Mixed mask ratios: boxes from one token to most of the 64x64 image.
+    let body = |i: usize| {
+        let side = 4 + 4 * (i % 14);
+        json!({"template_id": "t", "boxes": [[4 * (i % 3), 4 * (i % 5), side, side]],
+               "prompt": format!("edit {i}"), "seed": i})
+    };
+    let batched: Vec<(Value, Vec<u8>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..20)
+            .map(|i| {
+                let d = &d;
+                s.spawn(move || {
+                    let (st, v) = d.post("/v1/edits", &body(i));
+                    assert_eq!(st, 200, "{v}");
+                    let img = edit_image(&v);
+                    (v, img)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let max_batch = batched
+        .iter()
+        .map(|(v, _)| v["batch"]["max"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    assert!(max_batch > 1, "20 concurrent edits never shared a step");
+    let mut exact = 0;
+    for (i, (_, img)) in batched.iter().enumerate() {
+        let (st, v) = d.post("/v1/edits", &body(i));
+        assert_eq!(st, 200);
+        assert_eq!(v["batch"]["max"], 1, "the solo run was batched");
+        let (a, b) = (png(img), png(&edit_image(&v)));
+        // Batched and solo rows go through the same kernels, but a different batch
+        // composition may change float summation order in the GEMMs (results agree to
+        // ~1e-6 relative); after 8-bit quantisation that can move a value by one level.
+        let (max_level, count) = a.level_diff(&b);
+        assert!(
+            max_level <= 1 && count <= a.data.len() / 100,
+            "edit {i}: batched and solo differ by up to {max_level} levels in {count} values"
+        );
+        exact += (count == 0) as usize;
+    }
+    eprintln!(
+        "{exact} of 20 batched edits are bit-identical to their solo run (max batch {max_batch})"
+    );
+}
+
+#[test]
+fn async_jobs_poll_and_cancel() {
+    let d = Daemon::start(&[]);
+    // A long full run (inline image), cancelled while it denoises.
+    let long = json!({"image": image_b64(), "mask": mask_b64(), "steps": 100, "async": true});
+    let (s, v) = d.post("/v1/edits", &long);
+    assert_eq!(s, 202, "{v}");
+    let id = v["id"].as_str().unwrap().to_string();
+    let t0 = Instant::now();
+    loop {
+        let (_, j) = d.get(&format!("/v1/jobs/{id}"));
+        if j["status"] == "denoising" && j["step"].as_u64().unwrap() >= 1 {
+            assert_eq!(j["steps"], 100);
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "{j}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (s, v) = d.delete(&format!("/v1/jobs/{id}"));
+    assert_eq!(s, 202, "{v}");
+    let j = wait_job(&d, &id);
+    assert_eq!(j["status"], "cancelled", "{j}");
+    assert!(j["step"].as_u64().unwrap() < 100);
+    assert_eq!(d.delete(&format!("/v1/jobs/{id}")).0, 409);
+    assert_eq!(d.get("/v1/jobs/job_00000000000000ff").0, 404);
+
+    // An async edit that runs to the end carries its result.
+    let (s, v) = d.post(
+        "/v1/edits",
+        &json!({"image": image_b64(), "mask": mask_b64(), "steps": 3, "async": true}),
+    );
+    assert_eq!(s, 202);
+    let j = wait_job(&d, v["id"].as_str().unwrap());
+    assert_eq!(j["status"], "succeeded", "{j}");
+    assert_eq!(j["step"], 3);
+    png(&edit_image(&j["result"]));
+}
+
+/// Submits A, waits until it is a few steps in, submits B; returns both results.
+fn a_then_b(d: &Daemon) -> (Value, Value) {
+    d.template("t", 40);
+    let body = |seed: u64| json!({"template_id": "t", "boxes": [[8, 8, 24, 24]], "seed": seed, "async": true});
+    let (_, a) = d.post("/v1/edits", &body(1));
+    let a = a["id"].as_str().unwrap().to_string();
+    let t0 = Instant::now();
+    while d.get(&format!("/v1/jobs/{a}")).1["step"].as_u64().unwrap() < 3 {
+        assert!(t0.elapsed() < Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (_, b) = d.post("/v1/edits", &body(2));
+    let b = b["id"].as_str().unwrap().to_string();
+    let a = wait_job(d, &a);
+    let b = wait_job(d, &b);
+    (a["result"].clone(), b["result"].clone())
+}
+
+#[test]
+fn a_request_arriving_mid_way_joins_the_running_batch() {
+    let d = Daemon::start(&[]);
+    let (a, b) = a_then_b(&d);
+    let (a_end, b_start) = (
+        a["finished_unix"].as_f64().unwrap(),
+        b["first_step_unix"].as_f64().unwrap(),
+    );
+    assert!(
+        b_start < a_end,
+        "B started at {b_start}, after A finished at {a_end}"
+    );
+    // B's first step ran together with A.
+    assert_eq!(b["batch"]["sizes"][0], 2, "{}", b["batch"]);
+    assert!(a["batch"]["sizes"][0] == 1 && a["batch"]["max"] == 2);
+}
+
+#[test]
+fn static_batching_holds_a_request_until_the_batch_ends() {
+    let d = Daemon::start(&["--batching", "static"]);
+    let (a, b) = a_then_b(&d);
+    let (a_end, b_start) = (
+        a["finished_unix"].as_f64().unwrap(),
+        b["first_step_unix"].as_f64().unwrap(),
+    );
+    assert!(
+        b_start >= a_end - 1e-3,
+        "static: B started at {b_start} before A ended at {a_end}"
+    );
+    assert_eq!(b["batch"]["max"], 1);
+}
+
+#[test]
+fn bad_requests_get_json_errors_and_the_daemon_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(&cfg, "[server]\nmax_body_bytes = 200000\n").unwrap();
+    let d = Daemon::start(&["--config", cfg.to_str().unwrap()]);
+    d.template("t", 2);
+    let bad_png = {
+        let mut b = std::fs::read(case("e2e_input.png")).unwrap();
+        b.truncate(b.len() / 2);
+        b64(&b)
+    };
+    let small_mask = {
+        let img = Rgb8 {
+            width: 32,
+            height: 32,
+            data: vec![255; 32 * 32 * 3],
+        };
+        b64(&denoised_models::pipeline::image::encode_png(&img).unwrap())
+    };
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        (
+            "unknown template",
+            serde_json::to_vec(&json!({"template_id": "nope", "mask": mask_b64()})).unwrap(),
+            404,
+            "unknown template",
+        ),
+        (
+            "bad base64",
+            serde_json::to_vec(&json!({"template_id": "t", "mask": "@@@"})).unwrap(),
+            400,
+            "base64",
+        ),
+        (
+            "corrupt image",
+            serde_json::to_vec(&json!({"image": bad_png, "mask": mask_b64(), "steps": 2})).unwrap(),
+            400,
+            "image",
+        ),
+        (
+            "mask of the wrong size",
+            serde_json::to_vec(&json!({"template_id": "t", "mask": small_mask})).unwrap(),
+            400,
+            "32x32",
+        ),
+        (
+            "steps out of range",
+            serde_json::to_vec(&json!({"template_id": "t", "mask": mask_b64(), "steps": 0}))
+                .unwrap(),
+            400,
+            "steps",
+        ),
+        (
+            "steps unlike the template's",
+            serde_json::to_vec(&json!({"template_id": "t", "mask": mask_b64(), "steps": 7}))
+                .unwrap(),
+            400,
+            "same",
+        ),
+        ("oversized body", vec![b' '; 300_000], 413, "limit"),
+        (
+            "malformed JSON",
+            b"{\"template_id\": ".to_vec(),
+            400,
+            "JSON",
+        ),
+        (
+            "unknown field",
+            serde_json::to_vec(&json!({"template_id": "t", "mask": mask_b64(), "mask_png": 1}))
+                .unwrap(),
+            400,
+            "mask_png",
+        ),
+        (
+            "no mask",
+            serde_json::to_vec(&json!({"template_id": "t"})).unwrap(),
+            400,
+            "mask",
+        ),
+    ];
+    for (what, body, status, needle) in cases {
+        let (s, v) = d.post_raw("/v1/edits", body);
+        assert_eq!(s, status, "{what}: {v}");
+        let msg = v["error"]["message"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{what}: not a JSON error: {v}"));
+        assert!(msg.contains(needle), "{what}: `{msg}` lacks `{needle}`");
+    }
+    assert_eq!(d.get("/v1/templates/nope").0, 404);
+    assert_eq!(d.delete("/v1/templates/nope").0, 404);
+    let (s, v) = d.post(
+        "/v1/edits",
+        &json!({"template_id": "t", "mask": mask_b64()}),
+    );
+    assert_eq!(s, 200, "the daemon stopped serving: {v}");
+}
+
+#[test]
+fn a_worker_killed_mid_request_loses_nothing() {
+    let d = Daemon::start(&[]);
+    d.template("t", 60);
+    let victim = d.worker_pid("denoise");
+    let (_, v) = d.post(
+        "/v1/edits",
+        &json!({"template_id": "t", "mask": mask_b64(), "async": true}),
+    );
+    let id = v["id"].as_str().unwrap().to_string();
+    // Kill the denoise worker once the request is in its loop.
+    let t0 = Instant::now();
+    while d.get(&format!("/v1/jobs/{id}")).1["step"].as_u64().unwrap() < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let j = wait_job(&d, &id);
+    // The template lives in the cache process, so the retried edit still finds it.
+    assert_eq!(j["status"], "succeeded", "{j}");
+    assert!(j["result"]["attempts"].as_u64().unwrap() >= 2, "{j}");
+    assert_ne!(
+        d.worker_pid("denoise"),
+        victim,
+        "the supervisor did not restart the worker"
+    );
+    let (s, _) = d.post(
+        "/v1/edits",
+        &json!({"template_id": "t", "mask": mask_b64()}),
+    );
+    assert_eq!(s, 200);
+}
+
+#[test]
+fn the_non_disaggregated_baseline_gives_the_same_images() {
+    let a = Daemon::start(&[]);
+    let b = Daemon::start(&["--disaggregate", "false"]);
+    let body = json!({"template_id": "t", "mask": mask_b64(), "prompt": "x", "seed": 9});
+    let mut imgs = Vec::new();
+    for d in [&a, &b] {
+        d.template("t", 3);
+        let (s, v) = d.post("/v1/edits", &body);
+        assert_eq!(s, 200, "{v}");
+        imgs.push(png(&edit_image(&v)));
+    }
+    assert_eq!(imgs[0], imgs[1]);
+}
