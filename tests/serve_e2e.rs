@@ -520,3 +520,57 @@ fn the_non_disaggregated_baseline_gives_the_same_images() {
     }
     assert_eq!(imgs[0], imgs[1]);
 }
+
+#[test]
+fn bearer_token_multipart_templates_and_polygon_masks() {
+    let d = Daemon::start(&["--api-token", "s3cret"]);
+    // /healthz and /readyz stay open; /v1 needs the token.
+    assert_eq!(d.get("/healthz").0, 200);
+    let (s, v) = d.get("/v1/templates");
+    assert_eq!(s, 401, "{v}");
+    assert_eq!(v["error"]["code"], "unauthorized");
+    let auth = |r: reqwest::blocking::RequestBuilder| r.header("authorization", "Bearer s3cret");
+    let form = reqwest::blocking::multipart::Form::new()
+        .part(
+            "image",
+            reqwest::blocking::multipart::Part::bytes(
+                std::fs::read(case("e2e_input.png")).unwrap(),
+            )
+            .file_name("room.png"),
+        )
+        .text("id", "mp")
+        .text("steps", "2")
+        .text("prompt", "a room");
+    let r = auth(d.http.post(format!("{}/v1/templates", d.url)))
+        .multipart(form)
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let info: Value = r.json().unwrap();
+    assert_eq!(
+        (info["id"].as_str(), info["steps"].as_u64()),
+        (Some("mp"), Some(2))
+    );
+    let r = auth(d.http.post(format!("{}/v1/edits", d.url)))
+        .json(&json!({"template_id": "mp", "format": "jpeg",
+                      "polygons": [[[8.0, 8.0], [40.0, 8.0], [24.0, 40.0]]]}))
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["format"], "jpeg");
+    assert!(v["active_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(&edit_image(&v)[..2], &[0xff, 0xd8], "not a JPEG");
+    let r = auth(d.http.get(format!("{}/v1/templates/mp", d.url)))
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let r = auth(d.http.delete(format!("{}/v1/templates/mp", d.url)))
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let r = auth(d.http.get(format!("{}/v1/templates/mp", d.url)))
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+}

@@ -123,8 +123,6 @@ pub struct ClusterConfig {
     pub shm_dir: String,
 }
 
-
-
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelConfig {

@@ -162,6 +162,13 @@ async fn body(ctx: &Ctx, req: Request) -> ApiResult<Bytes> {
         .and_then(|v| v.parse::<usize>().ok())
     {
         if len > limit {
+            // Read (and drop) a moderately oversized body before answering: a client
+            // still sending it would otherwise see the connection close under its
+            // upload instead of our 413. Far larger bodies are cut off at once.
+            if len <= limit.saturating_mul(8) {
+                let mut b = req.into_body();
+                while let Some(Ok(_)) = http_body_util::BodyExt::frame(&mut b).await {}
+            }
             return Err(too_large(len, limit));
         }
     }
