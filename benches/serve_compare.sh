@@ -25,12 +25,17 @@ cargo build --release
 out=target/bench-serve
 mkdir -p "$out"
 : >"$out/results.jsonl"
+# A flux-small template at 512x512 and 8 steps is ~600 MB of f32 cache: the cache
+# arena holds two. (Arenas are reserved up front and count as memory.)
+cfg="$out/config.toml"
+printf '[workers]\ncache_arena_bytes = 1610612736\n' >"$cfg"
 
 run_config() {
     local name=$1; shift
     local log="$out/$name.log"
-    "$bin" serve --model "$model" --listen 127.0.0.1:0 "$@" >"$log" 2>&1 &
+    "$bin" serve --config "$cfg" --model "$model" --listen 127.0.0.1:0 "$@" >"$log" 2>&1 &
     local daemon=$!
+    trap "kill $daemon 2>/dev/null || true" EXIT
     local url=""
     for _ in $(seq 1 1200); do
         url=$(grep -o 'http://[0-9.:]*' "$log" | head -1 || true)

@@ -117,10 +117,20 @@ impl WorkerEnv {
 
 /// Starts this process's cluster node on 127.0.0.1:`port` (0: any free port).
 pub async fn start_node(env: &WorkerEnv, port: u16) -> Result<ActorRef<NodeServerMessage>, String> {
+    start_named_node(&env.name(), &env.cookie, port).await
+}
+
+/// Starts a cluster node named `name` on 127.0.0.1:`port` (also for clients of the
+/// daemon: benchmarks, other services).
+pub async fn start_named_node(
+    name: &str,
+    cookie: &str,
+    port: u16,
+) -> Result<ActorRef<NodeServerMessage>, String> {
     let server = NodeServer::new(
         port,
-        env.cookie.clone(),
-        env.name(),
+        cookie.to_string(),
+        name.to_string(),
         "127.0.0.1".into(),
         None,
         None,
@@ -206,13 +216,14 @@ pub struct Shm {
 
 impl Shm {
     pub fn create(env: &WorkerEnv) -> Result<Shm, String> {
-        let arena = Arena::create(
-            &env.shm_dir,
-            &env.namespace,
-            &env.name(),
-            env.config.workers.arena_bytes,
-        )
-        .map_err(|e| e.to_string())?;
+        let w = &env.config.workers;
+        let bytes = match env.role {
+            Role::Denoise => w.denoise_arena_bytes,
+            Role::Cache => w.cache_arena_bytes,
+            _ => w.arena_bytes,
+        };
+        let arena = Arena::create(&env.shm_dir, &env.namespace, &env.name(), bytes)
+            .map_err(|e| e.to_string())?;
         Ok(Shm {
             dir: env.shm_dir.clone(),
             namespace: env.namespace.clone(),

@@ -15,7 +15,6 @@ use denoised_runtime::shm::{Arena, ArenaView};
 use denoised_runtime::{CpuBackend, Tensor};
 use ractor::rpc::CallResult;
 use ractor::ActorRef;
-use ractor_cluster::NodeServer;
 use serde::Serialize;
 
 use crate::denoise::{DenoiseLoop, DenoiseRequest, Event, LoopOptions, Work};
@@ -159,18 +158,8 @@ pub fn handoff(tokens: usize, iters: usize) -> Result<(Summary, Summary, Summary
 /// ractor_cluster (TCP on loopback, postcard): the same path as every router → worker
 /// call. The daemon must have a known cookie (`--cookie`) and node port.
 pub async fn round_trips(port: u16, cookie: &str, iters: usize) -> Result<Summary, String> {
-    let server = NodeServer::new(
-        0,
-        cookie.to_string(),
-        format!("bench{}", std::process::id()),
-        "127.0.0.1".into(),
-        None,
-        None,
-    )
-    .with_listen_addr(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
-    let (node, _) = ractor::Actor::spawn(None, server, ())
-        .await
-        .map_err(|e| e.to_string())?;
+    let node =
+        crate::node::start_named_node(&format!("bench{}", std::process::id()), cookie, 0).await?;
     crate::node::connect_router(&node, port, Duration::from_secs(5)).await?;
     let t0 = Instant::now();
     let router = loop {

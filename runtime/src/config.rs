@@ -60,8 +60,15 @@ pub struct WorkersConfig {
     pub postprocess: usize,
     /// Denoise workers: one per GPU; on a CPU-only machine, 1.
     pub denoise: usize,
-    /// Bytes of the shared-memory arena each worker process owns.
+    /// Bytes of the shared-memory arena of the router, preprocess and postprocess
+    /// processes (requests in flight). Arenas are reserved when created, so that a full
+    /// /dev/shm is an error at start-up rather than a SIGBUS later.
     pub arena_bytes: u64,
+    /// Arena of each denoise worker: also holds a capture's template cache until the
+    /// cache process has copied it.
+    pub denoise_arena_bytes: u64,
+    /// Arena of the cache process: every registered template.
+    pub cache_arena_bytes: u64,
 }
 
 impl Default for WorkersConfig {
@@ -70,7 +77,9 @@ impl Default for WorkersConfig {
             preprocess: 1,
             postprocess: 1,
             denoise: 1,
-            arena_bytes: 1 << 30,
+            arena_bytes: 256 << 20,
+            denoise_arena_bytes: 1 << 30,
+            cache_arena_bytes: 1 << 30,
         }
     }
 }

@@ -235,6 +235,54 @@ async fn check_cancel(ctx: &Ctx, job: JobId) -> Result<(), WireError> {
     Ok(())
 }
 
+/// The preprocess stage on a picked worker; its tensors stay held until the request
+/// ends.
+async fn preprocess(
+    ctx: &Ctx,
+    job: JobId,
+    prepare: PrepareReq,
+    held: &mut Held,
+) -> Result<Prepared, WireError> {
+    ctx.jobs.stage(job, Status::Preprocessing, None);
+    let pre = ctx.pick(groups::PREPROCESS, 0).await?;
+    let prepared = node::ask(&pre, |p| PreprocessMsg::Prepare(Wire(prepare), p)).await?;
+    let mut handles = prepared.inputs.all();
+    handles.extend([prepared.image.clone(), prepared.mask.clone()]);
+    held.pre.push((pre, handles));
+    check_cancel(ctx, job).await?;
+    Ok(prepared)
+}
+
+/// The denoise stage on a picked worker: the request joins its running batch. The
+/// final latent (and a capture's cache) stay held until the request ends.
+async fn denoise(
+    ctx: &Ctx,
+    job: JobId,
+    prepared: &Prepared,
+    steps: u32,
+    active: Vec<u32>,
+    work: DenoiseWork,
+    held: &mut Held,
+) -> Result<Denoised, WireError> {
+    let den = ctx.pick(groups::DENOISE, 1).await?;
+    ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
+    let req = DenoiseReq {
+        job,
+        inputs: prepared.inputs.clone(),
+        steps,
+        rows: prepared.rows,
+        cols: prepared.cols,
+        active,
+        work,
+    };
+    let d = node::ask(&den, |p| DenoiseMsg::Denoise(Wire(req), p)).await?;
+    let mut handles = vec![d.latents.clone()];
+    handles.extend(d.cache.clone());
+    held.den.push((den, handles));
+    check_cancel(ctx, job).await?;
+    Ok(d)
+}
+
 /// Runs an edit to its encoded image.
 pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput, WireError> {
     let t0 = Instant::now();
@@ -312,13 +360,15 @@ async fn edit_once(
         params: params.clone(),
         max_pixels: ctx.config.server.max_pixels as u64,
     };
-    let work = |rows: u32, cols: u32| match template {
+    // A template edit computes only the active tokens against the template's cache;
+    // an inline image is a full, uncached run.
+    let work = match template {
         Some(t) => DenoiseWork::Edit {
             template: TemplateRef {
                 id: t.info.id.clone(),
                 blob: t.blob.clone(),
                 steps: t.info.steps,
-                tokens: rows * cols,
+                tokens: t.info.tokens,
             },
         },
         None => DenoiseWork::Full,
@@ -327,17 +377,6 @@ async fn edit_once(
     if !ctx.config.denoise.disaggregate {
         let den = ctx.pick(groups::DENOISE, 1).await?;
         ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
-        let work = match template {
-            Some(t) => DenoiseWork::Edit {
-                template: TemplateRef {
-                    id: t.info.id.clone(),
-                    blob: t.blob.clone(),
-                    steps: t.info.steps,
-                    tokens: t.info.tokens,
-                },
-            },
-            None => DenoiseWork::Full,
-        };
         let req = InlineReq {
             prepare,
             work,
@@ -370,32 +409,12 @@ async fn edit_once(
         });
     }
 
-    ctx.jobs.stage(job, Status::Preprocessing, None);
-    let pre = ctx.pick(groups::PREPROCESS, 0).await?;
-    let prepared = node::ask(&pre, |p| PreprocessMsg::Prepare(Wire(prepare), p)).await?;
-    let mut pre_handles = prepared.inputs.all();
-    pre_handles.extend([prepared.image.clone(), prepared.mask.clone()]);
-    held.pre.push((pre, pre_handles));
-    check_cancel(ctx, job).await?;
-
-    let den = ctx.pick(groups::DENOISE, 1).await?;
-    ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
-    let req = DenoiseReq {
-        job,
-        inputs: prepared.inputs.clone(),
-        steps: params.steps,
-        rows: prepared.rows,
-        cols: prepared.cols,
-        active: if template.is_some() {
-            prepared.active.clone()
-        } else {
-            Vec::new()
-        },
-        work: work(prepared.rows, prepared.cols),
+    let prepared = preprocess(ctx, job, prepare, held).await?;
+    let active = match template {
+        Some(_) => prepared.active.clone(),
+        None => Vec::new(),
     };
-    let d = node::ask(&den, |p| DenoiseMsg::Denoise(Wire(req), p)).await?;
-    held.den.push((den, vec![d.latents.clone()]));
-    check_cancel(ctx, job).await?;
+    let d = denoise(ctx, job, &prepared, params.steps, active, work, held).await?;
 
     ctx.jobs.stage(job, Status::Postprocessing, None);
     let post = ctx.pick(groups::POSTPROCESS, 2).await?;
@@ -485,28 +504,9 @@ async fn capture_once(
         max_pixels: ctx.config.server.max_pixels as u64,
     };
     let (blob, width, height, tokens) = if ctx.config.denoise.disaggregate {
-        ctx.jobs.stage(job, Status::Preprocessing, None);
-        let pre = ctx.pick(groups::PREPROCESS, 0).await?;
-        let prepared = node::ask(&pre, |p| PreprocessMsg::Prepare(Wire(prepare), p)).await?;
-        let mut pre_handles = prepared.inputs.all();
-        pre_handles.extend([prepared.image.clone(), prepared.mask.clone()]);
-        held.pre.push((pre, pre_handles));
-        check_cancel(ctx, job).await?;
-        let den = ctx.pick(groups::DENOISE, 1).await?;
-        ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
-        let req = DenoiseReq {
-            job,
-            inputs: prepared.inputs.clone(),
-            steps: params.steps,
-            rows: prepared.rows,
-            cols: prepared.cols,
-            active: Vec::new(),
-            work: DenoiseWork::Capture,
-        };
-        let d = node::ask(&den, |p| DenoiseMsg::Denoise(Wire(req), p)).await?;
-        let mut dh = vec![d.latents.clone()];
-        dh.extend(d.cache.clone());
-        held.den.push((den, dh));
+        let prepared = preprocess(ctx, job, prepare, held).await?;
+        let work = DenoiseWork::Capture;
+        let d = denoise(ctx, job, &prepared, params.steps, Vec::new(), work, held).await?;
         let blob = d
             .cache
             .ok_or_else(|| WireError::internal("capture returned no cache"))?;
