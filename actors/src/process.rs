@@ -81,10 +81,10 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
         node::connect_router(&node, env.router_port, Duration::from_secs(60)).await?;
         let name = Some(env.name());
         let spawned = match (role, pipeline) {
-            (Role::Preprocess, Some(p)) => Actor::spawn(name, PreprocessActor, (p, shm))
+            (Role::Preprocess, Some(p)) => Actor::spawn(name, PreprocessActor::new(), (p, shm))
                 .await
                 .map(|(a, _)| (groups::PREPROCESS, a.get_cell())),
-            (Role::Postprocess, Some(p)) => Actor::spawn(name, PostprocessActor, (p, shm))
+            (Role::Postprocess, Some(p)) => Actor::spawn(name, PostprocessActor::new(), (p, shm))
                 .await
                 .map(|(a, _)| (groups::POSTPROCESS, a.get_cell())),
             (Role::Denoise, Some(p)) => {

@@ -17,7 +17,7 @@ use denoised_models::pipeline::image::{
 use denoised_models::pipeline::paste::paste_back;
 use denoised_runtime::CpuBackend;
 
-use crate::wire::{ErrorKind, FinishParams, GenParams, ImageFormat, WireError};
+use crate::wire::{ErrorKind, FinishParams, GenParams, ImageFormat, MaskSpec, WireError};
 
 pub type Pipeline = FluxFill<CpuBackend>;
 
@@ -27,6 +27,18 @@ pub enum MaskInput<'a> {
     Boxes(&'a [[u32; 4]]),
     Polygons(&'a [Vec<[f32; 2]>]),
     Empty,
+}
+
+impl<'a> MaskInput<'a> {
+    /// The mask of a request: `image_mask` holds the bytes of a `MaskSpec::Image`.
+    pub fn new(spec: &'a MaskSpec, image_mask: Option<&'a [u8]>) -> Self {
+        match (spec, image_mask) {
+            (MaskSpec::Image(_), Some(b)) => MaskInput::Image(b),
+            (MaskSpec::Boxes(b), _) => MaskInput::Boxes(b),
+            (MaskSpec::Polygons(p), _) => MaskInput::Polygons(p),
+            _ => MaskInput::Empty,
+        }
+    }
 }
 
 /// A prepared request: the pipeline's conditioning plus the token mask.

@@ -19,9 +19,9 @@ use super::{Command, DenoiseRequest, LoopSender, Work};
 use crate::node::Shm;
 use crate::stages::{self, MaskInput, Pipeline};
 use crate::wire::{
-    DenoiseStats, DenoiseWork, FinishParams, InlineDone, InlineReq, JobId, MaskSpec, Reply, Wire,
-    WireError,
+    DenoiseStats, DenoiseWork, FinishParams, InlineDone, InlineReq, JobId, Reply, Wire, WireError,
 };
+use crate::workers::preprocess::read_request;
 
 /// A request between its preparation and its reply.
 pub struct InlineJob {
@@ -52,15 +52,7 @@ pub fn submit(
     template: Option<Arc<TemplateCache>>,
     reply: Reply<InlineDone>,
 ) {
-    let read = || -> Result<(Vec<u8>, Option<Vec<u8>>), WireError> {
-        let image = shm.read_bytes(&req.prepare.image)?;
-        let mask = match &req.prepare.mask {
-            MaskSpec::Image(h) => Some(shm.read_bytes(h)?),
-            _ => None,
-        };
-        Ok((image, mask))
-    };
-    let (image, mask_bytes) = match read() {
+    let (image, mask_bytes) = match read_request(shm, &req.prepare) {
         Ok(r) => r,
         Err(e) => {
             let _ = reply.send(Wire(Err(e)));
@@ -70,12 +62,7 @@ pub fn submit(
     let (tx, p, jobs) = (loop_tx.clone(), pipeline.clone(), jobs.clone());
     loop_tx.send(Command::Run(Box::new(move || {
         let t0 = Instant::now();
-        let mask = match (&req.prepare.mask, &mask_bytes) {
-            (MaskSpec::Image(_), Some(b)) => MaskInput::Image(b),
-            (MaskSpec::Boxes(b), _) => MaskInput::Boxes(b),
-            (MaskSpec::Polygons(q), _) => MaskInput::Polygons(q),
-            _ => MaskInput::Empty,
-        };
+        let mask = MaskInput::new(&req.prepare.mask, mask_bytes.as_deref());
         let params = &req.prepare.params;
         let built = stages::prepare(&p, &image, mask, params, req.prepare.max_pixels as usize)
             .and_then(|s1| {

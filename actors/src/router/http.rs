@@ -486,17 +486,17 @@ fn edit_input(b: EditBody) -> ApiResult<(EditInput, bool)> {
     Ok((input, b.run_async))
 }
 
-/// The JSON of a finished edit.
-pub fn edit_json(job: u64, o: &EditOutput, format: ImageFormat) -> Value {
+/// The JSON of a finished edit; `with_image` adds the base64 image (the job table of
+/// a synchronous or bus request keeps only the description).
+pub fn edit_json(job: u64, o: &EditOutput, format: ImageFormat, with_image: bool) -> Value {
     let sizes = &o.stats.batch_sizes;
     let mean = if sizes.is_empty() {
         0.0
     } else {
         sizes.iter().map(|&s| s as f64).sum::<f64>() / sizes.len() as f64
     };
-    json!({
+    let mut v = json!({
         "id": job_name(job),
-        "image": encode_b64(&o.image),
         "format": match format { ImageFormat::Png => "png", ImageFormat::Jpeg => "jpeg" },
         "width": o.width,
         "height": o.height,
@@ -510,7 +510,11 @@ pub fn edit_json(job: u64, o: &EditOutput, format: ImageFormat) -> Value {
         "assembly_max_s": o.stats.assembly_max_s,
         "first_step_unix": o.stats.first_step_unix,
         "finished_unix": o.stats.finished_unix,
-    })
+    });
+    if with_image {
+        v["image"] = Value::String(encode_b64(&o.image));
+    }
+    v
 }
 
 /// `POST /v1/edits`.
@@ -526,20 +530,11 @@ async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
     let run = {
         let ctx = ctx.clone();
         async move {
-            let r = flow::edit(&ctx, job, &input)
-                .await
-                .map(|o| edit_json(job, &o, format));
+            let r = flow::edit(&ctx, job, &input).await;
             // A synchronous client gets the image in its response; the job table keeps
-            // only the description (no second copy of the image for the TTL).
-            let kept = match (&r, run_async) {
-                (Ok(v), false) => {
-                    let mut v = v.clone();
-                    v.as_object_mut().map(|o| o.remove("image"));
-                    Ok(v)
-                }
-                _ => r.clone(),
-            };
-            ctx.jobs.finish(job, kept);
+            // only the description then (no second copy of the image for the TTL).
+            let kept = r.as_ref().map(|o| edit_json(job, o, format, run_async));
+            ctx.jobs.finish(job, kept.map_err(Clone::clone));
             r
         }
     };
@@ -547,7 +542,8 @@ async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
     if run_async {
         return Ok(accepted(job));
     }
-    Ok(Json(joined(task).await?).into_response())
+    let out = joined(task).await?;
+    Ok(Json(edit_json(job, &out, format, true)).into_response())
 }
 
 fn job_id(s: &str) -> ApiResult<u64> {

@@ -69,11 +69,7 @@ impl Actor for RouterActor {
                     ctx.jobs.finish(
                         job,
                         r.as_ref()
-                            .map(|o| {
-                                let mut v = http::edit_json(job, o, ImageFormat::Png);
-                                v.as_object_mut().map(|m| m.remove("image"));
-                                v
-                            })
+                            .map(|o| http::edit_json(job, o, ImageFormat::Png, false))
                             .map_err(Clone::clone),
                     );
                     let _ = reply.send(Wire(r.map(|o| BusEditResult {

@@ -1,7 +1,8 @@
 //! The CPU worker groups: preprocess, postprocess, and the cache actor.
 //!
-//! Preprocess and postprocess actors are small: the actor receives calls and hands the
-//! CPU work to one compute thread through a crossbeam channel, so a long VAE pass never
+//! Preprocess and postprocess are one [`ComputeActor`] over their [`Stage`]: the actor
+//! receives calls and hands the CPU work to one compute thread through a crossbeam
+//! channel, so a long VAE pass never
 //! blocks the actor (it keeps taking `Release`s) nor the process's async runtime. One
 //! request at a time per process: parallelism comes from running N processes
 //! (`[workers] preprocess`, `postprocess`).
@@ -10,21 +11,92 @@ pub mod cache;
 pub mod postprocess;
 pub mod preprocess;
 
-use crossbeam_channel::{unbounded, Sender};
+use std::marker::PhantomData;
+use std::sync::Arc;
 
-/// Starts the compute thread of a CPU worker: it runs `work` on each job in order.
-pub(crate) fn compute_thread<J: Send + 'static>(
-    name: &str,
-    mut work: impl FnMut(J) + Send + 'static,
-) -> Sender<J> {
-    let (tx, rx) = unbounded::<J>();
-    std::thread::Builder::new()
-        .name(name.into())
-        .spawn(move || {
-            for job in rx {
-                work(job);
+use crossbeam_channel::{unbounded, Sender};
+use denoised_runtime::shm::Handle;
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+
+use crate::node::Shm;
+use crate::stages::Pipeline;
+use crate::wire::{Reply, Wire, WireError};
+
+/// What a message to a CPU worker asks for.
+pub enum Command<Req, Rep> {
+    /// Compute `Req` and answer on the port.
+    Work(Req, Reply<Rep>),
+    /// The router is done with these slices of this worker's arena.
+    Release(Vec<Handle>),
+}
+
+/// The one thing that differs between the CPU worker groups: their message type and
+/// the work a request means.
+pub trait Stage: Send + Sync + 'static {
+    type Msg: ractor::Message;
+    type Req: Send + 'static;
+    type Rep: Send + 'static;
+    /// Name of the compute thread.
+    const THREAD: &'static str;
+    fn command(msg: Self::Msg) -> Command<Self::Req, Self::Rep>;
+    fn run(p: &Pipeline, shm: &Shm, req: &Self::Req) -> Result<Self::Rep, WireError>;
+}
+
+/// A CPU worker actor: takes calls, runs them in order on its compute thread, frees
+/// released slices of its arena.
+pub struct ComputeActor<S>(PhantomData<fn() -> S>);
+
+impl<S> ComputeActor<S> {
+    pub fn new() -> Self {
+        ComputeActor(PhantomData)
+    }
+}
+
+impl<S> Default for ComputeActor<S> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+pub struct ComputeState<S: Stage> {
+    work: Sender<(S::Req, Reply<S::Rep>)>,
+    shm: Arc<Shm>,
+}
+
+impl<S: Stage> Actor for ComputeActor<S> {
+    type Msg = S::Msg;
+    type State = ComputeState<S>;
+    type Arguments = (Arc<Pipeline>, Arc<Shm>);
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        (pipeline, shm): Self::Arguments,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        let (work, rx) = unbounded::<(S::Req, Reply<S::Rep>)>();
+        let s = shm.clone();
+        std::thread::Builder::new()
+            .name(S::THREAD.into())
+            .spawn(move || {
+                for (req, reply) in rx {
+                    let _ = reply.send(Wire(S::run(&pipeline, &s, &req)));
+                }
+            })?;
+        Ok(ComputeState { work, shm })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        st: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match S::command(msg) {
+            Command::Work(req, reply) => {
+                let _ = st.work.send((req, reply));
             }
-        })
-        .expect("spawn a compute thread");
-    tx
+            Command::Release(handles) => st.shm.release(&handles),
+        }
+        Ok(())
+    }
 }

@@ -2,56 +2,33 @@
 //! pixels outside the mask, PNG/JPEG encode; the encoded image goes into this process's
 //! arena for the router to read.
 
-use std::sync::Arc;
 use std::time::Instant;
 
-use crossbeam_channel::Sender;
-use ractor::{Actor, ActorProcessingErr, ActorRef};
-
+use super::{Command, ComputeActor, Stage};
 use crate::node::Shm;
 use crate::stages::{self, Pipeline};
-use crate::wire::{FinishReq, Finished, PostprocessMsg, Reply, Wire, WireError};
+use crate::wire::{FinishReq, Finished, PostprocessMsg, Wire, WireError};
 
-pub struct PostprocessActor;
+/// The postprocess group's stage.
+pub struct Postprocess;
 
-pub struct PostprocessState {
-    work: Sender<(FinishReq, Reply<Finished>)>,
-    shm: Arc<Shm>,
-}
+pub type PostprocessActor = ComputeActor<Postprocess>;
 
-impl Actor for PostprocessActor {
+impl Stage for Postprocess {
     type Msg = PostprocessMsg;
-    type State = PostprocessState;
-    type Arguments = (Arc<Pipeline>, Arc<Shm>);
+    type Req = FinishReq;
+    type Rep = Finished;
+    const THREAD: &'static str = "postprocess";
 
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<Self::Msg>,
-        (pipeline, shm): Self::Arguments,
-    ) -> Result<Self::State, ActorProcessingErr> {
-        let s = shm.clone();
-        let work = super::compute_thread(
-            "postprocess",
-            move |(req, reply): (FinishReq, Reply<Finished>)| {
-                let _ = reply.send(Wire(finish_to_shm(&pipeline, &s, &req)));
-            },
-        );
-        Ok(PostprocessState { work, shm })
+    fn command(msg: PostprocessMsg) -> Command<FinishReq, Finished> {
+        match msg {
+            PostprocessMsg::Finish(Wire(req), reply) => Command::Work(req, reply),
+            PostprocessMsg::Release(Wire(handles)) => Command::Release(handles),
+        }
     }
 
-    async fn handle(
-        &self,
-        _myself: ActorRef<Self::Msg>,
-        msg: Self::Msg,
-        st: &mut Self::State,
-    ) -> Result<(), ActorProcessingErr> {
-        match msg {
-            PostprocessMsg::Finish(Wire(req), reply) => {
-                let _ = st.work.send((req, reply));
-            }
-            PostprocessMsg::Release(Wire(handles)) => st.shm.release(&handles),
-        }
-        Ok(())
+    fn run(p: &Pipeline, shm: &Shm, req: &FinishReq) -> Result<Finished, WireError> {
+        finish_to_shm(p, shm, req)
     }
 }
 

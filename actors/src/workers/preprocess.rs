@@ -2,75 +2,55 @@
 //! prompt, VAE-encode the masked image and draw the noise; the tensors go into this
 //! process's arena and only their handles go back to the router.
 
-use std::sync::Arc;
-
-use crossbeam_channel::Sender;
 use denoised_runtime::shm::Handle;
 use denoised_runtime::Tensor;
-use ractor::{Actor, ActorProcessingErr, ActorRef};
 
+use super::{Command, ComputeActor, Stage};
 use crate::node::Shm;
 use crate::stages::{self, MaskInput, Pipeline};
-use crate::wire::{
-    InputHandles, MaskSpec, PrepareReq, Prepared, PreprocessMsg, Reply, Wire, WireError,
-};
+use crate::wire::{InputHandles, MaskSpec, PrepareReq, Prepared, PreprocessMsg, Wire, WireError};
 
-pub struct PreprocessActor;
+/// The preprocess group's stage.
+pub struct Preprocess;
 
-pub struct PreprocessState {
-    work: Sender<(PrepareReq, Reply<Prepared>)>,
-    shm: Arc<Shm>,
+pub type PreprocessActor = ComputeActor<Preprocess>;
+
+impl Stage for Preprocess {
+    type Msg = PreprocessMsg;
+    type Req = PrepareReq;
+    type Rep = Prepared;
+    const THREAD: &'static str = "preprocess";
+
+    fn command(msg: PreprocessMsg) -> Command<PrepareReq, Prepared> {
+        match msg {
+            PreprocessMsg::Prepare(Wire(req), reply) => Command::Work(req, reply),
+            PreprocessMsg::Release(Wire(handles)) => Command::Release(handles),
+        }
+    }
+
+    fn run(p: &Pipeline, shm: &Shm, req: &PrepareReq) -> Result<Prepared, WireError> {
+        prepare_to_shm(p, shm, req)
+    }
 }
 
-impl Actor for PreprocessActor {
-    type Msg = PreprocessMsg;
-    type State = PreprocessState;
-    type Arguments = (Arc<Pipeline>, Arc<Shm>);
-
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<Self::Msg>,
-        (pipeline, shm): Self::Arguments,
-    ) -> Result<Self::State, ActorProcessingErr> {
-        let s = shm.clone();
-        let work = super::compute_thread(
-            "preprocess",
-            move |(req, reply): (PrepareReq, Reply<Prepared>)| {
-                let _ = reply.send(Wire(prepare_to_shm(&pipeline, &s, &req)));
-            },
-        );
-        Ok(PreprocessState { work, shm })
-    }
-
-    async fn handle(
-        &self,
-        _myself: ActorRef<Self::Msg>,
-        msg: Self::Msg,
-        st: &mut Self::State,
-    ) -> Result<(), ActorProcessingErr> {
-        match msg {
-            PreprocessMsg::Prepare(Wire(req), reply) => {
-                let _ = st.work.send((req, reply));
-            }
-            PreprocessMsg::Release(Wire(handles)) => st.shm.release(&handles),
-        }
-        Ok(())
-    }
+/// The encoded image and (for an image mask) mask bytes of a request, read out of the
+/// router's arena.
+pub(crate) fn read_request(
+    shm: &Shm,
+    req: &PrepareReq,
+) -> Result<(Vec<u8>, Option<Vec<u8>>), WireError> {
+    let image = shm.read_bytes(&req.image)?;
+    let mask = match &req.mask {
+        MaskSpec::Image(h) => Some(shm.read_bytes(h)?),
+        _ => None,
+    };
+    Ok((image, mask))
 }
 
 /// Runs the preparation and writes its tensors to shared memory.
 pub fn prepare_to_shm(p: &Pipeline, shm: &Shm, req: &PrepareReq) -> Result<Prepared, WireError> {
-    let image = shm.read_bytes(&req.image)?;
-    let mask_bytes = match &req.mask {
-        MaskSpec::Image(h) => Some(shm.read_bytes(h)?),
-        _ => None,
-    };
-    let mask = match (&req.mask, &mask_bytes) {
-        (MaskSpec::Image(_), Some(b)) => MaskInput::Image(b),
-        (MaskSpec::Boxes(b), _) => MaskInput::Boxes(b),
-        (MaskSpec::Polygons(p), _) => MaskInput::Polygons(p),
-        _ => MaskInput::Empty,
-    };
+    let (image, mask_bytes) = read_request(shm, req)?;
+    let mask = MaskInput::new(&req.mask, mask_bytes.as_deref());
     let s1 = stages::prepare(p, &image, mask, &req.params, req.max_pixels as usize)?;
     let mut written: Vec<Handle> = Vec::new();
     let result = (|| {
