@@ -1,13 +1,30 @@
-//! denoised-cuda: the CUDA side of denoised, through cudarc.
+//! denoised-cuda: the GPU backend of denoised, through cudarc.
+//!
+//! - [`kernels`]: the CUDA C sources (`kernels/*.cu`), embedded in the binary;
+//! - [`compile`]: NVRTC compilation to CUBIN at first use, per device architecture,
+//!   cached in memory and on disk;
+//! - [`exec`]: the executor trait, with [`gpu::CudaExec`] (a real device) and
+//!   [`emu::EmuExec`] (the same kernels on the CPU, for machines without a GPU);
+//! - [`backend`]: [`GpuBackend`], the model-facing `Backend` over any executor;
+//! - [`device`]: `auto | cpu | cuda:N` selection and probing.
 //!
 //! cudarc is built with `dynamic-loading`, so this crate compiles and links on machines
-//! without the CUDA toolkit or driver; `libcuda.so` is looked up only when a device is
-//! probed. cudarc panics when asked for a symbol of a library that is absent, so every
-//! entry point here checks for the library first and returns a clean
-//! [`CudaError::NoDevice`] instead.
-//!
-//! Today this crate detects devices; the kernels and the CUDA `Backend` follow.
+//! without the CUDA toolkit or driver; `libcuda.so` and `libnvrtc.so` are looked up only
+//! when used. cudarc panics when asked for a symbol of an absent library, so every entry
+//! point checks for the library first and returns [`CudaError::NoDevice`] instead.
 
+mod attention;
+pub mod backend;
+pub mod compile;
 pub mod device;
+pub mod emu;
+pub mod exec;
+pub mod gpu;
+pub mod kernels;
+pub mod params;
 
+pub use backend::{GpuBackend, GpuTensor};
 pub use device::{probe, resolve, CudaError, DeviceSpec, GpuInfo, Resolved};
+pub use emu::EmuExec;
+pub use exec::{Dt, Exec};
+pub use gpu::CudaExec;

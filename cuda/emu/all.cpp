@@ -1,0 +1,27 @@
+// One translation unit holding every kernel, built for the CPU emulator (emu.h) by
+// build.rs. One unit, because the static registrars that name each kernel would be
+// dropped by the linker from an archive member nothing references.
+#include "../kernels/elementwise.cu"
+#include "../kernels/norm.cu"
+#include "../kernels/attention.cu"
+
+// Runs kernel `name` on the CPU. Returns 0, or -1 when no kernel has that name.
+extern "C" int denoised_emu_launch(const char* name, const unsigned* grid, const unsigned* block,
+                                   unsigned long smem, const void* params) {
+    auto& r = emu::registry();
+    auto it = r.find(name);
+    if (it == r.end()) return -1;
+    it->second(dim3{grid[0], grid[1], grid[2]}, dim3{block[0], block[1], block[2]}, smem, params);
+    return 0;
+}
+
+// sizeof of each parameter struct, in the order of cuda/src/params.rs, so a test can
+// check the Rust mirrors byte for byte.
+extern "C" void denoised_emu_param_sizes(unsigned long* out) {
+    out[0] = sizeof(EwParams);
+    out[1] = sizeof(LnModParams);
+    out[2] = sizeof(RmsRopeParams);
+    out[3] = sizeof(GatherParams);
+    out[4] = sizeof(TimestepParams);
+    out[5] = sizeof(AttnParams);
+}

@@ -1,0 +1,240 @@
+// Masked-query attention: the heart of the mask-aware edit on the GPU.
+//
+// Each sequence (one request, or one request's stream) has its own query rows (text
+// plus active image tokens) and its own key/value rows: fresh rows computed this step
+// and cached rows of the template's inactive tokens. Rows are addressed through
+// packed references (slot, row), so cached K/V are read where they lie, with no
+// gather into a contiguous buffer first. The output overwrites the queries in place
+// (the Backend contract).
+//
+// Two kernels share that addressing:
+// - attn_mma_bf16_d{64,128}: FlashAttention-2 style. A block of 4 warps takes 64 query
+//   rows of one (sequence, head); K and V^T tiles of 64 rows go through shared memory;
+//   S = QK^T and O += PV run on tensor cores (mma.m16n8k16, bf16 in, f32 accumulate);
+//   the softmax is online, in registers, with row statistics reduced over each quad.
+// - attn_simt_{f32,bf16}: one warp per query row, lanes scoring 32 keys at a time;
+//   any even head dim up to 256, f32 math.
+//   The f32 reference path (fixtures) and the fallback for odd shapes or alignment.
+#include "common.cuh"
+
+#define NEG_INF __int_as_float(0xff800000)
+
+DEV const AttnSlot& slot_of(const AttnParams& p, u32 ref) { return p.slots[ROW_SLOT(ref)]; }
+
+template <class T>
+DEV void attn_simt(const AttnParams& p) {
+    constexpr int WARPS = 4, MAXJ = 8;  // head_dim <= 256
+    __shared__ float qs[WARPS][256];    // this warp's query row, pre-scaled
+    __shared__ float ps[WARPS][32];     // probabilities of the current 32 keys
+    int2 tile = ((const int2*)p.tiles)[blockIdx.x];
+    AttnSeq sq = ((const AttnSeq*)p.seqs)[tile.x];
+    const int h = blockIdx.y, w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int qi = tile.y + w;
+    if (qi >= sq.q_len) return;  // whole warp; this kernel has only warp barriers
+    const int hd = p.head_dim;
+    u32 qref = ((const u32*)p.q_rows)[sq.q_off + qi];
+    const AttnSlot& qslot = slot_of(p, qref);
+    T* q = (T*)qslot.k + ROW_IDX(qref) * qslot.stride + h * hd;
+    for (int c = lane; c < hd; c += 32) qs[w][c] = to_f32(q[c]) * p.scale_log2;
+    __syncwarp();
+    float o[MAXJ];
+#pragma unroll
+    for (int j = 0; j < MAXJ; j++) o[j] = 0.f;
+    float m = NEG_INF, l = 0.f;
+    const u32* kv = (const u32*)p.kv_rows + sq.kv_off;
+    // 32 keys at a time: each lane scores one key (a full dot product), the warp
+    // reduces max and sum once per chunk, then every lane accumulates its own
+    // output dimensions over the chunk's values.
+    for (int r0 = 0; r0 < sq.kv_len; r0 += 32) {
+        const int r = r0 + lane, nr = min(32, sq.kv_len - r0);
+        float sc = NEG_INF;
+        if (r < sq.kv_len) {
+            u32 ref = kv[r];
+            const AttnSlot& s = slot_of(p, ref);
+            const T* k = (const T*)s.k + ROW_IDX(ref) * s.stride + h * hd;
+            float dot = 0.f;
+            for (int c = 0; c < hd; c++) dot += qs[w][c] * to_f32(k[c]);
+            sc = dot;
+        }
+        const float mn = fmaxf(m, warp_max(sc));  // finite: key r0 exists
+        const float pr = r < sq.kv_len ? fast_exp2(sc - mn) : 0.f;
+        const float alpha = fast_exp2(m - mn);
+        l = l * alpha + warp_sum(pr);
+        m = mn;
+        ps[w][lane] = pr;
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < MAXJ; j++) o[j] *= alpha;
+        for (int jr = 0; jr < nr; jr++) {
+            u32 ref = kv[r0 + jr];
+            const AttnSlot& s = slot_of(p, ref);
+            const T* v = (const T*)s.v + ROW_IDX(ref) * s.stride + h * hd;
+            const float pv = ps[w][jr];
+#pragma unroll
+            for (int j = 0; j < MAXJ; j++) {
+                int c = lane + 32 * j;
+                if (c < hd) o[j] += pv * to_f32(v[c]);
+            }
+        }
+        __syncwarp();
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int j = 0; j < MAXJ; j++) {
+        int c = lane + 32 * j;
+        if (c < hd) q[c] = from_f32<T>(o[j] * inv);
+    }
+}
+extern "C" __global__ void attn_simt_f32(const AttnParams p) { attn_simt<float>(p); }
+EMU_EXPORT(attn_simt_f32, AttnParams)
+extern "C" __global__ void attn_simt_bf16(const AttnParams p) { attn_simt<bf16>(p); }
+EMU_EXPORT(attn_simt_bf16, AttnParams)
+
+DEV u32 ld32(const unsigned short* p) { return *reinterpret_cast<const u32*>(p); }
+
+// Rows of the shared tiles are padded by 8 elements (16 bytes) so that the 8 rows a
+// quad-group reads in one fragment load fall in different banks.
+template <int D>
+DEV void attn_mma(const AttnParams& p) {
+    constexpr int BR = 64, BC = 64, KP = D + 8, VP = BC + 8, CH = D / 8, NT = 128;
+    __shared__ __align__(16) unsigned short Ks[BC * KP];  // K tile; first the Q tile
+    __shared__ __align__(16) unsigned short Vt[D * VP];   // V tile, transposed
+    int2 tile = ((const int2*)p.tiles)[blockIdx.x];
+    AttnSeq sq = ((const AttnSeq*)p.seqs)[tile.x];
+    const int h = blockIdx.y, q0 = tile.y;
+    const u32* qrows = (const u32*)p.q_rows + sq.q_off;
+    const u32* kvrows = (const u32*)p.kv_rows + sq.kv_off;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+
+    // Q tile -> shared (zeros past the end) -> registers as A fragments.
+    for (int i = tid; i < BR * CH; i += NT) {
+        int rr = i / CH, ch = i % CH;
+        uint4 v = {0, 0, 0, 0};
+        if (q0 + rr < sq.q_len) {
+            u32 ref = qrows[q0 + rr];
+            const AttnSlot& s = slot_of(p, ref);
+            v = *reinterpret_cast<const uint4*>((const bf16*)s.k + ROW_IDX(ref) * s.stride + h * D + ch * 8);
+        }
+        *reinterpret_cast<uint4*>(&Ks[rr * KP + ch * 8]) = v;
+    }
+    __syncthreads();
+    u32 qf[D / 16][4];
+    const int qr = warp * 16 + g;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++) {
+        qf[ks][0] = ld32(&Ks[qr * KP + ks * 16 + 2 * t]);
+        qf[ks][1] = ld32(&Ks[(qr + 8) * KP + ks * 16 + 2 * t]);
+        qf[ks][2] = ld32(&Ks[qr * KP + ks * 16 + 8 + 2 * t]);
+        qf[ks][3] = ld32(&Ks[(qr + 8) * KP + ks * 16 + 8 + 2 * t]);
+    }
+    __syncthreads();
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < D / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+    // Row statistics for this thread's two rows (g and g+8), in log2 units.
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+
+    for (int j0 = 0; j0 < sq.kv_len; j0 += BC) {
+        for (int i = tid; i < BC * CH; i += NT) {
+            int jj = i / CH, ch = i % CH;
+            uint4 kv = {0, 0, 0, 0}, vv = {0, 0, 0, 0};
+            if (j0 + jj < sq.kv_len) {
+                u32 ref = kvrows[j0 + jj];
+                const AttnSlot& s = slot_of(p, ref);
+                long long off = ROW_IDX(ref) * s.stride + h * D + ch * 8;
+                kv = *reinterpret_cast<const uint4*>((const bf16*)s.k + off);
+                vv = *reinterpret_cast<const uint4*>((const bf16*)s.v + off);
+            }
+            *reinterpret_cast<uint4*>(&Ks[jj * KP + ch * 8]) = kv;
+            const unsigned short* ve = reinterpret_cast<const unsigned short*>(&vv);
+#pragma unroll
+            for (int e = 0; e < 8; e++) Vt[(ch * 8 + e) * VP + jj] = ve[e];
+        }
+        __syncthreads();
+
+        float s[BC / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++) {
+#pragma unroll
+            for (int nt = 0; nt < BC / 8; nt++) {
+                u32 b[2] = {ld32(&Ks[(nt * 8 + g) * KP + ks * 16 + 2 * t]),
+                            ld32(&Ks[(nt * 8 + g) * KP + ks * 16 + 8 + 2 * t])};
+                mma_16816(s[nt], qf[ks], b);
+            }
+        }
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; nt++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int col = j0 + nt * 8 + 2 * t + (i & 1);
+                s[nt][i] = col < sq.kv_len ? s[nt][i] * p.scale_log2 : NEG_INF;
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+        }
+        mx0 = quad_max(mx0);  // finite: column j0 of every tile is a real key
+        mx1 = quad_max(mx1);
+        float a0 = fast_exp2(m0 - mx0), a1 = fast_exp2(m1 - mx1);
+        m0 = mx0;
+        m1 = mx1;
+        float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; nt++) {
+            s[nt][0] = fast_exp2(s[nt][0] - m0);
+            s[nt][1] = fast_exp2(s[nt][1] - m0);
+            s[nt][2] = fast_exp2(s[nt][2] - m1);
+            s[nt][3] = fast_exp2(s[nt][3] - m1);
+            rs0 += s[nt][0] + s[nt][1];
+            rs1 += s[nt][2] + s[nt][3];
+        }
+        // Partial row sums per thread: alpha is the same across the quad, so the
+        // quad reduction can wait until the end.
+        l0 = l0 * a0 + rs0;
+        l1 = l1 * a1 + rs1;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; nd++) {
+            o[nd][0] *= a0;
+            o[nd][1] *= a0;
+            o[nd][2] *= a1;
+            o[nd][3] *= a1;
+        }
+        // P (accumulator layout) is already the A-fragment layout of the next MMA.
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; kk++) {
+            u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                        pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                        pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int nd = 0; nd < D / 8; nd++) {
+                u32 b[2] = {ld32(&Vt[(nd * 8 + g) * VP + kk * 16 + 2 * t]),
+                            ld32(&Vt[(nd * 8 + g) * VP + kk * 16 + 8 + 2 * t])};
+                mma_16816(o[nd], a, b);
+            }
+        }
+        __syncthreads();
+    }
+    l0 = quad_sum(l0);
+    l1 = quad_sum(l1);
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        int row = q0 + qr + 8 * half;
+        float l = half ? l1 : l0, inv = l > 0.f ? 1.f / l : 0.f;
+        if (row < sq.q_len) {
+            u32 ref = qrows[row];
+            const AttnSlot& s = slot_of(p, ref);
+            bf16* dst = (bf16*)s.k + ROW_IDX(ref) * s.stride + h * D;
+#pragma unroll
+            for (int nd = 0; nd < D / 8; nd++)
+                *reinterpret_cast<u32*>(dst + nd * 8 + 2 * t) =
+                    pack_bf16x2(o[nd][2 * half] * inv, o[nd][2 * half + 1] * inv);
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(128) attn_mma_bf16_d64(const AttnParams p) { attn_mma<64>(p); }
+EMU_EXPORT(attn_mma_bf16_d64, AttnParams)
+extern "C" __global__ void __launch_bounds__(128) attn_mma_bf16_d128(const AttnParams p) { attn_mma<128>(p); }
+EMU_EXPORT(attn_mma_bf16_d128, AttnParams)

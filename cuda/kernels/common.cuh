@@ -1,0 +1,180 @@
+// Shared by every kernel: element types, conversions, warp reductions, the tensor-core
+// MMA, and the parameter structs (mirrored field for field in cuda/src/params.rs).
+//
+// The same sources compile two ways:
+// - by NVRTC for the GPU (the production path, cuda/src/compile.rs), and
+// - by the host C++ compiler with DENOISED_EMU defined, through cuda/emu/emu.h, which
+//   runs each thread block on CPU threads. That lets CI, which has no GPU, execute the
+//   real kernel code against the CPU backend (cuda/tests/kernels.rs).
+// So kernels use only what is defined here or in emu.h: no raw intrinsics elsewhere.
+#pragma once
+
+#ifdef DENOISED_EMU
+#include "emu.h"
+#else
+#define DEV __device__ __forceinline__
+#define DYN_SMEM(T, name) \
+    extern __shared__ __align__(16) unsigned char name##_raw[]; \
+    T* name = reinterpret_cast<T*>(name##_raw)
+#define EMU_EXPORT(name, P)
+#endif
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// bf16 is our own 2-byte struct on both paths, so kernels need no toolkit header
+// (NVRTC ships none, and the GPU machine may have only the driver and libnvrtc).
+#ifdef DENOISED_EMU
+typedef emu::bf16 bf16;
+#else
+struct bf16 {
+    unsigned short bits;
+};
+#endif
+
+// ---- conversions (bf16 storage, f32 arithmetic) ----
+DEV float to_f32(float x) { return x; }
+DEV float to_f32(bf16 x) {
+#ifdef DENOISED_EMU
+    return emu::bf16_to_f32(x);
+#else
+    return __uint_as_float((u32)x.bits << 16);
+#endif
+}
+template <class T> DEV T from_f32(float x);
+template <> DEV float from_f32<float>(float x) { return x; }
+template <> DEV bf16 from_f32<bf16>(float x) {
+#ifdef DENOISED_EMU
+    return emu::f32_to_bf16(x);
+#else
+    bf16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+    return r;
+#endif
+}
+// Two bf16 in one 32-bit register, `lo` in the low half: the operand format of mma.
+DEV u32 pack_bf16x2(float lo, float hi) {
+#ifdef DENOISED_EMU
+    return (u32)from_f32<bf16>(lo).bits | ((u32)from_f32<bf16>(hi).bits << 16);
+#else
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));  // first source -> high half
+    return r;
+#endif
+}
+// exp2f becomes ex2.approx under --use_fast_math: exact enough for softmax.
+DEV float fast_exp2(float x) { return exp2f(x); }
+
+// ---- warp reductions (all 32 lanes must take part) ----
+DEV float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+DEV float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// Reduction over the 4 lanes of a quad (lanes sharing lane>>2): one row of an mma
+// accumulator fragment.
+DEV float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    return v;
+}
+DEV float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+    return v;
+}
+
+// d += a * b for one m16n8k16 bf16 tile with f32 accumulation (warp-wide). Fragment
+// layout per the PTX ISA ("mma.m16n8k16", .bf16): with g = lane>>2, t = lane&3,
+//   a[0] = A[g][2t..2t+1]   a[1] = A[g+8][2t..]   a[2] = A[g][2t+8..]   a[3] = A[g+8][2t+8..]
+//   b[0] = B[2t..2t+1][g]   b[1] = B[2t+8..2t+9][g]
+//   d[0..1] = D[g][2t..2t+1]   d[2..3] = D[g+8][2t..2t+1]
+// emu.h implements exactly this layout, so kernel code written against it is tested.
+DEV void mma_16816(float d[4], const u32 a[4], const u32 b[2]) {
+#ifdef DENOISED_EMU
+    emu::mma_16816(d, a, b);
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// ---- parameter structs: every kernel takes exactly one, by value ----
+// Pointers are u64 device addresses so the layout is identical in Rust (#[repr(C)]).
+
+// Elementwise over a column range of a row-major matrix, or over `n` flat elements.
+struct EwParams {
+    u64 x;      // in/out
+    u64 y;      // second operand (add, gated residual) or output (silu, convert)
+    u64 table;  // gated residual: modulation table, already offset to its chunk
+    u64 seg;    // gated residual: const u32* segment per row
+    int rows, cols;         // matrix shape of x (and y)
+    int c0, c1;             // column range
+    int table_cols;         // row stride of table
+    int n;                  // flat element count (silu, add, convert)
+};
+
+// LayerNorm (no affine) + adaLN modulation per row segment, with optional fused
+// gather of input rows and scatter of output rows.
+struct LnModParams {
+    u64 x, out;
+    u64 shift, scale;       // tables offset to their chunk
+    u64 seg;                // const u32* per output row
+    u64 in_index;           // optional const u32*: out row r reads x row in_index[r]
+    u64 out_index;          // optional const u32*: out row r is written to out_index[r]
+    int rows, width, table_cols;
+    float eps;
+};
+
+// Per-head RMSNorm with weight, then optional interleaved RoPE (cos/sin [rows, hd]).
+struct RmsRopeParams {
+    u64 x, weight, cos, sin;  // cos == 0: no RoPE
+    int rows, stride, c0, heads, head_dim;
+    float eps;
+};
+
+// Row gather: out row i = row index[i].row of source index[i].src (up to 8 sources);
+// or a column block of one source when `index` is 0 (rows r0.., columns c0..c0+cols).
+struct GatherParams {
+    u64 srcs[8];
+    int src_stride[8];
+    u64 index;  // const u32 pairs (src, row)
+    u64 out;
+    int rows, cols, r0, c0;
+};
+
+// Sinusoidal embedding: out[b] = [cos(x_b * f_i)..., sin(x_b * f_i)...].
+struct TimestepParams {
+    u64 xs, freqs, out;  // f32, f32, T
+    int n, half;
+};
+
+// Masked-query attention. A row reference packs (slot << 29 | row); slot picks a base
+// pointer: for queries `k` is the query base (and where the output goes), for keys and
+// values `k`/`v` point at column 0 of the head-0 keys/values of that buffer.
+struct AttnSlot {
+    u64 k, v;
+    long long stride;  // elements between rows
+};
+struct AttnSeq {
+    int q_off, q_len, kv_off, kv_len;  // into q_rows / kv_rows
+};
+struct AttnParams {
+    AttnSlot slots[8];
+    u64 q_rows, kv_rows;  // const u32*
+    u64 seqs;             // const AttnSeq*
+    u64 tiles;            // const int2* (seq, first query) per block of queries
+    int n_tiles, heads, head_dim;
+    float scale_log2;     // log2(e) / sqrt(head_dim)
+};
+
+#define ROW_SLOT(r) ((r) >> 29)
+#define ROW_IDX(r) ((r) & 0x1fffffffu)

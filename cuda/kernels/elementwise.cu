@@ -1,0 +1,93 @@
+// Elementwise kernels: GELU (tanh), SiLU, add, the adaLN-Zero gated residual, and
+// dtype conversions. Memory-bound; one thread per element, grid-stride loops.
+#include "common.cuh"
+
+DEV float gelu_tanh_f(float x) {
+    const float k0 = 0.7978845608028654f;  // sqrt(2/pi)
+    return 0.5f * x * (1.0f + tanhf(k0 * (x + 0.044715f * x * x * x)));
+}
+DEV float silu_f(float x) { return x / (1.0f + __expf(-x)); }
+
+#define GRID_STRIDE(i, n) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
+
+// x[r, c0..c1] = gelu(x[r, c0..c1])
+template <class T>
+DEV void gelu_cols(const EwParams& p) {
+    T* x = (T*)p.x;
+    int w = p.c1 - p.c0;
+    GRID_STRIDE(i, (long long)p.rows * w) {
+        long long r = i / w, c = p.c0 + i % w;
+        T* v = x + r * p.cols + c;
+        *v = from_f32<T>(gelu_tanh_f(to_f32(*v)));
+    }
+}
+// y = silu(x), n elements
+template <class T>
+DEV void silu_n(const EwParams& p) {
+    const T* x = (const T*)p.x;
+    T* y = (T*)p.y;
+    GRID_STRIDE(i, p.n) { y[i] = from_f32<T>(silu_f(to_f32(x[i]))); }
+}
+// x += y, n elements
+template <class T>
+DEV void add_n(const EwParams& p) {
+    T* x = (T*)p.x;
+    const T* y = (const T*)p.y;
+    GRID_STRIDE(i, p.n) { x[i] = from_f32<T>(to_f32(x[i]) + to_f32(y[i])); }
+}
+// x[r, c] += table[seg[r], c] * y[r, c] over a [rows, cols] matrix
+template <class T>
+DEV void gated_residual_rows(const EwParams& p) {
+    T* x = (T*)p.x;
+    const T* y = (const T*)p.y;
+    const T* table = (const T*)p.table;
+    const u32* seg = (const u32*)p.seg;
+    GRID_STRIDE(i, (long long)p.rows * p.cols) {
+        long long r = i / p.cols, c = i % p.cols;
+        float g = to_f32(table[(long long)seg[r] * p.table_cols + c]);
+        x[i] = from_f32<T>(to_f32(x[i]) + g * to_f32(y[i]));
+    }
+}
+template <class S, class D>
+DEV void convert_n(const EwParams& p) {
+    const S* x = (const S*)p.x;
+    D* y = (D*)p.y;
+    GRID_STRIDE(i, p.n) { y[i] = from_f32<D>(to_f32(x[i])); }
+}
+
+#define EW_KERNEL(name, impl, T)                                   \
+    extern "C" __global__ void name(const EwParams p) { impl<T>(p); } \
+    EMU_EXPORT(name, EwParams)
+
+EW_KERNEL(gelu_tanh_f32, gelu_cols, float)
+EW_KERNEL(gelu_tanh_bf16, gelu_cols, bf16)
+EW_KERNEL(silu_f32, silu_n, float)
+EW_KERNEL(silu_bf16, silu_n, bf16)
+EW_KERNEL(add_f32, add_n, float)
+EW_KERNEL(add_bf16, add_n, bf16)
+EW_KERNEL(gated_residual_f32, gated_residual_rows, float)
+EW_KERNEL(gated_residual_bf16, gated_residual_rows, bf16)
+
+extern "C" __global__ void convert_f32_bf16(const EwParams p) { convert_n<float, bf16>(p); }
+EMU_EXPORT(convert_f32_bf16, EwParams)
+extern "C" __global__ void convert_bf16_f32(const EwParams p) { convert_n<bf16, float>(p); }
+EMU_EXPORT(convert_bf16_f32, EwParams)
+
+// Sinusoidal timestep/guidance embedding, `cat(cos, sin)` (flip_sin_to_cos as in Flux).
+template <class T>
+DEV void timestep_embed(const TimestepParams& p) {
+    const float* xs = (const float*)p.xs;
+    const float* freqs = (const float*)p.freqs;
+    T* out = (T*)p.out;
+    GRID_STRIDE(i, (long long)p.n * p.half) {
+        long long b = i / p.half, j = i % p.half;
+        float a = xs[b] * freqs[j];
+        out[b * 2 * p.half + j] = from_f32<T>(cosf(a));
+        out[b * 2 * p.half + p.half + j] = from_f32<T>(sinf(a));
+    }
+}
+extern "C" __global__ void timestep_embed_f32(const TimestepParams p) { timestep_embed<float>(p); }
+EMU_EXPORT(timestep_embed_f32, TimestepParams)
+extern "C" __global__ void timestep_embed_bf16(const TimestepParams p) { timestep_embed<bf16>(p); }
+EMU_EXPORT(timestep_embed_bf16, TimestepParams)

@@ -1,0 +1,178 @@
+//! Host side of masked-query attention: turns the Backend's sequence description
+//! (query spans in several buffers, K/V slices from fresh and cached buffers, by range
+//! or by index) into the kernels' compact form, and picks the kernel.
+//!
+//! Every distinct (buffer, columns) pair becomes a *slot* (at most 8 per call: a
+//! double block uses 2 query buffers and about 3 K/V sources per request kind), and
+//! every row a packed `(slot, row)` reference. All descriptors go up in one upload.
+
+use denoised_runtime::backend::AttnSeq;
+use denoised_runtime::{Error, Result};
+
+use crate::backend::{GpuBackend, GpuTensor, View};
+use crate::exec::{Dt, Exec, Grid};
+use crate::params::{row_ref, AttnParams, AttnSlot};
+
+/// Query rows per block of the tensor-core kernel (4 warps x 16 rows).
+const MMA_TILE: usize = 64;
+/// Query rows per block of the SIMT kernel (4 warps x 1 row).
+const SIMT_TILE: usize = 4;
+
+struct Slots {
+    slots: Vec<AttnSlot>,
+}
+
+impl Slots {
+    fn get(&mut self, k: u64, v: u64, stride: usize) -> Result<usize> {
+        if let Some(i) = self
+            .slots
+            .iter()
+            .position(|s| s.k == k && s.v == v && s.stride == stride as i64)
+        {
+            return Ok(i);
+        }
+        if self.slots.len() == 8 {
+            return Err(Error::shape(
+                "attention",
+                "more than 8 distinct K/V/Q buffers in one call",
+            ));
+        }
+        self.slots.push(AttnSlot {
+            k,
+            v,
+            stride: stride as i64,
+        });
+        Ok(self.slots.len() - 1)
+    }
+}
+
+fn check_cols(what: &str, v: &View, col: usize, width: usize) -> Result<()> {
+    if col + width > v.cols {
+        return Err(Error::shape(
+            "attention",
+            format!(
+                "{what} columns {col}..{} of a buffer {} wide",
+                col + width,
+                v.cols
+            ),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn run<E: Exec>(
+    be: &GpuBackend<E>,
+    bufs: &[&GpuTensor<E>],
+    q_col: usize,
+    width: usize,
+    heads: usize,
+    seqs: &[AttnSeq<'_, GpuTensor<E>>],
+) -> Result<()> {
+    if heads == 0 || width % heads != 0 {
+        return Err(Error::shape(
+            "attention",
+            format!("width {width} in {heads} heads"),
+        ));
+    }
+    let hd = width / heads;
+    if hd > 256 || hd % 2 != 0 {
+        return Err(Error::shape(
+            "attention",
+            format!("head dim {hd} (even, at most 256)"),
+        ));
+    }
+    let es = be.dtype().size() as u64;
+    let mut slots = Slots { slots: vec![] };
+    let (mut q_rows, mut kv_rows, mut descs) = (vec![], vec![], vec![]);
+    for s in seqs {
+        let q_off = q_rows.len();
+        for span in &s.q {
+            let v = bufs
+                .get(span.buf)
+                .map(|b| b.view())
+                .ok_or_else(|| Error::shape("attention", format!("no buffer {}", span.buf)))?;
+            check_cols("query", &v, q_col, width)?;
+            if span.rows.end > v.rows {
+                return Err(Error::shape(
+                    "attention",
+                    format!("query rows {:?} of {}", span.rows, v.rows),
+                ));
+            }
+            let base = v.addr + q_col as u64 * es;
+            let slot = slots.get(base, base, v.cols)?;
+            q_rows.extend(span.rows.clone().map(|r| row_ref(slot, r)));
+        }
+        let kv_off = kv_rows.len();
+        for kv in &s.kv {
+            let v = GpuBackend::src_view(bufs, &kv.src)?;
+            check_cols("key", &v, kv.k_col, width)?;
+            check_cols("value", &v, kv.v_col, width)?;
+            let slot = slots.get(
+                v.addr + kv.k_col as u64 * es,
+                v.addr + kv.v_col as u64 * es,
+                v.cols,
+            )?;
+            for i in 0..kv.rows.len() {
+                let r = kv.rows.get(i);
+                if r >= v.rows {
+                    return Err(Error::shape(
+                        "attention",
+                        format!("key row {r} of {}", v.rows),
+                    ));
+                }
+                kv_rows.push(row_ref(slot, r));
+            }
+        }
+        descs.push([q_off, q_rows.len() - q_off, kv_off, kv_rows.len() - kv_off]);
+    }
+    if q_rows.is_empty() {
+        return Ok(());
+    }
+
+    // Tensor cores need bf16, a head dim of 64 or 128, and 16-byte aligned rows.
+    let aligned = slots
+        .slots
+        .iter()
+        .all(|s| s.k % 16 == 0 && s.v % 16 == 0 && (s.stride as u64 * es) % 16 == 0);
+    let mma = be.dtype() == Dt::Bf16 && (hd == 64 || hd == 128) && aligned;
+    let (tile, name) = match (mma, hd, be.dtype()) {
+        (true, 64, _) => (MMA_TILE, "attn_mma_bf16_d64"),
+        (true, _, _) => (MMA_TILE, "attn_mma_bf16_d128"),
+        (false, _, Dt::Bf16) => (SIMT_TILE, "attn_simt_bf16"),
+        (false, _, Dt::F32) => (SIMT_TILE, "attn_simt_f32"),
+    };
+    let mut tiles: Vec<u32> = vec![];
+    for (si, d) in descs.iter().enumerate() {
+        for q0 in (0..d[1]).step_by(tile) {
+            tiles.extend([si as u32, q0 as u32]);
+        }
+    }
+    // One upload: tiles (8-byte aligned int2 first), sequences, query refs, K/V refs.
+    let n_tiles = tiles.len() / 2;
+    let seq_off = tiles.len();
+    let q_off = seq_off + descs.len() * 4;
+    let kv_off = q_off + q_rows.len();
+    let mut all = tiles;
+    all.extend(descs.iter().flat_map(|d| d.map(|x| x as u32)));
+    all.extend(&q_rows);
+    all.extend(&kv_rows);
+    let (_mem, base) = be.upload_descr(&all)?;
+    let mut p = AttnParams {
+        q_rows: base + 4 * q_off as u64,
+        kv_rows: base + 4 * kv_off as u64,
+        seqs: base + 4 * seq_off as u64,
+        tiles: base,
+        n_tiles: n_tiles as i32,
+        heads: heads as i32,
+        head_dim: hd as i32,
+        scale_log2: std::f32::consts::LOG2_E / (hd as f32).sqrt(),
+        ..Default::default()
+    };
+    p.slots[..slots.slots.len()].copy_from_slice(&slots.slots);
+    let g = Grid {
+        grid: [n_tiles as u32, heads as u32, 1],
+        block: [128, 1, 1],
+        smem: 0,
+    };
+    be.launch_attn(name, g, &p)
+}

@@ -1,0 +1,530 @@
+//! [`GpuBackend`]: the `Backend` trait on a device, over any [`Exec`].
+//!
+//! Tensors live in device memory as f32 (the "f32 mode", for matching the reference
+//! fixtures) or bf16 (production: half the bytes, tensor-core GEMMs and attention),
+//! always with f32 accumulation. Host-side this module only builds descriptors:
+//! per-row segment ids, packed row references for attention, launch geometry. It
+//! uploads them once per call and launches; it never touches tensor data on the host.
+
+use std::ops::Range;
+
+use denoised_runtime::backend::{AttnSeq, Backend, Modulation, Src};
+use denoised_runtime::{Error, Result, Tensor};
+
+use crate::exec::{Dt, Exec, Gemm, Grid};
+use crate::params::*;
+use crate::CudaError;
+
+pub struct GpuTensor<E: Exec> {
+    mem: E::Mem,
+    addr: u64,
+    shape: Vec<usize>,
+    dt: Dt,
+}
+
+impl<E: Exec> GpuTensor<E> {
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn dtype(&self) -> Dt {
+        self.dt
+    }
+    fn rows(&self) -> usize {
+        if self.shape.len() <= 1 {
+            1
+        } else {
+            self.shape[..self.shape.len() - 1].iter().product()
+        }
+    }
+    fn cols(&self) -> usize {
+        self.shape.last().copied().unwrap_or(1)
+    }
+    fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+pub struct GpuBackend<E: Exec> {
+    exec: E,
+    dt: Dt,
+}
+
+fn dev(e: CudaError) -> Error {
+    Error::Device(e.to_string())
+}
+
+/// Threads per block of the one-warp-per-row kernels (4 warps).
+const ROW_BLOCK: u32 = 128;
+
+impl<E: Exec> GpuBackend<E> {
+    pub fn new(exec: E, dt: Dt) -> Self {
+        GpuBackend { exec, dt }
+    }
+    pub fn exec(&self) -> &E {
+        &self.exec
+    }
+    pub fn dtype(&self) -> Dt {
+        self.dt
+    }
+
+    fn empty(&self, shape: Vec<usize>) -> Result<GpuTensor<E>> {
+        let n: usize = shape.iter().product();
+        let mem = self.exec.alloc(n * self.dt.size()).map_err(dev)?;
+        let addr = self.exec.addr(&mem);
+        Ok(GpuTensor {
+            mem,
+            addr,
+            shape,
+            dt: self.dt,
+        })
+    }
+
+    /// Uploads a small host array (indices, descriptors); freed when dropped, which
+    /// on a GPU is stream-ordered after the kernels that read it.
+    fn upload_u32(&self, v: &[u32]) -> Result<(E::Mem, u64)> {
+        let mem = self.exec.alloc(v.len() * 4).map_err(dev)?;
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_ne_bytes()).collect();
+        self.exec.upload(&mem, 0, &bytes).map_err(dev)?;
+        let a = self.exec.addr(&mem);
+        Ok((mem, a))
+    }
+
+    fn kernel(&self, base: &'static str) -> &'static str {
+        kernel_name(base, self.dt)
+    }
+
+    fn launch<P: KernelParams>(&self, name: &'static str, g: Grid, p: &P) -> Result<()> {
+        self.exec.launch(name, g, p).map_err(dev)
+    }
+
+    fn seg_table(
+        &self,
+        op: &'static str,
+        m: &Modulation<'_, GpuTensor<E>>,
+        rows: usize,
+        width: usize,
+    ) -> Result<(u64, i32)> {
+        let t = m.table;
+        if m.seg.len() != rows || (m.chunk + 1) * width > t.cols() {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "{} segment ids for {rows} rows; chunk {} of width {width} in a table of width {}",
+                    m.seg.len(),
+                    m.chunk,
+                    t.cols()
+                ),
+            ));
+        }
+        if let Some(bad) = m.seg.iter().find(|&&s| s as usize >= t.rows()) {
+            return Err(Error::shape(op, format!("segment {bad} of {}", t.rows())));
+        }
+        Ok((
+            t.addr + (m.chunk * width * self.dt.size()) as u64,
+            t.cols() as i32,
+        ))
+    }
+}
+
+/// `base_f32` / `base_bf16` as a static name (kernel names are fixed strings).
+fn kernel_name(base: &'static str, dt: Dt) -> &'static str {
+    crate::kernels::MODULES
+        .iter()
+        .flat_map(|m| m.kernels.iter())
+        .find(|k| k.strip_prefix(base).and_then(|s| s.strip_prefix('_')) == Some(dt.suffix()))
+        .copied()
+        .unwrap_or_else(|| panic!("no kernel {base}_{}", dt.suffix()))
+}
+
+fn matrix<E: Exec>(op: &'static str, t: &GpuTensor<E>) -> Result<(usize, usize)> {
+    if t.shape.len() != 2 {
+        return Err(Error::shape(
+            op,
+            format!("expected a matrix, got {:?}", t.shape),
+        ));
+    }
+    Ok((t.shape[0], t.shape[1]))
+}
+
+fn to_bytes(dt: Dt, data: &[f32]) -> Vec<u8> {
+    match dt {
+        Dt::F32 => data.iter().flat_map(|v| v.to_ne_bytes()).collect(),
+        Dt::Bf16 => data
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_ne_bytes())
+            .collect(),
+    }
+}
+
+fn from_bytes(dt: Dt, bytes: &[u8]) -> Vec<f32> {
+    match dt {
+        Dt::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+            .collect(),
+        Dt::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_bits(u16::from_ne_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+    }
+}
+
+impl<E: Exec> Backend for GpuBackend<E> {
+    type Tensor = GpuTensor<E>;
+    type Weight = GpuTensor<E>;
+
+    fn name(&self) -> String {
+        format!("{} ({:?})", self.exec.describe(), self.dt)
+    }
+
+    fn upload(&self, t: &Tensor) -> Result<GpuTensor<E>> {
+        let out = self.empty(t.shape().to_vec())?;
+        self.exec
+            .upload(&out.mem, 0, &to_bytes(self.dt, t.data()))
+            .map_err(dev)?;
+        Ok(out)
+    }
+
+    fn upload_weight(&self, w: &Tensor) -> Result<GpuTensor<E>> {
+        // cuBLASLt reads the PyTorch [out, in] layout directly (as a transposed operand).
+        self.upload(w)
+    }
+
+    fn download(&self, t: &GpuTensor<E>) -> Result<Tensor> {
+        let mut bytes = vec![0u8; t.len() * t.dt.size()];
+        self.exec.download(&t.mem, 0, &mut bytes).map_err(dev)?;
+        Tensor::new(t.shape.clone(), from_bytes(t.dt, &bytes))
+    }
+
+    fn shape<'a>(&self, t: &'a GpuTensor<E>) -> &'a [usize] {
+        &t.shape
+    }
+
+    fn linear_cols(
+        &self,
+        x: &GpuTensor<E>,
+        cols: Range<usize>,
+        w: &GpuTensor<E>,
+        b: Option<&GpuTensor<E>>,
+    ) -> Result<GpuTensor<E>> {
+        let (n, kx) = matrix("linear", x)?;
+        let (m, k) = matrix("linear", w)?;
+        if cols.end > kx || cols.len() != k || b.is_some_and(|b| b.len() != m) {
+            return Err(Error::shape(
+                "linear",
+                format!(
+                    "x {:?} columns {cols:?} against weight {:?}",
+                    x.shape, w.shape
+                ),
+            ));
+        }
+        let out = self.empty(vec![n, m])?;
+        if n > 0 {
+            self.exec
+                .gemm(&Gemm {
+                    dt: self.dt,
+                    n,
+                    m,
+                    k,
+                    x: x.addr + (cols.start * self.dt.size()) as u64,
+                    ldx: kx,
+                    w: w.addr,
+                    bias: b.map(|b| b.addr),
+                    out: out.addr,
+                })
+                .map_err(dev)?;
+        }
+        Ok(out)
+    }
+
+    fn layer_norm_modulate(
+        &self,
+        x: &GpuTensor<E>,
+        eps: f32,
+        shift: Modulation<'_, GpuTensor<E>>,
+        scale: Modulation<'_, GpuTensor<E>>,
+    ) -> Result<GpuTensor<E>> {
+        let (rows, width) = matrix("layer_norm_modulate", x)?;
+        let (sh, tc) = self.seg_table("layer_norm_modulate", &shift, rows, width)?;
+        let (sc, tc2) = self.seg_table("layer_norm_modulate", &scale, rows, width)?;
+        if tc != tc2 || shift.seg != scale.seg {
+            return Err(Error::shape(
+                "layer_norm_modulate",
+                "shift and scale must share a table layout and segment ids",
+            ));
+        }
+        let out = self.empty(vec![rows, width])?;
+        let (_seg, seg) = self.upload_u32(shift.seg)?;
+        let g = Grid::linear(rows * 32, ROW_BLOCK);
+        let p = LnModParams {
+            x: x.addr,
+            out: out.addr,
+            shift: sh,
+            scale: sc,
+            seg,
+            in_index: 0,
+            out_index: 0,
+            rows: rows as i32,
+            width: width as i32,
+            table_cols: tc,
+            eps,
+        };
+        self.launch(self.kernel("ln_modulate"), g, &p)?;
+        Ok(out)
+    }
+
+    fn rms_norm_rope(
+        &self,
+        x: &mut GpuTensor<E>,
+        cols: Range<usize>,
+        weight: &GpuTensor<E>,
+        eps: f32,
+        rope: Option<(&GpuTensor<E>, &GpuTensor<E>)>,
+    ) -> Result<()> {
+        let (rows, width) = matrix("rms_norm_rope", x)?;
+        let hd = weight.len();
+        if cols.end > width || hd == 0 || cols.len() % hd != 0 || hd % 2 != 0 {
+            return Err(Error::shape(
+                "rms_norm_rope",
+                format!("columns {cols:?} of {width} in heads of {hd}"),
+            ));
+        }
+        if let Some((c, s)) = rope {
+            if c.shape != [rows, hd] || s.shape != [rows, hd] {
+                return Err(Error::shape(
+                    "rms_norm_rope",
+                    format!(
+                        "rope tables {:?}/{:?}, expected [{rows}, {hd}]",
+                        c.shape, s.shape
+                    ),
+                ));
+            }
+        }
+        let heads = cols.len() / hd;
+        let p = RmsRopeParams {
+            x: x.addr,
+            weight: weight.addr,
+            cos: rope.map_or(0, |r| r.0.addr),
+            sin: rope.map_or(0, |r| r.1.addr),
+            rows: rows as i32,
+            stride: width as i32,
+            c0: cols.start as i32,
+            heads: heads as i32,
+            head_dim: hd as i32,
+            eps,
+        };
+        self.launch(
+            self.kernel("rms_rope"),
+            Grid::linear(rows * heads * 32, ROW_BLOCK),
+            &p,
+        )
+    }
+
+    fn attention(
+        &self,
+        bufs: &mut [&mut GpuTensor<E>],
+        q_col: usize,
+        width: usize,
+        heads: usize,
+        seqs: &[AttnSeq<'_, GpuTensor<E>>],
+    ) -> Result<()> {
+        let bufs: Vec<&GpuTensor<E>> = bufs.iter().map(|b| &**b).collect();
+        crate::attention::run(self, &bufs, q_col, width, heads, seqs)
+    }
+
+    fn add(&self, x: &mut GpuTensor<E>, y: &GpuTensor<E>) -> Result<()> {
+        if x.shape != y.shape {
+            return Err(Error::shape(
+                "add",
+                format!("{:?} + {:?}", x.shape, y.shape),
+            ));
+        }
+        let p = EwParams {
+            x: x.addr,
+            y: y.addr,
+            n: x.len() as i32,
+            ..Default::default()
+        };
+        self.launch(self.kernel("add"), Grid::linear(x.len(), 256), &p)
+    }
+
+    fn gelu_tanh(&self, x: &mut GpuTensor<E>, cols: Range<usize>) -> Result<()> {
+        let (rows, width) = matrix("gelu_tanh", x)?;
+        if cols.end > width {
+            return Err(Error::shape(
+                "gelu_tanh",
+                format!("columns {cols:?} of width {width}"),
+            ));
+        }
+        let p = EwParams {
+            x: x.addr,
+            rows: rows as i32,
+            cols: width as i32,
+            c0: cols.start as i32,
+            c1: cols.end as i32,
+            ..Default::default()
+        };
+        self.launch(
+            self.kernel("gelu_tanh"),
+            Grid::linear(rows * cols.len(), 256),
+            &p,
+        )
+    }
+
+    fn silu(&self, x: &GpuTensor<E>) -> Result<GpuTensor<E>> {
+        let out = self.empty(x.shape.clone())?;
+        let p = EwParams {
+            x: x.addr,
+            y: out.addr,
+            n: x.len() as i32,
+            ..Default::default()
+        };
+        self.launch(self.kernel("silu"), Grid::linear(x.len(), 256), &p)?;
+        Ok(out)
+    }
+
+    fn gated_residual(
+        &self,
+        x: &mut GpuTensor<E>,
+        y: &GpuTensor<E>,
+        gate: Modulation<'_, GpuTensor<E>>,
+    ) -> Result<()> {
+        let (rows, width) = matrix("gated_residual", x)?;
+        if x.shape != y.shape {
+            return Err(Error::shape(
+                "gated_residual",
+                format!("{:?} vs {:?}", x.shape, y.shape),
+            ));
+        }
+        let (table, table_cols) = self.seg_table("gated_residual", &gate, rows, width)?;
+        let (_seg, seg) = self.upload_u32(gate.seg)?;
+        let p = EwParams {
+            x: x.addr,
+            y: y.addr,
+            table,
+            seg,
+            rows: rows as i32,
+            cols: width as i32,
+            table_cols,
+            ..Default::default()
+        };
+        self.launch(
+            self.kernel("gated_residual"),
+            Grid::linear(rows * width, 256),
+            &p,
+        )
+    }
+
+    fn gather_rows(&self, srcs: &[&GpuTensor<E>], index: &[(u32, u32)]) -> Result<GpuTensor<E>> {
+        let cols = srcs.first().map_or(0, |s| s.cols());
+        if srcs.len() > 8 || srcs.iter().any(|s| s.cols() != cols) {
+            return Err(Error::shape(
+                "gather_rows",
+                format!("{} sources (at most 8, all of width {cols})", srcs.len()),
+            ));
+        }
+        if let Some(&(s, r)) = index
+            .iter()
+            .find(|&&(s, r)| s as usize >= srcs.len() || r as usize >= srcs[s as usize].rows())
+        {
+            return Err(Error::shape(
+                "gather_rows",
+                format!("row ({s}, {r}) out of range"),
+            ));
+        }
+        let out = self.empty(vec![index.len(), cols])?;
+        if index.is_empty() {
+            return Ok(out);
+        }
+        let flat: Vec<u32> = index.iter().flat_map(|&(s, r)| [s, r]).collect();
+        let (_idx, idx) = self.upload_u32(&flat)?;
+        let mut p = GatherParams {
+            index: idx,
+            out: out.addr,
+            rows: index.len() as i32,
+            cols: cols as i32,
+            ..Default::default()
+        };
+        for (i, s) in srcs.iter().enumerate() {
+            p.srcs[i] = s.addr;
+            p.src_stride[i] = s.cols() as i32;
+        }
+        self.launch(
+            self.kernel("gather"),
+            Grid::linear(index.len() * cols, 256),
+            &p,
+        )?;
+        Ok(out)
+    }
+
+    fn gather_cols(
+        &self,
+        x: &GpuTensor<E>,
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Result<GpuTensor<E>> {
+        let (r, c) = matrix("gather_cols", x)?;
+        if rows.end > r || cols.end > c {
+            return Err(Error::shape(
+                "gather_cols",
+                format!("{rows:?} x {cols:?} of {r} x {c}"),
+            ));
+        }
+        let out = self.empty(vec![rows.len(), cols.len()])?;
+        let mut p = GatherParams {
+            out: out.addr,
+            rows: rows.len() as i32,
+            cols: cols.len() as i32,
+            r0: rows.start as i32,
+            c0: cols.start as i32,
+            ..Default::default()
+        };
+        p.srcs[0] = x.addr;
+        p.src_stride[0] = c as i32;
+        self.launch(
+            self.kernel("gather"),
+            Grid::linear(rows.len() * cols.len(), 256),
+            &p,
+        )?;
+        Ok(out)
+    }
+}
+
+/// Pieces the attention planner needs from a tensor.
+pub(crate) struct View {
+    pub addr: u64,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl<E: Exec> GpuTensor<E> {
+    pub(crate) fn view(&self) -> View {
+        View {
+            addr: self.addr,
+            rows: self.rows(),
+            cols: self.cols(),
+        }
+    }
+}
+
+impl<E: Exec> GpuBackend<E> {
+    pub(crate) fn upload_descr(&self, v: &[u32]) -> Result<(E::Mem, u64)> {
+        self.upload_u32(v)
+    }
+    pub(crate) fn launch_attn(&self, name: &'static str, g: Grid, p: &AttnParams) -> Result<()> {
+        self.launch(name, g, p)
+    }
+    /// Resolves a kernel-source tensor of attention.
+    pub(crate) fn src_view<'a>(
+        bufs: &'a [&'a GpuTensor<E>],
+        s: &Src<'a, GpuTensor<E>>,
+    ) -> Result<View> {
+        match s {
+            Src::Own(i) => bufs
+                .get(*i)
+                .map(|b| b.view())
+                .ok_or_else(|| Error::shape("attention", format!("no buffer {i}"))),
+            Src::Ext(t) => Ok(t.view()),
+        }
+    }
+}

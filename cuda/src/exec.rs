@@ -1,0 +1,92 @@
+//! The executor: what the GPU backend needs from a device, and nothing more.
+//!
+//! [`crate::backend::GpuBackend`] is written once against this trait. Two executors
+//! implement it:
+//! - [`crate::gpu::CudaExec`]: a real GPU through cudarc (NVRTC modules, cuBLASLt,
+//!   stream-ordered pool allocations, pinned staging);
+//! - [`crate::emu::EmuExec`]: host memory, the *same kernel sources* built for the CPU
+//!   emulator, and a host GEMM. It runs everywhere, so CI exercises the whole GPU
+//!   backend (descriptors, row references, launch geometry, the kernels themselves)
+//!   on machines without a GPU.
+
+use crate::params::KernelParams;
+use crate::CudaError;
+
+pub type Result<T> = std::result::Result<T, CudaError>;
+
+/// Storage type of a device tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dt {
+    F32,
+    Bf16,
+}
+
+impl Dt {
+    pub fn size(self) -> usize {
+        match self {
+            Dt::F32 => 4,
+            Dt::Bf16 => 2,
+        }
+    }
+    /// The suffix of kernel names for this type.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Dt::F32 => "f32",
+            Dt::Bf16 => "bf16",
+        }
+    }
+}
+
+/// Launch geometry.
+#[derive(Clone, Copy, Debug)]
+pub struct Grid {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub smem: u32,
+}
+
+impl Grid {
+    /// A 1-D launch of `n` work items, `per_block` threads each block.
+    pub fn linear(n: usize, per_block: u32) -> Grid {
+        let blocks = n.div_ceil(per_block as usize).clamp(1, 65535 * 32) as u32;
+        Grid {
+            grid: [blocks, 1, 1],
+            block: [per_block, 1, 1],
+            smem: 0,
+        }
+    }
+}
+
+/// `C[n, m] = X[n, k] @ W[m, k]^T (+ bias[m])`, row-major, all of type `dt`, f32
+/// accumulation. `x` rows are `ldx` elements apart (a column block of a wider matrix).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Gemm {
+    pub dt: Dt,
+    pub n: usize,
+    pub m: usize,
+    pub k: usize,
+    pub x: u64,
+    pub ldx: usize,
+    pub w: u64,
+    pub bias: Option<u64>,
+    pub out: u64,
+}
+
+pub trait Exec: Send + Sync + 'static {
+    /// One device allocation; freed when dropped.
+    type Mem: Send + Sync;
+
+    fn describe(&self) -> String;
+    fn alloc(&self, bytes: usize) -> Result<Self::Mem>;
+    /// Device address of the allocation's first byte.
+    fn addr(&self, m: &Self::Mem) -> u64;
+    /// Copies host bytes to `dst + offset` (ordered before later launches).
+    fn upload(&self, dst: &Self::Mem, offset: usize, bytes: &[u8]) -> Result<()>;
+    /// Copies device bytes to the host once all earlier work has finished.
+    fn download(&self, src: &Self::Mem, offset: usize, out: &mut [u8]) -> Result<()>;
+    /// Launches kernel `name` (see `kernels::MODULES`) with one parameter struct.
+    fn launch<P: KernelParams>(&self, name: &'static str, g: Grid, params: &P) -> Result<()>;
+    fn gemm(&self, g: &Gemm) -> Result<()>;
+    /// Waits for all queued work.
+    fn synchronize(&self) -> Result<()>;
+}

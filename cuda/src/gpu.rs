@@ -1,0 +1,417 @@
+//! [`CudaExec`]: the executor on a real GPU, through cudarc.
+//!
+//! - **Kernels**: NVRTC modules compiled at first use for this device's architecture
+//!   ([`crate::compile`]), loaded once per context; functions cached by name.
+//! - **Memory**: stream-ordered allocations (`cuMemAllocAsync`) from the device's
+//!   default pool, whose release threshold is raised to "never", so steady-state
+//!   allocations are pool hits, not driver calls. Frees are stream-ordered too, so a
+//!   temporary may be dropped as soon as its kernels are queued.
+//! - **Loads**: host data goes through a pinned staging buffer in chunks (the driver
+//!   copies pageable memory through its own small bounce buffer, at a fraction of PCIe
+//!   speed).
+//! - **GEMMs**: cuBLASLt with f32 compute (bf16 or f32 storage) and a bias epilogue;
+//!   descriptors and the heuristic's algorithm are cached per shape.
+//! - **Streams**: `compute` runs kernels and GEMMs in order; `copy` is for cache loads
+//!   (the planner's prefetch), synchronised with events.
+//!
+//! Pointers travel in kernel parameter structs as raw addresses, so cudarc's per-slice
+//! event tracking (which only sees slices passed as arguments) is switched off; one
+//! compute stream orders everything, and cross-stream waits are explicit events.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublaslt::{result as lt, sys as ltsys};
+use cudarc::driver::{
+    result as dr, sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use crate::compile;
+use crate::device::{probe, GpuInfo};
+use crate::exec::{Dt, Exec, Gemm, Grid, Result};
+use crate::kernels;
+use crate::params::KernelParams;
+use crate::CudaError;
+
+fn drv(what: &str) -> impl Fn(dr::DriverError) -> CudaError + '_ {
+    move |e| CudaError::Driver(format!("{what}: {e:?}"))
+}
+fn blas(what: &str) -> impl Fn(lt::CublasError) -> CudaError + '_ {
+    move |e| CudaError::Driver(format!("{what}: {e:?}"))
+}
+
+/// Bytes of pinned staging for uploads.
+const STAGING_BYTES: usize = 64 << 20;
+/// cuBLASLt workspace (what it needs for split-K on large GEMMs).
+const WORKSPACE_BYTES: usize = 32 << 20;
+/// Uploads below this go straight from pageable memory (no staging round trip).
+const SMALL_UPLOAD: usize = 256 << 10;
+
+pub struct CudaExec {
+    ctx: Arc<CudaContext>,
+    compute: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+    info: GpuInfo,
+    arch: String,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    staging: Mutex<PinnedHostSlice<u8>>,
+    blas: Mutex<Blas>,
+}
+
+struct Blas {
+    handle: ltsys::cublasLtHandle_t,
+    workspace: CudaSlice<u8>,
+    plans: HashMap<PlanKey, Plan>,
+}
+// SAFETY: the handle is used only under the executor's mutex.
+unsafe impl Send for Blas {}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct PlanKey {
+    dt: Dt,
+    n: usize,
+    m: usize,
+    k: usize,
+    ldx: usize,
+    bias: bool,
+}
+
+struct Plan {
+    desc: ltsys::cublasLtMatmulDesc_t,
+    a: ltsys::cublasLtMatrixLayout_t,
+    b: ltsys::cublasLtMatrixLayout_t,
+    c: ltsys::cublasLtMatrixLayout_t,
+    algo: ltsys::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: created in `plan` and used by nobody after the cache drops them.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.c);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: last use of the handle.
+        unsafe {
+            let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}
+
+impl CudaExec {
+    /// Opens device `ordinal`: context, streams, pool, staging, cuBLASLt.
+    pub fn new(ordinal: usize) -> Result<CudaExec> {
+        let info = probe()?
+            .into_iter()
+            .find(|g| g.ordinal == ordinal)
+            .ok_or_else(|| CudaError::NoDevice(format!("cuda:{ordinal} not present")))?;
+        if info.compute_capability.0 < 8 {
+            return Err(CudaError::NoDevice(format!(
+                "{} is sm_{}{}; the bf16 tensor-core kernels need sm_80 or newer",
+                info.name, info.compute_capability.0, info.compute_capability.1
+            )));
+        }
+        if !compile::nvrtc_available() {
+            return Err(CudaError::NoDevice(
+                "libnvrtc is not installed (the kernels are compiled at run time)".into(),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(drv("cuCtxCreate"))?;
+        // SAFETY: called before any allocation; we order work ourselves (module docs).
+        unsafe { ctx.disable_event_tracking() };
+        let compute = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+        let copy = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+        // Keep freed pool memory for reuse instead of returning it at every sync.
+        // SAFETY: plain driver calls on this context's device.
+        unsafe {
+            let mut pool = std::ptr::null_mut();
+            if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+                == sys::CUresult::CUDA_SUCCESS
+            {
+                let mut threshold = u64::MAX;
+                let _ = sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut threshold as *mut u64 as *mut c_void,
+                );
+            }
+        }
+        // SAFETY: plain host allocation; bytes are written before being read.
+        let staging =
+            unsafe { ctx.alloc_pinned::<u8>(STAGING_BYTES) }.map_err(drv("cuMemHostAlloc"))?;
+        let workspace = compute
+            .alloc_zeros::<u8>(WORKSPACE_BYTES)
+            .map_err(drv("workspace"))?;
+        let handle = lt::create_handle().map_err(blas("cublasLtCreate"))?;
+        let arch = compile::arch_for(info.compute_capability);
+        Ok(CudaExec {
+            ctx,
+            compute,
+            copy,
+            info,
+            arch,
+            modules: Mutex::default(),
+            functions: Mutex::default(),
+            staging: Mutex::new(staging),
+            blas: Mutex::new(Blas {
+                handle,
+                workspace,
+                plans: HashMap::new(),
+            }),
+        })
+    }
+
+    pub fn info(&self) -> &GpuInfo {
+        &self.info
+    }
+    pub fn compute_stream(&self) -> &Arc<CudaStream> {
+        &self.compute
+    }
+    /// The stream for cache loads; order against compute with events.
+    pub fn copy_stream(&self) -> &Arc<CudaStream> {
+        &self.copy
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Compiles (or fetches) every module now, so the first request does not pay it.
+    pub fn warm_up(&self) -> Result<()> {
+        for m in kernels::MODULES {
+            for k in m.kernels {
+                self.function(k)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn function(&self, name: &'static str) -> Result<CudaFunction> {
+        if let Some(f) = self.functions.lock().unwrap().get(name) {
+            return Ok(f.clone());
+        }
+        let module = kernels::module_of(name)
+            .ok_or_else(|| CudaError::Driver(format!("no kernel named {name}")))?;
+        let loaded = {
+            let mut mods = self.modules.lock().unwrap();
+            match mods.get(module.name) {
+                Some(m) => m.clone(),
+                None => {
+                    let bin = compile::cubin(module, &self.arch)?;
+                    let m = self
+                        .ctx
+                        .load_module(Ptx::from_binary(bin.to_vec()))
+                        .map_err(drv("cuModuleLoadData"))?;
+                    mods.insert(module.name, m.clone());
+                    m
+                }
+            }
+        };
+        let f = loaded.load_function(name).map_err(drv(name))?;
+        self.functions.lock().unwrap().insert(name, f.clone());
+        Ok(f)
+    }
+
+    fn plan<'a>(&self, b: &'a mut Blas, g: &Gemm) -> Result<&'a Plan> {
+        let key = PlanKey {
+            dt: g.dt,
+            n: g.n,
+            m: g.m,
+            k: g.k,
+            ldx: g.ldx,
+            bias: g.bias.is_some(),
+        };
+        if !b.plans.contains_key(&key) {
+            let ty = match g.dt {
+                Dt::F32 => ltsys::cudaDataType_t::CUDA_R_32F,
+                Dt::Bf16 => ltsys::cudaDataType_t::CUDA_R_16BF,
+            };
+            // Column-major view of row-major data: D^T[m, n] = W[m, k] * X^T[k, n],
+            // with W read as the transpose of its [k, m] column-major storage.
+            let desc = lt::create_matmul_desc(
+                ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                ltsys::cudaDataType_t::CUDA_R_32F,
+            )
+            .map_err(blas("cublasLtMatmulDescCreate"))?;
+            let a = lt::create_matrix_layout(ty, g.k as u64, g.m as u64, g.k as i64)
+                .map_err(blas("layout A"))?;
+            let bl = lt::create_matrix_layout(ty, g.k as u64, g.n as u64, g.ldx as i64)
+                .map_err(blas("layout B"))?;
+            let c = lt::create_matrix_layout(ty, g.m as u64, g.n as u64, g.m as i64)
+                .map_err(blas("layout C"))?;
+            let mut plan = Plan {
+                desc,
+                a,
+                b: bl,
+                c,
+                algo: unsafe { std::mem::zeroed() },
+            };
+            // SAFETY: attributes are plain values of the documented types.
+            unsafe {
+                let t: i32 = 1; // CUBLAS_OP_T
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                    &t as *const _ as *const c_void,
+                    std::mem::size_of_val(&t),
+                )
+                .map_err(blas("TRANSA"))?;
+                let epi = if g.bias.is_some() {
+                    ltsys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS
+                } else {
+                    ltsys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT
+                };
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                    &epi as *const _ as *const c_void,
+                    std::mem::size_of_val(&epi),
+                )
+                .map_err(blas("EPILOGUE"))?;
+                let pref = lt::create_matmul_pref().map_err(blas("pref"))?;
+                let ws = WORKSPACE_BYTES as u64;
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    ltsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                    &ws as *const u64 as *const c_void,
+                    8,
+                )
+                .map_err(blas("pref workspace"))?;
+                let h = lt::get_matmul_algo_heuristic(b.handle, desc, a, bl, c, c, pref);
+                let _ = lt::destroy_matmul_pref(pref);
+                plan.algo = h.map_err(blas("no cuBLASLt algorithm for this GEMM"))?.algo;
+            }
+            b.plans.insert(key, plan);
+        }
+        Ok(&b.plans[&key])
+    }
+}
+
+impl Exec for CudaExec {
+    type Mem = CudaSlice<u8>;
+
+    fn describe(&self) -> String {
+        format!(
+            "cuda:{} {} ({})",
+            self.info.ordinal, self.info.name, self.arch
+        )
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<CudaSlice<u8>> {
+        // SAFETY: uninitialised device memory; every op writes its outputs in full
+        // (the emulator fills fresh memory with NaN to catch ops that do not).
+        unsafe { self.compute.alloc::<u8>(bytes.max(1)) }.map_err(drv("cuMemAllocAsync"))
+    }
+
+    fn addr(&self, m: &CudaSlice<u8>) -> u64 {
+        m.device_ptr(&self.compute).0
+    }
+
+    fn upload(&self, dst: &CudaSlice<u8>, offset: usize, bytes: &[u8]) -> Result<()> {
+        let base = self.addr(dst) + offset as u64;
+        let s = self.compute.cu_stream();
+        if bytes.len() <= SMALL_UPLOAD {
+            // SAFETY: in bounds (callers size allocations); pageable async copies
+            // consume the source before returning.
+            return unsafe { dr::memcpy_htod_async(base, bytes, s) }
+                .map_err(drv("cuMemcpyHtoDAsync"));
+        }
+        let mut staging = self.staging.lock().unwrap();
+        for (i, chunk) in bytes.chunks(STAGING_BYTES).enumerate() {
+            // The previous chunk's copy must finish before its staging bytes change.
+            self.compute
+                .synchronize()
+                .map_err(drv("cuStreamSynchronize"))?;
+            let st = staging.as_mut_slice().map_err(drv("pinned"))?;
+            st[..chunk.len()].copy_from_slice(chunk);
+            let at = base + (i * STAGING_BYTES) as u64;
+            // SAFETY: pinned source stays alive and unchanged until the next sync.
+            unsafe { dr::memcpy_htod_async(at, &st[..chunk.len()], s) }
+                .map_err(drv("cuMemcpyHtoDAsync"))?;
+        }
+        self.compute
+            .synchronize()
+            .map_err(drv("cuStreamSynchronize"))
+    }
+
+    fn download(&self, src: &CudaSlice<u8>, offset: usize, out: &mut [u8]) -> Result<()> {
+        let base = self.addr(src) + offset as u64;
+        // SAFETY: in bounds; the stream sync below completes the copy before return.
+        unsafe { dr::memcpy_dtoh_async(out, base, self.compute.cu_stream()) }
+            .map_err(drv("cuMemcpyDtoHAsync"))?;
+        self.compute
+            .synchronize()
+            .map_err(drv("cuStreamSynchronize"))
+    }
+
+    fn launch<P: KernelParams>(&self, name: &'static str, g: Grid, params: &P) -> Result<()> {
+        let f = self.function(name)?;
+        let cfg = LaunchConfig {
+            grid_dim: (g.grid[0], g.grid[1], g.grid[2]),
+            block_dim: (g.block[0], g.block[1], g.block[2]),
+            shared_mem_bytes: g.smem,
+        };
+        let mut b = self.compute.launch_builder(&f);
+        b.arg(params);
+        // SAFETY: the params struct matches the kernel's C signature (size-checked in
+        // tests) and every address in it was validated by the backend.
+        unsafe { b.launch(cfg) }.map_err(drv(name))?;
+        Ok(())
+    }
+
+    fn gemm(&self, g: &Gemm) -> Result<()> {
+        let mut guard = self.blas.lock().unwrap();
+        let handle = guard.handle;
+        let ws = guard.workspace.device_ptr(&self.compute).0;
+        let plan = self.plan(&mut guard, g)?;
+        let (alpha, beta) = (1f32, 0f32);
+        // SAFETY: pointers come from live allocations sized by the backend's checks.
+        unsafe {
+            if let Some(bias) = g.bias {
+                lt::set_matmul_desc_attribute(
+                    plan.desc,
+                    ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    &bias as *const u64 as *const c_void,
+                    8,
+                )
+                .map_err(blas("BIAS_POINTER"))?;
+            }
+            lt::matmul(
+                handle,
+                plan.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                g.w as *const c_void,
+                plan.a,
+                g.x as *const c_void,
+                plan.b,
+                g.out as *const c_void,
+                plan.c,
+                g.out as *mut c_void,
+                plan.c,
+                &plan.algo,
+                ws as *mut c_void,
+                WORKSPACE_BYTES,
+                self.compute.cu_stream() as *mut _,
+            )
+            .map_err(blas("cublasLtMatmul"))
+        }
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.compute
+            .synchronize()
+            .map_err(drv("cuStreamSynchronize"))
+    }
+}

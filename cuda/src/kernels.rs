@@ -1,0 +1,68 @@
+//! The kernel sources, embedded in the binary, and the names each module exports.
+//!
+//! A module is compiled from `common.cuh` followed by its `.cu` file (NVRTC gets one
+//! string, so no include paths are needed on the GPU machine).
+
+pub const COMMON: &str = include_str!("../kernels/common.cuh");
+
+/// A compilation unit: its file name, source, and the kernels it defines.
+pub struct Module {
+    pub name: &'static str,
+    pub source: &'static str,
+    pub kernels: &'static [&'static str],
+}
+
+pub const MODULES: &[Module] = &[
+    Module {
+        name: "elementwise.cu",
+        source: include_str!("../kernels/elementwise.cu"),
+        kernels: &[
+            "gelu_tanh_f32",
+            "gelu_tanh_bf16",
+            "silu_f32",
+            "silu_bf16",
+            "add_f32",
+            "add_bf16",
+            "gated_residual_f32",
+            "gated_residual_bf16",
+            "convert_f32_bf16",
+            "convert_bf16_f32",
+            "timestep_embed_f32",
+            "timestep_embed_bf16",
+        ],
+    },
+    Module {
+        name: "norm.cu",
+        source: include_str!("../kernels/norm.cu"),
+        kernels: &[
+            "ln_modulate_f32",
+            "ln_modulate_bf16",
+            "rms_rope_f32",
+            "rms_rope_bf16",
+            "gather_f32",
+            "gather_bf16",
+        ],
+    },
+    Module {
+        name: "attention.cu",
+        source: include_str!("../kernels/attention.cu"),
+        kernels: &[
+            "attn_simt_f32",
+            "attn_simt_bf16",
+            "attn_mma_bf16_d64",
+            "attn_mma_bf16_d128",
+        ],
+    },
+];
+
+impl Module {
+    /// The full source NVRTC compiles: the shared header inlined in place of its include.
+    pub fn full_source(&self) -> String {
+        self.source.replace("#include \"common.cuh\"", COMMON)
+    }
+}
+
+/// The module that defines `kernel`.
+pub fn module_of(kernel: &str) -> Option<&'static Module> {
+    MODULES.iter().find(|m| m.kernels.contains(&kernel))
+}

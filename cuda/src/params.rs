@@ -1,0 +1,123 @@
+//! Kernel parameter structs, field for field the structs in `kernels/common.cuh`.
+//!
+//! Every kernel takes exactly one of these by value, so a launch is "kernel name +
+//! one plain struct" on both executors: the driver copies it into the kernel's
+//! parameter space, and the CPU emulator hands the kernel a pointer to it. A test
+//! compares each size with the C++ compiler's `sizeof` (tests/kernels.rs).
+
+use cudarc::driver::DeviceRepr;
+
+/// Marker for the structs above: plain old data with a C layout.
+///
+/// # Safety
+/// Implementors must be `#[repr(C)]` and match their C++ twin exactly.
+pub unsafe trait KernelParams: DeviceRepr + Copy + Send + Sync + 'static {}
+
+macro_rules! params {
+    ($($t:ident),*) => { $( unsafe impl DeviceRepr for $t {} unsafe impl KernelParams for $t {} )* };
+}
+params!(
+    EwParams,
+    LnModParams,
+    RmsRopeParams,
+    GatherParams,
+    TimestepParams,
+    AttnParams
+);
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EwParams {
+    pub x: u64,
+    pub y: u64,
+    pub table: u64,
+    pub seg: u64,
+    pub rows: i32,
+    pub cols: i32,
+    pub c0: i32,
+    pub c1: i32,
+    pub table_cols: i32,
+    pub n: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LnModParams {
+    pub x: u64,
+    pub out: u64,
+    pub shift: u64,
+    pub scale: u64,
+    pub seg: u64,
+    pub in_index: u64,
+    pub out_index: u64,
+    pub rows: i32,
+    pub width: i32,
+    pub table_cols: i32,
+    pub eps: f32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RmsRopeParams {
+    pub x: u64,
+    pub weight: u64,
+    pub cos: u64,
+    pub sin: u64,
+    pub rows: i32,
+    pub stride: i32,
+    pub c0: i32,
+    pub heads: i32,
+    pub head_dim: i32,
+    pub eps: f32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GatherParams {
+    pub srcs: [u64; 8],
+    pub src_stride: [i32; 8],
+    pub index: u64,
+    pub out: u64,
+    pub rows: i32,
+    pub cols: i32,
+    pub r0: i32,
+    pub c0: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TimestepParams {
+    pub xs: u64,
+    pub freqs: u64,
+    pub out: u64,
+    pub n: i32,
+    pub half: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AttnSlot {
+    pub k: u64,
+    pub v: u64,
+    pub stride: i64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AttnParams {
+    pub slots: [AttnSlot; 8],
+    pub q_rows: u64,
+    pub kv_rows: u64,
+    pub seqs: u64,
+    pub tiles: u64,
+    pub n_tiles: i32,
+    pub heads: i32,
+    pub head_dim: i32,
+    pub scale_log2: f32,
+}
+
+/// Packs a row reference: `slot` (0..8) in the top 3 bits, the row below.
+pub fn row_ref(slot: usize, row: usize) -> u32 {
+    debug_assert!(slot < 8 && row < (1 << 29));
+    ((slot as u32) << 29) | row as u32
+}
