@@ -97,6 +97,46 @@ impl<E: Exec> GpuBackend<E> {
         self.exec.launch(name, g, p).map_err(dev)
     }
 
+    /// One GEMM over the column block `cols` of `x`, with the bias and GELU epilogues.
+    fn gemm(
+        &self,
+        x: &GpuTensor<E>,
+        cols: Range<usize>,
+        w: &GpuTensor<E>,
+        b: Option<&GpuTensor<E>>,
+        gelu: bool,
+    ) -> Result<GpuTensor<E>> {
+        let (n, kx) = matrix("linear", x)?;
+        let (m, k) = matrix("linear", w)?;
+        if cols.end > kx || cols.len() != k || b.is_some_and(|b| b.len() != m) {
+            return Err(Error::shape(
+                "linear",
+                format!(
+                    "x {:?} columns {cols:?} against weight {:?}",
+                    x.shape, w.shape
+                ),
+            ));
+        }
+        let out = self.empty(vec![n, m])?;
+        if n > 0 {
+            self.exec
+                .gemm(&Gemm {
+                    dt: self.dt,
+                    n,
+                    m,
+                    k,
+                    x: x.addr + (cols.start * self.dt.size()) as u64,
+                    ldx: kx,
+                    w: w.addr,
+                    bias: b.map(|b| b.addr),
+                    gelu,
+                    out: out.addr,
+                })
+                .map_err(dev)?;
+        }
+        Ok(out)
+    }
+
     fn seg_table(
         &self,
         op: &'static str,
@@ -207,34 +247,17 @@ impl<E: Exec> Backend for GpuBackend<E> {
         w: &GpuTensor<E>,
         b: Option<&GpuTensor<E>>,
     ) -> Result<GpuTensor<E>> {
-        let (n, kx) = matrix("linear", x)?;
-        let (m, k) = matrix("linear", w)?;
-        if cols.end > kx || cols.len() != k || b.is_some_and(|b| b.len() != m) {
-            return Err(Error::shape(
-                "linear",
-                format!(
-                    "x {:?} columns {cols:?} against weight {:?}",
-                    x.shape, w.shape
-                ),
-            ));
-        }
-        let out = self.empty(vec![n, m])?;
-        if n > 0 {
-            self.exec
-                .gemm(&Gemm {
-                    dt: self.dt,
-                    n,
-                    m,
-                    k,
-                    x: x.addr + (cols.start * self.dt.size()) as u64,
-                    ldx: kx,
-                    w: w.addr,
-                    bias: b.map(|b| b.addr),
-                    out: out.addr,
-                })
-                .map_err(dev)?;
-        }
-        Ok(out)
+        self.gemm(x, cols, w, b, false)
+    }
+
+    fn linear_gelu(
+        &self,
+        x: &GpuTensor<E>,
+        w: &GpuTensor<E>,
+        b: Option<&GpuTensor<E>>,
+    ) -> Result<GpuTensor<E>> {
+        let k = x.cols();
+        self.gemm(x, 0..k, w, b, true)
     }
 
     fn layer_norm_modulate(
@@ -330,6 +353,10 @@ impl<E: Exec> Backend for GpuBackend<E> {
     ) -> Result<()> {
         let bufs: Vec<&GpuTensor<E>> = bufs.iter().map(|b| &**b).collect();
         crate::attention::run(self, &bufs, q_col, width, heads, seqs)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.exec.synchronize().map_err(dev)
     }
 
     fn add(&self, x: &mut GpuTensor<E>, y: &GpuTensor<E>) -> Result<()> {

@@ -6,6 +6,7 @@
 //! a fiber, so it is far slower than a GPU and meant for tests on small shapes.
 
 use std::alloc::{alloc, dealloc, Layout};
+#[cfg(denoised_emu)]
 use std::ffi::{c_void, CString};
 
 use rayon::prelude::*;
@@ -14,6 +15,7 @@ use crate::exec::{Dt, Exec, Gemm, Grid, Result};
 use crate::params::KernelParams;
 use crate::CudaError;
 
+#[cfg(denoised_emu)]
 extern "C" {
     fn denoised_emu_launch(
         name: *const std::ffi::c_char,
@@ -25,7 +27,11 @@ extern "C" {
     fn denoised_emu_param_sizes(out: *mut std::ffi::c_ulong);
 }
 
+/// Whether this build has the emulator (x86-64 hosts; see build.rs).
+pub const AVAILABLE: bool = cfg!(denoised_emu);
+
 /// `sizeof` of the C++ parameter structs, in `params.rs` order.
+#[cfg(denoised_emu)]
 pub fn param_sizes() -> [usize; 6] {
     let mut out = [0 as std::ffi::c_ulong; 6];
     // SAFETY: writes exactly 6 values.
@@ -58,6 +64,13 @@ fn load(dt: Dt, base: u64, i: usize) -> f32 {
             Dt::F32 => *(base as *const f32).add(i),
             Dt::Bf16 => half::bf16::from_bits(*(base as *const u16).add(i)).to_f32(),
         }
+    }
+}
+
+fn load_rounded(dt: Dt, v: f32) -> f32 {
+    match dt {
+        Dt::F32 => v,
+        Dt::Bf16 => half::bf16::from_f32(v).to_f32(),
     }
 }
 
@@ -98,6 +111,13 @@ impl Exec for EmuExec {
         unsafe { std::ptr::copy_nonoverlapping(src.ptr.add(offset), out.as_mut_ptr(), out.len()) };
         Ok(())
     }
+    #[cfg(not(denoised_emu))]
+    fn launch<P: KernelParams>(&self, name: &'static str, _: Grid, _: &P) -> Result<()> {
+        Err(CudaError::Driver(format!(
+            "cannot run {name}: the CUDA emulator is built on x86-64 hosts only"
+        )))
+    }
+    #[cfg(denoised_emu)]
     fn launch<P: KernelParams>(&self, name: &'static str, g: Grid, params: &P) -> Result<()> {
         let cname = CString::new(name).unwrap();
         // SAFETY: params is a live #[repr(C)] struct matching the kernel's (checked by
@@ -127,7 +147,15 @@ impl Exec for EmuExec {
                         for i in 0..g.k {
                             acc += load(g.dt, g.x, r * g.ldx + i) * load(g.dt, g.w, c * g.k + i);
                         }
-                        acc + g.bias.map_or(0.0, |b| load(g.dt, b, c))
+                        let v = acc + g.bias.map_or(0.0, |b| load(g.dt, b, c));
+                        if g.gelu {
+                            // Rounded to the storage type first, as a separate
+                            // kernel would see it.
+                            let v = load_rounded(g.dt, v);
+                            denoised_runtime::cpu::simd::gelu_tanh(v)
+                        } else {
+                            v
+                        }
                     })
                     .collect()
             })

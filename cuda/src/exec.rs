@@ -57,8 +57,9 @@ impl Grid {
     }
 }
 
-/// `C[n, m] = X[n, k] @ W[m, k]^T (+ bias[m])`, row-major, all of type `dt`, f32
-/// accumulation. `x` rows are `ldx` elements apart (a column block of a wider matrix).
+/// `C[n, m] = X[n, k] @ W[m, k]^T (+ bias[m])`, then GELU (tanh) when `gelu`,
+/// row-major, all of type `dt`, f32 accumulation. `x` rows are `ldx` elements apart (a
+/// column block of a wider matrix).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Gemm {
     pub dt: Dt,
@@ -69,6 +70,7 @@ pub struct Gemm {
     pub ldx: usize,
     pub w: u64,
     pub bias: Option<u64>,
+    pub gelu: bool,
     pub out: u64,
 }
 

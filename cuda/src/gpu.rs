@@ -78,6 +78,7 @@ struct PlanKey {
     k: usize,
     ldx: usize,
     bias: bool,
+    gelu: bool,
 }
 
 struct Plan {
@@ -231,6 +232,7 @@ impl CudaExec {
             k: g.k,
             ldx: g.ldx,
             bias: g.bias.is_some(),
+            gelu: g.gelu,
         };
         if !b.plans.contains_key(&key) {
             let ty = match g.dt {
@@ -267,10 +269,14 @@ impl CudaExec {
                     std::mem::size_of_val(&t),
                 )
                 .map_err(blas("TRANSA"))?;
-                let epi = if g.bias.is_some() {
-                    ltsys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS
-                } else {
-                    ltsys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT
+                use ltsys::cublasLtEpilogue_t::*;
+                // cuBLASLt's GELU is the tanh approximation, as Flux uses; the
+                // linear_gelu check in tests/kernels.rs holds it to the CPU reference.
+                let epi = match (g.bias.is_some(), g.gelu) {
+                    (true, true) => CUBLASLT_EPILOGUE_GELU_BIAS,
+                    (true, false) => CUBLASLT_EPILOGUE_BIAS,
+                    (false, true) => CUBLASLT_EPILOGUE_GELU,
+                    (false, false) => CUBLASLT_EPILOGUE_DEFAULT,
                 };
                 lt::set_matmul_desc_attribute(
                     desc,
@@ -319,6 +325,9 @@ impl Exec for CudaExec {
     }
 
     fn upload(&self, dst: &CudaSlice<u8>, offset: usize, bytes: &[u8]) -> Result<()> {
+        // Raw driver calls need the context current on this thread (cudarc's own
+        // calls bind it themselves).
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let base = self.addr(dst) + offset as u64;
         let s = self.compute.cu_stream();
         if bytes.len() <= SMALL_UPLOAD {
@@ -346,6 +355,7 @@ impl Exec for CudaExec {
     }
 
     fn download(&self, src: &CudaSlice<u8>, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let base = self.addr(src) + offset as u64;
         // SAFETY: in bounds; the stream sync below completes the copy before return.
         unsafe { dr::memcpy_dtoh_async(out, base, self.compute.cu_stream()) }
@@ -371,6 +381,7 @@ impl Exec for CudaExec {
     }
 
     fn gemm(&self, g: &Gemm) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let mut guard = self.blas.lock().unwrap();
         let handle = guard.handle;
         let ws = guard.workspace.device_ptr(&self.compute).0;

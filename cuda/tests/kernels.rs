@@ -104,6 +104,16 @@ fn check_ops<E: Exec>(gpu: &GpuBackend<E>) {
         .unwrap();
     close("linear_cols+bias", dt, &down(&got), &want);
 
+    // linear + GELU (the fused epilogue on a GPU; it must be the tanh approximation)
+    let x = rng.tensor(&[29, 16], 1.0);
+    let want = cpu
+        .linear_gelu(&x, &cpu.upload_weight(&w).unwrap(), Some(&b))
+        .unwrap();
+    let got = gpu
+        .linear_gelu(&up(&x), &gpu.upload_weight(&w).unwrap(), Some(&up(&b)))
+        .unwrap();
+    close("linear+bias+gelu_tanh", dt, &down(&got), &want);
+
     // LayerNorm + modulation per segment
     let x = rng.tensor(&[9, 96], 2.0);
     let table = rng.tensor(&[3, 3 * 96], 0.5);
@@ -265,6 +275,117 @@ fn check_attention<E: Exec>(
     close(&name, dt, &gpu.download(&g1).unwrap(), &c1);
 }
 
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+fn mem_with<E: Exec>(exec: &E, bytes: &[u8]) -> E::Mem {
+    let m = exec.alloc(bytes.len()).unwrap();
+    exec.upload(&m, 0, bytes).unwrap();
+    m
+}
+fn read_f32<E: Exec>(exec: &E, m: &E::Mem, n: usize) -> Vec<f32> {
+    let mut out = vec![0u8; 4 * n];
+    exec.download(m, 0, &mut out).unwrap();
+    out.chunks_exact(4)
+        .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// Kernel features the Backend does not use yet, launched directly: LayerNorm +
+/// modulation with fused row gather and scatter (f32), and the dtype conversions.
+fn check_fused_ln_and_convert<E: Exec>(exec: &E) {
+    use denoised_cuda::params::{EwParams, LnModParams};
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(11);
+    let (rows_in, rows, width) = (10usize, 6usize, 40usize);
+    let x = rng.tensor(&[rows_in, width], 2.0);
+    let table = rng.tensor(&[2, 2 * width], 0.5);
+    let seg: Vec<u32> = vec![0, 1, 1, 0, 1, 0];
+    let in_index: Vec<u32> = vec![9, 0, 4, 4, 7, 2];
+    let out_index: Vec<u32> = vec![5, 3, 0, 7, 1, 2];
+    // Reference: gather, LN-modulate on the CPU backend, scatter.
+    let gathered = cpu
+        .gather_rows(&[&x], &in_index.iter().map(|&r| (0, r)).collect::<Vec<_>>())
+        .unwrap();
+    let ln = cpu
+        .layer_norm_modulate(
+            &gathered,
+            1e-6,
+            modl(&table, 0, &seg),
+            modl(&table, 1, &seg),
+        )
+        .unwrap();
+    let mut want = vec![7.0f32; 8 * width]; // rows nobody writes keep their value
+    for (r, &o) in out_index.iter().enumerate() {
+        want[o as usize * width..(o as usize + 1) * width].copy_from_slice(ln.row(r));
+    }
+    let u32_bytes = |v: &[u32]| v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>();
+    let (mx, mt) = (
+        mem_with(exec, &f32_bytes(x.data())),
+        mem_with(exec, &f32_bytes(table.data())),
+    );
+    let mo = mem_with(exec, &f32_bytes(&vec![7.0f32; 8 * width]));
+    let (ms, mi, mj) = (
+        mem_with(exec, &u32_bytes(&seg)),
+        mem_with(exec, &u32_bytes(&in_index)),
+        mem_with(exec, &u32_bytes(&out_index)),
+    );
+    let p = LnModParams {
+        x: exec.addr(&mx),
+        out: exec.addr(&mo),
+        shift: exec.addr(&mt),
+        scale: exec.addr(&mt) + 4 * width as u64,
+        seg: exec.addr(&ms),
+        in_index: exec.addr(&mi),
+        out_index: exec.addr(&mj),
+        rows: rows as i32,
+        width: width as i32,
+        table_cols: 2 * width as i32,
+        eps: 1e-6,
+    };
+    exec.launch("ln_modulate_f32", Grid::linear(rows * 32, 128), &p)
+        .unwrap();
+    let got = Tensor::new([8, width], read_f32(exec, &mo, 8 * width)).unwrap();
+    close(
+        "ln_modulate gather+scatter",
+        Dt::F32,
+        &got,
+        &Tensor::new([8, width], want).unwrap(),
+    );
+
+    // f32 -> bf16 -> f32 against the half crate (round to nearest even).
+    let v: Vec<f32> = (0..1000)
+        .map(|i| (i as f32 - 500.0) * 0.37e-3 * (1.0 + i as f32))
+        .collect();
+    let (ma, mb, mc) = (
+        mem_with(exec, &f32_bytes(&v)),
+        exec.alloc(2 * v.len()).unwrap(),
+        exec.alloc(4 * v.len()).unwrap(),
+    );
+    let n = v.len() as i32;
+    let p1 = EwParams {
+        x: exec.addr(&ma),
+        y: exec.addr(&mb),
+        n,
+        ..Default::default()
+    };
+    exec.launch("convert_f32_bf16", Grid::linear(v.len(), 256), &p1)
+        .unwrap();
+    let p2 = EwParams {
+        x: exec.addr(&mb),
+        y: exec.addr(&mc),
+        n,
+        ..Default::default()
+    };
+    exec.launch("convert_bf16_f32", Grid::linear(v.len(), 256), &p2)
+        .unwrap();
+    let back = read_f32(exec, &mc, v.len());
+    for (a, b) in v.iter().zip(&back) {
+        assert_eq!(half::bf16::from_f32(*a).to_f32(), *b, "conversion of {a}");
+    }
+    println!("  convert f32<->bf16: exact round to nearest even");
+}
+
 /// The timestep kernel is not a Backend op (the model embeds on the host); it is
 /// checked here directly against f64 math.
 fn check_timestep<E: Exec>(exec: &E) {
@@ -308,6 +429,7 @@ fn check_timestep<E: Exec>(exec: &E) {
 }
 
 #[test]
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
 fn param_structs_match_cpp() {
     use denoised_cuda::params::*;
     use std::mem::size_of;
@@ -323,12 +445,15 @@ fn param_structs_match_cpp() {
 }
 
 #[test]
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
 fn emulated_kernels_match_cpu_f32() {
     check_ops(&GpuBackend::new(EmuExec, Dt::F32));
     check_timestep(&EmuExec);
+    check_fused_ln_and_convert(&EmuExec);
 }
 
 #[test]
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
 fn emulated_kernels_match_cpu_bf16() {
     check_ops(&GpuBackend::new(EmuExec, Dt::Bf16));
 }
@@ -344,6 +469,7 @@ fn gpu_kernels_match_cpu() {
     };
     println!("on {}", exec.describe());
     check_timestep(&exec);
+    check_fused_ln_and_convert(&exec);
     for dt in [Dt::F32, Dt::Bf16] {
         check_ops(&GpuBackend::new(CudaExec::new(0).unwrap(), dt));
     }

@@ -124,6 +124,21 @@ pub trait Backend: Send + Sync {
         b: Option<&Self::Tensor>,
     ) -> Result<Self::Tensor>;
 
+    /// `gelu_tanh(linear(x, w, b))`: the first half of a FeedForward. Device backends
+    /// fuse the GELU into the GEMM's epilogue instead of a second pass over the
+    /// (4x wide) hidden activations.
+    fn linear_gelu(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        b: Option<&Self::Tensor>,
+    ) -> Result<Self::Tensor> {
+        let mut h = self.linear(x, w, b)?;
+        let width = self.shape(&h).last().copied().unwrap_or(0);
+        self.gelu_tanh(&mut h, 0..width)?;
+        Ok(h)
+    }
+
     /// LayerNorm without affine (eps given), then `x*(1+scale)+shift` per row segment.
     fn layer_norm_modulate(
         &self,
@@ -175,6 +190,13 @@ pub trait Backend: Send + Sync {
     /// Builds a matrix from rows of several sources: row `i` of the result is row
     /// `index[i].1` of `srcs[index[i].0]`. All sources have the same width.
     fn gather_rows(&self, srcs: &[&Self::Tensor], index: &[(u32, u32)]) -> Result<Self::Tensor>;
+
+    /// Waits until all queued work has finished. Device backends queue kernels
+    /// asynchronously; benchmarks call this before reading a clock. The CPU backend
+    /// computes synchronously, so the default does nothing.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// Builds a matrix from rows `rows` of column block `cols` of `x` (used to take
     /// K/V out of fused projections for the template cache).

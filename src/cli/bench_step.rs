@@ -13,16 +13,19 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use denoised_cuda::{Dt, GpuBackend};
 use denoised_models::flux::cost::{flop_bound, forward_flops, StepShape};
-use denoised_models::flux::edit::{step_batch, DenoiseInputs, Job, Mode};
+use denoised_models::flux::edit::{
+    step_batch_with, DenoiseInputs, HostSlabs, Job, Mode, ResidentTemplates, SlabSource,
+};
 use denoised_models::flux::embed::image_ids;
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::{read_ratio_trace, TokenMask};
 use denoised_models::{FlowMatchEuler, FluxConfig, FluxTransformer};
-use denoised_runtime::{Backend, DType, Tensor};
+use denoised_runtime::{Backend, CpuBackend, DType, Tensor};
 
-use super::{CliResult, DeviceArgs};
+use super::{CliResult, DeviceArgs, Selected};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -53,6 +56,10 @@ pub struct Args {
     pub seed: u64,
     #[command(flatten)]
     pub device: DeviceArgs,
+    /// Storage type on a GPU: bf16 (production) or f32 (the reference-matching mode).
+    /// The CPU always computes in f32.
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
+    pub dtype: String,
 }
 
 /// The most square `rows x cols` grid with `n` cells.
@@ -76,12 +83,15 @@ struct Timing {
 
 /// Times `iters` batched steps of the jobs `setup` builds (fresh ones for every run,
 /// outside the timed region), after one warm-up.
-fn time_steps<B: Backend<Tensor = Tensor>>(
+fn time_steps<B: Backend, S: SlabSource<B::Tensor>>(
     model: &FluxTransformer<B>,
+    slabs: &S,
     iters: usize,
     mut setup: impl FnMut() -> CliResult<Vec<Job>>,
 ) -> CliResult<Timing> {
-    let run = |jobs: &mut Vec<Job>| step_batch(model, &mut jobs.iter_mut().collect::<Vec<_>>());
+    let run = |jobs: &mut Vec<Job>| {
+        step_batch_with(model, &mut jobs.iter_mut().collect::<Vec<_>>(), slabs)
+    };
     run(&mut setup()?)?;
     let mut ts = Vec::with_capacity(iters);
     for _ in 0..iters {
@@ -98,20 +108,45 @@ fn time_steps<B: Backend<Tensor = Tensor>>(
 }
 
 pub fn run(a: Args) -> CliResult {
-    let cfg = FluxConfig::named(&a.config).ok_or_else(|| {
-        format!(
+    if FluxConfig::named(&a.config).is_none() {
+        return Err(format!(
             "unknown config `{}`; known: {}",
             a.config,
             FluxConfig::NAMES.join(", ")
         )
-    })?;
+        .into());
+    }
     if a.image_tokens == 0 || a.iters == 0 || a.batch == 0 {
         return Err("--image-tokens, --iters and --batch must be positive".into());
     }
     if let Some(bad) = a.mask_ratio.iter().find(|r| !(0.0..=1.0).contains(*r)) {
         return Err(format!("--mask-ratio {bad} is not in [0, 1]").into());
     }
-    let backend = a.device.cpu_backend()?;
+    match a.device.select()? {
+        Selected::Cpu => bench(&a, CpuBackend::new(), |_, _| Ok(HostSlabs)),
+        Selected::Cuda(exec) => {
+            let dt = if a.dtype == "f32" { Dt::F32 } else { Dt::Bf16 };
+            // Compile (or load from the kernel cache) before timing anything.
+            exec.warm_up()?;
+            bench(&a, GpuBackend::new(*exec, dt), |be, cache| {
+                // The template's K/V live in device memory during the timed steps,
+                // as for a template that is hot in the device tier.
+                let mut r = ResidentTemplates::new();
+                r.make_resident(be, cache)?;
+                Ok(r)
+            })
+        }
+    }
+}
+
+/// The measurements on one backend. `slabs_for` makes a captured template readable
+/// by edits on that backend (in place on the CPU, uploaded on a GPU).
+fn bench<B: Backend, S: SlabSource<B::Tensor>>(
+    a: &Args,
+    backend: B,
+    slabs_for: impl Fn(&B, &Arc<TemplateCache>) -> CliResult<S>,
+) -> CliResult {
+    let cfg = FluxConfig::named(&a.config).expect("checked by run");
     let backend_name = backend.name();
     let model = FluxTransformer::seeded(backend, cfg.clone(), a.seed)?;
     let (l, t) = (a.image_tokens, a.text_tokens);
@@ -134,7 +169,8 @@ pub fn run(a: Args) -> CliResult {
     let schedule = Arc::new(FlowMatchEuler::new(&Default::default(), 1, l)?);
     let batch = a.batch;
     let full_flops = forward_flops(&cfg, StepShape::full(t, l));
-    let full = time_steps(&model, a.iters, || {
+    let no_slabs = ResidentTemplates::<B::Tensor>::new();
+    let full = time_steps(&model, &no_slabs, a.iters, || {
         Ok((0..batch)
             .map(|_| Job::new(inputs.clone(), schedule.clone(), Mode::Full))
             .collect::<Result<Vec<_>, _>>()?)
@@ -167,8 +203,9 @@ pub fn run(a: Args) -> CliResult {
         schedule.clone(),
         Mode::Capture(Box::new(cache)),
     )?;
-    step_batch(&model, &mut [&mut capture])?;
+    step_batch_with(&model, &mut [&mut capture], &no_slabs)?;
     let cache = Arc::new(capture.into_parts().1.ok_or("capture returned no cache")?);
+    let slabs = slabs_for(model.backend(), &cache)?;
     let trace = a.mask_trace.as_ref().map(read_ratio_trace).transpose()?;
     let ratio_sets: Vec<Vec<f64>> = match &trace {
         Some(tr) => vec![(0..batch)
@@ -197,7 +234,7 @@ pub fn run(a: Args) -> CliResult {
             })
             .collect();
         let flops: f64 = shapes.iter().map(|s| forward_flops(&cfg, *s)).sum();
-        let tm = time_steps(&model, a.iters, || {
+        let tm = time_steps(&model, &slabs, a.iters, || {
             Ok(masks
                 .iter()
                 .map(|m| {

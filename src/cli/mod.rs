@@ -1,5 +1,6 @@
 //! Command-line interface: one module per subcommand, shared options here.
 
+mod bench_attn;
 mod bench_overheads;
 mod bench_pipeline;
 mod bench_serve;
@@ -40,6 +41,8 @@ pub enum Command {
     Forward(forward::Args),
     /// Time one transformer step of a named config with random weights; prints a JSON line.
     BenchStep(bench_step::Args),
+    /// Time the masked-query attention op alone (TFLOP/s per mask ratio).
+    BenchAttn(bench_attn::Args),
     /// Edit an image: inpaint the masked region from a prompt (FLUX.1 Fill). With
     /// --template, only the masked tokens are computed.
     Edit(edit::EditArgs),
@@ -81,6 +84,7 @@ pub fn run(cli: Cli) -> CliResult {
     match cli.command {
         Command::Forward(a) => forward::run(a),
         Command::BenchStep(a) => bench_step::run(a),
+        Command::BenchAttn(a) => bench_attn::run(a),
         Command::Edit(a) => edit::run_edit(a),
         Command::Template(TemplateCommand::Capture(a)) => edit::run_capture(a),
         Command::BenchPipeline(a) => bench_pipeline::run(a),
@@ -101,21 +105,48 @@ pub struct DeviceArgs {
     pub device: DeviceSpec,
 }
 
+/// The device a command computes on.
+pub enum Selected {
+    Cpu,
+    Cuda(Box<denoised_cuda::CudaExec>),
+}
+
 impl DeviceArgs {
-    /// The backend to compute on. Only the CPU backend exists in this build, so `auto`
-    /// on a GPU machine says that it uses the CPU, and an explicit `cuda:N` is an error.
+    /// Opens the device for commands that have a GPU path. `auto` takes a usable GPU
+    /// and otherwise the CPU, saying why in one log line; an explicit `cuda:N` that
+    /// cannot be opened is an error.
+    pub fn select(&self) -> CliResult<Selected> {
+        match (self.device, denoised_cuda::resolve(self.device)?) {
+            (_, Resolved::Cpu) => Ok(Selected::Cpu),
+            (spec, Resolved::Cuda(g)) => match denoised_cuda::CudaExec::new(g.ordinal) {
+                Ok(exec) => {
+                    tracing::info!("computing on {}", denoised_cuda::Exec::describe(&exec));
+                    Ok(Selected::Cuda(Box::new(exec)))
+                }
+                Err(e) if spec == DeviceSpec::Auto => {
+                    tracing::info!("device auto: {} unusable ({e}); using the CPU", g.name);
+                    Ok(Selected::Cpu)
+                }
+                Err(e) => Err(e.into()),
+            },
+        }
+    }
+
+    /// The backend for commands that run on the CPU only so far (the pipelines: the
+    /// VAE and text encoders have no GPU path yet). `auto` on a GPU machine says that
+    /// it uses the CPU; an explicit `cuda:N` is an error.
     pub fn cpu_backend(&self) -> CliResult<CpuBackend> {
         match (self.device, denoised_cuda::resolve(self.device)?) {
             (_, Resolved::Cpu) => Ok(CpuBackend::new()),
             (DeviceSpec::Auto, Resolved::Cuda(g)) => {
                 tracing::info!(
-                    "device auto: found {} but this build has no CUDA backend yet; using the CPU",
+                    "device auto: found {} but this command has no GPU path yet; using the CPU",
                     g.name
                 );
                 Ok(CpuBackend::new())
             }
             (spec, Resolved::Cuda(g)) => Err(format!(
-                "{spec} ({}) requested, but this build has no CUDA backend yet; use --device cpu",
+                "{spec} ({}) requested, but this command has no GPU path yet (only bench-step has); use --device cpu",
                 g.name
             )
             .into()),

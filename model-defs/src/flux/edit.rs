@@ -160,23 +160,94 @@ impl Job {
     }
 }
 
-/// The cached K/V a job reads at its current step.
-struct StepKv<'a> {
-    inactive: &'a [u32],
-    cache: &'a TemplateCache,
-    step: usize,
+/// Where an edit's cached K/V slabs come from, as tensors of the model's backend.
+///
+/// On the CPU the host [`TemplateCache`] is read in place ([`HostSlabs`]). A device
+/// backend needs the slabs in device memory: [`ResidentTemplates`] holds uploaded
+/// copies (a real server streams them in on the copy path; see the planner).
+pub trait SlabSource<T>: Sync {
+    /// The `[L, 2*hidden]` `[K | V]` slab of `(step, block)` of `cache`.
+    fn slab<'a>(&'a self, cache: &'a TemplateCache, step: usize, block: usize) -> Result<&'a T>;
 }
 
-impl KvCache<Tensor> for StepKv<'_> {
+/// Host slabs, read where they lie (the CPU backend's tensors are host tensors).
+pub struct HostSlabs;
+
+impl SlabSource<Tensor> for HostSlabs {
+    fn slab<'a>(
+        &'a self,
+        cache: &'a TemplateCache,
+        step: usize,
+        block: usize,
+    ) -> Result<&'a Tensor> {
+        // Job::new checked the layout, and step_batch checks completeness.
+        cache.kv(step, block)
+    }
+}
+
+/// Device-resident copies of whole templates, found by the identity of their
+/// `Arc<TemplateCache>`.
+pub struct ResidentTemplates<T> {
+    templates: Vec<(Arc<TemplateCache>, Vec<T>)>,
+}
+
+impl<T: Send + Sync> ResidentTemplates<T> {
+    pub fn new() -> Self {
+        ResidentTemplates { templates: vec![] }
+    }
+    /// Uploads every slab of `cache` (step-major) unless it is already resident.
+    pub fn make_resident<B: Backend<Tensor = T>>(
+        &mut self,
+        backend: &B,
+        cache: &Arc<TemplateCache>,
+    ) -> Result<()> {
+        if self.templates.iter().any(|(c, _)| Arc::ptr_eq(c, cache)) {
+            return Ok(());
+        }
+        let lay = cache.layout();
+        let mut slabs = Vec::with_capacity(lay.steps * lay.blocks);
+        for step in 0..lay.steps {
+            for block in 0..lay.blocks {
+                slabs.push(backend.upload(cache.kv(step, block)?)?);
+            }
+        }
+        self.templates.push((cache.clone(), slabs));
+        Ok(())
+    }
+    pub fn evict(&mut self, cache: &Arc<TemplateCache>) {
+        self.templates.retain(|(c, _)| !Arc::ptr_eq(c, cache));
+    }
+}
+
+impl<T: Send + Sync> Default for ResidentTemplates<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T: Send + Sync> SlabSource<T> for ResidentTemplates<T> {
+    fn slab<'a>(&'a self, cache: &'a TemplateCache, step: usize, block: usize) -> Result<&'a T> {
+        let (_, slabs) = self
+            .templates
+            .iter()
+            .find(|(c, _)| std::ptr::eq(Arc::as_ptr(c), cache))
+            .ok_or_else(|| Error::Invalid("template is not resident on the device".into()))?;
+        Ok(&slabs[step * cache.layout().blocks + block])
+    }
+}
+
+/// The cached K/V a job reads at its current step, one slab per block.
+struct StepKv<'a, T> {
+    inactive: &'a [u32],
+    slabs: Vec<&'a T>,
+}
+
+impl<T: Sync> KvCache<T> for StepKv<'_, T> {
     fn inactive(&self) -> &[u32] {
         self.inactive
     }
-    fn block(&self, b: usize) -> &Tensor {
-        // Job::new checked the layout, and capture fills every slab before a template
-        // is used; a missing slab is a broken invariant, not bad input.
-        self.cache
-            .kv(self.step, b)
-            .expect("complete template cache")
+    fn block(&self, b: usize) -> &T {
+        self.slabs[b]
     }
 }
 
@@ -198,10 +269,20 @@ impl ForwardObserver for CaptureSink {
     }
 }
 
-/// Advances every unfinished job by one step with one forward call.
+/// Advances every unfinished job by one step with one forward call (CPU backend: the
+/// templates' host slabs are read in place).
 pub fn step_batch<B: Backend<Tensor = Tensor>>(
     model: &FluxTransformer<B>,
     jobs: &mut [&mut Job],
+) -> Result<()> {
+    step_batch_with(model, jobs, &HostSlabs)
+}
+
+/// [`step_batch`] on any backend, with edits reading their cached K/V from `slabs`.
+pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
+    model: &FluxTransformer<B>,
+    jobs: &mut [&mut Job],
+    slabs: &S,
 ) -> Result<()> {
     let live: Vec<usize> = (0..jobs.len()).filter(|&i| !jobs[i].done()).collect();
     if live.is_empty() {
@@ -235,18 +316,20 @@ pub fn step_batch<B: Backend<Tensor = Tensor>>(
             ))
         })
         .collect::<Result<_>>()?;
-    let kvs: Vec<Option<StepKv<'_>>> = live
+    let blocks = model.config.num_layers + model.config.num_single_layers;
+    let kvs: Vec<Option<StepKv<'_, B::Tensor>>> = live
         .iter()
         .map(|&i| match &jobs[i].mode {
-            Mode::Edit { cache, .. } => Some(StepKv {
+            Mode::Edit { cache, .. } => Ok(Some(StepKv {
                 inactive: &jobs[i].inactive,
-                cache,
-                step: jobs[i].step,
-            }),
-            _ => None,
+                slabs: (0..blocks)
+                    .map(|b| slabs.slab(cache, jobs[i].step, b))
+                    .collect::<Result<_>>()?,
+            })),
+            _ => Ok(None),
         })
-        .collect();
-    let reqs: Vec<FluxRequest<'_, Tensor>> = live
+        .collect::<Result<_>>()?;
+    let reqs: Vec<FluxRequest<'_, B::Tensor>> = live
         .iter()
         .zip(&rows)
         .zip(&kvs)
@@ -260,7 +343,7 @@ pub fn step_batch<B: Backend<Tensor = Tensor>>(
                 pooled: &j.inputs.pooled,
                 timestep: j.schedule.model_timestep(j.step),
                 guidance: j.inputs.guidance,
-                cache: kv.as_ref().map(|k| k as &dyn KvCache<Tensor>),
+                cache: kv.as_ref().map(|k| k as &dyn KvCache<B::Tensor>),
             }
         })
         .collect();

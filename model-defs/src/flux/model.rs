@@ -694,9 +694,7 @@ impl<B: Backend> FluxTransformer<B> {
 
     /// FeedForward: Linear → GELU(tanh) → Linear.
     fn ff(&self, x: &B::Tensor, l1: &Linear<B>, l2: &Linear<B>) -> Result<B::Tensor> {
-        let mut h = self.linear(x, l1)?;
-        let w = self.backend.shape(&h)[1];
-        self.backend.gelu_tanh(&mut h, 0..w)?;
+        let h = self.backend.linear_gelu(x, &l1.w, l1.b.as_ref())?;
         self.linear(&h, l2)
     }
 }
