@@ -78,7 +78,7 @@ impl Exec for EmuExec {
     type Mem = EmuMem;
 
     fn describe(&self) -> String {
-        "cuda-emulator (kernels on CPU threads)".into()
+        "cuda-emulator (the kernels on CPU fibers)".into()
     }
     fn alloc(&self, bytes: usize) -> Result<EmuMem> {
         let layout = Layout::from_size_align(bytes.max(64), 64)

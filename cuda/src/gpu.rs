@@ -129,6 +129,13 @@ impl CudaExec {
                 "libnvrtc is not installed (the kernels are compiled at run time)".into(),
             ));
         }
+        // SAFETY: only tries to dlopen the library by its usual names.
+        if !unsafe { ltsys::is_culib_present() } {
+            return Err(CudaError::NoDevice(
+                "libcublasLt is not installed (the CUDA toolkit, or `pip install nvidia-cublas`)"
+                    .into(),
+            ));
+        }
         let ctx = CudaContext::new(ordinal).map_err(drv("cuCtxCreate"))?;
         // SAFETY: called before any allocation; we order work ourselves (module docs).
         unsafe { ctx.disable_event_tracking() };
