@@ -23,7 +23,7 @@ use denoised_models::mask::TokenMask;
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
 use denoised_models::FluxTransformer;
 use denoised_runtime::fixtures::{tiny_model_dir, RefCase, Tier};
-use denoised_runtime::{DType, Tensor};
+use denoised_runtime::DType;
 
 const CASES: [&str; 4] = [
     "transformer_case1",
@@ -68,35 +68,9 @@ fn check<E: Exec>(make: impl Fn() -> E) {
     }
 }
 
-fn squeeze(t: Tensor) -> Tensor {
-    let cols = *t.shape().last().unwrap();
-    let rows = t.len() / cols;
-    t.reshape([rows, cols]).unwrap()
-}
-
 /// The diffusers end-to-end case's denoiser inputs (256 image tokens).
 fn e2e_inputs() -> DenoiseInputs {
-    let case = RefCase::open("e2e").unwrap();
-    let mil = squeeze(case.tensor("masked_image_latents_packed"));
-    let mask = squeeze(case.tensor("mask_packed"));
-    let cond: Vec<f32> = (0..mil.rows())
-        .flat_map(|r| {
-            mil.row(r)
-                .iter()
-                .chain(mask.row(r))
-                .copied()
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    DenoiseInputs {
-        latents: squeeze(case.tensor("initial_latents")),
-        cond: Tensor::new([mil.rows(), mil.cols() + mask.cols()], cond).unwrap(),
-        img_ids: case.tensor("img_ids"),
-        txt: squeeze(case.tensor("prompt_embeds")),
-        txt_ids: case.tensor("txt_ids"),
-        pooled: case.tensor("pooled_prompt_embeds").into_data(),
-        guidance: case.tensor("guidance").data()[0],
-    }
+    denoised_models::fixtures::e2e_denoise_inputs(&RefCase::open("e2e").unwrap())
 }
 
 fn run_to_end<E: Exec>(

@@ -4,6 +4,7 @@
 //!   diffusers directory or built in with seeded weights.
 //! - [`scheduler`]: the flow-match Euler scheduler as FluxFillPipeline drives it.
 
+pub mod fixtures;
 pub mod flux;
 pub mod mask;
 pub mod pipeline;

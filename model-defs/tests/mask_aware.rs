@@ -22,34 +22,8 @@ fn model() -> FluxTransformer<CpuBackend> {
     FluxTransformer::load(CpuBackend::new(), tiny_model_dir().join("transformer")).unwrap()
 }
 
-fn squeeze(t: Tensor) -> Tensor {
-    let s = t.shape().to_vec();
-    let cols = *s.last().unwrap();
-    let rows = t.len() / cols;
-    t.reshape([rows, cols]).unwrap()
-}
-
 fn e2e_inputs(case: &RefCase) -> DenoiseInputs {
-    let mil = squeeze(case.tensor("masked_image_latents_packed"));
-    let mask = squeeze(case.tensor("mask_packed"));
-    let cond: Vec<f32> = (0..mil.rows())
-        .flat_map(|r| {
-            mil.row(r)
-                .iter()
-                .chain(mask.row(r))
-                .copied()
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    DenoiseInputs {
-        latents: squeeze(case.tensor("initial_latents")),
-        cond: Tensor::new([mil.rows(), mil.cols() + mask.cols()], cond).unwrap(),
-        img_ids: case.tensor("img_ids"),
-        txt: squeeze(case.tensor("prompt_embeds")),
-        txt_ids: case.tensor("txt_ids"),
-        pooled: case.tensor("pooled_prompt_embeds").into_data(),
-        guidance: case.tensor("guidance").data()[0],
-    }
+    denoised_models::fixtures::e2e_denoise_inputs(case)
 }
 
 fn schedule() -> FlowMatchEuler {
