@@ -156,7 +156,7 @@ pub(crate) fn run<E: Exec>(
     all.extend(descs.iter().flat_map(|d| d.map(|x| x as u32)));
     all.extend(&q_rows);
     all.extend(&kv_rows);
-    let (_mem, base) = be.upload_descr(&all)?;
+    let (_mem, base) = be.upload_u32(&all)?;
     let mut p = AttnParams {
         q_rows: base + 4 * q_off as u64,
         kv_rows: base + 4 * kv_off as u64,
@@ -174,5 +174,5 @@ pub(crate) fn run<E: Exec>(
         block: [128, 1, 1],
         smem: 0,
     };
-    be.launch_attn(name, g, &p)
+    be.launch(name, g, &p)
 }

@@ -81,7 +81,7 @@ impl<E: Exec> GpuBackend<E> {
 
     /// Uploads a small host array (indices, descriptors); freed when dropped, which
     /// on a GPU is stream-ordered after the kernels that read it.
-    fn upload_u32(&self, v: &[u32]) -> Result<(E::Mem, u64)> {
+    pub(crate) fn upload_u32(&self, v: &[u32]) -> Result<(E::Mem, u64)> {
         let mem = self.exec.alloc(v.len() * 4).map_err(dev)?;
         let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_ne_bytes()).collect();
         self.exec.upload(&mem, 0, &bytes).map_err(dev)?;
@@ -93,7 +93,7 @@ impl<E: Exec> GpuBackend<E> {
         kernel_name(base, self.dt)
     }
 
-    fn launch<P: KernelParams>(&self, name: &'static str, g: Grid, p: &P) -> Result<()> {
+    pub(crate) fn launch<P: KernelParams>(&self, name: &'static str, g: Grid, p: &P) -> Result<()> {
         self.exec.launch(name, g, p).map_err(dev)
     }
 
@@ -535,12 +535,6 @@ impl<E: Exec> GpuTensor<E> {
 }
 
 impl<E: Exec> GpuBackend<E> {
-    pub(crate) fn upload_descr(&self, v: &[u32]) -> Result<(E::Mem, u64)> {
-        self.upload_u32(v)
-    }
-    pub(crate) fn launch_attn(&self, name: &'static str, g: Grid, p: &AttnParams) -> Result<()> {
-        self.launch(name, g, p)
-    }
     /// Resolves a kernel-source tensor of attention.
     pub(crate) fn src_view<'a>(
         bufs: &'a [&'a GpuTensor<E>],
