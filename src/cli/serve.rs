@@ -37,6 +37,10 @@ pub struct ServeArgs {
     /// `[denoise] token_budget`.
     #[arg(long, env = "DENOISED_TOKEN_BUDGET")]
     pub token_budget: Option<usize>,
+    /// `[device] device`: auto, cpu or cuda:N. The daemon computes on the CPU in this
+    /// build, so cuda:N is refused at start rather than silently ignored.
+    #[arg(long, env = "DENOISED_DEVICE")]
+    pub device: Option<String>,
     /// `[cluster] port`: the router's cluster node port (0: a free one).
     #[arg(long, env = "DENOISED_CLUSTER_PORT")]
     pub cluster_port: Option<u16>,
@@ -77,6 +81,10 @@ impl ServeArgs {
         if let Some(n) = self.token_budget {
             c.denoise.token_budget = n;
         }
+        if let Some(d) = &self.device {
+            c.device.device = d.clone();
+        }
+        check_device(&c.device.device)?;
         if let Some(p) = self.cluster_port {
             c.cluster.port = p;
         }
@@ -90,6 +98,29 @@ impl ServeArgs {
         let source: denoised_models::ModelSource = c.model.source.parse()?;
         source.fingerprint()?;
         Ok(c)
+    }
+}
+
+/// The daemon's workers compute on the CPU until the denoise worker gains the GPU
+/// backend (docs/gpu.md); an operator who asks for a GPU must hear that, not get a CPU.
+fn check_device(spec: &str) -> CliResult {
+    use denoised_cuda::{DeviceSpec, Resolved};
+    let spec: DeviceSpec = spec.parse()?;
+    match (spec, denoised_cuda::resolve(spec)?) {
+        (_, Resolved::Cpu) => Ok(()),
+        (DeviceSpec::Auto, Resolved::Cuda(g)) => {
+            tracing::info!(
+                "device auto: found {}, but the daemon computes on the CPU in this build",
+                g.name
+            );
+            Ok(())
+        }
+        (spec, Resolved::Cuda(g)) => Err(format!(
+            "[device] {spec} ({}): the daemon computes on the CPU in this build (the GPU \
+             backend serves bench-step and bench-attn so far); set device = \"cpu\" or \"auto\"",
+            g.name
+        )
+        .into()),
     }
 }
 
