@@ -47,6 +47,10 @@ fn blas(what: &str) -> impl Fn(lt::CublasError) -> CudaError + '_ {
 const STAGING_BYTES: usize = 64 << 20;
 /// cuBLASLt workspace (what it needs for split-K on large GEMMs).
 const WORKSPACE_BYTES: usize = 32 << 20;
+/// Most cached GEMM plans. The row count is part of a plan's key and varies with each
+/// batch's active tokens, so the cache is emptied when it reaches this size rather
+/// than growing without bound (a miss costs one heuristic query, microseconds).
+const MAX_PLANS: usize = 4096;
 /// Uploads below this go straight from pageable memory (no staging round trip).
 const SMALL_UPLOAD: usize = 256 << 10;
 
@@ -242,6 +246,9 @@ impl CudaExec {
             gelu: g.gelu,
         };
         if !b.plans.contains_key(&key) {
+            if b.plans.len() >= MAX_PLANS {
+                b.plans.clear();
+            }
             let ty = match g.dt {
                 Dt::F32 => ltsys::cudaDataType_t::CUDA_R_32F,
                 Dt::Bf16 => ltsys::cudaDataType_t::CUDA_R_16BF,
