@@ -6,10 +6,10 @@
 //! double block uses 2 query buffers and about 3 K/V sources per request kind), and
 //! every row a packed `(slot, row)` reference. All descriptors go up in one upload.
 
-use denoised_runtime::backend::AttnSeq;
+use denoised_runtime::backend::{AttnSeq, Src};
 use denoised_runtime::{Error, Result};
 
-use crate::backend::{GpuBackend, GpuTensor, View};
+use crate::backend::{GpuBackend, GpuTensor};
 use crate::exec::{Dt, Exec, Grid};
 use crate::params::{row_ref, AttnParams, AttnSlot};
 
@@ -17,6 +17,32 @@ use crate::params::{row_ref, AttnParams, AttnSlot};
 const MMA_TILE: usize = 64;
 /// Query rows per block of the SIMT kernel (4 warps x 1 row).
 const SIMT_TILE: usize = 4;
+
+/// What the descriptors need from a tensor.
+struct View {
+    addr: u64,
+    rows: usize,
+    cols: usize,
+}
+
+fn view<E: Exec>(t: &GpuTensor<E>) -> View {
+    View {
+        addr: t.addr(),
+        rows: t.rows(),
+        cols: t.cols(),
+    }
+}
+
+/// The tensor a K/V source reads: one of the call's buffers, or an external one.
+fn src_view<E: Exec>(bufs: &[&GpuTensor<E>], s: &Src<'_, GpuTensor<E>>) -> Result<View> {
+    match s {
+        Src::Own(i) => bufs
+            .get(*i)
+            .map(|b| view(b))
+            .ok_or_else(|| Error::shape("attention", format!("no buffer {i}"))),
+        Src::Ext(t) => Ok(view(t)),
+    }
+}
 
 struct Slots {
     slots: Vec<AttnSlot>,
@@ -89,7 +115,7 @@ pub(crate) fn run<E: Exec>(
         for span in &s.q {
             let v = bufs
                 .get(span.buf)
-                .map(|b| b.view())
+                .map(|b| view(b))
                 .ok_or_else(|| Error::shape("attention", format!("no buffer {}", span.buf)))?;
             check_cols("query", &v, q_col, width)?;
             if span.rows.end > v.rows {
@@ -104,7 +130,7 @@ pub(crate) fn run<E: Exec>(
         }
         let kv_off = kv_rows.len();
         for kv in &s.kv {
-            let v = GpuBackend::src_view(bufs, &kv.src)?;
+            let v = src_view(bufs, &kv.src)?;
             check_cols("key", &v, kv.k_col, width)?;
             check_cols("value", &v, kv.v_col, width)?;
             let slot = slots.get(

@@ -8,7 +8,7 @@
 
 use std::ops::Range;
 
-use denoised_runtime::backend::{AttnSeq, Backend, Modulation, Src};
+use denoised_runtime::backend::{AttnSeq, Backend, Modulation};
 use denoised_runtime::{Error, Result, Tensor};
 
 use crate::exec::{Dt, Exec, Gemm, Grid};
@@ -29,14 +29,17 @@ impl<E: Exec> GpuTensor<E> {
     pub fn dtype(&self) -> Dt {
         self.dt
     }
-    fn rows(&self) -> usize {
+    pub(crate) fn addr(&self) -> u64 {
+        self.addr
+    }
+    pub(crate) fn rows(&self) -> usize {
         if self.shape.len() <= 1 {
             1
         } else {
             self.shape[..self.shape.len() - 1].iter().product()
         }
     }
-    fn cols(&self) -> usize {
+    pub(crate) fn cols(&self) -> usize {
         self.shape.last().copied().unwrap_or(1)
     }
     fn len(&self) -> usize {
@@ -514,38 +517,5 @@ impl<E: Exec> Backend for GpuBackend<E> {
             &p,
         )?;
         Ok(out)
-    }
-}
-
-/// Pieces the attention planner needs from a tensor.
-pub(crate) struct View {
-    pub addr: u64,
-    pub rows: usize,
-    pub cols: usize,
-}
-
-impl<E: Exec> GpuTensor<E> {
-    pub(crate) fn view(&self) -> View {
-        View {
-            addr: self.addr,
-            rows: self.rows(),
-            cols: self.cols(),
-        }
-    }
-}
-
-impl<E: Exec> GpuBackend<E> {
-    /// Resolves a kernel-source tensor of attention.
-    pub(crate) fn src_view<'a>(
-        bufs: &'a [&'a GpuTensor<E>],
-        s: &Src<'a, GpuTensor<E>>,
-    ) -> Result<View> {
-        match s {
-            Src::Own(i) => bufs
-                .get(*i)
-                .map(|b| b.view())
-                .ok_or_else(|| Error::shape("attention", format!("no buffer {i}"))),
-            Src::Ext(t) => Ok(t.view()),
-        }
     }
 }
