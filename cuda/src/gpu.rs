@@ -83,6 +83,14 @@ struct PlanKey {
     ldx: usize,
     bias: bool,
     gelu: bool,
+    /// Byte alignment of W, X and the output (cuBLASLt may pick kernels that assume
+    /// more alignment than a column-block view of X has, unless told).
+    align: [u32; 3],
+}
+
+/// The largest power of two (up to 256) dividing a device address.
+fn alignment(addr: u64) -> u32 {
+    1 << addr.trailing_zeros().min(8)
 }
 
 struct Plan {
@@ -244,6 +252,7 @@ impl CudaExec {
             ldx: g.ldx,
             bias: g.bias.is_some(),
             gelu: g.gelu,
+            align: [alignment(g.w), alignment(g.x), alignment(g.out)],
         };
         if !b.plans.contains_key(&key) {
             if b.plans.len() >= MAX_PLANS {
@@ -308,6 +317,16 @@ impl CudaExec {
                     8,
                 )
                 .map_err(blas("pref workspace"))?;
+                use ltsys::cublasLtMatmulPreferenceAttributes_t::*;
+                for (attr, a) in [
+                    (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align[0]),
+                    (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align[1]),
+                    (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2]),
+                    (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[2]),
+                ] {
+                    lt::set_matmul_pref_attribute(pref, attr, &a as *const u32 as *const c_void, 4)
+                        .map_err(blas("pref alignment"))?;
+                }
                 let h = lt::get_matmul_algo_heuristic(b.handle, desc, a, bl, c, c, pref);
                 let _ = lt::destroy_matmul_pref(pref);
                 plan.algo = h.map_err(blas("no cuBLASLt algorithm for this GEMM"))?.algo;
