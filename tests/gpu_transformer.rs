@@ -15,8 +15,10 @@
 
 use std::sync::Arc;
 
-use denoised_cuda::{CudaExec, Dt, EmuExec, Exec, GpuBackend};
-use denoised_models::flux::edit::{step_batch_with, DenoiseInputs, Job, Mode, ResidentTemplates};
+use denoised_cuda::{CudaExec, Dt, EmuExec, Exec, GpuBackend, GpuTensor, StreamedTemplate};
+use denoised_models::flux::edit::{
+    step_batch_with, DenoiseInputs, Job, Mode, ResidentTemplates, SlabSource, TemplateProviders,
+};
 use denoised_models::flux::model::{FluxInputs, NoObserver};
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::mask::TokenMask;
@@ -76,10 +78,10 @@ fn e2e_inputs() -> DenoiseInputs {
 fn run_to_end<E: Exec>(
     m: &FluxTransformer<GpuBackend<E>>,
     jobs: &mut [Job],
-    slabs: &ResidentTemplates<denoised_cuda::GpuTensor<E>>,
+    slabs: &impl SlabSource<GpuTensor<E>>,
 ) {
     while jobs.iter().any(|j| !j.done()) {
-        let mut refs: Vec<&mut Job> = jobs.iter_mut().collect();
+        let mut refs: Vec<&mut Job> = jobs.iter_mut().filter(|j| !j.done()).collect();
         step_batch_with(m, &mut refs, slabs).unwrap();
     }
 }
@@ -98,33 +100,55 @@ fn identity<E: Exec>(make: impl Fn() -> E) {
     for (dt, tol) in [(Dt::F32, 1e-5), (Dt::Bf16, 2e-2)] {
         let be = GpuBackend::new(make(), dt);
         let m = FluxTransformer::load(be, tiny_model_dir().join("transformer")).unwrap();
+        let name = denoised_runtime::Backend::name(m.backend());
         let layout = TemplateLayout::for_model(&m.config, 256, s.steps(), DType::F32);
-        let mut slabs = ResidentTemplates::new();
-        let mut cap = [Job::new(
-            inputs.clone(),
-            s.clone(),
-            Mode::Capture(Box::new(TemplateCache::new(layout))),
-        )
-        .unwrap()];
-        run_to_end(&m, &mut cap, &slabs);
+        let mut resident = ResidentTemplates::new();
+        let capture = Mode::Capture(Box::new(TemplateCache::new(layout)));
+        let mut cap = [Job::new(inputs.clone(), s.clone(), capture).unwrap()];
+        run_to_end(&m, &mut cap, &resident);
         let [cap] = cap;
         let (fin, cache) = cap.into_parts();
         let cache = Arc::new(cache.unwrap());
-        slabs.make_resident(m.backend(), &cache).unwrap();
-        let mut edit = [Job::new(
-            inputs.clone(),
-            s.clone(),
-            Mode::Edit {
-                mask: mask.clone(),
-                cache,
-            },
-        )
-        .unwrap()];
-        run_to_end(&m, &mut edit, &slabs);
         let scale = fin.data().iter().fold(0f32, |a, v| a.max(v.abs()));
-        let d = edit[0].latents().max_abs_diff(&fin).unwrap() / scale;
-        println!("identity invariant on {} ({} of 256 tokens active): relative diff {d:.2e} (bound {tol:.0e})", denoised_runtime::Backend::name(m.backend()), mask.active().len());
-        assert!(d <= tol, "{dt:?}: identity invariant broken: {d}");
+        let edit = || {
+            let mode = Mode::Edit {
+                mask: mask.clone(),
+                cache: cache.clone(),
+            };
+            Job::new(inputs.clone(), s.clone(), mode).unwrap()
+        };
+        let check = |what: &str, job: &Job| {
+            let d = job.latents().max_abs_diff(&fin).unwrap() / scale;
+            println!(
+                "identity invariant on {name}, {what} ({} of 256 tokens active): relative diff {d:.2e} (bound {tol:.0e})",
+                mask.active().len()
+            );
+            assert!(d <= tol, "{dt:?} {what}: identity invariant broken: {d}");
+        };
+
+        // The template resident on the device.
+        resident.make_resident(m.backend(), &cache).unwrap();
+        let mut one = [edit()];
+        run_to_end(&m, &mut one, &resident);
+        check("resident template", &one[0]);
+
+        // Streamed block by block through ping-pong buffers, by two requests that
+        // share every forward at different steps (the second starts one step later).
+        let lay = cache.layout();
+        let slabs: Vec<&denoised_runtime::Tensor> = (0..lay.steps)
+            .flat_map(|st| (0..lay.blocks).map(move |b| (st, b)))
+            .map(|(st, b)| cache.kv(st, b).unwrap())
+            .collect();
+        let streamed =
+            StreamedTemplate::new(m.backend(), &slabs, lay.steps, lay.blocks, 2).unwrap();
+        let mut providers = TemplateProviders::new();
+        providers.insert(&cache, Box::new(streamed));
+        let mut first = edit();
+        step_batch_with(&m, &mut [&mut first], &providers).unwrap();
+        let mut two = [first, edit()];
+        run_to_end(&m, &mut two, &providers);
+        check("streamed template, request at steps 0..3", &two[0]);
+        check("streamed template, request joining a step later", &two[1]);
     }
 }
 

@@ -7,6 +7,7 @@
 //! uploads them once per call and launches; it never touches tensor data on the host.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use denoised_runtime::backend::{AttnSeq, Backend, Modulation};
 use denoised_runtime::{Error, Result, Tensor};
@@ -23,6 +24,21 @@ pub struct GpuTensor<E: Exec> {
 }
 
 impl<E: Exec> GpuTensor<E> {
+    /// A tensor of undefined contents.
+    pub(crate) fn alloc(exec: &E, shape: Vec<usize>, dt: Dt) -> Result<Self> {
+        let n: usize = shape.iter().product();
+        let mem = exec.alloc(n * dt.size()).map_err(dev)?;
+        let addr = exec.addr(&mem);
+        Ok(GpuTensor {
+            mem,
+            addr,
+            shape,
+            dt,
+        })
+    }
+    pub(crate) fn mem(&self) -> &E::Mem {
+        &self.mem
+    }
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
@@ -48,11 +64,12 @@ impl<E: Exec> GpuTensor<E> {
 }
 
 pub struct GpuBackend<E: Exec> {
-    exec: E,
+    /// Shared with the template streams, which queue loads on the same device.
+    exec: Arc<E>,
     dt: Dt,
 }
 
-fn dev(e: CudaError) -> Error {
+pub(crate) fn dev(e: CudaError) -> Error {
     Error::Device(e.to_string())
 }
 
@@ -61,9 +78,12 @@ const ROW_BLOCK: u32 = 128;
 
 impl<E: Exec> GpuBackend<E> {
     pub fn new(exec: E, dt: Dt) -> Self {
-        GpuBackend { exec, dt }
+        GpuBackend {
+            exec: Arc::new(exec),
+            dt,
+        }
     }
-    pub fn exec(&self) -> &E {
+    pub fn exec(&self) -> &Arc<E> {
         &self.exec
     }
     pub fn dtype(&self) -> Dt {
@@ -71,15 +91,7 @@ impl<E: Exec> GpuBackend<E> {
     }
 
     fn empty(&self, shape: Vec<usize>) -> Result<GpuTensor<E>> {
-        let n: usize = shape.iter().product();
-        let mem = self.exec.alloc(n * self.dt.size()).map_err(dev)?;
-        let addr = self.exec.addr(&mem);
-        Ok(GpuTensor {
-            mem,
-            addr,
-            shape,
-            dt: self.dt,
-        })
+        GpuTensor::alloc(&*self.exec, shape, self.dt)
     }
 
     /// Uploads a small host array (indices, descriptors); freed when dropped, which
@@ -189,7 +201,7 @@ fn matrix<E: Exec>(op: &'static str, t: &GpuTensor<E>) -> Result<(usize, usize)>
     Ok((t.shape[0], t.shape[1]))
 }
 
-fn to_bytes(dt: Dt, data: &[f32]) -> Vec<u8> {
+pub(crate) fn to_bytes(dt: Dt, data: &[f32]) -> Vec<u8> {
     match dt {
         Dt::F32 => data.iter().flat_map(|v| v.to_ne_bytes()).collect(),
         Dt::Bf16 => data

@@ -76,6 +76,9 @@ fn load_rounded(dt: Dt, v: f32) -> f32 {
 
 impl Exec for EmuExec {
     type Mem = EmuMem;
+    type Host = Vec<u8>;
+    /// One stream in effect: every operation completes before the call returns.
+    type Event = ();
 
     fn describe(&self) -> String {
         "cuda-emulator (the kernels on CPU fibers)".into()
@@ -175,6 +178,21 @@ impl Exec for EmuExec {
         Ok(())
     }
     fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+    fn alloc_host(&self, bytes: usize) -> Result<Vec<u8>> {
+        Ok(vec![0; bytes])
+    }
+    fn host_bytes<'a>(&self, h: &'a mut Vec<u8>) -> Result<&'a mut [u8]> {
+        Ok(h)
+    }
+    fn load(&self, dst: &EmuMem, src: &Vec<u8>, src_offset: usize, len: usize) -> Result<()> {
+        self.upload(dst, 0, &src[src_offset..src_offset + len])
+    }
+    fn record(&self, _: crate::exec::Stream) -> Result<()> {
+        Ok(())
+    }
+    fn wait(&self, _: crate::exec::Stream, _: &()) -> Result<()> {
         Ok(())
     }
 }

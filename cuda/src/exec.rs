@@ -74,9 +74,21 @@ pub struct Gemm {
     pub out: u64,
 }
 
+/// The executor's two queues: kernels and GEMMs run in order on `Compute`; cache loads
+/// run on `Copy`, ordered against compute only through events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stream {
+    Compute,
+    Copy,
+}
+
 pub trait Exec: Send + Sync + 'static {
     /// One device allocation; freed when dropped.
     type Mem: Send + Sync;
+    /// Host memory the device copies from asynchronously (page-locked on a GPU).
+    type Host: Send + Sync;
+    /// A point in a stream's work that another stream can wait for.
+    type Event: Send + Sync;
 
     fn describe(&self) -> String;
     fn alloc(&self, bytes: usize) -> Result<Self::Mem>;
@@ -91,4 +103,14 @@ pub trait Exec: Send + Sync + 'static {
     fn gemm(&self, g: &Gemm) -> Result<()>;
     /// Waits for all queued work.
     fn synchronize(&self) -> Result<()>;
+
+    fn alloc_host(&self, bytes: usize) -> Result<Self::Host>;
+    /// The host buffer's bytes, to fill before any load reads them.
+    fn host_bytes<'a>(&self, h: &'a mut Self::Host) -> Result<&'a mut [u8]>;
+    /// Queues a copy of `len` bytes from `src + src_offset` to `dst` on the copy stream.
+    fn load(&self, dst: &Self::Mem, src: &Self::Host, src_offset: usize, len: usize) -> Result<()>;
+    /// Marks the work queued so far on `on`.
+    fn record(&self, on: Stream) -> Result<Self::Event>;
+    /// Makes later work on `on` wait for `e`.
+    fn wait(&self, on: Stream, e: &Self::Event) -> Result<()>;
 }

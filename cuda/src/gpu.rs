@@ -24,14 +24,14 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::{result as lt, sys as ltsys};
 use cudarc::driver::{
-    result as dr, sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    LaunchConfig, PinnedHostSlice, PushKernelArg,
+    result as dr, sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream,
+    DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
 use crate::compile;
 use crate::device::{probe, GpuInfo};
-use crate::exec::{Dt, Exec, Gemm, Grid, Result};
+use crate::exec::{Dt, Exec, Gemm, Grid, Result, Stream};
 use crate::kernels;
 use crate::params::KernelParams;
 use crate::CudaError;
@@ -337,8 +337,19 @@ impl CudaExec {
     }
 }
 
+impl CudaExec {
+    fn stream(&self, s: Stream) -> &Arc<CudaStream> {
+        match s {
+            Stream::Compute => &self.compute,
+            Stream::Copy => &self.copy,
+        }
+    }
+}
+
 impl Exec for CudaExec {
     type Mem = CudaSlice<u8>;
+    type Host = PinnedHostSlice<u8>;
+    type Event = CudaEvent;
 
     fn describe(&self) -> String {
         format!(
@@ -457,5 +468,49 @@ impl Exec for CudaExec {
         self.compute
             .synchronize()
             .map_err(drv("cuStreamSynchronize"))
+    }
+
+    fn alloc_host(&self, bytes: usize) -> Result<PinnedHostSlice<u8>> {
+        // SAFETY: plain page-locked host allocation; filled before loads read it.
+        unsafe { self.ctx.alloc_pinned::<u8>(bytes.max(1)) }.map_err(drv("cuMemHostAlloc"))
+    }
+
+    fn host_bytes<'a>(&self, h: &'a mut PinnedHostSlice<u8>) -> Result<&'a mut [u8]> {
+        h.as_mut_slice().map_err(drv("pinned"))
+    }
+
+    fn load(
+        &self,
+        dst: &CudaSlice<u8>,
+        src: &PinnedHostSlice<u8>,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        assert!(src_offset + len <= src.len() && len <= dst.len());
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        // SAFETY: in bounds (asserted); the pinned source outlives the copy (its owner
+        // keeps it for as long as loads may be queued).
+        unsafe {
+            let host = std::slice::from_raw_parts(
+                src.as_ptr().map_err(drv("pinned"))?.add(src_offset),
+                len,
+            );
+            dr::memcpy_htod_async(self.addr(dst), host, self.copy.cu_stream())
+        }
+        .map_err(drv("cuMemcpyHtoDAsync (copy stream)"))
+    }
+
+    fn record(&self, on: Stream) -> Result<CudaEvent> {
+        let s = self.stream(on);
+        let e = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(drv("cuEventCreate"))?;
+        e.record(s).map_err(drv("cuEventRecord"))?;
+        Ok(e)
+    }
+
+    fn wait(&self, on: Stream, e: &CudaEvent) -> Result<()> {
+        self.stream(on).wait(e).map_err(drv("cuStreamWaitEvent"))
     }
 }

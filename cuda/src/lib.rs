@@ -6,6 +6,7 @@
 //! - [`exec`]: the executor trait, with [`gpu::CudaExec`] (a real device) and
 //!   [`emu::EmuExec`] (the same kernels on the CPU, for machines without a GPU);
 //! - [`backend`]: [`GpuBackend`], the model-facing `Backend` over any executor;
+//! - [`stream`]: templates streamed to the device block by block on the copy stream;
 //! - [`device`]: `auto | cpu | cuda:N` selection and probing.
 //!
 //! cudarc is built with `dynamic-loading`, so this crate compiles and links on machines
@@ -22,9 +23,11 @@ pub mod exec;
 pub mod gpu;
 pub mod kernels;
 pub mod params;
+pub mod stream;
 
 pub use backend::{GpuBackend, GpuTensor};
 pub use device::{probe, resolve, CudaError, DeviceSpec, GpuInfo, Resolved};
 pub use emu::EmuExec;
 pub use exec::{Dt, Exec};
 pub use gpu::CudaExec;
+pub use stream::StreamedTemplate;

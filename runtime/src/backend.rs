@@ -207,3 +207,17 @@ pub trait Backend: Send + Sync {
         cols: Range<usize>,
     ) -> Result<Self::Tensor>;
 }
+
+/// The cached K/V slabs of one template as tensors of a backend, by (step, block).
+///
+/// A device backend implements it to stream a template in while the model computes
+/// (`denoised_cuda::StreamedTemplate`). Within one forward, the model asks for the
+/// blocks of a step in order, each after the previous block's work has been queued.
+pub trait SlabProvider<T>: Send + Sync {
+    /// Called before each forward that reads `step`.
+    fn prepare(&self, step: usize) -> Result<()>;
+    /// The `[L, 2*hidden]` `[K | V]` slab of `block` at `step`.
+    fn slab(&self, step: usize, block: usize) -> Result<&T>;
+    /// Called once the forward's work is queued: its slabs are not asked for again.
+    fn finish(&self) {}
+}

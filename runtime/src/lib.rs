@@ -15,7 +15,7 @@ pub mod shm;
 pub mod tensor;
 pub mod weights;
 
-pub use backend::{AttnSeq, Backend, KvSource, Modulation, QSpan, Rows, Src};
+pub use backend::{AttnSeq, Backend, KvSource, Modulation, QSpan, Rows, SlabProvider, Src};
 pub use cpu::CpuBackend;
 pub use error::{Error, Result};
 pub use tensor::{DType, Tensor};

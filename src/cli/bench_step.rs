@@ -13,10 +13,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use denoised_cuda::{Dt, GpuBackend};
+use denoised_cuda::{Dt, GpuBackend, StreamedTemplate};
 use denoised_models::flux::cost::{flop_bound, forward_flops, StepShape};
 use denoised_models::flux::edit::{
     step_batch_with, DenoiseInputs, HostSlabs, Job, Mode, ResidentTemplates, SlabSource,
+    TemplateProviders,
 };
 use denoised_models::flux::embed::image_ids;
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
@@ -60,6 +61,11 @@ pub struct Args {
     /// The CPU always computes in f32.
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
     pub dtype: String,
+    /// On a GPU, where edits read the template's K/V: `resident` (uploaded once, in
+    /// device memory) or `streamed` (from pinned host memory, block by block on the
+    /// copy stream into ping-pong buffers, overlapping compute).
+    #[arg(long, default_value = "resident", value_parser = ["resident", "streamed"])]
+    pub slabs: String,
 }
 
 /// The most square `rows x cols` grid with `n` cells.
@@ -128,13 +134,28 @@ pub fn run(a: Args) -> CliResult {
             let dt = if a.dtype == "f32" { Dt::F32 } else { Dt::Bf16 };
             // Compile (or load from the kernel cache) before timing anything.
             exec.warm_up()?;
-            bench(&a, GpuBackend::new(*exec, dt), |be, cache| {
-                // The template's K/V live in device memory during the timed steps,
-                // as for a template that is hot in the device tier.
-                let mut r = ResidentTemplates::new();
-                r.make_resident(be, cache)?;
-                Ok(r)
-            })
+            let be = GpuBackend::new(*exec, dt);
+            if a.slabs == "streamed" {
+                bench(&a, be, |be, cache| {
+                    let lay = cache.layout();
+                    let slabs = (0..lay.steps * lay.blocks)
+                        .map(|i| cache.kv(i / lay.blocks, i % lay.blocks))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    // One lane per request: every request may be at its own step.
+                    let t = StreamedTemplate::new(be, &slabs, lay.steps, lay.blocks, a.batch)?;
+                    let mut p = TemplateProviders::new();
+                    p.insert(cache, Box::new(t));
+                    Ok(p)
+                })
+            } else {
+                bench(&a, be, |be, cache| {
+                    // The template's K/V live in device memory during the timed
+                    // steps, as for a template that is hot in the device tier.
+                    let mut r = ResidentTemplates::new();
+                    r.make_resident(be, cache)?;
+                    Ok(r)
+                })
+            }
         }
     }
 }

@@ -19,7 +19,7 @@
 
 use std::sync::Arc;
 
-use denoised_runtime::{Backend, Error, Result, Tensor};
+use denoised_runtime::{Backend, Error, Result, SlabProvider, Tensor};
 
 use super::model::{FluxRequest, FluxTransformer, ForwardObserver, KvCache};
 use super::template::TemplateCache;
@@ -164,10 +164,19 @@ impl Job {
 ///
 /// On the CPU the host [`TemplateCache`] is read in place ([`HostSlabs`]). A device
 /// backend needs the slabs in device memory: [`ResidentTemplates`] holds uploaded
-/// copies (a real server streams them in on the copy path; see the planner).
+/// copies of whole templates; [`TemplateProviders`] hands each template to a
+/// [`SlabProvider`], e.g. one that streams blocks in on a copy stream while the model
+/// computes.
 pub trait SlabSource<T>: Sync {
-    /// The `[L, 2*hidden]` `[K | V]` slab of `(step, block)` of `cache`.
+    /// Called for each edit job before a forward that reads `step` of `cache`.
+    fn prepare(&self, _cache: &TemplateCache, _step: usize) -> Result<()> {
+        Ok(())
+    }
+    /// The `[L, 2*hidden]` `[K | V]` slab of `(step, block)` of `cache`. Within a
+    /// forward, blocks are asked for in order.
     fn slab<'a>(&'a self, cache: &'a TemplateCache, step: usize, block: usize) -> Result<&'a T>;
+    /// Called after the forward.
+    fn finish(&self) {}
 }
 
 /// Host slabs, read where they lie (the CPU backend's tensors are host tensors).
@@ -185,15 +194,37 @@ impl SlabSource<Tensor> for HostSlabs {
     }
 }
 
-/// Device-resident copies of whole templates, found by the identity of their
-/// `Arc<TemplateCache>`.
+/// Per-template entries found by the identity of their `Arc<TemplateCache>`.
+struct ByTemplate<V> {
+    entries: Vec<(Arc<TemplateCache>, V)>,
+}
+
+impl<V> ByTemplate<V> {
+    fn get(&self, cache: &TemplateCache) -> Result<&V> {
+        self.entries
+            .iter()
+            .find(|(c, _)| std::ptr::eq(Arc::as_ptr(c), cache))
+            .map(|(_, v)| v)
+            .ok_or_else(|| Error::Invalid("template is not on the device".into()))
+    }
+    fn contains(&self, cache: &Arc<TemplateCache>) -> bool {
+        self.entries.iter().any(|(c, _)| Arc::ptr_eq(c, cache))
+    }
+    fn remove(&mut self, cache: &Arc<TemplateCache>) {
+        self.entries.retain(|(c, _)| !Arc::ptr_eq(c, cache));
+    }
+}
+
+/// Device-resident copies of whole templates.
 pub struct ResidentTemplates<T> {
-    templates: Vec<(Arc<TemplateCache>, Vec<T>)>,
+    templates: ByTemplate<Vec<T>>,
 }
 
 impl<T: Send + Sync> ResidentTemplates<T> {
     pub fn new() -> Self {
-        ResidentTemplates { templates: vec![] }
+        ResidentTemplates {
+            templates: ByTemplate { entries: vec![] },
+        }
     }
     /// Uploads every slab of `cache` (step-major) unless it is already resident.
     pub fn make_resident<B: Backend<Tensor = T>>(
@@ -201,7 +232,7 @@ impl<T: Send + Sync> ResidentTemplates<T> {
         backend: &B,
         cache: &Arc<TemplateCache>,
     ) -> Result<()> {
-        if self.templates.iter().any(|(c, _)| Arc::ptr_eq(c, cache)) {
+        if self.templates.contains(cache) {
             return Ok(());
         }
         let lay = cache.layout();
@@ -211,11 +242,11 @@ impl<T: Send + Sync> ResidentTemplates<T> {
                 slabs.push(backend.upload(cache.kv(step, block)?)?);
             }
         }
-        self.templates.push((cache.clone(), slabs));
+        self.templates.entries.push((cache.clone(), slabs));
         Ok(())
     }
     pub fn evict(&mut self, cache: &Arc<TemplateCache>) {
-        self.templates.retain(|(c, _)| !Arc::ptr_eq(c, cache));
+        self.templates.remove(cache);
     }
 }
 
@@ -227,27 +258,66 @@ impl<T: Send + Sync> Default for ResidentTemplates<T> {
 
 impl<T: Send + Sync> SlabSource<T> for ResidentTemplates<T> {
     fn slab<'a>(&'a self, cache: &'a TemplateCache, step: usize, block: usize) -> Result<&'a T> {
-        let (_, slabs) = self
-            .templates
-            .iter()
-            .find(|(c, _)| std::ptr::eq(Arc::as_ptr(c), cache))
-            .ok_or_else(|| Error::Invalid("template is not resident on the device".into()))?;
+        let slabs = self.templates.get(cache)?;
         Ok(&slabs[step * cache.layout().blocks + block])
     }
 }
 
-/// The cached K/V a job reads at its current step, one slab per block.
-struct StepKv<'a, T> {
-    inactive: &'a [u32],
-    slabs: Vec<&'a T>,
+/// Templates served by [`SlabProvider`]s (e.g. streamed to a device block by block).
+pub struct TemplateProviders<T> {
+    providers: ByTemplate<Box<dyn SlabProvider<T>>>,
 }
 
-impl<T: Sync> KvCache<T> for StepKv<'_, T> {
+impl<T> TemplateProviders<T> {
+    pub fn new() -> Self {
+        TemplateProviders {
+            providers: ByTemplate { entries: vec![] },
+        }
+    }
+    pub fn insert(&mut self, cache: &Arc<TemplateCache>, p: Box<dyn SlabProvider<T>>) {
+        self.providers.remove(cache);
+        self.providers.entries.push((cache.clone(), p));
+    }
+    pub fn remove(&mut self, cache: &Arc<TemplateCache>) {
+        self.providers.remove(cache);
+    }
+}
+
+impl<T> Default for TemplateProviders<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T> SlabSource<T> for TemplateProviders<T> {
+    fn prepare(&self, cache: &TemplateCache, step: usize) -> Result<()> {
+        self.providers.get(cache)?.prepare(step)
+    }
+    fn slab<'a>(&'a self, cache: &'a TemplateCache, step: usize, block: usize) -> Result<&'a T> {
+        self.providers.get(cache)?.slab(step, block)
+    }
+    fn finish(&self) {
+        for (_, p) in &self.providers.entries {
+            p.finish();
+        }
+    }
+}
+
+/// The cached K/V a job reads at its current step, fetched block by block as the
+/// forward reaches each block.
+struct StepKv<'a, S> {
+    inactive: &'a [u32],
+    cache: &'a TemplateCache,
+    step: usize,
+    source: &'a S,
+}
+
+impl<T, S: SlabSource<T>> KvCache<T> for StepKv<'_, S> {
     fn inactive(&self) -> &[u32] {
         self.inactive
     }
-    fn block(&self, b: usize) -> &T {
-        self.slabs[b]
+    fn block(&self, b: usize) -> Result<&T> {
+        self.source.slab(self.cache, self.step, b)
     }
 }
 
@@ -316,16 +386,18 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
             ))
         })
         .collect::<Result<_>>()?;
-    let blocks = model.config.num_layers + model.config.num_single_layers;
-    let kvs: Vec<Option<StepKv<'_, B::Tensor>>> = live
+    let kvs: Vec<Option<StepKv<'_, S>>> = live
         .iter()
         .map(|&i| match &jobs[i].mode {
-            Mode::Edit { cache, .. } => Ok(Some(StepKv {
-                inactive: &jobs[i].inactive,
-                slabs: (0..blocks)
-                    .map(|b| slabs.slab(cache, jobs[i].step, b))
-                    .collect::<Result<_>>()?,
-            })),
+            Mode::Edit { cache, .. } => {
+                slabs.prepare(cache, jobs[i].step)?;
+                Ok(Some(StepKv {
+                    inactive: &jobs[i].inactive,
+                    cache,
+                    step: jobs[i].step,
+                    source: slabs,
+                }))
+            }
             _ => Ok(None),
         })
         .collect::<Result<_>>()?;
@@ -354,7 +426,9 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
             .collect(),
         got: Vec::new(),
     };
-    let velocities = model.forward(&reqs, &mut sink)?;
+    let velocities = model.forward(&reqs, &mut sink);
+    slabs.finish();
+    let velocities = velocities?;
     drop(reqs);
     drop(kvs);
     for (req, block, kv) in sink.got {

@@ -48,8 +48,9 @@ pub trait KvCache<T>: Sync {
     /// Indices (rows of the cached buffers) of the tokens not computed.
     fn inactive(&self) -> &[u32];
     /// `[L, 2*hidden]` rows of `[K | V]` for block `b` (double blocks first, then
-    /// single blocks), K post-norm and post-RoPE.
-    fn block(&self, b: usize) -> &T;
+    /// single blocks), K post-norm and post-RoPE. Asked for in block order, each after
+    /// the previous block's work was queued (so a device can stream them in).
+    fn block(&self, b: usize) -> Result<&T>;
 }
 
 /// Receives intermediate values of a forward pass (tests, template capture).
@@ -497,7 +498,7 @@ impl<B: Backend> FluxTransformer<B> {
                     );
                 }
             }
-            let seqs: Vec<_> = (0..reqs.len())
+            let seqs = (0..reqs.len())
                 .map(|r| {
                     self.seq(
                         &reqs[r],
@@ -516,7 +517,7 @@ impl<B: Backend> FluxTransformer<B> {
                         d,
                     )
                 })
-                .collect();
+                .collect::<Result<Vec<_>>>()?;
             be.attention(&mut [&mut qkv_t, &mut qkv_i], 0, d, heads, &seqs)?;
             drop(seqs);
             let a_img = be.linear_cols(&qkv_i, 0..d, &blk.to_out.w, blk.to_out.b.as_ref())?;
@@ -598,7 +599,7 @@ impl<B: Backend> FluxTransformer<B> {
                     );
                 }
             }
-            let seqs: Vec<_> = (0..reqs.len())
+            let seqs = (0..reqs.len())
                 .map(|r| {
                     self.seq(
                         &reqs[r],
@@ -611,7 +612,7 @@ impl<B: Backend> FluxTransformer<B> {
                         0,
                     )
                 })
-                .collect();
+                .collect::<Result<Vec<_>>>()?;
             be.attention(&mut [&mut f], 2 * d, d, heads, &seqs)?;
             drop(seqs);
             if obs.wants_hidden() {
@@ -662,7 +663,7 @@ impl<B: Backend> FluxTransformer<B> {
         q: Vec<QSpan>,
         fresh: Vec<(usize, Range<usize>)>,
         k_col: usize,
-    ) -> AttnSeq<'a, B::Tensor> {
+    ) -> Result<AttnSeq<'a, B::Tensor>> {
         let d = self.config.hidden();
         let mut kv: Vec<KvSource<'a, B::Tensor>> = fresh
             .into_iter()
@@ -676,14 +677,14 @@ impl<B: Backend> FluxTransformer<B> {
         if let Some(cache) = req.cache {
             if !cache.inactive().is_empty() {
                 kv.push(KvSource {
-                    src: Src::Ext(cache.block(block)),
+                    src: Src::Ext(cache.block(block)?),
                     k_col: 0,
                     v_col: d,
                     rows: Rows::Index(cache.inactive()),
                 });
             }
         }
-        AttnSeq { q, kv }
+        Ok(AttnSeq { q, kv })
     }
 
     /// Linear → SiLU → Linear (the timestep, guidance and text embedders).
