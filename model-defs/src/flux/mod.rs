@@ -4,12 +4,14 @@
 //! - [`weights`]: the parameter set, loaded from diffusers or generated from a seed.
 //! - [`embed`]: timestep/guidance sinusoids and the 3-axis RoPE tables.
 //! - [`model`]: the forward pass over a packed batch of requests.
+//! - [`edit`]: jobs and the batched step; [`slabs`]: where edits read cached K/V from.
 
 pub mod config;
 pub mod cost;
 pub mod edit;
 pub mod embed;
 pub mod model;
+pub mod slabs;
 pub mod template;
 pub mod template_file;
 pub mod weights;
