@@ -287,10 +287,10 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
             Event::Step {
                 batch,
                 seconds,
+                ended_unix: now,
                 assembly_seconds,
                 ..
             } => {
-                let now = unix_now();
                 let router = node::members(groups::ROUTER);
                 for &id in &batch {
                     let a = acc.entry(id).or_default();

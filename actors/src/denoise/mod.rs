@@ -75,6 +75,9 @@ pub enum Event {
         step: u64,
         batch: Vec<RequestId>,
         seconds: f64,
+        /// Wall-clock time (Unix seconds) the step ended, read on the loop thread: the
+        /// event thread may see the event later, so request timelines use this.
+        ended_unix: f64,
         /// Of which: building the batch (scheduler plan, taking the jobs out of the
         /// table), the loop's own per-step overhead.
         assembly_seconds: f64,
@@ -277,6 +280,7 @@ fn run<B: Backend<Tensor = Tensor>>(
         }
         let finished = st.sched.complete_step(&plan);
         let seconds = t0.elapsed().as_secs_f64();
+        let ended_unix = actor::unix_now();
         // Finished results go out first, so whoever sees a step's event has already been
         // sent everything that step produced.
         for (id, job) in batch {
@@ -295,6 +299,7 @@ fn run<B: Backend<Tensor = Tensor>>(
             step: plan.step(),
             batch: plan.ids().to_vec(),
             seconds,
+            ended_unix,
             assembly_seconds,
         });
     }
