@@ -135,10 +135,7 @@ fn identity<E: Exec>(make: impl Fn() -> E) {
         // Streamed block by block through ping-pong buffers, by two requests that
         // share every forward at different steps (the second starts one step later).
         let lay = cache.layout();
-        let slabs: Vec<&denoised_runtime::Tensor> = (0..lay.steps)
-            .flat_map(|st| (0..lay.blocks).map(move |b| (st, b)))
-            .map(|(st, b)| cache.kv(st, b).unwrap())
-            .collect();
+        let slabs = cache.kv_slabs().unwrap();
         let streamed =
             StreamedTemplate::new(m.backend(), &slabs, lay.steps, lay.blocks, 2).unwrap();
         let mut providers = TemplateProviders::new();

@@ -7,7 +7,7 @@
 //! uploads them once per call and launches; it never touches tensor data on the host.
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use denoised_runtime::backend::{AttnSeq, Backend, Modulation};
 use denoised_runtime::{Error, Result, Tensor};
@@ -67,7 +67,17 @@ pub struct GpuBackend<E: Exec> {
     /// Shared with the template streams, which queue loads on the same device.
     exec: Arc<E>,
     dt: Dt,
+    /// Segment-id arrays already on the device, by content. A step's forward passes
+    /// the same few arrays (text, image, joint rows) to every modulated op of every
+    /// block; without this each op would upload its copy again.
+    segments: Mutex<Vec<DeviceSegments<E>>>,
 }
+
+/// A segment-id array, its device copy and that copy's address.
+type DeviceSegments<E> = (Vec<u32>, Arc<<E as Exec>::Mem>, u64);
+
+/// Distinct segment-id arrays kept on the device (a batch has about three).
+const SEGMENT_CACHE: usize = 8;
 
 pub(crate) fn dev(e: CudaError) -> Error {
     Error::Device(e.to_string())
@@ -81,6 +91,7 @@ impl<E: Exec> GpuBackend<E> {
         GpuBackend {
             exec: Arc::new(exec),
             dt,
+            segments: Mutex::new(Vec::new()),
         }
     }
     pub fn exec(&self) -> &Arc<E> {
@@ -102,6 +113,23 @@ impl<E: Exec> GpuBackend<E> {
         self.exec.upload(&mem, 0, &bytes).map_err(dev)?;
         let a = self.exec.addr(&mem);
         Ok((mem, a))
+    }
+
+    /// The device copy of a segment-id array, uploaded on first sight. Entries are
+    /// never written after upload, so a kernel still reading an evicted one is safe
+    /// (frees are stream-ordered).
+    fn segments(&self, seg: &[u32]) -> Result<(Arc<E::Mem>, u64)> {
+        let mut cache = self.segments.lock().unwrap();
+        if let Some((_, mem, addr)) = cache.iter().find(|(v, _, _)| v.as_slice() == seg) {
+            return Ok((mem.clone(), *addr));
+        }
+        let (mem, addr) = self.upload_u32(seg)?;
+        let mem = Arc::new(mem);
+        if cache.len() == SEGMENT_CACHE {
+            cache.remove(0);
+        }
+        cache.push((seg.to_vec(), mem.clone(), addr));
+        Ok((mem, addr))
     }
 
     fn kernel(&self, base: &'static str) -> &'static str {
@@ -292,7 +320,7 @@ impl<E: Exec> Backend for GpuBackend<E> {
             ));
         }
         let out = self.empty(vec![rows, width])?;
-        let (_seg, seg) = self.upload_u32(shift.seg)?;
+        let (_seg, seg) = self.segments(shift.seg)?;
         let g = Grid::linear(rows * 32, ROW_BLOCK);
         let p = LnModParams {
             x: x.addr,
@@ -439,7 +467,7 @@ impl<E: Exec> Backend for GpuBackend<E> {
             ));
         }
         let (table, table_cols) = self.seg_table("gated_residual", &gate, rows, width)?;
-        let (_seg, seg) = self.upload_u32(gate.seg)?;
+        let (_seg, seg) = self.segments(gate.seg)?;
         let p = EwParams {
             x: x.addr,
             y: y.addr,

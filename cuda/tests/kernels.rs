@@ -393,12 +393,9 @@ fn check_timestep<E: Exec>(exec: &E) {
     let freqs: Vec<f32> = (0..128)
         .map(|k| (-(10000f64.ln()) * k as f64 / 128.0).exp() as f32)
         .collect();
-    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>();
-    let mx = exec.alloc(16).unwrap();
-    let mf = exec.alloc(512).unwrap();
+    let mx = mem_with(exec, &f32_bytes(&xs));
+    let mf = mem_with(exec, &f32_bytes(&freqs));
     let mo = exec.alloc(4 * 256 * 4).unwrap();
-    exec.upload(&mx, 0, &bytes(&xs)).unwrap();
-    exec.upload(&mf, 0, &bytes(&freqs)).unwrap();
     let p = TimestepParams {
         xs: exec.addr(&mx),
         freqs: exec.addr(&mf),
@@ -408,12 +405,7 @@ fn check_timestep<E: Exec>(exec: &E) {
     };
     exec.launch("timestep_embed_f32", Grid::linear(4 * 128, 128), &p)
         .unwrap();
-    let mut out = vec![0u8; 4 * 256 * 4];
-    exec.download(&mo, 0, &mut out).unwrap();
-    let got: Vec<f32> = out
-        .chunks_exact(4)
-        .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
-        .collect();
+    let got = read_f32(exec, &mo, 4 * 256);
     for (b, &x) in xs.iter().enumerate() {
         for (j, &f) in freqs.iter().enumerate() {
             let a = (x * f) as f64;

@@ -114,14 +114,13 @@ fn time_steps<B: Backend, S: SlabSource<B::Tensor>>(
 }
 
 pub fn run(a: Args) -> CliResult {
-    if FluxConfig::named(&a.config).is_none() {
-        return Err(format!(
+    let cfg = FluxConfig::named(&a.config).ok_or_else(|| {
+        format!(
             "unknown config `{}`; known: {}",
             a.config,
             FluxConfig::NAMES.join(", ")
         )
-        .into());
-    }
+    })?;
     if a.image_tokens == 0 || a.iters == 0 || a.batch == 0 {
         return Err("--image-tokens, --iters and --batch must be positive".into());
     }
@@ -129,26 +128,29 @@ pub fn run(a: Args) -> CliResult {
         return Err(format!("--mask-ratio {bad} is not in [0, 1]").into());
     }
     match a.device.select()? {
-        Selected::Cpu => bench(&a, CpuBackend::new(), |_, _| Ok(HostSlabs)),
+        Selected::Cpu => bench(&a, cfg, CpuBackend::new(), |_, _| Ok(HostSlabs)),
         Selected::Cuda(exec) => {
             let dt = if a.dtype == "f32" { Dt::F32 } else { Dt::Bf16 };
             // Compile (or load from the kernel cache) before timing anything.
             exec.warm_up()?;
             let be = GpuBackend::new(*exec, dt);
             if a.slabs == "streamed" {
-                bench(&a, be, |be, cache| {
+                bench(&a, cfg, be, |be, cache| {
                     let lay = cache.layout();
-                    let slabs = (0..lay.steps * lay.blocks)
-                        .map(|i| cache.kv(i / lay.blocks, i % lay.blocks))
-                        .collect::<Result<Vec<_>, _>>()?;
                     // One lane per request: every request may be at its own step.
-                    let t = StreamedTemplate::new(be, &slabs, lay.steps, lay.blocks, a.batch)?;
+                    let t = StreamedTemplate::new(
+                        be,
+                        &cache.kv_slabs()?,
+                        lay.steps,
+                        lay.blocks,
+                        a.batch,
+                    )?;
                     let mut p = TemplateProviders::new();
                     p.insert(cache, Box::new(t));
                     Ok(p)
                 })
             } else {
-                bench(&a, be, |be, cache| {
+                bench(&a, cfg, be, |be, cache| {
                     // The template's K/V live in device memory during the timed
                     // steps, as for a template that is hot in the device tier.
                     let mut r = ResidentTemplates::new();
@@ -164,10 +166,10 @@ pub fn run(a: Args) -> CliResult {
 /// by edits on that backend (in place on the CPU, uploaded on a GPU).
 fn bench<B: Backend, S: SlabSource<B::Tensor>>(
     a: &Args,
+    cfg: FluxConfig,
     backend: B,
     slabs_for: impl Fn(&B, &Arc<TemplateCache>) -> CliResult<S>,
 ) -> CliResult {
-    let cfg = FluxConfig::named(&a.config).expect("checked by run");
     let backend_name = backend.name();
     let model = FluxTransformer::seeded(backend, cfg.clone(), a.seed)?;
     let (l, t) = (a.image_tokens, a.text_tokens);

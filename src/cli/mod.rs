@@ -133,23 +133,31 @@ impl DeviceArgs {
     }
 
     /// The backend for commands that run on the CPU only so far (the pipelines: the
-    /// VAE and text encoders have no GPU path yet). `auto` on a GPU machine says that
-    /// it uses the CPU; an explicit `cuda:N` is an error.
+    /// VAE and text encoders have no GPU path yet).
     pub fn cpu_backend(&self) -> CliResult<CpuBackend> {
-        match (self.device, denoised_cuda::resolve(self.device)?) {
-            (_, Resolved::Cpu) => Ok(CpuBackend::new()),
-            (DeviceSpec::Auto, Resolved::Cuda(g)) => {
-                tracing::info!(
-                    "device auto: found {} but this command has no GPU path yet; using the CPU",
-                    g.name
-                );
-                Ok(CpuBackend::new())
-            }
-            (spec, Resolved::Cuda(g)) => Err(format!(
-                "{spec} ({}) requested, but this command has no GPU path yet (only bench-step has); use --device cpu",
+        cpu_only(self.device, "this command")?;
+        Ok(CpuBackend::new())
+    }
+}
+
+/// For a part that computes only on the CPU so far: `auto` on a GPU machine says so
+/// in the log; an explicit `cuda:N` is an error, because an operator who asked for a
+/// GPU must not silently get a CPU. `who` names the part in the messages.
+pub fn cpu_only(spec: DeviceSpec, who: &str) -> CliResult {
+    match (spec, denoised_cuda::resolve(spec)?) {
+        (_, Resolved::Cpu) => Ok(()),
+        (DeviceSpec::Auto, Resolved::Cuda(g)) => {
+            tracing::info!(
+                "device auto: found {}, but {who} computes on the CPU in this build",
                 g.name
-            )
-            .into()),
+            );
+            Ok(())
         }
+        (spec, Resolved::Cuda(g)) => Err(format!(
+            "{spec} ({}) requested, but {who} computes on the CPU in this build (the GPU \
+             backend serves bench-step and bench-attn so far); use device cpu or auto",
+            g.name
+        )
+        .into()),
     }
 }

@@ -84,7 +84,9 @@ impl ServeArgs {
         if let Some(d) = &self.device {
             c.device.device = d.clone();
         }
-        check_device(&c.device.device)?;
+        // The daemon's workers compute on the CPU until the denoise worker gains the
+        // GPU backend (docs/gpu.md).
+        super::cpu_only(c.device.device.parse()?, "the daemon")?;
         if let Some(p) = self.cluster_port {
             c.cluster.port = p;
         }
@@ -98,29 +100,6 @@ impl ServeArgs {
         let source: denoised_models::ModelSource = c.model.source.parse()?;
         source.fingerprint()?;
         Ok(c)
-    }
-}
-
-/// The daemon's workers compute on the CPU until the denoise worker gains the GPU
-/// backend (docs/gpu.md); an operator who asks for a GPU must hear that, not get a CPU.
-fn check_device(spec: &str) -> CliResult {
-    use denoised_cuda::{DeviceSpec, Resolved};
-    let spec: DeviceSpec = spec.parse()?;
-    match (spec, denoised_cuda::resolve(spec)?) {
-        (_, Resolved::Cpu) => Ok(()),
-        (DeviceSpec::Auto, Resolved::Cuda(g)) => {
-            tracing::info!(
-                "device auto: found {}, but the daemon computes on the CPU in this build",
-                g.name
-            );
-            Ok(())
-        }
-        (spec, Resolved::Cuda(g)) => Err(format!(
-            "[device] {spec} ({}): the daemon computes on the CPU in this build (the GPU \
-             backend serves bench-step and bench-attn so far); set device = \"cpu\" or \"auto\"",
-            g.name
-        )
-        .into()),
     }
 }
 

@@ -87,13 +87,11 @@ impl<T: Send + Sync> ResidentTemplates<T> {
         if self.templates.contains(cache) {
             return Ok(());
         }
-        let lay = cache.layout();
-        let mut slabs = Vec::with_capacity(lay.steps * lay.blocks);
-        for step in 0..lay.steps {
-            for block in 0..lay.blocks {
-                slabs.push(backend.upload(cache.kv(step, block)?)?);
-            }
-        }
+        let slabs = cache
+            .kv_slabs()?
+            .into_iter()
+            .map(|t| backend.upload(t))
+            .collect::<Result<Vec<_>>>()?;
         self.templates.entries.push((cache.clone(), slabs));
         Ok(())
     }

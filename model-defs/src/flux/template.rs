@@ -129,6 +129,13 @@ impl TemplateCache {
             })
     }
 
+    /// Every K|V slab, step-major (`step * blocks + block`); an error if any is
+    /// missing.
+    pub fn kv_slabs(&self) -> Result<Vec<&Tensor>> {
+        let b = self.layout.blocks;
+        (0..self.kv.len()).map(|i| self.kv(i / b, i % b)).collect()
+    }
+
     /// The packed latent `[L, C]` after `step`.
     pub fn latent(&self, step: usize) -> Result<&Tensor> {
         self.latents
