@@ -6,6 +6,7 @@
 //! with the serving work.
 
 pub mod denoise;
+pub mod device;
 pub mod node;
 pub mod notify;
 pub mod overheads;

@@ -94,6 +94,11 @@ pub struct WorkerEnv {
     /// The router's cluster node port on 127.0.0.1.
     pub router_port: u16,
     pub shm_dir: PathBuf,
+    /// Where this process computes the transformer (`cpu`, `emu`, `cuda:N`): a denoise
+    /// worker's own device; `cpu` for the others.
+    pub device: String,
+    /// Threads of this process's CPU compute pool.
+    pub threads: usize,
 }
 
 impl WorkerEnv {

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use denoised_models::flux::edit::DenoiseInputs;
 use denoised_models::flux::embed::image_ids;
+use denoised_models::flux::stepper::HostStepper;
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::{FlowMatchEuler, FluxConfig, ModelSource};
 use denoised_runtime::shm::{Arena, ArenaView};
@@ -64,7 +65,7 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
         max_batch: requests.max(1),
         ..Default::default()
     };
-    let lp = DenoiseLoop::spawn(model, cfg, LoopOptions::default())?;
+    let lp = DenoiseLoop::spawn(Box::new(HostStepper(model)), cfg, LoopOptions::default())?;
     let c = FluxConfig::tiny();
     let side = 8;
     let l = side * side;

@@ -4,16 +4,19 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use denoised_models::pipeline::flux_fill::FluxFill;
+use denoised_cuda::DeviceSpec;
+use denoised_models::pipeline::flux_fill::{FluxFill, Parts};
+use denoised_models::vae::VaeHalves;
 use denoised_models::ModelSource;
 use denoised_runtime::CpuBackend;
 use ractor::Actor;
 
 use crate::denoise::actor::{DenoiseActor, DenoiseArgs};
+use crate::device::{self, Placed};
 use crate::node::{self, Role, Shm, WorkerEnv};
 use crate::scheduler::SchedulerConfig;
 use crate::stages::Pipeline;
-use crate::wire::groups;
+use crate::wire::{groups, RouterMsg, Wire, WorkerInfo};
 use crate::workers::{
     cache::CacheActor, postprocess::PostprocessActor, preprocess::PreprocessActor,
 };
@@ -31,17 +34,69 @@ pub async fn terminated() {
     }
 }
 
-fn load_pipeline(env: &WorkerEnv) -> Result<Arc<Pipeline>, String> {
+/// The components a role computes with (DESIGN.md, "Devices and roles"). A denoise
+/// worker of the in-process baseline also runs the CPU stages.
+pub fn role_parts(role: Role, disaggregate: bool) -> Parts {
+    match role {
+        Role::Preprocess => Parts::PREPROCESS,
+        Role::Postprocess => Parts::POSTPROCESS,
+        Role::Denoise if disaggregate => Parts::DENOISE,
+        Role::Denoise => Parts::DENOISE
+            .union(Parts::PREPROCESS)
+            .union(Parts::POSTPROCESS),
+        Role::Router | Role::Cache => Parts {
+            text: false,
+            vae: VaeHalves::NONE,
+            transformer: false,
+        },
+    }
+}
+
+/// A compute process's model: the host parts of its role, and for a denoise worker
+/// the transformer placed on its device.
+struct Loaded {
+    pipeline: Arc<Pipeline>,
+    placed: Option<Placed>,
+}
+
+fn load(env: &WorkerEnv) -> Result<Loaded, String> {
     let source: ModelSource = env
         .config
         .model
         .source
         .parse()
         .unwrap_or_else(|e| match e {});
-    // The CUDA backend is not built yet (issue 6): every worker computes on the CPU.
-    let p = FluxFill::load(&source, CpuBackend::new())
+    let device: DeviceSpec = env.device.parse().map_err(|e| format!("{e}"))?;
+    let parts = device::host_parts(
+        device,
+        role_parts(env.role, env.config.denoise.disaggregate),
+    );
+    let pipeline = FluxFill::load_parts(&source, CpuBackend::new(), parts)
         .map_err(|e| format!("loading model `{source}`: {e}"))?;
-    Ok(Arc::new(p))
+    let placed = match env.role {
+        Role::Denoise => {
+            let dt = device::parse_dtype(&env.config.device.dtype)?;
+            Some(device::place(&source, device, dt, &pipeline)?)
+        }
+        _ => None,
+    };
+    Ok(Loaded {
+        pipeline: Arc::new(pipeline),
+        placed,
+    })
+}
+
+/// Tells the router what this process loaded (for `/readyz`), once the router is
+/// visible in the cluster's groups.
+async fn announce(info: WorkerInfo) {
+    for _ in 0..600 {
+        if let Some(r) = node::members(groups::ROUTER).first() {
+            node::tell(r, RouterMsg::Announce(Wire(info)));
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tracing::warn!("the router never appeared; /readyz will not list this worker's model");
 }
 
 /// Runs a worker process of `role` until it is told to stop.
@@ -55,6 +110,14 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
             env.index
         ));
     }
+    if role != Role::Router && role != Role::Cache {
+        // Each CPU compute process takes its share of the cores (the supervisor
+        // computed it), instead of every process assuming it has the machine.
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(env.threads)
+            .build_global()
+            .map_err(|e| e.to_string())?;
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -66,28 +129,68 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
             return crate::router::run(env, listen).await;
         }
         let shm = Arc::new(Shm::create(&env)?);
-        let pipeline = match role {
+        let loaded = match role {
             Role::Cache => None,
             _ => {
                 let e = env.clone();
                 Some(
-                    tokio::task::spawn_blocking(move || load_pipeline(&e))
+                    tokio::task::spawn_blocking(move || load(&e))
                         .await
                         .map_err(|e| e.to_string())??,
                 )
             }
         };
+        let info = WorkerInfo {
+            name: env.name(),
+            role: role.name().into(),
+            device: loaded
+                .as_ref()
+                .and_then(|l| l.placed.as_ref())
+                .map_or_else(|| "cpu".into(), |p| p.device.clone()),
+            dtype: loaded
+                .as_ref()
+                .and_then(|l| l.placed.as_ref())
+                .map_or("f32", |p| p.dtype)
+                .into(),
+            threads: env.threads as u32,
+            components: loaded
+                .as_ref()
+                .map(|l| device::components(&l.pipeline, l.placed.as_ref()))
+                .unwrap_or_default(),
+        };
+        tracing::info!(
+            "{}: {} on {} ({}), {:.1} MB of weights",
+            info.name,
+            info.components
+                .iter()
+                .map(|c| c.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            info.device,
+            info.dtype,
+            info.components.iter().map(|c| c.weight_bytes).sum::<u64>() as f64 / 1e6
+        );
         let node = node::start_node(&env, 0).await?;
         node::connect_router(&node, env.router_port, Duration::from_secs(60)).await?;
         let name = Some(env.name());
-        let spawned = match (role, pipeline) {
-            (Role::Preprocess, Some(p)) => Actor::spawn(name, PreprocessActor::new(), (p, shm))
-                .await
-                .map(|(a, _)| (groups::PREPROCESS, a.get_cell())),
-            (Role::Postprocess, Some(p)) => Actor::spawn(name, PostprocessActor::new(), (p, shm))
-                .await
-                .map(|(a, _)| (groups::POSTPROCESS, a.get_cell())),
-            (Role::Denoise, Some(p)) => {
+        let spawned = match (role, loaded) {
+            (Role::Preprocess, Some(l)) => {
+                Actor::spawn(name, PreprocessActor::new(), (l.pipeline, shm))
+                    .await
+                    .map(|(a, _)| (groups::PREPROCESS, a.get_cell()))
+            }
+            (Role::Postprocess, Some(l)) => {
+                Actor::spawn(name, PostprocessActor::new(), (l.pipeline, shm))
+                    .await
+                    .map(|(a, _)| (groups::POSTPROCESS, a.get_cell()))
+            }
+            (
+                Role::Denoise,
+                Some(Loaded {
+                    pipeline,
+                    placed: Some(placed),
+                }),
+            ) => {
                 let d = &env.config.denoise;
                 let sched = SchedulerConfig {
                     max_batch: d.max_batch,
@@ -99,7 +202,8 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                     name,
                     DenoiseActor,
                     DenoiseArgs {
-                        pipeline: p,
+                        pipeline,
+                        stepper: placed.stepper,
                         shm,
                         sched,
                     },
@@ -113,9 +217,108 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
             _ => unreachable!("router handled above; pipelines loaded for compute roles"),
         };
         let (group, cell) = spawned.map_err(|e| e.to_string())?;
+        // Announced before joining the group, so that a /readyz that counts this worker
+        // as live has (almost always) its entry too.
+        announce(info).await;
         node::register(group, cell);
         tracing::info!("{} ready", env.name());
         terminated().await;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Copies the reference model directory without the given component directories
+    /// (their weight files, or the whole directory for tokenizers), so loading can only
+    /// succeed if the role never opens them.
+    fn model_without(dropped: &[&str]) -> tempfile::TempDir {
+        let src = denoised_runtime::fixtures::tiny_model_dir();
+        let dir = tempfile::tempdir().unwrap();
+        for e in std::fs::read_dir(&src).unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            let to = dir.path().join(&name);
+            if e.path().is_file() {
+                std::fs::copy(e.path(), &to).unwrap();
+                continue;
+            }
+            std::fs::create_dir(&to).unwrap();
+            for f in std::fs::read_dir(e.path()).unwrap().flatten() {
+                let weights = f.path().extension().is_some_and(|x| x == "safetensors");
+                let tokenizer = name.starts_with("tokenizer");
+                if dropped.contains(&name.as_str()) && (weights || tokenizer) {
+                    continue;
+                }
+                std::fs::copy(f.path(), to.join(f.file_name())).unwrap();
+            }
+        }
+        dir
+    }
+
+    fn names(p: &Pipeline) -> Vec<String> {
+        p.components().into_iter().map(|c| c.name).collect()
+    }
+
+    #[test]
+    fn each_role_loads_only_its_components() {
+        let text = ["tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2"];
+        let cases: [(Role, Vec<&str>, Vec<&str>); 3] = [
+            (
+                Role::Preprocess,
+                vec!["transformer"],
+                vec!["tokenizers", "clip", "t5", "vae_encoder"],
+            ),
+            (
+                Role::Denoise,
+                [&text[..], &["vae"]].concat(),
+                vec!["transformer"],
+            ),
+            (
+                Role::Postprocess,
+                [&text[..], &["transformer"]].concat(),
+                vec!["vae_decoder"],
+            ),
+        ];
+        for (role, dropped, want) in cases {
+            let dir = model_without(&dropped);
+            let source = ModelSource::Dir(dir.path().to_path_buf());
+            let p = FluxFill::load_parts(&source, CpuBackend::new(), role_parts(role, true))
+                .unwrap_or_else(|e| panic!("{role} opened another role's files: {e}"));
+            assert_eq!(names(&p), want, "{role}");
+            assert!(p
+                .components()
+                .iter()
+                .all(|c| c.name == "tokenizers" || c.weight_bytes > 0));
+            // Asking a role for another role's work is a clear error, not a panic.
+            match role {
+                Role::Preprocess => assert!(p.transformer().is_err()),
+                _ => assert!(p.text().is_err()),
+            }
+            // The whole pipeline does need the files this role skipped.
+            assert!(
+                FluxFill::load(&source, CpuBackend::new()).is_err(),
+                "{role}"
+            );
+        }
+        // The in-process baseline's denoise worker runs every stage.
+        let all = FluxFill::load_parts(
+            &ModelSource::Builtin,
+            CpuBackend::new(),
+            role_parts(Role::Denoise, false),
+        )
+        .unwrap();
+        assert_eq!(
+            names(&all),
+            [
+                "tokenizers",
+                "clip",
+                "t5",
+                "vae_encoder",
+                "vae_decoder",
+                "transformer"
+            ]
+        );
+    }
 }

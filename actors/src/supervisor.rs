@@ -83,7 +83,19 @@ fn sweep_dead_arenas(dir: &std::path::Path) {
 }
 
 /// Runs the daemon until SIGTERM/SIGINT. `listen` overrides `[server] listen`.
-pub fn serve(config: Config, listen: Option<String>) -> Result<(), String> {
+pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let placement = crate::device::place_workers(&mut config, cores)?;
+    tracing::info!(
+        "denoise workers on {}; {} CPU threads per compute process",
+        placement
+            .denoise
+            .iter()
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        placement.threads
+    );
     let exe = std::env::current_exe().map_err(|e| format!("cannot find own binary: {e}"))?;
     let shm_dir = if config.cluster.shm_dir.is_empty() {
         shm::default_dir()
@@ -116,6 +128,11 @@ pub fn serve(config: Config, listen: Option<String>) -> Result<(), String> {
             cookie: cookie.clone(),
             router_port,
             shm_dir: shm_dir.clone(),
+            device: match role {
+                Role::Denoise => placement.denoise[index].to_string(),
+                _ => "cpu".into(),
+            },
+            threads: placement.threads,
         };
         let mut cmd = Command::new(&exe);
         cmd.args([

@@ -358,10 +358,28 @@ pub struct BusEditResult {
     pub tokens: u32,
 }
 
+/// What a worker process runs on and loaded, announced to the router once it is up
+/// and shown in `/readyz`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct WorkerInfo {
+    /// Process name, e.g. `denoise0`.
+    pub name: String,
+    pub role: String,
+    /// `cpu`, `emu` or `cuda:N (device name)`: where its transformer computes.
+    pub device: String,
+    /// Storage dtype of its device weights (`f32` on the CPU).
+    pub dtype: String,
+    /// Its CPU compute threads.
+    pub threads: u32,
+    pub components: Vec<denoised_models::pipeline::flux_fill::Component>,
+}
+
 #[derive(RactorClusterMessage)]
 pub enum RouterMsg {
     /// A denoise worker reports a request's step.
     Progress(Wire<Progress>),
+    /// A worker process says what it loaded.
+    Announce(Wire<WorkerInfo>),
     /// Echoes its argument: liveness checks and message round-trip measurements.
     #[rpc]
     Ping(Wire<u64>, RpcReplyPort<Res<u64>>),

@@ -2,9 +2,11 @@
 //! (query spans in several buffers, K/V slices from fresh and cached buffers, by range
 //! or by index) into the kernels' compact form, and picks the kernel.
 //!
-//! Every distinct (buffer, columns) pair becomes a *slot* (at most 8 per call: a
-//! double block uses 2 query buffers and about 3 K/V sources per request kind), and
-//! every row a packed `(slot, row)` reference. All descriptors go up in one upload.
+//! Every distinct (buffer, columns) pair becomes a *slot* (at most 8 per launch: a
+//! double block uses 2 query buffers and about 3 K/V sources per request kind, plus
+//! one per template an edit reads), and every row a packed `(slot, row)` reference.
+//! A batch that needs more slots is split into launches by sequence. Each launch's
+//! descriptors go up in one upload.
 
 use denoised_runtime::backend::{AttnSeq, Src};
 use denoised_runtime::{Error, Result};
@@ -44,31 +46,128 @@ fn src_view<E: Exec>(bufs: &[&GpuTensor<E>], s: &Src<'_, GpuTensor<E>>) -> Resul
     }
 }
 
+/// Slots of the kernel's parameter block: the row references' 3-bit slot field.
+const MAX_SLOTS: usize = 8;
+
 struct Slots {
     slots: Vec<AttnSlot>,
 }
 
 impl Slots {
-    fn get(&mut self, k: u64, v: u64, stride: usize) -> Result<usize> {
+    /// The slot of `(k, v, stride)`, added if new; `None` when the call is full.
+    fn get(&mut self, k: u64, v: u64, stride: usize) -> Option<usize> {
         if let Some(i) = self
             .slots
             .iter()
             .position(|s| s.k == k && s.v == v && s.stride == stride as i64)
         {
-            return Ok(i);
+            return Some(i);
         }
-        if self.slots.len() == 8 {
-            return Err(Error::shape(
-                "attention",
-                "more than 8 distinct K/V/Q buffers in one call",
-            ));
+        if self.slots.len() == MAX_SLOTS {
+            return None;
         }
         self.slots.push(AttnSlot {
             k,
             v,
             stride: stride as i64,
         });
-        Ok(self.slots.len() - 1)
+        Some(self.slots.len() - 1)
+    }
+}
+
+/// The descriptors of one kernel launch: some sequences, their slots and rows.
+#[derive(Default)]
+struct Launch {
+    slots: Vec<AttnSlot>,
+    q_rows: Vec<u32>,
+    kv_rows: Vec<u32>,
+    /// Per sequence: query offset and count, K/V offset and count.
+    descs: Vec<[usize; 4]>,
+}
+
+impl Launch {
+    /// Adds `s`; false (and nothing added) when its buffers do not fit the slots left.
+    fn add<E: Exec>(
+        &mut self,
+        bufs: &[&GpuTensor<E>],
+        s: &AttnSeq<'_, GpuTensor<E>>,
+        q_col: usize,
+        width: usize,
+        es: u64,
+    ) -> Result<bool> {
+        let mut slots = Slots {
+            slots: std::mem::take(&mut self.slots),
+        };
+        let saved = (slots.slots.len(), self.q_rows.len(), self.kv_rows.len());
+        let fits = self.describe(&mut slots, bufs, s, q_col, width, es);
+        if !matches!(fits, Ok(true)) {
+            slots.slots.truncate(saved.0);
+            self.q_rows.truncate(saved.1);
+            self.kv_rows.truncate(saved.2);
+        }
+        self.slots = slots.slots;
+        fits
+    }
+
+    fn describe<E: Exec>(
+        &mut self,
+        slots: &mut Slots,
+        bufs: &[&GpuTensor<E>],
+        s: &AttnSeq<'_, GpuTensor<E>>,
+        q_col: usize,
+        width: usize,
+        es: u64,
+    ) -> Result<bool> {
+        let q_off = self.q_rows.len();
+        for span in &s.q {
+            let v = bufs
+                .get(span.buf)
+                .map(|b| view(b))
+                .ok_or_else(|| Error::shape("attention", format!("no buffer {}", span.buf)))?;
+            check_cols("query", &v, q_col, width)?;
+            if span.rows.end > v.rows {
+                return Err(Error::shape(
+                    "attention",
+                    format!("query rows {:?} of {}", span.rows, v.rows),
+                ));
+            }
+            let base = v.addr + q_col as u64 * es;
+            let Some(slot) = slots.get(base, base, v.cols) else {
+                return Ok(false);
+            };
+            self.q_rows
+                .extend(span.rows.clone().map(|r| row_ref(slot, r)));
+        }
+        let kv_off = self.kv_rows.len();
+        for kv in &s.kv {
+            let v = src_view(bufs, &kv.src)?;
+            check_cols("key", &v, kv.k_col, width)?;
+            check_cols("value", &v, kv.v_col, width)?;
+            let Some(slot) = slots.get(
+                v.addr + kv.k_col as u64 * es,
+                v.addr + kv.v_col as u64 * es,
+                v.cols,
+            ) else {
+                return Ok(false);
+            };
+            for i in 0..kv.rows.len() {
+                let r = kv.rows.get(i);
+                if r >= v.rows {
+                    return Err(Error::shape(
+                        "attention",
+                        format!("key row {r} of {}", v.rows),
+                    ));
+                }
+                self.kv_rows.push(row_ref(slot, r));
+            }
+        }
+        self.descs.push([
+            q_off,
+            self.q_rows.len() - q_off,
+            kv_off,
+            self.kv_rows.len() - kv_off,
+        ]);
+        Ok(true)
     }
 }
 
@@ -108,56 +207,45 @@ pub(crate) fn run<E: Exec>(
         ));
     }
     let es = be.dtype().size() as u64;
-    let mut slots = Slots { slots: vec![] };
-    let (mut q_rows, mut kv_rows, mut descs) = (vec![], vec![], vec![]);
+    // Sequences are independent, so a batch whose sequences read more distinct
+    // buffers than one launch addresses (many templates' caches) is split into several
+    // launches; usually there is one.
+    let mut launch = Launch::default();
     for s in seqs {
-        let q_off = q_rows.len();
-        for span in &s.q {
-            let v = bufs
-                .get(span.buf)
-                .map(|b| view(b))
-                .ok_or_else(|| Error::shape("attention", format!("no buffer {}", span.buf)))?;
-            check_cols("query", &v, q_col, width)?;
-            if span.rows.end > v.rows {
-                return Err(Error::shape(
-                    "attention",
-                    format!("query rows {:?} of {}", span.rows, v.rows),
-                ));
-            }
-            let base = v.addr + q_col as u64 * es;
-            let slot = slots.get(base, base, v.cols)?;
-            q_rows.extend(span.rows.clone().map(|r| row_ref(slot, r)));
+        if launch.add(bufs, s, q_col, width, es)? {
+            continue;
         }
-        let kv_off = kv_rows.len();
-        for kv in &s.kv {
-            let v = src_view(bufs, &kv.src)?;
-            check_cols("key", &v, kv.k_col, width)?;
-            check_cols("value", &v, kv.v_col, width)?;
-            let slot = slots.get(
-                v.addr + kv.k_col as u64 * es,
-                v.addr + kv.v_col as u64 * es,
-                v.cols,
-            )?;
-            for i in 0..kv.rows.len() {
-                let r = kv.rows.get(i);
-                if r >= v.rows {
-                    return Err(Error::shape(
-                        "attention",
-                        format!("key row {r} of {}", v.rows),
-                    ));
-                }
-                kv_rows.push(row_ref(slot, r));
-            }
+        if launch.descs.is_empty() {
+            return Err(Error::shape(
+                "attention",
+                format!("one sequence reads more than {MAX_SLOTS} distinct buffers"),
+            ));
         }
-        descs.push([q_off, q_rows.len() - q_off, kv_off, kv_rows.len() - kv_off]);
+        self::launch(be, std::mem::take(&mut launch), heads, hd, es)?;
+        if !launch.add(bufs, s, q_col, width, es)? {
+            return Err(Error::shape(
+                "attention",
+                format!("one sequence reads more than {MAX_SLOTS} distinct buffers"),
+            ));
+        }
     }
+    self::launch(be, launch, heads, hd, es)
+}
+
+/// Launches the kernel over one set of sequences.
+fn launch<E: Exec>(be: &GpuBackend<E>, l: Launch, heads: usize, hd: usize, es: u64) -> Result<()> {
+    let Launch {
+        slots,
+        q_rows,
+        kv_rows,
+        descs,
+    } = l;
     if q_rows.is_empty() {
         return Ok(());
     }
 
     // Tensor cores need bf16, a head dim of 64 or 128, and 16-byte aligned rows.
     let aligned = slots
-        .slots
         .iter()
         .all(|s| s.k % 16 == 0 && s.v % 16 == 0 && (s.stride as u64 * es) % 16 == 0);
     let mma = be.dtype() == Dt::Bf16 && (hd == 64 || hd == 128) && aligned;
@@ -194,7 +282,7 @@ pub(crate) fn run<E: Exec>(
         scale_log2: std::f32::consts::LOG2_E / (hd as f32).sqrt(),
         ..Default::default()
     };
-    p.slots[..slots.slots.len()].copy_from_slice(&slots.slots);
+    p.slots[..slots.len()].copy_from_slice(&slots);
     let g = Grid {
         grid: [n_tiles as u32, heads as u32, 1],
         block: [128, 1, 1],

@@ -260,6 +260,10 @@ impl<E: Exec> Backend for GpuBackend<E> {
         format!("{} ({:?})", self.exec.describe(), self.dt)
     }
 
+    fn is_fatal(&self, e: &Error) -> bool {
+        matches!(e, Error::Device(m) if self.exec.is_sticky(m))
+    }
+
     fn upload(&self, t: &Tensor) -> Result<GpuTensor<E>> {
         let out = self.empty(t.shape().to_vec())?;
         self.exec

@@ -1,8 +1,11 @@
-//! Device selection: `device = "auto" | "cpu" | "cuda:N"` (config key and `--device`).
+//! Device selection: `device = "auto" | "cpu" | "emu" | "cuda:N"` (config key and
+//! `--device`); the daemon also takes a list, `cuda:0,1` (one denoise worker per GPU).
 //!
 //! `auto` takes the first CUDA device when one is usable and otherwise falls back to the
 //! CPU, saying so in one log line; an explicit `cuda:N` that cannot be satisfied is an
-//! error, because an operator who asked for a GPU must not silently get a CPU.
+//! error, because an operator who asked for a GPU must not silently get a CPU. `emu` is
+//! the GPU backend on the CPU emulator ([`crate::EmuExec`]): every GPU code path, run
+//! slowly, for tests and development on machines without a GPU.
 
 use std::fmt;
 use std::str::FromStr;
@@ -15,7 +18,7 @@ pub enum CudaError {
     NoDevice(String),
     #[error("CUDA driver error: {0}")]
     Driver(String),
-    #[error("invalid device `{0}`: expected auto, cpu or cuda:N")]
+    #[error("invalid device `{0}`: expected auto, cpu, emu or cuda:N")]
     BadSpec(String),
 }
 
@@ -24,6 +27,8 @@ pub enum DeviceSpec {
     #[default]
     Auto,
     Cpu,
+    /// The GPU backend on the CPU emulator (tests, development).
+    Emu,
     Cuda(usize),
 }
 
@@ -33,6 +38,7 @@ impl FromStr for DeviceSpec {
         match s {
             "auto" => Ok(DeviceSpec::Auto),
             "cpu" => Ok(DeviceSpec::Cpu),
+            "emu" => Ok(DeviceSpec::Emu),
             "cuda" => Ok(DeviceSpec::Cuda(0)),
             _ => s
                 .strip_prefix("cuda:")
@@ -48,6 +54,7 @@ impl fmt::Display for DeviceSpec {
         match self {
             DeviceSpec::Auto => write!(f, "auto"),
             DeviceSpec::Cpu => write!(f, "cpu"),
+            DeviceSpec::Emu => write!(f, "emu"),
             DeviceSpec::Cuda(n) => write!(f, "cuda:{n}"),
         }
     }
@@ -66,6 +73,7 @@ pub struct GpuInfo {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Resolved {
     Cpu,
+    Emu,
     Cuda(GpuInfo),
 }
 
@@ -114,6 +122,7 @@ pub fn probe() -> Result<Vec<GpuInfo>, CudaError> {
 pub fn resolve(spec: DeviceSpec) -> Result<Resolved, CudaError> {
     match spec {
         DeviceSpec::Cpu => Ok(Resolved::Cpu),
+        DeviceSpec::Emu => crate::EmuExec::open().map(|_| Resolved::Emu),
         DeviceSpec::Cuda(n) => {
             let gpus = probe()?;
             let count = gpus.len();
@@ -136,9 +145,85 @@ pub fn resolve(spec: DeviceSpec) -> Result<Resolved, CudaError> {
     }
 }
 
+/// The CUDA driver errors after which a context cannot be used again ("sticky"
+/// errors: every later call fails the same way), by their `CUresult` names as driver
+/// error messages carry them. Out of memory and invalid arguments are not among them.
+const STICKY: [&str; 9] = [
+    "CUDA_ERROR_ILLEGAL_ADDRESS",
+    "CUDA_ERROR_LAUNCH_FAILED",
+    "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+    "CUDA_ERROR_MISALIGNED_ADDRESS",
+    "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+    "CUDA_ERROR_INVALID_PC",
+    "CUDA_ERROR_HARDWARE_STACK_ERROR",
+    "CUDA_ERROR_ECC_UNCORRECTABLE",
+    "CUDA_ERROR_ASSERT",
+];
+
+/// Whether a driver error message reports a sticky error.
+pub fn is_sticky(message: &str) -> bool {
+    STICKY.iter().any(|s| message.contains(s))
+}
+
+/// Parses a device list: one spec, or GPUs as `cuda:0,1` / `cuda:0,cuda:1`.
+pub fn parse_list(s: &str) -> Result<Vec<DeviceSpec>, CudaError> {
+    let bad = || CudaError::BadSpec(s.to_string());
+    let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+    if parts.len() == 1 {
+        return Ok(vec![parts[0].parse()?]);
+    }
+    let mut out = Vec::with_capacity(parts.len());
+    for p in parts {
+        let n = p.strip_prefix("cuda:").unwrap_or(p);
+        out.push(DeviceSpec::Cuda(n.parse().map_err(|_| bad())?));
+    }
+    let mut sorted = out.clone();
+    sorted.sort_by_key(|d| d.to_string());
+    sorted.dedup();
+    if sorted.len() != out.len() {
+        return Err(bad());
+    }
+    Ok(out)
+}
+
+/// Resolves a device list for the daemon: `auto` is every usable GPU (the CPU
+/// without one, said once in the log); explicit GPUs must all be present.
+pub fn resolve_list(specs: &[DeviceSpec]) -> Result<Vec<Resolved>, CudaError> {
+    if specs == [DeviceSpec::Auto] {
+        return Ok(match probe() {
+            Ok(gpus) => {
+                tracing::info!(
+                    "device auto: {} GPU(s) found, one denoise worker each",
+                    gpus.len()
+                );
+                gpus.into_iter().map(Resolved::Cuda).collect()
+            }
+            Err(e) => {
+                tracing::info!("device auto: using the CPU ({e})");
+                vec![Resolved::Cpu]
+            }
+        });
+    }
+    specs.iter().map(|s| resolve(*s)).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sticky_errors_are_told_apart() {
+        let e = CudaError::Driver(format!(
+            "{:?}",
+            sys::cudaError_enum::CUDA_ERROR_ILLEGAL_ADDRESS
+        ));
+        assert!(is_sticky(&e.to_string()), "{e}");
+        let oom = CudaError::Driver(format!(
+            "{:?}",
+            sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY
+        ));
+        assert!(!is_sticky(&oom.to_string()), "{oom}");
+    }
 
     #[test]
     fn parses_specs() {
@@ -148,6 +233,18 @@ mod tests {
         assert!("gpu".parse::<DeviceSpec>().is_err());
         assert!("cuda:x".parse::<DeviceSpec>().is_err());
         assert_eq!(DeviceSpec::Cuda(1).to_string(), "cuda:1");
+        assert_eq!("emu".parse::<DeviceSpec>().unwrap(), DeviceSpec::Emu);
+        assert_eq!(
+            parse_list("cuda:0,1").unwrap(),
+            [DeviceSpec::Cuda(0), DeviceSpec::Cuda(1)]
+        );
+        assert_eq!(
+            parse_list("cuda:2, cuda:0").unwrap(),
+            [DeviceSpec::Cuda(2), DeviceSpec::Cuda(0)]
+        );
+        assert_eq!(parse_list("auto").unwrap(), [DeviceSpec::Auto]);
+        assert!(parse_list("cuda:0,0").is_err(), "a GPU listed twice");
+        assert!(parse_list("cpu,cuda:0").is_err());
     }
 
     /// Runs everywhere: on a machine without a GPU it checks the clean error path; on

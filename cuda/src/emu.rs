@@ -42,6 +42,19 @@ pub fn param_sizes() -> [usize; 6] {
 #[derive(Default, Debug, Clone)]
 pub struct EmuExec;
 
+impl EmuExec {
+    /// The emulator, where it is built (x86-64 hosts: its fibers switch in assembly).
+    pub fn open() -> Result<Self> {
+        if cfg!(denoised_emu) {
+            Ok(EmuExec)
+        } else {
+            Err(CudaError::NoDevice(
+                "the CUDA emulator is built on x86-64 hosts only".into(),
+            ))
+        }
+    }
+}
+
 pub struct EmuMem {
     ptr: *mut u8,
     layout: Layout,

@@ -91,6 +91,11 @@ pub trait Exec: Send + Sync + 'static {
     type Event: Send + Sync;
 
     fn describe(&self) -> String;
+    /// Whether an error message of this executor reports a sticky error, after which
+    /// the context is unusable (see [`crate::device::is_sticky`]).
+    fn is_sticky(&self, _message: &str) -> bool {
+        false
+    }
     fn alloc(&self, bytes: usize) -> Result<Self::Mem>;
     /// Device address of the allocation's first byte.
     fn addr(&self, m: &Self::Mem) -> u64;

@@ -357,6 +357,9 @@ impl Exec for CudaExec {
             self.info.ordinal, self.info.name, self.arch
         )
     }
+    fn is_sticky(&self, message: &str) -> bool {
+        crate::device::is_sticky(message)
+    }
 
     fn alloc(&self, bytes: usize) -> Result<CudaSlice<u8>> {
         // SAFETY: uninitialised device memory; every op writes its outputs in full

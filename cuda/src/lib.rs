@@ -7,7 +7,7 @@
 //!   [`emu::EmuExec`] (the same kernels on the CPU, for machines without a GPU);
 //! - [`backend`]: [`GpuBackend`], the model-facing `Backend` over any executor;
 //! - [`stream`]: templates streamed to the device block by block on the copy stream;
-//! - [`device`]: `auto | cpu | cuda:N` selection and probing.
+//! - [`device`]: `auto | cpu | emu | cuda:N[,M..]` selection and probing.
 //!
 //! cudarc is built with `dynamic-loading`, so this crate compiles and links on machines
 //! without the CUDA toolkit or driver; `libcuda.so` and `libnvrtc.so` are looked up only
@@ -26,7 +26,9 @@ pub mod params;
 pub mod stream;
 
 pub use backend::{GpuBackend, GpuTensor};
-pub use device::{probe, resolve, CudaError, DeviceSpec, GpuInfo, Resolved};
+pub use device::{
+    parse_list, probe, resolve, resolve_list, CudaError, DeviceSpec, GpuInfo, Resolved,
+};
 pub use emu::EmuExec;
 pub use exec::{Dt, Exec};
 pub use gpu::CudaExec;

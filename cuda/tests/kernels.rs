@@ -192,6 +192,64 @@ fn check_ops<E: Exec>(gpu: &GpuBackend<E>) {
     for (heads, hd) in [(2, 64), (1, 128), (3, 16)] {
         check_attention(gpu, &cpu, &mut rng, heads, hd);
     }
+    check_attention_many_caches(gpu, &cpu, &mut rng);
+}
+
+/// A batch of 12 edits of 12 different templates: 13 distinct buffers, more than one
+/// launch addresses, so the backend splits the sequences over launches.
+fn check_attention_many_caches<E: Exec>(gpu: &GpuBackend<E>, cpu: &CpuBackend, rng: &mut Rng) {
+    let (heads, hd, n, rows) = (2, 64, 12, 4);
+    let w = heads * hd;
+    let t = rng.tensor(&[n * rows, 3 * w], 1.5);
+    let caches: Vec<Tensor> = (0..n).map(|i| rng.tensor(&[20 + i, 2 * w], 1.5)).collect();
+    let idx: Vec<Vec<u32>> = (0..n)
+        .map(|i| (0..(20 + i) as u32).step_by(2).collect())
+        .collect();
+    fn seqs<'a, T>(
+        caches: &'a [T],
+        idx: &'a [Vec<u32>],
+        rows: usize,
+        w: usize,
+    ) -> Vec<AttnSeq<'a, T>> {
+        caches
+            .iter()
+            .zip(idx)
+            .enumerate()
+            .map(|(i, (c, ix))| AttnSeq {
+                q: vec![QSpan {
+                    buf: 0,
+                    rows: i * rows..(i + 1) * rows,
+                }],
+                kv: vec![
+                    KvSource {
+                        src: Src::Own(0),
+                        k_col: w,
+                        v_col: 2 * w,
+                        rows: Rows::Range(i * rows..(i + 1) * rows),
+                    },
+                    KvSource {
+                        src: Src::Ext(c),
+                        k_col: 0,
+                        v_col: w,
+                        rows: Rows::Index(ix),
+                    },
+                ],
+            })
+            .collect()
+    }
+    let mut c = t.clone();
+    cpu.attention(&mut [&mut c], 0, w, heads, &seqs(&caches, &idx, rows, w))
+        .unwrap();
+    let mut g = gpu.upload(&t).unwrap();
+    let gc: Vec<_> = caches.iter().map(|c| gpu.upload(c).unwrap()).collect();
+    gpu.attention(&mut [&mut g], 0, w, heads, &seqs(&gc, &idx, rows, w))
+        .unwrap();
+    close(
+        "attention, 12 caches in one call",
+        gpu.dtype(),
+        &gpu.download(&g).unwrap(),
+        &c,
+    );
 }
 
 fn check_attention<E: Exec>(

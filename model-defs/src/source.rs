@@ -118,6 +118,15 @@ impl ModelSource {
         }
     }
 
+    /// The transformer's config, without its weights.
+    pub fn transformer_config(&self) -> Result<FluxConfig> {
+        match self {
+            ModelSource::Builtin => Ok(FluxConfig::tiny()),
+            ModelSource::BuiltinSmall => Ok(FluxConfig::small()),
+            ModelSource::Dir(d) => FluxConfig::from_file(transformer_dir(d)?.join("config.json")),
+        }
+    }
+
     pub fn load_transformer<B: Backend>(&self, backend: B) -> Result<FluxTransformer<B>> {
         match self {
             ModelSource::Builtin => {

@@ -26,7 +26,8 @@ fn end_to_end_matches_diffusers() {
     let mut p = FluxFill::load(&ModelSource::Dir(tiny_model_dir()), CpuBackend::new()).unwrap();
     // Torch's own sinusoid frequencies, so the strict tier applies (see the
     // transformer tests); the suggested tier holds without them too.
-    p.transformer
+    p.transformer_mut()
+        .unwrap()
         .set_time_proj_freqs(
             RefCase::open("transformer_case1")
                 .unwrap()
@@ -75,7 +76,7 @@ fn end_to_end_matches_diffusers() {
     assert_eq!(schedule.timesteps, case.tensor("timesteps").into_data());
     let mut job = Job::new(prep.inputs.clone(), schedule.clone(), Mode::Full).unwrap();
     for i in 0..4 {
-        step_batch(&p.transformer, &mut [&mut job]).unwrap();
+        step_batch(p.transformer().unwrap(), &mut [&mut job]).unwrap();
         let d = case.assert_close(&format!("step{i}.latents"), job.latents(), Tier::Strict);
         println!("step{i}.latents: {d:.2e}");
     }
@@ -138,7 +139,7 @@ fn paste_back_keeps_every_unmasked_pixel() {
         .unwrap();
     let s = p.schedule(4, 64, 64).unwrap();
     let lat = denoised_models::flux::edit::run(
-        &p.transformer,
+        p.transformer().unwrap(),
         Job::new(prep.inputs.clone(), s.clone(), Mode::Full).unwrap(),
     )
     .unwrap();

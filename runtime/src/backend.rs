@@ -191,6 +191,13 @@ pub trait Backend: Send + Sync {
     /// `index[i].1` of `srcs[index[i].0]`. All sources have the same width.
     fn gather_rows(&self, srcs: &[&Self::Tensor], index: &[(u32, u32)]) -> Result<Self::Tensor>;
 
+    /// Whether `e` (returned by this backend) leaves the device unusable: a sticky
+    /// CUDA error (an illegal address, a failed launch) poisons the whole context, so
+    /// the process owning it must end and be restarted. The CPU has none.
+    fn is_fatal(&self, _e: &crate::Error) -> bool {
+        false
+    }
+
     /// Waits until all queued work has finished. Device backends queue kernels
     /// asynchronously; benchmarks call this before reading a clock. The CPU backend
     /// computes synchronously, so the default does nothing.

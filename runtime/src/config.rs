@@ -150,9 +150,11 @@ impl Default for ModelConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DeviceConfig {
-    /// `auto`, `cpu` or `cuda:N`.
+    /// `auto`, `cpu`, `emu`, `cuda:N` or a list `cuda:N,M`.
     pub device: String,
-    /// CPU compute threads; 0 = one per core.
+    /// Storage dtype on a GPU: `bf16` or `f32`.
+    pub dtype: String,
+    /// Threads of each CPU compute process; 0 = the cores split among them.
     pub threads: usize,
 }
 
@@ -160,6 +162,7 @@ impl Default for DeviceConfig {
     fn default() -> Self {
         DeviceConfig {
             device: "auto".into(),
+            dtype: "bf16".into(),
             threads: 0,
         }
     }

@@ -84,7 +84,7 @@ pub fn run(a: Args) -> CliResult {
     let d0 = Instant::now();
     let mut job = Job::new(prep.inputs.clone(), schedule, Mode::Full)?;
     while !job.done() {
-        step_batch(&p.transformer, &mut [&mut job])?;
+        step_batch(p.transformer()?, &mut [&mut job])?;
     }
     t.denoise_s = d0.elapsed().as_secs_f64();
     let out = p.finish(&prep, job.latents(), &opts, &mut t)?;

@@ -7,18 +7,20 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use denoised_models::flux::edit::{step_batch, Job, Mode};
+use denoised_actors::device::{self, Placed};
+use denoised_cuda::DeviceSpec;
+use denoised_models::flux::edit::{Job, Mode};
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::template_file::{self, TemplateMeta};
 use denoised_models::mask::TokenMask;
-use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Timings};
+use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Parts, Timings};
 use denoised_models::pipeline::image::{decode_image, decode_mask, encode_png, Mask};
 use denoised_models::ModelSource;
 use denoised_runtime::weights::SafetensorsFile;
 use denoised_runtime::{CpuBackend, DType, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::{CliResult, DeviceArgs};
+use super::{CliResult, ModelDeviceArgs};
 
 /// Options shared by edits and captures.
 #[derive(clap::Args, Debug)]
@@ -49,7 +51,7 @@ pub struct Common {
     #[arg(long)]
     pub timings: bool,
     #[command(flatten)]
-    pub device: DeviceArgs,
+    pub device: ModelDeviceArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -113,10 +115,18 @@ fn progress(steps: usize) -> ProgressBar {
     pb
 }
 
-fn load_pipeline(c: &Common) -> CliResult<FluxFill<CpuBackend>> {
-    let mut p = FluxFill::load(&c.model, c.device.cpu_backend()?)?;
+/// The CPU stages on the host, and the transformer on the chosen device, placed the
+/// way a denoise worker of the daemon places it (so both compute alike).
+fn load_pipeline(c: &Common) -> CliResult<(FluxFill<CpuBackend>, Placed)> {
+    let device = c.device.spec()?;
+    let parts = device::host_parts(device, Parts::ALL);
+    let mut p = FluxFill::load_parts(&c.model, CpuBackend::new(), parts)?;
     p.limits.max_pixels = c.max_pixels;
-    Ok(p)
+    let placed = device::place(&c.model, device, c.device.dtype()?, &p)?;
+    if device != DeviceSpec::Cpu {
+        eprintln!("transformer on {} ({})", placed.device, placed.dtype);
+    }
+    Ok((p, placed))
 }
 
 fn read_noise(path: &Path) -> CliResult<Noise> {
@@ -139,16 +149,11 @@ fn read_noise(path: &Path) -> CliResult<Noise> {
 }
 
 /// Runs a job to the end with a progress bar.
-fn denoise(
-    p: &FluxFill<CpuBackend>,
-    mut job: Job,
-    steps: usize,
-    t: &mut Timings,
-) -> CliResult<Job> {
+fn denoise(placed: &mut Placed, mut job: Job, steps: usize, t: &mut Timings) -> CliResult<Job> {
     let pb = progress(steps);
     let t0 = Instant::now();
     while !job.done() {
-        step_batch(&p.transformer, &mut [&mut job])?;
+        placed.stepper.step(&mut [&mut job])?;
         pb.inc(1);
     }
     pb.finish_and_clear();
@@ -177,7 +182,7 @@ fn report(c: &Common, t: &Timings, what: &str, out: &Path) {
 
 pub fn run_edit(a: EditArgs) -> CliResult {
     let c = &a.common;
-    let p = load_pipeline(c)?;
+    let (p, mut placed) = load_pipeline(c)?;
     let mut t = Timings::default();
     let template = match &a.template {
         Some(dir) => Some((dir.clone(), template_file::read_meta(dir)?)),
@@ -231,7 +236,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     let schedule = p.schedule(steps, image.width, image.height)?;
     let latents = match &template {
         None => denoise(
-            &p,
+            &mut placed,
             Job::new(prepared.inputs.clone(), schedule, Mode::Full)?,
             steps,
             &mut t,
@@ -239,8 +244,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
         .into_latents(),
         Some((dir, _)) => {
             let (rows, cols) = p.tokens(image.width, image.height);
-            let layout =
-                TemplateLayout::for_model(&p.transformer.config, rows * cols, steps, DType::F32);
+            let layout = TemplateLayout::for_model(&p.config, rows * cols, steps, DType::F32);
             let (cache, _) = template_file::load(dir, &p.fingerprint, &layout)?;
             let block = 2 * p.vae_scale_factor();
             let tm =
@@ -252,7 +256,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                 100.0 * tm.pixel_ratio
             );
             denoise(
-                &p,
+                &mut placed,
                 Job::new(
                     prepared.inputs.clone(),
                     schedule,
@@ -275,7 +279,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
 
 pub fn run_capture(a: CaptureArgs) -> CliResult {
     let c = &a.common;
-    let p = load_pipeline(c)?;
+    let (p, mut placed) = load_pipeline(c)?;
     let mut t = Timings::default();
     let bytes = read(&a.image)?;
     let image =
@@ -298,13 +302,13 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
     let schedule = p.schedule(opts.steps, image.width, image.height)?;
     let (rows, cols) = p.tokens(image.width, image.height);
     let cache = TemplateCache::new(TemplateLayout::for_model(
-        &p.transformer.config,
+        &p.config,
         rows * cols,
         opts.steps,
         DType::F32,
     ));
     let (latents, cache) = denoise(
-        &p,
+        &mut placed,
         Job::new(
             prepared.inputs.clone(),
             schedule,

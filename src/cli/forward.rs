@@ -2,12 +2,13 @@
 
 use std::path::PathBuf;
 
+use denoised_cuda::{CudaExec, DeviceSpec, EmuExec, GpuBackend};
 use denoised_models::flux::model::{FluxInputs, NoObserver};
 use denoised_models::ModelSource;
 use denoised_runtime::weights::{write_safetensors, SafetensorsFile};
-use denoised_runtime::Backend;
+use denoised_runtime::{Backend, CpuBackend};
 
-use super::{CliResult, DeviceArgs};
+use super::{CliResult, ModelDeviceArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -21,11 +22,19 @@ pub struct Args {
     #[arg(long)]
     pub output: PathBuf,
     #[command(flatten)]
-    pub device: DeviceArgs,
+    pub device: ModelDeviceArgs,
 }
 
 pub fn run(a: Args) -> CliResult {
-    let backend = a.device.cpu_backend()?;
+    match a.device.spec()? {
+        DeviceSpec::Cpu => forward(&a, CpuBackend::new()),
+        DeviceSpec::Emu => forward(&a, GpuBackend::new(EmuExec::open()?, a.device.dtype()?)),
+        DeviceSpec::Cuda(n) => forward(&a, GpuBackend::new(CudaExec::new(n)?, a.device.dtype()?)),
+        DeviceSpec::Auto => unreachable!("resolved by spec()"),
+    }
+}
+
+fn forward<B: Backend>(a: &Args, backend: B) -> CliResult {
     let t0 = std::time::Instant::now();
     let model = a.model.load_transformer(backend)?;
     let load_s = t0.elapsed().as_secs_f64();

@@ -91,7 +91,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::BenchServe(a) => bench_serve::run(a),
         Command::Footprint(a) => footprint::run(a),
         Command::Devices => devices::run(),
-        Command::Serve(a) => serve::run_serve(a),
+        Command::Serve(a) => serve::run_serve(a, cli.threads),
         Command::BenchOverheads(a) => bench_overheads::run(a),
         Command::Worker(a) => serve::run_worker(a),
     }
@@ -100,7 +100,8 @@ pub fn run(cli: Cli) -> CliResult {
 /// Device options shared by compute commands.
 #[derive(clap::Args, Debug, Clone)]
 pub struct DeviceArgs {
-    /// Compute device: auto (a GPU when usable, else the CPU), cpu, or cuda:N.
+    /// Compute device: auto (a GPU when usable, else the CPU), cpu, cuda:N, or emu
+    /// (the GPU backend on the CPU emulator: for tests, slow).
     #[arg(long, env = "DENOISED_DEVICE", default_value = "auto")]
     pub device: DeviceSpec,
 }
@@ -111,6 +112,32 @@ pub enum Selected {
     Cuda(Box<denoised_cuda::CudaExec>),
 }
 
+/// Device and dtype of the commands that run the transformer through the serving
+/// code (`edit`, `template capture`, `forward`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelDeviceArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Storage dtype on a GPU or the emulator: bf16 or f32 (the CPU computes in f32).
+    #[arg(long, env = "DENOISED_DTYPE", default_value = "bf16")]
+    pub dtype: String,
+}
+
+impl ModelDeviceArgs {
+    /// The device the transformer goes to: `auto` becomes the first GPU or the CPU.
+    pub fn spec(&self) -> CliResult<DeviceSpec> {
+        Ok(match denoised_cuda::resolve(self.device.device)? {
+            Resolved::Cpu => DeviceSpec::Cpu,
+            Resolved::Emu => DeviceSpec::Emu,
+            Resolved::Cuda(g) => DeviceSpec::Cuda(g.ordinal),
+        })
+    }
+
+    pub fn dtype(&self) -> CliResult<denoised_cuda::Dt> {
+        Ok(denoised_actors::device::parse_dtype(&self.dtype)?)
+    }
+}
+
 impl DeviceArgs {
     /// Opens the device for commands that have a GPU path. `auto` takes a usable GPU
     /// and otherwise the CPU, saying why in one log line; an explicit `cuda:N` that
@@ -118,6 +145,9 @@ impl DeviceArgs {
     pub fn select(&self) -> CliResult<Selected> {
         match (self.device, denoised_cuda::resolve(self.device)?) {
             (_, Resolved::Cpu) => Ok(Selected::Cpu),
+            (_, Resolved::Emu) => Err(
+                "the emulator runs the GPU code for tests; its timings mean nothing here (use cpu or cuda:N)".into(),
+            ),
             (spec, Resolved::Cuda(g)) => match denoised_cuda::CudaExec::new(g.ordinal) {
                 Ok(exec) => {
                     tracing::info!("computing on {}", denoised_cuda::Exec::describe(&exec));
@@ -146,6 +176,7 @@ impl DeviceArgs {
 pub fn cpu_only(spec: DeviceSpec, who: &str) -> CliResult {
     match (spec, denoised_cuda::resolve(spec)?) {
         (_, Resolved::Cpu) => Ok(()),
+        (_, Resolved::Emu) => Err(format!("{who} computes on the CPU in this build").into()),
         (DeviceSpec::Auto, Resolved::Cuda(g)) => {
             tracing::info!(
                 "device auto: found {}, but {who} computes on the CPU in this build",
@@ -154,8 +185,8 @@ pub fn cpu_only(spec: DeviceSpec, who: &str) -> CliResult {
             Ok(())
         }
         (spec, Resolved::Cuda(g)) => Err(format!(
-            "{spec} ({}) requested, but {who} computes on the CPU in this build (the GPU \
-             backend serves bench-step and bench-attn so far); use device cpu or auto",
+            "{spec} ({}) requested, but {who} computes on the CPU in this build; use device \
+             cpu or auto",
             g.name
         )
         .into()),

@@ -37,10 +37,13 @@ pub struct ServeArgs {
     /// `[denoise] token_budget`.
     #[arg(long, env = "DENOISED_TOKEN_BUDGET")]
     pub token_budget: Option<usize>,
-    /// `[device] device`: auto, cpu or cuda:N. The daemon computes on the CPU in this
-    /// build, so cuda:N is refused at start rather than silently ignored.
+    /// `[device] device`: auto, cpu, emu, cuda:N or a list cuda:N,M (one denoise
+    /// worker per GPU).
     #[arg(long, env = "DENOISED_DEVICE")]
     pub device: Option<String>,
+    /// `[device] dtype`: bf16 or f32, the storage dtype on a GPU.
+    #[arg(long, env = "DENOISED_DTYPE")]
+    pub dtype: Option<String>,
     /// `[cluster] port`: the router's cluster node port (0: a free one).
     #[arg(long, env = "DENOISED_CLUSTER_PORT")]
     pub cluster_port: Option<u16>,
@@ -51,7 +54,8 @@ pub struct ServeArgs {
 
 impl ServeArgs {
     /// The configuration: the file (if any) with the flags applied.
-    pub fn resolve(&self) -> CliResult<Config> {
+    /// `threads` is the global `--threads` flag (`[device] threads`).
+    pub fn resolve(&self, threads: usize) -> CliResult<Config> {
         let mut c = match &self.config {
             Some(p) => Config::from_file(p)?,
             None => Config::default(),
@@ -84,9 +88,15 @@ impl ServeArgs {
         if let Some(d) = &self.device {
             c.device.device = d.clone();
         }
-        // The daemon's workers compute on the CPU until the denoise worker gains the
-        // GPU backend (docs/gpu.md).
-        super::cpu_only(c.device.device.parse()?, "the daemon")?;
+        if let Some(d) = &self.dtype {
+            c.device.dtype = d.clone();
+        }
+        if threads > 0 {
+            c.device.threads = threads;
+        }
+        // Fail here, before any process starts, on a bad device or dtype.
+        denoised_cuda::parse_list(&c.device.device)?;
+        denoised_actors::device::parse_dtype(&c.device.dtype)?;
         if let Some(p) = self.cluster_port {
             c.cluster.port = p;
         }
@@ -103,8 +113,8 @@ impl ServeArgs {
     }
 }
 
-pub fn run_serve(a: ServeArgs) -> CliResult {
-    let config = a.resolve()?;
+pub fn run_serve(a: ServeArgs, threads: usize) -> CliResult {
+    let config = a.resolve(threads)?;
     denoised_actors::supervisor::serve(config, None)?;
     Ok(())
 }

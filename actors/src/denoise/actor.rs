@@ -17,6 +17,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::Receiver;
 use denoised_models::flux::edit::DenoiseInputs;
+use denoised_models::flux::stepper::Stepper;
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::mask::TokenMask;
 use denoised_models::FlowMatchEuler;
@@ -41,7 +42,10 @@ const TEMPLATE_SLOTS: usize = 4;
 pub struct DenoiseActor;
 
 pub struct DenoiseArgs {
+    /// The host side: configs, and the CPU stages of the in-process baseline.
     pub pipeline: Arc<Pipeline>,
+    /// The transformer on this worker's device; the loop thread takes it over.
+    pub stepper: Box<dyn Stepper>,
     pub shm: Arc<Shm>,
     pub sched: SchedulerConfig,
 }
@@ -72,7 +76,7 @@ impl Actor for DenoiseActor {
         myself: ActorRef<Self::Msg>,
         a: Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
-        let lp = DenoiseLoop::spawn(a.pipeline.clone(), a.sched, LoopOptions::default())?;
+        let lp = DenoiseLoop::spawn(a.stepper, a.sched, LoopOptions::default())?;
         let inline: InlineJobs = Arc::new(Mutex::new(HashMap::new()));
         let events = lp.events().clone();
         let ctx = EventCtx {
@@ -176,12 +180,7 @@ impl DenoiseState {
     }
 
     fn layout(&self, tokens: usize, steps: u32) -> TemplateLayout {
-        TemplateLayout::for_model(
-            &self.pipeline.transformer.config,
-            tokens,
-            steps as usize,
-            DType::F32,
-        )
+        TemplateLayout::for_model(&self.pipeline.config, tokens, steps as usize, DType::F32)
     }
 
     /// The template's cache, from this worker's recent templates or copied out of the

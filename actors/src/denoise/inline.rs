@@ -77,7 +77,7 @@ pub fn submit(
                         cache,
                     },
                     (DenoiseWork::Capture, _) => Work::Capture(TemplateLayout::for_model(
-                        &p.transformer.config,
+                        &p.config,
                         n,
                         params.steps as usize,
                         DType::F32,

@@ -11,20 +11,23 @@
 //! A step that fails (a broken invariant, an error from the backend) fails the requests
 //! in that batch with the error, and the loop goes on serving the others.
 
-use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
-use denoised_models::flux::edit::{step_batch, DenoiseInputs, Job, Mode};
+use denoised_models::flux::edit::{DenoiseInputs, Job, Mode};
+use denoised_models::flux::stepper::Stepper;
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::mask::TokenMask;
-use denoised_models::{FlowMatchEuler, FluxTransformer};
-use denoised_runtime::{Backend, Tensor};
+use denoised_models::FlowMatchEuler;
+use denoised_runtime::Tensor;
 
 use crate::scheduler::{BatchScheduler, RequestId, SchedRequest, SchedulerConfig};
+
+/// Exit status of a denoise worker whose device failed (EX_SOFTWARE).
+pub const EXIT_DEVICE_FAULT: i32 = 70;
 
 /// What a request asks the denoiser to do.
 pub enum Work {
@@ -117,23 +120,18 @@ pub struct LoopOptions {
 }
 
 impl DenoiseLoop {
-    /// Starts the loop thread. `model` is the transformer or anything that holds one
-    /// (a whole pipeline, when the baseline runs the CPU stages on this thread too).
-    pub fn spawn<B, M>(
-        model: Arc<M>,
+    /// Starts the loop thread, which takes ownership of the model on its device.
+    pub fn spawn(
+        stepper: Box<dyn Stepper>,
         config: SchedulerConfig,
         options: LoopOptions,
-    ) -> Result<Self, String>
-    where
-        B: Backend<Tensor = Tensor> + 'static,
-        M: Borrow<FluxTransformer<B>> + Send + Sync + 'static,
-    {
+    ) -> Result<Self, String> {
         let sched = BatchScheduler::new(config).map_err(|e| e.to_string())?;
         let (commands, rx) = unbounded();
         let (tx, events) = unbounded();
         let thread = std::thread::Builder::new()
             .name("denoise-loop".into())
-            .spawn(move || run((*model).borrow(), sched, rx, tx, options))
+            .spawn(move || run(stepper, sched, rx, tx, options))
             .map_err(|e| format!("cannot start the denoise thread: {e}"))?;
         Ok(DenoiseLoop {
             commands,
@@ -216,8 +214,8 @@ impl State {
     }
 }
 
-fn run<B: Backend<Tensor = Tensor>>(
-    model: &FluxTransformer<B>,
+fn run(
+    mut model: Box<dyn Stepper>,
     sched: BatchScheduler,
     rx: Receiver<Command>,
     tx: Sender<Event>,
@@ -265,9 +263,16 @@ fn run<B: Backend<Tensor = Tensor>>(
         let result = {
             let mut refs: Vec<&mut Job> = batch.iter_mut().map(|(_, j)| j).collect();
             assembly_seconds = t0.elapsed().as_secs_f64();
-            step_batch(model, &mut refs)
+            model.step(&mut refs)
         };
         if let Err(e) = result {
+            if model.is_fatal(&e) {
+                // The device is gone for this process (a sticky CUDA error). Exit
+                // without answering: the router sees the worker lost and retries its
+                // requests on the restarted worker, as after a kill.
+                tracing::error!("device fault, the worker exits to be restarted: {e}");
+                std::process::exit(EXIT_DEVICE_FAULT);
+            }
             tracing::error!("denoise step failed: {e}");
             for (id, _) in batch {
                 st.sched.cancel(id);

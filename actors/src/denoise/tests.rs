@@ -9,6 +9,7 @@ use std::time::Duration;
 use crossbeam_channel::{unbounded, Sender};
 use denoised_models::flux::edit::{run, DenoiseInputs, Job, Mode};
 use denoised_models::flux::embed::image_ids;
+use denoised_models::flux::stepper::HostStepper;
 use denoised_models::flux::template::TemplateLayout;
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::TokenMask;
@@ -56,7 +57,7 @@ fn gated(mode: Batching) -> (DenoiseLoop, Sender<()>) {
         mode,
     };
     let lp = DenoiseLoop::spawn(
-        model(),
+        Box::new(HostStepper(model())),
         cfg,
         LoopOptions {
             step_gate: Some(gate_rx),
@@ -199,8 +200,12 @@ fn cancel_and_bad_requests_do_not_stop_the_loop() {
 
 #[test]
 fn capture_then_edit_through_the_loop_keeps_the_identity() {
-    let lp =
-        DenoiseLoop::spawn(model(), SchedulerConfig::default(), LoopOptions::default()).unwrap();
+    let lp = DenoiseLoop::spawn(
+        Box::new(HostStepper(model())),
+        SchedulerConfig::default(),
+        LoopOptions::default(),
+    )
+    .unwrap();
     let (inp, s) = (inputs(9), schedule(3));
     let layout = TemplateLayout::for_model(&FluxConfig::tiny(), SIDE * SIDE, 3, DType::F32);
     lp.submit(DenoiseRequest {

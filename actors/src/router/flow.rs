@@ -34,6 +34,9 @@ pub struct Ctx {
     pub model: String,
     next_job: AtomicU64,
     rr: [AtomicUsize; 3],
+    /// What each worker process loaded, as it announced itself (by process name; a
+    /// restarted process replaces its entry).
+    pub processes: std::sync::Mutex<std::collections::BTreeMap<String, WorkerInfo>>,
 }
 
 impl Ctx {
@@ -47,6 +50,7 @@ impl Ctx {
             model,
             next_job: AtomicU64::new(seed << 8),
             rr: Default::default(),
+            processes: Default::default(),
         }
     }
 

@@ -149,7 +149,18 @@ async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (status, Json(json!({"ready": ready, "workers": detail}))).into_response()
+    let processes: Vec<_> = ctx
+        .processes
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .values()
+        .cloned()
+        .collect();
+    (
+        status,
+        Json(json!({"ready": ready, "workers": detail, "processes": processes})),
+    )
+        .into_response()
 }
 
 /// Reads a request body, mapping the size limit and transport errors to JSON errors.

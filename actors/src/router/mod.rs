@@ -39,6 +39,10 @@ impl Actor for RouterActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             RouterMsg::Progress(Wire(p)) => ctx.jobs.progress(p.job, p.step),
+            RouterMsg::Announce(Wire(info)) => {
+                let mut m = ctx.processes.lock().unwrap_or_else(|p| p.into_inner());
+                m.insert(info.name.clone(), info);
+            }
             RouterMsg::Ping(Wire(x), reply) => {
                 let _ = reply.send(Wire(Ok(x)));
             }

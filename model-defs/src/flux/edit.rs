@@ -155,6 +155,13 @@ impl Job {
     pub fn inputs(&self) -> &DenoiseInputs {
         &self.inputs
     }
+    /// The template an edit reads; `None` for full runs and captures.
+    pub fn template(&self) -> Option<&Arc<TemplateCache>> {
+        match &self.mode {
+            Mode::Edit { cache, .. } => Some(cache),
+            _ => None,
+        }
+    }
     /// Image tokens computed per step.
     pub fn active_tokens(&self) -> usize {
         self.active.len()

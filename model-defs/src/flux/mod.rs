@@ -12,6 +12,7 @@ pub mod edit;
 pub mod embed;
 pub mod model;
 pub mod slabs;
+pub mod stepper;
 pub mod template;
 pub mod template_file;
 pub mod weights;

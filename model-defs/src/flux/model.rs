@@ -195,6 +195,14 @@ impl<B: Backend> FluxTransformer<B> {
         Ok(Self::from_parts(backend, config, w))
     }
 
+    /// Parameters (elements) of the weights, as the checkpoint stores them.
+    pub fn params(&self) -> u64 {
+        super::weights::param_specs(&self.config)
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum()
+    }
+
     fn from_parts(backend: B, config: FluxConfig, w: FluxWeights<B>) -> Self {
         FluxTransformer {
             config,

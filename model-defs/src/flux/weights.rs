@@ -155,6 +155,34 @@ pub trait Source {
     fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
 }
 
+/// Wraps a source and counts the elements it hands out: how a loader learns the
+/// weight bytes it holds (reported per component in `/readyz`).
+pub struct Counting<'a> {
+    inner: &'a dyn Source,
+    elements: std::cell::Cell<u64>,
+}
+
+impl<'a> Counting<'a> {
+    pub fn new(inner: &'a dyn Source) -> Self {
+        Counting {
+            inner,
+            elements: std::cell::Cell::new(0),
+        }
+    }
+    /// Elements handed out so far.
+    pub fn elements(&self) -> u64 {
+        self.elements.get()
+    }
+}
+
+impl Source for Counting<'_> {
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.elements
+            .set(self.elements.get() + shape.iter().product::<usize>() as u64);
+        self.inner.get(name, shape)
+    }
+}
+
 impl Source for WeightStore {
     fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         WeightStore::get(self, name, shape)

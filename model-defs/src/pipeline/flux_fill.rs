@@ -7,6 +7,7 @@
 //! denoise worker, and [`FluxFill::finish`] (VAE decode, paste-back) in postprocess
 //! workers. `denoised edit` runs them in one process, timing each.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use denoised_runtime::{Backend, Error, Result, Tensor};
@@ -19,11 +20,11 @@ use super::paste::paste_back;
 use crate::flux::edit::DenoiseInputs;
 use crate::flux::embed::image_ids;
 use crate::flux::weights::SplitMix;
-use crate::flux::FluxTransformer;
+use crate::flux::{FluxConfig, FluxTransformer};
 use crate::scheduler::{FlowMatchEuler, SchedulerConfig};
 use crate::source::{ModelSource, BUILTIN_SEED};
 use crate::text::{ClipTextConfig, ClipTextModel, ClipTokenizer, T5Config, T5Encoder, T5Tokenizer};
-use crate::vae::{AutoencoderKL, VaeConfig};
+use crate::vae::{AutoencoderKL, VaeConfig, VaeHalves};
 
 /// Per-request options, with FluxFillPipeline's defaults.
 #[derive(Clone, Debug)]
@@ -86,39 +87,120 @@ pub struct Prepared {
     pub prompt_truncated: bool,
 }
 
-pub struct FluxFill<B: Backend<Tensor = Tensor>> {
-    pub transformer: FluxTransformer<B>,
-    pub vae: AutoencoderKL,
+/// The text side of the pipeline: both tokenizers and both encoders.
+pub struct TextEncoders {
     pub clip_tokenizer: ClipTokenizer,
     pub clip: ClipTextModel,
     pub t5_tokenizer: T5Tokenizer,
     pub t5: T5Encoder,
+}
+
+/// Which components a process loads. Each serving role loads only what it computes
+/// with (DESIGN.md, "Devices and roles"): a FLUX.1 Fill checkpoint is about 33 GB in
+/// bf16, and three processes each holding all of it in f32 would need 200 GB.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Parts {
+    /// Tokenizers, CLIP and T5.
+    pub text: bool,
+    pub vae: VaeHalves,
+    pub transformer: bool,
+}
+
+impl Parts {
+    /// Everything: `denoised edit`, template capture, the benchmarks.
+    pub const ALL: Parts = Parts {
+        text: true,
+        vae: VaeHalves::BOTH,
+        transformer: true,
+    };
+    /// Preprocess: tokenizers, text encoders, the VAE encoder.
+    pub const PREPROCESS: Parts = Parts {
+        text: true,
+        vae: VaeHalves::ENCODER,
+        transformer: false,
+    };
+    /// Denoise: the transformer.
+    pub const DENOISE: Parts = Parts {
+        text: false,
+        vae: VaeHalves::NONE,
+        transformer: true,
+    };
+    /// Postprocess: the VAE decoder.
+    pub const POSTPROCESS: Parts = Parts {
+        text: false,
+        vae: VaeHalves::DECODER,
+        transformer: false,
+    };
+
+    /// What either of two roles uses (the in-process baseline runs several).
+    pub fn union(self, o: Parts) -> Parts {
+        Parts {
+            text: self.text || o.text,
+            vae: VaeHalves {
+                encoder: self.vae.encoder || o.vae.encoder,
+                decoder: self.vae.decoder || o.vae.decoder,
+            },
+            transformer: self.transformer || o.transformer,
+        }
+    }
+
+    /// The same parts without the transformer (a process whose transformer lives on
+    /// another backend, e.g. a GPU denoise worker's CPU stages).
+    pub fn without_transformer(self) -> Parts {
+        Parts {
+            transformer: false,
+            ..self
+        }
+    }
+}
+
+/// A loaded component and the bytes of its weights, as `/readyz` reports them.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Component {
+    pub name: String,
+    pub weight_bytes: u64,
+}
+
+pub struct FluxFill<B: Backend<Tensor = Tensor>> {
+    /// The transformer's config: always loaded (a small JSON), because layouts,
+    /// schedules and the checks of the other components need it.
+    pub config: FluxConfig,
+    transformer: Option<Arc<FluxTransformer<B>>>,
+    /// The VAE's config and the halves this process loaded.
+    pub vae: AutoencoderKL,
+    text: Option<TextEncoders>,
     pub scheduler: SchedulerConfig,
     /// Identity of the weights, recorded in template caches.
     pub fingerprint: String,
     pub limits: ImageLimits,
 }
 
-type Parts = (
-    AutoencoderKL,
-    ClipTokenizer,
-    ClipTextModel,
-    T5Tokenizer,
-    T5Encoder,
-    SchedulerConfig,
-);
-
-/// Seeded VAE and text encoders with the built-in tokenizers.
-fn seeded_parts(vae: VaeConfig, clip: ClipTextConfig, t5: T5Config, seed: u64) -> Result<Parts> {
+/// Seeded text encoders with the built-in tokenizers.
+fn seeded_text(clip: ClipTextConfig, t5: T5Config, seed: u64) -> Result<TextEncoders> {
     use builtin_files::*;
-    Ok((
-        AutoencoderKL::seeded(vae, seed ^ 1)?,
-        ClipTokenizer::from_parts(CLIP_VOCAB, CLIP_MERGES, Some(CLIP_TOKENIZER_CONFIG))?,
-        ClipTextModel::seeded(clip, seed ^ 2)?,
-        T5Tokenizer::from_parts(T5_TOKENIZER, Some(T5_TOKENIZER_CONFIG))?,
-        T5Encoder::seeded(t5, seed ^ 3)?,
-        SchedulerConfig::default(),
-    ))
+    Ok(TextEncoders {
+        clip_tokenizer: ClipTokenizer::from_parts(
+            CLIP_VOCAB,
+            CLIP_MERGES,
+            Some(CLIP_TOKENIZER_CONFIG),
+        )?,
+        clip: ClipTextModel::seeded(clip, seed ^ 2)?,
+        t5_tokenizer: T5Tokenizer::from_parts(T5_TOKENIZER, Some(T5_TOKENIZER_CONFIG))?,
+        t5: T5Encoder::seeded(t5, seed ^ 3)?,
+    })
+}
+
+/// The T5 of `builtin:flux-small`: width 768, the flux-small transformer's joint
+/// dimension.
+fn small_t5() -> T5Config {
+    T5Config {
+        d_model: 768,
+        d_kv: 64,
+        d_ff: 2048,
+        num_layers: 12,
+        num_heads: 12,
+        ..T5Config::t5_v1_1_xxl()
+    }
 }
 
 /// Files of the built-in model that cannot be generated from a seed: the configs and
@@ -144,85 +226,95 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     /// Loads every component of a diffusers FLUX.1 Fill directory, or builds the
     /// built-in tiny model.
     pub fn load(source: &ModelSource, backend: B) -> Result<Self> {
-        if *source == ModelSource::BuiltinSmall {
-            return Self::seeded_small(backend, crate::source::BUILTIN_SEED);
-        }
-        let transformer = source.load_transformer(backend)?;
+        Self::load_parts(source, backend, Parts::ALL)
+    }
+
+    /// Loads only `parts` (the transformer, when asked for, on `backend`). Weight files
+    /// of the other components are never opened.
+    pub fn load_parts(source: &ModelSource, backend: B, parts: Parts) -> Result<Self> {
+        let seed = BUILTIN_SEED;
+        let config = source.transformer_config()?;
+        let transformer = if parts.transformer {
+            Some(Arc::new(source.load_transformer(backend)?))
+        } else {
+            None
+        };
         let fingerprint = source.fingerprint()?;
-        let (vae, clip_tokenizer, clip, t5_tokenizer, t5, scheduler) = match source {
+        let (vae, text, scheduler) = match source {
             ModelSource::Builtin => {
                 use builtin_files::*;
                 let parse = |what: &str, e: serde_json::Error| {
                     Error::Invalid(format!("built-in {what} config: {e}"))
                 };
-                let clip_cfg = serde_json::from_str(CLIP_CONFIG).map_err(|e| parse("CLIP", e))?;
-                let t5_cfg = serde_json::from_str(T5_CONFIG).map_err(|e| parse("T5", e))?;
-                seeded_parts(VaeConfig::tiny(), clip_cfg, t5_cfg, BUILTIN_SEED)?
+                let text = if parts.text {
+                    let clip = serde_json::from_str(CLIP_CONFIG).map_err(|e| parse("CLIP", e))?;
+                    let t5 = serde_json::from_str(T5_CONFIG).map_err(|e| parse("T5", e))?;
+                    Some(seeded_text(clip, t5, seed)?)
+                } else {
+                    None
+                };
+                let vae = AutoencoderKL::seeded_halves(VaeConfig::tiny(), seed ^ 1, parts.vae)?;
+                (vae, text, SchedulerConfig::default())
             }
-            ModelSource::BuiltinSmall => unreachable!("handled above"),
-            ModelSource::Dir(d) => (
-                AutoencoderKL::load(d.join("vae"))?,
-                ClipTokenizer::from_dir(d.join("tokenizer"))?,
-                ClipTextModel::load(d.join("text_encoder"))?,
-                T5Tokenizer::from_dir(d.join("tokenizer_2"))?,
-                T5Encoder::load(d.join("text_encoder_2"))?,
-                SchedulerConfig::from_file(d.join("scheduler/scheduler_config.json"))?,
-            ),
+            ModelSource::BuiltinSmall => {
+                let text = if parts.text {
+                    Some(seeded_text(ClipTextConfig::clip_l(), small_t5(), seed)?)
+                } else {
+                    None
+                };
+                let vae = AutoencoderKL::seeded_halves(VaeConfig::flux1(), seed ^ 1, parts.vae)?;
+                (vae, text, SchedulerConfig::default())
+            }
+            ModelSource::Dir(d) => {
+                let text = if parts.text {
+                    Some(TextEncoders {
+                        clip_tokenizer: ClipTokenizer::from_dir(d.join("tokenizer"))?,
+                        clip: ClipTextModel::load(d.join("text_encoder"))?,
+                        t5_tokenizer: T5Tokenizer::from_dir(d.join("tokenizer_2"))?,
+                        t5: T5Encoder::load(d.join("text_encoder_2"))?,
+                    })
+                } else {
+                    None
+                };
+                (
+                    AutoencoderKL::load_halves(d.join("vae"), parts.vae)?,
+                    text,
+                    SchedulerConfig::from_file(d.join("scheduler/scheduler_config.json"))?,
+                )
+            }
         };
-        Self::assemble(
-            transformer,
-            vae,
-            clip_tokenizer,
-            clip,
-            t5_tokenizer,
-            t5,
-            scheduler,
-            fingerprint,
-        )
+        Self::assemble(config, transformer, vae, text, scheduler, fingerprint)
     }
-
     /// A pipeline of seeded components at benchmark scale (`flux-small`): the
     /// flux-small transformer, FLUX.1's VAE, CLIP-L and a T5 of width 768 (the
     /// transformer's joint dimension), with the built-in tokenizers. For measuring
     /// stage times without real weights.
     pub fn seeded_small(backend: B, seed: u64) -> Result<Self> {
-        let transformer = FluxTransformer::seeded(backend, crate::flux::FluxConfig::small(), seed)?;
-        let t5 = T5Config {
-            d_model: 768,
-            d_kv: 64,
-            d_ff: 2048,
-            num_layers: 12,
-            num_heads: 12,
-            ..T5Config::t5_v1_1_xxl()
-        };
-        let (vae, ct, clip, tt, t5, sched) =
-            seeded_parts(VaeConfig::flux1(), ClipTextConfig::clip_l(), t5, seed)?;
+        let config = FluxConfig::small();
+        let transformer = FluxTransformer::seeded(backend, config.clone(), seed)?;
+        let vae = AutoencoderKL::seeded(VaeConfig::flux1(), seed ^ 1)?;
+        let text = seeded_text(ClipTextConfig::clip_l(), small_t5(), seed)?;
         Self::assemble(
-            transformer,
+            config,
+            Some(Arc::new(transformer)),
             vae,
-            ct,
-            clip,
-            tt,
-            t5,
-            sched,
+            Some(text),
+            SchedulerConfig::default(),
             format!("seeded-flux-small-{seed:016x}"),
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn assemble(
-        transformer: FluxTransformer<B>,
+        config: FluxConfig,
+        transformer: Option<Arc<FluxTransformer<B>>>,
         vae: AutoencoderKL,
-        clip_tokenizer: ClipTokenizer,
-        clip: ClipTextModel,
-        t5_tokenizer: T5Tokenizer,
-        t5: T5Encoder,
+        text: Option<TextEncoders>,
         scheduler: SchedulerConfig,
         fingerprint: String,
     ) -> Result<Self> {
         let vsf = vae.config().vae_scale_factor();
         let expected_in = 2 * 4 * vae.config().latent_channels + 4 * vsf * vsf;
-        let c = &transformer.config;
+        let c = &config;
         if c.in_channels != expected_in || c.out_channels() != 4 * vae.config().latent_channels {
             return Err(Error::Invalid(format!(
                 "transformer has {} input / {} output channels, a Fill model with this VAE needs {expected_in} / {} (is this a FLUX.1 Fill checkpoint?)",
@@ -231,32 +323,88 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 4 * vae.config().latent_channels
             )));
         }
-        if t5.config().d_model != c.joint_attention_dim
-            || clip.config().hidden_size != c.pooled_projection_dim
-        {
-            return Err(Error::Invalid(format!(
-                "text encoders (T5 width {}, CLIP width {}) do not fit the transformer (joint {}, pooled {})",
-                t5.config().d_model,
-                clip.config().hidden_size,
-                c.joint_attention_dim,
-                c.pooled_projection_dim
-            )));
+        if let Some(t) = &text {
+            if t.t5.config().d_model != c.joint_attention_dim
+                || t.clip.config().hidden_size != c.pooled_projection_dim
+            {
+                return Err(Error::Invalid(format!(
+                    "text encoders (T5 width {}, CLIP width {}) do not fit the transformer (joint {}, pooled {})",
+                    t.t5.config().d_model,
+                    t.clip.config().hidden_size,
+                    c.joint_attention_dim,
+                    c.pooled_projection_dim
+                )));
+            }
         }
         let limits = ImageLimits {
             max_pixels: 2048 * 2048,
             multiple_of: 2 * vsf,
         };
         Ok(FluxFill {
+            config,
             transformer,
             vae,
-            clip_tokenizer,
-            clip,
-            t5_tokenizer,
-            t5,
+            text,
             scheduler,
             fingerprint,
             limits,
         })
+    }
+
+    /// The transformer, or an error naming the role split when this process did not
+    /// load it.
+    pub fn transformer(&self) -> Result<&FluxTransformer<B>> {
+        self.transformer
+            .as_deref()
+            .ok_or_else(|| not_loaded("transformer"))
+    }
+
+    /// The transformer, to adjust it before it is shared (tests set reference
+    /// constants); `None` once shared or when not loaded.
+    pub fn transformer_mut(&mut self) -> Option<&mut FluxTransformer<B>> {
+        self.transformer.as_mut().and_then(Arc::get_mut)
+    }
+
+    /// The transformer, shared (the denoise loop holds it next to the pipeline).
+    pub fn shared_transformer(&self) -> Result<Arc<FluxTransformer<B>>> {
+        self.transformer
+            .clone()
+            .ok_or_else(|| not_loaded("transformer"))
+    }
+
+    /// The tokenizers and text encoders, when loaded.
+    pub fn text(&self) -> Result<&TextEncoders> {
+        self.text
+            .as_ref()
+            .ok_or_else(|| not_loaded("text encoders"))
+    }
+
+    /// The components this process holds, with their weight bytes (f32 on the host;
+    /// a transformer on another backend is reported by its owner).
+    pub fn components(&self) -> Vec<Component> {
+        let mut v = Vec::new();
+        let mut add = |name: &str, weight_bytes: u64| {
+            v.push(Component {
+                name: name.into(),
+                weight_bytes,
+            })
+        };
+        if let Some(t) = &self.text {
+            add("tokenizers", 0);
+            add("clip", t.clip.weight_bytes());
+            add("t5", t.t5.weight_bytes());
+        }
+        let w = self.vae.weights();
+        if w.encoder.is_some() {
+            add("vae_encoder", w.encoder_bytes);
+        }
+        if w.decoder.is_some() {
+            add("vae_decoder", w.decoder_bytes);
+        }
+        if let Some(t) = &self.transformer {
+            add("transformer", 4 * t.params());
+        }
+        v
     }
 
     pub fn vae_scale_factor(&self) -> usize {
@@ -283,12 +431,13 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         t: &mut Timings,
     ) -> Result<(Tensor, Vec<f32>, bool)> {
         let t0 = Instant::now();
-        let clip_ids = self.clip_tokenizer.encode(prompt)?;
-        let t5_ids = self.t5_tokenizer.encode(prompt, max_sequence_length)?;
+        let text = self.text()?;
+        let clip_ids = text.clip_tokenizer.encode(prompt)?;
+        let t5_ids = text.t5_tokenizer.encode(prompt, max_sequence_length)?;
         t.tokenize_s += t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let (_, pooled) = self.clip.forward(&clip_ids.ids)?;
-        let embeds = self.t5.forward(&t5_ids.ids)?;
+        let (_, pooled) = text.clip.forward(&clip_ids.ids)?;
+        let embeds = text.t5.forward(&t5_ids.ids)?;
         t.encode_text_s += t1.elapsed().as_secs_f64();
         Ok((embeds, pooled, clip_ids.truncated() || t5_ids.truncated()))
     }
@@ -347,7 +496,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         let cond = concat_rows(&mil, &pack_mask(mask, vsf)?)?;
         t.vae_encode_s += t0.elapsed().as_secs_f64();
 
-        let oc = self.transformer.config.out_channels();
+        let oc = self.config.out_channels();
         let latents = match &noise.initial_latents {
             Some(l) if l.len() == n * oc => Tensor::new([n, oc], l.data().to_vec())?,
             Some(l) => {
@@ -425,9 +574,8 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     }
 }
 
-/// Lets code that runs the transformer (the denoise loop) hold a whole pipeline.
-impl<B: Backend<Tensor = Tensor>> std::borrow::Borrow<FluxTransformer<B>> for FluxFill<B> {
-    fn borrow(&self) -> &FluxTransformer<B> {
-        &self.transformer
-    }
+fn not_loaded(what: &str) -> Error {
+    Error::Invalid(format!(
+        "the {what} is not loaded in this process (each worker loads only its role's components)"
+    ))
 }

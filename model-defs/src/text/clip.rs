@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use super::ops::{
     attention, embed, layer_norm, load_tensor, load_vec, read_json, Linear, Mask, Qkv,
 };
-use crate::flux::weights::{Seeded, Source};
+use crate::flux::weights::{Counting, Seeded, Source};
 
 /// `CLIPTextConfig` fields that matter for the forward pass, as in `config.json`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -152,6 +152,8 @@ pub struct ClipTextModel {
     layers: Vec<ClipLayer>,
     final_w: Vec<f32>,
     final_b: Vec<f32>,
+    /// Bytes of the weights held (f32, on the host).
+    weight_bytes: u64,
 }
 
 /// Checkpoints name parameters `text_model.…` (every published CLIP, and FLUX);
@@ -195,6 +197,8 @@ impl ClipTextModel {
         p: &str,
         used: &mut Vec<String>,
     ) -> Result<Self> {
+        let counting = Counting::new(src);
+        let src: &dyn Source = &counting;
         let c = &config;
         let d = c.hidden_size;
         let token_embedding = load_tensor(
@@ -255,11 +259,17 @@ impl ClipTextModel {
             layers,
             final_w,
             final_b,
+            weight_bytes: 4 * counting.elements(),
         })
     }
 
     pub fn config(&self) -> &ClipTextConfig {
         &self.config
+    }
+
+    /// Bytes of the weights held (f32, on the host).
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
     }
 
     /// The position whose hidden state is `pooler_output`, exactly as transformers

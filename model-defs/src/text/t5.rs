@@ -15,7 +15,7 @@ use denoised_runtime::{Error, Result, Tensor, WeightStore};
 use serde::{Deserialize, Serialize};
 
 use super::ops::{attention, embed, load_tensor, load_vec, read_json, rms_norm, Linear, Mask, Qkv};
-use crate::flux::weights::{Seeded, Source};
+use crate::flux::weights::{Counting, Seeded, Source};
 
 /// `T5Config` fields that matter for the encoder, as in `config.json`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -190,6 +190,8 @@ pub struct T5Encoder {
     relative_bias: Tensor,
     blocks: Vec<T5Block>,
     final_norm: Vec<f32>,
+    /// Bytes of the weights held (f32, on the host).
+    weight_bytes: u64,
 }
 
 const SHARED: &str = "shared.weight";
@@ -231,6 +233,8 @@ impl T5Encoder {
         embed_name: &str,
         used: &mut Vec<String>,
     ) -> Result<Self> {
+        let counting = Counting::new(src);
+        let src: &dyn Source = &counting;
         let c = &config;
         let (d, inner) = (c.d_model, c.inner_dim());
         let embedding = load_tensor(src, embed_name, &[c.vocab_size, d], used)?;
@@ -280,11 +284,17 @@ impl T5Encoder {
             relative_bias,
             blocks,
             final_norm,
+            weight_bytes: 4 * counting.elements(),
         })
     }
 
     pub fn config(&self) -> &T5Config {
         &self.config
+    }
+
+    /// Bytes of the weights held (f32, on the host).
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
     }
 
     /// The additive attention bias `[heads, len, len]`: block 0's

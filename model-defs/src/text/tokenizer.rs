@@ -99,6 +99,42 @@ fn parse_tokenizer_config(text: Option<&str>, origin: &Path) -> Result<serde_jso
     }
 }
 
+/// The BPE vocabulary and merges inside a `tokenizer.json`, in the text forms of
+/// `vocab.json` and `merges.txt`, so that both layouts build the same pipeline.
+/// Merges are `"a b"` strings (tokenizers < 0.20) or `["a", "b"]` pairs.
+fn bpe_from_tokenizer_json(text: &str, path: &Path) -> Result<(String, String)> {
+    let bad = |why: &str| tk_err(path, "cannot read the BPE model of tokenizer.json", why);
+    let json: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(&e.to_string()))?;
+    let model = json.get("model").ok_or_else(|| bad("no `model`"))?;
+    if model.get("type").and_then(|t| t.as_str()) != Some("BPE") {
+        return Err(bad("the model is not BPE"));
+    }
+    let vocab = model
+        .get("vocab")
+        .filter(|v| v.is_object())
+        .ok_or_else(|| bad("no `model.vocab` object"))?;
+    let merges = model
+        .get("merges")
+        .and_then(|m| m.as_array())
+        .ok_or_else(|| bad("no `model.merges` list"))?;
+    let mut lines = String::new();
+    for m in merges {
+        let pair = match m {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Array(p) => match &p[..] {
+                [serde_json::Value::String(a), serde_json::Value::String(b)] => {
+                    format!("{a} {b}")
+                }
+                _ => return Err(bad(&format!("merge {m} is not a pair of strings"))),
+            },
+            _ => return Err(bad(&format!("merge {m} is not a pair"))),
+        };
+        lines.push_str(&pair);
+        lines.push('\n');
+    }
+    Ok((vocab.to_string(), lines))
+}
+
 fn read_tokenizer_config(dir: &Path) -> Result<serde_json::Value> {
     let path = dir.join("tokenizer_config.json");
     if !path.exists() {
@@ -131,7 +167,14 @@ impl ClipTokenizer {
                 )
             })
         };
-        let (vocab, merges) = (read("vocab.json")?, read("merges.txt")?);
+        // transformers 5's `save_pretrained` writes only `tokenizer.json`; older
+        // versions (and the FLUX repository) `vocab.json` + `merges.txt`.
+        let (vocab, merges) =
+            if !dir.join("vocab.json").exists() && dir.join("tokenizer.json").exists() {
+                bpe_from_tokenizer_json(&read("tokenizer.json")?, &dir.join("tokenizer.json"))?
+            } else {
+                (read("vocab.json")?, read("merges.txt")?)
+            };
         Self::build(&vocab, &merges, read_tokenizer_config(dir)?, dir)
     }
 

@@ -15,3 +15,4 @@ pub mod weights;
 
 pub use config::VaeConfig;
 pub use model::AutoencoderKL;
+pub use weights::VaeHalves;

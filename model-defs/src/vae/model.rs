@@ -23,12 +23,21 @@ use denoised_runtime::cpu::matmul::{matmul, MatRef};
 use denoised_runtime::{Error, Result, Tensor};
 
 use super::config::{VaeConfig, GN_EPS, LOGVAR_RANGE};
-use super::weights::{Attention, Block, Coder, Conv, MidBlock, Norm, Resnet, VaeWeights};
+use super::weights::{
+    Attention, Block, Coder, Conv, MidBlock, Norm, Resnet, VaeHalves, VaeWeights,
+};
 
 /// The VAE of FLUX.1: 16 latent channels, no quant convs, mid-block attention.
 pub struct AutoencoderKL {
     config: VaeConfig,
     weights: VaeWeights,
+}
+
+/// The error of a call into a half this process did not load (a worker of another role).
+fn missing(half: &str) -> Error {
+    Error::Invalid(format!(
+        "the VAE {half} is not loaded in this process (each worker loads only its role's components)"
+    ))
 }
 
 /// Receives `(name, tensor)` for each intermediate of a forward pass.
@@ -38,19 +47,29 @@ impl AutoencoderKL {
     /// Loads a diffusers `vae/` directory (`config.json` +
     /// `diffusion_pytorch_model.safetensors`).
     pub fn load(dir: impl AsRef<Path>) -> Result<Self> {
+        Self::load_halves(dir, VaeHalves::BOTH)
+    }
+
+    /// Loads only the halves a process uses (see [`VaeHalves`]).
+    pub fn load_halves(dir: impl AsRef<Path>, halves: VaeHalves) -> Result<Self> {
         let dir = dir.as_ref();
         let config = VaeConfig::from_file(dir.join("config.json"))?;
-        let weights = VaeWeights::load(&config, dir)?;
+        let weights = VaeWeights::load(&config, dir, halves)?;
         Ok(AutoencoderKL { config, weights })
     }
 
     /// A VAE with deterministic random weights (see `weights::SeededVae` for the
     /// distributions).
     pub fn seeded(config: VaeConfig, seed: u64) -> Result<Self> {
+        Self::seeded_halves(config, seed, VaeHalves::BOTH)
+    }
+
+    /// [`seeded`](Self::seeded), with only the given halves.
+    pub fn seeded_halves(config: VaeConfig, seed: u64, halves: VaeHalves) -> Result<Self> {
         config.validate().map_err(|reason| {
             Error::Invalid(format!("invalid VAE config for a seeded model: {reason}"))
         })?;
-        let weights = VaeWeights::seeded(&config, seed)?;
+        let weights = VaeWeights::seeded(&config, seed, halves)?;
         Ok(AutoencoderKL { config, weights })
     }
 
@@ -73,7 +92,11 @@ impl AutoencoderKL {
     pub fn encode_observed(&self, image: &Tensor, obs: Observer<'_>) -> Result<(Tensor, Tensor)> {
         let c = &self.config;
         check_input("encode", image, c.in_channels, "in_channels")?;
-        let e = &self.weights.encoder;
+        let e = self
+            .weights
+            .encoder
+            .as_ref()
+            .ok_or_else(|| missing("encoder"))?;
         let mut x = conv(image, &e.conv_in, Conv2dOpts::same(3), None)?;
         obs("encoder.conv_in", &x);
         for (i, block) in e.blocks.iter().enumerate() {
@@ -97,7 +120,11 @@ impl AutoencoderKL {
     /// [`decode`](Self::decode), reporting intermediates to `obs`.
     pub fn decode_observed(&self, z: &Tensor, obs: Observer<'_>) -> Result<Tensor> {
         check_input("decode", z, self.config.latent_channels, "latent_channels")?;
-        let d = &self.weights.decoder;
+        let d = self
+            .weights
+            .decoder
+            .as_ref()
+            .ok_or_else(|| missing("decoder"))?;
         let mut x = conv(z, &d.conv_in, Conv2dOpts::same(3), None)?;
         obs("decoder.conv_in", &x);
         x = self.mid(x, &d.mid)?;

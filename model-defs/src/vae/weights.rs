@@ -14,7 +14,7 @@ use std::path::Path;
 use denoised_runtime::{Result, Tensor, WeightStore};
 
 use super::config::VaeConfig;
-use crate::flux::weights::{Seeded, Source};
+use crate::flux::weights::{Counting, Seeded, Source};
 
 /// A 2-D convolution: weight `[O, I, k, k]` (PyTorch layout, which is also the layout
 /// the im2col GEMM reads) and bias `[O]`.
@@ -75,9 +75,40 @@ pub struct Coder {
     pub conv_out: Conv,
 }
 
+/// Which halves of the VAE a process holds: a preprocess worker only encodes, a
+/// postprocess worker only decodes, so each loads (and pages in) only its half.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VaeHalves {
+    pub encoder: bool,
+    pub decoder: bool,
+}
+
+impl VaeHalves {
+    pub const BOTH: VaeHalves = VaeHalves {
+        encoder: true,
+        decoder: true,
+    };
+    pub const ENCODER: VaeHalves = VaeHalves {
+        encoder: true,
+        decoder: false,
+    };
+    pub const DECODER: VaeHalves = VaeHalves {
+        encoder: false,
+        decoder: true,
+    };
+    /// A denoise worker's: the VAE's config only (its scale factor), no weights.
+    pub const NONE: VaeHalves = VaeHalves {
+        encoder: false,
+        decoder: false,
+    };
+}
+
 pub struct VaeWeights {
-    pub encoder: Coder,
-    pub decoder: Coder,
+    pub encoder: Option<Coder>,
+    pub decoder: Option<Coder>,
+    /// Bytes of each half's weights (f32, on the host); 0 for a half not loaded.
+    pub encoder_bytes: u64,
+    pub decoder_bytes: u64,
 }
 
 /// Wraps a source and records every name asked for, so a loader can then reject the
@@ -130,32 +161,70 @@ impl Source for SeededVae {
 impl VaeWeights {
     /// Loads from a diffusers `vae/` directory: every tensor's name and shape is
     /// checked against the config, and tensors the config does not use are rejected.
-    pub fn load(cfg: &VaeConfig, dir: &Path) -> Result<Self> {
+    pub fn load(cfg: &VaeConfig, dir: &Path, halves: VaeHalves) -> Result<Self> {
+        if halves == VaeHalves::NONE {
+            // Not even the safetensors header is opened: a process without the VAE
+            // must not depend on its files.
+            return Ok(VaeWeights {
+                encoder: None,
+                decoder: None,
+                encoder_bytes: 0,
+                decoder_bytes: 0,
+            });
+        }
         let store = WeightStore::open(dir, "diffusion_pytorch_model")?;
         let rec = Recording {
             inner: &store,
             names: RefCell::new(Vec::new()),
         };
-        let w = Self::build(cfg, &rec)?;
-        let names = rec.names.into_inner();
+        let w = Self::build(cfg, &rec, halves)?;
+        let mut names = rec.names.into_inner();
+        // The half left out is skipped on purpose, not unexpected.
+        let skipped = |n: &str| {
+            (!halves.encoder && n.starts_with("encoder."))
+                || (!halves.decoder && n.starts_with("decoder."))
+        };
+        names.extend(store.names().filter(|n| skipped(n)).map(String::from));
         store.check_all_used(names.iter().map(|s| s.as_str()))?;
         Ok(w)
     }
 
     /// Deterministic random weights (the built-in model, tests, benchmarks).
-    pub fn seeded(cfg: &VaeConfig, seed: u64) -> Result<Self> {
+    pub fn seeded(cfg: &VaeConfig, seed: u64, halves: VaeHalves) -> Result<Self> {
         Self::build(
             cfg,
             &SeededVae {
                 seeded: Seeded { seed },
                 latent_channels: cfg.latent_channels,
             },
+            halves,
         )
     }
 
     /// Builds every parameter from `src`, asking for diffusers' names and the shapes
     /// the config implies (the config must be valid).
-    pub fn build(c: &VaeConfig, src: &dyn Source) -> Result<Self> {
+    pub fn build(c: &VaeConfig, src: &dyn Source, halves: VaeHalves) -> Result<Self> {
+        let (encoder, encoder_bytes) = if halves.encoder {
+            let counting = Counting::new(src);
+            (Some(Self::encoder(c, &counting)?), 4 * counting.elements())
+        } else {
+            (None, 0)
+        };
+        let (decoder, decoder_bytes) = if halves.decoder {
+            let counting = Counting::new(src);
+            (Some(Self::decoder(c, &counting)?), 4 * counting.elements())
+        } else {
+            (None, 0)
+        };
+        Ok(VaeWeights {
+            encoder,
+            decoder,
+            encoder_bytes,
+            decoder_bytes,
+        })
+    }
+
+    fn encoder(c: &VaeConfig, src: &dyn Source) -> Result<Coder> {
         let g = Getter { src };
         let ch = &c.block_out_channels;
         let top = *ch.last().expect("validated: at least one level");
@@ -181,14 +250,19 @@ impl VaeWeights {
             down.push(Block { resnets, resample });
             prev = out;
         }
-        let encoder = Coder {
+        Ok(Coder {
             conv_in,
             blocks: down,
             mid: g.mid("encoder.mid_block", top, c.mid_block_add_attention)?,
             norm_out: g.norm("encoder.conv_norm_out", top)?,
             conv_out: g.conv("encoder.conv_out", 2 * c.latent_channels, top, 3)?,
-        };
+        })
+    }
 
+    fn decoder(c: &VaeConfig, src: &dyn Source) -> Result<Coder> {
+        let g = Getter { src };
+        let ch = &c.block_out_channels;
+        let top = *ch.last().expect("validated: at least one level");
         let conv_in = g.conv("decoder.conv_in", top, c.latent_channels, 3)?;
         let mid = g.mid("decoder.mid_block", top, c.mid_block_add_attention)?;
         let mut up = Vec::with_capacity(ch.len());
@@ -209,14 +283,13 @@ impl VaeWeights {
             up.push(Block { resnets, resample });
             prev = out;
         }
-        let decoder = Coder {
+        Ok(Coder {
             conv_in,
             blocks: up,
             mid,
             norm_out: g.norm("decoder.conv_norm_out", ch[0])?,
             conv_out: g.conv("decoder.conv_out", c.out_channels, ch[0], 3)?,
-        };
-        Ok(VaeWeights { encoder, decoder })
+        })
     }
 }
 

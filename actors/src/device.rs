@@ -1,0 +1,201 @@
+//! Where a process computes the transformer, and the model placed there.
+//!
+//! The supervisor resolves `[device] device` once (`auto` to every GPU found, or the
+//! CPU) and hands each denoise worker its own device: the worker owns it for its whole
+//! life (DESIGN.md, "Devices and roles"). On a GPU the transformer's weights go to the
+//! device in `[device] dtype`, bf16 by default; on the CPU it computes in f32 and
+//! shares the weights with the CPU stages of the same process.
+
+use denoised_cuda::{CudaExec, DeviceSpec, Dt, EmuExec, Exec, GpuBackend};
+use denoised_models::flux::stepper::{DeviceStepper, HostStepper, Stepper};
+use denoised_models::pipeline::flux_fill::{Component, FluxFill, Parts};
+use denoised_models::ModelSource;
+use denoised_runtime::CpuBackend;
+
+/// Templates a device keeps resident beyond those of the running batch. It matches
+/// the templates a denoise worker keeps decoded on the host, so a hot template is
+/// neither decoded nor uploaded again.
+pub const RESIDENT_TEMPLATES: usize = 4;
+
+/// The storage dtype of a device's weights and activations: `bf16` or `f32`.
+pub fn parse_dtype(s: &str) -> Result<Dt, String> {
+    match s {
+        "bf16" => Ok(Dt::Bf16),
+        "f32" => Ok(Dt::F32),
+        other => Err(format!("dtype `{other}`: use bf16 or f32")),
+    }
+}
+
+pub fn dtype_name(dt: Dt) -> &'static str {
+    match dt {
+        Dt::Bf16 => "bf16",
+        Dt::F32 => "f32",
+    }
+}
+
+/// A transformer placed on its device.
+pub struct Placed {
+    pub stepper: Box<dyn Stepper>,
+    /// `cpu`, `emu` or `cuda:N NAME (ARCH)`.
+    pub device: String,
+    /// `f32` on the CPU, else the device dtype.
+    pub dtype: &'static str,
+    pub component: Component,
+}
+
+/// The parts of the pipeline a process keeps on the host when its transformer
+/// computes on `device`: with a GPU, none of the transformer.
+pub fn host_parts(device: DeviceSpec, parts: Parts) -> Parts {
+    match device {
+        DeviceSpec::Cpu => parts,
+        _ => parts.without_transformer(),
+    }
+}
+
+/// Puts the transformer on `device`. On the CPU it is the one `cpu` already holds
+/// (loaded with the host parts); on a GPU or the emulator it is loaded from `source`
+/// straight into device memory.
+pub fn place(
+    source: &ModelSource,
+    device: DeviceSpec,
+    dtype: Dt,
+    cpu: &FluxFill<CpuBackend>,
+) -> Result<Placed, String> {
+    let err = |e: denoised_runtime::Error| format!("loading the transformer of `{source}`: {e}");
+    match device {
+        DeviceSpec::Cpu => {
+            let t = cpu.shared_transformer().map_err(err)?;
+            let component = Component {
+                name: "transformer".into(),
+                weight_bytes: 4 * t.params(),
+            };
+            Ok(Placed {
+                stepper: Box::new(HostStepper(t)),
+                device: "cpu".into(),
+                dtype: "f32",
+                component,
+            })
+        }
+        DeviceSpec::Emu => {
+            let exec = EmuExec::open().map_err(|e| e.to_string())?;
+            on_gpu(source, exec, dtype, "emu".into())
+        }
+        DeviceSpec::Cuda(n) => {
+            let exec = CudaExec::new(n).map_err(|e| format!("cuda:{n}: {e}"))?;
+            // Compile (or load from the kernel cache) every kernel before serving, so
+            // the first request does not pay for NVRTC.
+            exec.warm_up().map_err(|e| format!("cuda:{n}: {e}"))?;
+            let name = exec.describe();
+            on_gpu(source, exec, dtype, name)
+        }
+        DeviceSpec::Auto => Err("device `auto` must be resolved before placing a model".into()),
+    }
+}
+
+fn on_gpu<E: Exec + 'static>(
+    source: &ModelSource,
+    exec: E,
+    dt: Dt,
+    device: String,
+) -> Result<Placed, String> {
+    let model = source
+        .load_transformer(GpuBackend::new(exec, dt))
+        .map_err(|e| format!("loading the transformer of `{source}` on {device}: {e}"))?;
+    let component = Component {
+        name: "transformer".into(),
+        weight_bytes: model.params() * dt.size() as u64,
+    };
+    Ok(Placed {
+        stepper: Box::new(DeviceStepper::new(model, RESIDENT_TEMPLATES)),
+        device,
+        dtype: dtype_name(dt),
+        component,
+    })
+}
+
+/// What `/readyz` shows of a process's model: the components it loaded on the host,
+/// and the transformer where it was placed.
+pub fn components(host: &FluxFill<CpuBackend>, placed: Option<&Placed>) -> Vec<Component> {
+    let mut v: Vec<Component> = host
+        .components()
+        .into_iter()
+        .filter(|c| placed.is_none() || c.name != "transformer")
+        .collect();
+    v.extend(placed.map(|p| p.component.clone()));
+    v
+}
+
+/// What the supervisor decides for each process: its device and its CPU threads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// The device of each denoise worker, by index.
+    pub denoise: Vec<DeviceSpec>,
+    /// Threads of each CPU compute process.
+    pub threads: usize,
+}
+
+/// Resolves `[device]` for the daemon and fixes `[workers] denoise` to match: one
+/// worker per GPU, or the configured count on the CPU and the emulator. The cores are
+/// split among the processes that compute on the CPU unless `[device] threads` says
+/// how many each takes. `cores` is the machine's.
+pub fn place_workers(
+    config: &mut denoised_runtime::config::Config,
+    cores: usize,
+) -> Result<Placement, String> {
+    parse_dtype(&config.device.dtype).map_err(|e| format!("[device] {e}"))?;
+    let specs = denoised_cuda::parse_list(&config.device.device).map_err(|e| e.to_string())?;
+    let resolved = denoised_cuda::resolve_list(&specs).map_err(|e| e.to_string())?;
+    use denoised_cuda::Resolved;
+    let denoise: Vec<DeviceSpec> = match &resolved[..] {
+        [Resolved::Cpu] => vec![DeviceSpec::Cpu; config.workers.denoise],
+        [Resolved::Emu] => vec![DeviceSpec::Emu; config.workers.denoise],
+        gpus => gpus
+            .iter()
+            .map(|r| match r {
+                Resolved::Cuda(g) => Ok(DeviceSpec::Cuda(g.ordinal)),
+                _ => Err(format!(
+                    "[device] device `{}`: a list names GPUs only",
+                    config.device.device
+                )),
+            })
+            .collect::<Result<_, _>>()?,
+    };
+    config.workers.denoise = denoise.len();
+    let on_cpu = config.workers.preprocess
+        + config.workers.postprocess
+        + denoise
+            .iter()
+            .filter(|d| !matches!(d, DeviceSpec::Cuda(_)))
+            .count();
+    let threads = match config.device.threads {
+        0 => cores.div_ceil(on_cpu.max(1)).max(1),
+        n => n,
+    };
+    Ok(Placement { denoise, threads })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use denoised_runtime::config::Config;
+
+    #[test]
+    fn placement_splits_cores_and_follows_the_device() {
+        let mut c = Config::default();
+        c.device.device = "cpu".into();
+        let p = place_workers(&mut c, 16).unwrap();
+        assert_eq!(p.denoise, [DeviceSpec::Cpu]);
+        assert_eq!(p.threads, 6, "16 cores over 3 CPU processes, rounded up");
+        c.device.device = "cpu".into();
+        c.device.threads = 3;
+        assert_eq!(place_workers(&mut c, 16).unwrap().threads, 3);
+        c.device.threads = 0;
+        c.workers.denoise = 2;
+        c.device.device = "emu".into();
+        let p = place_workers(&mut c, 2).unwrap();
+        assert_eq!(p.denoise, [DeviceSpec::Emu, DeviceSpec::Emu]);
+        assert_eq!((c.workers.denoise, p.threads), (2, 1));
+        c.device.dtype = "fp8".into();
+        assert!(place_workers(&mut c, 2).unwrap_err().contains("fp8"));
+    }
+}

@@ -1,0 +1,181 @@
+//! Shared by the daemon's end-to-end tests: starting `denoised serve` on an ephemeral
+//! port, HTTP helpers, and the reference inputs.
+#![allow(dead_code)] // each test crate uses its own subset
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use denoised_models::pipeline::image::{decode_image, ImageLimits, Rgb8};
+use reqwest::blocking::Client;
+use serde_json::{json, Value};
+
+pub const LIM: ImageLimits = ImageLimits {
+    max_pixels: 1 << 24,
+    multiple_of: 1,
+};
+
+pub fn case(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/cases")
+        .join(name)
+}
+
+pub fn b64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+pub fn unb64(s: &str) -> Vec<u8> {
+    base64::engine::general_purpose::STANDARD.decode(s).unwrap()
+}
+
+pub fn image_b64() -> String {
+    b64(&std::fs::read(case("e2e_input.png")).unwrap())
+}
+
+pub fn mask_b64() -> String {
+    b64(&std::fs::read(case("e2e_mask.png")).unwrap())
+}
+
+/// A running daemon; dropping it stops it (SIGTERM) and waits for every process.
+pub struct Daemon {
+    pub child: Child,
+    pub url: String,
+    pub http: Client,
+}
+
+impl Daemon {
+    pub fn start(args: &[&str]) -> Daemon {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_denoised"))
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .env("DENOISED_LOG", "warn")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix("denoised: listening on ") {
+                    let _ = tx.send(rest.split_whitespace().next().unwrap().to_string());
+                }
+            }
+        });
+        let url = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the daemon did not print its address");
+        let d = Daemon {
+            child,
+            url,
+            http: Client::builder()
+                .timeout(Duration::from_secs(300))
+                .build()
+                .unwrap(),
+        };
+        let t0 = Instant::now();
+        while d.get("/readyz").0 != 200 {
+            assert!(t0.elapsed() < Duration::from_secs(60), "never ready");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        d
+    }
+
+    pub fn get(&self, path: &str) -> (u16, Value) {
+        match self.http.get(format!("{}{path}", self.url)).send() {
+            Ok(r) => (r.status().as_u16(), r.json().unwrap_or(Value::Null)),
+            Err(_) => (0, Value::Null),
+        }
+    }
+
+    pub fn delete(&self, path: &str) -> (u16, Value) {
+        let r = self
+            .http
+            .delete(format!("{}{path}", self.url))
+            .send()
+            .unwrap();
+        (r.status().as_u16(), r.json().unwrap_or(Value::Null))
+    }
+
+    pub fn post_raw(&self, path: &str, body: Vec<u8>) -> (u16, Value) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.url))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .unwrap();
+        (r.status().as_u16(), r.json().unwrap_or(Value::Null))
+    }
+
+    pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        self.post_raw(path, serde_json::to_vec(body).unwrap())
+    }
+
+    pub fn template(&self, id: &str, steps: u32) {
+        let (s, v) = self.post(
+            "/v1/templates",
+            &json!({"image": image_b64(), "id": id, "steps": steps, "seed": 3, "prompt": "a room"}),
+        );
+        assert_eq!(s, 201, "{v}");
+    }
+
+    /// PID of one of the daemon's worker processes.
+    pub fn worker_pid(&self, role: &str) -> u32 {
+        let sup = self.child.id().to_string();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let ppid = stat
+                .rsplit(')')
+                .next()
+                .and_then(|s| s.split_whitespace().nth(1));
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if ppid == Some(sup.as_str()) && cmd.contains(&format!("--role {role}")) {
+                return pid;
+            }
+        }
+        panic!("no {role} worker");
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+pub fn png(bytes: &[u8]) -> Rgb8 {
+    decode_image(bytes, &LIM).unwrap()
+}
+
+pub fn edit_image(v: &Value) -> Vec<u8> {
+    unb64(
+        v["image"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no image in {v}")),
+    )
+}
+
+/// Waits for an async job to reach a final status.
+pub fn wait_job(d: &Daemon, id: &str) -> Value {
+    let t0 = Instant::now();
+    loop {
+        let (s, v) = d.get(&format!("/v1/jobs/{id}"));
+        assert_eq!(s, 200, "{v}");
+        if ["succeeded", "failed", "cancelled"].contains(&v["status"].as_str().unwrap()) {
+            return v;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "job {id} stuck: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

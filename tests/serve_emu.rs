@@ -1,0 +1,260 @@
+//! The daemon's GPU path end to end, on the CUDA emulator (`--device emu`): the denoise
+//! worker owns a `GpuBackend` whose kernels run on the CPU, templates are uploaded to
+//! it and kept resident, and everything else is the real daemon over HTTP. On a
+//! machine with a GPU the same paths run with `--device cuda:0` (`denoised selftest`).
+//!
+//! The emulator is slow, so these use the built-in tiny model, few steps and a short
+//! T5 sequence (`SEQ` tokens instead of 512).
+#![cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use denoised_models::pipeline::image::{encode_png, Rgb8};
+use serde_json::{json, Value};
+
+/// T5 tokens of every request here: the transformer's work scales with text + image
+/// tokens, and 512 text tokens would dominate the tiny model's 256 image tokens.
+const SEQ: u32 = 16;
+
+/// Registers `id` as `Daemon::template` does, with the short text sequence.
+fn template(d: &Daemon, id: &str, steps: u32) {
+    let (s, v) = d.post(
+        "/v1/templates",
+        &json!({"image": image_b64(), "id": id, "steps": steps, "seed": 3, "prompt": "a room", "max_sequence_length": SEQ}),
+    );
+    assert_eq!(s, 201, "{v}");
+}
+
+fn cli(args: &[&str]) {
+    let o = Command::new(env!("CARGO_BIN_EXE_denoised"))
+        .args(args)
+        .env("DENOISED_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// The template `template()` registers, captured by the CLI on the emulator; returns
+/// the template directory.
+fn cli_capture(dir: &std::path::Path, steps: &str, dtype: &str) -> std::path::PathBuf {
+    let tdir = dir.join("tpl");
+    let input = case("e2e_input.png");
+    cli(&[
+        "template",
+        "capture",
+        "--device",
+        "emu",
+        "--dtype",
+        dtype,
+        "--image",
+        input.to_str().unwrap(),
+        "--steps",
+        steps,
+        "--seed",
+        "3",
+        "--prompt",
+        "a room",
+        "--max-sequence-length",
+        "16",
+        "--out",
+        tdir.to_str().unwrap(),
+    ]);
+    tdir
+}
+
+fn edit(d: &Daemon, mut body: Value) -> Value {
+    body["max_sequence_length"] = json!(SEQ);
+    let (s, v) = d.post("/v1/edits", &body);
+    assert_eq!(s, 200, "{v}");
+    v
+}
+
+#[test]
+fn emu_daemon_equals_the_cli_and_keeps_the_identity_invariant() {
+    let d = Daemon::start(&["--device", "emu"]);
+    // /readyz says where each process computes and what it loaded.
+    let t0 = Instant::now();
+    let (ready, denoise) = loop {
+        let (_, ready) = d.get("/readyz");
+        let found = ready["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["role"] == "denoise")
+            .cloned();
+        if let Some(p) = found {
+            break (ready, p);
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no denoise worker in {ready}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let denoise = &denoise;
+    assert_eq!(
+        (denoise["device"].as_str(), denoise["dtype"].as_str()),
+        (Some("emu"), Some("bf16")),
+        "{ready}"
+    );
+    let names = |p: &Value| -> Vec<String> {
+        p["components"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(names(denoise), ["transformer"], "{ready}");
+
+    template(&d, "room", 3);
+    let served = edit_image(&edit(
+        &d,
+        json!({"template_id": "room", "mask": mask_b64(), "prompt": "a cat", "seed": 5}),
+    ));
+
+    let dir = tempfile::tempdir().unwrap();
+    let tdir = cli_capture(dir.path(), "3", "bf16");
+    let out = dir.path().join("out.png");
+    let mask = case("e2e_mask.png");
+    cli(&[
+        "edit",
+        "--device",
+        "emu",
+        "--template",
+        tdir.to_str().unwrap(),
+        "--mask",
+        mask.to_str().unwrap(),
+        "--prompt",
+        "a cat",
+        "--seed",
+        "5",
+        "--max-sequence-length",
+        "16",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        png(&served),
+        png(&std::fs::read(&out).unwrap()),
+        "daemon and CLI images differ on the emulator"
+    );
+
+    // The identity invariant through the daemon: an empty mask computes no image
+    // token, so every latent is the template's and the image is its reconstruction.
+    let input = png(&std::fs::read(case("e2e_input.png")).unwrap());
+    let black = Rgb8 {
+        width: input.width,
+        height: input.height,
+        data: vec![0; input.data.len()],
+    };
+    let empty = b64(&encode_png(&black).unwrap());
+    let v = edit(
+        &d,
+        json!({"template_id": "room", "mask": empty, "paste_back": false, "prompt": "other", "seed": 11}),
+    );
+    assert_eq!(v["active_tokens"], 0, "{v}");
+    let recon = png(&std::fs::read(tdir.join("reconstruction.png")).unwrap());
+    assert_eq!(
+        png(&edit_image(&v)),
+        recon,
+        "an empty-mask edit must reproduce the template's reconstruction"
+    );
+}
+
+#[test]
+fn emu_in_f32_equals_the_cpu_daemon_within_one_level() {
+    let body = json!({"template_id": "t", "mask": mask_b64(), "prompt": "a cat", "seed": 2});
+    let mut imgs = Vec::new();
+    for args in [
+        &["--device", "cpu"][..],
+        &["--device", "emu", "--dtype", "f32"],
+    ] {
+        let d = Daemon::start(args);
+        template(&d, "t", 2);
+        imgs.push(png(&edit_image(&edit(&d, body.clone()))));
+    }
+    let worst = imgs[0]
+        .data
+        .iter()
+        .zip(&imgs[1].data)
+        .map(|(a, b)| a.abs_diff(*b))
+        .max()
+        .unwrap();
+    println!("emu f32 vs cpu: largest pixel difference {worst} levels");
+    assert!(worst <= 1, "emu f32 differs from the CPU by {worst} levels");
+}
+
+#[test]
+fn twelve_templates_batch_past_eight_on_emu() {
+    let d = Daemon::start(&["--device", "emu"]);
+    let ids: Vec<String> = (0..12).map(|i| format!("t{i}")).collect();
+    for id in &ids {
+        template(&d, id, 3);
+    }
+    let input = png(&std::fs::read(case("e2e_input.png")).unwrap());
+    let mask = png(&std::fs::read(case("e2e_mask.png")).unwrap());
+    let results: Vec<Value> = std::thread::scope(|s| {
+        let hs: Vec<_> = ids
+            .iter()
+            .map(|id| {
+                let d = &d;
+                s.spawn(move || edit(d, json!({"template_id": id, "mask": mask_b64(), "seed": 1})))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let largest = results
+        .iter()
+        .map(|v| v["batch"]["max"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    println!("12 concurrent edits of 12 templates: largest batch {largest}");
+    assert!(
+        largest > 8,
+        "the edits never shared a batch larger than 8 (largest {largest})"
+    );
+    for v in &results {
+        let out = png(&edit_image(v));
+        // Paste-back: every pixel outside the mask is the template image's.
+        for (i, px) in out.data.chunks(3).enumerate() {
+            if mask.data[3 * i] < 128 {
+                assert_eq!(
+                    px,
+                    &input.data[3 * i..3 * i + 3],
+                    "pixel {i} outside the mask changed"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_killed_emu_denoise_worker_loses_nothing() {
+    let d = Daemon::start(&["--device", "emu"]);
+    template(&d, "t", 12);
+    let victim = d.worker_pid("denoise");
+    let (_, v) = d.post(
+        "/v1/edits",
+        &json!({"template_id": "t", "mask": mask_b64(), "async": true}),
+    );
+    let id = v["id"].as_str().unwrap().to_string();
+    let t0 = Instant::now();
+    while d.get(&format!("/v1/jobs/{id}")).1["step"].as_u64().unwrap() < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(120));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let j = wait_job(&d, &id);
+    assert_eq!(j["status"], "succeeded", "{j}");
+    assert!(j["result"]["attempts"].as_u64().unwrap() >= 2, "{j}");
+    assert_ne!(
+        d.worker_pid("denoise"),
+        victim,
+        "the supervisor did not restart the worker"
+    );
+}
