@@ -308,28 +308,7 @@ fn bad_requests_get_json_errors_and_the_daemon_keeps_serving() {
 fn a_worker_killed_mid_request_loses_nothing() {
     let d = Daemon::start(&[]);
     d.template("t", 60);
-    let victim = d.worker_pid("denoise");
-    let (_, v) = d.post(
-        "/v1/edits",
-        &json!({"template_id": "t", "mask": mask_b64(), "async": true}),
-    );
-    let id = v["id"].as_str().unwrap().to_string();
-    // Kill the denoise worker once the request is in its loop.
-    let t0 = Instant::now();
-    while d.get(&format!("/v1/jobs/{id}")).1["step"].as_u64().unwrap() < 2 {
-        assert!(t0.elapsed() < Duration::from_secs(60));
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
-    let j = wait_job(&d, &id);
-    // The template lives in the cache process, so the retried edit still finds it.
-    assert_eq!(j["status"], "succeeded", "{j}");
-    assert!(j["result"]["attempts"].as_u64().unwrap() >= 2, "{j}");
-    assert_ne!(
-        d.worker_pid("denoise"),
-        victim,
-        "the supervisor did not restart the worker"
-    );
+    kill_denoise_mid_edit(&d, "t");
     let (s, _) = d.post(
         "/v1/edits",
         &json!({"template_id": "t", "mask": mask_b64()}),

@@ -1,7 +1,7 @@
 //! The daemon's GPU path end to end, on the CUDA emulator (`--device emu`): the denoise
 //! worker owns a `GpuBackend` whose kernels run on the CPU, templates are uploaded to
 //! it and kept resident, and everything else is the real daemon over HTTP. On a
-//! machine with a GPU the same paths run with `--device cuda:0` (`denoised selftest`).
+//! machine with a GPU the same paths run with `--device cuda:0`.
 //!
 //! The emulator is slow, so these use the built-in tiny model, few steps and a short
 //! T5 sequence (`SEQ` tokens instead of 512).
@@ -100,6 +100,21 @@ fn emu_daemon_equals_the_cli_and_keeps_the_identity_invariant() {
         (denoise["device"].as_str(), denoise["dtype"].as_str()),
         (Some("emu"), Some("bf16")),
         "{ready}"
+    );
+    // The device memory budget: its parts add up within the device.
+    let b = &denoise["device_budget"];
+    let part = |k: &str| b[k].as_u64().unwrap_or_else(|| panic!("{k} in {ready}"));
+    assert!(
+        part("weights_bytes") > 0 && part("workspace_bytes") > 0,
+        "{b}"
+    );
+    assert!(
+        part("weights_bytes")
+            + part("workspace_bytes")
+            + part("reserve_bytes")
+            + part("template_bytes")
+            <= part("total_bytes"),
+        "{b}"
     );
     let names = |p: &Value| -> Vec<String> {
         p["components"]
@@ -237,24 +252,42 @@ fn twelve_templates_batch_past_eight_on_emu() {
 fn a_killed_emu_denoise_worker_loses_nothing() {
     let d = Daemon::start(&["--device", "emu"]);
     template(&d, "t", 12);
-    let victim = d.worker_pid("denoise");
-    let (_, v) = d.post(
-        "/v1/edits",
-        &json!({"template_id": "t", "mask": mask_b64(), "async": true}),
-    );
-    let id = v["id"].as_str().unwrap().to_string();
+    kill_denoise_mid_edit(&d, "t");
+}
+
+/// A device too small for the configuration: the denoise worker says why, with the
+/// figures, and the daemon refuses to start instead of restarting it forever.
+#[test]
+fn a_device_too_small_refuses_to_start() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_denoised"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--device", "emu"])
+        // Room for the built-in model's weights (1 MB in bf16), not for a step.
+        .env("DENOISED_EMU_MEMORY", "3000000")
+        .env("DENOISED_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
     let t0 = Instant::now();
-    while d.get(&format!("/v1/jobs/{id}")).1["step"].as_u64().unwrap() < 2 {
-        assert!(t0.elapsed() < Duration::from_secs(120));
-        std::thread::sleep(Duration::from_millis(5));
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("the daemon kept running on a device too small for it");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success(), "{err}");
+    for want in [
+        "the device is too small for this configuration",
+        "of workspace",
+        "max_batch 16",
+        "not starting",
+    ] {
+        assert!(err.contains(want), "`{want}` in {err}");
     }
-    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
-    let j = wait_job(&d, &id);
-    assert_eq!(j["status"], "succeeded", "{j}");
-    assert!(j["result"]["attempts"].as_u64().unwrap() >= 2, "{j}");
-    assert_ne!(
-        d.worker_pid("denoise"),
-        victim,
-        "the supervisor did not restart the worker"
-    );
 }

@@ -7,15 +7,24 @@
 //! shares the weights with the CPU stages of the same process.
 
 use denoised_cuda::{CudaExec, DeviceSpec, Dt, EmuExec, Exec, GpuBackend};
+
+use crate::budget::{BudgetInputs, DeviceBudget};
 use denoised_models::flux::stepper::{DeviceStepper, HostStepper, Stepper};
 use denoised_models::pipeline::flux_fill::{Component, FluxFill, Parts};
 use denoised_models::ModelSource;
 use denoised_runtime::CpuBackend;
 
-/// Templates a device keeps resident beyond those of the running batch. It matches
-/// the templates a denoise worker keeps decoded on the host, so a hot template is
-/// neither decoded nor uploaded again.
-pub const RESIDENT_TEMPLATES: usize = 4;
+/// The most text tokens of a request (T5's `max_sequence_length` limit).
+const MAX_TEXT_TOKENS: usize = 512;
+
+/// The largest step a device must hold: what its memory budget is computed for.
+#[derive(Clone, Copy, Debug)]
+pub struct StepLimits {
+    pub max_batch: usize,
+    pub token_budget: usize,
+    /// `[server] max_pixels`: the largest image of one request.
+    pub max_pixels: usize,
+}
 
 /// The storage dtype of a device's weights and activations: `bf16` or `f32`.
 pub fn parse_dtype(s: &str) -> Result<Dt, String> {
@@ -41,6 +50,8 @@ pub struct Placed {
     /// `f32` on the CPU, else the device dtype.
     pub dtype: &'static str,
     pub component: Component,
+    /// The device memory budget (GPU and emulator only).
+    pub budget: Option<DeviceBudget>,
 }
 
 /// The parts of the pipeline a process keeps on the host when its transformer
@@ -54,12 +65,14 @@ pub fn host_parts(device: DeviceSpec, parts: Parts) -> Parts {
 
 /// Puts the transformer on `device`. On the CPU it is the one `cpu` already holds
 /// (loaded with the host parts); on a GPU or the emulator it is loaded from `source`
-/// straight into device memory.
+/// straight into device memory, and the device's memory budget is computed for steps
+/// within `limits` (an error if they cannot fit).
 pub fn place(
     source: &ModelSource,
     device: DeviceSpec,
     dtype: Dt,
     cpu: &FluxFill<CpuBackend>,
+    limits: StepLimits,
 ) -> Result<Placed, String> {
     let err = |e: denoised_runtime::Error| format!("loading the transformer of `{source}`: {e}");
     match device {
@@ -74,11 +87,12 @@ pub fn place(
                 device: "cpu".into(),
                 dtype: "f32",
                 component,
+                budget: None,
             })
         }
         DeviceSpec::Emu => {
             let exec = EmuExec::open().map_err(|e| e.to_string())?;
-            on_gpu(source, exec, dtype, "emu".into())
+            on_gpu(source, exec, dtype, "emu".into(), cpu, limits)
         }
         DeviceSpec::Cuda(n) => {
             let exec = CudaExec::new(n).map_err(|e| format!("cuda:{n}: {e}"))?;
@@ -86,7 +100,7 @@ pub fn place(
             // the first request does not pay for NVRTC.
             exec.warm_up().map_err(|e| format!("cuda:{n}: {e}"))?;
             let name = exec.describe();
-            on_gpu(source, exec, dtype, name)
+            on_gpu(source, exec, dtype, name, cpu, limits)
         }
         DeviceSpec::Auto => Err("device `auto` must be resolved before placing a model".into()),
     }
@@ -97,19 +111,44 @@ fn on_gpu<E: Exec + 'static>(
     exec: E,
     dt: Dt,
     device: String,
+    cpu: &FluxFill<CpuBackend>,
+    limits: StepLimits,
 ) -> Result<Placed, String> {
     let model = source
         .load_transformer(GpuBackend::new(exec, dt))
         .map_err(|e| format!("loading the transformer of `{source}` on {device}: {e}"))?;
+    let weights = model.params() * dt.size() as u64;
+    let mem = model
+        .backend()
+        .exec()
+        .memory()
+        .map_err(|e| format!("{device}: {e}"))?;
+    // Rows of the largest request: all its text and image tokens.
+    let token_px = 2 * cpu.vae_scale_factor();
+    let largest = MAX_TEXT_TOKENS + limits.max_pixels / (token_px * token_px);
+    let budget = DeviceBudget::compute(&BudgetInputs {
+        free: mem.free,
+        total: mem.total,
+        weights,
+        hidden: cpu.config.hidden(),
+        dtype_bytes: dt.size(),
+        max_batch: limits.max_batch,
+        token_budget: limits.token_budget,
+        largest_rows: largest,
+        largest_context: largest,
+    })
+    .map_err(|e| format!("{device}: {e}"))?;
+    tracing::info!("device memory budget on {device}: {}", budget.describe());
     let component = Component {
         name: "transformer".into(),
-        weight_bytes: model.params() * dt.size() as u64,
+        weight_bytes: weights,
     };
     Ok(Placed {
-        stepper: Box::new(DeviceStepper::new(model, RESIDENT_TEMPLATES)),
+        stepper: Box::new(DeviceStepper::new(model, budget.template_bytes, dt.size())),
         device,
         dtype: dtype_name(dt),
         component,
+        budget: Some(budget),
     })
 }
 

@@ -52,6 +52,10 @@ pub fn role_parts(role: Role, disaggregate: bool) -> Parts {
     }
 }
 
+/// A worker's exit status when it cannot load its model (sysexits' EX_CONFIG): at the
+/// daemon's start the supervisor then stops instead of restarting it forever.
+pub const EXIT_CANNOT_LOAD: i32 = 78;
+
 /// A compute process's model: the host parts of its role, and for a denoise worker
 /// the transformer placed on its device.
 struct Loaded {
@@ -76,7 +80,12 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
     let placed = match env.role {
         Role::Denoise => {
             let dt = device::parse_dtype(&env.config.device.dtype)?;
-            Some(device::place(&source, device, dt, &pipeline)?)
+            let limits = device::StepLimits {
+                max_batch: env.config.denoise.max_batch,
+                token_budget: env.config.denoise.token_budget,
+                max_pixels: env.config.server.max_pixels,
+            };
+            Some(device::place(&source, device, dt, &pipeline, limits)?)
         }
         _ => None,
     };
@@ -133,11 +142,16 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
             Role::Cache => None,
             _ => {
                 let e = env.clone();
-                Some(
-                    tokio::task::spawn_blocking(move || load(&e))
-                        .await
-                        .map_err(|e| e.to_string())??,
-                )
+                match tokio::task::spawn_blocking(move || load(&e))
+                    .await
+                    .map_err(|e| e.to_string())?
+                {
+                    Ok(l) => Some(l),
+                    Err(e) => {
+                        eprintln!("error: {}: {e}", env.name());
+                        std::process::exit(EXIT_CANNOT_LOAD);
+                    }
+                }
             }
         };
         let info = WorkerInfo {
@@ -157,6 +171,10 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                 .as_ref()
                 .map(|l| device::components(&l.pipeline, l.placed.as_ref()))
                 .unwrap_or_default(),
+            device_budget: loaded
+                .as_ref()
+                .and_then(|l| l.placed.as_ref())
+                .and_then(|p| p.budget.clone()),
         };
         tracing::info!(
             "{}: {} on {} ({}), {:.1} MB of weights",
@@ -196,6 +214,10 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                     max_batch: d.max_batch,
                     token_budget: d.token_budget,
                     mode: d.batching,
+                    template_bytes: placed
+                        .budget
+                        .as_ref()
+                        .map_or(u64::MAX, |b| b.template_bytes),
                 };
                 sched.validate().map_err(|e| e.to_string())?;
                 Actor::spawn(

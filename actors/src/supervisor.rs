@@ -29,6 +29,8 @@ struct Worker {
     child: Child,
     started: Instant,
     restarts: u32,
+    /// Still the process started with the daemon (never restarted).
+    first: bool,
 }
 
 /// A random hex token (the cluster cookie when the config sets none).
@@ -169,6 +171,7 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
                 child: spawn(role, index)?,
                 started: Instant::now(),
                 restarts: 0,
+                first: true,
             });
         }
     }
@@ -176,7 +179,8 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
         "supervisor: {} processes, shm namespace {namespace}, cluster node 127.0.0.1:{router_port}",
         workers.len()
     );
-    while !STOP.load(Ordering::SeqCst) {
+    let mut fatal = None;
+    'watch: while !STOP.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(100));
         for w in workers.iter_mut() {
             let Ok(Some(status)) = w.child.try_wait() else {
@@ -185,6 +189,19 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
             if STOP.load(Ordering::SeqCst) {
                 break;
             }
+            // A worker that cannot load its model at the daemon's start (bad model
+            // directory, a device too small for the configuration) would fail the same
+            // way forever: the daemon refuses to start, with the worker's message above.
+            // Later, a failed reload (a device lost after a fault) is retried, so the
+            // other workers keep serving.
+            if w.first && status.code() == Some(crate::process::EXIT_CANNOT_LOAD) {
+                fatal = Some(format!(
+                    "{} worker {} cannot load its model (see its error above); not starting",
+                    w.role, w.index
+                ));
+                break 'watch;
+            }
+            w.first = false;
             tracing::warn!(
                 "{} worker {} exited ({status}); restarting",
                 w.role,
@@ -228,5 +245,5 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
         let _ = w.child.wait();
     }
     let _ = shm::cleanup_namespace(&shm_dir, &namespace);
-    Ok(())
+    fatal.map_or(Ok(()), Err)
 }

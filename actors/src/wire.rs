@@ -372,6 +372,9 @@ pub struct WorkerInfo {
     /// Its CPU compute threads.
     pub threads: u32,
     pub components: Vec<denoised_models::pipeline::flux_fill::Component>,
+    /// A GPU (or emulated) denoise worker's device memory budget; null elsewhere.
+    /// (No `skip_serializing_if`: cluster messages are bincode, which is positional.)
+    pub device_budget: Option<crate::budget::DeviceBudget>,
 }
 
 #[derive(RactorClusterMessage)]

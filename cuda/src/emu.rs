@@ -8,10 +8,12 @@
 use std::alloc::{alloc, dealloc, Layout};
 #[cfg(denoised_emu)]
 use std::ffi::{c_void, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::exec::{Dt, Exec, Gemm, Grid, Result};
+use crate::exec::{Dt, Exec, Gemm, Grid, MemInfo, Result};
 use crate::params::KernelParams;
 use crate::CudaError;
 
@@ -39,25 +41,89 @@ pub fn param_sizes() -> [usize; 6] {
     out.map(|v| v as usize)
 }
 
-#[derive(Default, Debug, Clone)]
-pub struct EmuExec;
+/// The emulated device. Its memory is accounted like a GPU's: allocations beyond its
+/// capacity fail with an out-of-memory error, and [`EmuExec::peak_bytes`] tells what a
+/// computation needed at most, which is how the device memory budget's estimates are
+/// checked in CI.
+#[derive(Clone)]
+pub struct EmuExec {
+    usage: Arc<Usage>,
+}
+
+struct Usage {
+    capacity: u64,
+    in_use: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl Default for EmuExec {
+    /// An emulated device of `DENOISED_EMU_MEMORY` bytes, or of the host's memory.
+    fn default() -> Self {
+        let capacity = std::env::var("DENOISED_EMU_MEMORY")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(host_memory);
+        EmuExec::with_capacity(capacity)
+    }
+}
+
+/// The host's physical memory (the emulated device's default capacity).
+fn host_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(u64::MAX, |kb| kb * 1024)
+}
 
 impl EmuExec {
     /// The emulator, where it is built (x86-64 hosts: its fibers switch in assembly).
     pub fn open() -> Result<Self> {
         if cfg!(denoised_emu) {
-            Ok(EmuExec)
+            Ok(EmuExec::default())
         } else {
             Err(CudaError::NoDevice(
                 "the CUDA emulator is built on x86-64 hosts only".into(),
             ))
         }
     }
+
+    /// An emulated device with `bytes` of memory.
+    pub fn with_capacity(bytes: u64) -> Self {
+        EmuExec {
+            usage: Arc::new(Usage {
+                capacity: bytes,
+                in_use: AtomicU64::new(0),
+                peak: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// Bytes allocated now.
+    pub fn in_use_bytes(&self) -> u64 {
+        self.usage.in_use.load(Ordering::Relaxed)
+    }
+
+    /// The most bytes allocated at once since the last [`reset_peak`](Self::reset_peak).
+    pub fn peak_bytes(&self) -> u64 {
+        self.usage.peak.load(Ordering::Relaxed)
+    }
+
+    /// Starts a new peak from what is allocated now.
+    pub fn reset_peak(&self) {
+        self.usage
+            .peak
+            .store(self.in_use_bytes(), Ordering::Relaxed);
+    }
 }
 
 pub struct EmuMem {
     ptr: *mut u8,
     layout: Layout,
+    usage: Arc<Usage>,
 }
 // SAFETY: the allocation is owned; kernels and copies address it only through the
 // executor, which callers order (as on a GPU stream).
@@ -67,6 +133,9 @@ impl Drop for EmuMem {
     fn drop(&mut self) {
         // SAFETY: allocated with this layout in `alloc`.
         unsafe { dealloc(self.ptr, self.layout) }
+        self.usage
+            .in_use
+            .fetch_sub(self.layout.size() as u64, Ordering::Relaxed);
     }
 }
 
@@ -99,18 +168,36 @@ impl Exec for EmuExec {
     fn alloc(&self, bytes: usize) -> Result<EmuMem> {
         let layout = Layout::from_size_align(bytes.max(64), 64)
             .map_err(|e| CudaError::Driver(format!("bad allocation of {bytes} bytes: {e}")))?;
+        let size = layout.size() as u64;
+        let u = &self.usage;
+        let now = u.in_use.fetch_add(size, Ordering::Relaxed) + size;
+        // As cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY is not sticky, the device stays usable.
+        let oom = || {
+            u.in_use.fetch_sub(size, Ordering::Relaxed);
+            CudaError::Driver(format!(
+                "CUDA_ERROR_OUT_OF_MEMORY: allocating {bytes} bytes with {} of {} in use (emulated device)",
+                now - size,
+                u.capacity
+            ))
+        };
+        if now > u.capacity {
+            return Err(oom());
+        }
         // SAFETY: non-zero size.
         let ptr = unsafe { alloc(layout) };
         if ptr.is_null() {
-            return Err(CudaError::Driver(format!(
-                "out of memory allocating {bytes} bytes"
-            )));
+            return Err(oom());
         }
+        u.peak.fetch_max(now, Ordering::Relaxed);
         // Device memory starts undefined; all-ones bytes are NaN in f32 and bf16, so an
         // op that leaves part of its output unwritten fails the tests loudly.
         // SAFETY: the allocation holds layout.size() bytes.
         unsafe { std::ptr::write_bytes(ptr, 0xff, layout.size()) };
-        Ok(EmuMem { ptr, layout })
+        Ok(EmuMem {
+            ptr,
+            layout,
+            usage: u.clone(),
+        })
     }
     fn addr(&self, m: &EmuMem) -> u64 {
         m.ptr as u64
@@ -207,5 +294,12 @@ impl Exec for EmuExec {
     }
     fn wait(&self, _: crate::exec::Stream, _: &()) -> Result<()> {
         Ok(())
+    }
+    fn memory(&self) -> Result<MemInfo> {
+        let total = self.usage.capacity;
+        Ok(MemInfo {
+            free: total.saturating_sub(self.in_use_bytes()),
+            total,
+        })
     }
 }

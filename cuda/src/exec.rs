@@ -118,4 +118,13 @@ pub trait Exec: Send + Sync + 'static {
     fn record(&self, on: Stream) -> Result<Self::Event>;
     /// Makes later work on `on` wait for `e`.
     fn wait(&self, on: Stream, e: &Self::Event) -> Result<()>;
+    /// The device's memory now: what the device memory budget starts from.
+    fn memory(&self) -> Result<MemInfo>;
+}
+
+/// Device memory, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemInfo {
+    pub free: u64,
+    pub total: u64,
 }

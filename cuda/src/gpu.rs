@@ -31,7 +31,7 @@ use cudarc::nvrtc::Ptx;
 
 use crate::compile;
 use crate::device::{probe, GpuInfo};
-use crate::exec::{Dt, Exec, Gemm, Grid, Result, Stream};
+use crate::exec::{Dt, Exec, Gemm, Grid, MemInfo, Result, Stream};
 use crate::kernels;
 use crate::params::KernelParams;
 use crate::CudaError;
@@ -515,5 +515,12 @@ impl Exec for CudaExec {
 
     fn wait(&self, on: Stream, e: &CudaEvent) -> Result<()> {
         self.stream(on).wait(e).map_err(drv("cuStreamWaitEvent"))
+    }
+    fn memory(&self) -> Result<MemInfo> {
+        let (free, total) = self.ctx.mem_get_info().map_err(drv("cuMemGetInfo"))?;
+        Ok(MemInfo {
+            free: free as u64,
+            total: total as u64,
+        })
     }
 }

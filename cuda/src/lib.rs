@@ -30,6 +30,6 @@ pub use device::{
     parse_list, probe, resolve, resolve_list, CudaError, DeviceSpec, GpuInfo, Resolved,
 };
 pub use emu::EmuExec;
-pub use exec::{Dt, Exec};
+pub use exec::{Dt, Exec, MemInfo};
 pub use gpu::CudaExec;
 pub use stream::StreamedTemplate;

@@ -497,15 +497,15 @@ fn param_structs_match_cpp() {
 #[test]
 #[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
 fn emulated_kernels_match_cpu_f32() {
-    check_ops(&GpuBackend::new(EmuExec, Dt::F32));
-    check_timestep(&EmuExec);
-    check_fused_ln_and_convert(&EmuExec);
+    check_ops(&GpuBackend::new(EmuExec::default(), Dt::F32));
+    check_timestep(&EmuExec::default());
+    check_fused_ln_and_convert(&EmuExec::default());
 }
 
 #[test]
 #[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
 fn emulated_kernels_match_cpu_bf16() {
-    check_ops(&GpuBackend::new(EmuExec, Dt::Bf16));
+    check_ops(&GpuBackend::new(EmuExec::default(), Dt::Bf16));
 }
 
 #[test]

@@ -122,7 +122,13 @@ fn load_pipeline(c: &Common) -> CliResult<(FluxFill<CpuBackend>, Placed)> {
     let parts = device::host_parts(device, Parts::ALL);
     let mut p = FluxFill::load_parts(&c.model, CpuBackend::new(), parts)?;
     p.limits.max_pixels = c.max_pixels;
-    let placed = device::place(&c.model, device, c.device.dtype()?, &p)?;
+    // One request at a time: the budget only has to hold the largest one.
+    let limits = device::StepLimits {
+        max_batch: 1,
+        token_budget: 1,
+        max_pixels: c.max_pixels,
+    };
+    let placed = device::place(&c.model, device, c.device.dtype()?, &p, limits)?;
     if device != DeviceSpec::Cpu {
         eprintln!("transformer on {} ({})", placed.device, placed.dtype);
     }

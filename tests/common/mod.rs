@@ -179,3 +179,30 @@ pub fn wait_job(d: &Daemon, id: &str) -> Value {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Starts an edit of `template`, kills -9 the denoise worker once the edit is in its
+/// loop, and checks that the edit is retried and succeeds and that the worker was
+/// restarted. The template lives in the cache process, so the retry still finds it.
+pub fn kill_denoise_mid_edit(d: &Daemon, template: &str) {
+    let victim = d.worker_pid("denoise");
+    let (_, v) = d.post(
+        "/v1/edits",
+        &serde_json::json!({"template_id": template, "mask": mask_b64(), "async": true}),
+    );
+    let id = v["id"].as_str().unwrap().to_string();
+    let t0 = Instant::now();
+    while d.get(&format!("/v1/jobs/{id}")).1["step"].as_u64().unwrap() < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(120));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // SAFETY: plain kill(2) of a child of the daemon.
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let j = wait_job(d, &id);
+    assert_eq!(j["status"], "succeeded", "{j}");
+    assert!(j["result"]["attempts"].as_u64().unwrap() >= 2, "{j}");
+    assert_ne!(
+        d.worker_pid("denoise"),
+        victim,
+        "the supervisor did not restart the worker"
+    );
+}

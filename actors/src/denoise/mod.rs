@@ -24,7 +24,7 @@ use denoised_models::mask::TokenMask;
 use denoised_models::FlowMatchEuler;
 use denoised_runtime::Tensor;
 
-use crate::scheduler::{BatchScheduler, RequestId, SchedRequest, SchedulerConfig};
+use crate::scheduler::{BatchScheduler, RequestId, SchedRequest, SchedulerConfig, TemplateUse};
 
 /// Exit status of a denoise worker whose device failed (EX_SOFTWARE).
 pub const EXIT_DEVICE_FAULT: i32 = 70;
@@ -176,7 +176,7 @@ struct State {
 
 impl State {
     /// Applies a command; returns false on shutdown.
-    fn apply(&mut self, cmd: Command) -> bool {
+    fn apply(&mut self, cmd: Command, model: &dyn Stepper) -> bool {
         match cmd {
             Command::Shutdown => return false,
             Command::Run(f) => f(),
@@ -188,7 +188,7 @@ impl State {
             }
             Command::Submit(r) => {
                 let id = r.id;
-                if let Err(error) = self.admit(r) {
+                if let Err(error) = self.admit(r, model) {
                     let _ = self.tx.send(Event::Failed { id, error });
                 }
             }
@@ -196,19 +196,26 @@ impl State {
         true
     }
 
-    fn admit(&mut self, r: DenoiseRequest) -> Result<(), String> {
+    fn admit(&mut self, r: DenoiseRequest, model: &dyn Stepper) -> Result<(), String> {
         let steps = r.schedule.steps() as u32;
         let text = r.inputs.txt.rows();
+        let mut req = SchedRequest::new(r.id, 0, steps);
         let mode = match r.work {
             Work::Full => Mode::Full,
             Work::Capture(layout) => Mode::Capture(Box::new(TemplateCache::new(layout))),
-            Work::Edit { mask, cache } => Mode::Edit { mask, cache },
+            Work::Edit { mask, cache } => {
+                // One decoded template is one Arc while any request holds it, so its
+                // address identifies it among the running batch's templates.
+                req = req.with_template(TemplateUse {
+                    key: Arc::as_ptr(&cache) as u64,
+                    bytes: model.template_bytes(&cache),
+                });
+                Mode::Edit { mask, cache }
+            }
         };
         let job = Job::new(r.inputs, r.schedule, mode).map_err(|e| e.to_string())?;
-        let rows = text + job.active_tokens();
-        self.sched
-            .submit(SchedRequest::new(r.id, rows.max(1), steps))
-            .map_err(|e| e.to_string())?;
+        req.rows_per_step = (text + job.active_tokens()).max(1);
+        self.sched.submit(req).map_err(|e| e.to_string())?;
         self.jobs.insert(r.id, job);
         Ok(())
     }
@@ -232,7 +239,7 @@ fn run(
         if st.sched.is_idle() {
             match rx.recv() {
                 Ok(cmd) => {
-                    if !st.apply(cmd) {
+                    if !st.apply(cmd, &*model) {
                         return;
                     }
                 }
@@ -245,7 +252,7 @@ fn run(
             }
         }
         while let Ok(cmd) = rx.try_recv() {
-            if !st.apply(cmd) {
+            if !st.apply(cmd, &*model) {
                 return;
             }
         }

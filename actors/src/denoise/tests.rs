@@ -55,6 +55,7 @@ fn gated(mode: Batching) -> (DenoiseLoop, Sender<()>) {
         max_batch: 8,
         token_budget: 1 << 20,
         mode,
+        template_bytes: u64::MAX,
     };
     let lp = DenoiseLoop::spawn(
         Box::new(HostStepper(model())),

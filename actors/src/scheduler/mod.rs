@@ -35,6 +35,12 @@
 //!   `token_budget` is admitted when the batch is empty (otherwise it would wait forever),
 //!   and nothing joins it until it finishes. This is the only way the total rows of a
 //!   step exceed the budget.
+//! * **Device memory.** On a GPU every template the batch reads must be resident
+//!   during the step. A request names its template ([`TemplateUse`]); the distinct
+//!   templates of the running batch stay within `template_bytes`, the device memory
+//!   left for them by the budget computed at start. A template shared by several
+//!   requests counts once. A request whose template alone exceeds it is refused at
+//!   submission with the figures: it could never run without an out-of-memory error.
 //! * **`Batching::Static`** (a baseline for measured comparisons): admission happens only
 //!   when nothing is running; it then takes as many waiting requests as fit (same FIFO
 //!   rule), and no request joins until the whole batch has finished.
@@ -49,7 +55,7 @@ mod sim;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -74,6 +80,16 @@ pub struct SchedRequest {
     /// The caller's logical arrival stamp (a time or a sequence number), carried along
     /// for bookkeeping. It does not order admission: submission order does.
     pub arrival: u64,
+    /// The template an edit reads, which the device must hold while it runs.
+    pub template: Option<TemplateUse>,
+}
+
+/// A template as the scheduler counts it: an identity (requests with equal keys share
+/// one resident copy) and its bytes in device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TemplateUse {
+    pub key: u64,
+    pub bytes: u64,
 }
 
 impl SchedRequest {
@@ -85,6 +101,15 @@ impl SchedRequest {
             steps_total,
             steps_done: 0,
             arrival: 0,
+            template: None,
+        }
+    }
+
+    /// The same request, reading `template`.
+    pub fn with_template(self, template: TemplateUse) -> Self {
+        SchedRequest {
+            template: Some(template),
+            ..self
         }
     }
 
@@ -115,6 +140,15 @@ pub struct SchedulerConfig {
     /// (`[denoise] batching`).
     #[serde(rename = "batching")]
     pub mode: Batching,
+    /// Device bytes for the distinct templates of the running batch (computed from the
+    /// device memory budget at start; unlimited on the CPU, which reads templates in
+    /// place).
+    #[serde(skip, default = "unlimited")]
+    pub template_bytes: u64,
+}
+
+fn unlimited() -> u64 {
+    u64::MAX
 }
 
 impl SchedulerConfig {
@@ -142,6 +176,7 @@ impl Default for SchedulerConfig {
             max_batch: Self::DEFAULT_MAX_BATCH,
             token_budget: Self::DEFAULT_TOKEN_BUDGET,
             mode: Batching::Continuous,
+            template_bytes: u64::MAX,
         }
     }
 }
@@ -175,6 +210,13 @@ pub enum SubmitError {
     ZeroRows(RequestId),
     /// The request has no step left (`steps_done >= steps_total`).
     NoStepsLeft(RequestId),
+    /// The request's template alone needs more device memory than the budget leaves
+    /// for templates.
+    TemplateTooLarge {
+        id: RequestId,
+        bytes: u64,
+        budget: u64,
+    },
 }
 
 impl fmt::Display for SubmitError {
@@ -183,6 +225,13 @@ impl fmt::Display for SubmitError {
             SubmitError::DuplicateId(id) => write!(f, "request {id} is already scheduled"),
             SubmitError::ZeroRows(id) => write!(f, "request {id} has no rows per step"),
             SubmitError::NoStepsLeft(id) => write!(f, "request {id} has no step left"),
+            SubmitError::TemplateTooLarge { id, bytes, budget } => write!(
+                f,
+                "request {id}: its template needs {:.2} GB of device memory, and the \
+                 device budget leaves {:.2} GB for templates (see /readyz `device_budget`)",
+                *bytes as f64 / 1e9,
+                *budget as f64 / 1e9
+            ),
         }
     }
 }
@@ -243,6 +292,9 @@ pub struct BatchScheduler {
     running: Vec<SchedRequest>,
     tickets: Vec<u64>,
     running_rows: usize,
+    /// Distinct templates of the running batch: key -> (bytes, running requests).
+    templates: HashMap<u64, (u64, usize)>,
+    template_bytes: u64,
     /// Ids waiting or running.
     live: HashSet<RequestId>,
     next_ticket: u64,
@@ -259,6 +311,8 @@ impl BatchScheduler {
             running: Vec::new(),
             tickets: Vec::new(),
             running_rows: 0,
+            templates: HashMap::new(),
+            template_bytes: 0,
             live: HashSet::new(),
             next_ticket: 0,
             step: 0,
@@ -277,6 +331,16 @@ impl BatchScheduler {
         if req.is_finished() {
             return Err(SubmitError::NoStepsLeft(req.id));
         }
+        if let Some(t) = req
+            .template
+            .filter(|t| t.bytes > self.config.template_bytes)
+        {
+            return Err(SubmitError::TemplateTooLarge {
+                id: req.id,
+                bytes: t.bytes,
+                budget: self.config.template_bytes,
+            });
+        }
         if !self.live.insert(req.id) {
             return Err(SubmitError::DuplicateId(req.id));
         }
@@ -294,7 +358,7 @@ impl BatchScheduler {
         if let Some(i) = self.running.iter().position(|r| r.id == id) {
             let r = self.running.remove(i);
             self.tickets.remove(i);
-            self.running_rows -= r.rows_per_step;
+            self.leave(&r);
         } else if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
             self.waiting.remove(i);
         } else {
@@ -332,8 +396,15 @@ impl BatchScheduler {
             {
                 break; // Head-of-line blocking: nothing overtakes the head.
             }
+            if self
+                .template_bytes
+                .saturating_add(self.new_template_bytes(head))
+                > self.config.template_bytes
+            {
+                break; // Same rule; submit refused any template that never fits.
+            }
             let req = self.waiting.pop_front().expect("front exists");
-            self.running_rows += req.rows_per_step;
+            self.join(&req);
             self.running.push(req);
             self.tickets.push(self.next_ticket);
             self.next_ticket += 1;
@@ -360,7 +431,7 @@ impl BatchScheduler {
                 if r.is_finished() {
                     finished.push(r.id);
                     self.live.remove(&r.id);
-                    self.running_rows -= r.rows_per_step;
+                    self.leave(&r);
                     continue;
                 }
             }
@@ -371,6 +442,41 @@ impl BatchScheduler {
         self.running.truncate(keep);
         self.tickets.truncate(keep);
         finished
+    }
+
+    /// Device bytes `r`'s template adds to the running batch (0 if already there).
+    fn new_template_bytes(&self, r: &SchedRequest) -> u64 {
+        match r.template {
+            Some(t) if !self.templates.contains_key(&t.key) => t.bytes,
+            _ => 0,
+        }
+    }
+
+    /// Accounts for `r` joining the running batch.
+    fn join(&mut self, r: &SchedRequest) {
+        self.running_rows += r.rows_per_step;
+        if let Some(t) = r.template {
+            self.template_bytes += self.new_template_bytes(r);
+            self.templates.entry(t.key).or_insert((t.bytes, 0)).1 += 1;
+        }
+    }
+
+    /// Accounts for `r` leaving the running batch (finished or cancelled).
+    fn leave(&mut self, r: &SchedRequest) {
+        self.running_rows -= r.rows_per_step;
+        if let Some(t) = r.template {
+            let e = self.templates.get_mut(&t.key).expect("a running template");
+            e.1 -= 1;
+            if e.1 == 0 {
+                self.template_bytes -= e.0;
+                self.templates.remove(&t.key);
+            }
+        }
+    }
+
+    /// Device bytes of the distinct templates of the running batch.
+    pub fn running_template_bytes(&self) -> u64 {
+        self.template_bytes
     }
 
     /// The running batch, in admission (batch) order.

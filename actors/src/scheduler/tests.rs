@@ -12,6 +12,7 @@ fn cfg(max_batch: usize, token_budget: usize, mode: Batching) -> SchedulerConfig
         max_batch,
         token_budget,
         mode,
+        template_bytes: u64::MAX,
     }
 }
 
@@ -354,6 +355,42 @@ fn sim_rejects_duplicate_arrivals() {
     assert_eq!(r.unwrap_err(), SubmitError::DuplicateId(1));
 }
 
+#[test]
+fn templates_share_device_memory_and_oversized_ones_are_refused() {
+    let mut s = BatchScheduler::new(SchedulerConfig {
+        template_bytes: 100,
+        ..cfg(8, 1000, Batching::Continuous)
+    })
+    .unwrap();
+    let t = |key, bytes| TemplateUse { key, bytes };
+    // Three edits of one 60-byte template count 60; a second template of 60 waits.
+    for id in 0..3 {
+        s.submit(req(id, 10, 2).with_template(t(7, 60))).unwrap();
+    }
+    s.submit(req(3, 10, 1).with_template(t(8, 60))).unwrap();
+    s.submit(req(4, 10, 1)).unwrap(); // a full run reads no template
+    let (ids, _, _) = step(&mut s);
+    assert_eq!(ids, [0, 1, 2], "template 8 does not fit beside template 7");
+    assert_eq!(s.running_template_bytes(), 60);
+    let (ids, _, fin) = step(&mut s);
+    assert_eq!((ids, fin), (vec![0, 1, 2], vec![0, 1, 2]));
+    assert_eq!(s.running_template_bytes(), 0);
+    let (ids, _, _) = step(&mut s);
+    assert_eq!(ids, [3, 4]);
+    let e = s
+        .submit(req(5, 10, 1).with_template(t(9, 101)))
+        .unwrap_err();
+    assert_eq!(
+        e,
+        SubmitError::TemplateTooLarge {
+            id: 5,
+            bytes: 101,
+            budget: 100
+        }
+    );
+    assert!(e.to_string().contains("device budget"), "{e}");
+}
+
 // ---- property tests against a brute-force reference ----
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -404,6 +441,15 @@ impl Reference {
         if req.steps_done >= req.steps_total {
             return Err(SubmitError::NoStepsLeft(req.id));
         }
+        if let Some(t) = req.template {
+            if t.bytes > self.config.template_bytes {
+                return Err(SubmitError::TemplateTooLarge {
+                    id: req.id,
+                    bytes: t.bytes,
+                    budget: self.config.template_bytes,
+                });
+            }
+        }
         if self.live(req.id).is_some() {
             return Err(SubmitError::DuplicateId(req.id));
         }
@@ -432,16 +478,20 @@ impl Reference {
         let running = self.in_state(RefState::Running);
         let mut count = running.len();
         let mut rows: usize = running.iter().map(|r| r.req.rows_per_step).sum();
+        let mut batch: Vec<SchedRequest> = running.iter().map(|r| r.req).collect();
         let mut admit = Vec::new();
         if !(self.config.mode == Batching::Static && count > 0) {
             for w in self.in_state(RefState::Waiting) {
+                let with: Vec<SchedRequest> = batch.iter().copied().chain([w.req]).collect();
                 let fits = count < self.config.max_batch
-                    && (count == 0 || rows + w.req.rows_per_step <= self.config.token_budget);
+                    && (count == 0 || rows + w.req.rows_per_step <= self.config.token_budget)
+                    && distinct_template_bytes(&with) <= self.config.template_bytes;
                 if !fits {
                     break;
                 }
                 count += 1;
                 rows += w.req.rows_per_step;
+                batch.push(w.req);
                 admit.push(w.sub);
             }
         }
@@ -482,6 +532,24 @@ impl Reference {
     }
 }
 
+/// Bytes of the distinct templates (by key) a batch reads, counted from scratch.
+fn distinct_template_bytes(batch: &[SchedRequest]) -> u64 {
+    let mut seen: HashMap<u64, u64> = HashMap::new();
+    for t in batch.iter().filter_map(|r| r.template) {
+        seen.insert(t.key, t.bytes);
+    }
+    seen.values().sum()
+}
+
+/// A template's bytes as a function of its key, as in the daemon (one template, one
+/// size).
+fn template(key: u8) -> TemplateUse {
+    TemplateUse {
+        key: key as u64,
+        bytes: 10 + 7 * key as u64,
+    }
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Submit {
@@ -489,6 +557,7 @@ enum Op {
         rows: usize,
         steps: u32,
         done: u32,
+        template: Option<u8>,
     },
     Cancel(u8),
     Step,
@@ -498,8 +567,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0u8..24, 0usize..=40, 0u32..=6, 0u32..=3)
-            .prop_map(|(id, rows, steps, done)| Op::Submit { id, rows, steps, done }),
+        4 => (0u8..24, 0usize..=40, 0u32..=6, 0u32..=3, prop::option::of(0u8..6))
+            .prop_map(|(id, rows, steps, done, template)| Op::Submit { id, rows, steps, done, template }),
         1 => (0u8..24).prop_map(Op::Cancel),
         5 => Just(Op::Step),
         1 => (0u8..24).prop_map(Op::CancelDuringStep),
@@ -511,8 +580,13 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
         1usize..=6,
         1usize..=80,
         prop_oneof![Just(Batching::Continuous), Just(Batching::Static)],
+        // Template budgets from "one template at most" to "every template fits".
+        prop_oneof![Just(u64::MAX), 0u64..=120],
     )
-        .prop_map(|(m, b, mode)| cfg(m, b, mode))
+        .prop_map(|(m, b, mode, t)| SchedulerConfig {
+            template_bytes: t,
+            ..cfg(m, b, mode)
+        })
 }
 
 /// Runs one step on both and checks the invariants; `cancel` is cancelled mid-step.
@@ -578,6 +652,12 @@ impl Harness {
             "rows {} over budget",
             rows
         );
+        let running: Vec<SchedRequest> = self.s.running().to_vec();
+        prop_assert_eq!(
+            self.s.running_template_bytes(),
+            distinct_template_bytes(&running)
+        );
+        prop_assert!(self.s.running_template_bytes() <= c.template_bytes);
         // Running requests kept, in order, and first; the admitted are the FIFO head.
         prop_assert_eq!(&plan.ids()[..prev_running.len()], &prev_running[..]);
         prop_assert_eq!(plan.admitted(), &plan.ids()[prev_running.len()..]);
@@ -589,8 +669,11 @@ impl Harness {
         // Continuous: if the head is still waiting, it really did not fit.
         if c.mode == Batching::Continuous {
             if let Some(head) = self.s.waiting().next() {
+                let with: Vec<SchedRequest> = running.iter().copied().chain([*head]).collect();
                 prop_assert!(
-                    plan.len() == c.max_batch || rows + head.rows_per_step > c.token_budget
+                    plan.len() == c.max_batch
+                        || rows + head.rows_per_step > c.token_budget
+                        || distinct_template_bytes(&with) > c.template_bytes
                 );
             }
         }
@@ -648,8 +731,9 @@ proptest! {
         let mut h = Harness::new(c);
         for op in ops {
             match op {
-                Op::Submit { id, rows, steps, done } => {
+                Op::Submit { id, rows, steps, done, template: t } => {
                     let mut r = req(id as RequestId, rows, steps);
+                    r.template = t.map(template);
                     r.steps_done = done;
                     r.arrival = h.r.reqs.len() as u64;
                     h.submit(r)?;

@@ -4,8 +4,10 @@
 //! The CPU reads a template's host slabs in place ([`HostStepper`]). Any other
 //! backend ([`DeviceStepper`]) needs them in its own memory: a template is uploaded
 //! whole when a batch first needs it and stays resident while it is among the most
-//! recently used, so the edits of a hot template pay the upload once. Every template
-//! of the running batch is resident during its step, however many there are.
+//! recently used and the device's template budget holds it, so the edits of a hot
+//! template pay the upload once. Every template of the running batch is resident
+//! during its step; the batch scheduler admits requests so that they fit
+//! ([`Stepper::template_bytes`] is what it counts).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -25,6 +27,11 @@ pub trait Stepper: Send {
     /// Whether a step's error leaves the device unusable (see `Backend::is_fatal`).
     fn is_fatal(&self, _e: &denoised_runtime::Error) -> bool {
         false
+    }
+    /// Device bytes `template` takes while resident (0 where templates are read in
+    /// place).
+    fn template_bytes(&self, _template: &TemplateCache) -> u64 {
+        0
     }
 }
 
@@ -46,18 +53,28 @@ pub struct DeviceStepper<B: Backend> {
     resident: ResidentTemplates<B::Tensor>,
     /// Resident templates, most recently used first.
     recent: VecDeque<Arc<TemplateCache>>,
-    /// Templates kept resident beyond those of the running batch.
-    keep: usize,
+    /// Device bytes templates may take; those of the running batch always stay.
+    capacity: u64,
+    /// Bytes of one element of a resident slab (the device's storage dtype).
+    elem_bytes: usize,
 }
 
 impl<B: Backend> DeviceStepper<B> {
-    pub fn new(model: FluxTransformer<B>, keep: usize) -> Self {
+    /// A stepper keeping templates resident within `capacity` bytes, their slabs
+    /// stored with `elem_bytes` per element.
+    pub fn new(model: FluxTransformer<B>, capacity: u64, elem_bytes: usize) -> Self {
         DeviceStepper {
             model,
             resident: ResidentTemplates::new(),
             recent: VecDeque::new(),
-            keep,
+            capacity,
+            elem_bytes,
         }
+    }
+
+    fn bytes(&self, t: &TemplateCache) -> u64 {
+        let l = t.layout();
+        (l.steps * l.blocks * l.tokens * 2 * l.hidden * self.elem_bytes) as u64
     }
 
     pub fn model(&self) -> &FluxTransformer<B> {
@@ -69,10 +86,34 @@ impl<B: Backend> DeviceStepper<B> {
         self.recent.iter()
     }
 
-    /// Makes every template of `jobs` resident, then evicts the least recently used
-    /// beyond `keep` (never one the batch reads).
+    /// Makes every template of `jobs` resident, first evicting the least recently used
+    /// others until they fit (never one the batch reads).
     fn admit(&mut self, jobs: &[&mut Job]) -> Result<()> {
         let mut used = 0;
+        let mut batch: Vec<&Arc<TemplateCache>> = Vec::new();
+        for t in jobs.iter().filter_map(|j| j.template()) {
+            if !batch.iter().any(|b| Arc::ptr_eq(b, t)) {
+                batch.push(t);
+            }
+        }
+        let in_batch = |r: &Arc<TemplateCache>| batch.iter().any(|b| Arc::ptr_eq(b, r));
+        let needed: u64 = batch.iter().map(|t| self.bytes(t)).sum();
+        let mut others: u64 = self
+            .recent
+            .iter()
+            .filter(|r| !in_batch(r))
+            .map(|r| self.bytes(r))
+            .sum();
+        // Least recently used first; the batch's own stay (the scheduler made sure
+        // they fit).
+        while needed + others > self.capacity {
+            let Some(i) = self.recent.iter().rposition(|r| !in_batch(r)) else {
+                break;
+            };
+            let old = self.recent.remove(i).expect("index from rposition");
+            others -= self.bytes(&old);
+            self.resident.evict(&old);
+        }
         for t in jobs.iter().filter_map(|j| j.template()) {
             match self.recent.iter().position(|r| Arc::ptr_eq(r, t)) {
                 Some(i) if i < used => continue, // already seen in this batch
@@ -86,11 +127,6 @@ impl<B: Backend> DeviceStepper<B> {
                 }
             }
             used += 1;
-        }
-        while self.recent.len() > self.keep.max(used) {
-            if let Some(old) = self.recent.pop_back() {
-                self.resident.evict(&old);
-            }
         }
         Ok(())
     }
@@ -109,6 +145,9 @@ where
     }
     fn is_fatal(&self, e: &denoised_runtime::Error) -> bool {
         self.model.backend().is_fatal(e)
+    }
+    fn template_bytes(&self, template: &TemplateCache) -> u64 {
+        self.bytes(template)
     }
 }
 
