@@ -291,3 +291,50 @@ fn a_device_too_small_refuses_to_start() {
         assert!(err.contains(want), "`{want}` in {err}");
     }
 }
+
+/// `denoised selftest` as CI can run it: on the emulator, the daemon round trip and
+/// the benchmarks at tiny size (the kernel, transformer and identity parts are the
+/// library checks that `cuda/tests/kernels.rs` and `tests/gpu_transformer.rs` run).
+/// A GPU server runs the same command with `--device cuda:0`.
+#[test]
+fn selftest_passes_on_the_emulator() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let o = Command::new(env!("CARGO_BIN_EXE_denoised"))
+        .args([
+            "selftest",
+            "--device",
+            "emu",
+            "--only",
+            "daemon,bench-step,bench-attn",
+        ])
+        .args(["--json", report.to_str().unwrap()])
+        .env("DENOISED_LOG", "warn")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    println!("{stdout}");
+    assert!(
+        o.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let parts: Vec<&str> = v["parts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["part"].as_str().unwrap())
+        .collect();
+    assert_eq!(parts, ["Daemon", "BenchStep", "BenchAttn"]);
+    let checks = |i: usize| v["parts"][i]["checks"].as_array().unwrap().len();
+    assert_eq!((checks(0), checks(1), checks(2)), (4, 4, 4), "{v}");
+
+    // Only a GPU (or its emulator) can be self-tested.
+    let o = Command::new(env!("CARGO_BIN_EXE_denoised"))
+        .args(["selftest", "--device", "cpu"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("use --device cuda:N or emu"));
+}

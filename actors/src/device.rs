@@ -54,6 +54,18 @@ pub struct Placed {
     pub budget: Option<DeviceBudget>,
 }
 
+impl Placed {
+    /// The dtype templates are stored in for this device: its own (bf16 on a GPU in
+    /// bf16), so that storing K/V the device computed loses nothing.
+    pub fn template_dtype(&self) -> denoised_runtime::DType {
+        if self.dtype == "bf16" {
+            denoised_runtime::DType::BF16
+        } else {
+            denoised_runtime::DType::F32
+        }
+    }
+}
+
 /// The parts of the pipeline a process keeps on the host when its transformer
 /// computes on `device`: with a GPU, none of the transformer.
 pub fn host_parts(device: DeviceSpec, parts: Parts) -> Parts {

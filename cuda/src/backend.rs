@@ -9,8 +9,8 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use denoised_runtime::backend::{AttnSeq, Backend, Modulation};
-use denoised_runtime::{Error, Result, Tensor};
+use denoised_runtime::backend::{stacked_shape, AttnSeq, Backend, Modulation};
+use denoised_runtime::{DType, Error, Result, Stored, Tensor};
 
 use crate::exec::{Dt, Exec, Gemm, Grid};
 use crate::params::*;
@@ -82,6 +82,9 @@ const SEGMENT_CACHE: usize = 8;
 pub(crate) fn dev(e: CudaError) -> Error {
     Error::Device(e.to_string())
 }
+
+/// Elements converted per host chunk when a stored dtype differs from the device's.
+const UPLOAD_CHUNK: usize = 1 << 20;
 
 /// Threads per block of the one-warp-per-row kernels (4 warps).
 const ROW_BLOCK: u32 = 128;
@@ -275,6 +278,29 @@ impl<E: Exec> Backend for GpuBackend<E> {
     fn upload_weight(&self, w: &Tensor) -> Result<GpuTensor<E>> {
         // cuBLASLt reads the PyTorch [out, in] layout directly (as a transposed operand).
         self.upload(w)
+    }
+
+    fn upload_stored(&self, parts: &[Stored<'_>]) -> Result<GpuTensor<E>> {
+        let out = self.empty(stacked_shape(parts)?)?;
+        let target = match self.dt {
+            Dt::F32 => DType::F32,
+            Dt::Bf16 => DType::BF16,
+        };
+        // Each part lands at its offset: bytes already in the device dtype go from
+        // the (mapped) checkpoint straight to the device; others are converted a
+        // bounded chunk at a time. Safetensors and both devices are little-endian.
+        let mut offset = 0;
+        for p in parts {
+            for chunk in p.chunks_as(target, UPLOAD_CHUNK)? {
+                self.exec.upload(&out.mem, offset, &chunk).map_err(dev)?;
+                offset += chunk.len();
+            }
+        }
+        Ok(out)
+    }
+
+    fn upload_weight_stored(&self, parts: &[Stored<'_>]) -> Result<GpuTensor<E>> {
+        self.upload_stored(parts)
     }
 
     fn download(&self, t: &GpuTensor<E>) -> Result<Tensor> {

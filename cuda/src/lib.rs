@@ -7,6 +7,7 @@
 //!   [`emu::EmuExec`] (the same kernels on the CPU, for machines without a GPU);
 //! - [`backend`]: [`GpuBackend`], the model-facing `Backend` over any executor;
 //! - [`stream`]: templates streamed to the device block by block on the copy stream;
+//! - [`selfcheck`]: every kernel against the CPU backend, for tests and `denoised selftest`;
 //! - [`device`]: `auto | cpu | emu | cuda:N[,M..]` selection and probing.
 //!
 //! cudarc is built with `dynamic-loading`, so this crate compiles and links on machines
@@ -23,6 +24,7 @@ pub mod exec;
 pub mod gpu;
 pub mod kernels;
 pub mod params;
+pub mod selfcheck;
 pub mod stream;
 
 pub use backend::{GpuBackend, GpuTensor};

@@ -12,6 +12,7 @@
 use std::ops::Range;
 
 use crate::error::Result;
+use crate::stored::Stored;
 use crate::tensor::Tensor;
 
 /// Which rows of a key/value buffer a sequence attends to.
@@ -101,6 +102,20 @@ pub trait Backend: Send + Sync {
     /// Takes a Linear weight in PyTorch layout `[out, in]`.
     fn upload_weight(&self, w: &Tensor) -> Result<Self::Weight>;
     fn download(&self, t: &Self::Tensor) -> Result<Tensor>;
+
+    /// Uploads the stack of `parts` along their first dimension (one part, or the
+    /// projections a fused layer concatenates), each in its stored dtype. Device
+    /// backends copy every part into place and convert only when the stored dtype is
+    /// not the device's, so a bf16 checkpoint reaches a bf16 device with no host copy.
+    /// The default, for backends that compute in f32 on the host, converts.
+    fn upload_stored(&self, parts: &[Stored<'_>]) -> Result<Self::Tensor> {
+        self.upload(&stack_f32(parts)?)
+    }
+    /// [`Backend::upload_stored`] for a Linear weight (`[out, in]` parts).
+    fn upload_weight_stored(&self, parts: &[Stored<'_>]) -> Result<Self::Weight> {
+        self.upload_weight(&stack_f32(parts)?)
+    }
+
     fn shape<'a>(&self, t: &'a Self::Tensor) -> &'a [usize];
 
     /// `x[n,k] @ w[o,k]^T + b[o]` (PyTorch Linear layout).
@@ -213,6 +228,42 @@ pub trait Backend: Send + Sync {
         rows: Range<usize>,
         cols: Range<usize>,
     ) -> Result<Self::Tensor>;
+}
+
+/// The shape of `parts` stacked along their first dimension, checking that the other
+/// dimensions agree.
+pub fn stacked_shape(parts: &[Stored<'_>]) -> Result<Vec<usize>> {
+    let first = parts
+        .first()
+        .ok_or_else(|| crate::Error::shape("upload_stored", "no parts"))?;
+    let mut shape = first.shape.clone();
+    if shape.is_empty() {
+        return Err(crate::Error::shape("upload_stored", "a scalar part"));
+    }
+    shape[0] = 0;
+    for p in parts {
+        if p.shape.len() != shape.len() || p.shape[1..] != shape[1..] {
+            return Err(crate::Error::shape(
+                "upload_stored",
+                format!(
+                    "`{}` {:?} does not stack on {:?}",
+                    p.name, p.shape, first.shape
+                ),
+            ));
+        }
+        shape[0] += p.shape[0];
+    }
+    Ok(shape)
+}
+
+/// `parts` stacked as one f32 host tensor.
+fn stack_f32(parts: &[Stored<'_>]) -> Result<Tensor> {
+    let shape = stacked_shape(parts)?;
+    let mut data = Vec::with_capacity(shape.iter().product());
+    for p in parts {
+        data.extend_from_slice(p.to_f32()?.data());
+    }
+    Tensor::new(shape, data)
 }
 
 /// The cached K/V slabs of one template as tensors of a backend, by (step, block).

@@ -12,11 +12,13 @@ pub mod cpu;
 pub mod error;
 pub mod fixtures;
 pub mod shm;
+pub mod stored;
 pub mod tensor;
 pub mod weights;
 
 pub use backend::{AttnSeq, Backend, KvSource, Modulation, QSpan, Rows, SlabProvider, Src};
 pub use cpu::CpuBackend;
 pub use error::{Error, Result};
+pub use stored::Stored;
 pub use tensor::{DType, Tensor};
 pub use weights::WeightStore;

@@ -18,7 +18,8 @@ use safetensors::tensor::{Dtype, Metadata, SafeTensorError, TensorView};
 use safetensors::SafeTensors;
 
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::stored::Stored;
+use crate::tensor::{DType, Tensor};
 
 /// One memory-mapped safetensors file.
 pub struct SafetensorsFile {
@@ -115,6 +116,12 @@ impl SafetensorsFile {
         Tensor::new(shape.to_vec(), convert_weight(name, bytes, dtype)?)
     }
 
+    /// A weight tensor in its stored dtype, borrowed from the map (no copy).
+    pub fn stored(&self, name: &str) -> Result<Stored<'_>> {
+        let (bytes, dtype, shape) = self.raw(name)?;
+        Stored::new(name, shape.to_vec(), float_dtype(name, dtype)?, bytes)
+    }
+
     pub fn tensor_f64(&self, name: &str) -> Result<Vec<f64>> {
         let (bytes, dtype, _) = self.raw(name)?;
         match dtype {
@@ -151,19 +158,15 @@ impl SafetensorsFile {
 }
 
 fn convert_weight(name: &str, bytes: &[u8], dtype: Dtype) -> Result<Vec<f32>> {
+    Ok(crate::stored::to_f32(bytes, float_dtype(name, dtype)?))
+}
+
+/// A checkpoint's float dtype as ours (weights are F32, BF16 or F16).
+fn float_dtype(name: &str, dtype: Dtype) -> Result<DType> {
     Ok(match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
-            .collect(),
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
-            .collect(),
+        Dtype::F32 => DType::F32,
+        Dtype::BF16 => DType::BF16,
+        Dtype::F16 => DType::F16,
         other => {
             return Err(Error::UnsupportedDType {
                 name: name.to_string(),
@@ -301,19 +304,25 @@ impl WeightStore {
 
     /// Loads `name` as f32 and checks its shape against what the config implies.
     pub fn get(&self, name: &str, expected: &[usize]) -> Result<Tensor> {
+        self.stored(name, expected)?.to_f32()
+    }
+
+    /// `name` in its stored dtype, borrowed from the map, its shape checked against
+    /// what the config implies.
+    pub fn stored(&self, name: &str, expected: &[usize]) -> Result<Stored<'_>> {
         let fi = *self.index.get(name).ok_or_else(|| Error::MissingTensor {
             name: name.to_string(),
             dir: self.dir.clone(),
         })?;
-        let (shape, _) = self.files[fi].info(name).expect("indexed tensors exist");
-        if shape != expected {
+        let t = self.files[fi].stored(name)?;
+        if t.shape != expected {
             return Err(Error::ShapeMismatch {
                 name: name.to_string(),
                 expected: expected.to_vec(),
-                actual: shape,
+                actual: t.shape,
             });
         }
-        self.files[fi].weight(name)
+        Ok(t)
     }
 
     /// Fails if the directory holds tensors that the model never asked for: a sign of

@@ -51,14 +51,18 @@ pub fn run(a: Args) -> CliResult {
     if let Some(bad) = a.mask_ratio.iter().find(|r| !(0.0..=1.0).contains(*r)) {
         return Err(format!("--mask-ratio {bad} is not in [0, 1]").into());
     }
-    match a.device.select()? {
-        Selected::Cpu => bench(&a, CpuBackend::new()),
+    let lines = match a.device.select()? {
+        Selected::Cpu => measure(&a, CpuBackend::new())?,
         Selected::Cuda(exec) => {
             let dt = if a.dtype == "f32" { Dt::F32 } else { Dt::Bf16 };
             exec.warm_up()?;
-            bench(&a, GpuBackend::new(*exec, dt))
+            measure(&a, GpuBackend::new(*exec, dt))?
         }
+    };
+    for line in lines {
+        println!("{line}");
     }
+    Ok(())
 }
 
 fn random(rows: usize, cols: usize, rng: &mut SplitMix) -> Tensor {
@@ -69,7 +73,9 @@ fn random(rows: usize, cols: usize, rng: &mut SplitMix) -> Tensor {
     .expect("shape")
 }
 
-fn bench<B: Backend>(a: &Args, be: B) -> CliResult {
+/// One JSON object per mask ratio.
+pub fn measure<B: Backend>(a: &Args, be: B) -> CliResult<Vec<serde_json::Value>> {
+    let mut lines = Vec::new();
     let (t, l, w) = (a.text_tokens, a.image_tokens, a.heads * a.head_dim);
     let mut rng = SplitMix::new(17);
     let cache = be.upload(&random(l, 2 * w, &mut rng))?;
@@ -115,13 +121,10 @@ fn bench<B: Backend>(a: &Args, be: B) -> CliResult {
         let median = ts[ts.len() / 2];
         let keys = q + inactive.len();
         let flops = 4.0 * q as f64 * keys as f64 * (a.head_dim * a.heads) as f64;
-        println!(
-            "{}",
-            serde_json::json!({
-                "mask_ratio": m, "queries": q, "keys": keys, "heads": a.heads, "head_dim": a.head_dim,
-                "median_s": median, "min_s": ts[0], "tflops": flops / median / 1e12, "backend": be.name(),
-            })
-        );
+        lines.push(serde_json::json!({
+            "mask_ratio": m, "queries": q, "keys": keys, "heads": a.heads, "head_dim": a.head_dim,
+            "median_s": median, "min_s": ts[0], "tflops": flops / median / 1e12, "backend": be.name(),
+        }));
     }
-    Ok(())
+    Ok(lines)
 }

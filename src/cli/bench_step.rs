@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use denoised_cuda::{Dt, GpuBackend, StreamedTemplate};
+use denoised_cuda::{Dt, Exec, GpuBackend, StreamedTemplate};
 use denoised_models::flux::cost::{flop_bound, forward_flops, StepShape};
 use denoised_models::flux::edit::{
     step_batch_with, DenoiseInputs, HostSlabs, Job, Mode, ResidentTemplates, SlabSource,
@@ -127,38 +127,46 @@ pub fn run(a: Args) -> CliResult {
     if let Some(bad) = a.mask_ratio.iter().find(|r| !(0.0..=1.0).contains(*r)) {
         return Err(format!("--mask-ratio {bad} is not in [0, 1]").into());
     }
-    match a.device.select()? {
-        Selected::Cpu => bench(&a, cfg, CpuBackend::new(), |_, _| Ok(HostSlabs)),
+    let lines = match a.device.select()? {
+        Selected::Cpu => bench(&a, cfg, CpuBackend::new(), |_, _| Ok(HostSlabs))?,
         Selected::Cuda(exec) => {
-            let dt = if a.dtype == "f32" { Dt::F32 } else { Dt::Bf16 };
             // Compile (or load from the kernel cache) before timing anything.
             exec.warm_up()?;
-            let be = GpuBackend::new(*exec, dt);
-            if a.slabs == "streamed" {
-                bench(&a, cfg, be, |be, cache| {
-                    let lay = cache.layout();
-                    // One lane per request: every request may be at its own step.
-                    let t = StreamedTemplate::new(
-                        be,
-                        &cache.kv_slabs()?,
-                        lay.steps,
-                        lay.blocks,
-                        a.batch,
-                    )?;
-                    let mut p = TemplateProviders::new();
-                    p.insert(cache, Box::new(t));
-                    Ok(p)
-                })
-            } else {
-                bench(&a, cfg, be, |be, cache| {
-                    // The template's K/V live in device memory during the timed
-                    // steps, as for a template that is hot in the device tier.
-                    let mut r = ResidentTemplates::new();
-                    r.make_resident(be, cache)?;
-                    Ok(r)
-                })
-            }
+            measure_gpu(&a, cfg, *exec)?
         }
+    };
+    for line in lines {
+        println!("{line}");
+    }
+    Ok(())
+}
+
+/// The measurements on a GPU backend over `exec` (a device, or the emulator for
+/// `selftest --device emu`), one JSON object per line of output.
+pub fn measure_gpu<E: Exec>(
+    a: &Args,
+    cfg: FluxConfig,
+    exec: E,
+) -> CliResult<Vec<serde_json::Value>> {
+    let dt = if a.dtype == "f32" { Dt::F32 } else { Dt::Bf16 };
+    let be = GpuBackend::new(exec, dt);
+    if a.slabs == "streamed" {
+        bench(a, cfg, be, |be, cache| {
+            let lay = cache.layout();
+            // One lane per request: every request may be at its own step.
+            let t = StreamedTemplate::new(be, &cache.kv_slabs()?, lay.steps, lay.blocks, a.batch)?;
+            let mut p = TemplateProviders::new();
+            p.insert(cache, Box::new(t));
+            Ok(p)
+        })
+    } else {
+        bench(a, cfg, be, |be, cache| {
+            // The template's K/V live in device memory during the timed steps, as for
+            // a template that is hot in the device tier.
+            let mut r = ResidentTemplates::new();
+            r.make_resident(be, cache)?;
+            Ok(r)
+        })
     }
 }
 
@@ -169,7 +177,7 @@ fn bench<B: Backend, S: SlabSource<B::Tensor>>(
     cfg: FluxConfig,
     backend: B,
     slabs_for: impl Fn(&B, &Arc<TemplateCache>) -> CliResult<S>,
-) -> CliResult {
+) -> CliResult<Vec<serde_json::Value>> {
     let backend_name = backend.name();
     let model = FluxTransformer::seeded(backend, cfg.clone(), a.seed)?;
     let (l, t) = (a.image_tokens, a.text_tokens);
@@ -198,7 +206,8 @@ fn bench<B: Backend, S: SlabSource<B::Tensor>>(
             .map(|_| Job::new(inputs.clone(), schedule.clone(), Mode::Full))
             .collect::<Result<Vec<_>, _>>()?)
     })?;
-    let line = |ratio: serde_json::Value, tm: &Timing, flops: f64, extra: serde_json::Value| {
+    let mut lines = Vec::new();
+    let mut line = |ratio: serde_json::Value, tm: &Timing, flops: f64, extra: serde_json::Value| {
         let mut v = serde_json::json!({
             "config": a.config, "image_tokens": l, "text_tokens": t, "mask_ratio": ratio,
             "batch": batch, "min_s": tm.min, "median_s": tm.median, "gflops": flops / tm.median / 1e9,
@@ -207,7 +216,7 @@ fn bench<B: Backend, S: SlabSource<B::Tensor>>(
         if let (Some(o), serde_json::Value::Object(e)) = (v.as_object_mut(), extra) {
             o.extend(e);
         }
-        println!("{v}");
+        lines.push(v);
     };
     let masked_runs = a.mask_trace.is_some() || a.mask_ratio.iter().any(|&r| r < 1.0);
     if !masked_runs {
@@ -217,7 +226,7 @@ fn bench<B: Backend, S: SlabSource<B::Tensor>>(
             batch as f64 * full_flops,
             serde_json::json!({}),
         );
-        return Ok(());
+        return Ok(lines);
     }
 
     let cache = TemplateCache::new(TemplateLayout::for_model(&cfg, l, 1, DType::F32));
@@ -294,5 +303,5 @@ fn bench<B: Backend, S: SlabSource<B::Tensor>>(
             }),
         );
     }
-    Ok(())
+    Ok(lines)
 }

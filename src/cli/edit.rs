@@ -251,7 +251,19 @@ pub fn run_edit(a: EditArgs) -> CliResult {
         Some((dir, _)) => {
             let (rows, cols) = p.tokens(image.width, image.height);
             let layout = TemplateLayout::for_model(&p.config, rows * cols, steps, DType::F32);
-            let (cache, _) = template_file::load(dir, &p.fingerprint, &layout)?;
+            let loaded = template_file::load(dir, &p.fingerprint, &layout)?;
+            if loaded.kv_dtype != placed.template_dtype() {
+                // Exact one way (bf16 values are f32 values) and a rounding the device
+                // would have made the other way; either way the numbers differ from a
+                // template captured on this device, so say so.
+                tracing::warn!(
+                    "{}: template K/V stored in {:?}, this device keeps them in {:?};                      results may differ slightly from a template captured here",
+                    dir.display(),
+                    loaded.kv_dtype,
+                    placed.template_dtype()
+                );
+            }
+            let cache = loaded.cache;
             let block = 2 * p.vae_scale_factor();
             let tm =
                 TokenMask::from_pixels(&mask.data, image.height, image.width, block, a.dilation)?;
@@ -335,7 +347,7 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
         seed: c.seed,
         prompt: c.prompt.clone(),
     };
-    template_file::save(&a.out, &cache, &meta)?;
+    template_file::save(&a.out, &cache, &meta, placed.template_dtype())?;
     // Keep the original bytes re-encoded losslessly: edits read the image from here.
     write_png(&a.out.join("image.png"), &image, &mut t)?;
     write_png(&a.out.join("reconstruction.png"), &recon, &mut t)?;

@@ -9,6 +9,7 @@ mod devices;
 mod edit;
 mod footprint;
 mod forward;
+mod selftest;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -64,6 +65,10 @@ pub enum Command {
     /// Run the daemon: a supervisor that starts the router (HTTP API), preprocess,
     /// denoise, postprocess and cache processes, and restarts any that die.
     Serve(serve::ServeArgs),
+    /// Verify a GPU in one run: kernels and the transformer against their references,
+    /// the identity invariant, a daemon round trip on the device, and step and
+    /// attention benchmarks at FLUX.1 size; prints a table, exits nonzero on a failure.
+    Selftest(selftest::Args),
     /// One process of the daemon (started by `serve`; not for direct use).
     #[command(hide = true)]
     Worker(serve::WorkerArgs),
@@ -93,6 +98,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Devices => devices::run(),
         Command::Serve(a) => serve::run_serve(a, cli.threads),
         Command::BenchOverheads(a) => bench_overheads::run(a),
+        Command::Selftest(a) => selftest::run(a),
         Command::Worker(a) => serve::run_worker(a),
     }
 }

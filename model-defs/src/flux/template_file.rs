@@ -1,22 +1,31 @@
 //! Template caches on disk: a versioned header, a flat data file, and a checksum.
 //!
 //! A template directory holds `template.json` (format name and version, the model
-//! fingerprint, resolution, steps, guidance, the layout, and the CRC-32 of the data) and
-//! `cache.bin` (the flat image described by [`TemplateLayout`]: K|V slabs step-major,
-//! then the latents, little-endian f32). Loading refuses a file of another format
-//! version, another model, another resolution or schedule, or with a bad checksum, and
-//! says which; a silently wrong cache would produce silently wrong edits.
+//! fingerprint, resolution, steps, guidance, the layout, the K/V storage dtype and the
+//! CRC-32 of the data) and `cache.bin` (the flat image described by [`TemplateLayout`]:
+//! K|V slabs step-major in the storage dtype, then the latents in f32, little-endian).
+//! Loading refuses a file of another format version, another model, another
+//! resolution or schedule, a size that does not match its dtype, or a bad checksum,
+//! and says which; a silently wrong cache would produce silently wrong edits.
+//!
+//! The storage dtype is the capturing device's: bf16 for a GPU worker (half the bytes,
+//! and lossless, since the device computed the K/V in bf16), f32 for the CPU. Latents
+//! stay f32: the Euler update runs in f32, and they are a small share of a template.
+//! Version 1 files (before the dtype was recorded) are f32 and still load.
 
 use std::io::{BufWriter, Read, Write};
 use std::path::Path;
 
-use denoised_runtime::{DType, Error, Result, Tensor};
+use denoised_runtime::stored::encode;
+use denoised_runtime::{DType, Error, Result, Stored, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::template::{TemplateCache, TemplateLayout};
 
 pub const FORMAT: &str = "denoised-template";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
+/// Versions this build reads: 1 had no `kv_dtype` (always f32).
+const READS: [u32; 2] = [1, 2];
 const HEADER: &str = "template.json";
 const DATA: &str = "cache.bin";
 
@@ -44,8 +53,31 @@ struct Header {
     tokens: usize,
     hidden: usize,
     latent_channels: usize,
+    /// `f32` or `bf16`.
+    #[serde(default = "f32_name")]
+    kv_dtype: String,
     data_bytes: usize,
     crc32: u32,
+}
+
+fn f32_name() -> String {
+    "f32".into()
+}
+
+fn dtype_name(dt: DType) -> Result<&'static str> {
+    match dt {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        other => Err(Error::Invalid(format!(
+            "templates are stored in f32 or bf16, not {other:?}"
+        ))),
+    }
+}
+
+/// Bytes of the data file: K/V in `kv`, latents in f32.
+fn data_bytes(l: &TemplateLayout, kv: DType) -> usize {
+    l.steps * l.blocks * l.kv_slab_elems() * kv.size_bytes()
+        + l.steps * l.tokens * l.latent_channels * 4
 }
 
 fn bad(dir: &Path, reason: impl Into<String>) -> Error {
@@ -55,8 +87,9 @@ fn bad(dir: &Path, reason: impl Into<String>) -> Error {
     }
 }
 
-/// Writes `cache` with `meta` to `dir` (created if needed).
-pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta) -> Result<()> {
+/// Writes `cache` with `meta` to `dir` (created if needed), its K/V in `kv_dtype`.
+pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta, kv_dtype: DType) -> Result<()> {
+    let kv_name = dtype_name(kv_dtype)?;
     if !cache.is_complete() {
         return Err(Error::Invalid(
             "cannot save an incomplete template cache".into(),
@@ -68,18 +101,18 @@ pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta) -> Result<()
     let file = std::fs::File::create(&data_path).map_err(|e| Error::io(&data_path, e))?;
     let mut w = BufWriter::new(file);
     let mut crc = crc32fast::Hasher::new();
-    let mut put = |t: &Tensor| -> Result<()> {
-        let bytes: Vec<u8> = t.data().iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut put = |t: &Tensor, dt: DType| -> Result<()> {
+        let bytes = encode(t.data(), dt);
         crc.update(&bytes);
         w.write_all(&bytes).map_err(|e| Error::io(&data_path, e))
     };
     for s in 0..l.steps {
         for b in 0..l.blocks {
-            put(cache.kv(s, b)?)?;
+            put(cache.kv(s, b)?, kv_dtype)?;
         }
     }
     for s in 0..l.steps {
-        put(cache.latent(s)?)?;
+        put(cache.latent(s)?, DType::F32)?;
     }
     w.flush().map_err(|e| Error::io(&data_path, e))?;
     let header = Header {
@@ -91,7 +124,8 @@ pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta) -> Result<()
         tokens: l.tokens,
         hidden: l.hidden,
         latent_channels: l.latent_channels,
-        data_bytes: l.total_bytes(),
+        kv_dtype: kv_name.into(),
+        data_bytes: data_bytes(&l, kv_dtype),
         crc32: crc.finalize(),
     };
     let hp = dir.join(HEADER);
@@ -115,11 +149,11 @@ fn read_header(dir: &Path) -> Result<Header> {
             format!("format `{}`, expected `{FORMAT}`", h.format),
         ));
     }
-    if h.version != VERSION {
+    if !READS.contains(&h.version) {
         return Err(bad(
             &hp,
             format!(
-                "template format version {} is not supported (this build reads version {VERSION})",
+                "template format version {} is not supported (this build reads versions {READS:?})",
                 h.version
             ),
         ));
@@ -127,13 +161,27 @@ fn read_header(dir: &Path) -> Result<Header> {
     Ok(h)
 }
 
+/// A template read from disk: the cache (f32 in memory), what it was captured from,
+/// and the dtype its K/V were stored in.
+pub struct Loaded {
+    pub cache: TemplateCache,
+    pub meta: TemplateMeta,
+    pub kv_dtype: DType,
+}
+
 /// Loads a template and checks it was made by `model` with the layout `expected`.
-pub fn load(
-    dir: &Path,
-    model: &str,
-    expected: &TemplateLayout,
-) -> Result<(TemplateCache, TemplateMeta)> {
+pub fn load(dir: &Path, model: &str, expected: &TemplateLayout) -> Result<Loaded> {
     let h = read_header(dir)?;
+    let kv_dtype = match h.kv_dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        other => {
+            return Err(bad(
+                dir,
+                format!("K/V stored as `{other}`; this build reads f32 and bf16"),
+            ))
+        }
+    };
     if h.meta.model != model {
         return Err(bad(
             dir,
@@ -165,7 +213,7 @@ pub fn load(
     std::fs::File::open(&dp)
         .and_then(|mut f| f.read_to_end(&mut bytes))
         .map_err(|e| Error::io(&dp, e))?;
-    if bytes.len() != h.data_bytes || bytes.len() != got.total_bytes() {
+    if bytes.len() != h.data_bytes || bytes.len() != data_bytes(&got, kv_dtype) {
         return Err(bad(
             &dp,
             format!("{} bytes, the header says {}", bytes.len(), h.data_bytes),
@@ -181,28 +229,30 @@ pub fn load(
             ),
         ));
     }
-    let floats = |off: usize, n: usize| -> Vec<f32> {
-        bytes[off..off + 4 * n]
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-            .collect()
+    // The size matched the dtype above, so every read below is in bounds.
+    let mut at = 0;
+    let mut take = |n: usize, dt: DType| -> Result<Tensor> {
+        let len = n * dt.size_bytes();
+        let part = Stored::new("template", vec![n], dt, &bytes[at..at + len])?;
+        at += len;
+        part.to_f32()
     };
     let mut cache = TemplateCache::new(got);
     for s in 0..got.steps {
         for b in 0..got.blocks {
-            let t = Tensor::new(
-                [got.tokens, 2 * got.hidden],
-                floats(got.kv_offset(s, b), got.kv_slab_elems()),
-            )?;
-            cache.set_kv(s, b, t)?;
+            let t = take(got.kv_slab_elems(), kv_dtype)?;
+            cache.set_kv(s, b, t.reshape([got.tokens, 2 * got.hidden])?)?;
         }
-        let lat = Tensor::new(
-            [got.tokens, got.latent_channels],
-            floats(got.latent_offset(s), got.tokens * got.latent_channels),
-        )?;
-        cache.set_latent(s, lat)?;
     }
-    Ok((cache, h.meta))
+    for s in 0..got.steps {
+        let lat = take(got.tokens * got.latent_channels, DType::F32)?;
+        cache.set_latent(s, lat.reshape([got.tokens, got.latent_channels])?)?;
+    }
+    Ok(Loaded {
+        cache,
+        meta: h.meta,
+        kv_dtype,
+    })
 }
 
 #[cfg(test)]
@@ -236,20 +286,89 @@ mod tests {
     }
 
     #[test]
+    fn bf16_storage_halves_the_kv_and_keeps_latents_exact() {
+        let (mut c, meta) = sample();
+        // Latents that bf16 cannot hold exactly.
+        c.set_latent(1, Tensor::new([4, 64], vec![1.0 + 1e-6; 256]).unwrap())
+            .unwrap();
+        let l = *c.layout();
+        let (d32, d16) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        save(d32.path(), &c, &meta, DType::F32).unwrap();
+        save(d16.path(), &c, &meta, DType::BF16).unwrap();
+        let size = |d: &tempfile::TempDir| std::fs::metadata(d.path().join(DATA)).unwrap().len();
+        let (kv, lat) = (
+            (l.steps * l.blocks * l.kv_slab_elems()) as u64,
+            (l.steps * l.tokens * l.latent_channels) as u64,
+        );
+        assert_eq!(
+            (size(&d32), size(&d16)),
+            (4 * kv + 4 * lat, 2 * kv + 4 * lat)
+        );
+        let back = load(d16.path(), "m1", &l).unwrap();
+        assert_eq!(back.kv_dtype, DType::BF16);
+        let round = |t: &Tensor| -> Vec<f32> {
+            t.data()
+                .iter()
+                .map(|v| half::bf16::from_f32(*v).to_f32())
+                .collect()
+        };
+        assert_eq!(
+            back.cache.kv(1, 3).unwrap().data(),
+            &round(c.kv(1, 3).unwrap())[..]
+        );
+        assert_eq!(back.cache.latent(1).unwrap(), c.latent(1).unwrap());
+        assert_eq!(load(d32.path(), "m1", &l).unwrap().kv_dtype, DType::F32);
+
+        // A header whose dtype does not match the data's size is refused.
+        let hp = d16.path().join(HEADER);
+        let text = std::fs::read_to_string(&hp)
+            .unwrap()
+            .replace("\"kv_dtype\": \"bf16\"", "\"kv_dtype\": \"f32\"");
+        std::fs::write(&hp, text).unwrap();
+        let e = load(d16.path(), "m1", &l).err().unwrap().to_string();
+        assert!(e.contains("bytes, the header says"), "{e}");
+        assert!(save(d16.path(), &c, &meta, DType::F16).is_err());
+    }
+
+    #[test]
+    fn version_1_files_are_f32() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, meta) = sample();
+        save(dir.path(), &c, &meta, DType::F32).unwrap();
+        let hp = dir.path().join(HEADER);
+        let mut h: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&hp).unwrap()).unwrap();
+        h["version"] = 1.into();
+        h.as_object_mut().unwrap().remove("kv_dtype");
+        std::fs::write(&hp, h.to_string()).unwrap();
+        let back = load(dir.path(), "m1", c.layout()).unwrap();
+        assert_eq!(back.kv_dtype, DType::F32);
+        assert_eq!(back.cache.kv(1, 2).unwrap(), c.kv(1, 2).unwrap());
+    }
+
+    #[test]
     fn round_trip_and_rejections() {
         let dir = tempfile::tempdir().unwrap();
         let (c, meta) = sample();
-        save(dir.path(), &c, &meta).unwrap();
+        save(dir.path(), &c, &meta, DType::F32).unwrap();
         let l = *c.layout();
-        let (back, m) = load(dir.path(), "m1", &l).unwrap();
+        let Loaded {
+            cache: back,
+            meta: m,
+            ..
+        } = load(dir.path(), "m1", &l).unwrap();
         assert_eq!(m, meta);
         assert_eq!(back.kv(1, 3).unwrap(), c.kv(1, 3).unwrap());
         assert_eq!(back.latent(1).unwrap(), c.latent(1).unwrap());
 
-        let e = load(dir.path(), "other-model", &l).unwrap_err().to_string();
+        let e = load(dir.path(), "other-model", &l)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("other-model") && e.contains("m1"), "{e}");
         let e = load(dir.path(), "m1", &TemplateLayout { tokens: 16, ..l })
-            .unwrap_err()
+            .err()
+            .unwrap()
             .to_string();
         assert!(e.contains("16 tokens"), "{e}");
 
@@ -258,12 +377,13 @@ mod tests {
         let mut bytes = std::fs::read(&p).unwrap();
         bytes[100] ^= 1;
         std::fs::write(&p, &bytes).unwrap();
-        let e = load(dir.path(), "m1", &l).unwrap_err().to_string();
+        let e = load(dir.path(), "m1", &l).err().unwrap().to_string();
         assert!(e.contains("checksum mismatch"), "{e}");
         // Truncate it.
         std::fs::write(&p, &bytes[..100]).unwrap();
         assert!(load(dir.path(), "m1", &l)
-            .unwrap_err()
+            .err()
+            .unwrap()
             .to_string()
             .contains("100 bytes"));
 
@@ -271,10 +391,11 @@ mod tests {
         let hp = dir.path().join(HEADER);
         let text = std::fs::read_to_string(&hp)
             .unwrap()
-            .replace("\"version\": 1", "\"version\": 99");
+            .replace("\"version\": 2", "\"version\": 99");
         std::fs::write(&hp, text).unwrap();
         assert!(load(dir.path(), "m1", &l)
-            .unwrap_err()
+            .err()
+            .unwrap()
             .to_string()
             .contains("version 99"));
     }

@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use denoised_runtime::{Backend, Result, Tensor, WeightStore};
+use denoised_runtime::{Backend, Result, Stored, Tensor, WeightStore};
 use rayon::prelude::*;
 
 use super::config::{FluxConfig, TIME_PROJ_DIM};
@@ -152,7 +152,13 @@ pub fn param_specs(c: &FluxConfig) -> Vec<(String, Vec<usize>)> {
 /// Host tensors by name, from a directory or a generator. Every model's loader takes
 /// one, so the built-in (seeded) models and real checkpoints share one code path.
 pub trait Source {
+    /// `name` as an f32 host tensor (the CPU's compute dtype).
     fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
+    /// `name` in its stored dtype: borrowed from the mapped file for a checkpoint, so
+    /// a device backend can take it without an f32 copy (see `Backend::upload_stored`).
+    fn stored(&self, name: &str, shape: &[usize]) -> Result<Stored<'_>> {
+        Ok(Stored::from_tensor(name, &self.get(name, shape)?))
+    }
 }
 
 /// Wraps a source and counts the elements it hands out: how a loader learns the
@@ -175,17 +181,30 @@ impl<'a> Counting<'a> {
     }
 }
 
-impl Source for Counting<'_> {
-    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+impl Counting<'_> {
+    fn count(&self, shape: &[usize]) {
         self.elements
             .set(self.elements.get() + shape.iter().product::<usize>() as u64);
+    }
+}
+
+impl Source for Counting<'_> {
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.count(shape);
         self.inner.get(name, shape)
+    }
+    fn stored(&self, name: &str, shape: &[usize]) -> Result<Stored<'_>> {
+        self.count(shape);
+        self.inner.stored(name, shape)
     }
 }
 
 impl Source for WeightStore {
     fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         WeightStore::get(self, name, shape)
+    }
+    fn stored(&self, name: &str, shape: &[usize]) -> Result<Stored<'_>> {
+        WeightStore::stored(self, name, shape)
     }
 }
 
@@ -284,37 +303,26 @@ impl<B: Backend> FluxWeights<B> {
     fn build(backend: &B, c: &FluxConfig, src: &dyn Source) -> Result<Self> {
         let d = c.hidden();
         let hd = c.attention_head_dim;
-        let up = |t: Tensor| backend.upload(&t);
-        let raw_lin = |name: &str, o: usize, i: usize| -> Result<(Tensor, Tensor)> {
-            Ok((
-                src.get(&format!("{name}.weight"), &[o, i])?,
-                src.get(&format!("{name}.bias"), &[o])?,
-            ))
-        };
-        let lin = |name: &str, o: usize, i: usize| -> Result<Linear<B>> {
-            let (w, b) = raw_lin(name, o, i)?;
-            Ok(Linear {
-                w: backend.upload_weight(&w)?,
-                b: Some(up(b)?),
-            })
-        };
-        // Stacks Linears that read the same input into one `[sum(out), in]` Linear.
-        let fused = |names: &[(&str, usize)], i: usize| -> Result<Linear<B>> {
-            let mut w = Vec::new();
-            let mut b = Vec::new();
-            let mut o = 0;
-            for &(n, rows) in names {
-                let (wt, bt) = raw_lin(n, rows, i)?;
-                w.extend_from_slice(wt.data());
-                b.extend_from_slice(bt.data());
-                o += rows;
+        // Every tensor goes to the backend in its stored dtype (see
+        // `Backend::upload_stored`): a bf16 checkpoint reaches a bf16 device without
+        // an f32 host copy.
+        // Several names stack Linears that read the same input into one
+        // `[sum(out), in]` Linear (the fused projections).
+        let lin_parts = |names: &[(&str, usize)], i: usize| -> Result<Linear<B>> {
+            let (mut w, mut b) = (Vec::new(), Vec::new());
+            for &(n, o) in names {
+                w.push(src.stored(&format!("{n}.weight"), &[o, i])?);
+                b.push(src.stored(&format!("{n}.bias"), &[o])?);
             }
             Ok(Linear {
-                w: backend.upload_weight(&Tensor::new([o, i], w)?)?,
-                b: Some(up(Tensor::new([o], b)?)?),
+                w: backend.upload_weight_stored(&w)?,
+                b: Some(backend.upload_stored(&b)?),
             })
         };
-        let vecw = |name: &str| -> Result<B::Tensor> { up(src.get(name, &[hd])?) };
+        let lin = |name: &str, o: usize, i: usize| lin_parts(&[(name, o)], i);
+        let vecw = |name: &str| -> Result<B::Tensor> {
+            backend.upload_stored(&[src.stored(name, &[hd])?])
+        };
 
         let mut double = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
@@ -323,7 +331,7 @@ impl<B: Backend> FluxWeights<B> {
             double.push(DoubleBlock {
                 norm1: lin(&format!("{p}.norm1.linear"), 6 * d, d)?,
                 norm1_context: lin(&format!("{p}.norm1_context.linear"), 6 * d, d)?,
-                qkv: fused(
+                qkv: lin_parts(
                     &[
                         (&format!("{a}.to_q"), d),
                         (&format!("{a}.to_k"), d),
@@ -331,7 +339,7 @@ impl<B: Backend> FluxWeights<B> {
                     ],
                     d,
                 )?,
-                add_qkv: fused(
+                add_qkv: lin_parts(
                     &[
                         (&format!("{a}.add_q_proj"), d),
                         (&format!("{a}.add_k_proj"), d),
@@ -357,7 +365,7 @@ impl<B: Backend> FluxWeights<B> {
             let a = format!("{p}.attn");
             single.push(SingleBlock {
                 norm: lin(&format!("{p}.norm.linear"), 3 * d, d)?,
-                qkv_mlp: fused(
+                qkv_mlp: lin_parts(
                     &[
                         (&format!("{a}.to_k"), d),
                         (&format!("{a}.to_v"), d),

@@ -1,0 +1,580 @@
+//! Every GPU-backend op against the CPU backend (the numerical reference), as a list
+//! of [`Check`]s: run by the crate's tests on the emulator and on `cuda:0`, and by
+//! `denoised selftest` on whatever device an operator points it at.
+//!
+//! On the emulator the real kernel sources run on CPU threads, so this checks
+//! indexing, tiling, online softmax, fragment layouts and descriptors on machines
+//! without a GPU (CI).
+//!
+//! Tolerances, relative to the largest reference magnitude of each output:
+//! f32 mode 1e-5 (summation order only); bf16 mode 1.6e-2 (inputs are pre-rounded to
+//! bf16 for both sides, so what remains is bf16 rounding of outputs and intermediates:
+//! 2^-8 = 3.9e-3 per rounding, a few roundings deep).
+
+use std::ops::Range;
+
+use denoised_runtime::backend::{AttnSeq, Backend, KvSource, Modulation, QSpan, Rows, Src};
+use denoised_runtime::{CpuBackend, Result, Tensor};
+
+use crate::backend::dev;
+use crate::exec::{Dt, Exec, Grid};
+use crate::params::TimestepParams;
+use crate::GpuBackend;
+
+/// One line of a self-check report: what was compared, the figure measured, and the
+/// bound it must stay within.
+#[derive(Clone, Debug)]
+pub struct Check {
+    pub name: String,
+    pub measured: String,
+    pub bound: String,
+    pub pass: bool,
+}
+
+impl Check {
+    /// `value <= bound`, both shown in the report (NaN fails).
+    pub fn within(name: String, what: &str, value: f64, bound: f64) -> Check {
+        Check {
+            name,
+            measured: format!("{what} {}", figure(value)),
+            bound: format!("<= {}", figure(bound)),
+            pass: value <= bound,
+        }
+    }
+    /// A comparison that could not be made (wrong shape, non-finite output, an error).
+    pub fn fail(name: String, why: String) -> Check {
+        Check {
+            name,
+            measured: why,
+            bound: String::new(),
+            pass: false,
+        }
+    }
+}
+
+/// Counts as integers, everything else in scientific notation.
+fn figure(v: f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e9 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.2e}")
+    }
+}
+
+impl std::fmt::Display for Check {
+    /// One aligned report line.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let verdict = if self.pass { "ok" } else { "FAIL" };
+        write!(
+            f,
+            "{:<58} {:<40} {:<10} {verdict}",
+            self.name, self.measured, self.bound
+        )
+    }
+}
+
+/// Prints every check and panics naming the failed ones: how tests consume a report.
+pub fn assert_all_pass(checks: &[Check]) {
+    for c in checks {
+        println!("  {c}");
+    }
+    let failed: Vec<&str> = checks
+        .iter()
+        .filter(|c| !c.pass)
+        .map(|c| c.name.as_str())
+        .collect();
+    assert!(failed.is_empty(), "failed: {failed:?}");
+}
+
+/// Every kernel on `gpu`'s executor in both dtypes against the CPU backend. `make`
+/// opens the executor (one backend per dtype).
+pub fn kernels<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
+    let mut out = Vec::new();
+    let exec = make()?;
+    check_timestep(&mut out, &exec)?;
+    check_fused_ln_and_convert(&mut out, &exec)?;
+    for dt in [Dt::F32, Dt::Bf16] {
+        check_ops(&mut out, &GpuBackend::new(make()?, dt))?;
+    }
+    Ok(out)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    /// Values already representable in bf16, so both backends see the same inputs.
+    fn tensor(&mut self, shape: &[usize], scale: f32) -> Tensor {
+        let n = shape.iter().product();
+        let data = (0..n)
+            .map(|_| half::bf16::from_f32(self.next() * scale).to_f32())
+            .collect();
+        Tensor::new(shape.to_vec(), data).expect("shape matches")
+    }
+}
+
+fn tol(dt: Dt) -> f32 {
+    match dt {
+        Dt::F32 => 1e-5,
+        Dt::Bf16 => 1.6e-2,
+    }
+}
+
+fn close(out: &mut Vec<Check>, what: &str, dt: Dt, got: &Tensor, want: &Tensor) {
+    let name = format!("{what} ({dt:?})");
+    if got.shape() != want.shape() {
+        out.push(Check::fail(
+            name,
+            format!("shape {:?}, want {:?}", got.shape(), want.shape()),
+        ));
+        return;
+    }
+    let scale = want
+        .data()
+        .iter()
+        .fold(0f32, |m, v| m.max(v.abs()))
+        .max(1e-6);
+    let mut worst = (0f32, 0usize);
+    for (i, (g, w)) in got.data().iter().zip(want.data()).enumerate() {
+        let d = (g - w).abs();
+        if !d.is_finite() {
+            out.push(Check::fail(
+                name,
+                format!("non-finite at {i} (got {g}, want {w})"),
+            ));
+            return;
+        }
+        if d > worst.0 {
+            worst = (d, i);
+        }
+    }
+    out.push(Check::within(
+        name,
+        "max rel diff",
+        (worst.0 / scale) as f64,
+        tol(dt) as f64,
+    ));
+}
+
+fn modl<'a, T>(table: &'a T, chunk: usize, seg: &'a [u32]) -> Modulation<'a, T> {
+    Modulation { table, chunk, seg }
+}
+
+/// Runs every op on `gpu` and on the CPU backend with the same inputs.
+fn check_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
+    let cpu = CpuBackend::new();
+    let dt = gpu.dtype();
+    let mut rng = Rng(7);
+    let up = |t: &Tensor| gpu.upload(t);
+    let down = |t: &<GpuBackend<E> as Backend>::Tensor| gpu.download(t);
+
+    // linear over a column block, with bias
+    let x = rng.tensor(&[37, 40], 1.0);
+    let w = rng.tensor(&[24, 16], 0.3);
+    let b = rng.tensor(&[24], 0.5);
+    let want = cpu.linear_cols(&x, 8..24, &cpu.upload_weight(&w)?, Some(&b))?;
+    let got = gpu.linear_cols(&up(&x)?, 8..24, &gpu.upload_weight(&w)?, Some(&up(&b)?))?;
+    close(out, "linear_cols+bias", dt, &down(&got)?, &want);
+
+    // linear + GELU (the fused epilogue on a GPU; it must be the tanh approximation)
+    let x = rng.tensor(&[29, 16], 1.0);
+    let want = cpu.linear_gelu(&x, &cpu.upload_weight(&w)?, Some(&b))?;
+    let got = gpu.linear_gelu(&up(&x)?, &gpu.upload_weight(&w)?, Some(&up(&b)?))?;
+    close(out, "linear+bias+gelu_tanh", dt, &down(&got)?, &want);
+
+    // LayerNorm + modulation per segment
+    let x = rng.tensor(&[9, 96], 2.0);
+    let table = rng.tensor(&[3, 3 * 96], 0.5);
+    let seg: Vec<u32> = (0..9).map(|r| (r % 3) as u32).collect();
+    let want = cpu.layer_norm_modulate(&x, 1e-6, modl(&table, 0, &seg), modl(&table, 2, &seg))?;
+    let gt = up(&table)?;
+    let got = gpu.layer_norm_modulate(&up(&x)?, 1e-6, modl(&gt, 0, &seg), modl(&gt, 2, &seg))?;
+    close(out, "layer_norm_modulate", dt, &down(&got)?, &want);
+
+    // gated residual
+    let mut xc = rng.tensor(&[9, 96], 1.0);
+    let y = rng.tensor(&[9, 96], 1.0);
+    let mut xg = up(&xc)?;
+    cpu.gated_residual(&mut xc, &y, modl(&table, 1, &seg))?;
+    gpu.gated_residual(&mut xg, &up(&y)?, modl(&gt, 1, &seg))?;
+    close(out, "gated_residual", dt, &down(&xg)?, &xc);
+
+    // RMSNorm (+ RoPE) over a column block of heads
+    let wt = rng.tensor(&[32], 1.0);
+    let cos = rng.tensor(&[6, 32], 1.0);
+    let sin = rng.tensor(&[6, 32], 1.0);
+    for rope in [false, true] {
+        let mut xc = rng.tensor(&[6, 160], 3.0);
+        let mut xg = up(&xc)?;
+        let (gc, gs) = (up(&cos)?, up(&sin)?);
+        cpu.rms_norm_rope(&mut xc, 32..128, &wt, 1e-6, rope.then_some((&cos, &sin)))?;
+        gpu.rms_norm_rope(
+            &mut xg,
+            32..128,
+            &up(&wt)?,
+            1e-6,
+            rope.then_some((&gc, &gs)),
+        )?;
+        close(
+            out,
+            if rope { "rms_norm+rope" } else { "rms_norm" },
+            dt,
+            &down(&xg)?,
+            &xc,
+        );
+    }
+
+    // elementwise
+    let mut xc = rng.tensor(&[7, 50], 4.0);
+    let mut xg = up(&xc)?;
+    cpu.gelu_tanh(&mut xc, 10..45)?;
+    gpu.gelu_tanh(&mut xg, 10..45)?;
+    close(out, "gelu_tanh(cols)", dt, &down(&xg)?, &xc);
+    let want = cpu.silu(&xc)?;
+    close(out, "silu", dt, &down(&gpu.silu(&up(&xc)?)?)?, &want);
+    let y = rng.tensor(&[7, 50], 1.0);
+    let mut xg = up(&xc)?;
+    cpu.add(&mut xc, &y)?;
+    gpu.add(&mut xg, &up(&y)?)?;
+    close(out, "add", dt, &down(&xg)?, &xc);
+
+    // gathers
+    let a = rng.tensor(&[5, 12], 1.0);
+    let b2 = rng.tensor(&[4, 12], 1.0);
+    let index = [(1, 3), (0, 0), (0, 4), (1, 0), (1, 3)];
+    let want = cpu.gather_rows(&[&a, &b2], &index)?;
+    let got = gpu.gather_rows(&[&up(&a)?, &up(&b2)?], &index)?;
+    close(out, "gather_rows", dt, &down(&got)?, &want);
+    let want = cpu.gather_cols(&a, 1..4, 3..11)?;
+    close(
+        out,
+        "gather_cols",
+        dt,
+        &down(&gpu.gather_cols(&up(&a)?, 1..4, 3..11)?)?,
+        &want,
+    );
+
+    // attention: head dims 64 and 128 take the tensor-core kernel in bf16; 16 the
+    // SIMT one. Queries span two buffers; keys come from both (by range) and from an
+    // external "cache" by index, in two sequences of different lengths.
+    for (heads, hd) in [(2, 64), (1, 128), (3, 16)] {
+        check_attention(out, gpu, &cpu, &mut rng, heads, hd)?;
+    }
+    check_attention_many_caches(out, gpu, &cpu, &mut rng)
+}
+
+/// A batch of 12 edits of 12 different templates: 13 distinct buffers, more than one
+/// launch addresses, so the backend splits the sequences over launches.
+fn check_attention_many_caches<E: Exec>(
+    out: &mut Vec<Check>,
+    gpu: &GpuBackend<E>,
+    cpu: &CpuBackend,
+    rng: &mut Rng,
+) -> Result<()> {
+    let (heads, hd, n, rows) = (2, 64, 12, 4);
+    let w = heads * hd;
+    let t = rng.tensor(&[n * rows, 3 * w], 1.5);
+    let caches: Vec<Tensor> = (0..n).map(|i| rng.tensor(&[20 + i, 2 * w], 1.5)).collect();
+    let idx: Vec<Vec<u32>> = (0..n)
+        .map(|i| (0..(20 + i) as u32).step_by(2).collect())
+        .collect();
+    fn seqs<'a, T>(
+        caches: &'a [T],
+        idx: &'a [Vec<u32>],
+        rows: usize,
+        w: usize,
+    ) -> Vec<AttnSeq<'a, T>> {
+        caches
+            .iter()
+            .zip(idx)
+            .enumerate()
+            .map(|(i, (c, ix))| AttnSeq {
+                q: vec![QSpan {
+                    buf: 0,
+                    rows: i * rows..(i + 1) * rows,
+                }],
+                kv: vec![
+                    KvSource {
+                        src: Src::Own(0),
+                        k_col: w,
+                        v_col: 2 * w,
+                        rows: Rows::Range(i * rows..(i + 1) * rows),
+                    },
+                    KvSource {
+                        src: Src::Ext(c),
+                        k_col: 0,
+                        v_col: w,
+                        rows: Rows::Index(ix),
+                    },
+                ],
+            })
+            .collect()
+    }
+    let mut c = t.clone();
+    cpu.attention(&mut [&mut c], 0, w, heads, &seqs(&caches, &idx, rows, w))?;
+    let mut g = gpu.upload(&t)?;
+    let gc = caches
+        .iter()
+        .map(|c| gpu.upload(c))
+        .collect::<Result<Vec<_>>>()?;
+    gpu.attention(&mut [&mut g], 0, w, heads, &seqs(&gc, &idx, rows, w))?;
+    close(
+        out,
+        "attention, 12 caches in one call",
+        gpu.dtype(),
+        &gpu.download(&g)?,
+        &c,
+    );
+    Ok(())
+}
+
+fn check_attention<E: Exec>(
+    out: &mut Vec<Check>,
+    gpu: &GpuBackend<E>,
+    cpu: &CpuBackend,
+    rng: &mut Rng,
+    heads: usize,
+    hd: usize,
+) -> Result<()> {
+    let dt = gpu.dtype();
+    let w = heads * hd;
+    // buffers: [q | k | v] columns
+    let t0 = rng.tensor(&[11, 3 * w], 1.5);
+    let t1 = rng.tensor(&[83, 3 * w], 1.5);
+    let cache = rng.tensor(&[150, 2 * w], 1.5);
+    let idx_a: Vec<u32> = (0..150).step_by(3).map(|i| i as u32).collect();
+    let idx_b: Vec<u32> = (0..150).rev().step_by(7).map(|i| i as u32).collect();
+    fn seqs<'a, T>(cache: &'a T, ia: &'a [u32], ib: &'a [u32], w: usize) -> Vec<AttnSeq<'a, T>> {
+        let own = |buf, rows: Range<usize>| KvSource {
+            src: Src::Own(buf),
+            k_col: w,
+            v_col: 2 * w,
+            rows: Rows::Range(rows),
+        };
+        let ext = |idx| KvSource {
+            src: Src::Ext(cache),
+            k_col: 0,
+            v_col: w,
+            rows: Rows::Index(idx),
+        };
+        vec![
+            AttnSeq {
+                q: vec![
+                    QSpan { buf: 0, rows: 0..5 },
+                    QSpan {
+                        buf: 1,
+                        rows: 0..70,
+                    },
+                ],
+                kv: vec![own(0, 0..5), own(1, 0..70), ext(ia)],
+            },
+            AttnSeq {
+                q: vec![
+                    QSpan {
+                        buf: 0,
+                        rows: 5..11,
+                    },
+                    QSpan {
+                        buf: 1,
+                        rows: 70..83,
+                    },
+                ],
+                kv: vec![ext(ib), own(1, 70..83), own(0, 5..11)],
+            },
+        ]
+    }
+    let (mut c0, mut c1) = (t0.clone(), t1.clone());
+    cpu.attention(
+        &mut [&mut c0, &mut c1],
+        0,
+        w,
+        heads,
+        &seqs(&cache, &idx_a, &idx_b, w),
+    )?;
+    let (mut g0, mut g1, gc) = (gpu.upload(&t0)?, gpu.upload(&t1)?, gpu.upload(&cache)?);
+    gpu.attention(
+        &mut [&mut g0, &mut g1],
+        0,
+        w,
+        heads,
+        &seqs(&gc, &idx_a, &idx_b, w),
+    )?;
+    let name = format!("attention {heads}x{hd}");
+    close(
+        out,
+        &format!("{name}, buffer 0"),
+        dt,
+        &gpu.download(&g0)?,
+        &c0,
+    );
+    close(
+        out,
+        &format!("{name}, buffer 1"),
+        dt,
+        &gpu.download(&g1)?,
+        &c1,
+    );
+    Ok(())
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+fn mem_with<E: Exec>(exec: &E, bytes: &[u8]) -> Result<E::Mem> {
+    let m = exec.alloc(bytes.len()).map_err(dev)?;
+    exec.upload(&m, 0, bytes).map_err(dev)?;
+    Ok(m)
+}
+fn read_f32<E: Exec>(exec: &E, m: &E::Mem, n: usize) -> Result<Vec<f32>> {
+    let mut out = vec![0u8; 4 * n];
+    exec.download(m, 0, &mut out).map_err(dev)?;
+    Ok(out
+        .chunks_exact(4)
+        .map(|c| f32::from_ne_bytes(c.try_into().expect("4 bytes")))
+        .collect())
+}
+
+/// Kernel features the Backend does not use yet, launched directly: LayerNorm +
+/// modulation with fused row gather and scatter (f32), and the dtype conversions.
+fn check_fused_ln_and_convert<E: Exec>(out: &mut Vec<Check>, exec: &E) -> Result<()> {
+    use crate::params::{EwParams, LnModParams};
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(11);
+    let (rows_in, rows, width) = (10usize, 6usize, 40usize);
+    let x = rng.tensor(&[rows_in, width], 2.0);
+    let table = rng.tensor(&[2, 2 * width], 0.5);
+    let seg: Vec<u32> = vec![0, 1, 1, 0, 1, 0];
+    let in_index: Vec<u32> = vec![9, 0, 4, 4, 7, 2];
+    let out_index: Vec<u32> = vec![5, 3, 0, 7, 1, 2];
+    // Reference: gather, LN-modulate on the CPU backend, scatter.
+    let gathered = cpu.gather_rows(&[&x], &in_index.iter().map(|&r| (0, r)).collect::<Vec<_>>())?;
+    let ln = cpu.layer_norm_modulate(
+        &gathered,
+        1e-6,
+        modl(&table, 0, &seg),
+        modl(&table, 1, &seg),
+    )?;
+    let mut want = vec![7.0f32; 8 * width]; // rows nobody writes keep their value
+    for (r, &o) in out_index.iter().enumerate() {
+        want[o as usize * width..(o as usize + 1) * width].copy_from_slice(ln.row(r));
+    }
+    let u32_bytes = |v: &[u32]| v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>();
+    let (mx, mt) = (
+        mem_with(exec, &f32_bytes(x.data()))?,
+        mem_with(exec, &f32_bytes(table.data()))?,
+    );
+    let mo = mem_with(exec, &f32_bytes(&vec![7.0f32; 8 * width]))?;
+    let (ms, mi, mj) = (
+        mem_with(exec, &u32_bytes(&seg))?,
+        mem_with(exec, &u32_bytes(&in_index))?,
+        mem_with(exec, &u32_bytes(&out_index))?,
+    );
+    let p = LnModParams {
+        x: exec.addr(&mx),
+        out: exec.addr(&mo),
+        shift: exec.addr(&mt),
+        scale: exec.addr(&mt) + 4 * width as u64,
+        seg: exec.addr(&ms),
+        in_index: exec.addr(&mi),
+        out_index: exec.addr(&mj),
+        rows: rows as i32,
+        width: width as i32,
+        table_cols: 2 * width as i32,
+        eps: 1e-6,
+    };
+    exec.launch("ln_modulate_f32", Grid::linear(rows * 32, 128), &p)
+        .map_err(dev)?;
+    let got = Tensor::new([8, width], read_f32(exec, &mo, 8 * width)?)?;
+    close(
+        out,
+        "ln_modulate gather+scatter",
+        Dt::F32,
+        &got,
+        &Tensor::new([8, width], want)?,
+    );
+
+    // f32 -> bf16 -> f32 against the half crate (round to nearest even).
+    let v: Vec<f32> = (0..1000)
+        .map(|i| (i as f32 - 500.0) * 0.37e-3 * (1.0 + i as f32))
+        .collect();
+    let (ma, mb, mc) = (
+        mem_with(exec, &f32_bytes(&v))?,
+        exec.alloc(2 * v.len()).map_err(dev)?,
+        exec.alloc(4 * v.len()).map_err(dev)?,
+    );
+    let n = v.len() as i32;
+    let p1 = EwParams {
+        x: exec.addr(&ma),
+        y: exec.addr(&mb),
+        n,
+        ..Default::default()
+    };
+    exec.launch("convert_f32_bf16", Grid::linear(v.len(), 256), &p1)
+        .map_err(dev)?;
+    let p2 = EwParams {
+        x: exec.addr(&mb),
+        y: exec.addr(&mc),
+        n,
+        ..Default::default()
+    };
+    exec.launch("convert_bf16_f32", Grid::linear(v.len(), 256), &p2)
+        .map_err(dev)?;
+    let back = read_f32(exec, &mc, v.len())?;
+    let wrong = v
+        .iter()
+        .zip(&back)
+        .filter(|(a, b)| half::bf16::from_f32(**a).to_f32() != **b)
+        .count();
+    out.push(Check::within(
+        "convert f32->bf16->f32 (round to nearest even)".into(),
+        "values differing from the half crate",
+        wrong as f64,
+        0.0,
+    ));
+    Ok(())
+}
+
+/// The timestep kernel is not a Backend op (the model embeds on the host); it is
+/// checked here directly against f64 math.
+fn check_timestep<E: Exec>(out: &mut Vec<Check>, exec: &E) -> Result<()> {
+    let xs = [0.0f32, 1.0, 250.5, 999.0];
+    let freqs: Vec<f32> = (0..128)
+        .map(|k| (-(10000f64.ln()) * k as f64 / 128.0).exp() as f32)
+        .collect();
+    let mx = mem_with(exec, &f32_bytes(&xs))?;
+    let mf = mem_with(exec, &f32_bytes(&freqs))?;
+    let mo = exec.alloc(4 * 256 * 4).map_err(dev)?;
+    let p = TimestepParams {
+        xs: exec.addr(&mx),
+        freqs: exec.addr(&mf),
+        out: exec.addr(&mo),
+        n: 4,
+        half: 128,
+    };
+    exec.launch("timestep_embed_f32", Grid::linear(4 * 128, 128), &p)
+        .map_err(dev)?;
+    let got = read_f32(exec, &mo, 4 * 256)?;
+    let mut worst = 0f64;
+    for (b, &x) in xs.iter().enumerate() {
+        for (j, &f) in freqs.iter().enumerate() {
+            let a = (x * f) as f64;
+            let (c, s) = (got[b * 256 + j], got[b * 256 + 128 + j]);
+            worst = worst
+                .max((c as f64 - a.cos()).abs())
+                .max((s as f64 - a.sin()).abs());
+        }
+    }
+    // |arg| up to ~1000 rad: f32 sin/cos of the same f32 argument agree to ~1e-6.
+    out.push(Check::within(
+        "timestep_embed (F32)".into(),
+        "max abs diff from f64",
+        worst,
+        2e-5,
+    ));
+    Ok(())
+}
