@@ -8,6 +8,7 @@
 pub mod budget;
 pub mod denoise;
 pub mod device;
+pub mod fault;
 pub mod node;
 pub mod notify;
 pub mod overheads;

@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -99,6 +100,12 @@ pub struct WorkerEnv {
     pub device: String,
     /// Threads of this process's CPU compute pool.
     pub threads: usize,
+    /// How many times the supervisor restarted this process's slot (0: the first).
+    #[serde(default)]
+    pub incarnation: u32,
+    /// When the daemon (the supervisor) started, Unix seconds.
+    #[serde(default)]
+    pub started_unix: f64,
 }
 
 impl WorkerEnv {
@@ -162,6 +169,50 @@ pub async fn connect_router(
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Err(e) => return Err(format!("cannot reach the router node on port {port}: {e}")),
+        }
+    }
+}
+
+/// Connections to the router lost so far in this process: work that arrived in an
+/// earlier epoch was for a router that is gone, and nobody will release its results.
+static ROUTER_EPOCH: AtomicU64 = AtomicU64::new(0);
+
+pub fn router_epoch() -> u64 {
+    ROUTER_EPOCH.load(Ordering::SeqCst)
+}
+
+/// Keeps this worker connected to the router's node, forever. When the router process
+/// dies its session ends: this starts a new [`router_epoch`] and calls `lost` (which
+/// drops what the old router held), then reconnects once the supervisor has restarted
+/// the router on the same port, and calls `rejoined` (which announces the worker
+/// again). Group membership is exchanged on every new session, so the new router sees
+/// this worker's group at once. Workers connect only to the router (isolated mode), so
+/// an outgoing session is the router's.
+pub async fn stay_connected(
+    node: ActorRef<NodeServerMessage>,
+    port: u16,
+    mut lost: impl FnMut(),
+    mut rejoined: impl FnMut(),
+) {
+    let mut connected = true;
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let sessions = ractor::call_t!(node, NodeServerMessage::GetSessions, 1000);
+        let up = sessions.is_ok_and(|s| s.values().any(|s| !s.is_server));
+        if up {
+            connected = true;
+            continue;
+        }
+        if connected {
+            tracing::warn!("lost the router's node; reconnecting");
+            connected = false;
+            ROUTER_EPOCH.fetch_add(1, Ordering::SeqCst);
+            lost();
+        }
+        if connect_router(&node, port, Duration::ZERO).await.is_ok() {
+            tracing::info!("reconnected to the router's node");
+            connected = true;
+            rejoined();
         }
     }
 }
@@ -344,6 +395,16 @@ impl Shm {
             if let Err(e) = a.free(h) {
                 tracing::debug!("release: {e}");
             }
+        }
+    }
+
+    /// Frees every slice of this process's arena: what a router that is gone held, or
+    /// was about to be given (see [`stay_connected`]).
+    pub fn release_all(&self) {
+        match self.arena().free_all() {
+            Ok(0) => {}
+            Ok(n) => tracing::info!("released {n} slices the lost router held"),
+            Err(e) => tracing::error!("releasing the lost router's slices: {e}"),
         }
     }
 

@@ -16,7 +16,7 @@ use crate::device::{self, Placed};
 use crate::node::{self, Role, Shm, WorkerEnv};
 use crate::scheduler::SchedulerConfig;
 use crate::stages::Pipeline;
-use crate::wire::{groups, RouterMsg, Wire, WorkerInfo};
+use crate::wire::{groups, DenoiseMsg, RouterMsg, Wire, WorkerInfo};
 use crate::workers::{
     cache::CacheActor, postprocess::PostprocessActor, preprocess::PreprocessActor,
 };
@@ -119,6 +119,9 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
             env.index
         ));
     }
+    // Before any thread starts: a panic anywhere in this process ends it (crate::fault).
+    crate::fault::exit_on_panic(env.name());
+    let faults = crate::fault::Faults::from_env(role, env.incarnation)?;
     if role != Role::Router && role != Role::Cache {
         // Each CPU compute process takes its share of the cores (the supervisor
         // computed it), instead of every process assuming it has the machine.
@@ -193,12 +196,12 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
         let name = Some(env.name());
         let spawned = match (role, loaded) {
             (Role::Preprocess, Some(l)) => {
-                Actor::spawn(name, PreprocessActor::new(), (l.pipeline, shm))
+                Actor::spawn(name, PreprocessActor::new(), (l.pipeline, shm.clone()))
                     .await
                     .map(|(a, _)| (groups::PREPROCESS, a.get_cell()))
             }
             (Role::Postprocess, Some(l)) => {
-                Actor::spawn(name, PostprocessActor::new(), (l.pipeline, shm))
+                Actor::spawn(name, PostprocessActor::new(), (l.pipeline, shm.clone()))
                     .await
                     .map(|(a, _)| (groups::POSTPROCESS, a.get_cell()))
             }
@@ -226,14 +229,15 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                     DenoiseArgs {
                         pipeline,
                         stepper: placed.stepper,
-                        shm,
+                        shm: shm.clone(),
                         sched,
+                        faults,
                     },
                 )
                 .await
                 .map(|(a, _)| (groups::DENOISE, a.get_cell()))
             }
-            (Role::Cache, _) => Actor::spawn(name, CacheActor, shm)
+            (Role::Cache, _) => Actor::spawn(name, CacheActor, shm.clone())
                 .await
                 .map(|(a, _)| (groups::CACHE, a.get_cell())),
             _ => unreachable!("router handled above; pipelines loaded for compute roles"),
@@ -241,10 +245,28 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
         let (group, cell) = spawned.map_err(|e| e.to_string())?;
         // Announced before joining the group, so that a /readyz that counts this worker
         // as live has (almost always) its entry too.
-        announce(info).await;
-        node::register(group, cell);
+        announce(info.clone()).await;
+        node::register(group, cell.clone());
         tracing::info!("{} ready", env.name());
-        terminated().await;
+        // When the router is lost, what this worker lent it is freed: its slices (the
+        // cache's templates are not the router's, they stay) and a denoise worker's
+        // running requests.
+        let lost = move || {
+            if role != Role::Cache {
+                shm.release_all();
+            }
+            if role == Role::Denoise {
+                node::tell(&cell, DenoiseMsg::RouterLost(Wire(())));
+            }
+        };
+        let rejoined = move || {
+            tokio::spawn(announce(info.clone()));
+        };
+        let rejoin = node::stay_connected(node, env.router_port, lost, rejoined);
+        tokio::select! {
+            _ = terminated() => {}
+            _ = rejoin => {}
+        }
         Ok(())
     })
 }

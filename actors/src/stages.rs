@@ -59,7 +59,52 @@ fn input_error(e: denoised_runtime::Error) -> WireError {
     WireError::new(kind, msg)
 }
 
+/// Most boxes one request may give.
+pub const MAX_BOXES: usize = 1000;
+/// Most polygons one request may give.
+pub const MAX_POLYGONS: usize = 1000;
+/// Most polygon vertices one request may give, all polygons together. Rasterising
+/// costs O(pixels + rows crossed by edges), so this bounds its time: at 10,000 edges
+/// over 2048 rows, about 20 million crossings, a fraction of a second.
+pub const MAX_VERTICES: usize = 10_000;
+
+/// Checks a request's boxes and polygons against the limits above (and for finite
+/// coordinates), so that a hostile mask is refused before any work.
+pub fn check_shapes(spec: &MaskInput<'_>) -> Result<(), WireError> {
+    match spec {
+        MaskInput::Boxes(b) if b.len() > MAX_BOXES => Err(WireError::bad_input(format!(
+            "{} boxes; a mask may have at most {MAX_BOXES}",
+            b.len()
+        ))),
+        MaskInput::Polygons(p) => {
+            let vertices: usize = p.iter().map(Vec::len).sum();
+            if p.len() > MAX_POLYGONS {
+                return Err(WireError::bad_input(format!(
+                    "{} polygons; a mask may have at most {MAX_POLYGONS}",
+                    p.len()
+                )));
+            }
+            if vertices > MAX_VERTICES {
+                return Err(WireError::bad_input(format!(
+                    "{vertices} polygon vertices; a mask may have at most {MAX_VERTICES} in all"
+                )));
+            }
+            if p.iter().flatten().flatten().any(|v| !v.is_finite()) {
+                return Err(WireError::bad_input("polygon coordinates must be finite"));
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Rasterises boxes or polygons into a `width x height` mask.
+///
+/// A pixel is in a polygon when its centre is, by the even-odd rule (a polygon with
+/// holes or self-intersections follows it); the mask is the union of the polygons.
+/// Polygons are filled by scanline: for each row, the x-crossings of the edges that
+/// span the row's centre, then the spans between them. Each edge is visited only for
+/// the rows it crosses, so the cost is O(pixels + crossings), not O(pixels x vertices).
 pub fn rasterize(spec: &MaskInput<'_>, width: usize, height: usize) -> Mask {
     let mut data = vec![false; width * height];
     match spec {
@@ -75,14 +120,7 @@ pub fn rasterize(spec: &MaskInput<'_>, width: usize, height: usize) -> Mask {
         }
         MaskInput::Polygons(polys) => {
             for poly in polys.iter().filter(|p| p.len() >= 3) {
-                for row in 0..height {
-                    for col in 0..width {
-                        let (px, py) = (col as f32 + 0.5, row as f32 + 0.5);
-                        if inside(poly, px, py) {
-                            data[row * width + col] = true;
-                        }
-                    }
-                }
+                fill_polygon(poly, width, height, &mut data);
             }
         }
         MaskInput::Image(_) | MaskInput::Empty => {}
@@ -94,18 +132,62 @@ pub fn rasterize(spec: &MaskInput<'_>, width: usize, height: usize) -> Mask {
     }
 }
 
-/// Even-odd point-in-polygon test.
-fn inside(poly: &[[f32; 2]], x: f32, y: f32) -> bool {
-    let mut c = false;
-    let mut j = poly.len() - 1;
-    for i in 0..poly.len() {
-        let ([xi, yi], [xj, yj]) = (poly[i], poly[j]);
-        if (yi > y) != (yj > y) && x < (xj - xi) * (y - yi) / (yj - yi) + xi {
-            c = !c;
+/// Scanline fill of one polygon (even-odd, pixel centres) into `data`.
+fn fill_polygon(poly: &[[f32; 2]], width: usize, height: usize, data: &mut [bool]) {
+    // Each edge with the rows whose centre it may cross (a row more on each side, so
+    // float rounding never drops one; the exact test below decides).
+    let mut edges: Vec<(usize, usize, [f32; 2], [f32; 2])> = (0..poly.len())
+        .filter_map(|i| {
+            let (a, b) = (poly[i], poly[(i + poly.len() - 1) % poly.len()]);
+            let (lo, hi) = (a[1].min(b[1]), a[1].max(b[1]));
+            if hi < 0.0 || lo > height as f32 || lo == hi {
+                return None;
+            }
+            let r0 = (lo - 1.5).max(0.0) as usize;
+            let r1 = ((hi + 1.5).max(0.0) as usize).min(height);
+            Some((r0, r1, a, b))
+        })
+        .collect();
+    edges.sort_unstable_by_key(|e| e.0);
+    let mut next = 0;
+    let mut active: Vec<(usize, usize, [f32; 2], [f32; 2])> = Vec::new();
+    let mut xs: Vec<f32> = Vec::new();
+    for row in 0..height {
+        while next < edges.len() && edges[next].0 <= row {
+            active.push(edges[next]);
+            next += 1;
         }
-        j = i;
+        active.retain(|e| e.1 > row);
+        if active.is_empty() {
+            if next == edges.len() {
+                break;
+            }
+            continue;
+        }
+        let y = row as f32 + 0.5;
+        xs.clear();
+        // The same predicate and arithmetic as the point-in-polygon test, so the
+        // result equals it pixel for pixel.
+        for &(_, _, [xi, yi], [xj, yj]) in &active {
+            if (yi > y) != (yj > y) {
+                xs.push((xj - xi) * (y - yi) / (yj - yi) + xi);
+            }
+        }
+        xs.sort_unstable_by(f32::total_cmp);
+        // A centre px is inside when an odd number of crossings lie right of it
+        // (px < x), i.e. between consecutive crossings counted from the right.
+        let line = &mut data[row * width..(row + 1) * width];
+        let mut k = 0; // crossings with x <= px
+        for (col, px) in line.iter_mut().enumerate() {
+            let px_f = col as f32 + 0.5;
+            while k < xs.len() && xs[k] <= px_f {
+                k += 1;
+            }
+            if (xs.len() - k) % 2 == 1 {
+                *px = true;
+            }
+        }
     }
-    c
 }
 
 /// Preparation of one request, as `denoised edit` / `template capture` do it.
@@ -123,7 +205,10 @@ pub fn prepare(
     let (w, h) = (image.width, image.height);
     let mask = match mask {
         MaskInput::Image(b) => decode_mask(b, w, h, &limits).map_err(input_error)?,
-        other => rasterize(&other, w, h),
+        other => {
+            check_shapes(&other)?;
+            rasterize(&other, w, h)
+        }
     };
     let opts = EditOptions {
         steps: params.steps as usize,
@@ -215,6 +300,83 @@ pub fn rgb_from_bytes(b: Vec<u8>, width: usize, height: usize) -> Result<Rgb8, W
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// Even-odd point-in-polygon test: the reference the scanline fill must equal.
+    fn inside(poly: &[[f32; 2]], x: f32, y: f32) -> bool {
+        let mut c = false;
+        let mut j = poly.len() - 1;
+        for i in 0..poly.len() {
+            let ([xi, yi], [xj, yj]) = (poly[i], poly[j]);
+            if (yi > y) != (yj > y) && x < (xj - xi) * (y - yi) / (yj - yi) + xi {
+                c = !c;
+            }
+            j = i;
+        }
+        c
+    }
+
+    fn brute(polys: &[Vec<[f32; 2]>], w: usize, h: usize) -> Vec<bool> {
+        let mut out = vec![false; w * h];
+        for p in polys.iter().filter(|p| p.len() >= 3) {
+            for row in 0..h {
+                for col in 0..w {
+                    if inside(p, col as f32 + 0.5, row as f32 + 0.5) {
+                        out[row * w + col] = true;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    proptest! {
+        /// Random polygons (self-intersecting, partly outside the image, vertices on
+        /// pixel centres and edges) fill exactly as the per-pixel test.
+        #[test]
+        fn scanline_fill_equals_the_point_in_polygon_test(
+            w in 1usize..24, h in 1usize..24,
+            polys in prop::collection::vec(
+                prop::collection::vec((-4i32..60, -4i32..60), 0..9), 1..4),
+        ) {
+            // Half-pixel coordinates hit centres and boundaries exactly.
+            let polys: Vec<Vec<[f32; 2]>> = polys
+                .iter()
+                .map(|p| p.iter().map(|&(x, y)| [x as f32 / 2.0, y as f32 / 2.0]).collect())
+                .collect();
+            let m = rasterize(&MaskInput::Polygons(&polys), w, h);
+            prop_assert_eq!(m.data, brute(&polys, w, h));
+        }
+    }
+
+    #[test]
+    fn hostile_shapes_are_refused_before_any_work() {
+        let many = vec![vec![[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]]; MAX_POLYGONS + 1];
+        let huge = vec![(0..1_000_000).map(|i| [i as f32, (i % 7) as f32]).collect()];
+        let boxes = vec![[0, 0, 1, 1]; MAX_BOXES + 1];
+        let nan = vec![vec![[0.0, 0.0], [f32::NAN, 0.0], [0.0, 1.0]]];
+        for spec in [
+            MaskInput::Polygons(&many),
+            MaskInput::Polygons(&huge),
+            MaskInput::Boxes(&boxes),
+            MaskInput::Polygons(&nan),
+        ] {
+            let e = check_shapes(&spec).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::BadInput, "{e:?}");
+        }
+        // At the limit, the worst case (every edge crossing every row) stays fast.
+        let zigzag: Vec<[f32; 2]> = (0..MAX_VERTICES)
+            .map(|i| [i as f32 * 0.2, if i % 2 == 0 { 0.0 } else { 2048.0 }])
+            .collect();
+        let polys = vec![zigzag];
+        check_shapes(&MaskInput::Polygons(&polys)).unwrap();
+        let t0 = std::time::Instant::now();
+        let m = rasterize(&MaskInput::Polygons(&polys), 2048, 2048);
+        let secs = t0.elapsed().as_secs_f64();
+        assert!(m.data.iter().any(|&b| b));
+        assert!(secs < 5.0, "rasterising took {secs:.2} s");
+        eprintln!("worst-case polygon at the limits, 2048x2048: {secs:.3} s");
+    }
 
     #[test]
     fn boxes_and_polygons_rasterize_like_brute_force() {

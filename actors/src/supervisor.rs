@@ -29,6 +29,8 @@ struct Worker {
     child: Child,
     started: Instant,
     restarts: u32,
+    /// Processes started in this slot so far, the first one included.
+    started_count: u32,
     /// Still the process started with the daemon (never restarted).
     first: bool,
 }
@@ -52,6 +54,22 @@ fn random_token() -> String {
 fn free_port() -> Result<u16, String> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     Ok(l.local_addr().map_err(|e| e.to_string())?.port())
+}
+
+/// `listen` with port 0 replaced by a free port: a restarted router must listen where
+/// the first one did.
+fn fixed_port(listen: &str) -> Result<String, String> {
+    let addr: std::net::SocketAddr = match listen.parse() {
+        Ok(a) => a,
+        // A host name: resolved by the router itself.
+        Err(_) => return Ok(listen.to_string()),
+    };
+    if addr.port() != 0 {
+        return Ok(listen.to_string());
+    }
+    let l =
+        std::net::TcpListener::bind(addr).map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    Ok(l.local_addr().map_err(|e| e.to_string())?.to_string())
 }
 
 /// Removes arenas of dead owners in every namespace under `dir`.
@@ -115,13 +133,14 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
         0 => free_port()?,
         p => p,
     };
-    let listen = listen.unwrap_or_else(|| config.server.listen.clone());
+    let listen = fixed_port(&listen.unwrap_or_else(|| config.server.listen.clone()))?;
+    let started_unix = crate::denoise::actor::unix_now();
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
     }
-    let spawn = |role: Role, index: usize| -> Result<Child, String> {
+    let spawn = |role: Role, index: usize, incarnation: u32| -> Result<Child, String> {
         let env = WorkerEnv {
             config: config.clone(),
             role,
@@ -135,6 +154,8 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
                 _ => "cpu".into(),
             },
             threads: placement.threads,
+            incarnation,
+            started_unix,
         };
         let mut cmd = Command::new(&exe);
         cmd.args([
@@ -168,9 +189,10 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
             workers.push(Worker {
                 role,
                 index,
-                child: spawn(role, index)?,
+                child: spawn(role, index, 0)?,
                 started: Instant::now(),
                 restarts: 0,
+                started_count: 1,
                 first: true,
             });
         }
@@ -218,10 +240,11 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
             } else {
                 w.restarts = 0;
             }
-            match spawn(w.role, w.index) {
+            match spawn(w.role, w.index, w.started_count) {
                 Ok(c) => {
                     w.child = c;
                     w.started = Instant::now();
+                    w.started_count += 1;
                 }
                 Err(e) => tracing::error!("{e}"),
             }

@@ -59,6 +59,9 @@ pub enum ErrorKind {
     NotFound,
     /// The request was cancelled (409 for a waiting client).
     Cancelled,
+    /// The request conflicts with the current state, e.g. a template id that is
+    /// taken (409).
+    Conflict,
     /// A worker process went away while it held the request; the router retries.
     WorkerLost,
     /// A bug or a resource problem on our side (500).
@@ -174,6 +177,15 @@ pub struct Prepared {
     pub pixel_ratio: f64,
     pub prompt_truncated: bool,
     pub seconds: f64,
+}
+
+impl Prepared {
+    /// The slices of the preprocess worker's arena this reply lends to the router.
+    pub fn handles(&self) -> Vec<Handle> {
+        let mut h = self.inputs.all();
+        h.extend([self.image.clone(), self.mask.clone()]);
+        h
+    }
 }
 
 /// A template's cache as the cache actor holds it: the flat f32 image of
@@ -320,6 +332,8 @@ pub struct PutTemplate {
     pub info: TemplateInfo,
     pub blob: Handle,
     pub image: Handle,
+    /// Replace a template of the same id; without it that id is a conflict.
+    pub replace: bool,
 }
 
 /// A template as the cache actor holds it.
@@ -416,6 +430,9 @@ pub enum DenoiseMsg {
     /// From the worker's own event thread: a request left the loop (finished, failed or
     /// cancelled). Serializable only because every variant must be.
     Done(Wire<(JobId, Result<Denoised, WireError>)>),
+    /// From the worker's own process: the router's connection was lost, so the
+    /// requests it sent are dropped (see `node::stay_connected`).
+    RouterLost(Wire<()>),
 }
 
 // The derive needs the payload types as they are (no boxing), and a message is

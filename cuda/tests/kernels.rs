@@ -27,7 +27,9 @@ fn param_structs_match_cpp() {
 #[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
 fn emulated_kernels_match_cpu() {
     let checks = kernels(|| Ok(EmuExec::default())).unwrap();
-    assert!(checks.len() >= 40, "only {} checks ran", checks.len());
+    // 18 op checks per dtype, the fused LayerNorm (2) and the timestep embedding: a
+    // check that stops running shows here.
+    assert!(checks.len() >= 39, "only {} checks ran", checks.len());
     assert_all_pass(&checks);
 }
 

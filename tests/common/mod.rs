@@ -48,10 +48,16 @@ pub struct Daemon {
 
 impl Daemon {
     pub fn start(args: &[&str]) -> Daemon {
+        Self::start_with_env(args, &[])
+    }
+
+    /// [`Daemon::start`] with extra environment variables (e.g. `DENOISED_FAULT`).
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Daemon {
         let mut child = Command::new(env!("CARGO_BIN_EXE_denoised"))
             .args(["serve", "--listen", "127.0.0.1:0"])
             .args(args)
             .env("DENOISED_LOG", "warn")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();

@@ -48,13 +48,17 @@ pub struct DenoiseArgs {
     pub stepper: Box<dyn Stepper>,
     pub shm: Arc<Shm>,
     pub sched: SchedulerConfig,
+    /// Faults to inject (tests and drills; none when serving).
+    pub faults: crate::fault::Faults,
 }
 
 pub struct DenoiseState {
     lp: DenoiseLoop,
     pipeline: Arc<Pipeline>,
     shm: Arc<Shm>,
-    pending: HashMap<JobId, (Reply<Denoised>, f64)>,
+    /// Requests in the loop: where to answer, when they arrived, and the router epoch
+    /// they arrived in (`node::router_epoch`).
+    pending: HashMap<JobId, (Reply<Denoised>, f64, u64)>,
     inline: InlineJobs,
     templates: VecDeque<(Handle, Arc<TemplateCache>)>,
 }
@@ -76,7 +80,11 @@ impl Actor for DenoiseActor {
         myself: ActorRef<Self::Msg>,
         a: Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
-        let lp = DenoiseLoop::spawn(a.stepper, a.sched, LoopOptions::default())?;
+        let options = LoopOptions {
+            panic_at_step: a.faults.panic_at_step,
+            ..LoopOptions::default()
+        };
+        let lp = DenoiseLoop::spawn(a.stepper, a.sched, options)?;
         let inline: InlineJobs = Arc::new(Mutex::new(HashMap::new()));
         let events = lp.events().clone();
         let ctx = EventCtx {
@@ -110,7 +118,8 @@ impl Actor for DenoiseActor {
                 let job = req.job;
                 match st.request(&req) {
                     Ok(r) => {
-                        st.pending.insert(job, (reply, unix_now()));
+                        st.pending
+                            .insert(job, (reply, unix_now(), node::router_epoch()));
                         st.lp.submit(r);
                     }
                     Err(e) => {
@@ -142,12 +151,28 @@ impl Actor for DenoiseActor {
             DenoiseMsg::Cancel(Wire(job)) => st.lp.cancel(job),
             DenoiseMsg::Release(Wire(handles)) => st.shm.release(&handles),
             DenoiseMsg::Done(Wire((job, result))) => {
-                if let Some((reply, arrived)) = st.pending.remove(&job) {
+                if let Some((reply, arrived, epoch)) = st.pending.remove(&job) {
+                    if epoch != node::router_epoch() {
+                        // For a router that is gone: nobody would release the result.
+                        if let Ok(d) = &result {
+                            let mut h = vec![d.latents.clone()];
+                            h.extend(d.cache.clone());
+                            st.shm.release(&h);
+                        }
+                        return Ok(());
+                    }
                     let result = result.map(|mut d| {
                         d.stats.queue_s = (d.stats.first_step_unix - arrived).max(0.0);
                         d
                     });
                     let _ = reply.send(Wire(result));
+                }
+            }
+            DenoiseMsg::RouterLost(_) => {
+                // Stop computing for the lost router; the cancellations come back as
+                // `Done` and are dropped there.
+                for job in st.pending.keys() {
+                    st.lp.cancel(*job);
                 }
             }
         }

@@ -8,8 +8,9 @@
 //! requests join the running batch at the next step; finished ones leave at once
 //! (continuous batching, [`crate::scheduler`]); `Batching::Static` is the baseline.
 //!
-//! A step that fails (a broken invariant, an error from the backend) fails the requests
-//! in that batch with the error, and the loop goes on serving the others.
+//! A batched step that fails (a broken invariant, an error from the backend) is run
+//! again for each of its requests alone; those that fail alone get the error, the
+//! others go on, and so does the loop. A device fault ends the process instead.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -117,6 +118,9 @@ pub struct LoopOptions {
     /// reads the commands that arrived), so a test can interleave submissions and
     /// cancellations with steps deterministically. Serving leaves it unset.
     pub step_gate: Option<Receiver<()>>,
+    /// Fault injection (`DENOISED_FAULT`, see [`crate::fault`]): the loop thread panics
+    /// before the step with this number.
+    pub panic_at_step: Option<u64>,
 }
 
 impl DenoiseLoop {
@@ -261,34 +265,29 @@ fn run(
         if plan.is_empty() {
             continue;
         }
+        if options.panic_at_step == Some(plan.step()) {
+            panic!("fault injection: panic at step {}", plan.step());
+        }
         // Take the plan's jobs out of the map for the step (the map keeps the rest).
         let mut batch: Vec<(RequestId, Job)> = plan
             .ids()
             .iter()
             .filter_map(|id| st.jobs.remove(id).map(|j| (*id, j)))
             .collect();
+        // Where each job was before the step: after a failure, those that did not
+        // advance are retried alone.
+        let before: Vec<usize> = batch.iter().map(|(_, j)| j.step()).collect();
         let result = {
             let mut refs: Vec<&mut Job> = batch.iter_mut().map(|(_, j)| j).collect();
             assembly_seconds = t0.elapsed().as_secs_f64();
             model.step(&mut refs)
         };
         if let Err(e) = result {
-            if model.is_fatal(&e) {
-                // The device is gone for this process (a sticky CUDA error). Exit
-                // without answering: the router sees the worker lost and retries its
-                // requests on the restarted worker, as after a kill.
-                tracing::error!("device fault, the worker exits to be restarted: {e}");
-                std::process::exit(EXIT_DEVICE_FAULT);
-            }
-            tracing::error!("denoise step failed: {e}");
-            for (id, _) in batch {
+            for (id, error) in isolate(&mut *model, &mut batch, &before, e) {
                 st.sched.cancel(id);
-                let _ = st.tx.send(Event::Failed {
-                    id,
-                    error: e.to_string(),
-                });
+                batch.retain(|(b, _)| *b != id);
+                let _ = st.tx.send(Event::Failed { id, error });
             }
-            continue;
         }
         let finished = st.sched.complete_step(&plan);
         let seconds = t0.elapsed().as_secs_f64();
@@ -315,6 +314,51 @@ fn run(
             assembly_seconds,
         });
     }
+}
+
+/// After a batched step failed with `error`: runs the step again for each request
+/// alone, so that one bad request cannot fail its batch-mates, and returns those that
+/// fail alone (the whole batch if it was one request). A job that did advance before
+/// the error is not run twice. A device fault ends the process (see [`device_fault`]).
+fn isolate(
+    model: &mut dyn Stepper,
+    batch: &mut [(RequestId, Job)],
+    before: &[usize],
+    error: denoised_runtime::Error,
+) -> Vec<(RequestId, String)> {
+    if model.is_fatal(&error) {
+        device_fault(&error);
+    }
+    if let [(id, _)] = batch {
+        tracing::warn!("denoise step of request {id:x} failed: {error}");
+        return vec![(*id, error.to_string())];
+    }
+    tracing::warn!(
+        "a batched step of {} requests failed ({error}); retrying each alone",
+        batch.len()
+    );
+    let mut failed = Vec::new();
+    for ((id, job), &step) in batch.iter_mut().zip(before) {
+        if job.step() != step {
+            continue;
+        }
+        if let Err(e) = model.step(&mut [job]) {
+            if model.is_fatal(&e) {
+                device_fault(&e);
+            }
+            tracing::warn!("denoise step of request {id:x} failed: {e}");
+            failed.push((*id, e.to_string()));
+        }
+    }
+    failed
+}
+
+/// The device is gone for this process (a sticky CUDA error). Exit without answering:
+/// the router sees the worker lost and retries its requests on the restarted worker,
+/// as after a kill.
+fn device_fault(e: &denoised_runtime::Error) -> ! {
+    tracing::error!("device fault, the worker exits to be restarted: {e}");
+    std::process::exit(EXIT_DEVICE_FAULT);
 }
 
 #[cfg(test)]

@@ -62,6 +62,7 @@ fn gated(mode: Batching) -> (DenoiseLoop, Sender<()>) {
         cfg,
         LoopOptions {
             step_gate: Some(gate_rx),
+            ..LoopOptions::default()
         },
     )
     .unwrap();
@@ -236,4 +237,54 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
     let rel =
         edited.max_abs_diff(&fin).unwrap() / fin.data().iter().fold(0.0f32, |a, v| a.max(v.abs()));
     assert!(rel <= 1e-5, "{rel:e}");
+}
+
+#[test]
+fn a_request_whose_step_fails_does_not_fail_its_batch_mates() {
+    let (lp, gate) = gated(Batching::Continuous);
+    // An edit against a template that was never filled passes admission but fails in
+    // the forward, taking the batched step down with it.
+    let layout = TemplateLayout::for_model(&FluxConfig::tiny(), SIDE * SIDE, 3, DType::F32);
+    let bad = DenoiseRequest {
+        id: 2,
+        inputs: inputs(2),
+        schedule: schedule(3),
+        work: Work::Edit {
+            mask: Arc::new(TokenMask::random_blobs(SIDE, SIDE, 9, 1)),
+            cache: Arc::new(TemplateCache::new(layout)),
+        },
+    };
+    lp.submit(full(1, 1, 3));
+    lp.submit(bad);
+    let (mut failed, mut done, mut batches) = (vec![], HashMap::new(), vec![]);
+    while done.is_empty() {
+        gate.send(()).unwrap();
+        loop {
+            match next(&lp) {
+                Event::Step { batch, .. } => {
+                    batches.push(batch);
+                    break;
+                }
+                Event::Failed { id, error } => failed.push((id, error)),
+                Event::Finished { id, latents, .. } => {
+                    done.insert(id, latents);
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+    assert_eq!(batches[0], vec![1, 2], "both ran in one batch: {batches:?}");
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed[0].0, 2);
+    assert!(failed[0].1.contains("incomplete template"), "{failed:?}");
+    // The good request finished, at the same step it would have, with its solo result.
+    assert_eq!(batches.len(), 3, "{batches:?}");
+    let solo = run(
+        &model(),
+        Job::new(inputs(1), schedule(3), Mode::Full).unwrap(),
+    )
+    .unwrap();
+    let rel = done[&1].max_abs_diff(&solo).unwrap()
+        / solo.data().iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    assert!(rel <= 1e-6, "{rel:e}");
 }

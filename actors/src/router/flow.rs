@@ -33,6 +33,9 @@ pub struct Ctx {
     /// Fingerprint of the served model (recorded in template descriptions).
     pub model: String,
     next_job: AtomicU64,
+    /// Ids an earlier router of this daemon gave out, when this one is a restart: their
+    /// jobs died with it, and `GET /v1/jobs/{id}` says so instead of "unknown".
+    pub lost_jobs: Option<std::ops::Range<JobId>>,
     rr: [AtomicUsize; 3],
     /// What each worker process loaded, as it announced itself (by process name; a
     /// restarted process replaces its entry).
@@ -40,15 +43,26 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    pub fn new(config: Config, shm: Shm, jobs: Jobs, model: String) -> Ctx {
-        // Job ids start from the clock so that ids of a restarted router do not repeat.
-        let seed = (unix_now() * 1e6) as u64;
+    /// `restart_of`: when this router replaces one that died, the daemon's start time
+    /// (Unix seconds).
+    pub fn new(
+        config: Config,
+        shm: Shm,
+        jobs: Jobs,
+        model: String,
+        restart_of: Option<f64>,
+    ) -> Ctx {
+        // Job ids start from the clock (microseconds, shifted), so that ids of a
+        // restarted router do not repeat and those of its predecessors are recognised.
+        let id_at = |unix: f64| ((unix * 1e6) as u64) << 8;
+        let first = id_at(unix_now());
         Ctx {
             config,
             shm,
             jobs,
             model,
-            next_job: AtomicU64::new(seed << 8),
+            next_job: AtomicU64::new(first),
+            lost_jobs: restart_of.map(|t| id_at(t)..first),
             rr: Default::default(),
             processes: Default::default(),
         }
@@ -176,6 +190,18 @@ pub struct TemplateInput {
     pub guidance: f32,
     pub seed: u64,
     pub max_sequence_length: u32,
+    /// Replace a template of the same id instead of refusing (409).
+    pub replace: bool,
+}
+
+/// The error of registering an id that is taken.
+pub fn exists(id: &str) -> WireError {
+    WireError::new(
+        ErrorKind::Conflict,
+        format!(
+            "template `{id}` already exists; DELETE it first, or register with \"replace\": true"
+        ),
+    )
 }
 
 /// Handles a request holds, by owner; released when the request is done.
@@ -250,9 +276,7 @@ async fn preprocess(
     ctx.jobs.stage(job, Status::Preprocessing, None);
     let pre = ctx.pick(groups::PREPROCESS, 0).await?;
     let prepared = node::ask(&pre, |p| PreprocessMsg::Prepare(Wire(prepare), p)).await?;
-    let mut handles = prepared.inputs.all();
-    handles.extend([prepared.image.clone(), prepared.mask.clone()]);
-    held.pre.push((pre, handles));
+    held.pre.push((pre, prepared.handles()));
     check_cancel(ctx, job).await?;
     Ok(prepared)
 }
@@ -550,7 +574,12 @@ async fn capture_once(
         created_unix: unix_now(),
     };
     let cache = ctx.cache().await?;
-    let put = PutTemplate { info, blob, image };
+    let put = PutTemplate {
+        info,
+        blob,
+        image,
+        replace: input.replace,
+    };
     let entry = node::ask(&cache, |p| CacheMsg::Put(Wire(put), p)).await?;
     Ok(entry.info)
 }

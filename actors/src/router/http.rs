@@ -52,6 +52,7 @@ impl From<WireError> for ApiError {
             ErrorKind::TooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
             ErrorKind::NotFound => (StatusCode::NOT_FOUND, "not_found"),
             ErrorKind::Cancelled => (StatusCode::CONFLICT, "cancelled"),
+            ErrorKind::Conflict => (StatusCode::CONFLICT, "conflict"),
             ErrorKind::WorkerLost | ErrorKind::Unavailable => {
                 (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
             }
@@ -268,6 +269,9 @@ struct TemplateBody {
     max_sequence_length: u32,
     #[serde(default, rename = "async")]
     run_async: bool,
+    /// Replace a template of the same id (409 without it).
+    #[serde(default)]
+    replace: bool,
 }
 
 /// `POST /v1/templates`: JSON with a base64 image, or multipart with an `image` file
@@ -299,12 +303,10 @@ async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult
                     "template id `{id}`: use 1-64 characters of [A-Za-z0-9_-]"
                 )));
             }
-            if ctx.template(&id).await.is_ok() {
-                return Err(ApiError::new(
-                    StatusCode::CONFLICT,
-                    "conflict",
-                    format!("template `{id}` already exists; DELETE it first"),
-                ));
+            // Checked before the capture runs (the cache checks again when storing, so
+            // two registrations racing for one id cannot both win).
+            if !b.replace && ctx.template(&id).await.is_ok() {
+                return Err(ApiError::from(flow::exists(&id)));
             }
             id
         }
@@ -318,6 +320,7 @@ async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult
         guidance: b.guidance.unwrap_or(30.0),
         seed: b.seed,
         max_sequence_length: b.max_sequence_length,
+        replace: b.replace,
     };
     let job = ctx.next_job();
     ctx.jobs.create(job, "template", input.steps);
@@ -364,7 +367,7 @@ async fn multipart_template(ctx: &Ctx, req: Request) -> ApiResult<(Vec<u8>, Temp
         let text = String::from_utf8_lossy(&data).to_string();
         let v = match name.as_str() {
             "prompt" | "id" => Value::String(text),
-            "async" => Value::Bool(text == "true" || text == "1"),
+            "async" | "replace" => Value::Bool(text == "true" || text == "1"),
             _ => serde_json::from_str(&text).unwrap_or(Value::String(text)),
         };
         fields.insert(name, v);
@@ -473,6 +476,13 @@ fn edit_input(b: EditBody) -> ApiResult<(EditInput, bool)> {
             ))
         }
     };
+    // Hostile boxes and polygons are refused here, before any work is queued.
+    let shapes = match &mask {
+        MaskIn::Boxes(bx) => crate::stages::MaskInput::Boxes(bx),
+        MaskIn::Polygons(p) => crate::stages::MaskInput::Polygons(p),
+        MaskIn::Image(_) => crate::stages::MaskInput::Empty,
+    };
+    crate::stages::check_shapes(&shapes)?;
     if b.dilation > 64 || b.feather > 64 {
         return Err(ApiError::bad("dilation and feather must be at most 64"));
     }
@@ -568,13 +578,23 @@ fn job_id(s: &str) -> ApiResult<u64> {
 }
 
 async fn get_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
-    let view = ctx.jobs.get(job_id(&id)?).await.ok_or_else(|| {
-        ApiError::new(
+    let job = job_id(&id)?;
+    let Some(view) = ctx.jobs.get(job).await else {
+        if ctx.lost_jobs.as_ref().is_some_and(|r| r.contains(&job)) {
+            // A job of a router that died: whatever it was doing is gone.
+            let e = ApiError::from(WireError::new(
+                ErrorKind::Unavailable,
+                "the router restarted while this job ran (or after it ended), and the job was lost with it: submit it again",
+            ));
+            let v = json!({"id": id, "status": "failed", "error": {"code": e.code, "message": e.message}});
+            return Ok(Json(v).into_response());
+        }
+        return Err(ApiError::new(
             StatusCode::NOT_FOUND,
             "not_found",
             format!("unknown job `{id}`"),
-        )
-    })?;
+        ));
+    };
     let mut v = json!(view);
     if let Some(e) = view.error {
         let e = ApiError::from(e);

@@ -100,7 +100,14 @@ pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
     let fingerprint = model.fingerprint().map_err(|e| e.to_string())?;
     let shm = Shm::create(&env)?;
     let jobs = jobs::Jobs::start(Duration::from_secs(env.config.server.job_ttl_seconds)).await?;
-    let ctx = Arc::new(Ctx::new(env.config.clone(), shm, jobs, fingerprint));
+    let restart_of = (env.incarnation > 0).then_some(env.started_unix);
+    let ctx = Arc::new(Ctx::new(
+        env.config.clone(),
+        shm,
+        jobs,
+        fingerprint,
+        restart_of,
+    ));
     let _node = node::start_node(&env, env.router_port).await?;
     let (router, _) = Actor::spawn(Some("router".into()), RouterActor, ctx.clone())
         .await

@@ -80,6 +80,9 @@ impl CacheState {
 
     /// Copies the capture's cache and the template image into this arena.
     fn put(&mut self, put: PutTemplate) -> Result<TemplateEntry, WireError> {
+        if !put.replace && self.templates.contains_key(&put.info.id) {
+            return Err(crate::router::flow::exists(&put.info.id));
+        }
         let blob = self.shm.read_tensor(&put.blob)?;
         let blob = self.shm.write_tensor(&blob).map_err(|e| {
             WireError::new(

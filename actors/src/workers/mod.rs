@@ -18,7 +18,7 @@ use crossbeam_channel::{unbounded, Sender};
 use denoised_runtime::shm::Handle;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use crate::node::Shm;
+use crate::node::{self, Shm};
 use crate::stages::Pipeline;
 use crate::wire::{Reply, Wire, WireError};
 
@@ -40,6 +40,8 @@ pub trait Stage: Send + Sync + 'static {
     const THREAD: &'static str;
     fn command(msg: Self::Msg) -> Command<Self::Req, Self::Rep>;
     fn run(p: &Pipeline, shm: &Shm, req: &Self::Req) -> Result<Self::Rep, WireError>;
+    /// The slices of this worker's arena a reply lends to the router.
+    fn handles(rep: &Self::Rep) -> Vec<Handle>;
 }
 
 /// A CPU worker actor: takes calls, runs them in order on its compute thread, frees
@@ -58,8 +60,11 @@ impl<S> Default for ComputeActor<S> {
     }
 }
 
+/// A request, where to answer it, and the router epoch it arrived in.
+type WorkItem<S> = (<S as Stage>::Req, Reply<<S as Stage>::Rep>, u64);
+
 pub struct ComputeState<S: Stage> {
-    work: Sender<(S::Req, Reply<S::Rep>)>,
+    work: Sender<WorkItem<S>>,
     shm: Arc<Shm>,
 }
 
@@ -73,13 +78,23 @@ impl<S: Stage> Actor for ComputeActor<S> {
         _myself: ActorRef<Self::Msg>,
         (pipeline, shm): Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
-        let (work, rx) = unbounded::<(S::Req, Reply<S::Rep>)>();
+        let (work, rx) = unbounded::<WorkItem<S>>();
         let s = shm.clone();
         std::thread::Builder::new()
             .name(S::THREAD.into())
             .spawn(move || {
-                for (req, reply) in rx {
-                    let _ = reply.send(Wire(S::run(&pipeline, &s, &req)));
+                for (req, reply, epoch) in rx {
+                    let r = S::run(&pipeline, &s, &req);
+                    // The router that asked is gone (its connection was lost while this
+                    // ran): nobody would release the result, so it is dropped here.
+                    // Results written before the loss were freed with the arena sweep.
+                    if node::router_epoch() != epoch {
+                        if let Ok(rep) = &r {
+                            s.release(&S::handles(rep));
+                        }
+                        continue;
+                    }
+                    let _ = reply.send(Wire(r));
                 }
             })?;
         Ok(ComputeState { work, shm })
@@ -93,7 +108,7 @@ impl<S: Stage> Actor for ComputeActor<S> {
     ) -> Result<(), ActorProcessingErr> {
         match S::command(msg) {
             Command::Work(req, reply) => {
-                let _ = st.work.send((req, reply));
+                let _ = st.work.send((req, reply, node::router_epoch()));
             }
             Command::Release(handles) => st.shm.release(&handles),
         }

@@ -4,6 +4,8 @@
 
 use std::time::Instant;
 
+use denoised_runtime::shm::Handle;
+
 use super::{Command, ComputeActor, Stage};
 use crate::node::Shm;
 use crate::stages::{self, Pipeline};
@@ -29,6 +31,10 @@ impl Stage for Postprocess {
 
     fn run(p: &Pipeline, shm: &Shm, req: &FinishReq) -> Result<Finished, WireError> {
         finish_to_shm(p, shm, req)
+    }
+
+    fn handles(rep: &Finished) -> Vec<Handle> {
+        vec![rep.image.clone()]
     }
 }
 

@@ -31,6 +31,10 @@ impl Stage for Preprocess {
     fn run(p: &Pipeline, shm: &Shm, req: &PrepareReq) -> Result<Prepared, WireError> {
         prepare_to_shm(p, shm, req)
     }
+
+    fn handles(rep: &Prepared) -> Vec<Handle> {
+        rep.handles()
+    }
 }
 
 /// The encoded image and (for an image mask) mask bytes of a request, read out of the

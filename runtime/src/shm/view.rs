@@ -109,6 +109,15 @@ impl ArenaView {
     pub fn is_writable(&self) -> bool {
         self.writable
     }
+    /// Live slices and their bytes, read from the slot table (any process can tell how
+    /// much of an arena is in use, e.g. to check that nothing leaks).
+    pub fn live(&self) -> (u32, u64) {
+        (0..self.header.slots)
+            .filter(|&s| self.slot_word(s, S_GEN).load(Ordering::Acquire) != 0)
+            .fold((0, 0), |(n, b), s| {
+                (n + 1, b + self.slot_word(s, S_LEN).load(Ordering::Relaxed))
+            })
+    }
 
     pub(super) fn slot_word(&self, slot: u32, w: usize) -> &AtomicU64 {
         debug_assert!(slot < self.header.slots && w < SLOT_SIZE / 8);
