@@ -259,3 +259,29 @@ fn kill_9_of_each_role_under_load_loses_nothing() {
         );
     }
 }
+
+#[test]
+fn a_template_that_cannot_be_stored_is_refused_before_it_runs() {
+    // A 64x64 template of 8 steps needs about 6 MB; the cache arena has 1 MB.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, "[workers]\ncache_arena_bytes = 1000000\n").unwrap();
+    let d = Daemon::start(&["--config", cfg.to_str().unwrap()]);
+    let (s, v) = d.post(
+        "/v1/templates",
+        &json!({"image": image_b64(), "id": "big", "steps": 8, "async": true}),
+    );
+    assert_eq!(s, 202, "{v}");
+    let j = wait_job(&d, v["id"].as_str().unwrap());
+    assert_eq!(j["status"], "failed", "{j}");
+    assert_eq!(j["error"]["code"], "too_large", "{j}");
+    // It never reached the denoise loop: no step ran.
+    assert_eq!(j["step"], 0, "{j}");
+    assert!(j["error"]["message"].as_str().unwrap().contains("cache_arena_bytes"), "{j}");
+    // Edits of images (no template to store) still work.
+    let (s, v) = d.post(
+        "/v1/edits",
+        &json!({"image": image_b64(), "mask": mask_b64(), "steps": 2}),
+    );
+    assert_eq!(s, 200, "{v}");
+}

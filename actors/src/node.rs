@@ -256,6 +256,18 @@ pub fn tell<M: Message>(cell: &ActorCell, msg: M) {
     }
 }
 
+/// An arena allocation error as the client sees it: a full arena is a busy server
+/// (429, retry: slices free up as requests finish), anything else a bug.
+fn space_error(e: shm::ShmError) -> WireError {
+    match e {
+        shm::ShmError::OutOfSpace { .. } | shm::ShmError::TooManySlices { .. } => WireError::new(
+            ErrorKind::Overloaded,
+            format!("shared memory is full, retry later: {e}"),
+        ),
+        e => WireError::internal(e.to_string()),
+    }
+}
+
 /// This process's arena plus read access to everyone else's.
 ///
 /// Only the owner allocates and frees in an arena, so the allocator is behind a mutex
@@ -354,15 +366,17 @@ impl Shm {
     }
 
     pub fn write_tensor(&self, t: &Tensor) -> Result<Handle, WireError> {
-        self.arena()
-            .write_tensor(t)
-            .map_err(|e| WireError::internal(e.to_string()))
+        self.arena().write_tensor(t).map_err(space_error)
     }
 
     pub fn write_bytes(&self, b: &[u8]) -> Result<Handle, WireError> {
-        self.arena()
-            .write_bytes(b)
-            .map_err(|e| WireError::internal(e.to_string()))
+        self.arena().write_bytes(b).map_err(space_error)
+    }
+
+    /// The largest slice this process's arena could give now, and its capacity.
+    pub fn room(&self) -> (u64, u64) {
+        let a = self.arena();
+        (a.largest_free(), a.capacity())
     }
 
     /// Allocates an F32 slice and fills it through `fill` (no intermediate copy).
@@ -374,7 +388,7 @@ impl Shm {
         let mut a = self.arena();
         let h = a
             .alloc(denoised_runtime::DType::F32, shape)
-            .map_err(|e| WireError::internal(e.to_string()))?;
+            .map_err(space_error)?;
         let r = a
             .slice_f32_mut(&h)
             .map_err(|e| WireError::internal(e.to_string()))

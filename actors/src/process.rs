@@ -232,6 +232,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                         shm: shm.clone(),
                         sched,
                         faults,
+                        cache_arena_bytes: env.config.workers.cache_arena_bytes,
                     },
                 )
                 .await

@@ -68,6 +68,8 @@ pub enum ErrorKind {
     Internal,
     /// Not all worker groups are up yet (503).
     Unavailable,
+    /// The server is at its admission limit; retry later (429 with Retry-After).
+    Overloaded,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -37,6 +37,10 @@ pub struct ServerConfig {
     pub api_token: String,
     /// Finished async jobs are kept this long for `GET /v1/jobs/{id}`.
     pub job_ttl_seconds: u64,
+    /// Most requests in flight (waiting or running); beyond it, 429 with Retry-After.
+    pub max_queued_requests: usize,
+    /// Most finished jobs kept for `GET /v1/jobs/{id}` (the oldest go first).
+    pub max_finished_jobs: usize,
 }
 
 impl Default for ServerConfig {
@@ -48,6 +52,8 @@ impl Default for ServerConfig {
             max_steps: 100,
             api_token: String::new(),
             job_ttl_seconds: 600,
+            max_queued_requests: 256,
+            max_finished_jobs: 10_000,
         }
     }
 }

@@ -387,13 +387,17 @@ async fn bench(a: Args) -> CliResult {
     let first_arrival = plan[0].0;
     let last_done = outcomes.iter().map(|o| o.0).fold(first_arrival, f64::max);
     let duration_s = last_done - first_arrival;
-    let (mut ok, mut errors) = (Vec::new(), Vec::new());
-    for (_, r) in outcomes {
+    // Refused for overload (429) is the server protecting its latency, not a failure:
+    // counted apart, with how fast the refusals came.
+    let (mut ok, mut errors, mut rejected) = (Vec::new(), Vec::new(), Vec::new());
+    for (_, latency_s, r) in outcomes {
         match r {
             Ok(s) => ok.push(s),
+            Err(e) if e.starts_with("HTTP 429") => rejected.push(latency_s),
             Err(e) => errors.push(e),
         }
     }
+    rejected.sort_by(f64::total_cmp);
 
     let mut lat: Vec<f64> = ok.iter().map(|s| s.latency_s).collect();
     lat.sort_by(f64::total_cmp);
@@ -417,6 +421,8 @@ async fn bench(a: Args) -> CliResult {
         "requests": plan.len(),
         "ok": ok.len(),
         "errors": errors.len(),
+        "rejected": rejected.len(),
+        "rejected_p95_s": percentile(&rejected, 95.0),
         "duration_s": duration_s,
         "throughput_rps": ok.len() as f64 / duration_s,
         "offered_rps": offered_rps,
@@ -449,8 +455,9 @@ async fn bench(a: Args) -> CliResult {
     Ok(())
 }
 
-/// What one request came to, and when it finished (seconds from the start).
-type Outcome = (f64, Result<Sample, String>);
+/// What one request came to: when it finished (seconds from the start), its latency,
+/// and its reply.
+type Outcome = (f64, f64, Result<Sample, String>);
 
 /// The open loop: sleeps until each planned arrival and spawns its request then, so
 /// a slow response never delays later arrivals (only `limit`, when given, does).
@@ -485,7 +492,7 @@ async fn dispatch(
                     .map(|s| Sample { latency_s, ..s })
                     .map_err(|e| format!("malformed edit reply: {e}"))
             });
-            (start.elapsed().as_secs_f64(), result)
+            (start.elapsed().as_secs_f64(), latency_s, result)
         }));
     }
     let mut outcomes = Vec::with_capacity(tasks.len());
@@ -509,7 +516,7 @@ fn print_human(r: &Value, hist: &BTreeMap<u32, u64>, errors: &[String]) {
     };
     line(
         "load",
-        "requests ok errors duration_s throughput_rps offered_rps",
+        "requests ok errors rejected duration_s throughput_rps offered_rps",
     );
     line("latency", "mean_s p50_s p95_s p99_s max_s");
     line(

@@ -25,6 +25,9 @@ pub struct ServeArgs {
     /// `[server] api_token`: require `Authorization: Bearer <token>` on /v1.
     #[arg(long, env = "DENOISED_API_TOKEN", hide_env_values = true)]
     pub api_token: Option<String>,
+    /// `[server] max_queued_requests`: most requests in flight; beyond it, 429.
+    #[arg(long, env = "DENOISED_MAX_QUEUED_REQUESTS")]
+    pub max_queued_requests: Option<usize>,
     /// `[denoise] batching`: continuous or static.
     #[arg(long, env = "DENOISED_BATCHING")]
     pub batching: Option<String>,
@@ -69,6 +72,9 @@ impl ServeArgs {
         if let Some(t) = &self.api_token {
             c.server.api_token = t.clone();
         }
+        if let Some(n) = self.max_queued_requests {
+            c.server.max_queued_requests = n;
+        }
         if let Some(b) = &self.batching {
             c.denoise.batching = match b.as_str() {
                 "continuous" => Batching::Continuous,
@@ -105,6 +111,9 @@ impl ServeArgs {
         }
         if c.workers.preprocess == 0 || c.workers.postprocess == 0 || c.workers.denoise == 0 {
             return Err("[workers] counts must be at least 1".into());
+        }
+        if c.server.max_queued_requests == 0 {
+            return Err("[server] max_queued_requests must be at least 1".into());
         }
         // Fail here, with the path, rather than in every worker.
         let source: denoised_models::ModelSource = c.model.source.parse()?;

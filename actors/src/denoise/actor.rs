@@ -50,6 +50,9 @@ pub struct DenoiseArgs {
     pub sched: SchedulerConfig,
     /// Faults to inject (tests and drills; none when serving).
     pub faults: crate::fault::Faults,
+    /// `[workers] cache_arena_bytes`: a capture whose template cannot fit it is
+    /// refused before it runs.
+    pub cache_arena_bytes: u64,
 }
 
 pub struct DenoiseState {
@@ -61,6 +64,7 @@ pub struct DenoiseState {
     pending: HashMap<JobId, (Reply<Denoised>, f64, u64)>,
     inline: InlineJobs,
     templates: VecDeque<(Handle, Arc<TemplateCache>)>,
+    cache_arena_bytes: u64,
 }
 
 pub fn unix_now() -> f64 {
@@ -104,6 +108,7 @@ impl Actor for DenoiseActor {
             pending: HashMap::new(),
             inline,
             templates: VecDeque::new(),
+            cache_arena_bytes: a.cache_arena_bytes,
         })
     }
 
@@ -190,7 +195,7 @@ impl DenoiseState {
             .map_err(|e| WireError::bad_input(e.to_string()))?;
         let work = match &req.work {
             DenoiseWork::Full => Work::Full,
-            DenoiseWork::Capture => Work::Capture(self.layout(n, req.steps)),
+            DenoiseWork::Capture => Work::Capture(self.capture_layout(n, req.steps)?),
             DenoiseWork::Edit { template } => Work::Edit {
                 mask: Arc::new(token_mask(req.rows, req.cols, &req.active)?),
                 cache: self.template(template, req)?,
@@ -202,6 +207,38 @@ impl DenoiseState {
             schedule: Arc::new(schedule),
             work,
         })
+    }
+
+    /// The layout of a capture's template, once it is known to fit where it goes:
+    /// this worker's arena (where the result is written) and the cache's. Checked
+    /// before the capture runs, so a template that cannot be stored costs no compute.
+    fn capture_layout(&self, tokens: usize, steps: u32) -> Result<TemplateLayout, WireError> {
+        let layout = self.layout(tokens, steps);
+        let bytes = layout.total_bytes() as u64;
+        let (free, own) = self.shm.room();
+        let mb = |b: u64| b as f64 / 1e6;
+        let limit = own.min(self.cache_arena_bytes);
+        if bytes > limit {
+            return Err(WireError::new(
+                ErrorKind::TooLarge,
+                format!(
+                    "this template's cache ({:.0} MB for {tokens} tokens x {steps} steps) cannot fit the shared-memory arenas ({:.0} MB): raise [workers] cache_arena_bytes and denoise_arena_bytes, or use a smaller image or fewer steps",
+                    mb(bytes),
+                    mb(limit)
+                ),
+            ));
+        }
+        if bytes > free {
+            return Err(WireError::new(
+                ErrorKind::Overloaded,
+                format!(
+                    "no room for this template's cache now ({:.0} MB, {:.0} MB free): retry later",
+                    mb(bytes),
+                    mb(free)
+                ),
+            ));
+        }
+        Ok(layout)
     }
 
     fn layout(&self, tokens: usize, steps: u32) -> TemplateLayout {

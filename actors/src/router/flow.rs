@@ -36,6 +36,8 @@ pub struct Ctx {
     /// Ids an earlier router of this daemon gave out, when this one is a restart: their
     /// jobs died with it, and `GET /v1/jobs/{id}` says so instead of "unknown".
     pub lost_jobs: Option<std::ops::Range<JobId>>,
+    /// Requests in flight, bounded by `[server] max_queued_requests`.
+    pub admission: super::admission::Admission,
     rr: [AtomicUsize; 3],
     /// What each worker process loaded, as it announced itself (by process name; a
     /// restarted process replaces its entry).
@@ -56,6 +58,7 @@ impl Ctx {
         // restarted router do not repeat and those of its predecessors are recognised.
         let id_at = |unix: f64| ((unix * 1e6) as u64) << 8;
         let first = id_at(unix_now());
+        let limit = config.server.max_queued_requests;
         Ctx {
             config,
             shm,
@@ -63,6 +66,7 @@ impl Ctx {
             model,
             next_job: AtomicU64::new(first),
             lost_jobs: restart_of.map(|t| id_at(t)..first),
+            admission: super::admission::Admission::new(limit),
             rr: Default::default(),
             processes: Default::default(),
         }

@@ -57,6 +57,7 @@ impl From<WireError> for ApiError {
                 (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
             }
             ErrorKind::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+            ErrorKind::Overloaded => (StatusCode::TOO_MANY_REQUESTS, "overloaded"),
         };
         ApiError::new(status, code, e.message)
     }
@@ -65,7 +66,14 @@ impl From<WireError> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": {"code": self.code, "message": self.message}});
-        (self.status, Json(body)).into_response()
+        let mut r = (self.status, Json(body)).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            r.headers_mut().insert(
+                header::RETRY_AFTER,
+                header::HeaderValue::from(super::admission::RETRY_AFTER_S),
+            );
+        }
+        r
     }
 }
 
@@ -277,6 +285,7 @@ struct TemplateBody {
 /// `POST /v1/templates`: JSON with a base64 image, or multipart with an `image` file
 /// and the other fields as text parts.
 async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
+    let permit = ctx.admission.try_admit()?;
     let is_multipart = req
         .headers()
         .get(header::CONTENT_TYPE)
@@ -327,6 +336,7 @@ async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult
     let run = {
         let ctx = ctx.clone();
         async move {
+            let _permit = permit;
             let r = flow::capture(&ctx, job, &input).await;
             ctx.jobs.finish(job, r.clone().map(|i| json!(i)));
             r
@@ -540,6 +550,8 @@ pub fn edit_json(job: u64, o: &EditOutput, format: ImageFormat, with_image: bool
 
 /// `POST /v1/edits`.
 async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
+    // Before reading the body: an overloaded server refuses at once.
+    let permit = ctx.admission.try_admit()?;
     let b: EditBody = parse(&body(&ctx, req).await?)?;
     check_steps(&ctx, b.steps)?;
     check_guidance(b.guidance)?;
@@ -551,6 +563,7 @@ async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
     let run = {
         let ctx = ctx.clone();
         async move {
+            let _permit = permit;
             let r = flow::edit(&ctx, job, &input).await;
             // A synchronous client gets the image in its response; the job table keeps
             // only the description then (no second copy of the image for the TTL).

@@ -82,8 +82,9 @@ pub fn parse_job_name(s: &str) -> Option<JobId> {
 }
 
 impl Jobs {
-    pub async fn start(ttl: Duration) -> Result<Jobs, String> {
-        let (r, _) = Actor::spawn(None, JobsActor, ttl)
+    /// A job table keeping finished jobs for `ttl`, at most `max_finished` of them.
+    pub async fn start(ttl: Duration, max_finished: usize) -> Result<Jobs, String> {
+        let (r, _) = Actor::spawn(None, JobsActor, (ttl, max_finished))
             .await
             .map_err(|e| e.to_string())?;
         Ok(Jobs(r))
@@ -134,30 +135,46 @@ struct JobsActor;
 struct Table {
     jobs: HashMap<JobId, Job>,
     ttl: Duration,
+    /// Finished jobs, oldest first, for dropping beyond `max_finished`.
+    finished: std::collections::VecDeque<JobId>,
+    max_finished: usize,
 }
 
 impl Table {
-    /// Drops finished jobs older than the TTL (on every insert: cheap and bounded).
+    /// Drops finished jobs older than the TTL, and the oldest beyond `max_finished`.
+    /// Unfinished jobs are bounded by admission (`[server] max_queued_requests`), so
+    /// the table is too. Amortised O(1) per job: each finished id is popped once.
     fn expire(&mut self) {
-        let ttl = self.ttl;
-        self.jobs
-            .retain(|_, j| j.finished.is_none_or(|t| t.elapsed() < ttl));
+        while let Some(&id) = self.finished.front() {
+            let old = self
+                .jobs
+                .get(&id)
+                .and_then(|j| j.finished)
+                .is_none_or(|t| t.elapsed() >= self.ttl);
+            if !old && self.finished.len() <= self.max_finished {
+                break;
+            }
+            self.finished.pop_front();
+            self.jobs.remove(&id);
+        }
     }
 }
 
 impl Actor for JobsActor {
     type Msg = JobsMsg;
     type State = Table;
-    type Arguments = Duration;
+    type Arguments = (Duration, usize);
 
     async fn pre_start(
         &self,
         _myself: ActorRef<Self::Msg>,
-        ttl: Duration,
+        (ttl, max_finished): (Duration, usize),
     ) -> Result<Table, ActorProcessingErr> {
         Ok(Table {
             jobs: HashMap::new(),
             ttl,
+            finished: Default::default(),
+            max_finished,
         })
     }
 
@@ -208,8 +225,9 @@ impl Actor for JobsActor {
                 }
             }
             JobsMsg::Finish(id, r) => {
-                if let Some(j) = t.jobs.get_mut(&id) {
+                if let Some(j) = t.jobs.get_mut(&id).filter(|j| j.finished.is_none()) {
                     j.finished = Some(Instant::now());
+                    t.finished.push_back(id);
                     j.worker = None;
                     match r {
                         Ok(v) => {

@@ -1,6 +1,7 @@
 //! The router process: the HTTP API, the internal bus endpoint, the job table, and
 //! the flows that take each request through the worker groups.
 
+pub mod admission;
 pub mod flow;
 pub mod http;
 pub mod jobs;
@@ -48,8 +49,16 @@ impl Actor for RouterActor {
             }
             RouterMsg::BusEdit(Wire(e), reply) => {
                 // Run the flow on its own task: the actor keeps taking progress reports.
+                let permit = match ctx.admission.try_admit() {
+                    Ok(p) => p,
+                    Err(e) => {
+                        let _ = reply.send(Wire(Err(e)));
+                        return Ok(());
+                    }
+                };
                 let ctx = ctx.clone();
                 tokio::spawn(async move {
+                    let _permit = permit;
                     let job = ctx.next_job();
                     ctx.jobs.create(job, "edit", 0);
                     let input = EditInput {
@@ -99,7 +108,12 @@ pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
         .unwrap_or_else(|e| match e {});
     let fingerprint = model.fingerprint().map_err(|e| e.to_string())?;
     let shm = Shm::create(&env)?;
-    let jobs = jobs::Jobs::start(Duration::from_secs(env.config.server.job_ttl_seconds)).await?;
+    let server = &env.config.server;
+    let jobs = jobs::Jobs::start(
+        Duration::from_secs(server.job_ttl_seconds),
+        server.max_finished_jobs,
+    )
+    .await?;
     let restart_of = (env.incarnation > 0).then_some(env.started_unix);
     let ctx = Arc::new(Ctx::new(
         env.config.clone(),
