@@ -277,11 +277,66 @@ fn a_template_that_cannot_be_stored_is_refused_before_it_runs() {
     assert_eq!(j["error"]["code"], "too_large", "{j}");
     // It never reached the denoise loop: no step ran.
     assert_eq!(j["step"], 0, "{j}");
-    assert!(j["error"]["message"].as_str().unwrap().contains("cache_arena_bytes"), "{j}");
+    assert!(
+        j["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("cache_arena_bytes"),
+        "{j}"
+    );
     // Edits of images (no template to store) still work.
     let (s, v) = d.post(
         "/v1/edits",
         &json!({"image": image_b64(), "mask": mask_b64(), "steps": 2}),
     );
+    assert_eq!(s, 200, "{v}");
+}
+
+#[test]
+fn a_crash_looping_worker_is_given_up_and_readyz_says_why() {
+    // Every preprocess process after the first exits right after starting.
+    let d = Daemon::start_with_env(
+        &[],
+        &[("DENOISED_FAULT", "preprocess:exit_at_start_from=1")],
+    );
+    let victim = d.worker_pid("preprocess");
+    // SAFETY: plain kill(2) of a child of the daemon.
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let t0 = Instant::now();
+    let r = loop {
+        let (s, r) = d.get("/readyz");
+        if r["failed"].is_object() {
+            assert_eq!(s, 503, "{r}");
+            break r;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "never given up: {r}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let why = r["failed"]["preprocess0"].as_str().unwrap();
+    println!("given up after {:.1} s: {why}", t0.elapsed().as_secs_f64());
+    assert!(
+        why.contains("in a row") && why.contains("exit status: 1"),
+        "{why}"
+    );
+    // Requests that need the failed role get a clear 503 at once, with the reason;
+    // the rest of the daemon still answers.
+    let t0 = Instant::now();
+    let (s, v) = d.post(
+        "/v1/edits",
+        &json!({"image": image_b64(), "mask": mask_b64(), "steps": 2}),
+    );
+    assert_eq!(s, 503, "{v}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("preprocess0 exited"),
+        "{v}"
+    );
+    let (s, v) = d.get("/v1/templates");
     assert_eq!(s, 200, "{v}");
 }

@@ -18,7 +18,11 @@ fn bench(d: &Daemon, args: &[&str]) -> Value {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "bench-serve failed: {stderr}");
-    let line = String::from_utf8_lossy(&out.stdout).lines().last().unwrap().to_string();
+    let line = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap()
+        .to_string();
     serde_json::from_str(&line).unwrap()
 }
 
@@ -50,7 +54,17 @@ fn overload_is_refused_fast_and_admitted_latency_holds() {
     // Admission at the saturation concurrency: 8 requests in flight, one denoise batch.
     let d = Daemon::start(&["--max-queued-requests", "8"]);
     // Saturation: a closed loop of 8 clients (every arrival at once, 8 in flight).
-    let sat = bench(&d, &["--rps", "1000", "--requests", "60", "--concurrency-limit", "8"]);
+    let sat = bench(
+        &d,
+        &[
+            "--rps",
+            "1000",
+            "--requests",
+            "60",
+            "--concurrency-limit",
+            "8",
+        ],
+    );
     assert_eq!(sat["errors"], 0, "{sat}");
     assert_eq!(sat["rejected"], 0, "{sat}");
     let x = sat["throughput_rps"].as_f64().unwrap();
@@ -72,7 +86,10 @@ fn overload_is_refused_fast_and_admitted_latency_holds() {
     assert_eq!(over["errors"], 0, "{over}");
     assert!(rejected > 100, "the excess was not refused: {over}");
     assert!(rejected_p95 < 0.25, "429s were slow: {over}");
-    assert!(p95_over <= 1.5 * p95_sat, "admitted p95 {p95_over} vs {p95_sat} at saturation");
+    assert!(
+        p95_over <= 1.5 * p95_sat,
+        "admitted p95 {p95_over} vs {p95_sat} at saturation"
+    );
     assert!(
         rss_after <= rss_before + 64.0,
         "resident memory grew from {rss_before:.0} to {rss_after:.0} MB"

@@ -13,6 +13,7 @@ pub mod node;
 pub mod notify;
 pub mod overheads;
 pub mod process;
+pub mod restarts;
 pub mod router;
 pub mod scheduler;
 pub mod stages;

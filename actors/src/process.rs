@@ -122,6 +122,10 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
     // Before any thread starts: a panic anywhere in this process ends it (crate::fault).
     crate::fault::exit_on_panic(env.name());
     let faults = crate::fault::Faults::from_env(role, env.incarnation)?;
+    if faults.exit_at_start {
+        eprintln!("error: {}: fault injection: exiting at start", env.name());
+        std::process::exit(1);
+    }
     if role != Role::Router && role != Role::Cache {
         // Each CPU compute process takes its share of the cores (the supervisor
         // computed it), instead of every process assuming it has the machine.

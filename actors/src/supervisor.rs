@@ -16,6 +16,7 @@ use denoised_runtime::config::Config;
 use denoised_runtime::shm;
 
 use crate::node::{Role, WorkerEnv};
+use crate::restarts::{Next, Restarts};
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
@@ -26,13 +27,78 @@ extern "C" fn on_signal(_: libc::c_int) {
 struct Worker {
     role: Role,
     index: usize,
-    child: Child,
+    /// The running process; none while waiting to restart, or once failed.
+    child: Option<Child>,
     started: Instant,
-    restarts: u32,
+    restarts: Restarts,
+    /// When to start it again, while it waits out a backoff.
+    restart_at: Option<Instant>,
     /// Processes started in this slot so far, the first one included.
     started_count: u32,
     /// Still the process started with the daemon (never restarted).
     first: bool,
+}
+
+impl Worker {
+    fn name(&self) -> String {
+        format!("{}{}", self.role, self.index)
+    }
+}
+
+/// What the supervisor tells the router (through [`WorkerEnv::status_file`]): the
+/// worker slots it gave up restarting, and why. `/readyz` shows it.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct Status {
+    pub failed: std::collections::BTreeMap<String, String>,
+}
+
+impl Status {
+    /// The status the supervisor last wrote (empty if none).
+    pub fn read(path: &std::path::Path) -> Status {
+        std::fs::read(path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default()
+    }
+
+    /// Written to a temporary file and renamed, so a reader never sees half of it.
+    fn write(&self, path: &std::path::Path) {
+        let tmp = path.with_extension("tmp");
+        let r = serde_json::to_vec(self)
+            .map_err(std::io::Error::other)
+            .and_then(|b| std::fs::write(&tmp, b))
+            .and_then(|()| std::fs::rename(&tmp, path));
+        if let Err(e) = r {
+            tracing::error!("writing {}: {e}", path.display());
+        }
+    }
+}
+
+/// Schedules the restart of a worker that exited (`how`), or gives up on it
+/// (`crate::restarts`); returns whether it gave up.
+fn after_exit(w: &mut Worker, how: &str) -> bool {
+    match w.restarts.after_exit(w.started, Instant::now(), how) {
+        Next::RestartAt(at) => {
+            let wait = at.saturating_duration_since(Instant::now());
+            tracing::warn!(
+                "{} worker {} exited ({how}); restarting{}",
+                w.role,
+                w.index,
+                if wait.is_zero() {
+                    String::new()
+                } else {
+                    format!(" in {:.2} s", wait.as_secs_f64())
+                }
+            );
+            w.restart_at = Some(at);
+            false
+        }
+        Next::GiveUp(why) => {
+            tracing::error!("{} worker {} {why}", w.role, w.index);
+            w.restarts.failed = Some(why);
+            true
+        }
+    }
 }
 
 /// A random hex token (the cluster cookie when the config sets none).
@@ -135,6 +201,13 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
     };
     let listen = fixed_port(&listen.unwrap_or_else(|| config.server.listen.clone()))?;
     let started_unix = crate::denoise::actor::unix_now();
+    // Beside the sockets of a systemd service when there is a runtime directory.
+    let status_file = std::env::var_os("RUNTIME_DIRECTORY")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir)
+        .join(format!("denoised-{namespace}.status.json"));
+    let mut status = Status::default();
+    status.write(&status_file);
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
@@ -156,6 +229,7 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
             threads: placement.threads,
             incarnation,
             started_unix,
+            status_file: status_file.clone(),
         };
         let mut cmd = Command::new(&exe);
         cmd.args([
@@ -189,9 +263,10 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
             workers.push(Worker {
                 role,
                 index,
-                child: spawn(role, index, 0)?,
+                child: Some(spawn(role, index, 0)?),
                 started: Instant::now(),
-                restarts: 0,
+                restarts: Restarts::default(),
+                restart_at: None,
                 started_count: 1,
                 first: true,
             });
@@ -204,19 +279,36 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
     let mut fatal = None;
     'watch: while !STOP.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(100));
+        let mut gave_up = false;
         for w in workers.iter_mut() {
-            let Ok(Some(status)) = w.child.try_wait() else {
-                continue;
-            };
             if STOP.load(Ordering::SeqCst) {
                 break;
             }
+            if let Some(at) = w.restart_at {
+                if Instant::now() >= at {
+                    w.restart_at = None;
+                    w.started = Instant::now();
+                    match spawn(w.role, w.index, w.started_count) {
+                        Ok(c) => w.child = Some(c),
+                        Err(e) => {
+                            tracing::error!("{e}");
+                            gave_up |= after_exit(w, "could not start");
+                        }
+                    }
+                    w.started_count += 1;
+                }
+                continue;
+            }
+            let Some(Ok(Some(exit))) = w.child.as_mut().map(|c| c.try_wait()) else {
+                continue;
+            };
+            w.child = None;
             // A worker that cannot load its model at the daemon's start (bad model
             // directory, a device too small for the configuration) would fail the same
             // way forever: the daemon refuses to start, with the worker's message above.
             // Later, a failed reload (a device lost after a fault) is retried, so the
             // other workers keep serving.
-            if w.first && status.code() == Some(crate::process::EXIT_CANNOT_LOAD) {
+            if w.first && exit.code() == Some(crate::process::EXIT_CANNOT_LOAD) {
                 fatal = Some(format!(
                     "{} worker {} cannot load its model (see its error above); not starting",
                     w.role, w.index
@@ -224,49 +316,37 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
                 break 'watch;
             }
             w.first = false;
-            tracing::warn!(
-                "{} worker {} exited ({status}); restarting",
-                w.role,
-                w.index
-            );
             if let Err(e) = shm::reclaim_dead(&shm_dir, &namespace) {
                 tracing::warn!("reclaiming arenas: {e}");
             }
-            // A worker that keeps dying right after start (bad model path, port in
-            // use) is restarted with a pause, so the log stays readable.
-            if w.started.elapsed() < Duration::from_secs(5) {
-                w.restarts += 1;
-                std::thread::sleep(Duration::from_millis(500 * w.restarts.min(10) as u64));
-            } else {
-                w.restarts = 0;
-            }
-            match spawn(w.role, w.index, w.started_count) {
-                Ok(c) => {
-                    w.child = c;
-                    w.started = Instant::now();
-                    w.started_count += 1;
-                }
-                Err(e) => tracing::error!("{e}"),
-            }
+            gave_up |= after_exit(w, &exit.to_string());
+        }
+        if gave_up {
+            status.failed = workers
+                .iter()
+                .filter_map(|w| w.restarts.failed.clone().map(|why| (w.name(), why)))
+                .collect();
+            status.write(&status_file);
         }
     }
     tracing::info!("supervisor: stopping");
     crate::notify::notify("STOPPING=1");
-    for w in &workers {
+    for c in workers.iter().filter_map(|w| w.child.as_ref()) {
         // SAFETY: plain kill(2) on our own child's pid.
-        unsafe { libc::kill(w.child.id() as i32, libc::SIGTERM) };
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
     }
     let deadline = Instant::now() + Duration::from_secs(10);
-    for w in workers.iter_mut() {
+    for c in workers.iter_mut().filter_map(|w| w.child.as_mut()) {
         while Instant::now() < deadline {
-            if let Ok(Some(_)) = w.child.try_wait() {
+            if let Ok(Some(_)) = c.try_wait() {
                 break;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        let _ = w.child.kill();
-        let _ = w.child.wait();
+        let _ = c.kill();
+        let _ = c.wait();
     }
     let _ = shm::cleanup_namespace(&shm_dir, &namespace);
+    let _ = std::fs::remove_file(&status_file);
     fatal.map_or(Ok(()), Err)
 }

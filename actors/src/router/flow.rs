@@ -17,7 +17,7 @@ use ractor::ActorCell;
 
 use super::jobs::{Jobs, Status};
 use crate::denoise::actor::unix_now;
-use crate::node::{self, Shm};
+use crate::node::{self, Shm, WorkerEnv};
 use crate::wire::*;
 
 /// Attempts of a request when workers die under it.
@@ -38,6 +38,8 @@ pub struct Ctx {
     pub lost_jobs: Option<std::ops::Range<JobId>>,
     /// Requests in flight, bounded by `[server] max_queued_requests`.
     pub admission: super::admission::Admission,
+    /// The supervisor's status (`crate::supervisor::Status`): slots it gave up on.
+    pub status_file: std::path::PathBuf,
     rr: [AtomicUsize; 3],
     /// What each worker process loaded, as it announced itself (by process name; a
     /// restarted process replaces its entry).
@@ -45,25 +47,23 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    /// `restart_of`: when this router replaces one that died, the daemon's start time
-    /// (Unix seconds).
-    pub fn new(
-        config: Config,
-        shm: Shm,
-        jobs: Jobs,
-        model: String,
-        restart_of: Option<f64>,
-    ) -> Ctx {
+    /// The router of the daemon `env` describes.
+    pub fn new(env: &WorkerEnv, shm: Shm, jobs: Jobs, model: String) -> Ctx {
         // Job ids start from the clock (microseconds, shifted), so that ids of a
         // restarted router do not repeat and those of its predecessors are recognised.
         let id_at = |unix: f64| ((unix * 1e6) as u64) << 8;
         let first = id_at(unix_now());
+        // When this router replaces one that died, the ids given out since the daemon
+        // started were its predecessors'.
+        let restart_of = (env.incarnation > 0).then_some(env.started_unix);
+        let config = env.config.clone();
         let limit = config.server.max_queued_requests;
         Ctx {
             config,
             shm,
             jobs,
             model,
+            status_file: env.status_file.clone(),
             next_job: AtomicU64::new(first),
             lost_jobs: restart_of.map(|t| id_at(t)..first),
             admission: super::admission::Admission::new(limit),
@@ -87,12 +87,7 @@ impl Ctx {
                 let i = self.rr[slot].fetch_add(1, Ordering::Relaxed) % m.len();
                 return Ok(m.swap_remove(i));
             }
-            if t0.elapsed() > WORKER_WAIT {
-                return Err(WireError::new(
-                    ErrorKind::Unavailable,
-                    format!("no live {group} worker"),
-                ));
-            }
+            self.check_group(group, t0)?;
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -103,11 +98,42 @@ impl Ctx {
             if let Some(c) = node::members(groups::CACHE).into_iter().next() {
                 return Ok(c);
             }
-            if t0.elapsed() > WORKER_WAIT {
-                return Err(WireError::new(ErrorKind::Unavailable, "no cache worker"));
-            }
+            self.check_group(groups::CACHE, t0)?;
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// While `group` has no live member: an error once waiting is pointless, because
+    /// the supervisor gave up every one of its slots (at once, with the reason), or
+    /// after [`WORKER_WAIT`] (a restart taking too long).
+    fn check_group(&self, group: &str, t0: Instant) -> Result<(), WireError> {
+        let role = group.trim_start_matches("denoised.");
+        let slots = match role {
+            "preprocess" => self.config.workers.preprocess,
+            "denoise" => self.config.workers.denoise,
+            "postprocess" => self.config.workers.postprocess,
+            _ => 1,
+        };
+        let failed = crate::supervisor::Status::read(&self.status_file).failed;
+        let reasons: Vec<String> = (0..slots)
+            .filter_map(|i| {
+                let name = format!("{role}{i}");
+                failed.get(&name).map(|why| format!("{name} {why}"))
+            })
+            .collect();
+        if reasons.len() == slots {
+            return Err(WireError::new(
+                ErrorKind::Unavailable,
+                format!("no {role} worker: {}", reasons.join("; ")),
+            ));
+        }
+        if t0.elapsed() > WORKER_WAIT {
+            return Err(WireError::new(
+                ErrorKind::Unavailable,
+                format!("no live {role} worker"),
+            ));
+        }
+        Ok(())
     }
 
     pub async fn template(&self, id: &str) -> Result<TemplateEntry, WireError> {

@@ -165,11 +165,13 @@ async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
         .values()
         .cloned()
         .collect();
-    (
-        status,
-        Json(json!({"ready": ready, "workers": detail, "processes": processes})),
-    )
-        .into_response()
+    // Worker slots the supervisor gave up restarting (crash loops), with the reason.
+    let failed = crate::supervisor::Status::read(&ctx.status_file).failed;
+    let mut body = json!({"ready": ready, "workers": detail, "processes": processes});
+    if !failed.is_empty() {
+        body["failed"] = json!(failed);
+    }
+    (status, Json(body)).into_response()
 }
 
 /// Reads a request body, mapping the size limit and transport errors to JSON errors.

@@ -114,14 +114,7 @@ pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
         server.max_finished_jobs,
     )
     .await?;
-    let restart_of = (env.incarnation > 0).then_some(env.started_unix);
-    let ctx = Arc::new(Ctx::new(
-        env.config.clone(),
-        shm,
-        jobs,
-        fingerprint,
-        restart_of,
-    ));
+    let ctx = Arc::new(Ctx::new(&env, shm, jobs, fingerprint));
     let _node = node::start_node(&env, env.router_port).await?;
     let (router, _) = Actor::spawn(Some("router".into()), RouterActor, ctx.clone())
         .await
