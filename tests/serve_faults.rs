@@ -340,3 +340,36 @@ fn a_crash_looping_worker_is_given_up_and_readyz_says_why() {
     let (s, v) = d.get("/v1/templates");
     assert_eq!(s, 200, "{v}");
 }
+
+#[test]
+fn delete_during_edits_lets_them_finish_and_then_frees_the_template() {
+    let d = Daemon::start(&[]);
+    let empty = shm_live(&d);
+    d.template("t", 8);
+    let jobs: Vec<String> = (0..6)
+        .map(|_| {
+            let (s, v) = d.post(
+                "/v1/edits",
+                &json!({"template_id": "t", "mask": mask_b64(), "async": true}),
+            );
+            assert_eq!(s, 202, "{v}");
+            v["id"].as_str().unwrap().to_string()
+        })
+        .collect();
+    // Deleted while the edits are queued, preprocessing or denoising.
+    let (s, v) = d.delete("/v1/templates/t");
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = d.post("/v1/edits", &json!({"template_id": "t", "mask": mask_b64()}));
+    assert_eq!(s, 404, "a new edit of a deleted template: {v}");
+    for id in &jobs {
+        let j = wait_job(&d, id);
+        assert_eq!(j["status"], "succeeded", "{j}");
+        assert_eq!(j["result"]["attempts"], 1, "{j}");
+    }
+    // Once the last edit is done, the template's slices are freed.
+    let t0 = Instant::now();
+    while shm_live(&d) != empty {
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?} vs {empty:?}", shm_live(&d));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -16,7 +16,7 @@ use crate::device::{self, Placed};
 use crate::node::{self, Role, Shm, WorkerEnv};
 use crate::scheduler::SchedulerConfig;
 use crate::stages::Pipeline;
-use crate::wire::{groups, DenoiseMsg, RouterMsg, Wire, WorkerInfo};
+use crate::wire::{groups, CacheMsg, DenoiseMsg, RouterMsg, Wire, WorkerInfo};
 use crate::workers::{
     cache::CacheActor, postprocess::PostprocessActor, preprocess::PreprocessActor,
 };
@@ -254,14 +254,16 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
         node::register(group, cell.clone());
         tracing::info!("{} ready", env.name());
         // When the router is lost, what this worker lent it is freed: its slices (the
-        // cache's templates are not the router's, they stay) and a denoise worker's
-        // running requests.
+        // cache's templates are not the router's, they stay, but the router's pins on
+        // them go) and a denoise worker's running requests.
         let lost = move || {
             if role != Role::Cache {
                 shm.release_all();
             }
-            if role == Role::Denoise {
-                node::tell(&cell, DenoiseMsg::RouterLost(Wire(())));
+            match role {
+                Role::Denoise => node::tell(&cell, DenoiseMsg::RouterLost(Wire(()))),
+                Role::Cache => node::tell(&cell, CacheMsg::RouterLost(Wire(()))),
+                _ => {}
             }
         };
         let rejoined = move || {

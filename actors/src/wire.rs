@@ -460,6 +460,14 @@ pub enum CacheMsg {
     List(Wire<()>, RpcReplyPort<Res<Vec<TemplateInfo>>>),
     #[rpc]
     Delete(Wire<String>, RpcReplyPort<Res<TemplateInfo>>),
+    /// `Get` for an edit: the template's slices stay valid (pinned), even if it is
+    /// deleted or replaced meanwhile, until the matching `Unpin`.
+    #[rpc]
+    Pin(Wire<String>, RpcReplyPort<Res<TemplateEntry>>),
+    /// The edit that pinned this template (by its cache blob) is done with it.
+    Unpin(Wire<Handle>),
+    /// From the cache process itself: the router was lost, and with it every pin.
+    RouterLost(Wire<()>),
 }
 
 /// Process-group names under which each group's actors register.

@@ -141,6 +141,18 @@ impl Ctx {
         node::ask(&c, |p| CacheMsg::Get(Wire(id.to_string()), p)).await
     }
 
+    /// The template an edit reads, pinned until [`Ctx::unpin`].
+    async fn pin_template(&self, id: &str) -> Result<TemplateEntry, WireError> {
+        let c = self.cache().await?;
+        node::ask(&c, |p| CacheMsg::Pin(Wire(id.to_string()), p)).await
+    }
+
+    async fn unpin(&self, t: &TemplateEntry) {
+        if let Ok(c) = self.cache().await {
+            node::tell(&c, CacheMsg::Unpin(Wire(t.blob.clone())));
+        }
+    }
+
     pub async fn templates(&self) -> Result<Vec<TemplateInfo>, WireError> {
         let c = self.cache().await?;
         node::ask(&c, |p| CacheMsg::List(Wire(()), p)).await
@@ -345,11 +357,27 @@ async fn denoise(
 pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput, WireError> {
     let t0 = Instant::now();
     // The template (404 before any work), and the steps and guidance it fixes.
+    // Pinned: a DELETE (or replacement) while this edit runs does not pull the
+    // template's slices from under it.
     let template = match &input.source {
-        Source::Template(id) => Some(ctx.template(id).await?),
+        Source::Template(id) => Some(ctx.pin_template(id).await?),
         Source::Image(_) => None,
     };
-    let (steps, guidance) = match &template {
+    let r = edit_pinned(ctx, job, input, template.as_ref(), t0).await;
+    if let Some(t) = &template {
+        ctx.unpin(t).await;
+    }
+    r
+}
+
+async fn edit_pinned(
+    ctx: &Ctx,
+    job: JobId,
+    input: &EditInput,
+    template: Option<&TemplateEntry>,
+    t0: Instant,
+) -> Result<EditOutput, WireError> {
+    let (steps, guidance) = match template {
         Some(t) => {
             let i = &t.info;
             if input.steps.is_some_and(|s| s != i.steps)
@@ -375,7 +403,7 @@ pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput
     };
     let (mut out, attempts) = with_retries(ctx, job, |_| async {
         let mut held = Held::default();
-        let r = edit_once(ctx, job, input, template.as_ref(), &params, &mut held).await;
+        let r = edit_once(ctx, job, input, template, &params, &mut held).await;
         held.release(&ctx.shm);
         r
     })

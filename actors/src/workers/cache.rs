@@ -5,8 +5,13 @@
 //! This is the single host tier; capacity, LRU eviction and the disk tier come with
 //! the cache issue. A template that does not fit the arena is refused with a clear
 //! error instead of evicting others.
+//!
+//! Edits pin the template they read (`Pin` ... `Unpin`): deleting or replacing a
+//! pinned template takes it out of the index at once (new edits get 404, or the new
+//! version), but its slices stay until the last edit reading them is done. Pins belong
+//! to the router's requests, so when the router is lost they all go.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -19,6 +24,11 @@ pub struct CacheActor;
 pub struct CacheState {
     shm: Arc<Shm>,
     templates: BTreeMap<String, TemplateEntry>,
+    /// Pins per template version (its blob's generation, unique in this arena).
+    pins: HashMap<u64, u32>,
+    /// Versions out of the index (deleted or replaced) while pinned, freed at the
+    /// last unpin.
+    retired: HashMap<u64, TemplateEntry>,
 }
 
 impl Actor for CacheActor {
@@ -34,6 +44,8 @@ impl Actor for CacheActor {
         Ok(CacheState {
             shm,
             templates: BTreeMap::new(),
+            pins: HashMap::new(),
+            retired: HashMap::new(),
         })
     }
 
@@ -57,12 +69,38 @@ impl Actor for CacheActor {
             CacheMsg::Delete(Wire(id), reply) => {
                 let r = match st.templates.remove(&id) {
                     Some(e) => {
-                        st.shm.release(&[e.blob, e.image]);
-                        Ok(e.info)
+                        let info = e.info.clone();
+                        st.retire(e);
+                        Ok(info)
                     }
                     None => Err(not_found(&id)),
                 };
                 let _ = reply.send(Wire(r));
+            }
+            CacheMsg::Pin(Wire(id), reply) => {
+                let r = st.get(&id).cloned();
+                if let Ok(e) = &r {
+                    *st.pins.entry(e.blob.generation).or_default() += 1;
+                }
+                let _ = reply.send(Wire(r));
+            }
+            CacheMsg::Unpin(Wire(blob)) => {
+                let g = blob.generation;
+                if let Some(n) = st.pins.get_mut(&g) {
+                    *n -= 1;
+                    if *n == 0 {
+                        st.pins.remove(&g);
+                        if let Some(e) = st.retired.remove(&g) {
+                            st.shm.release(&[e.blob, e.image]);
+                        }
+                    }
+                }
+            }
+            CacheMsg::RouterLost(_) => {
+                st.pins.clear();
+                for (_, e) in st.retired.drain() {
+                    st.shm.release(&[e.blob, e.image]);
+                }
             }
         }
         Ok(())
@@ -108,8 +146,17 @@ impl CacheState {
         info.cache_bytes = blob.len;
         let entry = TemplateEntry { info, blob, image };
         if let Some(old) = self.templates.insert(entry.info.id.clone(), entry.clone()) {
-            self.shm.release(&[old.blob, old.image]);
+            self.retire(old);
         }
         Ok(entry)
+    }
+
+    /// A version out of the index: freed now, or at its last unpin.
+    fn retire(&mut self, e: TemplateEntry) {
+        if self.pins.contains_key(&e.blob.generation) {
+            self.retired.insert(e.blob.generation, e);
+        } else {
+            self.shm.release(&[e.blob, e.image]);
+        }
     }
 }
