@@ -9,6 +9,15 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::json;
 
+/// A daemon started with this config.toml (the directory holding it must outlive it).
+fn with_config(toml: &str) -> (tempfile::TempDir, Daemon) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, toml).unwrap();
+    let d = Daemon::start(&["--config", cfg.to_str().unwrap()]);
+    (dir, d)
+}
+
 /// Waits until `/readyz` answers 200 again; returns how long it took.
 fn until_ready(d: &Daemon, limit: Duration) -> Duration {
     let t0 = Instant::now();
@@ -160,19 +169,6 @@ fn hostile_masks_are_refused_fast_and_the_daemon_keeps_serving() {
     assert_eq!(s, 200, "{v}");
 }
 
-/// Live slices and bytes in all of the daemon's shared-memory arenas.
-fn shm_live(d: &Daemon) -> (u32, u64) {
-    use denoised_runtime::shm::{self, ArenaView};
-    let (dir, ns) = (shm::default_dir(), format!("s{}", d.child.id()));
-    shm::list_arenas(&dir, &ns)
-        .unwrap()
-        .iter()
-        .filter(|a| a.owner_alive && a.capacity > 0)
-        .filter_map(|a| ArenaView::attach(&dir, &ns, &a.name).ok())
-        .map(|v| v.live())
-        .fold((0, 0), |(n, b), (n2, b2)| (n + n2, b + b2))
-}
-
 /// Kill -9 of each role in turn under a load of concurrent edits: every request ends
 /// within a bounded time (success after a retry, or a clear error), the daemon serves
 /// again within 5 s, shared-memory use returns to its baseline, and a new edit works.
@@ -182,7 +178,16 @@ fn kill_9_of_each_role_under_load_loses_nothing() {
     d.template("t", 8);
     let edit = json!({"template_id": "t", "mask": mask_b64()});
     assert_eq!(d.post("/v1/edits", &edit).0, 200);
-    let baseline = shm_live(&d);
+    // Releases are messages: the baseline is taken once they have settled.
+    let mut baseline = d.shm_live();
+    loop {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = d.shm_live();
+        if now == baseline {
+            break;
+        }
+        baseline = now;
+    }
     println!("baseline: {baseline:?} (live slices, bytes)");
     for role in ["preprocess", "denoise", "postprocess", "cache", "router"] {
         let victim = d.worker_pid(role);
@@ -238,24 +243,27 @@ fn kill_9_of_each_role_under_load_loses_nothing() {
         // Shared memory returns to its baseline (releases are messages: give them a
         // moment).
         let t0 = Instant::now();
-        let mut live = shm_live(&d);
-        while live != baseline && t0.elapsed() < Duration::from_secs(5) {
+        let mut live = d.shm_live();
+        while live != baseline && t0.elapsed() < Duration::from_secs(20) {
             std::thread::sleep(Duration::from_millis(50));
-            live = shm_live(&d);
+            live = d.shm_live();
         }
         println!(
-            "{role}: statuses {:?}, slowest {:.2} s; serving again {:.2} s after the kill; shm {live:?}",
+            "{role}: statuses {:?}, slowest {:.2} s; serving again {:.2} s after the kill; shm {live:?} after {:.2} s",
             ended.iter().map(|e| e.0).collect::<Vec<_>>(),
             ended.iter().map(|e| e.1.as_secs_f64()).fold(0.0, f64::max),
-            serving.as_secs_f64()
+            serving.as_secs_f64(),
+            t0.elapsed().as_secs_f64()
         );
         assert!(
             serving < Duration::from_secs(5),
             "{role}: serving again took {serving:?}"
         );
         assert_eq!(
-            live, baseline,
-            "{role}: shared memory did not return to its baseline"
+            live,
+            baseline,
+            "{role}: shared memory did not return to its baseline: {:?}",
+            d.shm_by_arena()
         );
     }
 }
@@ -263,10 +271,7 @@ fn kill_9_of_each_role_under_load_loses_nothing() {
 #[test]
 fn a_template_that_cannot_be_stored_is_refused_before_it_runs() {
     // A 64x64 template of 8 steps needs about 6 MB; the cache arena has 1 MB.
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("config.toml");
-    std::fs::write(&cfg, "[workers]\ncache_arena_bytes = 1000000\n").unwrap();
-    let d = Daemon::start(&["--config", cfg.to_str().unwrap()]);
+    let (_dir, d) = with_config("[workers]\ncache_arena_bytes = 1000000\n");
     let (s, v) = d.post(
         "/v1/templates",
         &json!({"image": image_b64(), "id": "big", "steps": 8, "async": true}),
@@ -344,7 +349,7 @@ fn a_crash_looping_worker_is_given_up_and_readyz_says_why() {
 #[test]
 fn delete_during_edits_lets_them_finish_and_then_frees_the_template() {
     let d = Daemon::start(&[]);
-    let empty = shm_live(&d);
+    let empty = d.shm_live();
     d.template("t", 8);
     let jobs: Vec<String> = (0..6)
         .map(|_| {
@@ -359,7 +364,10 @@ fn delete_during_edits_lets_them_finish_and_then_frees_the_template() {
     // Deleted while the edits are queued, preprocessing or denoising.
     let (s, v) = d.delete("/v1/templates/t");
     assert_eq!(s, 200, "{v}");
-    let (s, v) = d.post("/v1/edits", &json!({"template_id": "t", "mask": mask_b64()}));
+    let (s, v) = d.post(
+        "/v1/edits",
+        &json!({"template_id": "t", "mask": mask_b64()}),
+    );
     assert_eq!(s, 404, "a new edit of a deleted template: {v}");
     for id in &jobs {
         let j = wait_job(&d, id);
@@ -368,8 +376,59 @@ fn delete_during_edits_lets_them_finish_and_then_frees_the_template() {
     }
     // Once the last edit is done, the template's slices are freed.
     let t0 = Instant::now();
-    while shm_live(&d) != empty {
-        assert!(t0.elapsed() < Duration::from_secs(5), "{:?} vs {empty:?}", shm_live(&d));
+    while d.shm_live() != empty {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "{:?} vs {empty:?}",
+            d.shm_live()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_stage_past_its_deadline_is_a_504_and_the_daemon_goes_on() {
+    let (_dir, d) = with_config("[server]\nstage_timeout_seconds = 1\n");
+    // 100 steps take longer than the 1 s deadline of the denoise stage.
+    let t0 = Instant::now();
+    let (s, v) = d.post(
+        "/v1/edits",
+        &json!({"image": image_b64(), "mask": mask_b64(), "steps": 100}),
+    );
+    let secs = t0.elapsed().as_secs_f64();
+    println!("504 after {secs:.2} s: {}", v["error"]["message"]);
+    assert_eq!(s, 504, "{v}");
+    assert_eq!(v["error"]["code"], "timeout", "{v}");
+    assert!(secs < 5.0, "{secs}");
+    let (s, v) = d.post(
+        "/v1/edits",
+        &json!({"image": image_b64(), "mask": mask_b64(), "steps": 2}),
+    );
+    assert_eq!(s, 200, "{v}");
+}
+
+#[test]
+fn a_cancel_before_any_step_stops_the_request_where_it_is() {
+    let d = Daemon::start(&[]);
+    // Cancelled as soon as accepted: queued or preprocessing. It must end cancelled
+    // without a denoising step, and the daemon's shared memory must be as before.
+    let empty = d.shm_live();
+    for _ in 0..5 {
+        let (s, v) = d.post(
+            "/v1/edits",
+            &json!({"image": image_b64(), "mask": mask_b64(), "steps": 50, "async": true}),
+        );
+        assert_eq!(s, 202, "{v}");
+        let id = v["id"].as_str().unwrap().to_string();
+        let (s, c) = d.delete(&format!("/v1/jobs/{id}"));
+        assert_eq!(s, 202, "{c}");
+        let j = wait_job(&d, &id);
+        assert_eq!(j["status"], "cancelled", "{j}");
+        assert_eq!(j["step"], 0, "a cancelled request went on denoising: {j}");
+    }
+    let t0 = Instant::now();
+    while d.shm_live() != empty {
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", d.shm_live());
         std::thread::sleep(Duration::from_millis(20));
     }
 }

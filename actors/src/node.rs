@@ -232,9 +232,11 @@ pub fn members(group: &str) -> Vec<ActorCell> {
 }
 
 /// A typed call: the reply, or a typed error. A failed send or a dropped reply port
-/// means the worker process went away ([`ErrorKind::WorkerLost`]).
+/// means the worker process went away ([`ErrorKind::WorkerLost`]); no reply within
+/// `timeout` is [`ErrorKind::Timeout`], so no caller waits forever on a hung worker.
 pub async fn ask<M, T>(
     cell: &ActorCell,
+    timeout: Duration,
     build: impl FnOnce(ractor::RpcReplyPort<Res<T>>) -> M,
 ) -> Result<T, WireError>
 where
@@ -242,9 +244,21 @@ where
     T: Send + 'static,
 {
     let actor: ActorRef<M> = cell.clone().into();
-    match actor.call(build, None).await {
+    // The deadline is kept here, not handed to ractor: a remote call's own timeout
+    // comes back as a closed port, which would read as a lost worker (and be retried).
+    match tokio::time::timeout(timeout, actor.call(build, None))
+        .await
+        .unwrap_or(Ok(CallResult::Timeout))
+    {
         Ok(CallResult::Success(reply)) => reply.0,
-        Ok(CallResult::Timeout) => Err(WireError::internal("call timed out")),
+        Ok(CallResult::Timeout) => Err(WireError::new(
+            ErrorKind::Timeout,
+            format!(
+                "worker {} did not answer within {} s ([server] stage_timeout_seconds)",
+                cell.get_id(),
+                timeout.as_secs()
+            ),
+        )),
         Ok(CallResult::SenderError) | Err(_) => Err(WireError::new(
             ErrorKind::WorkerLost,
             format!("worker {} went away", cell.get_id()),

@@ -70,6 +70,8 @@ pub enum ErrorKind {
     Unavailable,
     /// The server is at its admission limit; retry later (429 with Retry-After).
     Overloaded,
+    /// A stage did not answer within its deadline (504).
+    Timeout,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -41,6 +41,9 @@ pub struct ServerConfig {
     pub max_queued_requests: usize,
     /// Most finished jobs kept for `GET /v1/jobs/{id}` (the oldest go first).
     pub max_finished_jobs: usize,
+    /// Deadline of each stage of a request (one call to a worker: preprocess, the
+    /// whole denoise including its wait for a batch slot, postprocess, the cache).
+    pub stage_timeout_seconds: u64,
 }
 
 impl Default for ServerConfig {
@@ -54,6 +57,7 @@ impl Default for ServerConfig {
             job_ttl_seconds: 600,
             max_queued_requests: 256,
             max_finished_jobs: 10_000,
+            stage_timeout_seconds: 600,
         }
     }
 }

@@ -150,6 +150,83 @@ impl Daemon {
     }
 }
 
+impl Daemon {
+    /// `denoised bench-serve` against this daemon (8-step templates); its JSON report.
+    pub fn bench_serve(&self, args: &[&str]) -> Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_denoised"))
+            .args(["bench-serve", "--url", &self.url, "--json", "--steps", "8"])
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "bench-serve failed: {stderr}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+    }
+
+    /// Resident memory (VmRSS) in MB of the supervisor and each worker, by command line
+    /// role (`supervisor`, `router`, `preprocess`, ...).
+    pub fn rss_by_process(&self) -> Vec<(String, f64)> {
+        let sup = self.child.id() as u64;
+        let mut out = Vec::new();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<u64>() else {
+                continue;
+            };
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+            let field = |k: &str| {
+                status
+                    .lines()
+                    .find(|l| l.starts_with(k))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|v| v.parse::<u64>().ok())
+            };
+            let name = if pid == sup {
+                "supervisor".to_string()
+            } else if field("PPid:") == Some(sup) {
+                let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+                let role = cmd.split("--role ").nth(1).unwrap_or("?");
+                role.split_whitespace()
+                    .take(3)
+                    .collect::<Vec<_>>()
+                    .join("")
+                    .replace("--index", "")
+            } else {
+                continue;
+            };
+            out.push((name, field("VmRSS:").unwrap_or(0) as f64 / 1024.0));
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// Resident memory of the daemon's processes together, in MB.
+    pub fn rss_mb(&self) -> f64 {
+        self.rss_by_process().iter().map(|p| p.1).sum()
+    }
+
+    /// Live slices and their bytes in all of the daemon's shared-memory arenas.
+    pub fn shm_live(&self) -> (u32, u64) {
+        self.shm_by_arena()
+            .iter()
+            .fold((0, 0), |(n, b), (_, (n2, b2))| (n + n2, b + b2))
+    }
+
+    /// Live slices and their bytes per arena.
+    pub fn shm_by_arena(&self) -> Vec<(String, (u32, u64))> {
+        use denoised_runtime::shm::{self, ArenaView};
+        let (dir, ns) = (shm::default_dir(), format!("s{}", self.child.id()));
+        shm::list_arenas(&dir, &ns)
+            .unwrap()
+            .iter()
+            .filter(|a| a.owner_alive && a.capacity > 0)
+            .filter_map(|a| ArenaView::attach(&dir, &ns, &a.name).ok())
+            .map(|v| (v.name().to_string(), v.live()))
+            .collect()
+    }
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };

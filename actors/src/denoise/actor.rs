@@ -38,6 +38,9 @@ use crate::wire::{
 /// Templates a worker keeps decoded in its own memory (most recently used first).
 /// Edits of a hot template then skip the copy out of the cache arena.
 const TEMPLATE_SLOTS: usize = 4;
+/// Cancels remembered for requests that have not arrived (more than can be in
+/// flight between the router's tasks).
+const CANCELLED_KEPT: usize = 256;
 
 pub struct DenoiseActor;
 
@@ -65,6 +68,8 @@ pub struct DenoiseState {
     inline: InlineJobs,
     templates: VecDeque<(Handle, Arc<TemplateCache>)>,
     cache_arena_bytes: u64,
+    /// Cancels of requests not (yet) here, newest first.
+    cancelled: VecDeque<JobId>,
 }
 
 pub fn unix_now() -> f64 {
@@ -109,6 +114,7 @@ impl Actor for DenoiseActor {
             inline,
             templates: VecDeque::new(),
             cache_arena_bytes: a.cache_arena_bytes,
+            cancelled: VecDeque::new(),
         })
     }
 
@@ -121,6 +127,12 @@ impl Actor for DenoiseActor {
         match msg {
             DenoiseMsg::Denoise(Wire(req), reply) => {
                 let job = req.job;
+                if let Some(i) = st.cancelled.iter().position(|&c| c == job) {
+                    st.cancelled.remove(i);
+                    let e = WireError::new(ErrorKind::Cancelled, "the request was cancelled");
+                    let _ = reply.send(Wire(Err(e)));
+                    return Ok(());
+                }
                 match st.request(&req) {
                     Ok(r) => {
                         st.pending
@@ -153,7 +165,16 @@ impl Actor for DenoiseActor {
                     reply,
                 );
             }
-            DenoiseMsg::Cancel(Wire(job)) => st.lp.cancel(job),
+            DenoiseMsg::Cancel(Wire(job)) => {
+                if st.pending.contains_key(&job) {
+                    st.lp.cancel(job);
+                } else {
+                    // The cancel overtook its request (sent from another task of the
+                    // router): remembered, so the request is refused when it comes.
+                    st.cancelled.push_front(job);
+                    st.cancelled.truncate(CANCELLED_KEPT);
+                }
+            }
             DenoiseMsg::Release(Wire(handles)) => st.shm.release(&handles),
             DenoiseMsg::Done(Wire((job, result))) => {
                 if let Some((reply, arrived, epoch)) = st.pending.remove(&job) {

@@ -22,6 +22,8 @@ use crate::wire::*;
 
 /// Attempts of a request when workers die under it.
 const ATTEMPTS: usize = 3;
+/// Workers found gone that [`Ctx::ask`] remembers.
+const LOST_KEPT: usize = 64;
 /// How long a request waits for a group to have a live member (a restart).
 const WORKER_WAIT: Duration = Duration::from_secs(60);
 
@@ -40,6 +42,8 @@ pub struct Ctx {
     pub admission: super::admission::Admission,
     /// The supervisor's status (`crate::supervisor::Status`): slots it gave up on.
     pub status_file: std::path::PathBuf,
+    /// Workers found gone by a call, newest first (see [`Ctx::ask`]).
+    lost: std::sync::Mutex<std::collections::VecDeque<ractor::ActorId>>,
     rr: [AtomicUsize; 3],
     /// What each worker process loaded, as it announced itself (by process name; a
     /// restarted process replaces its entry).
@@ -64,12 +68,44 @@ impl Ctx {
             jobs,
             model,
             status_file: env.status_file.clone(),
+            lost: Default::default(),
             next_job: AtomicU64::new(first),
             lost_jobs: restart_of.map(|t| id_at(t)..first),
             admission: super::admission::Admission::new(limit),
             rr: Default::default(),
             processes: Default::default(),
         }
+    }
+
+    /// A call to a worker ([`node::ask`]) within `[server] stage_timeout_seconds`. A
+    /// worker found gone is remembered, so that the retry goes to another one even
+    /// before the cluster's membership has caught up with its death.
+    async fn ask<M, T>(
+        &self,
+        cell: &ActorCell,
+        build: impl FnOnce(ractor::RpcReplyPort<Res<T>>) -> M,
+    ) -> Result<T, WireError>
+    where
+        M: ractor::Message,
+        T: Send + 'static,
+    {
+        let timeout = Duration::from_secs(self.config.server.stage_timeout_seconds);
+        let r = node::ask(cell, timeout, build).await;
+        if r.as_ref().is_err_and(|e| e.kind == ErrorKind::WorkerLost) {
+            let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
+            lost.push_front(cell.get_id());
+            // Process ids are never reused, so a short memory suffices.
+            lost.truncate(LOST_KEPT);
+        }
+        r
+    }
+
+    /// The live members of `group`, without those found gone.
+    fn members(&self, group: &str) -> Vec<ActorCell> {
+        let lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = node::members(group);
+        m.retain(|c| !lost.contains(&c.get_id()));
+        m
     }
 
     pub fn next_job(&self) -> JobId {
@@ -81,7 +117,7 @@ impl Ctx {
     async fn pick(&self, group: &'static str, slot: usize) -> Result<ActorCell, WireError> {
         let t0 = Instant::now();
         loop {
-            let mut m = node::members(group);
+            let mut m = self.members(group);
             if !m.is_empty() {
                 m.sort_by_key(|c| c.get_id().to_string());
                 let i = self.rr[slot].fetch_add(1, Ordering::Relaxed) % m.len();
@@ -95,7 +131,7 @@ impl Ctx {
     async fn cache(&self) -> Result<ActorCell, WireError> {
         let t0 = Instant::now();
         loop {
-            if let Some(c) = node::members(groups::CACHE).into_iter().next() {
+            if let Some(c) = self.members(groups::CACHE).into_iter().next() {
                 return Ok(c);
             }
             self.check_group(groups::CACHE, t0)?;
@@ -138,13 +174,15 @@ impl Ctx {
 
     pub async fn template(&self, id: &str) -> Result<TemplateEntry, WireError> {
         let c = self.cache().await?;
-        node::ask(&c, |p| CacheMsg::Get(Wire(id.to_string()), p)).await
+        self.ask(&c, |p| CacheMsg::Get(Wire(id.to_string()), p))
+            .await
     }
 
     /// The template an edit reads, pinned until [`Ctx::unpin`].
     async fn pin_template(&self, id: &str) -> Result<TemplateEntry, WireError> {
         let c = self.cache().await?;
-        node::ask(&c, |p| CacheMsg::Pin(Wire(id.to_string()), p)).await
+        self.ask(&c, |p| CacheMsg::Pin(Wire(id.to_string()), p))
+            .await
     }
 
     async fn unpin(&self, t: &TemplateEntry) {
@@ -155,12 +193,13 @@ impl Ctx {
 
     pub async fn templates(&self) -> Result<Vec<TemplateInfo>, WireError> {
         let c = self.cache().await?;
-        node::ask(&c, |p| CacheMsg::List(Wire(()), p)).await
+        self.ask(&c, |p| CacheMsg::List(Wire(()), p)).await
     }
 
     pub async fn delete_template(&self, id: &str) -> Result<TemplateInfo, WireError> {
         let c = self.cache().await?;
-        node::ask(&c, |p| CacheMsg::Delete(Wire(id.to_string()), p)).await
+        self.ask(&c, |p| CacheMsg::Delete(Wire(id.to_string()), p))
+            .await
     }
 
     /// Whether every group has its configured number of live members.
@@ -315,9 +354,14 @@ async fn preprocess(
     prepare: PrepareReq,
     held: &mut Held,
 ) -> Result<Prepared, WireError> {
+    // A cancel is checked before every stage as well as after, so a cancelled request
+    // starts no further work, whatever state the cancel found it in.
+    check_cancel(ctx, job).await?;
     ctx.jobs.stage(job, Status::Preprocessing, None);
     let pre = ctx.pick(groups::PREPROCESS, 0).await?;
-    let prepared = node::ask(&pre, |p| PreprocessMsg::Prepare(Wire(prepare), p)).await?;
+    let prepared = ctx
+        .ask(&pre, |p| PreprocessMsg::Prepare(Wire(prepare), p))
+        .await?;
     held.pre.push((pre, prepared.handles()));
     check_cancel(ctx, job).await?;
     Ok(prepared)
@@ -334,6 +378,7 @@ async fn denoise(
     work: DenoiseWork,
     held: &mut Held,
 ) -> Result<Denoised, WireError> {
+    check_cancel(ctx, job).await?;
     let den = ctx.pick(groups::DENOISE, 1).await?;
     ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
     let req = DenoiseReq {
@@ -345,7 +390,15 @@ async fn denoise(
         active,
         work,
     };
-    let d = node::ask(&den, |p| DenoiseMsg::Denoise(Wire(req), p)).await?;
+    let d = ctx
+        .ask(&den, |p| DenoiseMsg::Denoise(Wire(req), p))
+        .await
+        .inspect_err(|e| {
+            if e.kind == ErrorKind::Timeout {
+                // Past its deadline: stop computing it.
+                node::tell(&den, DenoiseMsg::Cancel(Wire(job)));
+            }
+        })?;
     let mut handles = vec![d.latents.clone()];
     handles.extend(d.cache.clone());
     held.den.push((den, handles));
@@ -468,7 +521,7 @@ async fn edit_once(
             work,
             finish: Some(input.finish.clone()),
         };
-        let d = node::ask(&den, |p| DenoiseMsg::Inline(Wire(req), p)).await?;
+        let d = ctx.ask(&den, |p| DenoiseMsg::Inline(Wire(req), p)).await?;
         let img = d
             .image
             .clone()
@@ -502,6 +555,7 @@ async fn edit_once(
     };
     let d = denoise(ctx, job, &prepared, params.steps, active, work, held).await?;
 
+    check_cancel(ctx, job).await?;
     ctx.jobs.stage(job, Status::Postprocessing, None);
     let post = ctx.pick(groups::POSTPROCESS, 2).await?;
     let fin = FinishReq {
@@ -513,7 +567,9 @@ async fn edit_once(
         height: prepared.height,
         params: input.finish.clone(),
     };
-    let f = node::ask(&post, |p| PostprocessMsg::Finish(Wire(fin), p)).await?;
+    let f = ctx
+        .ask(&post, |p| PostprocessMsg::Finish(Wire(fin), p))
+        .await?;
     held.post.push((post, vec![f.image.clone()]));
     check_cancel(ctx, job).await?;
     let bytes = ctx.shm.read_bytes(&f.image)?;
@@ -610,7 +666,7 @@ async fn capture_once(
             work: DenoiseWork::Capture,
             finish: None,
         };
-        let d = node::ask(&den, |p| DenoiseMsg::Inline(Wire(req), p)).await?;
+        let d = ctx.ask(&den, |p| DenoiseMsg::Inline(Wire(req), p)).await?;
         held.den.push((den, d.cache.iter().cloned().collect()));
         let blob = d
             .cache
@@ -638,6 +694,6 @@ async fn capture_once(
         image,
         replace: input.replace,
     };
-    let entry = node::ask(&cache, |p| CacheMsg::Put(Wire(put), p)).await?;
+    let entry = ctx.ask(&cache, |p| CacheMsg::Put(Wire(put), p)).await?;
     Ok(entry.info)
 }

@@ -58,6 +58,7 @@ impl From<WireError> for ApiError {
             }
             ErrorKind::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
             ErrorKind::Overloaded => (StatusCode::TOO_MANY_REQUESTS, "overloaded"),
+            ErrorKind::Timeout => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
         };
         ApiError::new(status, code, e.message)
     }
