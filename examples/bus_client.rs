@@ -124,15 +124,17 @@ async fn run(args: Args) -> Result<(), String> {
     let t1 = Instant::now();
     // A reply port the daemon drops (e.g. a request it cannot decode: another version)
     // is never reported across nodes, so the call itself has no end: bound it.
-    let call = node::ask(&router, |reply| RouterMsg::BusEdit(Wire(req), reply));
-    let done = tokio::time::timeout(Duration::from_secs(args.timeout_s), call)
-        .await
-        .map_err(|_| format!("no reply within {} s", args.timeout_s))?
-        .map_err(|e| match e.kind {
-            ErrorKind::NotFound => format!("not found: {}", e.message),
-            ErrorKind::WorkerLost => format!("lost the connection to the daemon: {}", e.message),
-            _ => format!("edit failed: {e}"),
-        })?;
+    let timeout = Duration::from_secs(args.timeout_s);
+    let done = node::ask(&router, timeout, |reply| {
+        RouterMsg::BusEdit(Wire(req), reply)
+    })
+    .await
+    .map_err(|e| match e.kind {
+        ErrorKind::Timeout => format!("no reply within {} s", args.timeout_s),
+        ErrorKind::NotFound => format!("not found: {}", e.message),
+        ErrorKind::WorkerLost => format!("lost the connection to the daemon: {}", e.message),
+        _ => format!("edit failed: {e}"),
+    })?;
 
     std::fs::write(&args.out, &done.png)
         .map_err(|e| format!("cannot write {}: {e}", args.out.display()))?;
