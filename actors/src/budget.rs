@@ -12,7 +12,7 @@
 //! - a reserve for allocator fragmentation and library workspaces created lazily;
 //! - what is left holds templates: every template the running batch reads is resident
 //!   during its step, so the batch scheduler admits a request only while the distinct
-//!   templates of the batch fit here (`SchedulerConfig::template_bytes`), and the
+//!   templates of the batch fit here (`BatchConfig::template_bytes`), and the
 //!   worker keeps recently used ones resident in the rest.
 //!
 //! The workspace figure is an upper bound of the model's allocations, in units of the

@@ -19,7 +19,7 @@ use ractor::ActorRef;
 use serde::Serialize;
 
 use crate::denoise::{DenoiseLoop, DenoiseRequest, Event, LoopOptions, Work};
-use crate::scheduler::SchedulerConfig;
+use crate::scheduler::BatchConfig;
 use crate::wire::{groups, RouterMsg, Wire};
 
 /// Order statistics of a sample, in seconds.
@@ -61,7 +61,7 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
             .load_transformer(CpuBackend::new())
             .map_err(|e| e.to_string())?,
     );
-    let cfg = SchedulerConfig {
+    let cfg = BatchConfig {
         max_batch: requests.max(1),
         ..Default::default()
     };

@@ -14,7 +14,7 @@ use ractor::Actor;
 use crate::denoise::actor::{DenoiseActor, DenoiseArgs};
 use crate::device::{self, Placed};
 use crate::node::{self, Role, Shm, WorkerEnv};
-use crate::scheduler::SchedulerConfig;
+use crate::scheduler::BatchConfig;
 use crate::stages::Pipeline;
 use crate::wire::{groups, CacheMsg, DenoiseMsg, RouterMsg, Wire, WorkerInfo};
 use crate::workers::{
@@ -217,7 +217,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                 }),
             ) => {
                 let d = &env.config.denoise;
-                let sched = SchedulerConfig {
+                let sched = BatchConfig {
                     max_batch: d.max_batch,
                     token_budget: d.token_budget,
                     mode: d.batching,

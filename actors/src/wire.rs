@@ -164,9 +164,10 @@ impl InputHandles {
     }
 }
 
-/// preprocess → router.
+/// preprocess → router: where a prepared request lies in shared memory (the
+/// conditioning itself is `denoised_models::pipeline::flux_fill::Prepared`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Prepared {
+pub struct PreparedRefs {
     pub inputs: InputHandles,
     /// Decoded RGB8 pixels `[h, w, 3]` and the binary pixel mask `[h, w]` (0/1), for
     /// paste-back.
@@ -183,7 +184,7 @@ pub struct Prepared {
     pub seconds: f64,
 }
 
-impl Prepared {
+impl PreparedRefs {
     /// The slices of the preprocess worker's arena this reply lends to the router.
     pub fn handles(&self) -> Vec<Handle> {
         let mut h = self.inputs.all();
@@ -415,7 +416,7 @@ pub enum RouterMsg {
 #[derive(RactorClusterMessage)]
 pub enum PreprocessMsg {
     #[rpc]
-    Prepare(Wire<PrepareReq>, RpcReplyPort<Res<Prepared>>),
+    Prepare(Wire<PrepareReq>, RpcReplyPort<Res<PreparedRefs>>),
     /// The router is done with these slices of this worker's arena.
     Release(Wire<Vec<Handle>>),
 }

@@ -56,7 +56,7 @@ impl Default for ServerConfig {
             api_token: String::new(),
             job_ttl_seconds: 600,
             max_queued_requests: 256,
-            max_finished_jobs: 10_000,
+            max_finished_jobs: 1000,
             stage_timeout_seconds: 600,
         }
     }

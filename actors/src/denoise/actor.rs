@@ -8,7 +8,7 @@
 //! and enqueues, so the loop runs step after step.
 //!
 //! With `[denoise] disaggregate = false` (the baseline) the same actor also prepares
-//! and finishes requests itself, as `Command::Run` work on the loop thread between
+//! and finishes requests itself, as `LoopCommand::Run` work on the loop thread between
 //! steps (see [`super::inline`]).
 
 use std::collections::{HashMap, VecDeque};
@@ -28,7 +28,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use super::inline::{self, InlineJobs};
 use super::{DenoiseLoop, DenoiseRequest, Event, LoopOptions, Work};
 use crate::node::{self, Shm};
-use crate::scheduler::SchedulerConfig;
+use crate::scheduler::BatchConfig;
 use crate::stages::Pipeline;
 use crate::wire::{
     groups, DenoiseMsg, DenoiseReq, DenoiseStats, DenoiseWork, Denoised, ErrorKind, InputHandles,
@@ -50,7 +50,7 @@ pub struct DenoiseArgs {
     /// The transformer on this worker's device; the loop thread takes it over.
     pub stepper: Box<dyn Stepper>,
     pub shm: Arc<Shm>,
-    pub sched: SchedulerConfig,
+    pub sched: BatchConfig,
     /// Faults to inject (tests and drills; none when serving).
     pub faults: crate::fault::Faults,
     /// `[workers] cache_arena_bytes`: a capture whose template cannot fit it is

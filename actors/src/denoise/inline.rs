@@ -15,7 +15,7 @@ use denoised_runtime::shm::Handle;
 use denoised_runtime::{DType, Tensor};
 
 use super::actor::{unix_now, EventCtx};
-use super::{Command, DenoiseRequest, LoopSender, Work};
+use super::{DenoiseRequest, LoopCommand, LoopSender, Work};
 use crate::node::Shm;
 use crate::stages::{self, MaskInput, Pipeline};
 use crate::wire::{
@@ -60,7 +60,7 @@ pub fn submit(
         }
     };
     let (tx, p, jobs) = (loop_tx.clone(), pipeline.clone(), jobs.clone());
-    loop_tx.send(Command::Run(Box::new(move || {
+    loop_tx.send(LoopCommand::Run(Box::new(move || {
         let t0 = Instant::now();
         let mask = MaskInput::new(&req.prepare.mask, mask_bytes.as_deref());
         let params = &req.prepare.params;
@@ -107,7 +107,7 @@ pub fn submit(
                 jobs.lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .insert(r.id, job);
-                tx.send(Command::Submit(r));
+                tx.send(LoopCommand::Submit(r));
             }
             Err(e) => {
                 let _ = reply.send(Wire(Err(e)));
@@ -146,7 +146,7 @@ pub(super) fn finish(
         return;
     };
     let (p, shm) = (ctx.pipeline.clone(), ctx.shm.clone());
-    ctx.loop_tx.send(Command::Run(Box::new(move || {
+    ctx.loop_tx.send(LoopCommand::Run(Box::new(move || {
         let t0 = Instant::now();
         let r = stages::finish(
             &p,

@@ -1,7 +1,7 @@
 //! The denoise worker's step loop: schedule → execute → update, on its own OS thread.
 //!
 //! The thread owns the model (and, with a GPU, the device). Everything else talks to it
-//! through channels: [`Command`]s in (submit, cancel, shut down), [`Event`]s out (steps,
+//! through channels: [`LoopCommand`]s in (submit, cancel, shut down), [`Event`]s out (steps,
 //! progress, finished latents). The loop never blocks on anything but the model: it
 //! drains commands without waiting while there is work, sends results on an unbounded
 //! channel, and only sleeps on the command channel when it has nothing to run. New
@@ -25,7 +25,7 @@ use denoised_models::mask::TokenMask;
 use denoised_models::FlowMatchEuler;
 use denoised_runtime::Tensor;
 
-use crate::scheduler::{BatchScheduler, RequestId, SchedRequest, SchedulerConfig, TemplateUse};
+use crate::scheduler::{BatchConfig, BatchScheduler, RequestId, SchedRequest, TemplateUse};
 
 /// Exit status of a denoise worker whose device failed (EX_SOFTWARE).
 pub const EXIT_DEVICE_FAULT: i32 = 70;
@@ -50,7 +50,7 @@ pub struct DenoiseRequest {
     pub work: Work,
 }
 
-pub enum Command {
+pub enum LoopCommand {
     Submit(DenoiseRequest),
     Cancel(RequestId),
     /// Work to run on the loop thread at the next step boundary. This is how the
@@ -64,10 +64,10 @@ pub enum Command {
 
 /// A cloneable sender of commands to a loop (for threads other than the owner's).
 #[derive(Clone)]
-pub struct LoopSender(Sender<Command>);
+pub struct LoopSender(Sender<LoopCommand>);
 
 impl LoopSender {
-    pub fn send(&self, cmd: Command) {
+    pub fn send(&self, cmd: LoopCommand) {
         let _ = self.0.send(cmd);
     }
 }
@@ -106,7 +106,7 @@ pub enum Event {
 /// Handle to a running loop: a command sender and an event receiver. Dropping it
 /// shuts the loop down.
 pub struct DenoiseLoop {
-    commands: Sender<Command>,
+    commands: Sender<LoopCommand>,
     events: Receiver<Event>,
     thread: Option<JoinHandle<()>>,
 }
@@ -127,7 +127,7 @@ impl DenoiseLoop {
     /// Starts the loop thread, which takes ownership of the model on its device.
     pub fn spawn(
         stepper: Box<dyn Stepper>,
-        config: SchedulerConfig,
+        config: BatchConfig,
         options: LoopOptions,
     ) -> Result<Self, String> {
         let sched = BatchScheduler::new(config).map_err(|e| e.to_string())?;
@@ -146,11 +146,11 @@ impl DenoiseLoop {
 
     pub fn submit(&self, req: DenoiseRequest) {
         // The loop only stops after Shutdown, which only Drop sends.
-        let _ = self.commands.send(Command::Submit(req));
+        let _ = self.commands.send(LoopCommand::Submit(req));
     }
 
     pub fn cancel(&self, id: RequestId) {
-        let _ = self.commands.send(Command::Cancel(id));
+        let _ = self.commands.send(LoopCommand::Cancel(id));
     }
 
     pub fn events(&self) -> &Receiver<Event> {
@@ -164,7 +164,7 @@ impl DenoiseLoop {
 
 impl Drop for DenoiseLoop {
     fn drop(&mut self) {
-        let _ = self.commands.send(Command::Shutdown);
+        let _ = self.commands.send(LoopCommand::Shutdown);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -180,17 +180,17 @@ struct State {
 
 impl State {
     /// Applies a command; returns false on shutdown.
-    fn apply(&mut self, cmd: Command, model: &dyn Stepper) -> bool {
+    fn apply(&mut self, cmd: LoopCommand, model: &dyn Stepper) -> bool {
         match cmd {
-            Command::Shutdown => return false,
-            Command::Run(f) => f(),
-            Command::Cancel(id) => {
+            LoopCommand::Shutdown => return false,
+            LoopCommand::Run(f) => f(),
+            LoopCommand::Cancel(id) => {
                 if self.sched.cancel(id) {
                     self.jobs.remove(&id);
                     let _ = self.tx.send(Event::Cancelled { id });
                 }
             }
-            Command::Submit(r) => {
+            LoopCommand::Submit(r) => {
                 let id = r.id;
                 if let Err(error) = self.admit(r, model) {
                     let _ = self.tx.send(Event::Failed { id, error });
@@ -228,7 +228,7 @@ impl State {
 fn run(
     mut model: Box<dyn Stepper>,
     sched: BatchScheduler,
-    rx: Receiver<Command>,
+    rx: Receiver<LoopCommand>,
     tx: Sender<Event>,
     options: LoopOptions,
 ) {

@@ -51,7 +51,7 @@ fn schedule(steps: usize) -> Arc<FlowMatchEuler> {
 
 fn gated(mode: Batching) -> (DenoiseLoop, Sender<()>) {
     let (gate_tx, gate_rx) = unbounded();
-    let cfg = SchedulerConfig {
+    let cfg = BatchConfig {
         max_batch: 8,
         token_budget: 1 << 20,
         mode,
@@ -204,7 +204,7 @@ fn cancel_and_bad_requests_do_not_stop_the_loop() {
 fn capture_then_edit_through_the_loop_keeps_the_identity() {
     let lp = DenoiseLoop::spawn(
         Box::new(HostStepper(model())),
-        SchedulerConfig::default(),
+        BatchConfig::default(),
         LoopOptions::default(),
     )
     .unwrap();

@@ -353,7 +353,7 @@ async fn preprocess(
     job: JobId,
     prepare: PrepareReq,
     held: &mut Held,
-) -> Result<Prepared, WireError> {
+) -> Result<PreparedRefs, WireError> {
     // A cancel is checked before every stage as well as after, so a cancelled request
     // starts no further work, whatever state the cancel found it in.
     check_cancel(ctx, job).await?;
@@ -372,7 +372,7 @@ async fn preprocess(
 async fn denoise(
     ctx: &Ctx,
     job: JobId,
-    prepared: &Prepared,
+    prepared: &PreparedRefs,
     steps: u32,
     active: Vec<u32>,
     work: DenoiseWork,

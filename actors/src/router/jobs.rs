@@ -46,7 +46,7 @@ pub struct JobView {
     pub error: Option<WireError>,
 }
 
-struct Job {
+struct Entry {
     view: JobView,
     /// The denoise worker holding the request, for cancellation.
     worker: Option<ActorCell>,
@@ -133,7 +133,7 @@ impl Jobs {
 struct JobsActor;
 
 struct Table {
-    jobs: HashMap<JobId, Job>,
+    jobs: HashMap<JobId, Entry>,
     ttl: Duration,
     /// Finished jobs, oldest first, for dropping beyond `max_finished`.
     finished: std::collections::VecDeque<JobId>,
@@ -189,7 +189,7 @@ impl Actor for JobsActor {
                 t.expire();
                 t.jobs.insert(
                     id,
-                    Job {
+                    Entry {
                         view: JobView {
                             id: job_name(id),
                             kind,
@@ -264,5 +264,61 @@ impl Actor for JobsActor {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(id: JobId, finished: Option<Instant>) -> Entry {
+        Entry {
+            view: JobView {
+                id: job_name(id),
+                kind: "edit",
+                status: Status::Queued,
+                step: 0,
+                steps: 1,
+                created_unix: 0.0,
+                result: None,
+                error: None,
+            },
+            worker: None,
+            cancel: false,
+            finished,
+        }
+    }
+
+    /// Finished jobs beyond the cap go oldest first, expired ones go whatever the cap,
+    /// and unfinished ones always stay; against what must stay, computed directly.
+    #[test]
+    fn the_table_keeps_the_newest_finished_jobs_within_cap_and_ttl() {
+        let now = Instant::now();
+        let ttl = Duration::from_secs(60);
+        for cap in 0..12 {
+            let mut t = Table {
+                jobs: HashMap::new(),
+                ttl,
+                finished: Default::default(),
+                max_finished: cap,
+            };
+            // Ids 0..10 finish in this order; the first 4 long ago (expired). Ids
+            // 100..103 are still running.
+            for id in 0..10u64 {
+                let ago = if id < 4 { 120 } else { 0 };
+                let at = now.checked_sub(Duration::from_secs(ago)).unwrap();
+                t.jobs.insert(id, job(id, Some(at)));
+                t.finished.push_back(id);
+            }
+            for id in 100..103 {
+                t.jobs.insert(id, job(id, None));
+            }
+            t.expire();
+            let mut kept: Vec<u64> = t.jobs.keys().copied().filter(|&id| id < 100).collect();
+            kept.sort();
+            let want: Vec<u64> = (10u64.saturating_sub(cap as u64).max(4)..10).collect();
+            assert_eq!(kept, want, "cap {cap}");
+            assert!((100..103).all(|id| t.jobs.contains_key(&id)));
+        }
     }
 }

@@ -129,7 +129,7 @@ pub use denoised_runtime::config::Batching;
 /// Limits and mode of the denoise batch: the `[denoise]` section of config.toml.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
-pub struct SchedulerConfig {
+pub struct BatchConfig {
     /// Most requests in one batched step (`[denoise] max_batch`, at least 1).
     pub max_batch: usize,
     /// Most rows (text + active image tokens, summed over the batch) in one step
@@ -151,7 +151,7 @@ fn unlimited() -> u64 {
     u64::MAX
 }
 
-impl SchedulerConfig {
+impl BatchConfig {
     /// Default `max_batch`.
     pub const DEFAULT_MAX_BATCH: usize = 16;
     /// Default `token_budget`: about seven full 1024x1024 FLUX requests (4096 image
@@ -170,9 +170,9 @@ impl SchedulerConfig {
     }
 }
 
-impl Default for SchedulerConfig {
+impl Default for BatchConfig {
     fn default() -> Self {
-        SchedulerConfig {
+        BatchConfig {
             max_batch: Self::DEFAULT_MAX_BATCH,
             token_budget: Self::DEFAULT_TOKEN_BUDGET,
             mode: Batching::Continuous,
@@ -181,7 +181,7 @@ impl Default for SchedulerConfig {
     }
 }
 
-/// An invalid [`SchedulerConfig`].
+/// An invalid [`BatchConfig`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConfigError {
     ZeroMaxBatch,
@@ -286,7 +286,7 @@ impl StepPlan {
 /// The scheduler state: a FIFO of waiting requests and the running batch.
 #[derive(Clone, Debug)]
 pub struct BatchScheduler {
-    config: SchedulerConfig,
+    config: BatchConfig,
     waiting: VecDeque<SchedRequest>,
     /// The running batch in admission order, with `tickets` in lockstep.
     running: Vec<SchedRequest>,
@@ -303,7 +303,7 @@ pub struct BatchScheduler {
 
 impl BatchScheduler {
     /// An empty scheduler; fails on an invalid config.
-    pub fn new(config: SchedulerConfig) -> Result<Self, ConfigError> {
+    pub fn new(config: BatchConfig) -> Result<Self, ConfigError> {
         config.validate()?;
         Ok(BatchScheduler {
             config,
@@ -319,7 +319,7 @@ impl BatchScheduler {
         })
     }
 
-    pub fn config(&self) -> &SchedulerConfig {
+    pub fn config(&self) -> &BatchConfig {
         &self.config
     }
 

@@ -4,8 +4,8 @@ use serde::Deserialize;
 
 use super::*;
 
-fn cfg(max_batch: usize, token_budget: usize, mode: Batching) -> SchedulerConfig {
-    SchedulerConfig {
+fn cfg(max_batch: usize, token_budget: usize, mode: Batching) -> BatchConfig {
+    BatchConfig {
         max_batch,
         token_budget,
         mode,
@@ -32,7 +32,7 @@ fn step(s: &mut BatchScheduler) -> (Vec<RequestId>, Vec<RequestId>, Vec<RequestI
 
 #[test]
 fn config_defaults_and_validation() {
-    let c = SchedulerConfig::default();
+    let c = BatchConfig::default();
     assert_eq!(c.mode, Batching::Continuous);
     assert!(c.validate().is_ok());
     assert_eq!(
@@ -59,7 +59,7 @@ fn config_keys_deserialize() {
             .into_iter()
             .map(|(k, v)| (k.into_deserializer(), v.into_deserializer())),
     );
-    let c = SchedulerConfig::deserialize(map).unwrap();
+    let c = BatchConfig::deserialize(map).unwrap();
     assert_eq!(c, cfg(4, 9000, Batching::Continuous));
 
     // `batching` is the key of `mode`.
@@ -68,9 +68,9 @@ fn config_keys_deserialize() {
             .into_iter()
             .map(|(k, v)| (k.into_deserializer(), v.into_deserializer())),
     );
-    let c = SchedulerConfig::deserialize(map).unwrap();
+    let c = BatchConfig::deserialize(map).unwrap();
     assert_eq!(c.mode, Batching::Static);
-    assert_eq!(c.max_batch, SchedulerConfig::DEFAULT_MAX_BATCH);
+    assert_eq!(c.max_batch, BatchConfig::DEFAULT_MAX_BATCH);
 }
 
 // ---- submit / cancel ----
@@ -354,7 +354,7 @@ fn sim_rejects_duplicate_arrivals() {
 
 #[test]
 fn templates_share_device_memory_and_oversized_ones_are_refused() {
-    let mut s = BatchScheduler::new(SchedulerConfig {
+    let mut s = BatchScheduler::new(BatchConfig {
         template_bytes: 100,
         ..cfg(8, 1000, Batching::Continuous)
     })

@@ -23,7 +23,7 @@ use crate::stages::Pipeline;
 use crate::wire::{Reply, Wire, WireError};
 
 /// What a message to a CPU worker asks for.
-pub enum Command<Req, Rep> {
+pub enum StageCommand<Req, Rep> {
     /// Compute `Req` and answer on the port.
     Work(Req, Reply<Rep>),
     /// The router is done with these slices of this worker's arena.
@@ -38,7 +38,7 @@ pub trait Stage: Send + Sync + 'static {
     type Rep: Send + 'static;
     /// Name of the compute thread.
     const THREAD: &'static str;
-    fn command(msg: Self::Msg) -> Command<Self::Req, Self::Rep>;
+    fn command(msg: Self::Msg) -> StageCommand<Self::Req, Self::Rep>;
     fn run(p: &Pipeline, shm: &Shm, req: &Self::Req) -> Result<Self::Rep, WireError>;
     /// The slices of this worker's arena a reply lends to the router.
     fn handles(rep: &Self::Rep) -> Vec<Handle>;
@@ -107,10 +107,10 @@ impl<S: Stage> Actor for ComputeActor<S> {
         st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match S::command(msg) {
-            Command::Work(req, reply) => {
+            StageCommand::Work(req, reply) => {
                 let _ = st.work.send((req, reply, node::router_epoch()));
             }
-            Command::Release(handles) => st.shm.release(&handles),
+            StageCommand::Release(handles) => st.shm.release(&handles),
         }
         Ok(())
     }

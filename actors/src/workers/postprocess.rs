@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use denoised_runtime::shm::Handle;
 
-use super::{Command, ComputeActor, Stage};
+use super::{ComputeActor, Stage, StageCommand};
 use crate::node::Shm;
 use crate::stages::{self, Pipeline};
 use crate::wire::{FinishReq, Finished, PostprocessMsg, Wire, WireError};
@@ -22,10 +22,10 @@ impl Stage for Postprocess {
     type Rep = Finished;
     const THREAD: &'static str = "postprocess";
 
-    fn command(msg: PostprocessMsg) -> Command<FinishReq, Finished> {
+    fn command(msg: PostprocessMsg) -> StageCommand<FinishReq, Finished> {
         match msg {
-            PostprocessMsg::Finish(Wire(req), reply) => Command::Work(req, reply),
-            PostprocessMsg::Release(Wire(handles)) => Command::Release(handles),
+            PostprocessMsg::Finish(Wire(req), reply) => StageCommand::Work(req, reply),
+            PostprocessMsg::Release(Wire(handles)) => StageCommand::Release(handles),
         }
     }
 

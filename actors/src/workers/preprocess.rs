@@ -5,10 +5,12 @@
 use denoised_runtime::shm::Handle;
 use denoised_runtime::Tensor;
 
-use super::{Command, ComputeActor, Stage};
+use super::{ComputeActor, Stage, StageCommand};
 use crate::node::Shm;
 use crate::stages::{self, MaskInput, Pipeline};
-use crate::wire::{InputHandles, MaskSpec, PrepareReq, Prepared, PreprocessMsg, Wire, WireError};
+use crate::wire::{
+    InputHandles, MaskSpec, PrepareReq, PreparedRefs, PreprocessMsg, Wire, WireError,
+};
 
 /// The preprocess group's stage.
 pub struct Preprocess;
@@ -18,21 +20,21 @@ pub type PreprocessActor = ComputeActor<Preprocess>;
 impl Stage for Preprocess {
     type Msg = PreprocessMsg;
     type Req = PrepareReq;
-    type Rep = Prepared;
+    type Rep = PreparedRefs;
     const THREAD: &'static str = "preprocess";
 
-    fn command(msg: PreprocessMsg) -> Command<PrepareReq, Prepared> {
+    fn command(msg: PreprocessMsg) -> StageCommand<PrepareReq, PreparedRefs> {
         match msg {
-            PreprocessMsg::Prepare(Wire(req), reply) => Command::Work(req, reply),
-            PreprocessMsg::Release(Wire(handles)) => Command::Release(handles),
+            PreprocessMsg::Prepare(Wire(req), reply) => StageCommand::Work(req, reply),
+            PreprocessMsg::Release(Wire(handles)) => StageCommand::Release(handles),
         }
     }
 
-    fn run(p: &Pipeline, shm: &Shm, req: &PrepareReq) -> Result<Prepared, WireError> {
+    fn run(p: &Pipeline, shm: &Shm, req: &PrepareReq) -> Result<PreparedRefs, WireError> {
         prepare_to_shm(p, shm, req)
     }
 
-    fn handles(rep: &Prepared) -> Vec<Handle> {
+    fn handles(rep: &PreparedRefs) -> Vec<Handle> {
         rep.handles()
     }
 }
@@ -52,7 +54,11 @@ pub(crate) fn read_request(
 }
 
 /// Runs the preparation and writes its tensors to shared memory.
-pub fn prepare_to_shm(p: &Pipeline, shm: &Shm, req: &PrepareReq) -> Result<Prepared, WireError> {
+pub fn prepare_to_shm(
+    p: &Pipeline,
+    shm: &Shm,
+    req: &PrepareReq,
+) -> Result<PreparedRefs, WireError> {
     let (image, mask_bytes) = read_request(shm, req)?;
     let mask = MaskInput::new(&req.mask, mask_bytes.as_deref());
     let s1 = stages::prepare(p, &image, mask, &req.params, req.max_pixels as usize)?;
@@ -80,7 +86,7 @@ pub fn prepare_to_shm(p: &Pipeline, shm: &Shm, req: &PrepareReq) -> Result<Prepa
         let mask = shm.write_bytes(&stages::mask_to_bytes(&s1.prepared.mask))?;
         written.push(mask.clone());
         let tm = &s1.token_mask;
-        Ok(Prepared {
+        Ok(PreparedRefs {
             inputs,
             image,
             mask,

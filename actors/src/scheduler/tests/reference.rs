@@ -27,7 +27,7 @@ struct RefReq {
 
 /// The reference: every request ever submitted, with its state; plans by scanning all.
 struct Reference {
-    config: SchedulerConfig,
+    config: BatchConfig,
     reqs: Vec<RefReq>,
     admissions: usize,
 }
@@ -189,7 +189,7 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn config() -> impl Strategy<Value = SchedulerConfig> {
+fn config() -> impl Strategy<Value = BatchConfig> {
     (
         1usize..=6,
         1usize..=80,
@@ -197,7 +197,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
         // Template budgets from "one template at most" to "every template fits".
         prop_oneof![Just(u64::MAX), 0u64..=120],
     )
-        .prop_map(|(m, b, mode, t)| SchedulerConfig {
+        .prop_map(|(m, b, mode, t)| BatchConfig {
             template_bytes: t,
             ..cfg(m, b, mode)
         })
@@ -214,7 +214,7 @@ struct Harness {
 }
 
 impl Harness {
-    fn new(config: SchedulerConfig) -> Self {
+    fn new(config: BatchConfig) -> Self {
         Harness {
             s: BatchScheduler::new(config).unwrap(),
             r: Reference {
