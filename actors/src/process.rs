@@ -21,17 +21,16 @@ use crate::workers::{
     cache::CacheActor, postprocess::PostprocessActor, preprocess::PreprocessActor,
 };
 
-/// Resolves when the process is asked to stop (SIGTERM from the supervisor or
-/// systemd, or Ctrl-C).
+/// Resolves when the process is asked to stop: SIGTERM from the supervisor (or from
+/// the kernel when the supervisor dies). Workers ignore SIGINT: a Ctrl-C in a terminal
+/// reaches the whole process group, and the supervisor alone decides the order of the
+/// shutdown (the router drains first).
 pub async fn terminated() {
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(s) => s,
         Err(_) => return std::future::pending().await,
     };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
+    term.recv().await;
 }
 
 /// The components a role computes with (DESIGN.md, "Devices and roles"). A denoise
@@ -119,8 +118,11 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
             env.index
         ));
     }
-    // Before any thread starts: a panic anywhere in this process ends it (crate::fault).
+    // Before any thread starts: a panic anywhere in this process ends it (crate::fault),
+    // and a terminal's Ctrl-C is the supervisor's to handle (see `terminated`).
     crate::fault::exit_on_panic(env.name());
+    // SAFETY: setting a signal disposition before any thread exists.
+    unsafe { libc::signal(libc::SIGINT, libc::SIG_IGN) };
     let faults = crate::fault::Faults::from_env(role, env.incarnation)?;
     if faults.exit_at_start {
         eprintln!("error: {}: fault injection: exiting at start", env.name());

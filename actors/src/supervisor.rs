@@ -74,6 +74,34 @@ impl Status {
     }
 }
 
+/// Stops every process of `role`: SIGTERM, then SIGKILL after `limit`.
+fn stop_role(workers: &mut [Worker], role: Role, limit: Duration) {
+    let mine = |w: &&mut Worker| w.role == role;
+    for c in workers
+        .iter_mut()
+        .filter(mine)
+        .filter_map(|w| w.child.as_ref())
+    {
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+    }
+    let deadline = Instant::now() + limit;
+    for c in workers
+        .iter_mut()
+        .filter(mine)
+        .filter_map(|w| w.child.as_mut())
+    {
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = c.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
 /// Schedules the restart of a worker that exited (`how`), or gives up on it
 /// (`crate::restarts`); returns whether it gave up.
 fn after_exit(w: &mut Worker, how: &str) -> bool {
@@ -331,20 +359,22 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
     }
     tracing::info!("supervisor: stopping");
     crate::notify::notify("STOPPING=1");
-    for c in workers.iter().filter_map(|w| w.child.as_ref()) {
-        // SAFETY: plain kill(2) on our own child's pid.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-    }
-    let deadline = Instant::now() + Duration::from_secs(10);
-    for c in workers.iter_mut().filter_map(|w| w.child.as_mut()) {
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = c.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = c.kill();
-        let _ = c.wait();
+    // In order: the router first, which drains (requests in flight finish, new ones
+    // get 503) and exits; then the stages it no longer feeds, front to back.
+    let drain = Duration::from_secs(config.server.drain_timeout_seconds);
+    for role in [
+        Role::Router,
+        Role::Preprocess,
+        Role::Denoise,
+        Role::Postprocess,
+        Role::Cache,
+    ] {
+        let limit = if role == Role::Router {
+            drain + Duration::from_secs(5)
+        } else {
+            Duration::from_secs(10)
+        };
+        stop_role(&mut workers, role, limit);
     }
     let _ = shm::cleanup_namespace(&shm_dir, &namespace);
     let _ = std::fs::remove_file(&status_file);

@@ -44,6 +44,9 @@ pub struct ServerConfig {
     /// Deadline of each stage of a request (one call to a worker: preprocess, the
     /// whole denoise including its wait for a batch slot, postprocess, the cache).
     pub stage_timeout_seconds: u64,
+    /// On SIGTERM, how long requests in flight may take to finish before the daemon
+    /// stops anyway.
+    pub drain_timeout_seconds: u64,
 }
 
 impl Default for ServerConfig {
@@ -58,6 +61,7 @@ impl Default for ServerConfig {
             max_queued_requests: 256,
             max_finished_jobs: 1000,
             stage_timeout_seconds: 600,
+            drain_timeout_seconds: 60,
         }
     }
 }

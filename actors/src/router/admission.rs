@@ -23,6 +23,8 @@ pub struct Admission(Arc<Counter>);
 struct Counter {
     limit: usize,
     in_flight: AtomicUsize,
+    /// Set on SIGTERM: new requests are refused while those in flight finish.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 /// One admitted request; dropping it makes room for the next.
@@ -33,12 +35,20 @@ impl Admission {
         Admission(Arc::new(Counter {
             limit,
             in_flight: AtomicUsize::new(0),
+            draining: Default::default(),
         }))
     }
 
-    /// A permit, or an `Overloaded` error when `limit` requests are in flight.
+    /// A permit, or an `Overloaded` error when `limit` requests are in flight (an
+    /// `Unavailable` one while draining).
     pub fn try_admit(&self) -> Result<Permit, WireError> {
         let c = &self.0;
+        if self.is_draining() {
+            return Err(WireError::new(
+                ErrorKind::Unavailable,
+                "the server is shutting down: it finishes the requests it has and takes no new ones",
+            ));
+        }
         c.in_flight
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < c.limit).then_some(n + 1)
@@ -57,6 +67,25 @@ impl Admission {
     /// Requests admitted and not yet finished.
     pub fn in_flight(&self) -> usize {
         self.0.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Refuses new requests from now on (graceful shutdown).
+    pub fn drain(&self) {
+        self.0.draining.store(true, Ordering::Release);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.0.draining.load(Ordering::Acquire)
+    }
+
+    /// Waits until no request is in flight, or `limit` has passed; returns how many
+    /// are still in flight.
+    pub async fn idle(&self, limit: std::time::Duration) -> usize {
+        let t0 = std::time::Instant::now();
+        while self.in_flight() > 0 && t0.elapsed() < limit {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        self.in_flight()
     }
 }
 
@@ -82,6 +111,10 @@ mod tests {
         assert_eq!(a.in_flight(), 1);
         let _p3 = a.try_admit().unwrap();
         assert!(a.try_admit().is_err());
+        // Draining refuses everything new, whatever the room.
+        drop(_p3);
+        a.drain();
+        assert_eq!(a.try_admit().err().unwrap().kind, ErrorKind::Unavailable);
     }
 
     #[test]

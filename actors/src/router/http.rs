@@ -148,7 +148,8 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 
 async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
     let groups = ctx.ready();
-    let ready = groups.iter().all(|(_, have, want)| have >= want);
+    let draining = ctx.admission.is_draining();
+    let ready = !draining && groups.iter().all(|(_, have, want)| have >= want);
     let detail: Value = groups
         .iter()
         .map(|(g, have, want)| (g.to_string(), json!({"live": have, "want": want})))
@@ -169,6 +170,9 @@ async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
     // Worker slots the supervisor gave up restarting (crash loops), with the reason.
     let failed = crate::supervisor::Status::read(&ctx.status_file).failed;
     let mut body = json!({"ready": ready, "workers": detail, "processes": processes});
+    if draining {
+        body["draining"] = json!(true);
+    }
     if !failed.is_empty() {
         body["failed"] = json!(failed);
     }

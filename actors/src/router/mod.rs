@@ -140,10 +140,27 @@ pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
             crate::notify::notify(&format!("READY=1\nSTATUS=serving on http://{addr}"));
         });
     }
-    axum::serve(listener, http::app(ctx))
-        .with_graceful_shutdown(async {
+    // Graceful drain on SIGTERM: /readyz turns 503 and new requests get 503 at once,
+    // the requests in flight finish (up to `[server] drain_timeout_seconds`), then the
+    // HTTP server stops once their responses are sent. The supervisor stops the other
+    // workers only after this process has exited.
+    let drain = {
+        let ctx = ctx.clone();
+        async move {
             crate::process::terminated().await;
-        })
+            ctx.admission.drain();
+            let n = ctx.admission.in_flight();
+            tracing::info!("draining: {n} requests in flight");
+            crate::notify::notify(&format!("STATUS=draining {n} requests"));
+            let limit = Duration::from_secs(ctx.config.server.drain_timeout_seconds);
+            let left = ctx.admission.idle(limit).await;
+            if left > 0 {
+                tracing::warn!("drain timeout: {left} requests still in flight are dropped");
+            }
+        }
+    };
+    axum::serve(listener, http::app(ctx))
+        .with_graceful_shutdown(drain)
         .await
         .map_err(|e| e.to_string())
 }
