@@ -361,7 +361,15 @@ fn delete_during_edits_lets_them_finish_and_then_frees_the_template() {
             v["id"].as_str().unwrap().to_string()
         })
         .collect();
-    // Deleted while the edits are queued, preprocessing or denoising.
+    // Deleted once every edit is running, that is has found its template (the job then
+    // knows the template's step count): they are preprocessing or denoising.
+    for id in &jobs {
+        let t0 = Instant::now();
+        while d.get(&format!("/v1/jobs/{id}")).1["steps"] != 8 {
+            assert!(t0.elapsed() < Duration::from_secs(30));
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
     let (s, v) = d.delete("/v1/templates/t");
     assert_eq!(s, 200, "{v}");
     let (s, v) = d.post(
