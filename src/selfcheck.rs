@@ -18,9 +18,9 @@
 use std::sync::Arc;
 
 use denoised_cuda::selfcheck::Check;
-use denoised_cuda::{Dt, Exec, GpuBackend, GpuTensor, StreamedTemplate};
+use denoised_cuda::{Dt, Exec, GpuBackend};
 use denoised_models::flux::edit::{
-    step_batch_with, DenoiseInputs, Job, Mode, ResidentTemplates, SlabSource, TemplateProviders,
+    run_to_end, step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode,
 };
 use denoised_models::flux::model::{FluxInputs, NoObserver};
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
@@ -28,7 +28,7 @@ use denoised_models::mask::TokenMask;
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
 use denoised_models::FluxTransformer;
 use denoised_runtime::fixtures::{tiny_model_dir, RefCase, Tier};
-use denoised_runtime::{DType, Result};
+use denoised_runtime::{Error, Result};
 
 const CASES: [&str; 4] = [
     "transformer_case1",
@@ -81,24 +81,13 @@ fn e2e_inputs() -> Result<DenoiseInputs> {
     ))
 }
 
-fn run_to_end<E: Exec>(
-    m: &FluxTransformer<GpuBackend<E>>,
-    jobs: &mut [Job],
-    slabs: &impl SlabSource<GpuTensor<E>>,
-) -> Result<()> {
-    while jobs.iter().any(|j| !j.done()) {
-        let mut refs: Vec<&mut Job> = jobs.iter_mut().filter(|j| !j.done()).collect();
-        step_batch_with(m, &mut refs, slabs)?;
-    }
-    Ok(())
-}
-
-/// The identity invariant on the device, in f32 and bf16: the template resident in
+/// The identity invariant on the device, in f32 and bf16: the template captured on
+/// the device (its K/V stored asynchronously into host memory), then read resident in
 /// device memory, and streamed block by block through ping-pong buffers by two
 /// requests at different steps of one batch.
 pub fn identity<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
     let mut out = Vec::new();
-    let inputs = Arc::new(e2e_inputs()?);
+    let inputs = e2e_inputs()?;
     let s = Arc::new(FlowMatchEuler::new(&SchedulerConfig::default(), 3, 256)?);
     // An irregular mask: a ring, a diagonal band and holes.
     let tokens: Vec<bool> = (0..256)
@@ -113,26 +102,23 @@ pub fn identity<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
             GpuBackend::new(make()?, dt),
             tiny_model_dir().join("transformer"),
         )?;
-        let layout = TemplateLayout::for_model(&m.config, 256, s.steps(), DType::F32);
-        let mut resident = ResidentTemplates::new();
-        let capture = Mode::Capture(Box::new(TemplateCache::new(layout)));
-        let mut cap = [Job::new(inputs.clone(), s.clone(), capture)?];
-        run_to_end(&m, &mut cap, &resident)?;
-        let [cap] = cap;
-        let (fin, cache) = cap.into_parts();
-        let cache = Arc::new(cache.ok_or_else(|| {
-            denoised_runtime::Error::Invalid("a capture returned no template".into())
-        })?);
+        let storage = m.backend().storage_dtype();
+        let layout = TemplateLayout::for_model(&m.config, 256, s.steps(), storage);
+        let capture = Mode::Capture(TemplateCache::new(layout)?);
+        let job = Job::new(&m, &inputs, s.clone(), capture)?;
+        let (fin, cache) = run_to_end(&m, job, &DeviceTemplates::new())?;
+        let cache =
+            Arc::new(cache.ok_or_else(|| Error::Invalid("a capture returned no template".into()))?);
         let scale = fin.data().iter().fold(0f32, |a, v| a.max(v.abs()));
         let edit = || {
             let mode = Mode::Edit {
                 mask: mask.clone(),
                 cache: cache.clone(),
             };
-            Job::new(inputs.clone(), s.clone(), mode)
+            Job::new(&m, &inputs, s.clone(), mode)
         };
-        let mut check = |what: &str, job: &Job| -> Result<()> {
-            let d = job.latents().max_abs_diff(&fin)? / scale;
+        let mut check = |what: &str, latent: &denoised_runtime::Tensor| -> Result<()> {
+            let d = latent.max_abs_diff(&fin)? / scale;
             out.push(Check::within(
                 format!(
                     "identity, {what}, {} of 256 tokens ({dt:?})",
@@ -145,24 +131,29 @@ pub fn identity<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
             Ok(())
         };
 
-        resident.make_resident(m.backend(), &cache)?;
-        let mut one = [edit()?];
-        run_to_end(&m, &mut one, &resident)?;
-        check("resident template", &one[0])?;
+        let resident = DeviceTemplates::resident(m.backend(), &[&cache])?;
+        check("resident template", &run_to_end(&m, edit()?, &resident)?.0)?;
 
         // Streamed by two requests that share every forward at different steps (the
         // second starts one step later).
-        let lay = cache.layout();
-        let slabs = cache.kv_slabs()?;
-        let streamed = StreamedTemplate::new(m.backend(), &slabs, lay.steps, lay.blocks, 2)?;
-        let mut providers = TemplateProviders::new();
-        providers.insert(&cache, Box::new(streamed));
+        let mut streamed = DeviceTemplates::new();
+        if !streamed.stream(m.backend(), &cache, 2)? {
+            return Err(Error::Invalid(
+                "the device backend cannot stream templates".into(),
+            ));
+        }
         let mut first = edit()?;
-        step_batch_with(&m, &mut [&mut first], &providers)?;
-        let mut two = [first, edit()?];
-        run_to_end(&m, &mut two, &providers)?;
-        check("streamed, steps 0..3", &two[0])?;
-        check("streamed, joining a step later", &two[1])?;
+        step_batch_with(&m, &mut [&mut first], &streamed)?;
+        let mut second = edit()?;
+        while !(first.done() && second.done()) {
+            let mut refs: Vec<&mut Job<_>> = [&mut first, &mut second]
+                .into_iter()
+                .filter(|j| !j.done())
+                .collect();
+            step_batch_with(&m, &mut refs, &streamed)?;
+        }
+        check("streamed, steps 0..3", &first.finish(&m)?.0)?;
+        check("streamed, joining a step later", &second.finish(&m)?.0)?;
     }
     Ok(out)
 }

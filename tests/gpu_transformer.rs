@@ -9,7 +9,7 @@ use std::sync::Arc;
 use denoised::selfcheck;
 use denoised_cuda::selfcheck::assert_all_pass;
 use denoised_cuda::{CudaExec, Dt, EmuExec, GpuBackend};
-use denoised_models::flux::edit::{Job, Mode};
+use denoised_models::flux::edit::Mode;
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::mask::TokenMask;
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
@@ -54,84 +54,115 @@ fn gpu_transformer_matches_diffusers() {
 
 /// The device memory budget's workspace bound holds for real steps: the emulated
 /// device accounts every allocation, so the peak of a batched step over what was
-/// allocated before it (weights, resident templates) is the step's workspace. Full
-/// runs and edits, batches of 1 and 4, in bf16 (f32 measured the same ratios: every
-/// buffer scales with the dtype). Also checks that the stepper keeps templates
-/// resident within its byte capacity.
+/// allocated before it (weights, resident templates, the admitted requests' own
+/// tensors) is the step's workspace. Full runs and edits, batches of 1 and 4, in bf16
+/// (f32 measured the same ratios: every buffer scales with the dtype). Also checks
+/// that the stepper keeps templates resident within its byte capacity, and streams a
+/// template larger than all of it from host memory, with the same result.
 #[test]
 #[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
 fn emulated_step_workspace_stays_within_the_budget() {
     use denoised_actors::budget::workspace_bytes;
-    use denoised_models::flux::stepper::{DeviceStepper, Stepper};
+    use denoised_models::flux::stepper::{ModelStepper, Stepper};
 
-    let inputs = Arc::new(denoised_models::fixtures::e2e_denoise_inputs(
-        &RefCase::open("e2e").unwrap(),
-    ));
+    let inputs = denoised_models::fixtures::e2e_denoise_inputs(&RefCase::open("e2e").unwrap());
     let s = Arc::new(FlowMatchEuler::new(&SchedulerConfig::default(), 3, 256).unwrap());
     let text = inputs.txt.rows();
     let ring: Vec<bool> = (0..256).map(|i| i % 16 == 0 || i / 16 == 3).collect();
     let mask = Arc::new(TokenMask::from_tokens(16, 16, &ring).unwrap());
-    {
-        let dt = Dt::Bf16;
-        let exec = EmuExec::with_capacity(u64::MAX);
-        let m = FluxTransformer::load(
-            GpuBackend::new(exec.clone(), dt),
-            tiny_model_dir().join("transformer"),
-        )
-        .unwrap();
-        let hidden = m.config.hidden();
-        let layout = TemplateLayout::for_model(&m.config, 256, s.steps(), DType::F32);
-        let template_bytes = (layout.steps * layout.blocks * 256 * 2 * hidden * dt.size()) as u64;
-        // Room for one template: a second one evicts the first.
-        let mut st = DeviceStepper::new(m, template_bytes, dt.size());
-        let mut capture = || {
-            let mode = Mode::Capture(Box::new(TemplateCache::new(layout)));
-            let job = Job::new(inputs.clone(), s.clone(), mode).unwrap();
-            let (_, cache) = denoised_models::flux::stepper::run_job_on(&mut st, job)
-                .unwrap()
-                .into_parts();
-            Arc::new(cache.unwrap())
-        };
-        let (a, b) = (capture(), capture());
-        assert_eq!(st.template_bytes(&a), template_bytes);
-        let edit = |cache: &Arc<TemplateCache>| {
-            let mode = Mode::Edit {
-                mask: mask.clone(),
-                cache: cache.clone(),
-            };
-            Job::new(inputs.clone(), s.clone(), mode).unwrap()
-        };
-        let full = || Job::new(inputs.clone(), s.clone(), Mode::Full).unwrap();
-        let cases: Vec<(&str, Vec<Job>)> = vec![
-            ("1 full", vec![full()]),
-            ("4 full", (0..4).map(|_| full()).collect()),
-            ("1 edit", vec![edit(&a)]),
-            ("4 edits", (0..4).map(|_| edit(&a)).collect()),
-        ];
-        for (what, mut jobs) in cases {
-            let rows: usize = jobs.iter().map(|j| text + j.active_tokens()).sum();
-            let context = jobs.len() * (text + 256);
-            // The first step makes the template resident; the second is measured.
-            let mut refs: Vec<&mut Job> = jobs.iter_mut().collect();
-            st.step(&mut refs).unwrap();
-            exec.reset_peak();
-            let before = exec.in_use_bytes();
-            st.step(&mut refs).unwrap();
-            let used = exec.peak_bytes() - before;
-            let bound = workspace_bytes(hidden, dt.size(), rows, context);
-            println!(
-                "{dt:?} {what}: {rows} rows over {context} tokens: step workspace {used} B, \
-                 budget bound {bound} B ({:.2}x)",
-                bound as f64 / used as f64
-            );
-            assert!(used <= bound, "{dt:?} {what}: {used} > {bound}");
+    let dt = Dt::Bf16;
+    let exec = EmuExec::with_capacity(u64::MAX);
+    let m = FluxTransformer::load(
+        GpuBackend::new(exec.clone(), dt),
+        tiny_model_dir().join("transformer"),
+    )
+    .unwrap();
+    let hidden = m.config.hidden();
+    let layout = TemplateLayout::for_model(&m.config, 256, s.steps(), DType::BF16);
+    let template_bytes = (layout.steps * layout.blocks * 256 * 2 * hidden * dt.size()) as u64;
+    // Room for one template: a second one evicts the first.
+    let mut st = ModelStepper::new(Arc::new(m), template_bytes, dt.size(), true);
+    let mut next_id = 0;
+    let mut run = |st: &mut ModelStepper<_>, mode: Mode| {
+        next_id += 1;
+        st.admit(next_id, &inputs, s.clone(), mode).unwrap();
+        while !st.done(next_id) {
+            st.step(&[next_id]).unwrap();
         }
-        // One template fits: editing `b` evicts `a`.
-        assert_eq!(st.resident().count(), 1);
-        let mut j = edit(&b);
-        st.step(&mut [&mut j]).unwrap();
-        let resident: Vec<_> = st.resident().collect();
-        assert_eq!(resident.len(), 1);
-        assert!(Arc::ptr_eq(resident[0], &b));
+        st.finish(next_id).unwrap()
+    };
+    let mut capture = |st: &mut ModelStepper<_>| {
+        let mode = Mode::Capture(TemplateCache::new(layout).unwrap());
+        Arc::new(run(st, mode).1.unwrap())
+    };
+    let (a, b) = (capture(&mut st), capture(&mut st));
+    assert_eq!(st.template_bytes(&a), template_bytes);
+    let edit = |cache: &Arc<TemplateCache>| Mode::Edit {
+        mask: mask.clone(),
+        cache: cache.clone(),
+    };
+    let cases: Vec<(&str, Vec<Mode>)> = vec![
+        ("1 full", vec![Mode::Full]),
+        ("4 full", (0..4).map(|_| Mode::Full).collect()),
+        ("1 edit", vec![edit(&a)]),
+        ("4 edits", (0..4).map(|_| edit(&a)).collect()),
+    ];
+    for (what, modes) in cases {
+        let ids: Vec<u64> = (0..modes.len() as u64).map(|i| 1000 + i).collect();
+        let mut rows = 0;
+        for (&id, mode) in ids.iter().zip(modes) {
+            rows += text + st.admit(id, &inputs, s.clone(), mode).unwrap();
+        }
+        let context = ids.len() * (text + 256);
+        // The first step makes the template resident; the second is measured.
+        st.step(&ids).unwrap();
+        exec.reset_peak();
+        let before = exec.in_use_bytes();
+        st.step(&ids).unwrap();
+        let used = exec.peak_bytes() - before;
+        let bound = workspace_bytes(hidden, dt.size(), rows, context);
+        println!(
+            "{dt:?} {what}: {rows} rows over {context} tokens: step workspace {used} B, \
+             budget bound {bound} B ({:.2}x)",
+            bound as f64 / used as f64
+        );
+        assert!(used <= bound, "{dt:?} {what}: {used} > {bound}");
+        for id in ids {
+            st.remove(id);
+        }
     }
+    // One template fits: editing `b` evicts `a`.
+    assert_eq!(st.resident().count(), 1);
+    let resident_b = run(&mut st, edit(&b)).0;
+    let resident: Vec<_> = st.resident().collect();
+    assert_eq!(resident.len(), 1);
+    assert!(Arc::ptr_eq(resident[0], &b));
+
+    // A device with room for less than one template streams it from its host memory
+    // (page-locked once) and computes the same edit.
+    let m = FluxTransformer::load(
+        GpuBackend::new(exec.clone(), dt),
+        tiny_model_dir().join("transformer"),
+    )
+    .unwrap();
+    let mut small = ModelStepper::new(Arc::new(m), template_bytes - 1, dt.size(), true);
+    assert_eq!(small.template_bytes(&b), 0, "streamed: no resident bytes");
+    let pinned = exec.pinned_bytes();
+    let streamed_b = run(&mut small, edit(&b)).0;
+    assert_eq!(small.resident().count(), 0);
+    assert!(
+        exec.pinned_bytes() > pinned,
+        "the template's memory was page-locked"
+    );
+    assert_eq!(streamed_b.max_abs_diff(&resident_b).unwrap(), 0.0);
+    // Without streaming such a template is refused, with the figures.
+    let m = FluxTransformer::load(
+        GpuBackend::new(exec.clone(), dt),
+        tiny_model_dir().join("transformer"),
+    )
+    .unwrap();
+    let mut refusing = ModelStepper::new(Arc::new(m), template_bytes - 1, dt.size(), false);
+    refusing.admit(1, &inputs, s.clone(), edit(&b)).unwrap();
+    let e = refusing.step(&[1]).unwrap_err().to_string();
+    assert!(e.contains("device budget leaves"), "{e}");
 }

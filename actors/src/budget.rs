@@ -9,11 +9,16 @@
 //!   admissible batch, `max_batch` requests of at most `token_budget` computed rows
 //!   (or the one largest request the server admits, which may run alone), each
 //!   attending over its whole sequence;
+//! - the running requests' own tensors (their latents, text and RoPE tables live on
+//!   the device from admission to the end): `max_batch` of the largest request;
+//! - slab buffers: a pair of (step, block) K/V buffers per edit of the batch, for
+//!   templates too large to be resident, which stream from host memory;
 //! - a reserve for allocator fragmentation and library workspaces created lazily;
-//! - what is left holds templates: every template the running batch reads is resident
-//!   during its step, so the batch scheduler admits a request only while the distinct
-//!   templates of the batch fit here (`BatchConfig::template_bytes`), and the
-//!   worker keeps recently used ones resident in the rest.
+//! - what is left holds resident templates: every resident template the running batch
+//!   reads stays during its step, so the batch scheduler admits a request only while
+//!   the distinct resident templates of the batch fit here
+//!   (`BatchConfig::template_bytes`), and the worker keeps recently used ones in the
+//!   rest.
 //!
 //! The workspace figure is an upper bound of the model's allocations, in units of the
 //! hidden width per row and per attended token; tests/gpu_transformer.rs measures the
@@ -51,6 +56,10 @@ pub struct BudgetInputs {
     /// (`[server] max_pixels`, 512 text tokens).
     pub largest_rows: usize,
     pub largest_context: usize,
+    /// Device bytes of the largest request's own tensors.
+    pub request_bytes: u64,
+    /// Bytes of one (step, block) K/V slab of the largest template.
+    pub slab_bytes: u64,
 }
 
 /// The budget, as logged at start and shown in `/readyz`.
@@ -59,6 +68,12 @@ pub struct DeviceBudget {
     pub total_bytes: u64,
     pub weights_bytes: u64,
     pub workspace_bytes: u64,
+    /// The running requests' tensors.
+    #[serde(default)]
+    pub requests_bytes: u64,
+    /// Buffers of streamed templates.
+    #[serde(default)]
+    pub slab_buffer_bytes: u64,
     pub reserve_bytes: u64,
     /// Device memory for resident templates.
     pub template_bytes: u64,
@@ -79,14 +94,17 @@ impl DeviceBudget {
         let rows = i.token_budget.max(i.largest_rows);
         let context = i.largest_context * i.max_batch;
         let workspace = workspace_bytes(i.hidden, i.dtype_bytes, rows, context);
+        let requests = i.request_bytes * i.max_batch as u64;
+        let slabs = 2 * i.slab_bytes * i.max_batch as u64;
         let reserve = i.total / 20;
-        let need = workspace + reserve;
+        let need = workspace + requests + slabs + reserve;
         if need > i.free {
             return Err(format!(
                 "the device is too small for this configuration: {} total, {} \
                  free after {} of weights; a step of max_batch {} / token_budget {} \
                  (and the largest request, {} rows attending over {} tokens) needs {} \
-                 of workspace plus a {} reserve. Lower [denoise] max_batch or \
+                 of workspace, {} for the requests, {} of slab buffers and a {} \
+                 reserve. Lower [denoise] max_batch or \
                  token_budget, [server] max_pixels, or use dtype = \"bf16\"",
                 human(i.total),
                 human(i.free),
@@ -96,6 +114,8 @@ impl DeviceBudget {
                 i.largest_rows,
                 i.largest_context,
                 human(workspace),
+                human(requests),
+                human(slabs),
                 human(reserve),
             ));
         }
@@ -103,6 +123,8 @@ impl DeviceBudget {
             total_bytes: i.total,
             weights_bytes: i.weights,
             workspace_bytes: workspace,
+            requests_bytes: requests,
+            slab_buffer_bytes: slabs,
             reserve_bytes: reserve,
             template_bytes: i.free - need,
         })
@@ -111,11 +133,13 @@ impl DeviceBudget {
     /// One log line.
     pub fn describe(&self) -> String {
         format!(
-            "{} total: weights {}, step workspace {}, reserve {}, \
-             templates {}",
+            "{} total: weights {}, step workspace {}, requests {}, slab buffers {}, \
+             reserve {}, templates {}",
             human(self.total_bytes),
             human(self.weights_bytes),
             human(self.workspace_bytes),
+            human(self.requests_bytes),
+            human(self.slab_buffer_bytes),
             human(self.reserve_bytes),
             human(self.template_bytes)
         )
@@ -146,6 +170,8 @@ mod tests {
             token_budget: 32768,
             largest_rows: 512 + 16384,
             largest_context: 512 + 16384,
+            request_bytes: 100_000_000,
+            slab_bytes: 16384 * 6144 * 2,
         }
     }
 
@@ -155,9 +181,15 @@ mod tests {
         // 16 x 32768 rows + 4 x 16 x 16896 tokens, 6144 bytes each.
         assert_eq!(b.workspace_bytes, 6144 * (16 * 32768 + 4 * 16 * 16896));
         assert_eq!(b.reserve_bytes, 4_000_000_000);
+        assert_eq!(b.requests_bytes, 16 * 100_000_000);
+        assert_eq!(b.slab_buffer_bytes, 2 * 16 * 16384 * 6144 * 2);
         assert_eq!(
             b.template_bytes,
-            56_000_000_000 - b.workspace_bytes - b.reserve_bytes
+            56_000_000_000
+                - b.workspace_bytes
+                - b.requests_bytes
+                - b.slab_buffer_bytes
+                - b.reserve_bytes
         );
         assert!(b.describe().contains("templates"));
     }

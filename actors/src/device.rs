@@ -9,7 +9,7 @@
 use denoised_cuda::{CudaExec, DeviceSpec, Dt, EmuExec, Exec, GpuBackend};
 
 use crate::budget::{BudgetInputs, DeviceBudget};
-use denoised_models::flux::stepper::{DeviceStepper, HostStepper, Stepper};
+use denoised_models::flux::stepper::{ModelStepper, Stepper};
 use denoised_models::pipeline::flux_fill::{Component, FluxFill, Parts};
 use denoised_models::ModelSource;
 use denoised_runtime::CpuBackend;
@@ -24,6 +24,9 @@ pub struct StepLimits {
     pub token_budget: usize,
     /// `[server] max_pixels`: the largest image of one request.
     pub max_pixels: usize,
+    /// Host bytes the CPU may keep decoded templates in (`[workers]
+    /// cache_arena_bytes`: no more templates than the host tier holds).
+    pub host_template_bytes: u64,
 }
 
 /// The storage dtype of a device's weights and activations: `bf16` or `f32`.
@@ -95,7 +98,7 @@ pub fn place(
                 weight_bytes: 4 * t.params(),
             };
             Ok(Placed {
-                stepper: Box::new(HostStepper(t)),
+                stepper: Box::new(ModelStepper::new(t, limits.host_template_bytes, 4, false)),
                 device: "cpu".into(),
                 dtype: "f32",
                 component,
@@ -137,7 +140,13 @@ fn on_gpu<E: Exec + 'static>(
         .map_err(|e| format!("{device}: {e}"))?;
     // Rows of the largest request: all its text and image tokens.
     let token_px = 2 * cpu.vae_scale_factor();
-    let largest = MAX_TEXT_TOKENS + limits.max_pixels / (token_px * token_px);
+    let image_tokens = limits.max_pixels / (token_px * token_px);
+    let largest = MAX_TEXT_TOKENS + image_tokens;
+    let c = &cpu.config;
+    // Its tensors: [latent | cond] rows, the text, RoPE cos/sin of every row.
+    let request_elems = image_tokens * c.in_channels
+        + MAX_TEXT_TOKENS * c.joint_attention_dim
+        + 2 * largest * c.attention_head_dim;
     let budget = DeviceBudget::compute(&BudgetInputs {
         free: mem.free,
         total: mem.total,
@@ -148,6 +157,8 @@ fn on_gpu<E: Exec + 'static>(
         token_budget: limits.token_budget,
         largest_rows: largest,
         largest_context: largest,
+        request_bytes: (request_elems * dt.size()) as u64,
+        slab_bytes: (image_tokens * 2 * c.hidden() * dt.size()) as u64,
     })
     .map_err(|e| format!("{device}: {e}"))?;
     tracing::info!("device memory budget on {device}: {}", budget.describe());
@@ -156,7 +167,12 @@ fn on_gpu<E: Exec + 'static>(
         weight_bytes: weights,
     };
     Ok(Placed {
-        stepper: Box::new(DeviceStepper::new(model, budget.template_bytes, dt.size())),
+        stepper: Box::new(ModelStepper::new(
+            std::sync::Arc::new(model),
+            budget.template_bytes,
+            dt.size(),
+            true,
+        )),
         device,
         dtype: dtype_name(dt),
         component,

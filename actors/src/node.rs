@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use denoised_runtime::config::Config;
 use denoised_runtime::shm::{self, Arena, ArenaView, Handle};
-use denoised_runtime::Tensor;
+use denoised_runtime::{DType, HostSlice, Tensor};
 use ractor::rpc::CallResult;
 use ractor::{ActorCell, ActorRef, Message};
 use ractor_cluster::{NodeServer, NodeServerMessage};
@@ -373,6 +373,36 @@ impl Shm {
             view = self.view(&h.arena, true)?;
         }
         Ok(f(view.slice_f32(h).map_err(lost)?))
+    }
+
+    /// A slice's bytes in place, in any arena (this process's own included), as a
+    /// [`HostSlice`] that keeps the mapping: how a denoise worker reads a template
+    /// without copying it (and a device streams it from there). The handle protocol
+    /// keeps the slice unchanged while its reader holds it (edits pin their template).
+    pub fn host_slice(&self, h: &Handle) -> Result<HostSlice, WireError> {
+        let lost = |e: shm::ShmError| WireError::new(ErrorKind::WorkerLost, e.to_string());
+        if h.arena == self.own_name() {
+            return self.arena().shared_view().host_slice(h).map_err(lost);
+        }
+        let mut view = self.view(&h.arena, false)?;
+        if !view.is_live(h) {
+            view = self.view(&h.arena, true)?;
+        }
+        view.host_slice(h).map_err(lost)
+    }
+
+    /// Allocates `len` bytes in this process's arena for a writer in this process (a
+    /// capture filling its template in place): the handle, and the bytes.
+    pub fn alloc_host(&self, len: usize) -> Result<(Handle, HostSlice), WireError> {
+        let mut a = self.arena();
+        let h = a.alloc(DType::U8, &[len]).map_err(space_error)?;
+        match a.shared_view().host_slice(&h) {
+            Ok(s) => Ok((h, s)),
+            Err(e) => {
+                let _ = a.free(&h);
+                Err(WireError::internal(e.to_string()))
+            }
+        }
     }
 
     pub fn read_tensor(&self, h: &Handle) -> Result<Tensor, WireError> {

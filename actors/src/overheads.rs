@@ -8,8 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use denoised_models::flux::edit::DenoiseInputs;
+use denoised_models::flux::edit::Mode;
 use denoised_models::flux::embed::image_ids;
-use denoised_models::flux::stepper::HostStepper;
+use denoised_models::flux::stepper::ModelStepper;
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::{FlowMatchEuler, FluxConfig, ModelSource};
 use denoised_runtime::shm::{Arena, ArenaView};
@@ -18,7 +19,7 @@ use ractor::rpc::CallResult;
 use ractor::ActorRef;
 use serde::Serialize;
 
-use crate::denoise::{DenoiseLoop, DenoiseRequest, Event, LoopOptions, Work};
+use crate::denoise::{DenoiseLoop, DenoiseRequest, Event, LoopOptions};
 use crate::scheduler::BatchConfig;
 use crate::wire::{groups, RouterMsg, Wire};
 
@@ -65,7 +66,8 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
         max_batch: requests.max(1),
         ..Default::default()
     };
-    let lp = DenoiseLoop::spawn(Box::new(HostStepper(model)), cfg, LoopOptions::default())?;
+    let stepper = ModelStepper::unbounded(model, 4);
+    let lp = DenoiseLoop::spawn(Box::new(stepper), cfg, LoopOptions::default())?;
     let c = FluxConfig::tiny();
     let side = 8;
     let l = side * side;
@@ -88,7 +90,7 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
             id,
             inputs: Arc::new(inputs),
             schedule: Arc::new(schedule),
-            work: Work::Full,
+            work: Mode::Full,
         });
     }
     let mut times = Vec::new();

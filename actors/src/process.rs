@@ -83,6 +83,7 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
                 max_batch: env.config.denoise.max_batch,
                 token_budget: env.config.denoise.token_budget,
                 max_pixels: env.config.server.max_pixels,
+                host_template_bytes: env.config.workers.cache_arena_bytes,
             };
             Some(device::place(&source, device, dt, &pipeline, limits)?)
         }
@@ -229,6 +230,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                         .map_or(u64::MAX, |b| b.template_bytes),
                 };
                 sched.validate().map_err(|e| e.to_string())?;
+                let template_dtype = placed.template_dtype();
                 Actor::spawn(
                     name,
                     DenoiseActor,
@@ -239,6 +241,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                         sched,
                         faults,
                         cache_arena_bytes: env.config.workers.cache_arena_bytes,
+                        template_dtype,
                     },
                 )
                 .await

@@ -120,6 +120,7 @@ struct EwParams {
     int c0, c1;             // column range
     int table_cols;         // row stride of table
     int n;                  // flat element count (silu, add, convert)
+    float alpha;            // axpy_cols: the scale of y
 };
 
 // LayerNorm (no affine) + adaLN modulation per row segment, with optional fused
@@ -146,6 +147,7 @@ struct RmsRopeParams {
 struct GatherParams {
     u64 srcs[8];
     int src_stride[8];
+    u64 src_table;  // when set, sources are (u64 address, u64 stride) pairs here
     u64 index;  // const u32 pairs (src, row)
     u64 out;
     int rows, cols, r0, c0;

@@ -49,6 +49,19 @@ DEV void gated_residual_rows(const EwParams& p) {
         x[i] = from_f32<T>(to_f32(x[i]) + g * to_f32(y[i]));
     }
 }
+// x[r, c0 + c] += alpha * y[r, c] over [rows, c1 - c0], y dense: a request's Euler
+// update (y is its window of the batch's packed velocity), f32 arithmetic.
+template <class T>
+DEV void axpy_cols_k(const EwParams& p) {
+    T* x = (T*)p.x;
+    const T* y = (const T*)p.y;
+    int w = p.c1 - p.c0;
+    GRID_STRIDE(i, (long long)p.rows * w) {
+        long long r = i / w, c = i % w;
+        T* d = x + r * p.cols + p.c0 + c;
+        *d = from_f32<T>(to_f32(*d) + p.alpha * to_f32(y[i]));
+    }
+}
 template <class S, class D>
 DEV void convert_n(const EwParams& p) {
     const S* x = (const S*)p.x;
@@ -68,6 +81,8 @@ EW_KERNEL(add_f32, add_n, float)
 EW_KERNEL(add_bf16, add_n, bf16)
 EW_KERNEL(gated_residual_f32, gated_residual_rows, float)
 EW_KERNEL(gated_residual_bf16, gated_residual_rows, bf16)
+EW_KERNEL(axpy_cols_f32, axpy_cols_k, float)
+EW_KERNEL(axpy_cols_bf16, axpy_cols_k, bf16)
 
 extern "C" __global__ void convert_f32_bf16(const EwParams p) { convert_n<float, bf16>(p); }
 EMU_EXPORT(convert_f32_bf16, EwParams)

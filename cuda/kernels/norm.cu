@@ -78,7 +78,8 @@ EMU_EXPORT(rms_rope_f32, RmsRopeParams)
 extern "C" __global__ void rms_rope_bf16(const RmsRopeParams p) { rms_rope<bf16>(p); }
 EMU_EXPORT(rms_rope_bf16, RmsRopeParams)
 
-// Row gather from up to 8 sources, or a column block of source 0 when index is 0.
+// Row gather from any number of sources (up to 8 in the parameters, more in a table),
+// or a column block of source 0 when index is 0.
 template <class T>
 DEV void gather(const GatherParams& p) {
     const u32* index = (const u32*)p.index;
@@ -88,8 +89,17 @@ DEV void gather(const GatherParams& p) {
         long long r = i / p.cols, c = i % p.cols;
         int src = index ? index[2 * r] : 0;
         long long row = index ? index[2 * r + 1] : p.r0 + r;
-        const T* s = (const T*)p.srcs[src];
-        out[i] = s[row * p.src_stride[src] + p.c0 + c];
+        const T* s;
+        long long stride;
+        if (p.src_table) {
+            const u64* t = (const u64*)p.src_table;
+            s = (const T*)t[2 * src];
+            stride = (long long)t[2 * src + 1];
+        } else {
+            s = (const T*)p.srcs[src];
+            stride = p.src_stride[src];
+        }
+        out[i] = s[row * stride + p.c0 + c];
     }
 }
 extern "C" __global__ void gather_f32(const GatherParams p) { gather<float>(p); }

@@ -10,14 +10,16 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use denoised_runtime::backend::{stacked_shape, AttnSeq, Backend, Modulation};
-use denoised_runtime::{DType, Error, Result, Stored, Tensor};
+use denoised_runtime::{DType, Error, HostMemory, HostSlice, Result, SlabProvider, Stored, Tensor};
 
 use crate::exec::{Dt, Exec, Gemm, Grid};
+use crate::host::HostIo;
 use crate::params::*;
 use crate::CudaError;
 
 pub struct GpuTensor<E: Exec> {
-    mem: E::Mem,
+    /// Shared only with stores in flight (see `crate::host`).
+    mem: Arc<E::Mem>,
     addr: u64,
     shape: Vec<usize>,
     dt: Dt,
@@ -30,7 +32,7 @@ impl<E: Exec> GpuTensor<E> {
         let mem = exec.alloc(n * dt.size()).map_err(dev)?;
         let addr = exec.addr(&mem);
         Ok(GpuTensor {
-            mem,
+            mem: Arc::new(mem),
             addr,
             shape,
             dt,
@@ -71,6 +73,7 @@ pub struct GpuBackend<E: Exec> {
     /// the same few arrays (text, image, joint rows) to every modulated op of every
     /// block; without this each op would upload its copy again.
     segments: Mutex<Vec<DeviceSegments<E>>>,
+    host: HostIo<E>,
 }
 
 /// A segment-id array, its device copy and that copy's address.
@@ -95,6 +98,7 @@ impl<E: Exec> GpuBackend<E> {
             exec: Arc::new(exec),
             dt,
             segments: Mutex::new(Vec::new()),
+            host: HostIo::new(),
         }
     }
     pub fn exec(&self) -> &Arc<E> {
@@ -102,6 +106,17 @@ impl<E: Exec> GpuBackend<E> {
     }
     pub fn dtype(&self) -> Dt {
         self.dt
+    }
+    /// Host bytes page-locked for this device now.
+    pub fn pinned_bytes(&self) -> usize {
+        self.host.pinned_bytes()
+    }
+    /// The runtime dtype of this device's storage type.
+    pub fn storage_dtype(&self) -> DType {
+        match self.dt {
+            Dt::F32 => DType::F32,
+            Dt::Bf16 => DType::BF16,
+        }
     }
 
     fn empty(&self, shape: Vec<usize>) -> Result<GpuTensor<E>> {
@@ -133,6 +148,28 @@ impl<E: Exec> GpuBackend<E> {
         }
         cache.push((seg.to_vec(), mem.clone(), addr));
         Ok((mem, addr))
+    }
+
+    /// A copy of `t` in the storage type of `dtype` (f32 or bf16).
+    fn convert(&self, t: &GpuTensor<E>, dtype: DType) -> Result<GpuTensor<E>> {
+        let (to, name) = match (t.dt, dtype) {
+            (Dt::Bf16, DType::F32) => (Dt::F32, "convert_bf16_f32"),
+            (Dt::F32, DType::BF16) => (Dt::Bf16, "convert_f32_bf16"),
+            (from, to) => {
+                return Err(Error::Invalid(format!(
+                    "no device conversion from {from:?} to {to:?}"
+                )))
+            }
+        };
+        let out = GpuTensor::alloc(&*self.exec, t.shape.clone(), to)?;
+        let p = EwParams {
+            x: t.addr,
+            y: out.addr,
+            n: t.len() as i32,
+            ..Default::default()
+        };
+        self.launch(name, Grid::linear(t.len(), 256), &p)?;
+        Ok(out)
     }
 
     fn kernel(&self, base: &'static str) -> &'static str {
@@ -282,10 +319,7 @@ impl<E: Exec> Backend for GpuBackend<E> {
 
     fn upload_stored(&self, parts: &[Stored<'_>]) -> Result<GpuTensor<E>> {
         let out = self.empty(stacked_shape(parts)?)?;
-        let target = match self.dt {
-            Dt::F32 => DType::F32,
-            Dt::Bf16 => DType::BF16,
-        };
+        let target = self.storage_dtype();
         // Each part lands at its offset: bytes already in the device dtype go from
         // the (mapped) checkpoint straight to the device; others are converted a
         // bounded chunk at a time. Safetensors and both devices are little-endian.
@@ -517,10 +551,10 @@ impl<E: Exec> Backend for GpuBackend<E> {
 
     fn gather_rows(&self, srcs: &[&GpuTensor<E>], index: &[(u32, u32)]) -> Result<GpuTensor<E>> {
         let cols = srcs.first().map_or(0, |s| s.cols());
-        if srcs.len() > 8 || srcs.iter().any(|s| s.cols() != cols) {
+        if srcs.iter().any(|s| s.cols() != cols) {
             return Err(Error::shape(
                 "gather_rows",
-                format!("{} sources (at most 8, all of width {cols})", srcs.len()),
+                format!("{} sources, not all of width {cols}", srcs.len()),
             ));
         }
         if let Some(&(s, r)) = index
@@ -545,9 +579,25 @@ impl<E: Exec> Backend for GpuBackend<E> {
             cols: cols as i32,
             ..Default::default()
         };
-        for (i, s) in srcs.iter().enumerate() {
-            p.srcs[i] = s.addr;
-            p.src_stride[i] = s.cols() as i32;
+        // Up to 8 sources travel in the parameters; more (a batch packing one tensor
+        // per request) in a table of (address, row stride) pairs on the device.
+        let _table;
+        if srcs.len() <= p.srcs.len() {
+            for (i, s) in srcs.iter().enumerate() {
+                p.srcs[i] = s.addr;
+                p.src_stride[i] = s.cols() as i32;
+            }
+        } else {
+            let words: Vec<u32> = srcs
+                .iter()
+                .flat_map(|s| {
+                    let (lo, hi) = (s.addr as u32, (s.addr >> 32) as u32);
+                    [lo, hi, s.cols() as u32, 0]
+                })
+                .collect();
+            let (mem, addr) = self.upload_u32(&words)?;
+            _table = mem;
+            p.src_table = addr;
         }
         self.launch(
             self.kernel("gather"),
@@ -555,6 +605,97 @@ impl<E: Exec> Backend for GpuBackend<E> {
             &p,
         )?;
         Ok(out)
+    }
+
+    fn axpy_cols(
+        &self,
+        x: &mut GpuTensor<E>,
+        cols: Range<usize>,
+        v: &GpuTensor<E>,
+        v_rows: Range<usize>,
+        alpha: f32,
+    ) -> Result<()> {
+        let (n, width) = matrix("axpy_cols", x)?;
+        let (vn, vw) = matrix("axpy_cols", v)?;
+        if cols.end > width || vw != cols.len() || v_rows.len() != n || v_rows.end > vn {
+            return Err(Error::shape(
+                "axpy_cols",
+                format!(
+                    "columns {cols:?} of {:?} += rows {v_rows:?} of {:?}",
+                    x.shape, v.shape
+                ),
+            ));
+        }
+        if n == 0 || cols.is_empty() {
+            return Ok(());
+        }
+        let p = EwParams {
+            x: x.addr,
+            y: v.addr + (v_rows.start * vw * self.dt.size()) as u64,
+            rows: n as i32,
+            cols: width as i32,
+            c0: cols.start as i32,
+            c1: cols.end as i32,
+            alpha,
+            ..Default::default()
+        };
+        self.launch(
+            self.kernel("axpy_cols"),
+            Grid::linear(n * cols.len(), 256),
+            &p,
+        )
+    }
+
+    fn pin_host(&self, mem: &Arc<dyn HostMemory>) -> Result<()> {
+        self.host.pin(&self.exec, mem)
+    }
+
+    fn store(&self, t: &GpuTensor<E>, dst: &HostSlice, dtype: DType) -> Result<()> {
+        // Converted on the device first when the host wants another dtype, so the copy
+        // engine moves the final bytes.
+        let converted;
+        let src = if dtype == self.storage_dtype() {
+            t
+        } else {
+            converted = self.convert(t, dtype)?;
+            &converted
+        };
+        let bytes = src.len() * src.dt.size();
+        if !dst.writable() || dst.len() != bytes {
+            return Err(Error::Invalid(format!(
+                "storing {bytes} bytes into a {} host slice of {} bytes",
+                if dst.writable() {
+                    "writable"
+                } else {
+                    "read-only"
+                },
+                dst.len()
+            )));
+        }
+        self.host.store(&self.exec, src.mem.clone(), 0, dst)
+    }
+
+    fn flush_stores(&self) -> Result<()> {
+        self.host.flush(&self.exec)
+    }
+
+    fn stream_slabs(
+        &self,
+        src: &HostSlice,
+        dtype: DType,
+        shape: &[usize],
+        steps: usize,
+        blocks: usize,
+        lanes: usize,
+    ) -> Result<Option<Box<dyn SlabProvider<GpuTensor<E>>>>> {
+        if dtype != self.storage_dtype() {
+            // Streamed slabs are copied as they are: a template of another dtype (one
+            // captured on another kind of device) is made resident instead.
+            return Ok(None);
+        }
+        let t =
+            crate::stream::StreamedTemplate::new(self, src.clone(), shape, steps, blocks, lanes)?;
+        Ok(Some(Box::new(t)))
     }
 
     fn gather_cols(

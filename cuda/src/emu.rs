@@ -54,6 +54,8 @@ struct Usage {
     capacity: u64,
     in_use: AtomicU64,
     peak: AtomicU64,
+    /// Host bytes registered for asynchronous copies, as a GPU would page-lock them.
+    pinned: AtomicU64,
 }
 
 impl Default for EmuExec {
@@ -98,6 +100,7 @@ impl EmuExec {
                 capacity: bytes,
                 in_use: AtomicU64::new(0),
                 peak: AtomicU64::new(0),
+                pinned: AtomicU64::new(0),
             }),
         }
     }
@@ -110,6 +113,11 @@ impl EmuExec {
     /// The most bytes allocated at once since the last [`reset_peak`](Self::reset_peak).
     pub fn peak_bytes(&self) -> u64 {
         self.usage.peak.load(Ordering::Relaxed)
+    }
+
+    /// Host bytes registered now (`Exec::register`): what a GPU would have page-locked.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.usage.pinned.load(Ordering::Relaxed)
     }
 
     /// Starts a new peak from what is allocated now.
@@ -129,6 +137,19 @@ pub struct EmuMem {
 // executor, which callers order (as on a GPU stream).
 unsafe impl Send for EmuMem {}
 unsafe impl Sync for EmuMem {}
+/// A registration of host memory (nothing to lock: the emulator's copies are memcpy),
+/// counted so that tests can see what a GPU would have page-locked.
+pub struct EmuPinned {
+    len: u64,
+    usage: Arc<Usage>,
+}
+
+impl Drop for EmuPinned {
+    fn drop(&mut self) {
+        self.usage.pinned.fetch_sub(self.len, Ordering::Relaxed);
+    }
+}
+
 impl Drop for EmuMem {
     fn drop(&mut self) {
         // SAFETY: allocated with this layout in `alloc`.
@@ -158,7 +179,7 @@ fn load_rounded(dt: Dt, v: f32) -> f32 {
 
 impl Exec for EmuExec {
     type Mem = EmuMem;
-    type Host = Vec<u8>;
+    type Pinned = EmuPinned;
     /// One stream in effect: every operation completes before the call returns.
     type Event = ();
 
@@ -280,14 +301,24 @@ impl Exec for EmuExec {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
-    fn alloc_host(&self, bytes: usize) -> Result<Vec<u8>> {
-        Ok(vec![0; bytes])
+    unsafe fn register(&self, _base: *mut u8, len: usize, _read_only: bool) -> Result<EmuPinned> {
+        self.usage.pinned.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(EmuPinned {
+            len: len as u64,
+            usage: self.usage.clone(),
+        })
     }
-    fn host_bytes<'a>(&self, h: &'a mut Vec<u8>) -> Result<&'a mut [u8]> {
-        Ok(h)
+    unsafe fn load(&self, dst: &EmuMem, offset: usize, src: *const u8, len: usize) -> Result<()> {
+        self.upload(dst, offset, std::slice::from_raw_parts(src, len))
     }
-    fn load(&self, dst: &EmuMem, src: &Vec<u8>, src_offset: usize, len: usize) -> Result<()> {
-        self.upload(dst, 0, &src[src_offset..src_offset + len])
+    unsafe fn store(&self, dst: *mut u8, src: &EmuMem, offset: usize, len: usize) -> Result<()> {
+        self.download(src, offset, std::slice::from_raw_parts_mut(dst, len))
+    }
+    fn is_done(&self, _: &()) -> Result<bool> {
+        Ok(true)
+    }
+    fn sync_event(&self, _: &()) -> Result<()> {
+        Ok(())
     }
     fn record(&self, _: crate::exec::Stream) -> Result<()> {
         Ok(())

@@ -85,8 +85,8 @@ pub enum Stream {
 pub trait Exec: Send + Sync + 'static {
     /// One device allocation; freed when dropped.
     type Mem: Send + Sync;
-    /// Host memory the device copies from asynchronously (page-locked on a GPU).
-    type Host: Send + Sync;
+    /// A registration of host memory for asynchronous copies (page-locked on a GPU).
+    type Pinned: Send + Sync;
     /// A point in a stream's work that another stream can wait for.
     type Event: Send + Sync;
 
@@ -109,11 +109,31 @@ pub trait Exec: Send + Sync + 'static {
     /// Waits for all queued work.
     fn synchronize(&self) -> Result<()>;
 
-    fn alloc_host(&self, bytes: usize) -> Result<Self::Host>;
-    /// The host buffer's bytes, to fill before any load reads them.
-    fn host_bytes<'a>(&self, h: &'a mut Self::Host) -> Result<&'a mut [u8]>;
-    /// Queues a copy of `len` bytes from `src + src_offset` to `dst` on the copy stream.
-    fn load(&self, dst: &Self::Mem, src: &Self::Host, src_offset: usize, len: usize) -> Result<()>;
+    /// Page-locks `len` bytes of host memory at `base` for asynchronous copies, until
+    /// the returned value is dropped.
+    ///
+    /// # Safety
+    /// The memory stays mapped at `base` for as long as the registration lives.
+    unsafe fn register(&self, base: *mut u8, len: usize, read_only: bool) -> Result<Self::Pinned>;
+    /// Queues a copy of `len` host bytes at `src` to `dst + offset` on the copy stream.
+    ///
+    /// # Safety
+    /// `src` lies in registered memory (else the copy is synchronous but still
+    /// correct) that stays valid and unchanged until the copy is done (an event
+    /// recorded on the copy stream after it).
+    unsafe fn load(&self, dst: &Self::Mem, offset: usize, src: *const u8, len: usize)
+        -> Result<()>;
+    /// Queues a copy of `len` device bytes at `src + offset` to host `dst` on the copy
+    /// stream.
+    ///
+    /// # Safety
+    /// As [`load`](Self::load), and nobody reads `dst` or frees `src` until the copy
+    /// is done.
+    unsafe fn store(&self, dst: *mut u8, src: &Self::Mem, offset: usize, len: usize) -> Result<()>;
+    /// Whether the work before `e` has finished (never waits).
+    fn is_done(&self, e: &Self::Event) -> Result<bool>;
+    /// Blocks the calling thread until the work before `e` has finished.
+    fn sync_event(&self, e: &Self::Event) -> Result<()>;
     /// Marks the work queued so far on `on`.
     fn record(&self, on: Stream) -> Result<Self::Event>;
     /// Makes later work on `on` wait for `e`.

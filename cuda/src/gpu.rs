@@ -337,6 +337,27 @@ impl CudaExec {
     }
 }
 
+/// Host memory page-locked by [`Exec::register`], unregistered when dropped.
+pub struct CudaPinned {
+    base: *mut u8,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: only the address is kept, to unregister it; the memory's owner keeps it.
+unsafe impl Send for CudaPinned {}
+unsafe impl Sync for CudaPinned {}
+
+impl Drop for CudaPinned {
+    fn drop(&mut self) {
+        // SAFETY: registered in `register` and unregistered once, here.
+        unsafe {
+            if self.ctx.bind_to_thread().is_ok() {
+                let _ = sys::cuMemHostUnregister(self.base as *mut c_void);
+            }
+        }
+    }
+}
+
 impl CudaExec {
     fn stream(&self, s: Stream) -> &Arc<CudaStream> {
         match s {
@@ -348,7 +369,7 @@ impl CudaExec {
 
 impl Exec for CudaExec {
     type Mem = CudaSlice<u8>;
-    type Host = PinnedHostSlice<u8>;
+    type Pinned = CudaPinned;
     type Event = CudaEvent;
 
     fn describe(&self) -> String {
@@ -473,34 +494,69 @@ impl Exec for CudaExec {
             .map_err(drv("cuStreamSynchronize"))
     }
 
-    fn alloc_host(&self, bytes: usize) -> Result<PinnedHostSlice<u8>> {
-        // SAFETY: plain page-locked host allocation; filled before loads read it.
-        unsafe { self.ctx.alloc_pinned::<u8>(bytes.max(1)) }.map_err(drv("cuMemHostAlloc"))
+    unsafe fn register(&self, base: *mut u8, len: usize, read_only: bool) -> Result<CudaPinned> {
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        // A peer's arena is mapped read-only, which the driver must be told (it would
+        // otherwise ask for write access to pin the pages).
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE
+            | if read_only {
+                sys::CU_MEMHOSTREGISTER_READ_ONLY
+            } else {
+                0
+            };
+        sys::cuMemHostRegister_v2(base as *mut c_void, len, flags)
+            .result()
+            .map_err(drv("cuMemHostRegister"))?;
+        Ok(CudaPinned {
+            base,
+            ctx: self.ctx.clone(),
+        })
     }
 
-    fn host_bytes<'a>(&self, h: &'a mut PinnedHostSlice<u8>) -> Result<&'a mut [u8]> {
-        h.as_mut_slice().map_err(drv("pinned"))
-    }
-
-    fn load(
+    unsafe fn load(
         &self,
         dst: &CudaSlice<u8>,
-        src: &PinnedHostSlice<u8>,
-        src_offset: usize,
+        offset: usize,
+        src: *const u8,
         len: usize,
     ) -> Result<()> {
-        assert!(src_offset + len <= src.len() && len <= dst.len());
+        assert!(offset + len <= dst.len());
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        // SAFETY: in bounds (asserted); the pinned source outlives the copy (its owner
-        // keeps it for as long as loads may be queued).
-        unsafe {
-            let host = std::slice::from_raw_parts(
-                src.as_ptr().map_err(drv("pinned"))?.add(src_offset),
-                len,
-            );
-            dr::memcpy_htod_async(self.addr(dst), host, self.copy.cu_stream())
-        }
+        sys::cuMemcpyHtoDAsync_v2(
+            self.addr(dst) + offset as u64,
+            src as *const c_void,
+            len,
+            self.copy.cu_stream(),
+        )
+        .result()
         .map_err(drv("cuMemcpyHtoDAsync (copy stream)"))
+    }
+
+    unsafe fn store(
+        &self,
+        dst: *mut u8,
+        src: &CudaSlice<u8>,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        assert!(offset + len <= src.len());
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        sys::cuMemcpyDtoHAsync_v2(
+            dst as *mut c_void,
+            self.addr(src) + offset as u64,
+            len,
+            self.copy.cu_stream(),
+        )
+        .result()
+        .map_err(drv("cuMemcpyDtoHAsync (copy stream)"))
+    }
+
+    fn is_done(&self, e: &CudaEvent) -> Result<bool> {
+        e.try_is_complete().map_err(drv("cuEventQuery"))
+    }
+
+    fn sync_event(&self, e: &CudaEvent) -> Result<()> {
+        e.synchronize().map_err(drv("cuEventSynchronize"))
     }
 
     fn record(&self, on: Stream) -> Result<CudaEvent> {

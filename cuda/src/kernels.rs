@@ -25,6 +25,8 @@ pub const MODULES: &[Module] = &[
             "add_bf16",
             "gated_residual_f32",
             "gated_residual_bf16",
+            "axpy_cols_f32",
+            "axpy_cols_bf16",
             "convert_f32_bf16",
             "convert_bf16_f32",
             "timestep_embed_f32",

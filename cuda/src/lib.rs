@@ -22,6 +22,7 @@ pub mod device;
 pub mod emu;
 pub mod exec;
 pub mod gpu;
+mod host;
 pub mod kernels;
 pub mod params;
 pub mod selfcheck;

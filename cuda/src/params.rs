@@ -38,6 +38,7 @@ pub struct EwParams {
     pub c1: i32,
     pub table_cols: i32,
     pub n: i32,
+    pub alpha: f32,
 }
 
 #[repr(C)]
@@ -76,6 +77,8 @@ pub struct RmsRopeParams {
 pub struct GatherParams {
     pub srcs: [u64; 8],
     pub src_stride: [i32; 8],
+    /// When non-zero, the sources are `(u64 address, u64 row stride)` pairs here.
+    pub src_table: u64,
     pub index: u64,
     pub out: u64,
     pub rows: i32,

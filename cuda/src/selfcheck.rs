@@ -258,6 +258,55 @@ fn check_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
         &down(&gpu.gather_cols(&up(&a)?, 1..4, 3..11)?)?,
         &want,
     );
+    // A batch's packing gathers one source per request: more than the launch
+    // parameters hold, so they go through a table on the device.
+    let many: Vec<Tensor> = (0..11).map(|i| rng.tensor(&[3 + i % 3, 12], 1.0)).collect();
+    let index: Vec<(u32, u32)> = (0..11u32)
+        .rev()
+        .flat_map(|s| (0..3u32).map(move |r| (s, (r * 7 + s) % 3)))
+        .collect();
+    let want = cpu.gather_rows(&many.iter().collect::<Vec<_>>(), &index)?;
+    let many_gpu = many.iter().map(up).collect::<Result<Vec<_>>>()?;
+    let got = gpu.gather_rows(&many_gpu.iter().collect::<Vec<_>>(), &index)?;
+    close(out, "gather_rows, 11 sources", dt, &down(&got)?, &want);
+
+    // The Euler update: a column block of x += dt * a row window of the velocity.
+    let mut xc = rng.tensor(&[6, 40], 2.0);
+    let v = rng.tensor(&[10, 16], 1.0);
+    let mut xg = up(&xc)?;
+    cpu.axpy_cols(&mut xc, 0..16, &v, 3..9, -0.137)?;
+    gpu.axpy_cols(&mut xg, 0..16, &up(&v)?, 3..9, -0.137)?;
+    close(out, "axpy_cols", dt, &down(&xg)?, &xc);
+
+    // Stores into host memory (asynchronous on a GPU), in the device's dtype and
+    // converted to f32, then flushed.
+    let host = denoised_runtime::HostSlice::zeroed(6 * 40 * (4 + dt.size()))?;
+    gpu.pin_host(host.memory())?;
+    let (own, f32s) = (
+        host.sub(0, 6 * 40 * dt.size())?,
+        host.sub(6 * 40 * dt.size(), 6 * 40 * 4)?,
+    );
+    gpu.store(&xg, &own, gpu.storage_dtype())?;
+    gpu.store(&xg, &f32s, denoised_runtime::DType::F32)?;
+    gpu.flush_stores()?;
+    let back = |s: &denoised_runtime::HostSlice, d| {
+        denoised_runtime::Stored::new("stored", vec![6, 40], d, s.bytes())?.to_f32()
+    };
+    let want = down(&xg)?;
+    close(
+        out,
+        "store (device dtype)",
+        dt,
+        &back(&own, gpu.storage_dtype())?,
+        &want,
+    );
+    close(
+        out,
+        "store (to f32)",
+        dt,
+        &back(&f32s, denoised_runtime::DType::F32)?,
+        &want,
+    );
 
     // attention: head dims 64 and 128 take the tensor-core kernel in bf16; 16 the
     // SIMT one. Queries span two buffers; keys come from both (by range) and from an

@@ -2,9 +2,10 @@
 //! on the copy stream, into ping-pong buffers, while the compute stream works.
 //!
 //! A FLUX.1 template is ~2.9 GB of bf16 K/V per step at 1024²; keeping every hot
-//! template resident would fill the device. Instead the slabs stay in page-locked host
-//! memory and each forward loads only the step it reads, two blocks' worth of device
-//! memory at a time:
+//! template resident would fill the device. Instead the slabs stay where they are in
+//! host memory (the cache process's shared-memory arena, page-locked once by this
+//! device, see `crate::host`), and each forward loads only the step it reads, two
+//! blocks' worth of device memory at a time, with no host copy:
 //!
 //! ```text
 //! copy:     load b0 → A, load b1 → B | wait(compute done with b0) load b2 → A | ...
@@ -21,15 +22,15 @@
 
 use std::sync::{Arc, Mutex};
 
-use denoised_runtime::{Error, Result, SlabProvider, Tensor};
+use denoised_runtime::{Backend, Error, HostSlice, Result, SlabProvider};
 
-use crate::backend::{dev, to_bytes, GpuBackend, GpuTensor};
+use crate::backend::{dev, GpuBackend, GpuTensor};
 use crate::exec::{Exec, Stream};
 
 pub struct StreamedTemplate<E: Exec> {
     exec: Arc<E>,
     /// Every slab, step-major, in the device's storage type.
-    host: E::Host,
+    host: HostSlice,
     steps: usize,
     blocks: usize,
     slab_bytes: usize,
@@ -56,44 +57,33 @@ struct LaneState<E: Exec> {
 }
 
 impl<E: Exec> StreamedTemplate<E> {
-    /// Stages `slabs` (`steps * blocks` tensors of one shape, step-major) in host
-    /// memory and allocates `lanes` buffer pairs: the most distinct steps of this
-    /// template one forward may read.
+    /// Streams `steps * blocks` slabs of `shape`, step-major, in the device's storage
+    /// type, from `host` (page-locked here if it is not yet), with `lanes` buffer
+    /// pairs: the most distinct steps of this template one forward may read.
     pub fn new(
         be: &GpuBackend<E>,
-        slabs: &[&Tensor],
+        host: HostSlice,
+        shape: &[usize],
         steps: usize,
         blocks: usize,
         lanes: usize,
     ) -> Result<Self> {
-        let shape = slabs
-            .first()
-            .map(|t| t.shape().to_vec())
-            .unwrap_or_default();
-        if slabs.len() != steps * blocks
-            || blocks == 0
-            || lanes == 0
-            || slabs.iter().any(|t| t.shape() != shape)
-        {
-            return Err(Error::Invalid(format!(
-                "a streamed template needs {steps} x {blocks} slabs of one shape and at least one lane, got {}",
-                slabs.len()
-            )));
-        }
-        let exec = be.exec().clone();
         let dt = be.dtype();
         let slab_bytes = shape.iter().product::<usize>() * dt.size();
-        let mut host = exec.alloc_host(slab_bytes * slabs.len()).map_err(dev)?;
-        let bytes = exec.host_bytes(&mut host).map_err(dev)?;
-        for (dst, t) in bytes.chunks_exact_mut(slab_bytes).zip(slabs) {
-            dst.copy_from_slice(&to_bytes(dt, t.data()));
+        if host.len() < slab_bytes * steps * blocks || blocks == 0 || lanes == 0 {
+            return Err(Error::Invalid(format!(
+                "a streamed template needs {steps} x {blocks} slabs of {slab_bytes} bytes and at least one lane, got {} bytes",
+                host.len()
+            )));
         }
+        be.pin_host(host.memory())?;
+        let exec = be.exec().clone();
         let lanes = (0..lanes)
             .map(|_| {
                 Ok(Lane {
                     bufs: [
-                        GpuTensor::alloc(&*exec, shape.clone(), dt)?,
-                        GpuTensor::alloc(&*exec, shape.clone(), dt)?,
+                        GpuTensor::alloc(&*exec, shape.to_vec(), dt)?,
+                        GpuTensor::alloc(&*exec, shape.to_vec(), dt)?,
                     ],
                     st: Mutex::new(LaneState {
                         step: None,
@@ -120,9 +110,17 @@ impl<E: Exec> StreamedTemplate<E> {
         let step = st.step.expect("a prepared lane");
         let i = block % 2;
         let offset = (step * self.blocks + block) * self.slab_bytes;
-        self.exec
-            .load(lane.bufs[i].mem(), &self.host, offset, self.slab_bytes)
-            .map_err(dev)?;
+        // SAFETY: in bounds (checked in `new`); the slice keeps its mapping alive, and
+        // `Drop` waits for queued loads before it goes.
+        unsafe {
+            self.exec.load(
+                lane.bufs[i].mem(),
+                0,
+                self.host.as_ptr().add(offset),
+                self.slab_bytes,
+            )
+        }
+        .map_err(dev)?;
         st.loaded[i] = Some(self.exec.record(Stream::Copy).map_err(dev)?);
         st.holds[i] = Some(block);
         Ok(())

@@ -10,7 +10,9 @@
 
 use std::sync::Arc;
 
-use denoised_models::flux::edit::{run, run_job, step_batch, DenoiseInputs, Job, Mode};
+use denoised_models::flux::edit::{
+    run_to_end, step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode,
+};
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::mask::TokenMask;
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
@@ -35,17 +37,34 @@ fn capture(
     inputs: &DenoiseInputs,
     s: &FlowMatchEuler,
 ) -> (Arc<TemplateCache>, Tensor) {
-    let cache = TemplateCache::new(TemplateLayout::for_model(
-        &m.config,
-        256,
-        s.steps(),
-        DType::F32,
-    ));
-    let job = Job::new(inputs.clone(), s.clone(), Mode::Capture(Box::new(cache))).unwrap();
-    let (fin, cache) = run_job(m, job).unwrap().into_parts();
+    let layout = TemplateLayout::for_model(&m.config, 256, s.steps(), DType::F32);
+    let mode = Mode::Capture(TemplateCache::new(layout).unwrap());
+    let job = Job::new(m, inputs, s.clone(), mode).unwrap();
+    let (fin, cache) = run_to_end(m, job, &DeviceTemplates::new()).unwrap();
     let cache = cache.unwrap();
     assert!(cache.is_complete());
     (Arc::new(cache), fin)
+}
+
+/// The CPU's form of a template: resident (decoded to f32).
+fn slabs(m: &FluxTransformer<CpuBackend>, cache: &Arc<TemplateCache>) -> DeviceTemplates<Tensor> {
+    DeviceTemplates::resident(m.backend(), &[cache]).unwrap()
+}
+
+/// Runs one job to the end and returns its final latent.
+fn run(
+    m: &FluxTransformer<CpuBackend>,
+    job: Job<Tensor>,
+    slabs: &DeviceTemplates<Tensor>,
+) -> Tensor {
+    run_to_end(m, job, slabs).unwrap().0
+}
+
+fn edit(mask: &TokenMask, cache: &Arc<TemplateCache>) -> Mode {
+    Mode::Edit {
+        mask: Arc::new(mask.clone()),
+        cache: cache.clone(),
+    }
 }
 
 /// max |a - b| / max |b|.
@@ -106,10 +125,12 @@ fn full_loop_matches_diffusers_per_step() {
             .unwrap();
         }
         let inputs = e2e_inputs(&case);
-        let mut job = Job::new(inputs.clone(), s.clone(), Mode::Full).unwrap();
+        let mut job = Job::new(&m, &inputs, s.clone(), Mode::Full).unwrap();
+        let none = DeviceTemplates::new();
         for i in 0..4 {
-            step_batch(&m, &mut [&mut job]).unwrap();
-            let d = case.assert_close(&format!("step{i}.latents"), job.latents(), tier);
+            step_batch_with(&m, &mut [&mut job], &none).unwrap();
+            let latents = job.computed_latents(&m).unwrap();
+            let d = case.assert_close(&format!("step{i}.latents"), &latents, tier);
             println!("step{i}.latents ({tier:?}): {d:.2e}");
         }
     }
@@ -120,20 +141,10 @@ fn identity_invariant_for_every_mask() {
     let case = RefCase::open("e2e").unwrap();
     let (m, s, inputs) = (model(), schedule(), e2e_inputs(&case));
     let (cache, template_final) = capture(&m, &inputs, &s);
+    let slabs = slabs(&m, &cache);
     for (name, mask) in masks(&case) {
-        let fin = run(
-            &m,
-            Job::new(
-                inputs.clone(),
-                s.clone(),
-                Mode::Edit {
-                    mask: Arc::new(mask.clone()),
-                    cache: cache.clone(),
-                },
-            )
-            .unwrap(),
-        )
-        .unwrap();
+        let job = Job::new(&m, &inputs, s.clone(), edit(&mask, &cache)).unwrap();
+        let fin = run(&m, job, &slabs);
         let rel = rel_diff(&fin, &template_final);
         println!(
             "{name}: {} of 256 tokens active, relative diff {rel:.1e}",
@@ -150,43 +161,19 @@ fn identity_invariant_in_a_batch_at_different_steps() {
     let (cache, template_final) = capture(&m, &inputs, &s);
     let all = masks(&case);
     let (ma, mb, mc) = (&all[3].1, &all[2].1, &all[5].1);
-    let mut a = Job::new(
-        inputs.clone(),
-        s.clone(),
-        Mode::Edit {
-            mask: Arc::new(ma.clone()),
-            cache: cache.clone(),
-        },
-    )
-    .unwrap();
-    let mut b = Job::new(
-        inputs.clone(),
-        s.clone(),
-        Mode::Edit {
-            mask: Arc::new(mb.clone()),
-            cache: cache.clone(),
-        },
-    )
-    .unwrap();
-    let mut c = Job::new(
-        inputs.clone(),
-        s.clone(),
-        Mode::Edit {
-            mask: Arc::new(mc.clone()),
-            cache: cache.clone(),
-        },
-    )
-    .unwrap();
+    let slabs = slabs(&m, &cache);
+    let job = |mask| Job::new(&m, &inputs, s.clone(), edit(mask, &cache)).unwrap();
+    let (mut a, mut b, mut c) = (job(ma), job(mb), job(mc));
     // a starts first, b joins one step later, c two steps later: the batch holds
     // requests at steps (2, 1, 0) at its third call.
-    step_batch(&m, &mut [&mut a]).unwrap();
-    step_batch(&m, &mut [&mut a, &mut b]).unwrap();
+    step_batch_with(&m, &mut [&mut a], &slabs).unwrap();
+    step_batch_with(&m, &mut [&mut a, &mut b], &slabs).unwrap();
     assert_eq!((a.step(), b.step(), c.step()), (2, 1, 0));
     while !(a.done() && b.done() && c.done()) {
-        step_batch(&m, &mut [&mut a, &mut b, &mut c]).unwrap();
+        step_batch_with(&m, &mut [&mut a, &mut b, &mut c], &slabs).unwrap();
     }
     for (name, j) in [("a", a), ("b", b), ("c", c)] {
-        let rel = rel_diff(j.latents(), &template_final);
+        let rel = rel_diff(&j.finish(&m).unwrap().0, &template_final);
         assert!(rel <= 1e-5, "{name}: relative diff {rel:.2e}");
     }
 }
@@ -203,53 +190,25 @@ fn batch_results_do_not_depend_on_batch_mates() {
     }
     edit_inputs.guidance = 7.5;
     let all = masks(&case);
-    let solo = |mode: Mode, inp: &DenoiseInputs| {
-        run(&m, Job::new(inp.clone(), s.clone(), mode).unwrap()).unwrap()
-    };
-    let want_a = solo(
-        Mode::Edit {
-            mask: Arc::new(all[3].1.clone()),
-            cache: cache.clone(),
-        },
-        &edit_inputs,
-    );
-    let want_b = solo(
-        Mode::Edit {
-            mask: Arc::new(all[5].1.clone()),
-            cache: cache.clone(),
-        },
-        &inputs,
-    );
+    let slabs = slabs(&m, &cache);
+    let job = |mode: Mode, inp: &DenoiseInputs| Job::new(&m, inp, s.clone(), mode).unwrap();
+    let solo = |mode: Mode, inp: &DenoiseInputs| run(&m, job(mode, inp), &slabs);
+    let want_a = solo(edit(&all[3].1, &cache), &edit_inputs);
+    let want_b = solo(edit(&all[5].1, &cache), &inputs);
     let want_c = solo(Mode::Full, &edit_inputs);
-    let mut a = Job::new(
-        edit_inputs.clone(),
-        s.clone(),
-        Mode::Edit {
-            mask: Arc::new(all[3].1.clone()),
-            cache: cache.clone(),
-        },
-    )
-    .unwrap();
-    let mut b = Job::new(
-        inputs.clone(),
-        s.clone(),
-        Mode::Edit {
-            mask: Arc::new(all[5].1.clone()),
-            cache: cache.clone(),
-        },
-    )
-    .unwrap();
-    let mut c = Job::new(edit_inputs.clone(), s.clone(), Mode::Full).unwrap();
-    step_batch(&m, &mut [&mut c]).unwrap();
+    let mut a = job(edit(&all[3].1, &cache), &edit_inputs);
+    let mut b = job(edit(&all[5].1, &cache), &inputs);
+    let mut c = job(Mode::Full, &edit_inputs);
+    step_batch_with(&m, &mut [&mut c], &slabs).unwrap();
     while !(a.done() && b.done() && c.done()) {
-        step_batch(&m, &mut [&mut a, &mut b, &mut c]).unwrap();
+        step_batch_with(&m, &mut [&mut a, &mut b, &mut c], &slabs).unwrap();
     }
     for (name, got, want) in [
-        ("a", a.latents(), &want_a),
-        ("b", b.latents(), &want_b),
-        ("c", c.latents(), &want_c),
+        ("a", a.finish(&m).unwrap().0, &want_a),
+        ("b", b.finish(&m).unwrap().0, &want_b),
+        ("c", c.finish(&m).unwrap().0, &want_c),
     ] {
-        let rel = rel_diff(got, want);
+        let rel = rel_diff(&got, want);
         println!("{name}: batch vs solo relative diff {rel:.1e}");
         assert!(rel <= 1e-6, "{name}: batch vs solo relative diff {rel:.2e}");
     }
@@ -285,21 +244,18 @@ fn all_active_edit_equals_full_run() {
         *v *= 1.1;
     }
     let full = TokenMask::full(16, 16);
-    let edit = run(
+    let slabs = slabs(&m, &cache);
+    let edited = run(
         &m,
-        Job::new(
-            other.clone(),
-            s.clone(),
-            Mode::Edit {
-                mask: Arc::new(full.clone()),
-                cache: cache.clone(),
-            },
-        )
-        .unwrap(),
-    )
-    .unwrap();
-    let plain = run(&m, Job::new(other.clone(), s.clone(), Mode::Full).unwrap()).unwrap();
-    let rel = rel_diff(&edit, &plain);
+        Job::new(&m, &other, s.clone(), edit(&full, &cache)).unwrap(),
+        &slabs,
+    );
+    let plain = run(
+        &m,
+        Job::new(&m, &other, s.clone(), Mode::Full).unwrap(),
+        &slabs,
+    );
+    let rel = rel_diff(&edited, &plain);
     assert!(rel <= 1e-6, "relative diff {rel:.2e}");
 }
 
@@ -311,26 +267,11 @@ fn mismatched_templates_are_rejected() {
     let (cache, _) = capture(&m, &inputs, &s4);
     let s8 = FlowMatchEuler::new(&SchedulerConfig::default(), 8, 256).unwrap();
     let mask = e2e_token_mask(&case, 0);
-    let e = Job::new(
-        inputs.clone(),
-        s8.clone(),
-        Mode::Edit {
-            mask: Arc::new(mask.clone()),
-            cache: cache.clone(),
-        },
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let e = Job::new(&m, &inputs, s8.clone(), edit(&mask, &cache))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("4 steps") && e.contains("8"), "{e}");
     let small = TokenMask::full(8, 8);
-    assert!(Job::new(
-        inputs.clone(),
-        s4.clone(),
-        Mode::Edit {
-            mask: Arc::new(small.clone()),
-            cache: cache.clone()
-        }
-    )
-    .is_err());
+    assert!(Job::new(&m, &inputs, s4.clone(), edit(&small, &cache)).is_err());
 }

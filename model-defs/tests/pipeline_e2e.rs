@@ -2,7 +2,7 @@
 //! PNGs and the prompt in, with the case's noise, paste-back off; every intermediate
 //! the case stores, every per-step latent, the decoder output and the final 8-bit image.
 
-use denoised_models::flux::edit::{step_batch, Job, Mode};
+use denoised_models::flux::edit::{run_to_end, step_batch_with, DeviceTemplates, Job, Mode};
 use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Timings};
 use denoised_models::pipeline::image::{decode_image, decode_mask, from_model_space};
 use denoised_models::ModelSource;
@@ -74,13 +74,16 @@ fn end_to_end_matches_diffusers() {
 
     let schedule = p.schedule(4, 64, 64).unwrap();
     assert_eq!(schedule.timesteps, case.tensor("timesteps").into_data());
-    let mut job = Job::new(prep.inputs.clone(), schedule.clone(), Mode::Full).unwrap();
+    let m = p.transformer().unwrap();
+    let mut job = Job::new(m, &prep.inputs, schedule.clone(), Mode::Full).unwrap();
     for i in 0..4 {
-        step_batch(p.transformer().unwrap(), &mut [&mut job]).unwrap();
-        let d = case.assert_close(&format!("step{i}.latents"), job.latents(), Tier::Strict);
+        step_batch_with(m, &mut [&mut job], &DeviceTemplates::new()).unwrap();
+        let latents = job.computed_latents(m).unwrap();
+        let d = case.assert_close(&format!("step{i}.latents"), &latents, Tier::Strict);
         println!("step{i}.latents: {d:.2e}");
     }
-    let raw = p.decode_raw(job.latents(), 64, 64).unwrap();
+    let latents = job.finish(m).unwrap().0;
+    let raw = p.decode_raw(&latents, 64, 64).unwrap();
     println!(
         "decoded: {:.2e}",
         case.assert_close("decoded", &raw, Tier::Strict)
@@ -111,7 +114,7 @@ fn end_to_end_matches_diffusers() {
     assert!(worst <= 1, "PNG levels differ by {worst}");
 
     // finish() without paste-back is the same image.
-    let fin = p.finish(&prep, job.latents(), &opts, &mut t).unwrap();
+    let fin = p.finish(&prep, &latents, &opts, &mut t).unwrap();
     assert_eq!(fin, img);
 }
 
@@ -138,11 +141,9 @@ fn paste_back_keeps_every_unmasked_pixel() {
         )
         .unwrap();
     let s = p.schedule(4, 64, 64).unwrap();
-    let lat = denoised_models::flux::edit::run(
-        p.transformer().unwrap(),
-        Job::new(prep.inputs.clone(), s.clone(), Mode::Full).unwrap(),
-    )
-    .unwrap();
+    let m = p.transformer().unwrap();
+    let job = Job::new(m, &prep.inputs, s.clone(), Mode::Full).unwrap();
+    let lat = run_to_end(m, job, &DeviceTemplates::new()).unwrap().0;
     let out = p.finish(&prep, &lat, &opts, &mut t).unwrap();
     let mut inside_changed = 0;
     for i in 0..64 * 64 {

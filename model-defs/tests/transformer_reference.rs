@@ -43,7 +43,7 @@ fn every_case_output_matches_diffusers() {
 
 #[derive(Default)]
 struct Recorder(HashMap<String, Tensor>);
-impl ForwardObserver for Recorder {
+impl<T> ForwardObserver<T> for Recorder {
     fn wants_hidden(&self) -> bool {
         true
     }

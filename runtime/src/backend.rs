@@ -10,10 +10,12 @@
 //! just the special case where every request has the same length.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::error::Result;
+use crate::host::{HostMemory, HostSlice};
 use crate::stored::Stored;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// Which rows of a key/value buffer a sequence attends to.
 #[derive(Clone, Debug)]
@@ -220,6 +222,57 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// `x[:, cols] += alpha * v[v_rows, :]`, computed in f32 and stored in `x`'s type:
+    /// a request's Euler update on the device its latents live on (`v_rows` is the
+    /// request's window of a batch's packed velocity).
+    fn axpy_cols(
+        &self,
+        x: &mut Self::Tensor,
+        cols: Range<usize>,
+        v: &Self::Tensor,
+        v_rows: Range<usize>,
+        alpha: f32,
+    ) -> Result<()>;
+
+    /// Makes `mem` a source and target of asynchronous copies: a GPU page-locks the
+    /// whole region once (later calls for it do nothing), so template slabs stream
+    /// from it and captures store into it at link speed with no staging copy. Host
+    /// backends read host memory in place and need nothing.
+    fn pin_host(&self, _mem: &Arc<dyn HostMemory>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Copies `t` into `dst` in `dtype` (a template's storage dtype). A device queues
+    /// the copy on its copy stream behind the work queued so far and returns at once;
+    /// `dst` must not be read before [`flush_stores`](Self::flush_stores). The default
+    /// downloads and converts.
+    fn store(&self, t: &Self::Tensor, dst: &HostSlice, dtype: DType) -> Result<()> {
+        let bytes = crate::stored::encode(self.download(t)?.data(), dtype);
+        write_host(dst, &bytes)
+    }
+
+    /// Waits until every [`store`](Self::store) has landed in host memory.
+    fn flush_stores(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// A provider that streams the slabs of a template out of host memory while the
+    /// model computes: `steps * blocks` slabs of `shape`, step-major, in `dtype`, at
+    /// `src`, with `lanes` pairs of device buffers (the most distinct steps of the
+    /// template one forward reads). `None` where the backend has no such path (the CPU
+    /// reads host memory in place).
+    fn stream_slabs(
+        &self,
+        _src: &HostSlice,
+        _dtype: DType,
+        _shape: &[usize],
+        _steps: usize,
+        _blocks: usize,
+        _lanes: usize,
+    ) -> Result<Option<Box<dyn SlabProvider<Self::Tensor>>>> {
+        Ok(None)
+    }
+
     /// Builds a matrix from rows `rows` of column block `cols` of `x` (used to take
     /// K/V out of fused projections for the template cache).
     fn gather_cols(
@@ -254,6 +307,26 @@ pub fn stacked_shape(parts: &[Stored<'_>]) -> Result<Vec<usize>> {
         shape[0] += p.shape[0];
     }
     Ok(shape)
+}
+
+/// Copies `bytes` into the writable host slice `dst` of the same length.
+pub fn write_host(dst: &HostSlice, bytes: &[u8]) -> Result<()> {
+    if !dst.writable() || dst.len() != bytes.len() {
+        return Err(crate::Error::Invalid(format!(
+            "storing {} bytes into a {} host slice of {} bytes",
+            bytes.len(),
+            if dst.writable() {
+                "writable"
+            } else {
+                "read-only"
+            },
+            dst.len()
+        )));
+    }
+    // SAFETY: writable and of the right length; the store contract makes the caller
+    // the slice's only user until its stores are flushed.
+    unsafe { dst.bytes_mut() }.copy_from_slice(bytes);
+    Ok(())
 }
 
 /// `parts` stacked as one f32 host tensor.

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use denoised_models::flux::edit::{step_batch, Job, Mode};
+use denoised_models::flux::edit::{run_to_end, DeviceTemplates, Job, Mode};
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::TokenMask;
 use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Timings};
@@ -82,12 +82,11 @@ pub fn run(a: Args) -> CliResult {
     )?;
     let schedule = p.schedule(a.steps, n, n)?;
     let d0 = Instant::now();
-    let mut job = Job::new(prep.inputs.clone(), schedule, Mode::Full)?;
-    while !job.done() {
-        step_batch(p.transformer()?, &mut [&mut job])?;
-    }
+    let model = p.transformer()?;
+    let job = Job::new(model, &prep.inputs, schedule, Mode::Full)?;
+    let (latents, _) = run_to_end(model, job, &DeviceTemplates::new())?;
     t.denoise_s = d0.elapsed().as_secs_f64();
-    let out = p.finish(&prep, job.latents(), &opts, &mut t)?;
+    let out = p.finish(&prep, &latents, &opts, &mut t)?;
     let e0 = Instant::now();
     let png = encode_png(&out)?;
     t.png_encode_s = e0.elapsed().as_secs_f64();

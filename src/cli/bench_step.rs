@@ -13,12 +13,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use denoised_cuda::{Dt, Exec, GpuBackend, StreamedTemplate};
+use denoised_cuda::{Dt, Exec, GpuBackend};
 use denoised_models::flux::cost::{flop_bound, forward_flops, StepShape};
-use denoised_models::flux::edit::{
-    step_batch_with, DenoiseInputs, HostSlabs, Job, Mode, ResidentTemplates, SlabSource,
-    TemplateProviders,
-};
+use denoised_models::flux::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
 use denoised_models::flux::embed::image_ids;
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::weights::SplitMix;
@@ -88,15 +85,21 @@ struct Timing {
 }
 
 /// Times `iters` batched steps of the jobs `setup` builds (fresh ones for every run,
-/// outside the timed region), after one warm-up.
-fn time_steps<B: Backend, S: SlabSource<B::Tensor>>(
+/// uploaded outside the timed region, as the serving loop uploads a request once when
+/// it is admitted), after one warm-up.
+fn time_steps<B: Backend>(
     model: &FluxTransformer<B>,
-    slabs: &S,
+    slabs: &DeviceTemplates<B::Tensor>,
     iters: usize,
-    mut setup: impl FnMut() -> CliResult<Vec<Job>>,
-) -> CliResult<Timing> {
-    let run = |jobs: &mut Vec<Job>| {
-        step_batch_with(model, &mut jobs.iter_mut().collect::<Vec<_>>(), slabs)
+    mut setup: impl FnMut() -> CliResult<Vec<Job<B::Tensor>>>,
+) -> CliResult<Timing>
+where
+    B::Tensor: Send + Sync,
+{
+    let run = |jobs: &mut Vec<Job<B::Tensor>>| {
+        step_batch_with(model, &mut jobs.iter_mut().collect::<Vec<_>>(), slabs)?;
+        // A device queues the step; the clock stops when it has run.
+        model.backend().synchronize()
     };
     run(&mut setup()?)?;
     let mut ts = Vec::with_capacity(iters);
@@ -128,7 +131,9 @@ pub fn run(a: Args) -> CliResult {
         return Err(format!("--mask-ratio {bad} is not in [0, 1]").into());
     }
     let lines = match a.device.select()? {
-        Selected::Cpu => bench(&a, cfg, CpuBackend::new(), |_, _| Ok(HostSlabs))?,
+        Selected::Cpu => bench(&a, cfg, CpuBackend::new(), DType::F32, |be, cache| {
+            Ok(DeviceTemplates::resident(be, &[cache])?)
+        })?,
         Selected::Cuda(exec) => {
             // Compile (or load from the kernel cache) before timing anything.
             exec.warm_up()?;
@@ -150,41 +155,45 @@ pub fn measure_gpu<E: Exec>(
 ) -> CliResult<Vec<serde_json::Value>> {
     let dt = if a.dtype == "f32" { Dt::F32 } else { Dt::Bf16 };
     let be = GpuBackend::new(exec, dt);
-    if a.slabs == "streamed" {
-        bench(a, cfg, be, |be, cache| {
-            let lay = cache.layout();
-            // One lane per request: every request may be at its own step.
-            let t = StreamedTemplate::new(be, &cache.kv_slabs()?, lay.steps, lay.blocks, a.batch)?;
-            let mut p = TemplateProviders::new();
-            p.insert(cache, Box::new(t));
-            Ok(p)
-        })
-    } else {
-        bench(a, cfg, be, |be, cache| {
+    let storage = be.storage_dtype();
+    let streamed = a.slabs == "streamed";
+    bench(a, cfg, be, storage, |be, cache| {
+        if streamed {
+            // One lane per request: every request may be at its own step. The slabs
+            // stream from the template's host memory, page-locked.
+            let mut t = DeviceTemplates::new();
+            if !t.stream(be, cache, a.batch)? {
+                return Err("this device cannot stream templates".into());
+            }
+            Ok(t)
+        } else {
             // The template's K/V live in device memory during the timed steps, as for
             // a template that is hot in the device tier.
-            let mut r = ResidentTemplates::new();
-            r.make_resident(be, cache)?;
-            Ok(r)
-        })
-    }
+            Ok(DeviceTemplates::resident(be, &[cache])?)
+        }
+    })
 }
 
-/// The measurements on one backend. `slabs_for` makes a captured template readable
-/// by edits on that backend (in place on the CPU, uploaded on a GPU).
-fn bench<B: Backend, S: SlabSource<B::Tensor>>(
+/// The measurements on one backend, whose templates are stored in `storage`.
+/// `slabs_for` makes a captured template readable by edits on that backend (resident
+/// or streamed).
+fn bench<B: Backend>(
     a: &Args,
     cfg: FluxConfig,
     backend: B,
-    slabs_for: impl Fn(&B, &Arc<TemplateCache>) -> CliResult<S>,
-) -> CliResult<Vec<serde_json::Value>> {
+    storage: DType,
+    slabs_for: impl Fn(&B, &Arc<TemplateCache>) -> CliResult<DeviceTemplates<B::Tensor>>,
+) -> CliResult<Vec<serde_json::Value>>
+where
+    B::Tensor: Send + Sync,
+{
     let backend_name = backend.name();
     let model = FluxTransformer::seeded(backend, cfg.clone(), a.seed)?;
     let (l, t) = (a.image_tokens, a.text_tokens);
     let (rows, cols) = grid(l);
     let c = cfg.out_channels();
     let mut rng = SplitMix::new(a.seed ^ 0xbe4c);
-    let inputs = Arc::new(DenoiseInputs {
+    let inputs = DenoiseInputs {
         latents: random(&[l, c], &mut rng),
         cond: random(&[l, cfg.in_channels - c], &mut rng),
         img_ids: Tensor::new([l, 3], image_ids(rows, cols))?,
@@ -194,16 +203,16 @@ fn bench<B: Backend, S: SlabSource<B::Tensor>>(
             .map(|_| rng.normal())
             .collect(),
         guidance: 30.0,
-    });
+    };
     // One step of the real schedule at this resolution: timing does not depend on
     // which step it is, and a one-step template keeps the cache in memory small.
     let schedule = Arc::new(FlowMatchEuler::new(&Default::default(), 1, l)?);
     let batch = a.batch;
     let full_flops = forward_flops(&cfg, StepShape::full(t, l));
-    let no_slabs = ResidentTemplates::<B::Tensor>::new();
+    let no_slabs = DeviceTemplates::<B::Tensor>::new();
     let full = time_steps(&model, &no_slabs, a.iters, || {
         Ok((0..batch)
-            .map(|_| Job::new(inputs.clone(), schedule.clone(), Mode::Full))
+            .map(|_| Job::new(&model, &inputs, schedule.clone(), Mode::Full))
             .collect::<Result<Vec<_>, _>>()?)
     })?;
     let mut lines = Vec::new();
@@ -229,14 +238,15 @@ fn bench<B: Backend, S: SlabSource<B::Tensor>>(
         return Ok(lines);
     }
 
-    let cache = TemplateCache::new(TemplateLayout::for_model(&cfg, l, 1, DType::F32));
-    let mut capture = Job::new(
-        inputs.clone(),
-        schedule.clone(),
-        Mode::Capture(Box::new(cache)),
-    )?;
+    let cache = TemplateCache::new(TemplateLayout::for_model(&cfg, l, 1, storage))?;
+    let mut capture = Job::new(&model, &inputs, schedule.clone(), Mode::Capture(cache))?;
     step_batch_with(&model, &mut [&mut capture], &no_slabs)?;
-    let cache = Arc::new(capture.into_parts().1.ok_or("capture returned no cache")?);
+    let cache = Arc::new(
+        capture
+            .finish(&model)?
+            .1
+            .ok_or("capture returned no cache")?,
+    );
     let slabs = slabs_for(model.backend(), &cache)?;
     let trace = a.mask_trace.as_ref().map(read_ratio_trace).transpose()?;
     let ratio_sets: Vec<Vec<f64>> = match &trace {
@@ -270,14 +280,11 @@ fn bench<B: Backend, S: SlabSource<B::Tensor>>(
             Ok(masks
                 .iter()
                 .map(|m| {
-                    Job::new(
-                        inputs.clone(),
-                        schedule.clone(),
-                        Mode::Edit {
-                            mask: m.clone(),
-                            cache: cache.clone(),
-                        },
-                    )
+                    let mode = Mode::Edit {
+                        mask: m.clone(),
+                        cache: cache.clone(),
+                    };
+                    Job::new(&model, &inputs, schedule.clone(), mode)
                 })
                 .collect::<Result<Vec<_>, _>>()?)
         })?;

@@ -9,15 +9,16 @@ use std::time::Instant;
 
 use denoised_actors::device::{self, Placed};
 use denoised_cuda::DeviceSpec;
-use denoised_models::flux::edit::{Job, Mode};
+use denoised_models::flux::edit::{DenoiseInputs, Mode};
+use denoised_models::flux::stepper::JobKey;
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::template_file::{self, TemplateMeta};
 use denoised_models::mask::TokenMask;
 use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Parts, Timings};
 use denoised_models::pipeline::image::{decode_image, decode_mask, encode_png, Mask};
-use denoised_models::ModelSource;
+use denoised_models::{FlowMatchEuler, ModelSource};
 use denoised_runtime::weights::SafetensorsFile;
-use denoised_runtime::{CpuBackend, DType, Tensor};
+use denoised_runtime::{CpuBackend, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::{CliResult, ModelDeviceArgs};
@@ -127,6 +128,7 @@ fn load_pipeline(c: &Common) -> CliResult<(FluxFill<CpuBackend>, Placed)> {
         max_batch: 1,
         token_budget: 1,
         max_pixels: c.max_pixels,
+        host_template_bytes: u64::MAX,
     };
     let placed = device::place(&c.model, device, c.device.dtype()?, &p, limits)?;
     if device != DeviceSpec::Cpu {
@@ -154,17 +156,28 @@ fn read_noise(path: &Path) -> CliResult<Noise> {
     Ok(noise)
 }
 
-/// Runs a job to the end with a progress bar.
-fn denoise(placed: &mut Placed, mut job: Job, steps: usize, t: &mut Timings) -> CliResult<Job> {
-    let pb = progress(steps);
+/// Runs a request to the end on the placed model with a progress bar: its final
+/// latent and, for a capture, its template.
+fn denoise(
+    placed: &mut Placed,
+    inputs: &DenoiseInputs,
+    schedule: FlowMatchEuler,
+    mode: Mode,
+    t: &mut Timings,
+) -> CliResult<(Tensor, Option<TemplateCache>)> {
+    const ONE: JobKey = 0;
+    let pb = progress(schedule.steps());
     let t0 = Instant::now();
-    while !job.done() {
-        placed.stepper.step(&mut [&mut job])?;
+    let st = &mut placed.stepper;
+    st.admit(ONE, inputs, Arc::new(schedule), mode)?;
+    while !st.done(ONE) {
+        st.step(&[ONE])?;
         pb.inc(1);
     }
+    let out = st.finish(ONE)?;
     pb.finish_and_clear();
     t.denoise_s += t0.elapsed().as_secs_f64();
-    Ok(job)
+    Ok(out)
 }
 
 fn write_png(
@@ -241,29 +254,24 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     }
     let schedule = p.schedule(steps, image.width, image.height)?;
     let latents = match &template {
-        None => denoise(
-            &mut placed,
-            Job::new(prepared.inputs.clone(), schedule, Mode::Full)?,
-            steps,
-            &mut t,
-        )?
-        .into_latents(),
+        None => denoise(&mut placed, &prepared.inputs, schedule, Mode::Full, &mut t)?.0,
         Some((dir, _)) => {
             let (rows, cols) = p.tokens(image.width, image.height);
-            let layout = TemplateLayout::for_model(&p.config, rows * cols, steps, DType::F32);
+            let layout =
+                TemplateLayout::for_model(&p.config, rows * cols, steps, placed.template_dtype());
             let loaded = template_file::load(dir, &p.fingerprint, &layout)?;
             if loaded.kv_dtype != placed.template_dtype() {
                 // Exact one way (bf16 values are f32 values) and a rounding the device
                 // would have made the other way; either way the numbers differ from a
                 // template captured on this device, so say so.
                 tracing::warn!(
-                    "{}: template K/V stored in {:?}, this device keeps them in {:?};                      results may differ slightly from a template captured here",
+                    "{}: template K/V stored in {:?}, this device keeps them in {:?}; \
+                     results may differ slightly from a template captured here",
                     dir.display(),
                     loaded.kv_dtype,
                     placed.template_dtype()
                 );
             }
-            let cache = loaded.cache;
             let block = 2 * p.vae_scale_factor();
             let tm =
                 TokenMask::from_pixels(&mask.data, image.height, image.width, block, a.dilation)?;
@@ -273,20 +281,11 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                 tm.len(),
                 100.0 * tm.pixel_ratio
             );
-            denoise(
-                &mut placed,
-                Job::new(
-                    prepared.inputs.clone(),
-                    schedule,
-                    Mode::Edit {
-                        mask: Arc::new(tm),
-                        cache: Arc::new(cache),
-                    },
-                )?,
-                steps,
-                &mut t,
-            )?
-            .into_latents()
+            let mode = Mode::Edit {
+                mask: Arc::new(tm),
+                cache: Arc::new(loaded.cache),
+            };
+            denoise(&mut placed, &prepared.inputs, schedule, mode, &mut t)?.0
         }
     };
     let out = p.finish(&prepared, &latents, &opts, &mut t)?;
@@ -319,23 +318,10 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
     let prepared = p.prepare(&image, &mask, &c.prompt, &opts, &Noise::default(), &mut t)?;
     let schedule = p.schedule(opts.steps, image.width, image.height)?;
     let (rows, cols) = p.tokens(image.width, image.height);
-    let cache = TemplateCache::new(TemplateLayout::for_model(
-        &p.config,
-        rows * cols,
-        opts.steps,
-        DType::F32,
-    ));
-    let (latents, cache) = denoise(
-        &mut placed,
-        Job::new(
-            prepared.inputs.clone(),
-            schedule,
-            Mode::Capture(Box::new(cache)),
-        )?,
-        opts.steps,
-        &mut t,
-    )?
-    .into_parts();
+    let layout =
+        TemplateLayout::for_model(&p.config, rows * cols, opts.steps, placed.template_dtype());
+    let mode = Mode::Capture(TemplateCache::new(layout)?);
+    let (latents, cache) = denoise(&mut placed, &prepared.inputs, schedule, mode, &mut t)?;
     let cache = cache.ok_or("the capture run returned no template cache")?;
     let recon = p.finish(&prepared, &latents, &opts, &mut t)?;
     let meta = TemplateMeta {

@@ -2,21 +2,27 @@
 //!
 //! The actor feeds the step loop ([`DenoiseLoop`], its own OS thread, which owns the
 //! model) and an event thread drains it: per-step statistics and progress reports to
-//! the router, finished latents (and capture caches) written to this process's arena,
-//! and a `Done` message back to the actor, which answers the router's call. Neither
-//! side ever waits on the other's work: the actor only reads inputs from shared memory
-//! and enqueues, so the loop runs step after step.
+//! the router, finished latents written to this process's arena, and a `Done` message
+//! back to the actor, which answers the router's call. Neither side ever waits on the
+//! other's work: the actor only reads inputs from shared memory and enqueues, so the
+//! loop runs step after step.
+//!
+//! Templates are never copied here: an edit reads its template where the cache process
+//! keeps it (a view of that arena, which a GPU streams from in place), and a capture
+//! writes its template straight into a slice of this process's arena, allocated when
+//! the request arrives, in the device's storage dtype.
 //!
 //! With `[denoise] disaggregate = false` (the baseline) the same actor also prepares
 //! and finishes requests itself, as `LoopCommand::Run` work on the loop thread between
 //! steps (see [`super::inline`]).
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::Receiver;
-use denoised_models::flux::edit::DenoiseInputs;
+use denoised_models::flux::edit::{DenoiseInputs, Mode};
 use denoised_models::flux::stepper::Stepper;
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::mask::TokenMask;
@@ -25,8 +31,8 @@ use denoised_runtime::shm::Handle;
 use denoised_runtime::{DType, Tensor};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::inline::{self, InlineJobs};
-use super::{DenoiseLoop, DenoiseRequest, Event, LoopOptions, Work};
+use super::inline::{self, InlineCtx, InlineJobs};
+use super::{DenoiseLoop, DenoiseRequest, Event, LoopOptions};
 use crate::node::{self, Shm};
 use crate::scheduler::BatchConfig;
 use crate::stages::Pipeline;
@@ -35,9 +41,9 @@ use crate::wire::{
     JobId, Progress, Reply, RouterMsg, TemplateRef, Wire, WireError,
 };
 
-/// Templates a worker keeps decoded in its own memory (most recently used first).
-/// Edits of a hot template then skip the copy out of the cache arena.
-const TEMPLATE_SLOTS: usize = 4;
+/// Template views a worker keeps (most recently used first): cheap (a view is a
+/// mapping and a layout), and they let consecutive edits share one `TemplateCache`.
+const TEMPLATE_VIEWS: usize = 64;
 /// Cancels remembered for requests that have not arrived (more than can be in
 /// flight between the router's tasks).
 const CANCELLED_KEPT: usize = 256;
@@ -56,7 +62,12 @@ pub struct DenoiseArgs {
     /// `[workers] cache_arena_bytes`: a capture whose template cannot fit it is
     /// refused before it runs.
     pub cache_arena_bytes: u64,
+    /// The storage dtype of this worker's templates: its device's.
+    pub template_dtype: DType,
 }
+
+/// Captures running in the loop: the arena slice each one writes its template into.
+pub(super) type Captures = Arc<Mutex<HashMap<JobId, Handle>>>;
 
 pub struct DenoiseState {
     lp: DenoiseLoop,
@@ -65,9 +76,11 @@ pub struct DenoiseState {
     /// Requests in the loop: where to answer, when they arrived, and the router epoch
     /// they arrived in (`node::router_epoch`).
     pending: HashMap<JobId, (Reply<Denoised>, f64, u64)>,
-    inline: InlineJobs,
+    inline: InlineCtx,
     templates: VecDeque<(Handle, Arc<TemplateCache>)>,
+    captures: Captures,
     cache_arena_bytes: u64,
+    template_dtype: DType,
     /// Cancels of requests not (yet) here, newest first.
     cancelled: VecDeque<JobId>,
 }
@@ -95,17 +108,26 @@ impl Actor for DenoiseActor {
         };
         let lp = DenoiseLoop::spawn(a.stepper, a.sched, options)?;
         let inline: InlineJobs = Arc::new(Mutex::new(HashMap::new()));
+        let captures: Captures = Arc::new(Mutex::new(HashMap::new()));
         let events = lp.events().clone();
         let ctx = EventCtx {
             shm: a.shm.clone(),
             pipeline: a.pipeline.clone(),
             inline: inline.clone(),
+            captures: captures.clone(),
             loop_tx: lp.sender(),
             myself,
         };
         std::thread::Builder::new()
             .name("denoise-events".into())
             .spawn(move || drain_events(events, ctx))?;
+        let inline = InlineCtx {
+            loop_tx: lp.sender(),
+            pipeline: a.pipeline.clone(),
+            shm: a.shm.clone(),
+            jobs: inline,
+            template_dtype: a.template_dtype,
+        };
         Ok(DenoiseState {
             lp,
             pipeline: a.pipeline,
@@ -113,7 +135,9 @@ impl Actor for DenoiseActor {
             pending: HashMap::new(),
             inline,
             templates: VecDeque::new(),
+            captures,
             cache_arena_bytes: a.cache_arena_bytes,
+            template_dtype: a.template_dtype,
             cancelled: VecDeque::new(),
         })
     }
@@ -155,15 +179,7 @@ impl Actor for DenoiseActor {
                     },
                     _ => None,
                 };
-                inline::submit(
-                    &st.lp.sender(),
-                    &st.pipeline,
-                    &st.shm,
-                    &st.inline,
-                    req,
-                    template,
-                    reply,
-                );
+                inline::submit(&st.inline, req, template, reply);
             }
             DenoiseMsg::Cancel(Wire(job)) => {
                 if st.pending.contains_key(&job) {
@@ -208,16 +224,28 @@ impl Actor for DenoiseActor {
 
 impl DenoiseState {
     /// Builds the loop request of a call: inputs copied out of the preprocess arena,
-    /// the schedule, and for an edit the template cache and token mask.
+    /// the schedule, and for an edit the template cache and token mask; for a capture,
+    /// the arena slice its template is written into.
     fn request(&mut self, req: &DenoiseReq) -> Result<DenoiseRequest, WireError> {
         let inputs = read_inputs(&self.shm, &req.inputs)?;
         let n = (req.rows * req.cols) as usize;
         let schedule = FlowMatchEuler::new(&self.pipeline.scheduler, req.steps as usize, n)
             .map_err(|e| WireError::bad_input(e.to_string()))?;
         let work = match &req.work {
-            DenoiseWork::Full => Work::Full,
-            DenoiseWork::Capture => Work::Capture(self.capture_layout(n, req.steps)?),
-            DenoiseWork::Edit { template } => Work::Edit {
+            DenoiseWork::Full => Mode::Full,
+            DenoiseWork::Capture => {
+                let layout = self.capture_layout(n, req.steps)?;
+                let (handle, bytes) = self.shm.alloc_host(layout.total_bytes())?;
+                let cache = TemplateCache::empty_in(layout, bytes)
+                    .map_err(|e| WireError::internal(e.to_string()));
+                if cache.is_err() {
+                    self.shm.release(&[handle]);
+                } else {
+                    lock(&self.captures).insert(req.job, handle);
+                }
+                Mode::Capture(cache?)
+            }
+            DenoiseWork::Edit { template } => Mode::Edit {
                 mask: Arc::new(token_mask(req.rows, req.cols, &req.active)?),
                 cache: self.template(template, req)?,
             },
@@ -234,7 +262,7 @@ impl DenoiseState {
     /// this worker's arena (where the result is written) and the cache's. Checked
     /// before the capture runs, so a template that cannot be stored costs no compute.
     fn capture_layout(&self, tokens: usize, steps: u32) -> Result<TemplateLayout, WireError> {
-        let layout = self.layout(tokens, steps);
+        let layout = self.layout(tokens, steps, self.template_dtype);
         let bytes = layout.total_bytes() as u64;
         let (free, own) = self.shm.room();
         let mb = |b: u64| b as f64 / 1e6;
@@ -262,12 +290,13 @@ impl DenoiseState {
         Ok(layout)
     }
 
-    fn layout(&self, tokens: usize, steps: u32) -> TemplateLayout {
-        TemplateLayout::for_model(&self.pipeline.config, tokens, steps as usize, DType::F32)
+    fn layout(&self, tokens: usize, steps: u32, dtype: DType) -> TemplateLayout {
+        TemplateLayout::for_model(&self.pipeline.config, tokens, steps as usize, dtype)
     }
 
-    /// The template's cache, from this worker's recent templates or copied out of the
-    /// cache actor's arena.
+    /// The template's cache, read in place in the cache process's arena. Its storage
+    /// dtype is the one whose layout has the blob's size (a template is captured by a
+    /// worker of this daemon, in that worker's device dtype).
     fn template(
         &mut self,
         t: &TemplateRef,
@@ -285,16 +314,37 @@ impl DenoiseState {
                 t.id, t.tokens, t.steps
             )));
         }
-        let layout = self.layout(tokens as usize, steps);
-        let flat = self.shm.read_tensor(&t.blob)?;
-        let cache = Arc::new(
-            TemplateCache::from_flat(layout, flat.data())
-                .map_err(|e| WireError::internal(e.to_string()))?,
-        );
+        let layout = [DType::BF16, DType::F32]
+            .into_iter()
+            .map(|dt| self.layout(tokens as usize, steps, dt))
+            .find(|l| l.total_bytes() as u64 == t.blob.len)
+            .ok_or_else(|| {
+                WireError::internal(format!(
+                    "template `{}` holds {} bytes, which no layout of {tokens} tokens x {steps} steps has",
+                    t.id, t.blob.len
+                ))
+            })?;
+        let bytes = self.shm.host_slice(&t.blob)?;
+        let cache = TemplateCache::view(layout, bytes)
+            .map_err(|e| WireError::internal(e.to_string()))?
+            .with_key(template_key(&t.blob));
+        let cache = Arc::new(cache);
         self.templates.push_front((t.blob.clone(), cache.clone()));
-        self.templates.truncate(TEMPLATE_SLOTS);
+        self.templates.truncate(TEMPLATE_VIEWS);
         Ok(cache)
     }
+}
+
+/// The identity of a stored template version: its arena and generation (unique in
+/// that arena), with the top bit set to stay clear of locally counted keys.
+fn template_key(blob: &Handle) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (&blob.arena, blob.generation).hash(&mut h);
+    h.finish() | 1 << 63
+}
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Token count and steps of a request, for checking a template against it.
@@ -347,6 +397,7 @@ pub(super) struct EventCtx {
     pub shm: Arc<Shm>,
     pub pipeline: Arc<Pipeline>,
     pub inline: InlineJobs,
+    pub captures: Captures,
     pub loop_tx: super::LoopSender,
     pub myself: ActorRef<DenoiseMsg>,
 }
@@ -363,7 +414,7 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
     let mut acc: HashMap<JobId, Acc> = HashMap::new();
     // Finished results arrive just before the step event that finished them; they are
     // held until that event has been counted.
-    let mut ready: Vec<(JobId, Tensor, Option<Box<TemplateCache>>)> = Vec::new();
+    let mut ready: Vec<(JobId, Tensor, Option<TemplateCache>)> = Vec::new();
     for ev in events {
         match ev {
             Event::Step {
@@ -419,6 +470,9 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
 }
 
 fn failed(ctx: &EventCtx, id: JobId, e: WireError) {
+    if let Some(h) = lock(&ctx.captures).remove(&id) {
+        ctx.shm.release(&[h]);
+    }
     if let Some(job) = inline::take(&ctx.inline, id) {
         let _ = job.reply.send(Wire(Err(e)));
     } else {
@@ -430,30 +484,37 @@ fn finished(
     ctx: &EventCtx,
     id: JobId,
     latents: Tensor,
-    cache: Option<Box<TemplateCache>>,
+    cache: Option<TemplateCache>,
     stats: DenoiseStats,
 ) {
-    let cache = match cache.map(|c| write_cache(&ctx.shm, &c)).transpose() {
-        Ok(c) => c,
-        Err(e) => return failed(ctx, id, e),
+    // A capture wrote its template into its arena slice; one made elsewhere (the
+    // in-process baseline's) is copied in.
+    let captured = lock(&ctx.captures).remove(&id);
+    let cache = match (cache, captured) {
+        (Some(_), Some(h)) => Some(h),
+        (Some(c), None) => match ctx.shm.write_bytes(c.bytes().bytes()) {
+            Ok(h) => Some(h),
+            Err(e) => return failed(ctx, id, e),
+        },
+        (None, h) => {
+            ctx.shm.release(&h.into_iter().collect::<Vec<_>>());
+            None
+        }
     };
     if let Some(job) = inline::take(&ctx.inline, id) {
         inline::finish(ctx, job, latents, cache, stats);
         return;
     }
-    let result = ctx.shm.write_tensor(&latents).map(|latents| Denoised {
-        latents,
-        cache,
-        stats,
-    });
+    let result = match ctx.shm.write_tensor(&latents) {
+        Ok(latents) => Ok(Denoised {
+            latents,
+            cache,
+            stats,
+        }),
+        Err(e) => {
+            ctx.shm.release(&cache.into_iter().collect::<Vec<_>>());
+            Err(e)
+        }
+    };
     let _ = ctx.myself.cast(DenoiseMsg::Done(Wire((id, result))));
-}
-
-/// Writes a capture's cache into this process's arena in its flat form.
-fn write_cache(shm: &Shm, c: &TemplateCache) -> Result<Handle, WireError> {
-    let n = c.layout().total_bytes() / 4;
-    shm.write_with(&[n], |out| {
-        c.write_flat(out)
-            .map_err(|e| WireError::internal(e.to_string()))
-    })
 }

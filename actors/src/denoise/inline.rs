@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use denoised_models::flux::edit::Mode;
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::pipeline::flux_fill::Prepared;
 use denoised_models::FlowMatchEuler;
@@ -15,7 +16,7 @@ use denoised_runtime::shm::Handle;
 use denoised_runtime::{DType, Tensor};
 
 use super::actor::{unix_now, EventCtx};
-use super::{DenoiseRequest, LoopCommand, LoopSender, Work};
+use super::{DenoiseRequest, LoopCommand, LoopSender};
 use crate::node::Shm;
 use crate::stages::{self, MaskInput, Pipeline};
 use crate::wire::{
@@ -41,25 +42,33 @@ pub fn take(jobs: &InlineJobs, id: JobId) -> Option<InlineJob> {
     jobs.lock().unwrap_or_else(|p| p.into_inner()).remove(&id)
 }
 
+/// What the baseline's preparations need of their worker.
+pub struct InlineCtx {
+    pub loop_tx: LoopSender,
+    pub pipeline: Arc<Pipeline>,
+    pub shm: Arc<Shm>,
+    pub jobs: InlineJobs,
+    /// The storage dtype of a capture's template (the device's).
+    pub template_dtype: DType,
+}
+
 /// Queues the preparation of `req` on the loop thread; it submits the request to the
 /// loop when done, or answers the error.
 pub fn submit(
-    loop_tx: &LoopSender,
-    pipeline: &Arc<Pipeline>,
-    shm: &Shm,
-    jobs: &InlineJobs,
+    ctx: &InlineCtx,
     req: InlineReq,
     template: Option<Arc<TemplateCache>>,
     reply: Reply<InlineDone>,
 ) {
-    let (image, mask_bytes) = match read_request(shm, &req.prepare) {
+    let (loop_tx, template_dtype) = (&ctx.loop_tx, ctx.template_dtype);
+    let (image, mask_bytes) = match read_request(&ctx.shm, &req.prepare) {
         Ok(r) => r,
         Err(e) => {
             let _ = reply.send(Wire(Err(e)));
             return;
         }
     };
-    let (tx, p, jobs) = (loop_tx.clone(), pipeline.clone(), jobs.clone());
+    let (tx, p, jobs) = (loop_tx.clone(), ctx.pipeline.clone(), ctx.jobs.clone());
     loop_tx.send(LoopCommand::Run(Box::new(move || {
         let t0 = Instant::now();
         let mask = MaskInput::new(&req.prepare.mask, mask_bytes.as_deref());
@@ -72,17 +81,23 @@ pub fn submit(
                 let active = s1.token_mask.active().len() as u32;
                 let pixel_ratio = s1.token_mask.pixel_ratio;
                 let work = match (&req.work, template) {
-                    (DenoiseWork::Edit { .. }, Some(cache)) => Work::Edit {
+                    (DenoiseWork::Edit { .. }, Some(cache)) => Mode::Edit {
                         mask: Arc::new(s1.token_mask),
                         cache,
                     },
-                    (DenoiseWork::Capture, _) => Work::Capture(TemplateLayout::for_model(
-                        &p.config,
-                        n,
-                        params.steps as usize,
-                        DType::F32,
-                    )),
-                    _ => Work::Full,
+                    (DenoiseWork::Capture, _) => {
+                        let layout = TemplateLayout::for_model(
+                            &p.config,
+                            n,
+                            params.steps as usize,
+                            template_dtype,
+                        );
+                        Mode::Capture(
+                            TemplateCache::new(layout)
+                                .map_err(|e| WireError::internal(e.to_string()))?,
+                        )
+                    }
+                    _ => Mode::Full,
                 };
                 let r = DenoiseRequest {
                     id: req.prepare.job,

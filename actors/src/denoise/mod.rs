@@ -8,6 +8,10 @@
 //! requests join the running batch at the next step; finished ones leave at once
 //! (continuous batching, [`crate::scheduler`]); `Batching::Static` is the baseline.
 //!
+//! A submitted request waits on the host; when the scheduler admits it, the stepper
+//! uploads it to the device, where it stays until its final latent is downloaded
+//! (so the device holds only the running batch, which its memory budget covers).
+//!
 //! A batched step that fails (a broken invariant, an error from the backend) is run
 //! again for each of its requests alone; those that fail alone get the error, the
 //! others go on, and so does the loop. A device fault ends the process instead.
@@ -18,10 +22,9 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
-use denoised_models::flux::edit::{DenoiseInputs, Job, Mode};
+use denoised_models::flux::edit::{DenoiseInputs, Mode};
 use denoised_models::flux::stepper::Stepper;
-use denoised_models::flux::template::{TemplateCache, TemplateLayout};
-use denoised_models::mask::TokenMask;
+use denoised_models::flux::template::TemplateCache;
 use denoised_models::FlowMatchEuler;
 use denoised_runtime::Tensor;
 
@@ -30,24 +33,13 @@ use crate::scheduler::{BatchConfig, BatchScheduler, RequestId, SchedRequest, Tem
 /// Exit status of a denoise worker whose device failed (EX_SOFTWARE).
 pub const EXIT_DEVICE_FAULT: i32 = 70;
 
-/// What a request asks the denoiser to do.
-pub enum Work {
-    /// A plain full run.
-    Full,
-    /// A full run that records a template cache of this layout.
-    Capture(TemplateLayout),
-    /// A mask-aware edit against a template.
-    Edit {
-        mask: Arc<TokenMask>,
-        cache: Arc<TemplateCache>,
-    },
-}
-
+/// A request for the loop: its host inputs, its schedule, and what it computes (a full
+/// run, a capture into a template cache, or an edit of one).
 pub struct DenoiseRequest {
     pub id: RequestId,
     pub inputs: Arc<DenoiseInputs>,
     pub schedule: Arc<FlowMatchEuler>,
-    pub work: Work,
+    pub work: Mode,
 }
 
 pub enum LoopCommand {
@@ -91,7 +83,7 @@ pub enum Event {
     Finished {
         id: RequestId,
         latents: Tensor,
-        cache: Option<Box<TemplateCache>>,
+        cache: Option<TemplateCache>,
     },
     /// A request could not be run; the message says why.
     Failed {
@@ -171,28 +163,30 @@ impl Drop for DenoiseLoop {
     }
 }
 
-/// Loop state: the scheduler's view plus the jobs it schedules.
+/// Loop state: the scheduler's view, and the requests not yet on the device.
 struct State {
     sched: BatchScheduler,
-    jobs: HashMap<RequestId, Job>,
+    /// Submitted requests waiting for admission, with their host inputs.
+    waiting: HashMap<RequestId, DenoiseRequest>,
     tx: Sender<Event>,
 }
 
 impl State {
     /// Applies a command; returns false on shutdown.
-    fn apply(&mut self, cmd: LoopCommand, model: &dyn Stepper) -> bool {
+    fn apply(&mut self, cmd: LoopCommand, model: &mut dyn Stepper) -> bool {
         match cmd {
             LoopCommand::Shutdown => return false,
             LoopCommand::Run(f) => f(),
             LoopCommand::Cancel(id) => {
                 if self.sched.cancel(id) {
-                    self.jobs.remove(&id);
+                    self.waiting.remove(&id);
+                    model.remove(id);
                     let _ = self.tx.send(Event::Cancelled { id });
                 }
             }
             LoopCommand::Submit(r) => {
                 let id = r.id;
-                if let Err(error) = self.admit(r, model) {
+                if let Err(error) = self.submit(r, model) {
                     let _ = self.tx.send(Event::Failed { id, error });
                 }
             }
@@ -200,28 +194,45 @@ impl State {
         true
     }
 
-    fn admit(&mut self, r: DenoiseRequest, model: &dyn Stepper) -> Result<(), String> {
+    fn submit(&mut self, r: DenoiseRequest, model: &dyn Stepper) -> Result<(), String> {
         let steps = r.schedule.steps() as u32;
-        let text = r.inputs.txt.rows();
-        let mut req = SchedRequest::new(r.id, 0, steps);
-        let mode = match r.work {
-            Work::Full => Mode::Full,
-            Work::Capture(layout) => Mode::Capture(Box::new(TemplateCache::new(layout))),
-            Work::Edit { mask, cache } => {
-                // One decoded template is one Arc while any request holds it, so its
-                // address identifies it among the running batch's templates.
-                req = req.with_template(TemplateUse {
-                    key: Arc::as_ptr(&cache) as u64,
-                    bytes: model.template_bytes(&cache),
-                });
-                Mode::Edit { mask, cache }
-            }
+        let tokens = match &r.work {
+            Mode::Edit { mask, .. } => mask.active().len(),
+            _ => r.inputs.tokens(),
         };
-        let job = Job::new(r.inputs, r.schedule, mode).map_err(|e| e.to_string())?;
-        req.rows_per_step = (text + job.active_tokens()).max(1);
+        let mut req = SchedRequest::new(r.id, (r.inputs.txt.rows() + tokens).max(1), steps);
+        if let Mode::Edit { cache, .. } = &r.work {
+            req = req.with_template(TemplateUse {
+                key: cache.key(),
+                bytes: model.template_bytes(cache),
+            });
+        }
         self.sched.submit(req).map_err(|e| e.to_string())?;
-        self.jobs.insert(r.id, job);
+        self.waiting.insert(r.id, r);
         Ok(())
+    }
+
+    /// Puts the requests the scheduler just admitted on the device; returns those that
+    /// could not be (already failed and out of the scheduler).
+    fn admit(&mut self, admitted: &[RequestId], model: &mut dyn Stepper) -> Vec<RequestId> {
+        let mut failed = Vec::new();
+        for &id in admitted {
+            let Some(r) = self.waiting.remove(&id) else {
+                continue;
+            };
+            if let Err(e) = model.admit(id, &r.inputs, r.schedule, r.work) {
+                if model.is_fatal(&e) {
+                    device_fault(&e);
+                }
+                self.sched.cancel(id);
+                failed.push(id);
+                let _ = self.tx.send(Event::Failed {
+                    id,
+                    error: e.to_string(),
+                });
+            }
+        }
+        failed
     }
 }
 
@@ -234,16 +245,15 @@ fn run(
 ) {
     let mut st = State {
         sched,
-        jobs: HashMap::new(),
+        waiting: HashMap::new(),
         tx,
     };
-    let mut assembly_seconds;
     loop {
         // Sleep on the channel only when idle; otherwise take what has arrived and go.
         if st.sched.is_idle() {
             match rx.recv() {
                 Ok(cmd) => {
-                    if !st.apply(cmd, &*model) {
+                    if !st.apply(cmd, &mut *model) {
                         return;
                     }
                 }
@@ -256,7 +266,7 @@ fn run(
             }
         }
         while let Ok(cmd) = rx.try_recv() {
-            if !st.apply(cmd, &*model) {
+            if !st.apply(cmd, &mut *model) {
                 return;
             }
         }
@@ -268,49 +278,47 @@ fn run(
         if options.panic_at_step == Some(plan.step()) {
             panic!("fault injection: panic at step {}", plan.step());
         }
-        // Take the plan's jobs out of the map for the step (the map keeps the rest).
-        let mut batch: Vec<(RequestId, Job)> = plan
+        let dropped = st.admit(plan.admitted(), &mut *model);
+        let ids: Vec<RequestId> = plan
             .ids()
             .iter()
-            .filter_map(|id| st.jobs.remove(id).map(|j| (*id, j)))
+            .copied()
+            .filter(|id| !dropped.contains(id))
             .collect();
         // Where each job was before the step: after a failure, those that did not
         // advance are retried alone.
-        let before: Vec<usize> = batch.iter().map(|(_, j)| j.step()).collect();
-        let result = {
-            let mut refs: Vec<&mut Job> = batch.iter_mut().map(|(_, j)| j).collect();
-            assembly_seconds = t0.elapsed().as_secs_f64();
-            model.step(&mut refs)
-        };
-        if let Err(e) = result {
-            for (id, error) in isolate(&mut *model, &mut batch, &before, e) {
+        let before: Vec<Option<usize>> = ids.iter().map(|&id| model.position(id)).collect();
+        let assembly_seconds = t0.elapsed().as_secs_f64();
+        if let Err(e) = model.step(&ids) {
+            for (id, error) in isolate(&mut *model, &ids, &before, e) {
                 st.sched.cancel(id);
-                batch.retain(|(b, _)| *b != id);
+                model.remove(id);
                 let _ = st.tx.send(Event::Failed { id, error });
             }
         }
         let finished = st.sched.complete_step(&plan);
-        let seconds = t0.elapsed().as_secs_f64();
-        let ended_unix = actor::unix_now();
         // Finished results go out first, so whoever sees a step's event has already been
-        // sent everything that step produced.
-        for (id, job) in batch {
-            if finished.contains(&id) {
-                let (latents, cache) = job.into_parts();
-                let _ = st.tx.send(Event::Finished {
-                    id,
-                    latents,
-                    cache: cache.map(Box::new),
-                });
-            } else {
-                st.jobs.insert(id, job);
-            }
+        // sent everything that step produced. Each result is downloaded here, once.
+        for id in finished {
+            let event = match model.finish(id) {
+                Ok((latents, cache)) => Event::Finished { id, latents, cache },
+                Err(e) => {
+                    if model.is_fatal(&e) {
+                        device_fault(&e);
+                    }
+                    Event::Failed {
+                        id,
+                        error: e.to_string(),
+                    }
+                }
+            };
+            let _ = st.tx.send(event);
         }
         let _ = st.tx.send(Event::Step {
             step: plan.step(),
-            batch: plan.ids().to_vec(),
-            seconds,
-            ended_unix,
+            batch: ids,
+            seconds: t0.elapsed().as_secs_f64(),
+            ended_unix: actor::unix_now(),
             assembly_seconds,
         });
     }
@@ -322,32 +330,32 @@ fn run(
 /// the error is not run twice. A device fault ends the process (see [`device_fault`]).
 fn isolate(
     model: &mut dyn Stepper,
-    batch: &mut [(RequestId, Job)],
-    before: &[usize],
+    ids: &[RequestId],
+    before: &[Option<usize>],
     error: denoised_runtime::Error,
 ) -> Vec<(RequestId, String)> {
     if model.is_fatal(&error) {
         device_fault(&error);
     }
-    if let [(id, _)] = batch {
+    if let [id] = ids {
         tracing::warn!("denoise step of request {id:x} failed: {error}");
         return vec![(*id, error.to_string())];
     }
     tracing::warn!(
         "a batched step of {} requests failed ({error}); retrying each alone",
-        batch.len()
+        ids.len()
     );
     let mut failed = Vec::new();
-    for ((id, job), &step) in batch.iter_mut().zip(before) {
-        if job.step() != step {
+    for (&id, &step) in ids.iter().zip(before) {
+        if model.position(id) != step {
             continue;
         }
-        if let Err(e) = model.step(&mut [job]) {
+        if let Err(e) = model.step(&[id]) {
             if model.is_fatal(&e) {
                 device_fault(&e);
             }
             tracing::warn!("denoise step of request {id:x} failed: {e}");
-            failed.push((*id, e.to_string()));
+            failed.push((id, e.to_string()));
         }
     }
     failed

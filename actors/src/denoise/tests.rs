@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::{unbounded, Sender};
-use denoised_models::flux::edit::{run, DenoiseInputs, Job, Mode};
+use denoised_models::flux::edit::{run_to_end, DenoiseInputs, DeviceTemplates, Job, Mode};
 use denoised_models::flux::embed::image_ids;
-use denoised_models::flux::stepper::HostStepper;
+use denoised_models::flux::stepper::ModelStepper;
 use denoised_models::flux::template::TemplateLayout;
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::TokenMask;
@@ -45,11 +45,32 @@ fn inputs(seed: u64) -> Arc<DenoiseInputs> {
     })
 }
 
+/// A template of `layout` marked complete (all zeros: enough where its values do not
+/// matter).
+fn complete(layout: TemplateLayout) -> TemplateCache {
+    let mut t = TemplateCache::new(layout).unwrap();
+    t.mark_complete();
+    t
+}
+
 fn schedule(steps: usize) -> Arc<FlowMatchEuler> {
     Arc::new(FlowMatchEuler::new(&Default::default(), steps, SIDE * SIDE).unwrap())
 }
 
+/// A full run of `seed`'s inputs alone, to the end.
+fn solo(seed: u64, steps: usize) -> Tensor {
+    let m = model();
+    let job = Job::new(&m, &inputs(seed), schedule(steps), Mode::Full).unwrap();
+    run_to_end(&m, job, &DeviceTemplates::new()).unwrap().0
+}
+
 fn gated(mode: Batching) -> (DenoiseLoop, Sender<()>) {
+    gated_with(mode, u64::MAX)
+}
+
+/// A loop whose steps wait for the gate, on a stepper that keeps `template_bytes` of
+/// templates.
+fn gated_with(mode: Batching, template_bytes: u64) -> (DenoiseLoop, Sender<()>) {
     let (gate_tx, gate_rx) = unbounded();
     let cfg = BatchConfig {
         max_batch: 8,
@@ -58,7 +79,7 @@ fn gated(mode: Batching) -> (DenoiseLoop, Sender<()>) {
         template_bytes: u64::MAX,
     };
     let lp = DenoiseLoop::spawn(
-        Box::new(HostStepper(model())),
+        Box::new(ModelStepper::new(model(), template_bytes, 4, false)),
         cfg,
         LoopOptions {
             step_gate: Some(gate_rx),
@@ -80,7 +101,7 @@ fn full(id: u64, seed: u64, steps: usize) -> DenoiseRequest {
         id,
         inputs: inputs(seed),
         schedule: schedule(steps),
-        work: Work::Full,
+        work: Mode::Full,
     }
 }
 
@@ -133,9 +154,8 @@ fn a_request_arriving_mid_way_joins_before_the_first_finishes() {
     );
     assert_eq!(order, vec![1, 2]);
     // Results equal solo runs.
-    let m = model();
     for (id, seed) in [(1, 1), (2, 2)] {
-        let solo = run(&m, Job::new(inputs(seed), schedule(6), Mode::Full).unwrap()).unwrap();
+        let solo = solo(seed, 6);
         let rel = done[&id].max_abs_diff(&solo).unwrap()
             / solo.data().iter().fold(0.0f32, |a, v| a.max(v.abs()));
         assert!(rel <= 1e-6, "request {id}: {rel:e}");
@@ -161,15 +181,15 @@ fn cancel_and_bad_requests_do_not_stop_the_loop() {
     gate.send(()).unwrap();
     assert!(matches!(next(&lp), Event::Step { .. }));
     lp.cancel(1);
-    // An edit whose template does not match its schedule fails on submission.
+    // An edit whose template does not match its schedule fails on admission.
     let layout = TemplateLayout::for_model(&FluxConfig::tiny(), SIDE * SIDE, 2, DType::F32);
     let bad = DenoiseRequest {
         id: 2,
         inputs: inputs(2),
         schedule: schedule(4),
-        work: Work::Edit {
+        work: Mode::Edit {
             mask: Arc::new(TokenMask::full(SIDE, SIDE)),
-            cache: Arc::new(TemplateCache::new(layout)),
+            cache: Arc::new(complete(layout)),
         },
     };
     lp.submit(bad);
@@ -203,7 +223,7 @@ fn cancel_and_bad_requests_do_not_stop_the_loop() {
 #[test]
 fn capture_then_edit_through_the_loop_keeps_the_identity() {
     let lp = DenoiseLoop::spawn(
-        Box::new(HostStepper(model())),
+        Box::new(ModelStepper::unbounded(model(), 4)),
         BatchConfig::default(),
         LoopOptions::default(),
     )
@@ -214,20 +234,20 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
         id: 1,
         inputs: inp.clone(),
         schedule: s.clone(),
-        work: Work::Capture(layout),
+        work: Mode::Capture(TemplateCache::new(layout).unwrap()),
     });
     let (fin, cache) = loop {
         if let Event::Finished { latents, cache, .. } = next(&lp) {
             break (latents, cache.expect("a capture returns its cache"));
         }
     };
-    let cache: Arc<TemplateCache> = Arc::new(*cache);
+    let cache: Arc<TemplateCache> = Arc::new(cache);
     let mask = Arc::new(TokenMask::random_blobs(SIDE, SIDE, 13, 4));
     lp.submit(DenoiseRequest {
         id: 2,
         inputs: inp,
         schedule: s,
-        work: Work::Edit { mask, cache },
+        work: Mode::Edit { mask, cache },
     });
     let edited = loop {
         if let Event::Finished { latents, .. } = next(&lp) {
@@ -241,17 +261,18 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
 
 #[test]
 fn a_request_whose_step_fails_does_not_fail_its_batch_mates() {
-    let (lp, gate) = gated(Batching::Continuous);
-    // An edit against a template that was never filled passes admission but fails in
-    // the forward, taking the batched step down with it.
+    // An edit whose template cannot be put on the device (a stepper with no room for
+    // it, that cannot stream) passes admission but fails in the step, taking the
+    // batched step down with it.
+    let (lp, gate) = gated_with(Batching::Continuous, 1);
     let layout = TemplateLayout::for_model(&FluxConfig::tiny(), SIDE * SIDE, 3, DType::F32);
     let bad = DenoiseRequest {
         id: 2,
         inputs: inputs(2),
         schedule: schedule(3),
-        work: Work::Edit {
+        work: Mode::Edit {
             mask: Arc::new(TokenMask::random_blobs(SIDE, SIDE, 9, 1)),
-            cache: Arc::new(TemplateCache::new(layout)),
+            cache: Arc::new(complete(layout)),
         },
     };
     lp.submit(full(1, 1, 3));
@@ -276,14 +297,10 @@ fn a_request_whose_step_fails_does_not_fail_its_batch_mates() {
     assert_eq!(batches[0], vec![1, 2], "both ran in one batch: {batches:?}");
     assert_eq!(failed.len(), 1, "{failed:?}");
     assert_eq!(failed[0].0, 2);
-    assert!(failed[0].1.contains("incomplete template"), "{failed:?}");
+    assert!(failed[0].1.contains("device budget leaves"), "{failed:?}");
     // The good request finished, at the same step it would have, with its solo result.
     assert_eq!(batches.len(), 3, "{batches:?}");
-    let solo = run(
-        &model(),
-        Job::new(inputs(1), schedule(3), Mode::Full).unwrap(),
-    )
-    .unwrap();
+    let solo = solo(1, 3);
     let rel = done[&1].max_abs_diff(&solo).unwrap()
         / solo.data().iter().fold(0.0f32, |a, v| a.max(v.abs()));
     assert!(rel <= 1e-6, "{rel:e}");

@@ -121,8 +121,10 @@ impl CacheState {
         if !put.replace && self.templates.contains_key(&put.info.id) {
             return Err(crate::router::flow::exists(&put.info.id));
         }
-        let blob = self.shm.read_tensor(&put.blob)?;
-        let blob = self.shm.write_tensor(&blob).map_err(|e| {
+        // The template's flat image, copied as bytes (its K/V dtype is the capturing
+        // device's).
+        let blob = self.shm.read_bytes(&put.blob)?;
+        let blob = self.shm.write_bytes(&blob).map_err(|e| {
             WireError::new(
                 ErrorKind::TooLarge,
                 format!(

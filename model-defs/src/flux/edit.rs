@@ -1,33 +1,38 @@
 //! Denoising jobs and the batched step: full runs, template captures and mask-aware
 //! edits, any mix of them in one transformer call.
 //!
-//! A [`Job`] is one request being denoised: its inputs, its schedule, the step it is
-//! at, and its current packed latent. [`step_batch`] advances every job in a batch by
-//! one step with a single forward over the packed rows of all of them, each at its own
-//! step, with its own guidance, text and active set:
+//! A [`Job`] is one request being denoised on the model's device: its tensors there
+//! (uploaded once when it is created, see [`RequestTensors`]), its schedule and the
+//! step it is at. [`step_batch_with`] advances every job in a batch by one step with a
+//! single forward over the packed rows of all of them, each at its own step, with its
+//! own guidance, text and active set:
 //!
 //! - a **full** job computes every image token;
-//! - a **capture** job computes every token and records each block's image K/V and
-//!   the latent after the step into a [`TemplateCache`];
-//! - an **edit** job computes only its active tokens, attends to the template's cached
-//!   K/V for the others, and after the step copies the template's latent into its
-//!   inactive tokens.
+//! - a **capture** job computes every token and stores each block's image K/V and the
+//!   latent after the step into its [`TemplateCache`] (asynchronously on a device:
+//!   `Backend::store`);
+//! - an **edit** job computes only its active tokens and attends to the template's
+//!   cached K/V for the others. Its inactive tokens never enter the model, so they are
+//!   not kept: at the end they take the template's final latent ([`Job::finish`]).
 //!
-//! Editing with exactly a capture's inputs reproduces the capture's latents (the
-//! identity invariant): every computed row sees the same keys and values as in the full
-//! run. This module is plain compute over data, with no I/O; the serving loop drives it.
+//! The Euler update runs on the device (`Backend::axpy_cols`), so a step moves no
+//! latents between host and device. Editing with exactly a capture's inputs reproduces
+//! the capture's latents (the identity invariant): every computed row sees the same
+//! keys and values as in the full run. This module is plain compute over data, with no
+//! I/O; the serving loop drives it.
 
 use std::sync::Arc;
 
-use denoised_runtime::{Backend, Error, Result, Tensor};
+use denoised_runtime::{Backend, DType, Error, Result, Tensor};
 
-use super::model::{FluxRequest, FluxTransformer, ForwardObserver, KvCache};
-pub use super::slabs::{HostSlabs, ResidentTemplates, SlabSource, TemplateProviders};
+use super::model::{FluxTransformer, ForwardObserver, KvCache};
+use super::request::{RequestTensors, StepRequest};
+pub use super::slabs::{DeviceTemplates, SlabSource};
 use super::template::TemplateCache;
 use crate::mask::TokenMask;
 use crate::scheduler::FlowMatchEuler;
 
-/// A request's inputs over the full token grid.
+/// A request's inputs over the full token grid, on the host.
 #[derive(Clone, Debug)]
 pub struct DenoiseInputs {
     /// `[L, C]` packed initial latents (noise), C = the transformer's out_channels.
@@ -51,36 +56,41 @@ impl DenoiseInputs {
     }
 }
 
-/// What a job computes. Jobs own (or share) everything they read, so a serving loop
-/// can hold them across steps while requests come and go.
+/// What a job computes.
 pub enum Mode {
     Full,
-    /// Fills this cache as the job runs; take it back with [`Job::into_parts`].
-    Capture(Box<TemplateCache>),
+    /// Fills this (writable, empty) cache as the job runs; [`Job::finish`] gives it
+    /// back complete.
+    Capture(TemplateCache),
     Edit {
         mask: Arc<TokenMask>,
         cache: Arc<TemplateCache>,
     },
 }
 
-pub struct Job {
-    inputs: Arc<DenoiseInputs>,
+/// One request being denoised; `T` is the tensor type of the model's backend.
+pub struct Job<T> {
+    tensors: RequestTensors<T>,
+    guidance: f32,
     schedule: Arc<FlowMatchEuler>,
     step: usize,
-    latents: Tensor,
     mode: Mode,
     /// Token rows computed each step, and the rest (edits only).
     active: Vec<u32>,
     inactive: Vec<u32>,
+    tokens: usize,
+    latent_channels: usize,
 }
 
-impl Job {
-    pub fn new(
-        inputs: impl Into<Arc<DenoiseInputs>>,
+impl<T> Job<T> {
+    /// Checks a request and uploads its tensors to the model's device.
+    pub fn new<B: Backend<Tensor = T>>(
+        model: &FluxTransformer<B>,
+        inputs: &DenoiseInputs,
         schedule: impl Into<Arc<FlowMatchEuler>>,
         mode: Mode,
     ) -> Result<Self> {
-        let (inputs, schedule) = (inputs.into(), schedule.into());
+        let schedule = schedule.into();
         let l = inputs.tokens();
         let c = inputs.latents.cols();
         if inputs.cond.rows() != l || inputs.img_ids.shape() != [l, 3] {
@@ -90,44 +100,77 @@ impl Job {
                 inputs.img_ids.shape()
             )));
         }
+        let check = |what: &str, cache: &TemplateCache| -> Result<()> {
+            let lay = cache.layout();
+            if lay.tokens != l || lay.latent_channels != c || lay.steps != schedule.steps() {
+                return Err(Error::Invalid(format!(
+                    "{what} of {l} tokens x {c} channels x {} steps with a template of {} tokens x {} channels x {} steps",
+                    schedule.steps(),
+                    lay.tokens,
+                    lay.latent_channels,
+                    lay.steps
+                )));
+            }
+            Ok(())
+        };
         let (active, inactive) = match &mode {
-            Mode::Full | Mode::Capture(_) => ((0..l as u32).collect(), vec![]),
+            Mode::Full => ((0..l as u32).collect(), vec![]),
+            Mode::Capture(cache) => {
+                check("capture", cache)?;
+                if !cache.bytes().writable() || cache.is_complete() {
+                    return Err(Error::Invalid(
+                        "a capture needs an empty, writable template cache".into(),
+                    ));
+                }
+                ((0..l as u32).collect(), vec![])
+            }
             Mode::Edit { mask, cache } => {
-                let lay = cache.layout();
-                if mask.len() != l || lay.tokens != l || lay.latent_channels != c {
+                check("edit", cache)?;
+                if mask.len() != l {
                     return Err(Error::Invalid(format!(
-                        "edit of {l} tokens x {c} channels with a {}-token mask and a template of {} tokens x {} channels",
-                        mask.len(),
-                        lay.tokens,
-                        lay.latent_channels
+                        "edit of {l} tokens with a {}-token mask",
+                        mask.len()
                     )));
                 }
-                if lay.steps != schedule.steps() {
-                    return Err(Error::Invalid(format!(
-                        "template captured with {} steps, edit asks for {}",
-                        lay.steps,
-                        schedule.steps()
-                    )));
+                if !cache.is_complete() {
+                    return Err(Error::Invalid(
+                        "edit with an incomplete template cache".into(),
+                    ));
                 }
                 (mask.active().to_vec(), mask.inactive())
             }
         };
+        // The computed rows of [latent | conditioning] and their ids.
+        let k = inputs.cond.cols();
+        let mut x = Vec::with_capacity(active.len() * (c + k));
+        let mut ids = Vec::with_capacity(active.len() * 3);
+        for &t in &active {
+            x.extend_from_slice(inputs.latents.row(t as usize));
+            x.extend_from_slice(inputs.cond.row(t as usize));
+            ids.extend_from_slice(inputs.img_ids.row(t as usize));
+        }
+        let tensors = RequestTensors::upload(
+            model.backend(),
+            &model.config,
+            &Tensor::new([active.len(), c + k], x)?,
+            &Tensor::new([active.len(), 3], ids)?,
+            &inputs.txt,
+            &inputs.txt_ids,
+            &inputs.pooled,
+        )?;
         if let Mode::Capture(cache) = &mode {
-            let lay = cache.layout();
-            if lay.tokens != l || lay.steps != schedule.steps() || lay.latent_channels != c {
-                return Err(Error::Invalid(
-                    "capture target layout does not match the inputs and schedule".into(),
-                ));
-            }
+            model.backend().pin_host(cache.bytes().memory())?;
         }
         Ok(Job {
-            latents: inputs.latents.clone(),
-            inputs,
+            tensors,
+            guidance: inputs.guidance,
             schedule,
             step: 0,
             mode,
             active,
             inactive,
+            tokens: l,
+            latent_channels: c,
         })
     }
 
@@ -136,24 +179,6 @@ impl Job {
     }
     pub fn done(&self) -> bool {
         self.step >= self.schedule.steps()
-    }
-    /// The current packed latent `[L, C]` (the final one once `done()`).
-    pub fn latents(&self) -> &Tensor {
-        &self.latents
-    }
-    pub fn into_latents(self) -> Tensor {
-        self.latents
-    }
-    /// The final latent and, for a capture, the filled template cache.
-    pub fn into_parts(self) -> (Tensor, Option<TemplateCache>) {
-        let cache = match self.mode {
-            Mode::Capture(c) => Some(*c),
-            _ => None,
-        };
-        (self.latents, cache)
-    }
-    pub fn inputs(&self) -> &DenoiseInputs {
-        &self.inputs
     }
     /// The template an edit reads; `None` for full runs and captures.
     pub fn template(&self) -> Option<&Arc<TemplateCache>> {
@@ -165,6 +190,54 @@ impl Job {
     /// Image tokens computed per step.
     pub fn active_tokens(&self) -> usize {
         self.active.len()
+    }
+
+    /// The latent of the rows it computes, `[A, C]` (every row for a full run or a
+    /// capture), as it is after the steps run so far.
+    pub fn computed_latents<B: Backend<Tensor = T>>(
+        &self,
+        model: &FluxTransformer<B>,
+    ) -> Result<Tensor> {
+        let be = model.backend();
+        let (a, c) = (self.active.len(), self.latent_channels);
+        be.download(&be.gather_cols(&self.tensors.img, 0..a, 0..c)?)
+    }
+
+    /// The final packed latent `[L, C]` (downloaded once, here) and, for a capture,
+    /// its template cache, complete. An edit's inactive tokens take the template's
+    /// final latent.
+    pub fn finish<B: Backend<Tensor = T>>(
+        self,
+        model: &FluxTransformer<B>,
+    ) -> Result<(Tensor, Option<TemplateCache>)> {
+        if !self.done() {
+            return Err(Error::Invalid(format!(
+                "a job at step {} of {} is not finished",
+                self.step,
+                self.schedule.steps()
+            )));
+        }
+        let be = model.backend();
+        let c = self.latent_channels;
+        let mine = self.computed_latents(model)?;
+        match self.mode {
+            Mode::Full => Ok((mine, None)),
+            Mode::Capture(mut cache) => {
+                be.flush_stores()?;
+                cache.mark_complete();
+                Ok((mine, Some(cache)))
+            }
+            Mode::Edit { cache, .. } => {
+                let mut out = cache.latent(self.schedule.steps() - 1)?;
+                debug_assert_eq!(out.shape(), [self.tokens, c]);
+                let data = out.data_mut();
+                for (r, &t) in self.active.iter().enumerate() {
+                    let t = t as usize;
+                    data[t * c..(t + 1) * c].copy_from_slice(mine.row(r));
+                }
+                Ok((out, None))
+            }
+        }
     }
 }
 
@@ -186,71 +259,38 @@ impl<T, S: SlabSource<T>> KvCache<T> for StepKv<'_, S> {
     }
 }
 
-/// Collects K/V reports of capture jobs during a forward; they move into the jobs'
-/// caches once the forward (which borrows the jobs) is over.
-struct CaptureSink {
-    capturing: Vec<bool>,
-    got: Vec<(usize, usize, Tensor)>,
+/// Stores the K/V of capture jobs into their caches as the forward produces them.
+struct CaptureSink<'a, B: Backend> {
+    backend: &'a B,
+    /// Per request of the forward: the cache it captures into, and its step.
+    targets: Vec<Option<(&'a TemplateCache, usize)>>,
 }
 
-impl ForwardObserver for CaptureSink {
+impl<B: Backend> ForwardObserver<B::Tensor> for CaptureSink<'_, B> {
     fn wants_kv(&self) -> bool {
-        self.capturing.iter().any(|&c| c)
+        self.targets.iter().any(Option::is_some)
     }
-    fn image_kv(&mut self, req: usize, block: usize, kv: Tensor) {
-        if self.capturing.get(req).copied().unwrap_or(false) {
-            self.got.push((req, block, kv));
+    fn image_kv(&mut self, req: usize, block: usize, kv: &B::Tensor) -> Result<()> {
+        if let Some(Some((cache, step))) = self.targets.get(req) {
+            let dst = cache.kv_slice(*step, block)?;
+            self.backend.store(kv, &dst, cache.layout().dtype)?;
         }
+        Ok(())
     }
 }
 
-/// Advances every unfinished job by one step with one forward call (CPU backend: the
-/// templates' host slabs are read in place).
-pub fn step_batch<B: Backend<Tensor = Tensor>>(
-    model: &FluxTransformer<B>,
-    jobs: &mut [&mut Job],
-) -> Result<()> {
-    step_batch_with(model, jobs, &HostSlabs)
-}
-
-/// [`step_batch`] on any backend, with edits reading their cached K/V from `slabs`.
+/// Advances every unfinished job by one step with one forward call, edits reading
+/// their cached K/V from `slabs`.
 pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
     model: &FluxTransformer<B>,
-    jobs: &mut [&mut Job],
+    jobs: &mut [&mut Job<B::Tensor>],
     slabs: &S,
 ) -> Result<()> {
     let live: Vec<usize> = (0..jobs.len()).filter(|&i| !jobs[i].done()).collect();
     if live.is_empty() {
         return Ok(());
     }
-    for &i in &live {
-        if let Mode::Edit { cache, .. } = &jobs[i].mode {
-            if !cache.is_complete() {
-                return Err(Error::Invalid(
-                    "edit with an incomplete template cache".into(),
-                ));
-            }
-        }
-    }
-    // Inputs of the computed rows: [latent | cond] and ids, gathered per job.
-    let rows: Vec<(Tensor, Tensor)> = live
-        .iter()
-        .map(|&i| {
-            let j = &jobs[i];
-            let (c, k) = (j.latents.cols(), j.inputs.cond.cols());
-            let mut x = Vec::with_capacity(j.active.len() * (c + k));
-            let mut ids = Vec::with_capacity(j.active.len() * 3);
-            for &t in &j.active {
-                x.extend_from_slice(j.latents.row(t as usize));
-                x.extend_from_slice(j.inputs.cond.row(t as usize));
-                ids.extend_from_slice(j.inputs.img_ids.row(t as usize));
-            }
-            Ok((
-                Tensor::new([j.active.len(), c + k], x)?,
-                Tensor::new([j.active.len(), 3], ids)?,
-            ))
-        })
-        .collect::<Result<_>>()?;
+    let be = model.backend();
     let kvs: Vec<Option<StepKv<'_, S>>> = live
         .iter()
         .map(|&i| match &jobs[i].mode {
@@ -266,81 +306,58 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
             _ => Ok(None),
         })
         .collect::<Result<_>>()?;
-    let reqs: Vec<FluxRequest<'_, B::Tensor>> = live
+    let reqs: Vec<StepRequest<'_, B::Tensor>> = live
         .iter()
-        .zip(&rows)
         .zip(&kvs)
-        .map(|((&i, (x, ids)), kv)| {
+        .map(|(&i, kv)| {
             let j = &jobs[i];
-            FluxRequest {
-                img: x,
-                img_ids: ids,
-                txt: &j.inputs.txt,
-                txt_ids: &j.inputs.txt_ids,
-                pooled: &j.inputs.pooled,
+            StepRequest {
+                tensors: &j.tensors,
                 timestep: j.schedule.model_timestep(j.step),
-                guidance: j.inputs.guidance,
+                guidance: j.guidance,
                 cache: kv.as_ref().map(|k| k as &dyn KvCache<B::Tensor>),
             }
         })
         .collect();
     let mut sink = CaptureSink {
-        capturing: live
+        backend: be,
+        targets: live
             .iter()
-            .map(|&i| matches!(jobs[i].mode, Mode::Capture(_)))
+            .map(|&i| match &jobs[i].mode {
+                Mode::Capture(cache) => Some((cache, jobs[i].step)),
+                _ => None,
+            })
             .collect(),
-        got: Vec::new(),
     };
-    let velocities = model.forward(&reqs, &mut sink);
+    let velocity = model.forward_step(&reqs, &mut sink);
     slabs.finish();
-    let velocities = velocities?;
+    let velocity = velocity?;
+    drop(sink);
     drop(reqs);
     drop(kvs);
-    for (req, block, kv) in sink.got {
-        let j = &mut *jobs[live[req]];
-        if let Mode::Capture(cache) = &mut j.mode {
-            cache.set_kv(j.step, block, kv)?;
-        }
-    }
-    for (&i, v) in live.iter().zip(&velocities) {
+    for (&i, rows) in live.iter().zip(&velocity.rows) {
         let j = &mut *jobs[i];
-        let c = j.latents.cols();
+        let c = j.latent_channels;
         let dt = j.schedule.sigmas[j.step + 1] - j.schedule.sigmas[j.step];
-        let lat = j.latents.data_mut();
-        for (r, &t) in j.active.iter().enumerate() {
-            let dst = &mut lat[t as usize * c..(t as usize + 1) * c];
-            for (x, dv) in dst.iter_mut().zip(v.row(r)) {
-                *x += dt * dv;
-            }
-        }
-        match &mut j.mode {
-            Mode::Edit { cache, .. } => {
-                let tl = cache.latent(j.step)?;
-                for &t in &j.inactive {
-                    let t = t as usize;
-                    lat[t * c..(t + 1) * c].copy_from_slice(tl.row(t));
-                }
-            }
-            Mode::Capture(cache) => cache.set_latent(j.step, j.latents.clone())?,
-            Mode::Full => {}
+        be.axpy_cols(&mut j.tensors.img, 0..c, &velocity.packed, rows.clone(), dt)?;
+        if let Mode::Capture(cache) = &j.mode {
+            let latent = be.gather_cols(&j.tensors.img, 0..j.tokens, 0..c)?;
+            be.store(&latent, &cache.latent_slice(j.step)?, DType::F32)?;
         }
         j.step += 1;
     }
     Ok(())
 }
 
-/// Runs one job to the end and returns its final latent.
-pub fn run<B: Backend<Tensor = Tensor>>(model: &FluxTransformer<B>, job: Job) -> Result<Tensor> {
-    Ok(run_job(model, job)?.into_latents())
-}
-
-/// Runs one job to the end and returns it (see [`Job::into_parts`]).
-pub fn run_job<B: Backend<Tensor = Tensor>>(
+/// Runs one job to the end on a model whose edits read templates from `slabs`, and
+/// returns its final latent and, for a capture, its template (see [`Job::finish`]).
+pub fn run_to_end<B: Backend, S: SlabSource<B::Tensor>>(
     model: &FluxTransformer<B>,
-    mut job: Job,
-) -> Result<Job> {
+    mut job: Job<B::Tensor>,
+    slabs: &S,
+) -> Result<(Tensor, Option<TemplateCache>)> {
     while !job.done() {
-        step_batch(model, &mut [&mut job])?;
+        step_batch_with(model, &mut [&mut job], slabs)?;
     }
-    Ok(job)
+    job.finish(model)
 }

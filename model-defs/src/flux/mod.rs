@@ -11,6 +11,7 @@ pub mod cost;
 pub mod edit;
 pub mod embed;
 pub mod model;
+pub mod request;
 pub mod slabs;
 pub mod stepper;
 pub mod template;

@@ -18,11 +18,14 @@ use denoised_runtime::{AttnSeq, Backend, Error, KvSource, QSpan, Result, Rows, S
 
 use super::config::FluxConfig;
 use super::embed;
+pub use super::request::{RequestTensors, StepRequest};
 use super::weights::{FluxWeights, Linear};
 
 const NORM_EPS: f32 = 1e-6;
 
-/// One request of a batch. All tensors are host tensors.
+/// One request of a batch with host inputs (the reference cases, `denoised forward`).
+/// Serving uploads a request once instead ([`RequestTensors`]) and steps it with
+/// [`FluxTransformer::forward_step`].
 pub struct FluxRequest<'a, T> {
     /// `[A, in_channels]`: the image tokens to compute (all of them for a full run).
     pub img: &'a Tensor,
@@ -43,6 +46,13 @@ pub struct FluxRequest<'a, T> {
     pub cache: Option<&'a dyn KvCache<T>>,
 }
 
+/// A step's output: the velocity of every computed row, packed request after request
+/// (`[sum A_r, out_channels]` on the model's device), and each request's rows.
+pub struct Velocity<T> {
+    pub packed: T,
+    pub rows: Vec<Range<usize>>,
+}
+
 /// Cached keys and values of one request's inactive image tokens at its current step.
 pub trait KvCache<T>: Sync {
     /// Indices (rows of the cached buffers) of the tokens not computed.
@@ -53,8 +63,9 @@ pub trait KvCache<T>: Sync {
     fn block(&self, b: usize) -> Result<&T>;
 }
 
-/// Receives intermediate values of a forward pass (tests, template capture).
-pub trait ForwardObserver {
+/// Receives intermediate values of a forward pass (tests, template capture). `T` is
+/// the backend's tensor type.
+pub trait ForwardObserver<T> {
     /// Whether to build and report hidden states (costs a download each).
     fn wants_hidden(&self) -> bool {
         false
@@ -65,13 +76,17 @@ pub trait ForwardObserver {
         false
     }
     /// `[K | V]` rows `[A, 2*hidden]` of request `req`'s computed image tokens at block
-    /// `block`, K post-norm and post-RoPE: the template cache layout.
-    fn image_kv(&mut self, _req: usize, _block: usize, _kv: Tensor) {}
+    /// `block`, K post-norm and post-RoPE, on the device: the template cache layout.
+    /// Called as soon as the block has queued them, so a capture can start copying
+    /// them out while later blocks compute.
+    fn image_kv(&mut self, _req: usize, _block: usize, _kv: &T) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The observer that observes nothing.
 pub struct NoObserver;
-impl ForwardObserver for NoObserver {}
+impl<T> ForwardObserver<T> for NoObserver {}
 
 /// Plain batched inputs in the layout of the reference cases (`[B, N, C]` tensors).
 pub struct FluxInputs {
@@ -241,7 +256,12 @@ impl<B: Backend> FluxTransformer<B> {
         self.backend.linear(x, &l.w, l.b.as_ref())
     }
 
-    fn emit(&self, obs: &mut dyn ForwardObserver, name: &str, t: &B::Tensor) -> Result<()> {
+    fn emit(
+        &self,
+        obs: &mut dyn ForwardObserver<B::Tensor>,
+        name: &str,
+        t: &B::Tensor,
+    ) -> Result<()> {
         if obs.wants_hidden() {
             obs.hidden(name, self.backend.download(t)?);
         }
@@ -250,7 +270,7 @@ impl<B: Backend> FluxTransformer<B> {
 
     fn emit_rows(
         &self,
-        obs: &mut dyn ForwardObserver,
+        obs: &mut dyn ForwardObserver<B::Tensor>,
         name: &str,
         t: &B::Tensor,
         rows: &[(u32, u32)],
@@ -263,7 +283,11 @@ impl<B: Backend> FluxTransformer<B> {
     }
 
     /// Runs the reference-case layout: `[B, N, C]` inputs, one output `[B, N_img, out]`.
-    pub fn forward_inputs(&self, x: &FluxInputs, obs: &mut dyn ForwardObserver) -> Result<Tensor> {
+    pub fn forward_inputs(
+        &self,
+        x: &FluxInputs,
+        obs: &mut dyn ForwardObserver<B::Tensor>,
+    ) -> Result<Tensor> {
         let hs = x.hidden_states.shape();
         if hs.len() != 3 {
             return Err(Error::Invalid(format!(
@@ -325,44 +349,71 @@ impl<B: Backend> FluxTransformer<B> {
         Tensor::new([b, n, oc], data)
     }
 
-    /// One forward over a batch; returns each request's output `[A_r, out_channels]`.
+    /// One forward over a batch of host inputs; returns each request's output
+    /// `[A_r, out_channels]`.
     pub fn forward(
         &self,
         reqs: &[FluxRequest<'_, B::Tensor>],
-        obs: &mut dyn ForwardObserver,
+        obs: &mut dyn ForwardObserver<B::Tensor>,
     ) -> Result<Vec<Tensor>> {
+        let tensors = reqs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                RequestTensors::upload(
+                    &self.backend,
+                    &self.config,
+                    r.img,
+                    r.img_ids,
+                    r.txt,
+                    r.txt_ids,
+                    r.pooled,
+                )
+                .map_err(|e| Error::Invalid(format!("request {i}: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let steps: Vec<StepRequest<'_, B::Tensor>> = reqs
+            .iter()
+            .zip(&tensors)
+            .map(|(r, t)| StepRequest {
+                tensors: t,
+                timestep: r.timestep,
+                guidance: r.guidance,
+                cache: r.cache,
+            })
+            .collect();
+        let v = self.forward_step(&steps, obs)?;
+        let out = self.backend.download(&v.packed)?;
+        let oc = self.config.out_channels();
+        v.rows
+            .iter()
+            .map(|r| Tensor::new([r.len(), oc], out.data()[r.start * oc..r.end * oc].to_vec()))
+            .collect()
+    }
+
+    /// One forward over a batch of requests whose tensors are on the device; returns
+    /// the velocity of every computed row, still on the device.
+    pub fn forward_step(
+        &self,
+        reqs: &[StepRequest<'_, B::Tensor>],
+        obs: &mut dyn ForwardObserver<B::Tensor>,
+    ) -> Result<Velocity<B::Tensor>> {
         let c = &self.config;
         let be = &self.backend;
         let d = c.hidden();
         let heads = c.num_attention_heads;
         if reqs.is_empty() {
-            return Ok(vec![]);
+            return Ok(Velocity {
+                packed: be.upload(&Tensor::zeros([0, c.out_channels()]))?,
+                rows: vec![],
+            });
         }
 
-        // ---- host-side packing and conditioning ---------------------------------
+        // ---- packing: every request's rows, one matrix per stream ----------------
         let mut txt_lens = vec![];
         let mut img_lens = vec![];
         for (i, r) in reqs.iter().enumerate() {
-            let (a, t) = (r.img.rows(), r.txt.rows());
-            check_shape(
-                &format!("request {i} image tokens"),
-                r.img,
-                &[a, c.in_channels],
-            )?;
-            check_shape(&format!("request {i} image ids"), r.img_ids, &[a, 3])?;
-            check_shape(
-                &format!("request {i} text tokens"),
-                r.txt,
-                &[t, c.joint_attention_dim],
-            )?;
-            check_shape(&format!("request {i} text ids"), r.txt_ids, &[t, 3])?;
-            if r.pooled.len() != c.pooled_projection_dim {
-                return Err(Error::Invalid(format!(
-                    "request {i} pooled projection: {} values, expected {}",
-                    r.pooled.len(),
-                    c.pooled_projection_dim
-                )));
-            }
+            let (a, t) = (r.tensors.img_rows(), r.tensors.txt_rows());
             if let Some(cache) = r.cache {
                 if cache.inactive().len() + a == 0 {
                     return Err(Error::Invalid(format!("request {i} has no image tokens")));
@@ -372,50 +423,42 @@ impl<B: Backend> FluxTransformer<B> {
             img_lens.push(a);
         }
         let lay = Layout::new(&txt_lens, &img_lens);
-        fn cat<'r, T>(
-            reqs: &'r [FluxRequest<'_, T>],
-            f: impl Fn(&'r FluxRequest<'_, T>) -> &'r [f32],
-        ) -> Vec<f32> {
-            reqs.iter().flat_map(|r| f(r).iter().copied()).collect()
-        }
-        let n_img = lay.img_seg.len();
-        let n_txt = lay.txt_seg.len();
         let n_joint = lay.joint_seg.len();
-        let img_in = be.upload(&Tensor::new(
-            [n_img, c.in_channels],
-            cat(reqs, |r| r.img.data()),
-        )?)?;
-        let txt_in = be.upload(&Tensor::new(
-            [n_txt, c.joint_attention_dim],
-            cat(reqs, |r| r.txt.data()),
-        )?)?;
-
-        // RoPE tables in joint order, and the same rows split per stream.
-        let mut joint_ids = Vec::with_capacity(n_joint * 3);
-        for r in reqs {
-            joint_ids.extend_from_slice(r.txt_ids.data());
-            joint_ids.extend_from_slice(r.img_ids.data());
-        }
-        let hd = c.attention_head_dim;
-        let (cos, sin) = embed::rope_tables(&joint_ids, &c.axes_dims_rope);
-        let cos = Tensor::new([n_joint, hd], cos)?;
-        let sin = Tensor::new([n_joint, hd], sin)?;
-        let host_rows = |t: &Tensor, idx: &[(u32, u32)]| -> Result<Tensor> {
-            let data = idx
-                .iter()
-                .flat_map(|&(_, r)| t.row(r as usize).iter().copied())
+        // One request's tensors are read in place; a batch's are gathered (a device
+        // copy of a few MB, no host transfer).
+        let pack = |f: &dyn Fn(&RequestTensors<B::Tensor>) -> &B::Tensor,
+                    rows: &dyn Fn(usize) -> Range<usize>|
+         -> Result<Packed<'_, B::Tensor>> {
+            if let [r] = reqs {
+                if rows(0) == (0..be.shape(f(r.tensors))[0]) {
+                    return Ok(Packed::One(f(r.tensors)));
+                }
+            }
+            let srcs: Vec<&B::Tensor> = reqs.iter().map(|r| f(r.tensors)).collect();
+            let index: Vec<(u32, u32)> = (0..reqs.len())
+                .flat_map(|i| rows(i).map(move |k| (i as u32, k as u32)))
                 .collect();
-            Tensor::new([idx.len(), t.cols()], data)
+            Ok(Packed::Gathered(be.gather_rows(&srcs, &index)?))
         };
+        let img_in = pack(&|t| &t.img, &|i| 0..img_lens[i])?;
+        let txt_in = pack(&|t| &t.txt, &|i| 0..txt_lens[i])?;
+        let rope_joint = (
+            pack(&|t| &t.rope_cos, &|i| 0..txt_lens[i] + img_lens[i])?,
+            pack(&|t| &t.rope_sin, &|i| 0..txt_lens[i] + img_lens[i])?,
+        );
         let rope_txt = (
-            be.upload(&host_rows(&cos, &lay.txt_in_joint)?)?,
-            be.upload(&host_rows(&sin, &lay.txt_in_joint)?)?,
+            pack(&|t| &t.rope_cos, &|i| 0..txt_lens[i])?,
+            pack(&|t| &t.rope_sin, &|i| 0..txt_lens[i])?,
         );
+        let img_rope = |i: usize| txt_lens[i]..txt_lens[i] + img_lens[i];
         let rope_img = (
-            be.upload(&host_rows(&cos, &lay.img_in_joint)?)?,
-            be.upload(&host_rows(&sin, &lay.img_in_joint)?)?,
+            pack(&|t| &t.rope_cos, &img_rope)?,
+            pack(&|t| &t.rope_sin, &img_rope)?,
         );
-        let rope_joint = (be.upload(&cos)?, be.upload(&sin)?);
+        let (img_in, txt_in) = (img_in.get(), txt_in.get());
+        let rope_joint = (rope_joint.0.get(), rope_joint.1.get());
+        let rope_txt = (rope_txt.0.get(), rope_txt.1.get());
+        let rope_img = (rope_img.0.get(), rope_img.1.get());
 
         // ---- conditioning vector temb [B, d] ------------------------------------
         let nb = reqs.len();
@@ -432,10 +475,11 @@ impl<B: Backend> FluxTransformer<B> {
             self.emit(obs, "guidance_proj", &g_proj)?;
             be.add(&mut temb, &self.mlp2(&g_proj, g1, g2)?)?;
         }
-        let pooled = be.upload(&Tensor::new(
-            [nb, c.pooled_projection_dim],
-            cat(reqs, |r| r.pooled),
-        )?)?;
+        let pooled: Vec<f32> = reqs
+            .iter()
+            .flat_map(|r| r.tensors.pooled.iter().copied())
+            .collect();
+        let pooled = be.upload(&Tensor::new([nb, c.pooled_projection_dim], pooled)?)?;
         be.add(
             &mut temb,
             &self.mlp2(&pooled, &self.w.text_1, &self.w.text_2)?,
@@ -443,8 +487,8 @@ impl<B: Backend> FluxTransformer<B> {
         self.emit(obs, "temb", &temb)?;
         let temb_act = be.silu(&temb)?;
 
-        let mut x = self.linear(&img_in, &self.w.x_embedder)?;
-        let mut ctx = self.linear(&txt_in, &self.w.context_embedder)?;
+        let mut x = self.linear(img_in, &self.w.x_embedder)?;
+        let mut ctx = self.linear(txt_in, &self.w.context_embedder)?;
         self.emit(obs, "x_embedder", &x)?;
         self.emit(obs, "context_embedder", &ctx)?;
 
@@ -469,41 +513,25 @@ impl<B: Backend> FluxTransformer<B> {
             let mut qkv_i = self.linear(&nx, &blk.qkv)?;
             let mut qkv_t = self.linear(&nc, &blk.add_qkv)?;
             drop((nx, nc));
-            be.rms_norm_rope(
-                &mut qkv_i,
-                0..d,
-                &blk.norm_q,
-                NORM_EPS,
-                Some((&rope_img.0, &rope_img.1)),
-            )?;
-            be.rms_norm_rope(
-                &mut qkv_i,
-                d..2 * d,
-                &blk.norm_k,
-                NORM_EPS,
-                Some((&rope_img.0, &rope_img.1)),
-            )?;
+            be.rms_norm_rope(&mut qkv_i, 0..d, &blk.norm_q, NORM_EPS, Some(rope_img))?;
+            be.rms_norm_rope(&mut qkv_i, d..2 * d, &blk.norm_k, NORM_EPS, Some(rope_img))?;
             be.rms_norm_rope(
                 &mut qkv_t,
                 0..d,
                 &blk.norm_added_q,
                 NORM_EPS,
-                Some((&rope_txt.0, &rope_txt.1)),
+                Some(rope_txt),
             )?;
             be.rms_norm_rope(
                 &mut qkv_t,
                 d..2 * d,
                 &blk.norm_added_k,
                 NORM_EPS,
-                Some((&rope_txt.0, &rope_txt.1)),
+                Some(rope_txt),
             )?;
             if obs.wants_kv() {
                 for (ri, rows) in lay.img.iter().enumerate() {
-                    obs.image_kv(
-                        ri,
-                        bi,
-                        be.download(&be.gather_cols(&qkv_i, rows.clone(), d..3 * d)?)?,
-                    );
+                    obs.image_kv(ri, bi, &be.gather_cols(&qkv_i, rows.clone(), d..3 * d)?)?;
                 }
             }
             let seqs = (0..reqs.len())
@@ -588,23 +616,13 @@ impl<B: Backend> FluxTransformer<B> {
                 2 * d..3 * d,
                 &blk.norm_q,
                 NORM_EPS,
-                Some((&rope_joint.0, &rope_joint.1)),
+                Some(rope_joint),
             )?;
-            be.rms_norm_rope(
-                &mut f,
-                0..d,
-                &blk.norm_k,
-                NORM_EPS,
-                Some((&rope_joint.0, &rope_joint.1)),
-            )?;
+            be.rms_norm_rope(&mut f, 0..d, &blk.norm_k, NORM_EPS, Some(rope_joint))?;
             if obs.wants_kv() {
                 for (ri, jr) in lay.joint.iter().enumerate() {
                     let rows = jr.start + lay.txt[ri].len()..jr.end;
-                    obs.image_kv(
-                        ri,
-                        nd + si,
-                        be.download(&be.gather_cols(&f, rows, 0..2 * d)?)?,
-                    );
+                    obs.image_kv(ri, nd + si, &be.gather_cols(&f, rows, 0..2 * d)?)?;
                 }
             }
             let seqs = (0..reqs.len())
@@ -653,12 +671,10 @@ impl<B: Backend> FluxTransformer<B> {
             modl(&m, 0, &lay.img_seg),
         )?;
         self.emit(obs, "norm_out", &nx)?;
-        let out = be.download(&self.linear(&nx, &self.w.proj_out)?)?;
-        let oc = c.out_channels();
-        lay.img
-            .iter()
-            .map(|r| Tensor::new([r.len(), oc], out.data()[r.start * oc..r.end * oc].to_vec()))
-            .collect()
+        Ok(Velocity {
+            packed: self.linear(&nx, &self.w.proj_out)?,
+            rows: lay.img,
+        })
     }
 
     /// The attention sequence of one request at one block: queries `q`, fresh keys
@@ -666,7 +682,7 @@ impl<B: Backend> FluxTransformer<B> {
     /// after it, plus the request's cached K/V of the tokens it does not compute.
     fn seq<'a>(
         &self,
-        req: &FluxRequest<'a, B::Tensor>,
+        req: &StepRequest<'a, B::Tensor>,
         block: usize,
         q: Vec<QSpan>,
         fresh: Vec<(usize, Range<usize>)>,
@@ -705,5 +721,20 @@ impl<B: Backend> FluxTransformer<B> {
     fn ff(&self, x: &B::Tensor, l1: &Linear<B>, l2: &Linear<B>) -> Result<B::Tensor> {
         let h = self.backend.linear_gelu(x, &l1.w, l1.b.as_ref())?;
         self.linear(&h, l2)
+    }
+}
+
+/// A packed input: one request's tensor read in place, or a batch's gathered.
+enum Packed<'a, T> {
+    One(&'a T),
+    Gathered(T),
+}
+
+impl<T> Packed<'_, T> {
+    fn get(&self) -> &T {
+        match self {
+            Packed::One(t) => t,
+            Packed::Gathered(t) => t,
+        }
     }
 }

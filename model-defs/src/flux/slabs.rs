@@ -1,24 +1,25 @@
-//! Where a mask-aware edit reads its template's cached K/V from, on each backend.
+//! Where a mask-aware edit reads its template's cached K/V from, on each device.
 //!
-//! The CPU reads the host [`TemplateCache`] in place. A device needs the slabs in its
-//! own memory: uploaded once ([`ResidentTemplates`]) or handed to a [`SlabProvider`]
-//! per template ([`TemplateProviders`]), e.g. `denoised_cuda::StreamedTemplate`, which
-//! streams blocks in on a copy stream while the model computes. The model asks for a
-//! step's slabs block by block, in order, as the forward reaches each block.
+//! A template's slabs live in host memory ([`TemplateCache`]: a shared-memory arena
+//! slice in the daemon). A backend computes on its own tensors, so each device keeps
+//! the templates its batch reads in one of two forms ([`DeviceTemplates`]):
+//!
+//! - **resident**: every slab uploaded once (on the CPU: decoded to f32), so the edits
+//!   of a hot template pay the copy once;
+//! - **streamed**: a [`SlabProvider`] that copies each step's slabs in block by block
+//!   on a copy stream while the model computes (`Backend::stream_slabs`), for templates
+//!   larger than what the device can keep.
+//!
+//! The model asks for a step's slabs block by block, in order, as the forward reaches
+//! each block.
 
 use std::sync::Arc;
 
-use denoised_runtime::{Backend, Error, Result, SlabProvider, Tensor};
+use denoised_runtime::{Backend, Error, Result, SlabProvider, Stored};
 
 use super::template::TemplateCache;
 
 /// Where an edit's cached K/V slabs come from, as tensors of the model's backend.
-///
-/// On the CPU the host [`TemplateCache`] is read in place ([`HostSlabs`]). A device
-/// backend needs the slabs in device memory: [`ResidentTemplates`] holds uploaded
-/// copies of whole templates; [`TemplateProviders`] hands each template to a
-/// [`SlabProvider`], e.g. one that streams blocks in on a copy stream while the model
-/// computes.
 pub trait SlabSource<T>: Sync {
     /// Called for each edit job before a forward that reads `step` of `cache`.
     fn prepare(&self, _cache: &TemplateCache, _step: usize) -> Result<()> {
@@ -31,124 +32,148 @@ pub trait SlabSource<T>: Sync {
     fn finish(&self) {}
 }
 
-/// Host slabs, read where they lie (the CPU backend's tensors are host tensors).
-pub struct HostSlabs;
+enum Form<T> {
+    /// Every slab, step-major.
+    Resident(Vec<T>),
+    /// Streamed with this many buffer pairs (distinct steps per forward).
+    Streamed {
+        provider: Box<dyn SlabProvider<T>>,
+        lanes: usize,
+    },
+}
 
-impl SlabSource<Tensor> for HostSlabs {
-    fn slab<'a>(
-        &'a self,
-        cache: &'a TemplateCache,
-        step: usize,
-        block: usize,
-    ) -> Result<&'a Tensor> {
-        // Job::new checked the layout, and step_batch checks completeness.
-        cache.kv(step, block)
+/// The templates one device reads, each resident or streamed, found by
+/// [`TemplateCache::key`].
+pub struct DeviceTemplates<T> {
+    entries: Vec<(Arc<TemplateCache>, Form<T>)>,
+}
+
+impl<T: Send + Sync> DeviceTemplates<T> {
+    pub fn new() -> Self {
+        DeviceTemplates { entries: vec![] }
     }
-}
 
-/// Per-template entries found by the identity of their `Arc<TemplateCache>`.
-struct ByTemplate<V> {
-    entries: Vec<(Arc<TemplateCache>, V)>,
-}
+    /// The templates of `caches` resident on `backend` (the CLI and tests).
+    pub fn resident<B: Backend<Tensor = T>>(
+        backend: &B,
+        caches: &[&Arc<TemplateCache>],
+    ) -> Result<Self> {
+        let mut t = Self::new();
+        for c in caches {
+            t.make_resident(backend, c)?;
+        }
+        Ok(t)
+    }
 
-impl<V> ByTemplate<V> {
-    fn get(&self, cache: &TemplateCache) -> Result<&V> {
+    fn find(&self, cache: &TemplateCache) -> Option<&Form<T>> {
         self.entries
             .iter()
-            .find(|(c, _)| std::ptr::eq(Arc::as_ptr(c), cache))
-            .map(|(_, v)| v)
-            .ok_or_else(|| Error::Invalid("template is not on the device".into()))
+            .find(|(c, _)| c.key() == cache.key())
+            .map(|(_, f)| f)
     }
-    fn contains(&self, cache: &Arc<TemplateCache>) -> bool {
-        self.entries.iter().any(|(c, _)| Arc::ptr_eq(c, cache))
-    }
-    fn remove(&mut self, cache: &Arc<TemplateCache>) {
-        self.entries.retain(|(c, _)| !Arc::ptr_eq(c, cache));
-    }
-}
 
-/// Device-resident copies of whole templates.
-pub struct ResidentTemplates<T> {
-    templates: ByTemplate<Vec<T>>,
-}
+    pub fn is_resident(&self, cache: &TemplateCache) -> bool {
+        matches!(self.find(cache), Some(Form::Resident(_)))
+    }
 
-impl<T: Send + Sync> ResidentTemplates<T> {
-    pub fn new() -> Self {
-        ResidentTemplates {
-            templates: ByTemplate { entries: vec![] },
+    /// Buffer pairs of a streamed template (0 if it is not streamed).
+    pub fn streamed_lanes(&self, cache: &TemplateCache) -> usize {
+        match self.find(cache) {
+            Some(Form::Streamed { lanes, .. }) => *lanes,
+            _ => 0,
         }
     }
-    /// Uploads every slab of `cache` (step-major) unless it is already resident.
+
+    /// Uploads every slab of `cache` (step-major), in its stored dtype, unless it is
+    /// resident already.
     pub fn make_resident<B: Backend<Tensor = T>>(
         &mut self,
         backend: &B,
         cache: &Arc<TemplateCache>,
     ) -> Result<()> {
-        if self.templates.contains(cache) {
+        if self.is_resident(cache) {
             return Ok(());
         }
-        let slabs = cache
-            .kv_slabs()?
-            .into_iter()
-            .map(|t| backend.upload(t))
-            .collect::<Result<Vec<_>>>()?;
-        self.templates.entries.push((cache.clone(), slabs));
+        let l = cache.layout();
+        let shape = vec![l.tokens, 2 * l.hidden];
+        let mut slabs = Vec::with_capacity(l.steps * l.blocks);
+        for s in 0..l.steps {
+            for b in 0..l.blocks {
+                let bytes = cache.kv_slice(s, b)?;
+                let part = Stored::new("template K/V", shape.clone(), l.dtype, bytes.bytes())?;
+                slabs.push(backend.upload_stored(&[part])?);
+            }
+        }
+        self.evict(cache);
+        self.entries.push((cache.clone(), Form::Resident(slabs)));
         Ok(())
     }
-    pub fn evict(&mut self, cache: &Arc<TemplateCache>) {
-        self.templates.remove(cache);
-    }
-}
 
-impl<T: Send + Sync> Default for ResidentTemplates<T> {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl<T: Send + Sync> SlabSource<T> for ResidentTemplates<T> {
-    fn slab<'a>(&'a self, cache: &'a TemplateCache, step: usize, block: usize) -> Result<&'a T> {
-        let slabs = self.templates.get(cache)?;
-        Ok(&slabs[step * cache.layout().blocks + block])
-    }
-}
-
-/// Templates served by [`SlabProvider`]s (e.g. streamed to a device block by block).
-pub struct TemplateProviders<T> {
-    providers: ByTemplate<Box<dyn SlabProvider<T>>>,
-}
-
-impl<T> TemplateProviders<T> {
-    pub fn new() -> Self {
-        TemplateProviders {
-            providers: ByTemplate { entries: vec![] },
+    /// Streams `cache` from its host memory with `lanes` buffer pairs (replacing a
+    /// streamed form with fewer). Returns false where the backend cannot stream.
+    pub fn stream<B: Backend<Tensor = T>>(
+        &mut self,
+        backend: &B,
+        cache: &Arc<TemplateCache>,
+        lanes: usize,
+    ) -> Result<bool> {
+        if self.streamed_lanes(cache) >= lanes {
+            return Ok(true);
+        }
+        let l = cache.layout();
+        let slabs = cache.bytes().sub(0, l.kv_offset(l.steps, 0))?;
+        let shape = [l.tokens, 2 * l.hidden];
+        match backend.stream_slabs(&slabs, l.dtype, &shape, l.steps, l.blocks, lanes)? {
+            Some(provider) => {
+                self.evict(cache);
+                self.entries
+                    .push((cache.clone(), Form::Streamed { provider, lanes }));
+                Ok(true)
+            }
+            None => Ok(false),
         }
     }
-    pub fn insert(&mut self, cache: &Arc<TemplateCache>, p: Box<dyn SlabProvider<T>>) {
-        self.providers.remove(cache);
-        self.providers.entries.push((cache.clone(), p));
+
+    pub fn evict(&mut self, cache: &TemplateCache) {
+        self.entries.retain(|(c, _)| c.key() != cache.key());
     }
-    pub fn remove(&mut self, cache: &Arc<TemplateCache>) {
-        self.providers.remove(cache);
+
+    /// Drops the templates `keep` says no to.
+    pub fn retain(&mut self, mut keep: impl FnMut(&Arc<TemplateCache>) -> bool) {
+        self.entries.retain(|(c, _)| keep(c));
     }
 }
 
-impl<T> Default for TemplateProviders<T> {
+impl<T: Send + Sync> Default for DeviceTemplates<T> {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl<T> SlabSource<T> for TemplateProviders<T> {
+impl<T: Send + Sync> SlabSource<T> for DeviceTemplates<T> {
     fn prepare(&self, cache: &TemplateCache, step: usize) -> Result<()> {
-        self.providers.get(cache)?.prepare(step)
+        match self.find(cache) {
+            Some(Form::Streamed { provider, .. }) => provider.prepare(step),
+            Some(Form::Resident(_)) => Ok(()),
+            None => Err(not_here()),
+        }
     }
     fn slab<'a>(&'a self, cache: &'a TemplateCache, step: usize, block: usize) -> Result<&'a T> {
-        self.providers.get(cache)?.slab(step, block)
+        match self.find(cache) {
+            Some(Form::Resident(slabs)) => Ok(&slabs[step * cache.layout().blocks + block]),
+            Some(Form::Streamed { provider, .. }) => provider.slab(step, block),
+            None => Err(not_here()),
+        }
     }
     fn finish(&self) {
-        for (_, p) in &self.providers.entries {
-            p.finish();
+        for (_, f) in &self.entries {
+            if let Form::Streamed { provider, .. } = f {
+                provider.finish();
+            }
         }
     }
+}
+
+fn not_here() -> Error {
+    Error::Invalid("template is not on the device".into())
 }

@@ -1,83 +1,111 @@
-//! The model on its device, as the denoise loop and the CLI drive it: one batched
-//! step at a time, with each edit's template where that device reads it.
+//! The model on its device, as the denoise loop and the CLI drive it: the requests it
+//! is running (their tensors live on the device, so the jobs live here too), one
+//! batched step at a time, with each edit's template where that device reads it.
 //!
-//! The CPU reads a template's host slabs in place ([`HostStepper`]). Any other
-//! backend ([`DeviceStepper`]) needs them in its own memory: a template is uploaded
-//! whole when a batch first needs it and stays resident while it is among the most
-//! recently used and the device's template budget holds it, so the edits of a hot
-//! template pay the upload once. Every template of the running batch is resident
-//! during its step; the batch scheduler admits requests so that they fit
-//! ([`Stepper::template_bytes`] is what it counts).
+//! A template is made resident when a batch first needs it (uploaded; on the CPU,
+//! decoded to f32) and stays while it is among the most recently used and the
+//! device's template budget holds it, so the edits of a hot template pay the copy
+//! once. A template larger than the whole budget is streamed from host memory instead
+//! where the backend can (`Backend::stream_slabs`), through buffers the device budget
+//! reserves up front. The batch scheduler admits requests so that the resident
+//! templates of a batch fit ([`Stepper::template_bytes`] is what it counts).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use denoised_runtime::{Backend, CpuBackend, Result};
+use denoised_runtime::{Backend, Error, Result, Tensor};
 
-use super::edit::{step_batch, step_batch_with, Job, ResidentTemplates};
+use super::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
 use super::template::TemplateCache;
 use super::FluxTransformer;
+use crate::scheduler::FlowMatchEuler;
 
-/// Runs batched steps on one device.
+/// Identifies a job among those a stepper runs.
+pub type JobKey = u64;
+
+/// Runs the requests admitted to one device, a batched step at a time.
 pub trait Stepper: Send {
-    /// Advances every unfinished job in `jobs` by one step, in one forward.
-    fn step(&mut self, jobs: &mut [&mut Job]) -> Result<()>;
+    /// Uploads a request to the device and keeps it until it is finished or removed;
+    /// returns the image tokens it computes per step.
+    fn admit(
+        &mut self,
+        id: JobKey,
+        inputs: &DenoiseInputs,
+        schedule: Arc<FlowMatchEuler>,
+        mode: Mode,
+    ) -> Result<usize>;
+    /// Advances each of `ids` by one step, in one forward.
+    fn step(&mut self, ids: &[JobKey]) -> Result<()>;
+    /// The step a job is at (`None` for an unknown job).
+    fn position(&self, id: JobKey) -> Option<usize>;
+    /// Whether a job has run all its steps (or is unknown).
+    fn done(&self, id: JobKey) -> bool;
+    /// Takes a finished job out: its final latent, and for a capture the template.
+    fn finish(&mut self, id: JobKey) -> Result<(Tensor, Option<TemplateCache>)>;
+    /// Drops a job (cancelled or failed).
+    fn remove(&mut self, id: JobKey);
     /// The backend's name, for logs.
     fn backend(&self) -> String;
     /// Whether a step's error leaves the device unusable (see `Backend::is_fatal`).
-    fn is_fatal(&self, _e: &denoised_runtime::Error) -> bool {
+    fn is_fatal(&self, _e: &Error) -> bool {
         false
     }
-    /// Device bytes `template` takes while resident (0 where templates are read in
-    /// place).
-    fn template_bytes(&self, _template: &TemplateCache) -> u64 {
-        0
-    }
+    /// Device bytes `template` takes in a batch: its size while resident, 0 when it
+    /// is streamed through the reserved slab buffers.
+    fn template_bytes(&self, template: &TemplateCache) -> u64;
 }
 
-/// The CPU backend: templates are read where they lie.
-pub struct HostStepper(pub Arc<FluxTransformer<CpuBackend>>);
-
-impl Stepper for HostStepper {
-    fn step(&mut self, jobs: &mut [&mut Job]) -> Result<()> {
-        step_batch(&self.0, jobs)
-    }
-    fn backend(&self) -> String {
-        self.0.backend().name()
-    }
-}
-
-/// A device backend: weights on the device, templates resident while in use.
-pub struct DeviceStepper<B: Backend> {
-    model: FluxTransformer<B>,
-    resident: ResidentTemplates<B::Tensor>,
+/// The [`Stepper`] of any backend.
+pub struct ModelStepper<B: Backend> {
+    model: Arc<FluxTransformer<B>>,
+    jobs: HashMap<JobKey, Job<B::Tensor>>,
+    templates: DeviceTemplates<B::Tensor>,
     /// Resident templates, most recently used first.
     recent: VecDeque<Arc<TemplateCache>>,
-    /// Device bytes templates may take; those of the running batch always stay.
+    /// Device bytes resident templates may take; those of the running batch always
+    /// stay.
     capacity: u64,
-    /// Bytes of one element of a resident slab (the device's storage dtype).
+    /// Bytes of one element of a resident slab (f32 on the CPU, else the device's
+    /// storage dtype).
     elem_bytes: usize,
+    /// Whether templates that can never be resident are streamed (else refused).
+    streams: bool,
 }
 
-impl<B: Backend> DeviceStepper<B> {
+impl<B: Backend> ModelStepper<B>
+where
+    B::Tensor: Send + Sync,
+{
     /// A stepper keeping templates resident within `capacity` bytes, their slabs
-    /// stored with `elem_bytes` per element.
-    pub fn new(model: FluxTransformer<B>, capacity: u64, elem_bytes: usize) -> Self {
-        DeviceStepper {
+    /// stored with `elem_bytes` per element; larger templates are streamed when
+    /// `streams`.
+    pub fn new(
+        model: Arc<FluxTransformer<B>>,
+        capacity: u64,
+        elem_bytes: usize,
+        streams: bool,
+    ) -> Self {
+        ModelStepper {
             model,
-            resident: ResidentTemplates::new(),
+            jobs: HashMap::new(),
+            templates: DeviceTemplates::new(),
             recent: VecDeque::new(),
             capacity,
             elem_bytes,
+            streams,
         }
     }
 
-    fn bytes(&self, t: &TemplateCache) -> u64 {
-        let l = t.layout();
-        (l.steps * l.blocks * l.tokens * 2 * l.hidden * self.elem_bytes) as u64
+    /// A stepper for one-off runs (the CLI, tests): every template resident.
+    pub fn unbounded(model: Arc<FluxTransformer<B>>, elem_bytes: usize) -> Self {
+        Self::new(model, u64::MAX, elem_bytes, false)
     }
 
-    pub fn model(&self) -> &FluxTransformer<B> {
+    fn bytes(&self, t: &TemplateCache) -> u64 {
+        resident_bytes(t, self.elem_bytes)
+    }
+
+    pub fn model(&self) -> &Arc<FluxTransformer<B>> {
         &self.model
     }
 
@@ -86,23 +114,40 @@ impl<B: Backend> DeviceStepper<B> {
         self.recent.iter()
     }
 
-    /// Makes every template of `jobs` resident, first evicting the least recently used
-    /// others until they fit (never one the batch reads).
-    fn admit(&mut self, jobs: &[&mut Job]) -> Result<()> {
-        let mut used = 0;
-        let mut batch: Vec<&Arc<TemplateCache>> = Vec::new();
-        for t in jobs.iter().filter_map(|j| j.template()) {
-            if !batch.iter().any(|b| Arc::ptr_eq(b, t)) {
-                batch.push(t);
+    /// Templates streamed now, with their buffer pairs (for tests).
+    pub fn streamed(&self, t: &TemplateCache) -> usize {
+        self.templates.streamed_lanes(t)
+    }
+
+    /// Puts every template `ids` read where the device reads it: resident (first
+    /// evicting the least recently used others until they fit, never one the batch
+    /// reads) or streamed with a buffer pair per distinct step.
+    fn place_templates(&mut self, ids: &[JobKey]) -> Result<()> {
+        // The batch's templates, each with its distinct steps.
+        let mut batch: Vec<(Arc<TemplateCache>, Vec<usize>)> = Vec::new();
+        for job in ids.iter().filter_map(|id| self.jobs.get(id)) {
+            if let Some(t) = job.template() {
+                match batch.iter_mut().find(|(b, _)| b.key() == t.key()) {
+                    Some((_, steps)) if !steps.contains(&job.step()) => steps.push(job.step()),
+                    Some(_) => {}
+                    None => batch.push((t.clone(), vec![job.step()])),
+                }
             }
         }
-        let in_batch = |r: &Arc<TemplateCache>| batch.iter().any(|b| Arc::ptr_eq(b, r));
-        let needed: u64 = batch.iter().map(|t| self.bytes(t)).sum();
+        let in_batch = |r: &TemplateCache| batch.iter().any(|(b, _)| b.key() == r.key());
+        let (elem, capacity) = (self.elem_bytes, self.capacity);
+        let size = |t: &TemplateCache| resident_bytes(t, elem);
+        let resident_size = |t: &TemplateCache| size(t) <= capacity;
+        let needed: u64 = batch
+            .iter()
+            .filter(|(t, _)| resident_size(t))
+            .map(|(t, _)| size(t))
+            .sum();
         let mut others: u64 = self
             .recent
             .iter()
             .filter(|r| !in_batch(r))
-            .map(|r| self.bytes(r))
+            .map(|r| size(r))
             .sum();
         // Least recently used first; the batch's own stay (the scheduler made sure
         // they fit).
@@ -111,50 +156,137 @@ impl<B: Backend> DeviceStepper<B> {
                 break;
             };
             let old = self.recent.remove(i).expect("index from rposition");
-            others -= self.bytes(&old);
-            self.resident.evict(&old);
+            others -= size(&old);
+            self.templates.evict(&old);
         }
-        for t in jobs.iter().filter_map(|j| j.template()) {
-            match self.recent.iter().position(|r| Arc::ptr_eq(r, t)) {
-                Some(i) if i < used => continue, // already seen in this batch
-                Some(i) => {
+        let be = self.model.backend();
+        for (t, steps) in &batch {
+            if resident_size(t) {
+                if let Some(i) = self.recent.iter().position(|r| r.key() == t.key()) {
                     let hit = self.recent.remove(i).expect("index from position");
                     self.recent.push_front(hit);
-                }
-                None => {
-                    self.resident.make_resident(self.model.backend(), t)?;
+                } else {
+                    self.templates.make_resident(be, t)?;
                     self.recent.push_front(t.clone());
                 }
+            } else if !(self.streams && self.templates.stream(be, t, steps.len())?) {
+                return Err(Error::Invalid(format!(
+                    "its template needs {:.2} GB of device memory, and the device budget leaves {:.2} GB",
+                    size(t) as f64 / 1e9,
+                    capacity as f64 / 1e9
+                )));
             }
-            used += 1;
         }
         Ok(())
     }
 }
 
-impl<B: Backend> Stepper for DeviceStepper<B>
+impl<B: Backend> Stepper for ModelStepper<B>
 where
     B::Tensor: Send + Sync,
 {
-    fn step(&mut self, jobs: &mut [&mut Job]) -> Result<()> {
-        self.admit(jobs)?;
-        step_batch_with(&self.model, jobs, &self.resident)
+    fn admit(
+        &mut self,
+        id: JobKey,
+        inputs: &DenoiseInputs,
+        schedule: Arc<FlowMatchEuler>,
+        mode: Mode,
+    ) -> Result<usize> {
+        let job = Job::new(&self.model, inputs, schedule, mode)?;
+        let active = job.active_tokens();
+        self.jobs.insert(id, job);
+        Ok(active)
     }
+
+    fn step(&mut self, ids: &[JobKey]) -> Result<()> {
+        self.place_templates(ids)?;
+        let mut batch: Vec<&mut Job<B::Tensor>> = self
+            .jobs
+            .iter_mut()
+            .filter(|(id, _)| ids.contains(id))
+            .map(|(_, j)| j)
+            .collect();
+        step_batch_with(&self.model, &mut batch, &self.templates)
+    }
+
+    fn position(&self, id: JobKey) -> Option<usize> {
+        self.jobs.get(&id).map(Job::step)
+    }
+
+    fn done(&self, id: JobKey) -> bool {
+        self.jobs.get(&id).is_none_or(Job::done)
+    }
+
+    fn finish(&mut self, id: JobKey) -> Result<(Tensor, Option<TemplateCache>)> {
+        let job = self
+            .jobs
+            .remove(&id)
+            .ok_or_else(|| Error::Invalid(format!("no job {id:x}")))?;
+        let out = job.finish(&self.model);
+        self.drop_unused_streams();
+        out
+    }
+
+    fn remove(&mut self, id: JobKey) {
+        self.jobs.remove(&id);
+        self.drop_unused_streams();
+    }
+
     fn backend(&self) -> String {
         self.model.backend().name()
     }
-    fn is_fatal(&self, e: &denoised_runtime::Error) -> bool {
+    fn is_fatal(&self, e: &Error) -> bool {
         self.model.backend().is_fatal(e)
     }
     fn template_bytes(&self, template: &TemplateCache) -> u64 {
-        self.bytes(template)
+        match self.bytes(template) {
+            b if b > self.capacity && self.streams => 0,
+            b => b,
+        }
     }
 }
 
-/// Runs one job to the end on a stepper and returns it (see [`Job::into_parts`]).
-pub fn run_job_on(stepper: &mut dyn Stepper, mut job: Job) -> Result<Job> {
-    while !job.done() {
-        stepper.step(&mut [&mut job])?;
+impl<B: Backend> ModelStepper<B>
+where
+    B::Tensor: Send + Sync,
+{
+    /// Frees the buffers of streamed templates no admitted job reads any more.
+    fn drop_unused_streams(&mut self) {
+        let jobs = &self.jobs;
+        let recent = &self.recent;
+        self.templates.retain(|t| {
+            recent.iter().any(|r| r.key() == t.key())
+                || jobs
+                    .values()
+                    .any(|j| j.template().is_some_and(|jt| jt.key() == t.key()))
+        });
     }
-    Ok(job)
+}
+
+/// Device bytes of a template's slabs at `elem_bytes` per element.
+fn resident_bytes(t: &TemplateCache, elem_bytes: usize) -> u64 {
+    let l = t.layout();
+    (l.steps * l.blocks * l.kv_slab_elems() * elem_bytes) as u64
+}
+
+/// Runs one job to the end on a stepper (the CLI): its final latent and, for a
+/// capture, its template.
+pub fn run_on(
+    stepper: &mut dyn Stepper,
+    inputs: &DenoiseInputs,
+    schedule: Arc<FlowMatchEuler>,
+    mode: Mode,
+) -> Result<(Tensor, Option<TemplateCache>)> {
+    const ONE: JobKey = 0;
+    stepper.admit(ONE, inputs, schedule, mode)?;
+    let run = (|| {
+        while !stepper.done(ONE) {
+            stepper.step(&[ONE])?;
+        }
+        stepper.finish(ONE)
+    })();
+    if run.is_err() {
+        stepper.remove(ONE);
+    }
+    run
 }

@@ -3,13 +3,19 @@
 //!
 //! For every (step, block) it holds the K (post-norm, post-RoPE) and V rows of every
 //! image token, as one `[L, 2*hidden]` slab of `[K | V]` rows, and for every step the
-//! packed latent after that step, `[L, C]`. Slabs are contiguous and ordered step-major,
-//! block-minor, and [`TemplateLayout`] gives each one's byte offset in a flat image of
-//! the cache: the form it takes in a shared-memory arena or on disk, where a loader
-//! streams one (step, block) slab at a time while compute runs. Cache size is a
-//! first-class number (DESIGN.md §Costs): `steps x blocks x L x hidden x 2 x bytes`.
+//! packed latent after that step, `[L, C]`. It is one flat image in host memory, laid
+//! out by [`TemplateLayout`]: slabs step-major, block-minor, in the storage dtype of
+//! the device that captured them (bf16 on a GPU, f32 on the CPU), then the latents in
+//! f32. The same bytes are the shared-memory form the cache process holds (which a GPU
+//! worker streams from in place), and the data file of a template on disk. Cache size
+//! is a first-class number (DESIGN.md §Costs): `steps x blocks x L x hidden x 2 x
+//! bytes`.
 
-use denoised_runtime::{DType, Error, Result, Tensor};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use denoised_runtime::backend::write_host;
+use denoised_runtime::stored::encode;
+use denoised_runtime::{DType, Error, HostSlice, Result, Stored, Tensor};
 
 use super::config::FluxConfig;
 
@@ -24,7 +30,7 @@ pub struct TemplateLayout {
     pub hidden: usize,
     /// Channels of the packed latent (the transformer's out_channels).
     pub latent_channels: usize,
-    /// Storage dtype of the slabs (compute reads them as f32).
+    /// Storage dtype of the K/V slabs (latents are f32).
     pub dtype: DType,
 }
 
@@ -47,8 +53,10 @@ impl TemplateLayout {
     pub fn kv_slab_bytes(&self) -> usize {
         self.kv_slab_elems() * self.dtype.size_bytes()
     }
+    /// Bytes of one latent: f32, since the Euler update accumulates in it (a small
+    /// share of a template).
     pub fn latent_bytes(&self) -> usize {
-        self.tokens * self.latent_channels * self.dtype.size_bytes()
+        self.tokens * self.latent_channels * 4
     }
     /// Byte offset of the (step, block) slab in the flat image.
     pub fn kv_offset(&self, step: usize, block: usize) -> usize {
@@ -67,133 +75,162 @@ impl TemplateLayout {
     }
 }
 
-/// A captured template, held in memory as f32 slabs.
+/// A template's cache: the flat image of its layout in host memory.
 #[derive(Clone, Debug)]
 pub struct TemplateCache {
     layout: TemplateLayout,
-    kv: Vec<Option<Tensor>>,
-    latents: Vec<Option<Tensor>>,
+    bytes: HostSlice,
+    /// Identity for devices that keep templates: equal keys are the same bytes.
+    key: u64,
+    complete: bool,
 }
 
+/// Keys of templates made in this process (see [`TemplateCache::with_key`]).
+static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
+
 impl TemplateCache {
-    /// An empty cache to be filled by a capture run.
-    pub fn new(layout: TemplateLayout) -> Self {
-        TemplateCache {
-            layout,
-            kv: vec![None; layout.steps * layout.blocks],
-            latents: vec![None; layout.steps],
+    /// An empty cache in memory of its own, to be filled by a capture run.
+    pub fn new(layout: TemplateLayout) -> Result<Self> {
+        Self::empty_in(layout, HostSlice::zeroed(layout.total_bytes())?)
+    }
+
+    /// An empty cache in `bytes` (writable, e.g. a shared-memory slice), to be filled
+    /// by a capture run.
+    pub fn empty_in(layout: TemplateLayout, bytes: HostSlice) -> Result<Self> {
+        let mut c = Self::view(layout, bytes)?;
+        c.complete = false;
+        Ok(c)
+    }
+
+    /// A complete cache whose image is `bytes` (read in place, not copied).
+    pub fn view(layout: TemplateLayout, bytes: HostSlice) -> Result<Self> {
+        if bytes.len() != layout.total_bytes() {
+            return Err(Error::Invalid(format!(
+                "a template image of {} bytes does not match a layout of {} bytes",
+                bytes.len(),
+                layout.total_bytes()
+            )));
         }
+        if !matches!(layout.dtype, DType::F32 | DType::BF16) {
+            return Err(Error::Invalid(format!(
+                "templates are stored in f32 or bf16, not {:?}",
+                layout.dtype
+            )));
+        }
+        Ok(TemplateCache {
+            layout,
+            bytes,
+            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
+            complete: true,
+        })
+    }
+
+    /// The same cache under `key`: how the views of one stored template (created per
+    /// request) are known to be the same bytes. Keys from [`TemplateCache::new`] and
+    /// [`TemplateCache::view`] count up from 1; callers choose keys outside that range.
+    pub fn with_key(mut self, key: u64) -> Self {
+        self.key = key;
+        self
     }
 
     pub fn layout(&self) -> &TemplateLayout {
         &self.layout
     }
-
-    pub fn set_kv(&mut self, step: usize, block: usize, kv: Tensor) -> Result<()> {
-        let l = &self.layout;
-        if step >= l.steps || block >= l.blocks || kv.shape() != [l.tokens, 2 * l.hidden] {
-            return Err(Error::Invalid(format!(
-                "template K/V for step {step} block {block}: shape {:?}, expected [{}, {}] within {} steps x {} blocks",
-                kv.shape(),
-                l.tokens,
-                2 * l.hidden,
-                l.steps,
-                l.blocks
-            )));
-        }
-        self.kv[step * l.blocks + block] = Some(kv);
-        Ok(())
+    pub fn key(&self) -> u64 {
+        self.key
+    }
+    /// The flat image.
+    pub fn bytes(&self) -> &HostSlice {
+        &self.bytes
     }
 
-    pub fn set_latent(&mut self, step: usize, latent: Tensor) -> Result<()> {
+    /// The bytes of the `(step, block)` `[K | V]` slab.
+    pub fn kv_slice(&self, step: usize, block: usize) -> Result<HostSlice> {
         let l = &self.layout;
-        if step >= l.steps || latent.shape() != [l.tokens, l.latent_channels] {
+        if step >= l.steps || block >= l.blocks {
+            return Err(Error::Invalid(format!(
+                "template K/V for step {step} block {block}, outside {} steps x {} blocks",
+                l.steps, l.blocks
+            )));
+        }
+        self.bytes.sub(l.kv_offset(step, block), l.kv_slab_bytes())
+    }
+
+    /// The bytes of the latent after `step`.
+    pub fn latent_slice(&self, step: usize) -> Result<HostSlice> {
+        let l = &self.layout;
+        if step >= l.steps {
+            return Err(Error::Invalid(format!(
+                "template latent for step {step} of {}",
+                l.steps
+            )));
+        }
+        self.bytes.sub(l.latent_offset(step), l.latent_bytes())
+    }
+
+    /// The `[L, 2*hidden]` K|V slab of (step, block), decoded to f32.
+    pub fn kv(&self, step: usize, block: usize) -> Result<Tensor> {
+        let l = &self.layout;
+        let b = self.kv_slice(step, block)?;
+        Stored::new(
+            "template K/V",
+            vec![l.tokens, 2 * l.hidden],
+            l.dtype,
+            b.bytes(),
+        )?
+        .to_f32()
+    }
+
+    /// The packed latent `[L, C]` after `step`.
+    pub fn latent(&self, step: usize) -> Result<Tensor> {
+        let l = &self.layout;
+        let b = self.latent_slice(step)?;
+        Stored::new(
+            "template latent",
+            vec![l.tokens, l.latent_channels],
+            DType::F32,
+            b.bytes(),
+        )?
+        .to_f32()
+    }
+
+    /// Writes the (step, block) slab from host values (tests, the CPU's stores go
+    /// through `Backend::store`).
+    pub fn set_kv(&mut self, step: usize, block: usize, kv: &Tensor) -> Result<()> {
+        let l = self.layout;
+        if kv.shape() != [l.tokens, 2 * l.hidden] {
+            return Err(Error::Invalid(format!(
+                "template K/V for step {step} block {block}: shape {:?}, expected [{}, {}]",
+                kv.shape(),
+                l.tokens,
+                2 * l.hidden
+            )));
+        }
+        write_host(&self.kv_slice(step, block)?, &encode(kv.data(), l.dtype))
+    }
+
+    pub fn set_latent(&mut self, step: usize, latent: &Tensor) -> Result<()> {
+        let l = self.layout;
+        if latent.shape() != [l.tokens, l.latent_channels] {
             return Err(Error::Invalid(format!(
                 "template latent for step {step}: shape {:?}",
                 latent.shape()
             )));
         }
-        self.latents[step] = Some(latent);
-        Ok(())
+        write_host(
+            &self.latent_slice(step)?,
+            &encode(latent.data(), DType::F32),
+        )
     }
 
-    /// The `[L, 2*hidden]` K|V slab of (step, block).
-    pub fn kv(&self, step: usize, block: usize) -> Result<&Tensor> {
-        self.kv
-            .get(step * self.layout.blocks + block)
-            .and_then(|s| s.as_ref())
-            .ok_or_else(|| {
-                Error::Invalid(format!(
-                    "template cache has no K/V for step {step} block {block}"
-                ))
-            })
-    }
-
-    /// Every K|V slab, step-major (`step * blocks + block`); an error if any is
-    /// missing.
-    pub fn kv_slabs(&self) -> Result<Vec<&Tensor>> {
-        let b = self.layout.blocks;
-        (0..self.kv.len()).map(|i| self.kv(i / b, i % b)).collect()
-    }
-
-    /// The packed latent `[L, C]` after `step`.
-    pub fn latent(&self, step: usize) -> Result<&Tensor> {
-        self.latents
-            .get(step)
-            .and_then(|s| s.as_ref())
-            .ok_or_else(|| Error::Invalid(format!("template cache has no latent for step {step}")))
-    }
-
-    /// Writes the cache into a flat f32 buffer of `layout.total_bytes() / 4` elements in
-    /// the [`TemplateLayout`] order (the shared-memory form the cache actor holds).
-    pub fn write_flat(&self, out: &mut [f32]) -> Result<()> {
-        let l = self.layout;
-        if out.len() * 4 != l.total_bytes() || !self.is_complete() || l.dtype != DType::F32 {
-            return Err(Error::Invalid(format!(
-                "cannot flatten a template cache (complete: {}) into {} floats; it needs {}",
-                self.is_complete(),
-                out.len(),
-                l.total_bytes() / 4
-            )));
-        }
-        for s in 0..l.steps {
-            for b in 0..l.blocks {
-                let off = l.kv_offset(s, b) / 4;
-                out[off..off + l.kv_slab_elems()].copy_from_slice(self.kv(s, b)?.data());
-            }
-            let off = l.latent_offset(s) / 4;
-            out[off..off + l.tokens * l.latent_channels].copy_from_slice(self.latent(s)?.data());
-        }
-        Ok(())
-    }
-
-    /// The inverse of [`write_flat`](Self::write_flat).
-    pub fn from_flat(layout: TemplateLayout, flat: &[f32]) -> Result<Self> {
-        let l = layout;
-        if flat.len() * 4 != l.total_bytes() || l.dtype != DType::F32 {
-            return Err(Error::Invalid(format!(
-                "flat template of {} floats does not match a layout of {} bytes",
-                flat.len(),
-                l.total_bytes()
-            )));
-        }
-        let mut c = TemplateCache::new(l);
-        for s in 0..l.steps {
-            for b in 0..l.blocks {
-                let off = l.kv_offset(s, b) / 4;
-                let kv = flat[off..off + l.kv_slab_elems()].to_vec();
-                c.set_kv(s, b, Tensor::new([l.tokens, 2 * l.hidden], kv)?)?;
-            }
-            let off = l.latent_offset(s) / 4;
-            let lat = flat[off..off + l.tokens * l.latent_channels].to_vec();
-            c.set_latent(s, Tensor::new([l.tokens, l.latent_channels], lat)?)?;
-        }
-        Ok(c)
+    /// Declares the image complete (a capture run has written every part of it).
+    pub fn mark_complete(&mut self) {
+        self.complete = true;
     }
 
     /// Whether every step the cache covers has its K/V and latent.
     pub fn is_complete(&self) -> bool {
-        self.kv.iter().all(Option::is_some) && self.latents.iter().all(Option::is_some)
+        self.complete
     }
 }
 
@@ -209,37 +246,54 @@ mod tests {
         assert_eq!(l.kv_slab_bytes(), 4096 * 6144 * 2);
         assert_eq!(
             l.total_bytes(),
-            28 * 57 * 4096 * 6144 * 2 + 28 * 4096 * 64 * 2
+            28 * 57 * 4096 * 6144 * 2 + 28 * 4096 * 64 * 4
         );
         assert_eq!(l.kv_offset(1, 0), 57 * l.kv_slab_bytes());
         assert_eq!(l.latent_offset(0), 28 * 57 * l.kv_slab_bytes());
     }
 
     #[test]
-    fn flat_form_round_trips() {
-        let l = TemplateLayout::for_model(&FluxConfig::tiny(), 4, 2, DType::F32);
-        let n = l.total_bytes() / 4;
-        let flat: Vec<f32> = (0..n).map(|i| i as f32).collect();
-        let c = TemplateCache::from_flat(l, &flat).unwrap();
-        assert!(c.is_complete());
-        let mut back = vec![0.0; n];
-        c.write_flat(&mut back).unwrap();
-        assert_eq!(back, flat);
-        assert!(TemplateCache::from_flat(l, &flat[1..]).is_err());
+    fn slabs_and_latents_round_trip_in_the_storage_dtype() {
+        let l = TemplateLayout::for_model(&FluxConfig::tiny(), 4, 2, DType::BF16);
+        let mut c = TemplateCache::new(l).unwrap();
+        assert!(!c.is_complete());
+        let kv = Tensor::new(
+            [4, 2 * l.hidden],
+            (0..4 * 2 * l.hidden)
+                .map(|i| (i % 64) as f32 * 0.25 - 3.0)
+                .collect(),
+        )
+        .unwrap();
+        c.set_kv(1, 2, &kv).unwrap();
+        let lat = Tensor::new(
+            [4, l.latent_channels],
+            (0..4 * l.latent_channels)
+                .map(|i| 1.0 / (i as f32 + 3.0))
+                .collect(),
+        )
+        .unwrap();
+        c.set_latent(1, &lat).unwrap();
+        // bf16 K/V (these values are exact in bf16), f32 latents (bit for bit).
+        assert_eq!(c.kv(1, 2).unwrap(), kv);
+        assert_eq!(c.latent(1).unwrap(), lat);
+        assert_eq!(c.kv_slice(1, 2).unwrap().len(), 4 * 2 * l.hidden * 2);
+        let view = TemplateCache::view(l, c.bytes().clone()).unwrap();
+        assert_eq!(view.latent(1).unwrap(), lat);
+        assert_ne!(view.key(), c.key());
+        assert!(TemplateCache::view(l, c.bytes().sub(1, l.total_bytes() - 1).unwrap()).is_err());
     }
 
     #[test]
     fn rejects_misshapen_slabs() {
         let l = TemplateLayout::for_model(&FluxConfig::tiny(), 16, 2, DType::F32);
-        let mut c = TemplateCache::new(l);
-        assert!(c.set_kv(0, 0, Tensor::zeros([16, 128])).is_ok());
-        assert!(c.set_kv(0, 0, Tensor::zeros([16, 64])).is_err());
-        assert!(c.set_kv(2, 0, Tensor::zeros([16, 128])).is_err());
-        assert!(!c.is_complete());
+        let mut c = TemplateCache::new(l).unwrap();
+        assert!(c.set_kv(0, 0, &Tensor::zeros([16, 128])).is_ok());
+        assert!(c.set_kv(0, 0, &Tensor::zeros([16, 64])).is_err());
+        assert!(c.set_kv(2, 0, &Tensor::zeros([16, 128])).is_err());
         assert!(c
-            .kv(1, 0)
+            .kv(2, 0)
             .unwrap_err()
             .to_string()
-            .contains("step 1 block 0"));
+            .contains("step 2 block 0"));
     }
 }

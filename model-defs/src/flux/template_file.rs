@@ -2,8 +2,9 @@
 //!
 //! A template directory holds `template.json` (format name and version, the model
 //! fingerprint, resolution, steps, guidance, the layout, the K/V storage dtype and the
-//! CRC-32 of the data) and `cache.bin` (the flat image described by [`TemplateLayout`]:
-//! K|V slabs step-major in the storage dtype, then the latents in f32, little-endian).
+//! CRC-32 of the data) and `cache.bin` (the flat image described by [`TemplateLayout`],
+//! exactly as it is in memory: K|V slabs step-major in the storage dtype, then the
+//! latents in f32, little-endian).
 //! Loading refuses a file of another format version, another model, another
 //! resolution or schedule, a size that does not match its dtype, or a bad checksum,
 //! and says which; a silently wrong cache would produce silently wrong edits.
@@ -17,7 +18,7 @@ use std::io::{BufWriter, Read, Write};
 use std::path::Path;
 
 use denoised_runtime::stored::encode;
-use denoised_runtime::{DType, Error, Result, Stored, Tensor};
+use denoised_runtime::{DType, Error, HostSlice, Result};
 use serde::{Deserialize, Serialize};
 
 use super::template::{TemplateCache, TemplateLayout};
@@ -87,7 +88,8 @@ fn bad(dir: &Path, reason: impl Into<String>) -> Error {
     }
 }
 
-/// Writes `cache` with `meta` to `dir` (created if needed), its K/V in `kv_dtype`.
+/// Writes `cache` with `meta` to `dir` (created if needed), its K/V in `kv_dtype`
+/// (the cache's own dtype is written as it is; another is converted slab by slab).
 pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta, kv_dtype: DType) -> Result<()> {
     let kv_name = dtype_name(kv_dtype)?;
     if !cache.is_complete() {
@@ -101,19 +103,21 @@ pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta, kv_dtype: DT
     let file = std::fs::File::create(&data_path).map_err(|e| Error::io(&data_path, e))?;
     let mut w = BufWriter::new(file);
     let mut crc = crc32fast::Hasher::new();
-    let mut put = |t: &Tensor, dt: DType| -> Result<()> {
-        let bytes = encode(t.data(), dt);
-        crc.update(&bytes);
-        w.write_all(&bytes).map_err(|e| Error::io(&data_path, e))
+    let mut put = |bytes: &[u8]| -> Result<()> {
+        crc.update(bytes);
+        w.write_all(bytes).map_err(|e| Error::io(&data_path, e))
     };
-    for s in 0..l.steps {
-        for b in 0..l.blocks {
-            put(cache.kv(s, b)?, kv_dtype)?;
+    let kv_end = l.kv_offset(l.steps, 0);
+    if kv_dtype == l.dtype {
+        put(&cache.bytes().bytes()[..kv_end])?;
+    } else {
+        for s in 0..l.steps {
+            for b in 0..l.blocks {
+                put(&encode(cache.kv(s, b)?.data(), kv_dtype))?;
+            }
         }
     }
-    for s in 0..l.steps {
-        put(cache.latent(s)?, DType::F32)?;
-    }
+    put(&cache.bytes().bytes()[kv_end..])?;
     w.flush().map_err(|e| Error::io(&data_path, e))?;
     let header = Header {
         format: FORMAT.into(),
@@ -161,15 +165,16 @@ fn read_header(dir: &Path) -> Result<Header> {
     Ok(h)
 }
 
-/// A template read from disk: the cache (f32 in memory), what it was captured from,
-/// and the dtype its K/V were stored in.
+/// A template read from disk: the cache (its image as the file holds it), what it
+/// was captured from, and the dtype its K/V are stored in.
 pub struct Loaded {
     pub cache: TemplateCache,
     pub meta: TemplateMeta,
     pub kv_dtype: DType,
 }
 
-/// Loads a template and checks it was made by `model` with the layout `expected`.
+/// Loads a template and checks it was made by `model` with the layout `expected` (in
+/// any storage dtype).
 pub fn load(dir: &Path, model: &str, expected: &TemplateLayout) -> Result<Loaded> {
     let h = read_header(dir)?;
     let kv_dtype = match h.kv_dtype.as_str() {
@@ -197,9 +202,14 @@ pub fn load(dir: &Path, model: &str, expected: &TemplateLayout) -> Result<Loaded
         tokens: h.tokens,
         hidden: h.hidden,
         latent_channels: h.latent_channels,
-        dtype: DType::F32,
+        dtype: kv_dtype,
     };
-    if got != *expected {
+    if got
+        != (TemplateLayout {
+            dtype: kv_dtype,
+            ..*expected
+        })
+    {
         return Err(bad(
             dir,
             format!(
@@ -209,17 +219,19 @@ pub fn load(dir: &Path, model: &str, expected: &TemplateLayout) -> Result<Loaded
         ));
     }
     let dp = dir.join(DATA);
-    let mut bytes = Vec::with_capacity(h.data_bytes);
-    std::fs::File::open(&dp)
-        .and_then(|mut f| f.read_to_end(&mut bytes))
-        .map_err(|e| Error::io(&dp, e))?;
-    if bytes.len() != h.data_bytes || bytes.len() != data_bytes(&got, kv_dtype) {
+    let mut f = std::fs::File::open(&dp).map_err(|e| Error::io(&dp, e))?;
+    let len = f.metadata().map_err(|e| Error::io(&dp, e))?.len() as usize;
+    if len != h.data_bytes || len != data_bytes(&got, kv_dtype) {
         return Err(bad(
             &dp,
-            format!("{} bytes, the header says {}", bytes.len(), h.data_bytes),
+            format!("{len} bytes, the header says {}", h.data_bytes),
         ));
     }
-    let crc = crc32fast::hash(&bytes);
+    let image = HostSlice::zeroed(len)?;
+    // SAFETY: a fresh slice nobody else has seen.
+    f.read_exact(unsafe { image.bytes_mut() })
+        .map_err(|e| Error::io(&dp, e))?;
+    let crc = crc32fast::hash(image.bytes());
     if crc != h.crc32 {
         return Err(bad(
             &dp,
@@ -229,27 +241,8 @@ pub fn load(dir: &Path, model: &str, expected: &TemplateLayout) -> Result<Loaded
             ),
         ));
     }
-    // The size matched the dtype above, so every read below is in bounds.
-    let mut at = 0;
-    let mut take = |n: usize, dt: DType| -> Result<Tensor> {
-        let len = n * dt.size_bytes();
-        let part = Stored::new("template", vec![n], dt, &bytes[at..at + len])?;
-        at += len;
-        part.to_f32()
-    };
-    let mut cache = TemplateCache::new(got);
-    for s in 0..got.steps {
-        for b in 0..got.blocks {
-            let t = take(got.kv_slab_elems(), kv_dtype)?;
-            cache.set_kv(s, b, t.reshape([got.tokens, 2 * got.hidden])?)?;
-        }
-    }
-    for s in 0..got.steps {
-        let lat = take(got.tokens * got.latent_channels, DType::F32)?;
-        cache.set_latent(s, lat.reshape([got.tokens, got.latent_channels])?)?;
-    }
     Ok(Loaded {
-        cache,
+        cache: TemplateCache::view(got, image)?,
         meta: h.meta,
         kv_dtype,
     })
@@ -259,20 +252,22 @@ pub fn load(dir: &Path, model: &str, expected: &TemplateLayout) -> Result<Loaded
 mod tests {
     use super::*;
     use crate::flux::FluxConfig;
+    use denoised_runtime::Tensor;
 
     fn sample() -> (TemplateCache, TemplateMeta) {
         let l = TemplateLayout::for_model(&FluxConfig::tiny(), 4, 2, DType::F32);
-        let mut c = TemplateCache::new(l);
+        let mut c = TemplateCache::new(l).unwrap();
         for s in 0..2 {
             for b in 0..l.blocks {
                 let v = (0..4 * 128)
                     .map(|i| (s * 1000 + b * 100 + i) as f32)
                     .collect();
-                c.set_kv(s, b, Tensor::new([4, 128], v).unwrap()).unwrap();
+                c.set_kv(s, b, &Tensor::new([4, 128], v).unwrap()).unwrap();
             }
-            c.set_latent(s, Tensor::new([4, 64], vec![s as f32; 256]).unwrap())
+            c.set_latent(s, &Tensor::new([4, 64], vec![s as f32; 256]).unwrap())
                 .unwrap();
         }
+        c.mark_complete();
         let meta = TemplateMeta {
             model: "m1".into(),
             height: 8,
@@ -289,7 +284,7 @@ mod tests {
     fn bf16_storage_halves_the_kv_and_keeps_latents_exact() {
         let (mut c, meta) = sample();
         // Latents that bf16 cannot hold exactly.
-        c.set_latent(1, Tensor::new([4, 64], vec![1.0 + 1e-6; 256]).unwrap())
+        c.set_latent(1, &Tensor::new([4, 64], vec![1.0 + 1e-6; 256]).unwrap())
             .unwrap();
         let l = *c.layout();
         let (d32, d16) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
@@ -314,7 +309,7 @@ mod tests {
         };
         assert_eq!(
             back.cache.kv(1, 3).unwrap().data(),
-            &round(c.kv(1, 3).unwrap())[..]
+            &round(&c.kv(1, 3).unwrap())[..]
         );
         assert_eq!(back.cache.latent(1).unwrap(), c.latent(1).unwrap());
         assert_eq!(load(d32.path(), "m1", &l).unwrap().kv_dtype, DType::F32);

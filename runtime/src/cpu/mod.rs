@@ -370,6 +370,36 @@ impl Backend for CpuBackend {
         Tensor::new([index.len(), width], out)
     }
 
+    fn axpy_cols(
+        &self,
+        x: &mut Tensor,
+        cols: Range<usize>,
+        v: &Tensor,
+        v_rows: Range<usize>,
+        alpha: f32,
+    ) -> Result<()> {
+        let (n, width) = matrix_dims("axpy_cols", x)?;
+        let (vn, vw) = matrix_dims("axpy_cols", v)?;
+        if cols.end > width || vw != cols.len() || v_rows.len() != n || v_rows.end > vn {
+            return Err(Error::shape(
+                "axpy_cols",
+                format!(
+                    "columns {cols:?} of {:?} += rows {v_rows:?} of {:?}",
+                    x.shape(),
+                    v.shape()
+                ),
+            ));
+        }
+        let xd = x.data_mut();
+        for (r, vr) in v_rows.enumerate() {
+            let dst = &mut xd[r * width + cols.start..r * width + cols.end];
+            for (d, s) in dst.iter_mut().zip(v.row(vr)) {
+                *d += alpha * s;
+            }
+        }
+        Ok(())
+    }
+
     fn gather_cols(&self, x: &Tensor, rows: Range<usize>, cols: Range<usize>) -> Result<Tensor> {
         let (n, width) = matrix_dims("gather_cols", x)?;
         if rows.end > n || cols.end > width {

@@ -41,7 +41,9 @@ impl ArenaOptions {
 /// Dropping the owner unmaps and removes the file (only if the file at the path is still
 /// this incarnation).
 pub struct Arena {
-    view: ManuallyDrop<ArenaView>,
+    /// Shared so that a [`HostSlice`](crate::HostSlice) of a slice (a device reading
+    /// or writing it in place) keeps the mapping alive; the file goes with the arena.
+    view: ManuallyDrop<std::sync::Arc<ArenaView>>,
     alloc: FreeList,
     free_slots: Vec<u32>,
     next_gen: u64,
@@ -62,6 +64,13 @@ impl std::ops::Deref for Arena {
     type Target = ArenaView;
     fn deref(&self) -> &ArenaView {
         &self.view
+    }
+}
+
+impl Arena {
+    /// This arena's own mapping, shared (see [`ArenaView::host_slice`]).
+    pub fn shared_view(&self) -> std::sync::Arc<ArenaView> {
+        std::sync::Arc::clone(&self.view)
     }
 }
 
@@ -136,13 +145,13 @@ impl Arena {
             return Err(ShmError::io(&path, "rename into place", e));
         }
         Ok(Arena {
-            view: ManuallyDrop::new(ArenaView {
+            view: ManuallyDrop::new(std::sync::Arc::new(ArenaView {
                 name: name.to_string(),
                 path,
                 map,
                 writable: true,
                 header,
-            }),
+            })),
             alloc: FreeList::new(capacity),
             free_slots: (0..opts.max_slices).rev().collect(),
             // Seeded with the time so that generations are never reused, not even by a
@@ -206,7 +215,8 @@ impl Arena {
     /// bytes moved; [`ArenaView::read_tensor`] converts back to f32).
     pub fn write_tensor_as(&mut self, t: &Tensor, dtype: DType) -> Result<Handle> {
         let h = self.alloc(dtype, t.shape())?;
-        if let Err(e) = self.view.write_tensor_into(&h, t) {
+        // SAFETY: the slice was just allocated; &mut self is the only allocator.
+        if let Err(e) = unsafe { self.view.write_tensor_into_shared(&h, t) } {
             let _ = self.free(&h);
             return Err(e);
         }
@@ -226,17 +236,20 @@ impl Arena {
 
     /// See [`ArenaView::write_f32`].
     pub fn write_f32(&mut self, h: &Handle, data: &[f32]) -> Result<()> {
-        self.view.write_f32(h, data)
+        // SAFETY: &mut self is the owner; slices are used under the handle protocol.
+        unsafe { self.view.write_f32_shared(h, data) }
     }
 
     /// See [`ArenaView::write_tensor_into`].
     pub fn write_tensor_into(&mut self, h: &Handle, t: &Tensor) -> Result<()> {
-        self.view.write_tensor_into(h, t)
+        // SAFETY: as in write_f32.
+        unsafe { self.view.write_tensor_into_shared(h, t) }
     }
 
     /// See [`ArenaView::slice_f32_mut`].
     pub fn slice_f32_mut(&mut self, h: &Handle) -> Result<&mut [f32]> {
-        self.view.slice_f32_mut(h)
+        // SAFETY: as in write_f32.
+        unsafe { self.view.slice_f32_mut_shared(h) }
     }
 
     /// Free a slice. The handle (and every copy of it, in any process) becomes stale:

@@ -10,6 +10,7 @@ use memmap2::{MmapOptions, MmapRaw};
 
 use super::layout::{Header, HEADER_SIZE, HEADER_WORDS, SLOT_SIZE, S_GEN, S_LEN, S_OFF};
 use super::{arena_path, check_name, check_namespace, Handle, Result, ShmError, ALIGN};
+use crate::host::{HostMemory, HostSlice};
 use crate::tensor::{DType, Tensor};
 
 /// A mapping of an arena: read (and, if attached read-write, write) slices via handles.
@@ -176,6 +177,17 @@ impl ArenaView {
         self.check(h).is_ok()
     }
 
+    /// Where a slice lies in this mapping, as a [`HostSlice`] that keeps the mapping
+    /// alive: how a device reads a template in place (or a capture writes one) without
+    /// a copy. The handle is checked now; the aliasing contract of the module docs
+    /// holds for the slice as for the handle.
+    pub fn host_slice(self: &std::sync::Arc<Self>, h: &Handle) -> Result<HostSlice> {
+        self.check(h)?;
+        let at = self.header.data_off as usize + h.offset as usize;
+        let mem: std::sync::Arc<dyn HostMemory> = self.clone();
+        HostSlice::new(mem, at, h.len as usize).map_err(|e| self.len_mismatch(h, e.to_string()))
+    }
+
     /// Zero-copy borrow of a slice's bytes. See the module docs for the aliasing
     /// contract: the slice must not be freed or written while the borrow is held.
     pub fn slice_bytes(&self, h: &Handle) -> Result<&[u8]> {
@@ -246,6 +258,17 @@ impl ArenaView {
 
     /// Mutable zero-copy borrow of an F32 slice (read-write views and the owner only).
     pub fn slice_f32_mut(&mut self, h: &Handle) -> Result<&mut [f32]> {
+        // SAFETY: &mut self excludes other borrows of this view.
+        unsafe { self.slice_f32_mut_shared(h) }
+    }
+
+    /// [`slice_f32_mut`](Self::slice_f32_mut) through a shared view.
+    ///
+    /// # Safety
+    /// The caller holds the slice exclusively (the owner's `&mut Arena`, which also
+    /// shares its view with [`HostSlice`]s of other slices).
+    #[allow(clippy::mut_from_ref)]
+    pub(super) unsafe fn slice_f32_mut_shared(&self, h: &Handle) -> Result<&mut [f32]> {
         self.want_writable()?;
         self.check(h)?;
         self.want_dtype(h, DType::F32)?;
@@ -258,17 +281,31 @@ impl ArenaView {
 
     /// Copy `data` into an F32 slice; `data.len()` must equal the handle's element count.
     pub fn write_f32(&mut self, h: &Handle, data: &[f32]) -> Result<()> {
+        // SAFETY: &mut self excludes other borrows of this view.
+        unsafe { self.write_f32_shared(h, data) }
+    }
+
+    /// # Safety
+    /// As [`slice_f32_mut_shared`](Self::slice_f32_mut_shared).
+    pub(super) unsafe fn write_f32_shared(&self, h: &Handle, data: &[f32]) -> Result<()> {
         let n = h.len as usize / 4;
         if self.check(h).is_ok() && h.dtype == DType::F32 && data.len() != n {
             return Err(self.len_mismatch(h, format!("{} f32 values supplied", data.len())));
         }
-        self.slice_f32_mut(h)?.copy_from_slice(data);
+        self.slice_f32_mut_shared(h)?.copy_from_slice(data);
         Ok(())
     }
 
     /// Copy a tensor into the slice, converting to the handle's dtype. The tensor's shape
     /// must equal the handle's shape.
     pub fn write_tensor_into(&mut self, h: &Handle, t: &Tensor) -> Result<()> {
+        // SAFETY: &mut self excludes other borrows of this view.
+        unsafe { self.write_tensor_into_shared(h, t) }
+    }
+
+    /// # Safety
+    /// As [`slice_f32_mut_shared`](Self::slice_f32_mut_shared).
+    pub(super) unsafe fn write_tensor_into_shared(&self, h: &Handle, t: &Tensor) -> Result<()> {
         self.want_writable()?;
         self.check(h)?;
         if t.shape() != h.shape.as_slice() {
@@ -376,4 +413,16 @@ fn word(map: &MmapRaw, off: usize) -> &AtomicU64 {
     // AtomicU64 has the layout of u64; the memory is shared with other processes, which
     // access these words only atomically. On a read-only mapping only loads happen.
     unsafe { &*(map.as_ptr().add(off) as *const AtomicU64) }
+}
+
+impl HostMemory for ArenaView {
+    fn base(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+    fn writable(&self) -> bool {
+        self.writable
+    }
 }

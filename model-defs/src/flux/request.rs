@@ -1,0 +1,103 @@
+//! A request's inputs to the transformer, on the model's device.
+//!
+//! A serving loop runs a request for 28 steps or so. Everything the transformer reads
+//! of it that does not change between steps is uploaded once, when it is admitted: its
+//! text embeddings and the RoPE tables of its rows (both computed on the host from the
+//! position ids). The computed image rows `[latent | conditioning]` are uploaded once
+//! too, and the Euler update then writes the latent columns in place on the device
+//! (`Backend::axpy_cols`), so a step moves no latents across PCIe; the final latent is
+//! downloaded once at the end.
+
+use denoised_runtime::{Backend, Error, Result, Tensor};
+
+use super::config::FluxConfig;
+use super::embed;
+use super::model::KvCache;
+
+/// One request's tensors on the model's device.
+pub struct RequestTensors<T> {
+    /// `[A, in_channels]`: the image tokens it computes (all of them for a full run),
+    /// latent columns first.
+    pub img: T,
+    /// `[T, joint_attention_dim]`.
+    pub txt: T,
+    /// `[T + A, head_dim]` RoPE cos and sin of its joint rows `[text; image]`.
+    pub rope_cos: T,
+    pub rope_sin: T,
+    /// `[pooled_projection_dim]` (kept on the host: it is packed with the timestep).
+    pub pooled: Vec<f32>,
+    txt_rows: usize,
+    img_rows: usize,
+}
+
+impl<T> RequestTensors<T> {
+    /// Uploads a request's host inputs: the computed image rows `img` `[A, in_channels]`
+    /// and their position ids `[A, 3]`, the text `[T, joint_attention_dim]` and its ids
+    /// `[T, 3]`, and the pooled projection.
+    pub fn upload<B: Backend<Tensor = T>>(
+        backend: &B,
+        config: &FluxConfig,
+        img: &Tensor,
+        img_ids: &Tensor,
+        txt: &Tensor,
+        txt_ids: &Tensor,
+        pooled: &[f32],
+    ) -> Result<Self> {
+        let (a, t) = (img.rows(), txt.rows());
+        check_shape("image tokens", img, &[a, config.in_channels])?;
+        check_shape("image ids", img_ids, &[a, 3])?;
+        check_shape("text tokens", txt, &[t, config.joint_attention_dim])?;
+        check_shape("text ids", txt_ids, &[t, 3])?;
+        if pooled.len() != config.pooled_projection_dim {
+            return Err(Error::Invalid(format!(
+                "pooled projection: {} values, expected {}",
+                pooled.len(),
+                config.pooled_projection_dim
+            )));
+        }
+        let mut ids = Vec::with_capacity((t + a) * 3);
+        ids.extend_from_slice(txt_ids.data());
+        ids.extend_from_slice(img_ids.data());
+        let hd = config.attention_head_dim;
+        let (cos, sin) = embed::rope_tables(&ids, &config.axes_dims_rope);
+        Ok(RequestTensors {
+            img: backend.upload(img)?,
+            txt: backend.upload(txt)?,
+            rope_cos: backend.upload(&Tensor::new([t + a, hd], cos)?)?,
+            rope_sin: backend.upload(&Tensor::new([t + a, hd], sin)?)?,
+            pooled: pooled.to_vec(),
+            txt_rows: t,
+            img_rows: a,
+        })
+    }
+
+    pub fn txt_rows(&self) -> usize {
+        self.txt_rows
+    }
+    /// Image tokens computed each step (`A`).
+    pub fn img_rows(&self) -> usize {
+        self.img_rows
+    }
+}
+
+/// One request of a step: its tensors, where it is in its schedule, and for an edit
+/// the cached K/V of the tokens it does not compute.
+pub struct StepRequest<'a, T> {
+    pub tensors: &'a RequestTensors<T>,
+    /// Timestep as the pipeline passes it (scheduler timestep / 1000).
+    pub timestep: f32,
+    /// Guidance scale as the pipeline passes it (e.g. 30.0). Ignored by models
+    /// without a guidance embedder.
+    pub guidance: f32,
+    pub cache: Option<&'a dyn KvCache<T>>,
+}
+
+fn check_shape(what: &str, t: &Tensor, expected: &[usize]) -> Result<()> {
+    if t.shape() != expected {
+        return Err(Error::Invalid(format!(
+            "{what}: shape {:?}, expected {expected:?}",
+            t.shape()
+        )));
+    }
+    Ok(())
+}
