@@ -338,3 +338,53 @@ fn selftest_passes_on_the_emulator() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("use --device cuda:N or emu"));
 }
+
+/// A template larger than all the device memory left for templates is streamed from
+/// the cache process's shared memory (page-locked by the denoise worker) through
+/// ping-pong buffers during each step, instead of being refused; the image equals the
+/// one computed with the template resident.
+#[test]
+fn a_template_larger_than_the_device_budget_is_streamed() {
+    const BIG: u64 = 8_000_000_000;
+    let body = json!({"template_id": "t", "mask": mask_b64(), "prompt": "a cat", "seed": 4});
+    let budget = |d: &Daemon| -> Value {
+        let (_, ready) = d.get("/readyz");
+        ready["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["role"] == "denoise")
+            .map(|p| p["device_budget"].clone())
+            .unwrap_or_else(|| panic!("no denoise worker in {ready}"))
+    };
+    let part = |b: &Value, k: &str| b[k].as_u64().unwrap_or_else(|| panic!("{k} in {b}"));
+    let big = BIG.to_string();
+    let d = Daemon::start_with_env(&["--device", "emu"], &[("DENOISED_EMU_MEMORY", &big)]);
+    template(&d, "t", 2);
+    let resident = png(&edit_image(&edit(&d, body.clone())));
+    let (_, info) = d.get("/v1/templates/t");
+    let steps = 2;
+    let kv_bytes = info["cache_bytes"].as_u64().unwrap() - steps * 256 * 64 * 4;
+    // What the worker holds besides templates does not depend on the device's size
+    // (but the 5% reserve): size a device that leaves half the template's K/V.
+    let b = budget(&d);
+    let fixed =
+        part(&b, "workspace_bytes") + part(&b, "requests_bytes") + part(&b, "slab_buffer_bytes");
+    let loaded = BIG - BIG / 20 - fixed - part(&b, "template_bytes");
+    drop(d);
+    let total = ((kv_bytes / 2 + loaded + fixed) as f64 / 0.95) as u64;
+    let small = total.to_string();
+    let d = Daemon::start_with_env(&["--device", "emu"], &[("DENOISED_EMU_MEMORY", &small)]);
+    let b = budget(&d);
+    println!(
+        "template K/V {kv_bytes} B, device template budget {}",
+        part(&b, "template_bytes")
+    );
+    assert!(part(&b, "template_bytes") < kv_bytes, "{b}");
+    template(&d, "t", 2);
+    let streamed = png(&edit_image(&edit(&d, body)));
+    assert_eq!(
+        streamed, resident,
+        "the streamed template gave another image"
+    );
+}

@@ -6,6 +6,7 @@
 //! per-row segment ids, packed row references for attention, launch geometry. It
 //! uploads them once per call and launches; it never touches tensor data on the host.
 
+use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
@@ -323,10 +324,19 @@ impl<E: Exec> Backend for GpuBackend<E> {
         // Each part lands at its offset: bytes already in the device dtype go from
         // the (mapped) checkpoint straight to the device; others are converted a
         // bounded chunk at a time. Safetensors and both devices are little-endian.
+        // Bytes in page-locked memory (a template in shared memory) are copied by the
+        // copy engine from where they are, with no staging copy.
         let mut offset = 0;
         for p in parts {
             for chunk in p.chunks_as(target, UPLOAD_CHUNK)? {
-                self.exec.upload(&out.mem, offset, &chunk).map_err(dev)?;
+                match &chunk {
+                    Cow::Borrowed(b) if self.host.is_pinned(b.as_ptr(), b.len()) => {
+                        // SAFETY: a pinned region is a template's, which its reader
+                        // (an edit) keeps unchanged while it runs.
+                        unsafe { self.host.load(&self.exec, &out.mem, offset, b) }?
+                    }
+                    _ => self.exec.upload(&out.mem, offset, &chunk).map_err(dev)?,
+                }
                 offset += chunk.len();
             }
         }

@@ -71,6 +71,30 @@ impl<E: Exec> HostIo<E> {
         Ok(())
     }
 
+    /// Whether `len` bytes at `ptr` lie in a registered region.
+    pub fn is_pinned(&self, ptr: *const u8, len: usize) -> bool {
+        let (a, pinned) = (ptr as usize, self.pinned.lock().unwrap());
+        pinned.iter().any(|r| {
+            let base = r.mem.base() as usize;
+            r._pinned.is_some() && base <= a && a + len <= base + r.mem.len()
+        })
+    }
+
+    /// Queues a copy of registered host bytes to `dst + offset` on the copy stream, and
+    /// makes later compute wait for it.
+    ///
+    /// # Safety
+    /// `src` stays valid and unchanged until the copy is done.
+    pub unsafe fn load(&self, exec: &E, dst: &E::Mem, offset: usize, src: &[u8]) -> Result<()> {
+        // `dst` comes from the compute stream's pool: the copy waits for its allocation.
+        let ready = exec.record(Stream::Compute).map_err(dev)?;
+        exec.wait(Stream::Copy, &ready).map_err(dev)?;
+        exec.load(dst, offset, src.as_ptr(), src.len())
+            .map_err(dev)?;
+        let loaded = exec.record(Stream::Copy).map_err(dev)?;
+        exec.wait(Stream::Compute, &loaded).map_err(dev)
+    }
+
     /// Bytes of host memory registered now.
     pub fn pinned_bytes(&self) -> usize {
         let pinned = self.pinned.lock().unwrap();

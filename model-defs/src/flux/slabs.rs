@@ -84,8 +84,8 @@ impl<T: Send + Sync> DeviceTemplates<T> {
         }
     }
 
-    /// Uploads every slab of `cache` (step-major), in its stored dtype, unless it is
-    /// resident already.
+    /// Uploads every slab of `cache` (step-major), in its stored dtype (converted on
+    /// the way when the device's differs), unless it is resident already.
     pub fn make_resident<B: Backend<Tensor = T>>(
         &mut self,
         backend: &B,
@@ -94,6 +94,8 @@ impl<T: Send + Sync> DeviceTemplates<T> {
         if self.is_resident(cache) {
             return Ok(());
         }
+        // Page-locked once, so a device copies every slab from where it lies.
+        backend.pin_host(cache.bytes().memory())?;
         let l = cache.layout();
         let shape = vec![l.tokens, 2 * l.hidden];
         let mut slabs = Vec::with_capacity(l.steps * l.blocks);
