@@ -25,28 +25,10 @@ fn tune_allocator() {
     }
 }
 
-/// `DENOISED_LOG` (tracing's env-filter syntax), default `info`. ractor_cluster logs
-/// every connection and, when a peer process stops, errors about its sessions; those
-/// stay quiet unless the filter names ractor explicitly.
-fn log_filter() -> tracing_subscriber::EnvFilter {
-    let spec = std::env::var("DENOISED_LOG").unwrap_or_else(|_| "info".into());
-    let spec = if spec.contains("ractor") {
-        spec
-    } else {
-        format!("{spec},ractor=error,ractor_cluster=off")
-    };
-    tracing_subscriber::EnvFilter::try_new(&spec)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
-}
-
 fn main() -> ExitCode {
     tune_allocator();
     let args = cli::Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(log_filter())
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    denoised_actors::logging::init();
     match cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

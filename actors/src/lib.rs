@@ -9,6 +9,8 @@ pub mod budget;
 pub mod denoise;
 pub mod device;
 pub mod fault;
+pub mod logging;
+pub mod metrics;
 pub mod node;
 pub mod notify;
 pub mod overheads;

@@ -13,6 +13,10 @@ use ractor::Actor;
 
 use crate::denoise::actor::{DenoiseActor, DenoiseArgs};
 use crate::device::{self, Placed};
+use crate::metrics::actor::MetricsActor;
+use crate::metrics::cache::CacheMetrics;
+use crate::metrics::denoise::DenoiseMetrics;
+use crate::metrics::ProcessRegistry;
 use crate::node::{self, Role, Shm, WorkerEnv};
 use crate::scheduler::BatchConfig;
 use crate::stages::Pipeline;
@@ -119,6 +123,8 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
             env.index
         ));
     }
+    crate::logging::set_format(&env.config.server.log_format)?;
+    crate::logging::set_worker(env.name());
     // Before any thread starts: a panic anywhere in this process ends it (crate::fault),
     // and a terminal's Ctrl-C is the supervisor's to handle (see `terminated`).
     crate::fault::exit_on_panic(env.name());
@@ -201,6 +207,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
         let node = node::start_node(&env, 0).await?;
         node::connect_router(&node, env.router_port, Duration::from_secs(60)).await?;
         let name = Some(env.name());
+        let mut registry = ProcessRegistry::new(&env.name(), role.name());
         let spawned = match (role, loaded) {
             (Role::Preprocess, Some(l)) => {
                 Actor::spawn(name, PreprocessActor::new(), (l.pipeline, shm.clone()))
@@ -231,6 +238,11 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                 };
                 sched.validate().map_err(|e| e.to_string())?;
                 let template_dtype = placed.template_dtype();
+                let metrics = DenoiseMetrics::register(
+                    registry.registry(),
+                    placed.stepper.stats(),
+                    placed.budget.clone(),
+                );
                 Actor::spawn(
                     name,
                     DenoiseActor,
@@ -242,17 +254,29 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                         faults,
                         cache_arena_bytes: env.config.workers.cache_arena_bytes,
                         template_dtype,
+                        metrics,
                     },
                 )
                 .await
                 .map(|(a, _)| (groups::DENOISE, a.get_cell()))
             }
-            (Role::Cache, _) => Actor::spawn(name, CacheActor, shm.clone())
-                .await
-                .map(|(a, _)| (groups::CACHE, a.get_cell())),
+            (Role::Cache, _) => {
+                let metrics = CacheMetrics::register(registry.registry());
+                Actor::spawn(name, CacheActor, (shm.clone(), metrics))
+                    .await
+                    .map(|(a, _)| (groups::CACHE, a.get_cell()))
+            }
             _ => unreachable!("router handled above; pipelines loaded for compute roles"),
         };
         let (group, cell) = spawned.map_err(|e| e.to_string())?;
+        let (metrics, _) = Actor::spawn(
+            Some(format!("{}-metrics", env.name())),
+            MetricsActor,
+            (Arc::new(registry), shm.clone()),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        node::register(groups::METRICS, metrics.get_cell());
         // Announced before joining the group, so that a /readyz that counts this worker
         // as live has (almost always) its entry too.
         announce(info.clone()).await;

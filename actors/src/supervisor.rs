@@ -46,10 +46,14 @@ impl Worker {
 }
 
 /// What the supervisor tells the router (through [`WorkerEnv::status_file`]): the
-/// worker slots it gave up restarting, and why. `/readyz` shows it.
+/// worker slots it gave up restarting, and why (`/readyz` shows them), and how many
+/// times it restarted each worker (a metric).
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct Status {
     pub failed: std::collections::BTreeMap<String, String>,
+    /// By worker name: its role, and its restarts.
+    #[serde(default)]
+    pub restarts: std::collections::BTreeMap<String, (String, u64)>,
 }
 
 impl Status {
@@ -304,6 +308,13 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
         "supervisor: {} processes, shm namespace {namespace}, cluster node 127.0.0.1:{router_port}",
         workers.len()
     );
+    crate::notify::notify(&format!("STATUS=starting {} processes", workers.len()));
+    // Every worker's restart count, from zero (a series for each from the start).
+    status.restarts = workers
+        .iter()
+        .map(|w| (w.name(), (w.role.name().to_string(), 0)))
+        .collect();
+    status.write(&status_file);
     let mut fatal = None;
     'watch: while !STOP.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(100));
@@ -316,6 +327,12 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
                 if Instant::now() >= at {
                     w.restart_at = None;
                     w.started = Instant::now();
+                    status
+                        .restarts
+                        .entry(w.name())
+                        .or_insert_with(|| (w.role.name().to_string(), 0))
+                        .1 += 1;
+                    status.write(&status_file);
                     match spawn(w.role, w.index, w.started_count) {
                         Ok(c) => w.child = Some(c),
                         Err(e) => {

@@ -473,6 +473,13 @@ pub enum CacheMsg {
     RouterLost(Wire<()>),
 }
 
+#[derive(RactorClusterMessage)]
+pub enum MetricsMsg {
+    /// This process's metrics, as an OpenMetrics exposition without `# EOF`.
+    #[rpc]
+    Scrape(Wire<()>, RpcReplyPort<Res<String>>),
+}
+
 /// Process-group names under which each group's actors register.
 pub mod groups {
     pub const ROUTER: &str = "denoised.router";
@@ -480,6 +487,8 @@ pub mod groups {
     pub const DENOISE: &str = "denoised.denoise";
     pub const POSTPROCESS: &str = "denoised.postprocess";
     pub const CACHE: &str = "denoised.cache";
+    /// Every worker process's metrics actor (see `crate::metrics`).
+    pub const METRICS: &str = "denoised.metrics";
 }
 
 #[cfg(test)]

@@ -656,6 +656,13 @@ impl<E: Exec> Backend for GpuBackend<E> {
         )
     }
 
+    fn memory_in_use(&self) -> Option<u64> {
+        self.exec
+            .memory()
+            .ok()
+            .map(|m| m.total.saturating_sub(m.free))
+    }
+
     fn pin_host(&self, mem: &Arc<dyn HostMemory>) -> Result<()> {
         self.host.pin(&self.exec, mem)
     }

@@ -215,6 +215,12 @@ pub trait Backend: Send + Sync {
         false
     }
 
+    /// Device memory in use now (every allocation of this backend's device context),
+    /// where the backend has a device; `None` on the host.
+    fn memory_in_use(&self) -> Option<u64> {
+        None
+    }
+
     /// Waits until all queued work has finished. Device backends queue kernels
     /// asynchronously; benchmarks call this before reading a clock. The CPU backend
     /// computes synchronously, so the default does nothing.

@@ -47,6 +47,9 @@ pub struct ServerConfig {
     /// On SIGTERM, how long requests in flight may take to finish before the daemon
     /// stops anyway.
     pub drain_timeout_seconds: u64,
+    /// Log lines as `text`, or `json` (one object per line, for journald and log
+    /// shippers).
+    pub log_format: String,
 }
 
 impl Default for ServerConfig {
@@ -62,6 +65,7 @@ impl Default for ServerConfig {
             max_finished_jobs: 1000,
             stage_timeout_seconds: 600,
             drain_timeout_seconds: 60,
+            log_format: "text".into(),
         }
     }
 }

@@ -53,6 +53,9 @@ pub struct ServeArgs {
     /// `[cluster] cookie`: the cluster's shared secret (empty: random per start).
     #[arg(long, env = "DENOISED_COOKIE", hide_env_values = true)]
     pub cookie: Option<String>,
+    /// `[server] log_format`: text or json.
+    #[arg(long, env = "DENOISED_LOG_FORMAT")]
+    pub log_format: Option<String>,
 }
 
 impl ServeArgs {
@@ -109,6 +112,11 @@ impl ServeArgs {
         if let Some(k) = &self.cookie {
             c.cluster.cookie = k.clone();
         }
+        if let Some(f) = &self.log_format {
+            c.server.log_format = f.clone();
+        }
+        denoised_actors::logging::set_format(&c.server.log_format)
+            .map_err(|e| format!("[server] {e}"))?;
         if c.workers.preprocess == 0 || c.workers.postprocess == 0 || c.workers.denoise == 0 {
             return Err("[workers] counts must be at least 1".into());
         }

@@ -53,12 +53,23 @@ impl Daemon {
 
     /// [`Daemon::start`] with extra environment variables (e.g. `DENOISED_FAULT`).
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Daemon {
+        Self::spawn(args, env, Stdio::inherit())
+    }
+
+    /// [`Daemon::start_with_env`], every process's log lines (stderr) going to `log`.
+    pub fn start_logging(args: &[&str], env: &[(&str, &str)], log: &Path) -> Daemon {
+        let f = std::fs::File::create(log).unwrap();
+        Self::spawn(args, env, Stdio::from(f))
+    }
+
+    fn spawn(args: &[&str], env: &[(&str, &str)], stderr: Stdio) -> Daemon {
         let mut child = Command::new(env!("CARGO_BIN_EXE_denoised"))
             .args(["serve", "--listen", "127.0.0.1:0"])
             .args(args)
             .env("DENOISED_LOG", "warn")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
+            .stderr(stderr)
             .spawn()
             .unwrap();
         let stdout = child.stdout.take().unwrap();

@@ -34,6 +34,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use super::inline::{self, InlineCtx, InlineJobs};
 use super::{DenoiseLoop, DenoiseRequest, Event, LoopOptions};
 use crate::node::{self, Shm};
+use crate::router::jobs::job_name;
 use crate::scheduler::BatchConfig;
 use crate::stages::Pipeline;
 use crate::wire::{
@@ -64,6 +65,7 @@ pub struct DenoiseArgs {
     pub cache_arena_bytes: u64,
     /// The storage dtype of this worker's templates: its device's.
     pub template_dtype: DType,
+    pub metrics: crate::metrics::denoise::DenoiseMetrics,
 }
 
 /// Captures running in the loop: the arena slice each one writes its template into.
@@ -117,6 +119,7 @@ impl Actor for DenoiseActor {
             captures: captures.clone(),
             loop_tx: lp.sender(),
             myself,
+            metrics: a.metrics.clone(),
         };
         std::thread::Builder::new()
             .name("denoise-events".into())
@@ -398,6 +401,7 @@ pub(super) struct EventCtx {
     pub pipeline: Arc<Pipeline>,
     pub inline: InlineJobs,
     pub captures: Captures,
+    pub metrics: crate::metrics::denoise::DenoiseMetrics,
     pub loop_tx: super::LoopSender,
     pub myself: ActorRef<DenoiseMsg>,
 }
@@ -422,8 +426,17 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
                 seconds,
                 ended_unix: now,
                 assembly_seconds,
+                rows,
+                running,
+                waiting,
                 ..
             } => {
+                let m = &ctx.metrics;
+                m.step.observe(seconds);
+                m.batch_requests.observe(batch.len() as f64);
+                m.batch_tokens.observe(rows as f64);
+                m.running.set(running as i64);
+                m.waiting.set(waiting as i64);
                 let router = node::members(groups::ROUTER);
                 for &id in &batch {
                     let a = acc.entry(id).or_default();
@@ -448,17 +461,32 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
                     }
                 }
                 for (id, latents, cache) in ready.drain(..) {
-                    let stats = acc.remove(&id).unwrap_or_default().stats;
-                    finished(&ctx, id, latents, cache, stats);
+                    let a = acc.remove(&id).unwrap_or_default();
+                    outcome(&ctx, "finished");
+                    let worker = crate::logging::worker();
+                    let _span =
+                        tracing::info_span!("request", id = %job_name(id), %worker).entered();
+                    tracing::info!(
+                        "denoised: {} steps in {:.3} s, mean batch {:.1}",
+                        a.steps_done,
+                        a.stats.denoise_s,
+                        a.stats.batch_sizes.iter().sum::<u32>() as f64
+                            / a.stats.batch_sizes.len().max(1) as f64
+                    );
+                    finished(&ctx, id, latents, cache, a.stats);
                 }
             }
             Event::Finished { id, latents, cache } => ready.push((id, latents, cache)),
             Event::Failed { id, error } => {
                 acc.remove(&id);
+                outcome(&ctx, "failed");
+                let worker = crate::logging::worker();
+                tracing::warn!(id = %job_name(id), %worker, "denoise failed: {error}");
                 failed(&ctx, id, WireError::internal(error));
             }
             Event::Cancelled { id } => {
                 acc.remove(&id);
+                outcome(&ctx, "cancelled");
                 failed(
                     &ctx,
                     id,
@@ -467,6 +495,13 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
             }
         }
     }
+}
+
+fn outcome(ctx: &EventCtx, what: &'static str) {
+    ctx.metrics
+        .requests
+        .get_or_create(&[("outcome", what)])
+        .inc();
 }
 
 fn failed(ctx: &EventCtx, id: JobId, e: WireError) {

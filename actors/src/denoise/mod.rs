@@ -77,6 +77,10 @@ pub enum Event {
         /// Of which: building the batch (scheduler plan, taking the jobs out of the
         /// table), the loop's own per-step overhead.
         assembly_seconds: f64,
+        /// Token rows the step computed, and the requests running and waiting after it.
+        rows: usize,
+        running: usize,
+        waiting: usize,
     },
     /// A request finished its last step: the final packed latent, and for a capture
     /// the template cache.
@@ -320,6 +324,9 @@ fn run(
             seconds: t0.elapsed().as_secs_f64(),
             ended_unix: actor::unix_now(),
             assembly_seconds,
+            rows: plan.rows(),
+            running: st.sched.num_running(),
+            waiting: st.sched.num_waiting(),
         });
     }
 }

@@ -48,6 +48,11 @@ pub struct Ctx {
     /// What each worker process loaded, as it announced itself (by process name; a
     /// restarted process replaces its entry).
     pub processes: std::sync::Mutex<std::collections::BTreeMap<String, WorkerInfo>>,
+    /// The router's metrics, its registry, and the daemon-wide one (the build, every
+    /// process's restarts).
+    pub metrics: crate::metrics::router::RouterMetrics,
+    pub registry: crate::metrics::ProcessRegistry,
+    pub daemon_registry: prometheus_client::registry::Registry,
 }
 
 impl Ctx {
@@ -62,6 +67,13 @@ impl Ctx {
         let restart_of = (env.incarnation > 0).then_some(env.started_unix);
         let config = env.config.clone();
         let limit = config.server.max_queued_requests;
+        let mut registry = crate::metrics::ProcessRegistry::new(&env.name(), "router");
+        let mut daemon_registry = prometheus_client::registry::Registry::with_prefix("denoised");
+        let metrics = crate::metrics::router::RouterMetrics::register(
+            registry.registry(),
+            &mut daemon_registry,
+            env.status_file.clone(),
+        );
         Ctx {
             config,
             shm,
@@ -74,7 +86,44 @@ impl Ctx {
             admission: super::admission::Admission::new(limit),
             rr: Default::default(),
             processes: Default::default(),
+            metrics,
+            registry,
+            daemon_registry,
         }
+    }
+
+    /// Every process's metrics, as one OpenMetrics exposition: the router's own, and
+    /// each worker's, gathered now (a worker that does not answer within `deadline` is
+    /// left out of this scrape).
+    pub async fn scrape(&self, deadline: Duration) -> String {
+        self.metrics
+            .in_flight
+            .set(self.admission.in_flight() as i64);
+        let (_, capacity) = self.shm.room();
+        let mut texts = vec![self.registry.encode(self.shm.used_bytes(), capacity), {
+            let mut t = String::new();
+            let _ =
+                prometheus_client::encoding::text::encode_registry(&mut t, &self.daemon_registry);
+            t
+        }];
+        // Asked at once, so a scrape takes one deadline at most.
+        let mut asks = tokio::task::JoinSet::new();
+        for cell in node::members(crate::wire::groups::METRICS) {
+            asks.spawn(async move {
+                node::ask(&cell, deadline, |p| {
+                    crate::wire::MetricsMsg::Scrape(crate::wire::Wire(()), p)
+                })
+                .await
+            });
+        }
+        while let Some(r) = asks.join_next().await {
+            match r {
+                Ok(Ok(t)) => texts.push(t),
+                Ok(Err(e)) => tracing::debug!("metrics: a worker did not answer the scrape: {e}"),
+                Err(e) => tracing::debug!("metrics: {e}"),
+            }
+        }
+        crate::metrics::merge(texts.iter().map(String::as_str))
     }
 
     /// A call to a worker ([`node::ask`]) within `[server] stage_timeout_seconds`. A
@@ -419,6 +468,9 @@ pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput
     let r = edit_pinned(ctx, job, input, template.as_ref(), t0).await;
     if let Some(t) = &template {
         ctx.unpin(t).await;
+    }
+    if let Ok(o) = &r {
+        ctx.metrics.observe_edit(o);
     }
     r
 }

@@ -64,10 +64,15 @@ impl From<WireError> for ApiError {
     }
 }
 
+/// An error response's class, for the metrics (see [`observe`]).
+#[derive(Clone, Copy)]
+struct ErrorClass(&'static str);
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": {"code": self.code, "message": self.message}});
         let mut r = (self.status, Json(body)).into_response();
+        r.extensions_mut().insert(ErrorClass(self.code));
         if self.status == StatusCode::TOO_MANY_REQUESTS {
             r.headers_mut().insert(
                 header::RETRY_AFTER,
@@ -84,6 +89,7 @@ pub fn app(ctx: Arc<Ctx>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
         .route(
             "/openapi.json",
             get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
@@ -104,6 +110,7 @@ pub fn app(ctx: Arc<Ctx>) -> Router {
         })
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route") })
         .layer(middleware::from_fn_with_state(ctx.clone(), auth))
+        .layer(middleware::from_fn_with_state(ctx.clone(), observe))
         // Our own limit check (in `body`) gives the JSON error; axum's default 2 MiB
         // limit is lifted to the configured one.
         .layer(axum::extract::DefaultBodyLimit::max(
@@ -139,6 +146,83 @@ async fn auth(State(ctx): State<Arc<Ctx>>, req: Request, next: Next) -> Response
         }
     }
     next.run(req).await
+}
+
+/// The header that carries a request's id (its job name), on the responses of the
+/// routes that create one; log lines of every process name the request by it.
+pub const REQUEST_ID: &str = "x-request-id";
+
+/// Counts and times every response by route and status (and errors by class), and
+/// writes one access-log line per request.
+async fn observe(State(ctx): State<Arc<Ctx>>, req: Request, next: Next) -> Response {
+    let t0 = std::time::Instant::now();
+    let method = req.method().clone();
+    // The route template, not the path: ids in paths would make one series each.
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |m| m.as_str().to_string());
+    let r = next.run(req).await;
+    let seconds = t0.elapsed().as_secs_f64();
+    let status = r.status().as_u16();
+    let m = &ctx.metrics;
+    m.http_requests
+        .get_or_create(&[("route", route.clone()), ("status", status.to_string())])
+        .inc();
+    m.http_duration
+        .get_or_create(&[("route", route.clone())])
+        .observe(seconds);
+    if let Some(ErrorClass(class)) = r.extensions().get::<ErrorClass>() {
+        m.errors.get_or_create(&[("class", class)]).inc();
+    }
+    let id = r
+        .headers()
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-");
+    if route != "/metrics" && route != "/readyz" && route != "/healthz" {
+        let worker = crate::logging::worker();
+        tracing::info!(target: "denoised::access", %id, %worker, %method, %route, status, seconds);
+    }
+    r
+}
+
+/// `GET /metrics`: every process's metrics (docs/metrics.md), as OpenMetrics when the
+/// scraper asks for it (Prometheus does), else in the Prometheus text format.
+async fn metrics(State(ctx): State<Arc<Ctx>>, req: Request) -> Response {
+    let openmetrics = req
+        .headers()
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("application/openmetrics-text"));
+    let text = ctx.scrape(std::time::Duration::from_secs(2)).await;
+    let (kind, body) = if openmetrics {
+        (crate::metrics::OPENMETRICS, text)
+    } else {
+        (
+            crate::metrics::PROMETHEUS_TEXT,
+            crate::metrics::to_prometheus_text(&text),
+        )
+    };
+    ([(header::CONTENT_TYPE, kind)], body).into_response()
+}
+
+/// Runs a request's flow on its own task, inside its span (so every log line of it
+/// names the request), and sets the request id header on what `respond` makes of it.
+fn spawn_request<T: Send + 'static>(
+    job: u64,
+    run: impl std::future::Future<Output = Result<T, WireError>> + Send + 'static,
+) -> tokio::task::JoinHandle<Result<T, WireError>> {
+    use tracing::Instrument;
+    let worker = crate::logging::worker();
+    tokio::spawn(run.instrument(tracing::info_span!("request", id = %job_name(job), %worker)))
+}
+
+fn with_id(job: u64, mut r: Response) -> Response {
+    if let Ok(v) = header::HeaderValue::from_str(&job_name(job)) {
+        r.headers_mut().insert(REQUEST_ID, v);
+    }
+    r
 }
 
 /// Compares in time independent of where the inputs differ (token checks).
@@ -349,12 +433,17 @@ async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult
             r
         }
     };
-    let task = tokio::spawn(run);
+    let task = spawn_request(job, run);
     if b.run_async {
         return Ok(accepted(job));
     }
-    let info = joined(task).await?;
-    Ok((StatusCode::CREATED, Json(json!(info))).into_response())
+    match joined(task).await {
+        Ok(info) => Ok(with_id(
+            job,
+            (StatusCode::CREATED, Json(json!(info))).into_response(),
+        )),
+        Err(e) => Ok(with_id(job, e.into_response())),
+    }
 }
 
 async fn multipart_template(ctx: &Ctx, req: Request) -> ApiResult<(Vec<u8>, TemplateBody)> {
@@ -410,12 +499,13 @@ async fn joined<T>(task: tokio::task::JoinHandle<Result<T, WireError>>) -> ApiRe
 
 fn accepted(job: u64) -> Response {
     let id = job_name(job);
-    (
+    let r = (
         StatusCode::ACCEPTED,
         [(header::LOCATION, format!("/v1/jobs/{id}"))],
         Json(json!({"id": id, "status": "queued", "url": format!("/v1/jobs/{id}")})),
     )
-        .into_response()
+        .into_response();
+    with_id(job, r)
 }
 
 async fn list_templates(State(ctx): State<Arc<Ctx>>) -> ApiResult {
@@ -579,12 +669,17 @@ async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
             r
         }
     };
-    let task = tokio::spawn(run);
+    let task = spawn_request(job, run);
     if run_async {
         return Ok(accepted(job));
     }
-    let out = joined(task).await?;
-    Ok(Json(edit_json(job, &out, format, true)).into_response())
+    match joined(task).await {
+        Ok(out) => Ok(with_id(
+            job,
+            Json(edit_json(job, &out, format, true)).into_response(),
+        )),
+        Err(e) => Ok(with_id(job, e.into_response())),
+    }
 }
 
 fn job_id(s: &str) -> ApiResult<u64> {

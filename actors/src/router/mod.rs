@@ -5,6 +5,7 @@ pub mod admission;
 pub mod flow;
 pub mod http;
 pub mod jobs;
+mod watchdog;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -76,7 +77,13 @@ impl Actor for RouterActor {
                             format: ImageFormat::Png,
                         },
                     };
-                    let r = flow::edit(&ctx, job, &input).await;
+                    let span = tracing::info_span!(
+                        "request",
+                        id = %jobs::job_name(job),
+                        worker = %crate::logging::worker()
+                    );
+                    let r =
+                        tracing::Instrument::instrument(flow::edit(&ctx, job, &input), span).await;
                     // The caller gets the image in the reply; the job table keeps only
                     // the description.
                     ctx.jobs.finish(
@@ -130,16 +137,7 @@ pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
         env.router_port
     );
     tracing::info!("HTTP API on http://{addr}");
-    {
-        // Tell systemd once every worker group is up.
-        let ctx = ctx.clone();
-        tokio::spawn(async move {
-            while !ctx.ready().iter().all(|(_, have, want)| have >= want) {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            crate::notify::notify(&format!("READY=1\nSTATUS=serving on http://{addr}"));
-        });
-    }
+    tokio::spawn(watchdog::run(ctx.clone(), router.clone(), addr.to_string()));
     // Graceful drain on SIGTERM: /readyz turns 503 and new requests get 503 at once,
     // the requests in flight finish (up to `[server] drain_timeout_seconds`), then the
     // HTTP server stops once their responses are sent. The supervisor stops the other

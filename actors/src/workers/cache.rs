@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
+use crate::metrics::cache::CacheMetrics;
 use crate::node::Shm;
 use crate::wire::{CacheMsg, ErrorKind, PutTemplate, TemplateEntry, Wire, WireError};
 
@@ -29,23 +30,25 @@ pub struct CacheState {
     /// Versions out of the index (deleted or replaced) while pinned, freed at the
     /// last unpin.
     retired: HashMap<u64, TemplateEntry>,
+    metrics: CacheMetrics,
 }
 
 impl Actor for CacheActor {
     type Msg = CacheMsg;
     type State = CacheState;
-    type Arguments = Arc<Shm>;
+    type Arguments = (Arc<Shm>, CacheMetrics);
 
     async fn pre_start(
         &self,
         _myself: ActorRef<Self::Msg>,
-        shm: Self::Arguments,
+        (shm, metrics): Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
         Ok(CacheState {
             shm,
             templates: BTreeMap::new(),
             pins: HashMap::new(),
             retired: HashMap::new(),
+            metrics,
         })
     }
 
@@ -57,7 +60,12 @@ impl Actor for CacheActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             CacheMsg::Put(Wire(put), reply) => {
-                let _ = reply.send(Wire(st.put(put)));
+                let r = st.put(put);
+                if let Ok(e) = &r {
+                    st.metrics.loaded(e.blob.len);
+                }
+                st.count();
+                let _ = reply.send(Wire(r));
             }
             CacheMsg::Get(Wire(id), reply) => {
                 let _ = reply.send(Wire(st.get(&id).cloned()));
@@ -75,10 +83,12 @@ impl Actor for CacheActor {
                     }
                     None => Err(not_found(&id)),
                 };
+                st.count();
                 let _ = reply.send(Wire(r));
             }
             CacheMsg::Pin(Wire(id), reply) => {
                 let r = st.get(&id).cloned();
+                st.metrics.lookup(r.is_ok());
                 if let Ok(e) = &r {
                     *st.pins.entry(e.blob.generation).or_default() += 1;
                 }
@@ -112,6 +122,12 @@ fn not_found(id: &str) -> WireError {
 }
 
 impl CacheState {
+    /// Updates the gauges of what the tier holds.
+    fn count(&self) {
+        let bytes = self.templates.values().map(|e| e.blob.len).sum();
+        self.metrics.set_held(self.templates.len(), bytes);
+    }
+
     fn get(&self, id: &str) -> Result<&TemplateEntry, WireError> {
         self.templates.get(id).ok_or_else(|| not_found(id))
     }

@@ -40,6 +40,8 @@ pub trait Stage: Send + Sync + 'static {
     const THREAD: &'static str;
     fn command(msg: Self::Msg) -> StageCommand<Self::Req, Self::Rep>;
     fn run(p: &Pipeline, shm: &Shm, req: &Self::Req) -> Result<Self::Rep, WireError>;
+    /// The request a call belongs to (its log lines name it).
+    fn job(req: &Self::Req) -> crate::wire::JobId;
     /// The slices of this worker's arena a reply lends to the router.
     fn handles(rep: &Self::Rep) -> Vec<Handle>;
 }
@@ -84,7 +86,19 @@ impl<S: Stage> Actor for ComputeActor<S> {
             .name(S::THREAD.into())
             .spawn(move || {
                 for (req, reply, epoch) in rx {
+                    let id = crate::router::jobs::job_name(S::job(&req));
+                    let worker = crate::logging::worker();
+                    let _span = tracing::info_span!("request", %id, %worker).entered();
+                    let t0 = std::time::Instant::now();
                     let r = S::run(&pipeline, &s, &req);
+                    match &r {
+                        Ok(_) => tracing::info!(
+                            "{}: done in {:.3} s",
+                            S::THREAD,
+                            t0.elapsed().as_secs_f64()
+                        ),
+                        Err(e) => tracing::warn!("{}: {e}", S::THREAD),
+                    }
                     // The router that asked is gone (its connection was lost while this
                     // ran): nobody would release the result, so it is dropped here.
                     // Results written before the loss were freed with the arena sweep.

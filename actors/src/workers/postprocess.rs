@@ -33,6 +33,10 @@ impl Stage for Postprocess {
         finish_to_shm(p, shm, req)
     }
 
+    fn job(req: &FinishReq) -> crate::wire::JobId {
+        req.job
+    }
+
     fn handles(rep: &Finished) -> Vec<Handle> {
         vec![rep.image.clone()]
     }

@@ -34,6 +34,10 @@ impl Stage for Preprocess {
         prepare_to_shm(p, shm, req)
     }
 
+    fn job(req: &PrepareReq) -> crate::wire::JobId {
+        req.job
+    }
+
     fn handles(rep: &PreparedRefs) -> Vec<Handle> {
         rep.handles()
     }

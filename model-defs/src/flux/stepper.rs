@@ -11,7 +11,9 @@
 //! templates of a batch fit ([`Stepper::template_bytes`] is what it counts).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use denoised_runtime::{Backend, Error, Result, Tensor};
 
@@ -22,6 +24,28 @@ use crate::scheduler::FlowMatchEuler;
 
 /// Identifies a job among those a stepper runs.
 pub type JobKey = u64;
+
+/// What a stepper counts of its device, for its worker's metrics (read at scrape
+/// time; updated a few times per step, never in the forward).
+#[derive(Debug, Default)]
+pub struct StepperStats {
+    /// Templates resident on the device, and their bytes.
+    pub entries: AtomicU64,
+    pub bytes: AtomicU64,
+    /// Per step of a batch, each template it reads: found resident (a hit), or not
+    /// (a miss: then made resident, or streamed).
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub evictions: AtomicU64,
+    /// Bytes made resident, and bytes streamed during steps.
+    pub loaded_bytes: AtomicU64,
+    pub streamed_bytes: AtomicU64,
+    /// Device memory in use, sampled at most once a second.
+    pub device_used_bytes: AtomicU64,
+}
+
+/// How often the device's memory in use is read (a driver call).
+const MEMORY_SAMPLE: Duration = Duration::from_secs(1);
 
 /// Runs the requests admitted to one device, a batched step at a time.
 pub trait Stepper: Send {
@@ -53,6 +77,8 @@ pub trait Stepper: Send {
     /// Device bytes `template` takes in a batch: its size while resident, 0 when it
     /// is streamed through the reserved slab buffers.
     fn template_bytes(&self, template: &TemplateCache) -> u64;
+    /// Its counters, shared with whoever reports them.
+    fn stats(&self) -> Arc<StepperStats>;
 }
 
 /// The [`Stepper`] of any backend.
@@ -70,6 +96,9 @@ pub struct ModelStepper<B: Backend> {
     elem_bytes: usize,
     /// Whether templates that can never be resident are streamed (else refused).
     streams: bool,
+    stats: Arc<StepperStats>,
+    /// When the device's memory in use was last read.
+    sampled: Option<Instant>,
 }
 
 impl<B: Backend> ModelStepper<B>
@@ -93,6 +122,8 @@ where
             capacity,
             elem_bytes,
             streams,
+            stats: Arc::default(),
+            sampled: None,
         }
     }
 
@@ -158,18 +189,27 @@ where
             let old = self.recent.remove(i).expect("index from rposition");
             others -= size(&old);
             self.templates.evict(&old);
+            self.stats.evictions.fetch_add(1, Ordering::Relaxed);
         }
         let be = self.model.backend();
+        let count = |a: &AtomicU64, n: u64| a.fetch_add(n, Ordering::Relaxed);
         for (t, steps) in &batch {
             if resident_size(t) {
                 if let Some(i) = self.recent.iter().position(|r| r.key() == t.key()) {
                     let hit = self.recent.remove(i).expect("index from position");
                     self.recent.push_front(hit);
+                    count(&self.stats.hits, 1);
                 } else {
                     self.templates.make_resident(be, t)?;
                     self.recent.push_front(t.clone());
+                    count(&self.stats.misses, 1);
+                    count(&self.stats.loaded_bytes, size(t));
                 }
-            } else if !(self.streams && self.templates.stream(be, t, steps.len())?) {
+            } else if self.streams && self.templates.stream(be, t, steps.len())? {
+                count(&self.stats.misses, 1);
+                let per_step = t.layout().kv_bytes_per_step() as u64;
+                count(&self.stats.streamed_bytes, per_step * steps.len() as u64);
+            } else {
                 return Err(Error::Invalid(format!(
                     "its template needs {:.2} GB of device memory, and the device budget leaves {:.2} GB",
                     size(t) as f64 / 1e9,
@@ -177,7 +217,23 @@ where
                 )));
             }
         }
+        let resident: u64 = self.recent.iter().map(|r| size(r)).sum();
+        self.stats
+            .entries
+            .store(self.recent.len() as u64, Ordering::Relaxed);
+        self.stats.bytes.store(resident, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Reads the device's memory in use, at most once per [`MEMORY_SAMPLE`].
+    fn sample_memory(&mut self) {
+        if self.sampled.is_some_and(|t| t.elapsed() < MEMORY_SAMPLE) {
+            return;
+        }
+        self.sampled = Some(Instant::now());
+        if let Some(used) = self.model.backend().memory_in_use() {
+            self.stats.device_used_bytes.store(used, Ordering::Relaxed);
+        }
     }
 }
 
@@ -206,7 +262,9 @@ where
             .filter(|(id, _)| ids.contains(id))
             .map(|(_, j)| j)
             .collect();
-        step_batch_with(&self.model, &mut batch, &self.templates)
+        let r = step_batch_with(&self.model, &mut batch, &self.templates);
+        self.sample_memory();
+        r
     }
 
     fn position(&self, id: JobKey) -> Option<usize> {
@@ -243,6 +301,9 @@ where
             b if b > self.capacity && self.streams => 0,
             b => b,
         }
+    }
+    fn stats(&self) -> Arc<StepperStats> {
+        self.stats.clone()
     }
 }
 

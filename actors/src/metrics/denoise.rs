@@ -1,0 +1,188 @@
+//! A denoise worker's metrics: its steps and batches (recorded by the event thread
+//! from the loop's step events, so the loop itself does no metrics work), its queue,
+//! and its device: the memory budget, the memory in use, and the device tier of the
+//! template cache (read at scrape time from the stepper's counters).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use denoised_models::flux::stepper::StepperStats;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+
+use super::{BATCH_REQUESTS, BATCH_TOKENS, STEP_SECONDS};
+use crate::budget::DeviceBudget;
+
+/// How a request left the denoise loop.
+pub type Outcome = [(&'static str, &'static str); 1];
+
+#[derive(Clone)]
+pub struct DenoiseMetrics {
+    pub step: Histogram,
+    pub batch_requests: Histogram,
+    pub batch_tokens: Histogram,
+    pub running: Gauge,
+    pub waiting: Gauge,
+    pub requests: Family<Outcome, Counter>,
+}
+
+impl DenoiseMetrics {
+    /// Registers a denoise worker's metrics; `device` is what its stepper counts and
+    /// the memory budget it computed (GPU and emulator workers).
+    pub fn register(
+        r: &mut Registry,
+        stats: Arc<StepperStats>,
+        budget: Option<DeviceBudget>,
+    ) -> Self {
+        let m = DenoiseMetrics {
+            step: Histogram::new(STEP_SECONDS.iter().copied()),
+            batch_requests: Histogram::new(BATCH_REQUESTS.iter().copied()),
+            batch_tokens: Histogram::new(BATCH_TOKENS.iter().copied()),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            requests: Family::default(),
+        };
+        r.register_with_unit(
+            "denoise_step_duration",
+            "Duration of one batched denoising step",
+            Unit::Seconds,
+            m.step.clone(),
+        );
+        r.register(
+            "denoise_batch_requests",
+            "Requests in a step's batch",
+            m.batch_requests.clone(),
+        );
+        r.register(
+            "denoise_batch_tokens",
+            "Token rows a step computes (text and active image tokens of its requests)",
+            m.batch_tokens.clone(),
+        );
+        r.register(
+            "denoise_running_requests",
+            "Requests in the running batch after the latest step",
+            m.running.clone(),
+        );
+        r.register(
+            "denoise_waiting_requests",
+            "Requests waiting to join the running batch after the latest step",
+            m.waiting.clone(),
+        );
+        r.register(
+            "denoise_requests",
+            "Requests that left the denoise loop, by outcome (finished, failed, cancelled)",
+            m.requests.clone(),
+        );
+        r.register_collector(Box::new(DeviceCollector { stats, budget }));
+        m
+    }
+}
+
+/// The device's figures, read from the stepper's counters at scrape time.
+#[derive(Debug)]
+struct DeviceCollector {
+    stats: Arc<StepperStats>,
+    budget: Option<DeviceBudget>,
+}
+
+fn tier() -> [(&'static str, &'static str); 1] {
+    [("tier", "device")]
+}
+
+impl Collector for DeviceCollector {
+    fn encode(&self, mut e: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = &self.stats;
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        let gauges: [(&str, &str, Option<Unit>, u64); 2] = [
+            (
+                "template_cache_entries",
+                "Templates held in a tier of the template cache.",
+                None,
+                get(&s.entries),
+            ),
+            (
+                "template_cache",
+                "Bytes of the templates held in a tier of the template cache.",
+                Some(Unit::Bytes),
+                get(&s.bytes),
+            ),
+        ];
+        for (name, help, unit, v) in gauges {
+            let mut m = e.encode_descriptor(name, help, unit.as_ref(), MetricType::Gauge)?;
+            ConstGauge::new(v as i64).encode(m.encode_family(&tier())?)?;
+        }
+        let counters: [(&str, &str, Option<Unit>, u64); 5] = [
+            (
+                "template_cache_hits",
+                "Uses of a template found in the tier.",
+                None,
+                get(&s.hits),
+            ),
+            (
+                "template_cache_misses",
+                "Uses of a template not in the tier (then loaded into it, or streamed).",
+                None,
+                get(&s.misses),
+            ),
+            (
+                "template_cache_evictions",
+                "Templates evicted from the tier to make room.",
+                None,
+                get(&s.evictions),
+            ),
+            (
+                "template_cache_loaded",
+                "Bytes loaded into the tier.",
+                Some(Unit::Bytes),
+                get(&s.loaded_bytes),
+            ),
+            (
+                "template_streamed",
+                "Bytes of template K/V streamed to the device during steps (templates larger than its template budget).",
+                Some(Unit::Bytes),
+                get(&s.streamed_bytes),
+            ),
+        ];
+        for (name, help, unit, v) in counters {
+            let mut m = e.encode_descriptor(name, help, unit.as_ref(), MetricType::Counter)?;
+            if name == "template_streamed" {
+                ConstCounter::new(v).encode(m)?;
+            } else {
+                ConstCounter::new(v).encode(m.encode_family(&tier())?)?;
+            }
+        }
+        if let Some(b) = &self.budget {
+            let mut m = e.encode_descriptor(
+                "device_memory_budget",
+                "The device memory budget computed at start, by part.",
+                Some(&Unit::Bytes),
+                MetricType::Gauge,
+            )?;
+            for (part, v) in [
+                ("total", b.total_bytes),
+                ("weights", b.weights_bytes),
+                ("workspace", b.workspace_bytes),
+                ("requests", b.requests_bytes),
+                ("slab_buffers", b.slab_buffer_bytes),
+                ("reserve", b.reserve_bytes),
+                ("templates", b.template_bytes),
+            ] {
+                ConstGauge::new(v as i64).encode(m.encode_family(&[("part", part)])?)?;
+            }
+            let m = e.encode_descriptor(
+                "device_memory_used",
+                "Device memory in use (all allocations of the worker's context), sampled at most once a second by the step loop.",
+                Some(&Unit::Bytes),
+                MetricType::Gauge,
+            )?;
+            ConstGauge::new(get(&s.device_used_bytes) as i64).encode(m)?;
+        }
+        Ok(())
+    }
+}

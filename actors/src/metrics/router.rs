@@ -1,0 +1,132 @@
+//! The router's metrics: HTTP requests by route and status, the stages of every
+//! request, errors by class, the mask ratio of served edits, requests in flight, the
+//! supervisor's process restarts, and the build.
+
+use std::path::PathBuf;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::info::Info;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+
+use super::{LATENCY_SECONDS, RATIO};
+use crate::supervisor::Status;
+
+pub type RouteStatus = [(&'static str, String); 2];
+pub type Label = [(&'static str, &'static str); 1];
+
+#[derive(Clone)]
+pub struct RouterMetrics {
+    pub http_requests: Family<RouteStatus, Counter>,
+    pub http_duration: Family<[(&'static str, String); 1], Histogram>,
+    /// Of served edits, by stage: queue (waiting for a batch), preprocess, denoise,
+    /// postprocess, and the whole request (`total`).
+    pub stage: Family<Label, Histogram>,
+    pub errors: Family<Label, Counter>,
+    pub mask_ratio: Histogram,
+    pub in_flight: Gauge,
+}
+
+impl RouterMetrics {
+    /// Registers the router's metrics in `r` (labelled with the router process), and
+    /// the daemon's in `daemon` (unlabelled: the build, and the restarts of every
+    /// process, read from the supervisor's status file at scrape time).
+    pub fn register(r: &mut Registry, daemon: &mut Registry, status_file: PathBuf) -> Self {
+        let latency = || Histogram::new(LATENCY_SECONDS.iter().copied());
+        let m = RouterMetrics {
+            http_requests: Family::default(),
+            http_duration: Family::new_with_constructor(latency),
+            stage: Family::new_with_constructor(latency),
+            errors: Family::default(),
+            mask_ratio: Histogram::new(RATIO.iter().copied()),
+            in_flight: Gauge::default(),
+        };
+        r.register(
+            "http_requests",
+            "HTTP requests answered, by route and status",
+            m.http_requests.clone(),
+        );
+        r.register_with_unit(
+            "http_request_duration",
+            "Time from a request's arrival to its response, by route",
+            Unit::Seconds,
+            m.http_duration.clone(),
+        );
+        r.register_with_unit(
+            "edit_stage_duration",
+            "Time of each stage of a served edit: queue (waiting to join a denoise batch), preprocess, denoise, postprocess, total",
+            Unit::Seconds,
+            m.stage.clone(),
+        );
+        r.register(
+            "errors",
+            "Requests that failed, by class (bad_request, not_found, conflict, cancelled, too_large, overloaded, unavailable, timeout, internal)",
+            m.errors.clone(),
+        );
+        r.register(
+            "edit_mask_ratio",
+            "Share of the image tokens a served edit computed",
+            m.mask_ratio.clone(),
+        );
+        r.register(
+            "requests_in_flight",
+            "Requests admitted and not yet answered",
+            m.in_flight.clone(),
+        );
+        daemon.register(
+            "build",
+            "The build: version and target",
+            Info::new([
+                ("version", env!("CARGO_PKG_VERSION")),
+                ("target", std::env::consts::ARCH),
+            ]),
+        );
+        daemon.register_collector(Box::new(Restarts(status_file)));
+        m
+    }
+}
+
+impl RouterMetrics {
+    /// Records a served edit: the time of each of its stages, and its mask ratio.
+    pub fn observe_edit(&self, o: &crate::router::flow::EditOutput) {
+        let t = &o.timings;
+        for (stage, s) in [
+            ("queue", t.queue_s),
+            ("preprocess", t.preprocess_s),
+            ("denoise", t.denoise_s),
+            ("postprocess", t.postprocess_s),
+            ("total", t.total_s),
+        ] {
+            self.stage.get_or_create(&[("stage", stage)]).observe(s);
+        }
+        if o.tokens > 0 {
+            self.mask_ratio.observe(o.active as f64 / o.tokens as f64);
+        }
+    }
+}
+
+/// Process restarts, as the supervisor counts them.
+#[derive(Debug)]
+struct Restarts(PathBuf);
+
+impl Collector for Restarts {
+    fn encode(&self, mut e: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let status = Status::read(&self.0);
+        let mut m = e.encode_descriptor(
+            "process_restarts",
+            "Times the supervisor restarted a worker process, by role and worker.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (worker, (role, n)) in &status.restarts {
+            let labels = [("worker", worker.as_str()), ("role", role.as_str())];
+            ConstCounter::new(*n).encode(m.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
