@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod node;
 pub mod notify;
 pub mod overheads;
+pub mod planner;
 pub mod process;
 pub mod restarts;
 pub mod router;
