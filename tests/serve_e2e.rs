@@ -308,7 +308,7 @@ fn bad_requests_get_json_errors_and_the_daemon_keeps_serving() {
 fn a_worker_killed_mid_request_loses_nothing() {
     let d = Daemon::start(&[]);
     d.template("t", 60);
-    kill_denoise_mid_edit(&d, "t");
+    kill_denoise_mid_edit(&d, "t", 512);
     let (s, _) = d.post(
         "/v1/edits",
         &json!({"template_id": "t", "mask": mask_b64()}),

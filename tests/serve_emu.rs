@@ -252,15 +252,17 @@ fn twelve_templates_batch_past_eight_on_emu() {
 fn a_killed_emu_denoise_worker_loses_nothing() {
     let d = Daemon::start(&["--device", "emu"]);
     template(&d, "t", 12);
-    kill_denoise_mid_edit(&d, "t");
+    kill_denoise_mid_edit(&d, "t", SEQ);
 }
 
 /// A device too small for the configuration: the denoise worker says why, with the
 /// figures, and the daemon refuses to start instead of restarting it forever.
 #[test]
 fn a_device_too_small_refuses_to_start() {
+    let cache = cache_dir();
     let mut child = Command::new(env!("CARGO_BIN_EXE_denoised"))
         .args(["serve", "--listen", "127.0.0.1:0", "--device", "emu"])
+        .env("DENOISED_CACHE_DIR", cache.path())
         // Room for the built-in model's weights (1 MB in bf16), not for a step.
         .env("DENOISED_EMU_MEMORY", "3000000")
         .env("DENOISED_LOG", "warn")

@@ -311,9 +311,11 @@ fn systemd_notifications_ready_watchdog_stopping() {
     let sock = UnixDatagram::bind(&sock_path).unwrap();
     sock.set_read_timeout(Some(Duration::from_secs(60)))
         .unwrap();
+    let cache = cache_dir();
     let mut child = Command::new(env!("CARGO_BIN_EXE_denoised"))
         .args(["serve", "--listen", "127.0.0.1:0"])
         .env("DENOISED_LOG", "warn")
+        .env("DENOISED_CACHE_DIR", cache.path())
         .env("NOTIFY_SOCKET", &sock_path)
         // A one-second watchdog: pings every half second.
         .env("WATCHDOG_USEC", "1000000")

@@ -243,6 +243,21 @@ where
     M: Message,
     T: Send + 'static,
 {
+    call(cell, timeout, build).await.and_then(|r| r)
+}
+
+/// [`ask`], telling the call's own failure (outer: the worker is gone, or timed out)
+/// from the worker's answer (inner: which may itself say that something the worker
+/// read, such as another process's shared memory, went away).
+pub async fn call<M, T>(
+    cell: &ActorCell,
+    timeout: Duration,
+    build: impl FnOnce(ractor::RpcReplyPort<Res<T>>) -> M,
+) -> Result<Result<T, WireError>, WireError>
+where
+    M: Message,
+    T: Send + 'static,
+{
     let actor: ActorRef<M> = cell.clone().into();
     // The deadline is kept here, not handed to ractor: a remote call's own timeout
     // comes back as a closed port, which would read as a lost worker (and be retried).
@@ -250,7 +265,7 @@ where
         .await
         .unwrap_or(Ok(CallResult::Timeout))
     {
-        Ok(CallResult::Success(reply)) => reply.0,
+        Ok(CallResult::Success(reply)) => Ok(reply.0),
         Ok(CallResult::Timeout) => Err(WireError::new(
             ErrorKind::Timeout,
             format!(

@@ -21,6 +21,7 @@ use crate::node::{self, Role, Shm, WorkerEnv};
 use crate::scheduler::BatchConfig;
 use crate::stages::Pipeline;
 use crate::wire::{groups, CacheMsg, DenoiseMsg, RouterMsg, Wire, WorkerInfo};
+use crate::workers::cache::CacheArgs;
 use crate::workers::{
     cache::CacheActor, postprocess::PostprocessActor, preprocess::PreprocessActor,
 };
@@ -262,7 +263,21 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
             }
             (Role::Cache, _) => {
                 let metrics = CacheMetrics::register(registry.registry());
-                Actor::spawn(name, CacheActor, (shm.clone(), metrics))
+                let source: ModelSource = env
+                    .config
+                    .model
+                    .source
+                    .parse()
+                    .unwrap_or_else(|e| match e {});
+                let args = CacheArgs {
+                    shm: shm.clone(),
+                    metrics,
+                    model: source.transformer_config().map_err(|e| e.to_string())?,
+                    fingerprint: source.fingerprint().map_err(|e| e.to_string())?,
+                    dir: env.config.cache.resolved_dir(),
+                    disk_bytes: env.config.cache.disk_bytes,
+                };
+                Actor::spawn(name, CacheActor, args)
                     .await
                     .map(|(a, _)| (groups::CACHE, a.get_cell()))
             }

@@ -198,6 +198,8 @@ impl PreparedRefs {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TemplateRef {
     pub id: String,
+    /// See [`TemplateEntry::version`].
+    pub version: u64,
     pub blob: Handle,
     pub steps: u32,
     pub tokens: u32,
@@ -329,6 +331,20 @@ pub struct TemplateInfo {
     pub max_sequence_length: u32,
     pub cache_bytes: u64,
     pub created_unix: f64,
+    /// The storage dtype of its K/V (the capturing device's): `f32` or `bf16`.
+    #[serde(default)]
+    pub kv_dtype: String,
+    /// Where it is now: its bytes in each tier of the template cache (0 where it is
+    /// not). Filled in when it is described.
+    #[serde(default)]
+    pub tiers: TierBytes,
+}
+
+/// A template's footprint in each tier of the template cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierBytes {
+    pub host: u64,
+    pub disk: u64,
 }
 
 /// router → cache: store a template (the cache actor copies both slices into its arena).
@@ -341,12 +357,16 @@ pub struct PutTemplate {
     pub replace: bool,
 }
 
-/// A template as the cache actor holds it.
+/// A template as the cache actor hands it out.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TemplateEntry {
     pub info: TemplateInfo,
-    pub blob: Handle,
-    /// The template's encoded image bytes.
+    /// This registration of the template: unique, also across restarts, and the same
+    /// in every tier (what pins and device caches name).
+    pub version: u64,
+    /// Its cache in the host tier, when it is there (else it is on disk: `Load` it).
+    pub blob: Option<Handle>,
+    /// The template's encoded image bytes (always in the host tier: they are small).
     pub image: Handle,
 }
 
@@ -463,14 +483,26 @@ pub enum CacheMsg {
     List(Wire<()>, RpcReplyPort<Res<Vec<TemplateInfo>>>),
     #[rpc]
     Delete(Wire<String>, RpcReplyPort<Res<TemplateInfo>>),
-    /// `Get` for an edit: the template's slices stay valid (pinned), even if it is
-    /// deleted or replaced meanwhile, until the matching `Unpin`.
+    /// `Get` for an edit: the template stays (pinned: never evicted, its slices valid
+    /// even if it is deleted or replaced meanwhile) until the matching `Unpin`. A
+    /// template only on disk starts loading into the host tier at once; the reply does
+    /// not wait for it (`Load` does), so the load overlaps the edit's preprocessing.
     #[rpc]
     Pin(Wire<String>, RpcReplyPort<Res<TemplateEntry>>),
-    /// The edit that pinned this template (by its cache blob) is done with it.
-    Unpin(Wire<Handle>),
+    /// The host-tier cache of a pinned template version, once it is there.
+    #[rpc]
+    Load(Wire<u64>, RpcReplyPort<Res<Handle>>),
+    /// The edit that pinned this template version is done with it.
+    Unpin(Wire<u64>),
     /// From the cache process itself: the router was lost, and with it every pin.
     RouterLost(Wire<()>),
+    /// From the cache's own tasks (copies and disk I/O run off the message loop): a
+    /// registration's copy into the host tier is done.
+    Copied(Wire<(u64, Result<(), WireError>)>),
+    /// A version's cache was read from disk into the host tier (or found corrupt).
+    Loaded(Wire<(u64, Result<(), WireError>)>),
+    /// A version was written to disk (its bytes there), or could not be.
+    Written(Wire<(u64, Result<u64, WireError>)>),
 }
 
 #[derive(RactorClusterMessage)]

@@ -19,6 +19,52 @@ pub struct Config {
     pub workers: WorkersConfig,
     pub denoise: DenoiseConfig,
     pub cluster: ClusterConfig,
+    pub cache: CacheConfig,
+}
+
+/// `[cache]`: the template cache's tiers beyond memory.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CacheConfig {
+    /// Directory of the disk tier. Empty: `$STATE_DIRECTORY` (systemd's
+    /// `StateDirectory`) when set, else `~/.cache/denoised/templates`.
+    pub dir: String,
+    /// Bytes the disk tier may hold; the least recently used templates beyond it are
+    /// dropped. 0 turns the disk tier off (templates then live in memory only).
+    pub disk_bytes: u64,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            dir: String::new(),
+            disk_bytes: 100 << 30,
+        }
+    }
+}
+
+impl CacheConfig {
+    /// The disk tier's directory, resolved (see [`CacheConfig::dir`]).
+    pub fn resolved_dir(&self) -> std::path::PathBuf {
+        if !self.dir.is_empty() {
+            return self.dir.clone().into();
+        }
+        if let Some(d) = std::env::var_os("STATE_DIRECTORY") {
+            // systemd may list several, separated by colons: the first is ours.
+            let first = d
+                .to_string_lossy()
+                .split(':')
+                .next()
+                .unwrap_or("")
+                .to_string();
+            if !first.is_empty() {
+                return std::path::PathBuf::from(first).join("templates");
+            }
+        }
+        let home: std::path::PathBuf =
+            std::env::var_os("HOME").map_or_else(std::env::temp_dir, Into::into);
+        home.join(".cache/denoised/templates")
+    }
 }
 
 /// `[server]`: the HTTP API of the router process.

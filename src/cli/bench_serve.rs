@@ -344,8 +344,21 @@ async fn bench(a: Args) -> CliResult {
             Some(b) => b.clone(),
             None => synthetic_png(a.width, a.height, k)?,
         };
+        // Ids name what the template is: a daemon keeps templates across restarts
+        // (its disk tier), and one registered by another run is reused only when it
+        // is the same template.
+        let source = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            image.hash(&mut h);
+            h.finish() as u32
+        };
         let body = json!({
-            "id": format!("bench-{k}"),
+            "id": format!(
+                "bench-{k}-s{}-seed{}-{source:08x}",
+                a.steps,
+                a.seed.wrapping_add(k as u64)
+            ),
             "image": base64::engine::general_purpose::STANDARD.encode(image),
             "steps": a.steps,
             "seed": a.seed.wrapping_add(k as u64),

@@ -305,13 +305,20 @@ struct Daemon {
     child: Child,
     url: String,
     http: reqwest::blocking::Client,
+    /// Its template cache's disk tier: a directory of its own, removed with it (a
+    /// check leaves no templates behind).
+    cache_dir: std::path::PathBuf,
 }
 
 impl Daemon {
     fn start(device: &str) -> CliResult<Daemon> {
+        let cache_dir =
+            std::env::temp_dir().join(format!("denoised-selftest-{}", std::process::id()));
         let mut child = Command::new(std::env::current_exe()?)
             .args(["serve", "--listen", "127.0.0.1:0", "--model", "builtin"])
             .args(["--device", device, "--dtype", "bf16"])
+            .arg("--cache-dir")
+            .arg(&cache_dir)
             // The operator's own config must not change what is verified.
             .env_remove("DENOISED_CONFIG")
             .env_remove("DENOISED_API_TOKEN")
@@ -334,6 +341,7 @@ impl Daemon {
             http: reqwest::blocking::Client::builder()
                 .timeout(Duration::from_secs(300))
                 .build()?,
+            cache_dir,
         };
         d.url = rx
             .recv_timeout(Duration::from_secs(120))
@@ -361,6 +369,7 @@ impl Drop for Daemon {
         // SAFETY: kill(2) of our own child.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.cache_dir);
     }
 }
 

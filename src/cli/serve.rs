@@ -56,6 +56,9 @@ pub struct ServeArgs {
     /// `[server] log_format`: text or json.
     #[arg(long, env = "DENOISED_LOG_FORMAT")]
     pub log_format: Option<String>,
+    /// `[cache] dir`: the template cache's disk tier.
+    #[arg(long, env = "DENOISED_CACHE_DIR")]
+    pub cache_dir: Option<String>,
 }
 
 impl ServeArgs {
@@ -114,6 +117,9 @@ impl ServeArgs {
         }
         if let Some(f) = &self.log_format {
             c.server.log_format = f.clone();
+        }
+        if let Some(d) = &self.cache_dir {
+            c.cache.dir = d.clone();
         }
         denoised_actors::logging::set_format(&c.server.log_format)
             .map_err(|e| format!("[server] {e}"))?;

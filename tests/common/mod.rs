@@ -44,6 +44,15 @@ pub struct Daemon {
     pub child: Child,
     pub url: String,
     pub http: Client,
+    /// The template cache's disk tier: the test's own (daemons keep templates across
+    /// restarts there).
+    pub cache_dir: PathBuf,
+    _cache_dir: Option<tempfile::TempDir>,
+}
+
+/// A fresh directory for a daemon's disk tier, removed with the guard.
+pub fn cache_dir() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
 }
 
 impl Daemon {
@@ -63,10 +72,23 @@ impl Daemon {
     }
 
     fn spawn(args: &[&str], env: &[(&str, &str)], stderr: Stdio) -> Daemon {
+        // Unless the test names one, a disk tier of its own.
+        let named = env.iter().any(|(k, _)| *k == "DENOISED_CACHE_DIR");
+        let guard = (!named).then(cache_dir);
+        let dir = match &guard {
+            Some(g) => g.path().to_path_buf(),
+            None => PathBuf::from(
+                env.iter()
+                    .find(|(k, _)| *k == "DENOISED_CACHE_DIR")
+                    .unwrap()
+                    .1,
+            ),
+        };
         let mut child = Command::new(env!("CARGO_BIN_EXE_denoised"))
             .args(["serve", "--listen", "127.0.0.1:0"])
             .args(args)
             .env("DENOISED_LOG", "warn")
+            .env("DENOISED_CACHE_DIR", &dir)
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(stderr)
@@ -87,6 +109,8 @@ impl Daemon {
         let d = Daemon {
             child,
             url,
+            cache_dir: dir,
+            _cache_dir: guard,
             http: Client::builder()
                 .timeout(Duration::from_secs(300))
                 .build()
@@ -141,6 +165,12 @@ impl Daemon {
 
     /// PID of one of the daemon's worker processes.
     pub fn worker_pid(&self, role: &str) -> u32 {
+        self.worker_pid_opt(role)
+            .unwrap_or_else(|| panic!("no {role} worker"))
+    }
+
+    /// PID of one of the daemon's worker processes, if one runs.
+    pub fn worker_pid_opt(&self, role: &str) -> Option<u32> {
         let sup = self.child.id().to_string();
         for e in std::fs::read_dir("/proc").unwrap().flatten() {
             let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
@@ -154,10 +184,10 @@ impl Daemon {
             let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
             if ppid == Some(sup.as_str()) && cmd.contains(&format!("--role {role}")) {
-                return pid;
+                return Some(pid);
             }
         }
-        panic!("no {role} worker");
+        None
     }
 }
 
@@ -277,11 +307,12 @@ pub fn wait_job(d: &Daemon, id: &str) -> Value {
 /// Starts an edit of `template`, kills -9 the denoise worker once the edit is in its
 /// loop, and checks that the edit is retried and succeeds and that the worker was
 /// restarted. The template lives in the cache process, so the retry still finds it.
-pub fn kill_denoise_mid_edit(d: &Daemon, template: &str) {
+/// `seq` is the edit's T5 sequence length.
+pub fn kill_denoise_mid_edit(d: &Daemon, template: &str, seq: u32) {
     let victim = d.worker_pid("denoise");
     let (_, v) = d.post(
         "/v1/edits",
-        &serde_json::json!({"template_id": template, "mask": mask_b64(), "async": true}),
+        &serde_json::json!({"template_id": template, "mask": mask_b64(), "async": true, "max_sequence_length": seq}),
     );
     let id = v["id"].as_str().unwrap().to_string();
     let t0 = Instant::now();

@@ -17,7 +17,6 @@
 //! steps (see [`super::inline`]).
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -297,9 +296,9 @@ impl DenoiseState {
         TemplateLayout::for_model(&self.pipeline.config, tokens, steps as usize, dtype)
     }
 
-    /// The template's cache, read in place in the cache process's arena. Its storage
-    /// dtype is the one whose layout has the blob's size (a template is captured by a
-    /// worker of this daemon, in that worker's device dtype).
+    /// The template's cache, read in place in the cache process's arena. Its key (how
+    /// the device recognises a template it keeps) is its version, the same in every
+    /// tier of the cache, with the top bit set to stay clear of locally counted keys.
     fn template(
         &mut self,
         t: &TemplateRef,
@@ -317,33 +316,27 @@ impl DenoiseState {
                 t.id, t.tokens, t.steps
             )));
         }
-        let layout = [DType::BF16, DType::F32]
-            .into_iter()
-            .map(|dt| self.layout(tokens as usize, steps, dt))
-            .find(|l| l.total_bytes() as u64 == t.blob.len)
-            .ok_or_else(|| {
-                WireError::internal(format!(
-                    "template `{}` holds {} bytes, which no layout of {tokens} tokens x {steps} steps has",
-                    t.id, t.blob.len
-                ))
-            })?;
+        let layout = TemplateLayout::infer(
+            &self.pipeline.config,
+            tokens as usize,
+            steps as usize,
+            t.blob.len,
+        )
+        .ok_or_else(|| {
+            WireError::internal(format!(
+                "template `{}` holds {} bytes, which no layout of {tokens} tokens x {steps} steps has",
+                t.id, t.blob.len
+            ))
+        })?;
         let bytes = self.shm.host_slice(&t.blob)?;
         let cache = TemplateCache::view(layout, bytes)
             .map_err(|e| WireError::internal(e.to_string()))?
-            .with_key(template_key(&t.blob));
+            .with_key(t.version | 1 << 63);
         let cache = Arc::new(cache);
         self.templates.push_front((t.blob.clone(), cache.clone()));
         self.templates.truncate(TEMPLATE_VIEWS);
         Ok(cache)
     }
-}
-
-/// The identity of a stored template version: its arena and generation (unique in
-/// that arena), with the top bit set to stay clear of locally counted keys.
-fn template_key(blob: &Handle) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (&blob.arena, blob.generation).hash(&mut h);
-    h.finish() | 1 << 63
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

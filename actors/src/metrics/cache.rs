@@ -1,14 +1,16 @@
-//! The host tier of the template cache, as the cache process counts it: the same
-//! families as the denoise workers' device tier (`tier="device"`), with `tier="host"`.
+//! The host and disk tiers of the template cache, as the cache process counts them:
+//! the same families as the denoise workers' device tier (`tier="device"`), with
+//! `tier="host"` and `tier="disk"`.
 
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Registry, Unit};
 
-use prometheus_client::metrics::family::Family;
-
 type Tier = [(&'static str, &'static str); 1];
-const HOST: Tier = [("tier", "host")];
+
+pub const HOST: &str = "host";
+pub const DISK: &str = "disk";
 
 #[derive(Clone, Default)]
 pub struct CacheMetrics {
@@ -56,28 +58,39 @@ impl CacheMetrics {
             m.loaded.clone(),
         );
         // Present from the start, so dashboards and rates have a series at zero.
-        let _ = m.hits.get_or_create(&HOST);
-        let _ = m.misses.get_or_create(&HOST);
-        let _ = m.evictions.get_or_create(&HOST);
-        let _ = m.loaded.get_or_create(&HOST);
-        m.set_held(0, 0);
+        for tier in [HOST, DISK] {
+            let t = [("tier", tier)];
+            let _ = m.hits.get_or_create(&t);
+            let _ = m.misses.get_or_create(&t);
+            let _ = m.evictions.get_or_create(&t);
+            let _ = m.loaded.get_or_create(&t);
+            m.set_held(tier, 0, 0);
+        }
         m
     }
 
-    /// The templates held now, and their bytes.
-    pub fn set_held(&self, entries: usize, bytes: u64) {
-        self.entries.get_or_create(&HOST).set(entries as i64);
-        self.bytes.get_or_create(&HOST).set(bytes as i64);
+    /// The templates a tier holds now, and their bytes.
+    pub fn set_held(&self, tier: &'static str, entries: usize, bytes: u64) {
+        self.entries
+            .get_or_create(&[("tier", tier)])
+            .set(entries as i64);
+        self.bytes
+            .get_or_create(&[("tier", tier)])
+            .set(bytes as i64);
     }
 
-    /// A lookup for an edit: found or not.
-    pub fn lookup(&self, found: bool) {
+    /// A use of a template in `tier`: found there or not.
+    pub fn lookup(&self, tier: &'static str, found: bool) {
         let c = if found { &self.hits } else { &self.misses };
-        c.get_or_create(&HOST).inc();
+        c.get_or_create(&[("tier", tier)]).inc();
     }
 
-    /// A template of `bytes` stored.
-    pub fn loaded(&self, bytes: u64) {
-        self.loaded.get_or_create(&HOST).inc_by(bytes);
+    pub fn evicted(&self, tier: &'static str) {
+        self.evictions.get_or_create(&[("tier", tier)]).inc();
+    }
+
+    /// `bytes` loaded into `tier`.
+    pub fn loaded(&self, tier: &'static str, bytes: u64) {
+        self.loaded.get_or_create(&[("tier", tier)]).inc_by(bytes);
     }
 }

@@ -30,6 +30,8 @@ pub struct RouterMetrics {
     pub errors: Family<Label, Counter>,
     pub mask_ratio: Histogram,
     pub in_flight: Gauge,
+    /// How long an edit waited for its template to come from disk after preprocessing.
+    pub load_wait: Histogram,
 }
 
 impl RouterMetrics {
@@ -45,6 +47,7 @@ impl RouterMetrics {
             errors: Family::default(),
             mask_ratio: Histogram::new(RATIO.iter().copied()),
             in_flight: Gauge::default(),
+            load_wait: latency(),
         };
         r.register(
             "http_requests",
@@ -72,6 +75,12 @@ impl RouterMetrics {
             "edit_mask_ratio",
             "Share of the image tokens a served edit computed",
             m.mask_ratio.clone(),
+        );
+        r.register_with_unit(
+            "template_load_wait",
+            "Time an edit of a template that was not in memory waited, after preprocessing, for it to come from the disk tier (its load started when the edit arrived)",
+            Unit::Seconds,
+            m.load_wait.clone(),
         );
         r.register(
             "requests_in_flight",

@@ -139,14 +139,17 @@ impl Ctx {
         T: Send + 'static,
     {
         let timeout = Duration::from_secs(self.config.server.stage_timeout_seconds);
-        let r = node::ask(cell, timeout, build).await;
+        let r = node::call(cell, timeout, build).await;
+        // Only the call's own failure blames the worker: an answer saying that
+        // something it read went away (another process restarted) is retried, but
+        // this worker is fine.
         if r.as_ref().is_err_and(|e| e.kind == ErrorKind::WorkerLost) {
             let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
             lost.push_front(cell.get_id());
             // Process ids are never reused, so a short memory suffices.
             lost.truncate(LOST_KEPT);
         }
-        r
+        r.and_then(|r| r)
     }
 
     /// The live members of `group`, without those found gone.
@@ -236,8 +239,24 @@ impl Ctx {
 
     async fn unpin(&self, t: &TemplateEntry) {
         if let Ok(c) = self.cache().await {
-            node::tell(&c, CacheMsg::Unpin(Wire(t.blob.clone())));
+            node::tell(&c, CacheMsg::Unpin(Wire(t.version)));
         }
+    }
+
+    /// The host-tier cache of a pinned template: at once when it is there, else once
+    /// the cache has brought it from disk (a load that started when the edit pinned it,
+    /// so it overlapped preprocessing; what is left of it is waited for here and
+    /// counted in `denoised_template_load_wait_seconds`).
+    async fn template_blob(&self, t: &TemplateEntry) -> Result<Handle, WireError> {
+        if let Some(b) = &t.blob {
+            return Ok(b.clone());
+        }
+        let t0 = Instant::now();
+        let c = self.cache().await?;
+        let version = t.version;
+        let r = self.ask(&c, |p| CacheMsg::Load(Wire(version), p)).await;
+        self.metrics.load_wait.observe(t0.elapsed().as_secs_f64());
+        r
     }
 
     pub async fn templates(&self) -> Result<Vec<TemplateInfo>, WireError> {
@@ -552,20 +571,29 @@ async fn edit_once(
         max_pixels: ctx.config.server.max_pixels as u64,
     };
     // A template edit computes only the active tokens against the template's cache;
-    // an inline image is a full, uncached run.
-    let work = match template {
-        Some(t) => DenoiseWork::Edit {
+    // an inline image is a full, uncached run. The template's cache is asked for only
+    // when the denoise stage needs it: one on disk loads meanwhile.
+    let work = |blob: Option<Handle>| match (template, blob) {
+        (Some(t), Some(blob)) => DenoiseWork::Edit {
             template: TemplateRef {
                 id: t.info.id.clone(),
-                blob: t.blob.clone(),
+                version: t.version,
+                blob,
                 steps: t.info.steps,
                 tokens: t.info.tokens,
             },
         },
-        None => DenoiseWork::Full,
+        _ => DenoiseWork::Full,
+    };
+    let blob = async {
+        match template {
+            Some(t) => ctx.template_blob(t).await.map(Some),
+            None => Ok(None),
+        }
     };
 
     if !ctx.config.denoise.disaggregate {
+        let work = work(blob.await?);
         let den = ctx.pick(groups::DENOISE, 1).await?;
         ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
         let req = InlineReq {
@@ -605,6 +633,7 @@ async fn edit_once(
         Some(_) => prepared.active.clone(),
         None => Vec::new(),
     };
+    let work = work(blob.await?);
     let d = denoise(ctx, job, &prepared, params.steps, active, work, held).await?;
 
     check_cancel(ctx, job).await?;
@@ -738,6 +767,9 @@ async fn capture_once(
         max_sequence_length: params.max_sequence_length,
         cache_bytes: blob.len,
         created_unix: unix_now(),
+        // The cache fills these in.
+        kv_dtype: String::new(),
+        tiers: TierBytes::default(),
     };
     let cache = ctx.cache().await?;
     let put = PutTemplate {

@@ -46,6 +46,16 @@ impl TemplateLayout {
         }
     }
 
+    /// The layout for `c` of `tokens` x `steps` whose flat image is `bytes` long: its
+    /// K/V storage dtype is the one whose layout has that size (a template is stored
+    /// in its capturing device's dtype, which only its size tells).
+    pub fn infer(c: &FluxConfig, tokens: usize, steps: usize, bytes: u64) -> Option<Self> {
+        [DType::BF16, DType::F32]
+            .into_iter()
+            .map(|dt| Self::for_model(c, tokens, steps, dt))
+            .find(|l| l.total_bytes() as u64 == bytes)
+    }
+
     /// Elements of one `[L, 2*hidden]` K|V slab.
     pub fn kv_slab_elems(&self) -> usize {
         self.tokens * 2 * self.hidden

@@ -1,18 +1,21 @@
-//! Template caches on disk: a versioned header, a flat data file, and a checksum.
+//! Template caches on disk: a versioned header, a flat data file, and a checksum per
+//! slab.
 //!
 //! A template directory holds `template.json` (format name and version, the model
 //! fingerprint, resolution, steps, guidance, the layout, the K/V storage dtype and the
-//! CRC-32 of the data) and `cache.bin` (the flat image described by [`TemplateLayout`],
-//! exactly as it is in memory: K|V slabs step-major in the storage dtype, then the
-//! latents in f32, little-endian).
-//! Loading refuses a file of another format version, another model, another
-//! resolution or schedule, a size that does not match its dtype, or a bad checksum,
-//! and says which; a silently wrong cache would produce silently wrong edits.
+//! CRC-32 of each (step, block) slab and of the latents) and `cache.bin` (the flat image
+//! described by [`TemplateLayout`], exactly as it is in memory: K|V slabs step-major in
+//! the storage dtype, then the latents in f32, little-endian). Loading refuses a file
+//! of another format version, another model, another resolution or schedule, a size
+//! that does not match its dtype, or a bad checksum, and says which (for a corrupt
+//! slab, which slab); a silently wrong cache would produce silently wrong edits. The
+//! per-slab checksums let a reader check each slab as it arrives (the cache process
+//! loading a template from its disk tier into memory).
 //!
 //! The storage dtype is the capturing device's: bf16 for a GPU worker (half the bytes,
-//! and lossless, since the device computed the K/V in bf16), f32 for the CPU. Latents
-//! stay f32: the Euler update runs in f32, and they are a small share of a template.
-//! Version 1 files (before the dtype was recorded) are f32 and still load.
+//! and lossless, since the device computed the K/V in bf16), f32 for the CPU.
+//! Version 2 files (one checksum for the whole data) and version 1 files (before the
+//! dtype was recorded: f32) still load.
 
 use std::io::{BufWriter, Read, Write};
 use std::path::Path;
@@ -24,9 +27,9 @@ use serde::{Deserialize, Serialize};
 use super::template::{TemplateCache, TemplateLayout};
 
 pub const FORMAT: &str = "denoised-template";
-pub const VERSION: u32 = 2;
-/// Versions this build reads: 1 had no `kv_dtype` (always f32).
-const READS: [u32; 2] = [1, 2];
+pub const VERSION: u32 = 3;
+/// Versions this build reads: 1 had no `kv_dtype` (always f32), 2 one checksum.
+const READS: [u32; 3] = [1, 2, 3];
 const HEADER: &str = "template.json";
 const DATA: &str = "cache.bin";
 
@@ -58,7 +61,13 @@ struct Header {
     #[serde(default = "f32_name")]
     kv_dtype: String,
     data_bytes: usize,
-    crc32: u32,
+    /// Version 3: the CRC-32 of each (step, block) slab, step-major, then of the
+    /// latents.
+    #[serde(default)]
+    slab_crc32: Vec<u32>,
+    /// Versions 1 and 2: the CRC-32 of the whole data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    crc32: Option<u32>,
 }
 
 fn f32_name() -> String {
@@ -75,17 +84,20 @@ fn dtype_name(dt: DType) -> Result<&'static str> {
     }
 }
 
-/// Bytes of the data file: K/V in `kv`, latents in f32.
-fn data_bytes(l: &TemplateLayout, kv: DType) -> usize {
-    l.steps * l.blocks * l.kv_slab_elems() * kv.size_bytes()
-        + l.steps * l.tokens * l.latent_channels * 4
-}
-
 fn bad(dir: &Path, reason: impl Into<String>) -> Error {
     Error::BadConfig {
         path: dir.to_path_buf(),
         reason: reason.into(),
     }
+}
+
+/// The checksummed regions of a layout's flat image: each (step, block) slab, then the
+/// latents; their byte ranges in order.
+fn regions(l: &TemplateLayout) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    let kv = l.kv_slab_bytes();
+    (0..l.steps * l.blocks)
+        .map(move |i| i * kv..(i + 1) * kv)
+        .chain(std::iter::once(l.latent_offset(0)..l.total_bytes()))
 }
 
 /// Writes `cache` with `meta` to `dir` (created if needed), its K/V in `kv_dtype`
@@ -98,26 +110,28 @@ pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta, kv_dtype: DT
         ));
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let l = *cache.layout();
+    let src = *cache.layout();
+    let l = TemplateLayout {
+        dtype: kv_dtype,
+        ..src
+    };
     let data_path = dir.join(DATA);
     let file = std::fs::File::create(&data_path).map_err(|e| Error::io(&data_path, e))?;
     let mut w = BufWriter::new(file);
-    let mut crc = crc32fast::Hasher::new();
-    let mut put = |bytes: &[u8]| -> Result<()> {
-        crc.update(bytes);
-        w.write_all(bytes).map_err(|e| Error::io(&data_path, e))
-    };
-    let kv_end = l.kv_offset(l.steps, 0);
-    if kv_dtype == l.dtype {
-        put(&cache.bytes().bytes()[..kv_end])?;
-    } else {
-        for s in 0..l.steps {
-            for b in 0..l.blocks {
-                put(&encode(cache.kv(s, b)?.data(), kv_dtype))?;
-            }
-        }
+    let mut slab_crc32 = Vec::with_capacity(l.steps * l.blocks + 1);
+    let bytes = cache.bytes().bytes();
+    for (i, r) in regions(&src).enumerate() {
+        let converted;
+        let part = if i < l.steps * l.blocks && kv_dtype != src.dtype {
+            let (s, b) = (i / l.blocks, i % l.blocks);
+            converted = encode(cache.kv(s, b)?.data(), kv_dtype);
+            &converted[..]
+        } else {
+            &bytes[r]
+        };
+        slab_crc32.push(crc32fast::hash(part));
+        w.write_all(part).map_err(|e| Error::io(&data_path, e))?;
     }
-    put(&cache.bytes().bytes()[kv_end..])?;
     w.flush().map_err(|e| Error::io(&data_path, e))?;
     let header = Header {
         format: FORMAT.into(),
@@ -129,12 +143,21 @@ pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta, kv_dtype: DT
         hidden: l.hidden,
         latent_channels: l.latent_channels,
         kv_dtype: kv_name.into(),
-        data_bytes: data_bytes(&l, kv_dtype),
-        crc32: crc.finalize(),
+        data_bytes: l.total_bytes(),
+        slab_crc32,
+        crc32: None,
     };
     let hp = dir.join(HEADER);
     let text = serde_json::to_string_pretty(&header).map_err(|e| Error::Invalid(e.to_string()))?;
     std::fs::write(&hp, text).map_err(|e| Error::io(&hp, e))
+}
+
+/// A template file's header: what it was captured from, and its layout (with the K/V
+/// storage dtype). Format and version are checked; the data is not read.
+pub struct FileHeader {
+    pub meta: TemplateMeta,
+    pub layout: TemplateLayout,
+    header: Header,
 }
 
 /// Reads only the metadata of a template directory.
@@ -142,7 +165,8 @@ pub fn read_meta(dir: &Path) -> Result<TemplateMeta> {
     Ok(read_header(dir)?.meta)
 }
 
-fn read_header(dir: &Path) -> Result<Header> {
+/// Reads and checks a template directory's header.
+pub fn read_header(dir: &Path) -> Result<FileHeader> {
     let hp = dir.join(HEADER);
     let text = std::fs::read_to_string(&hp).map_err(|e| Error::io(&hp, e))?;
     let h: Header =
@@ -162,7 +186,95 @@ fn read_header(dir: &Path) -> Result<Header> {
             ),
         ));
     }
-    Ok(h)
+    let kv_dtype = match h.kv_dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        other => {
+            return Err(bad(
+                &hp,
+                format!("K/V stored as `{other}`; this build reads f32 and bf16"),
+            ))
+        }
+    };
+    let layout = TemplateLayout {
+        steps: h.steps,
+        blocks: h.blocks,
+        tokens: h.tokens,
+        hidden: h.hidden,
+        latent_channels: h.latent_channels,
+        dtype: kv_dtype,
+    };
+    let checks = match h.version {
+        3 => h.slab_crc32.len() == layout.steps * layout.blocks + 1,
+        _ => h.crc32.is_some(),
+    };
+    if !checks {
+        return Err(bad(&hp, "the header's checksums do not match its layout"));
+    }
+    Ok(FileHeader {
+        meta: h.meta.clone(),
+        layout,
+        header: h,
+    })
+}
+
+/// Reads the data of the template at `dir` (whose header is `h`) into `dst`, checking
+/// every slab's checksum as it arrives: a corrupt file is an error naming the slab,
+/// and `dst` must then not be used.
+pub fn read_into(dir: &Path, h: &FileHeader, dst: &HostSlice) -> Result<()> {
+    let l = &h.layout;
+    let dp = dir.join(DATA);
+    let mut f = std::fs::File::open(&dp).map_err(|e| Error::io(&dp, e))?;
+    let len = f.metadata().map_err(|e| Error::io(&dp, e))?.len() as usize;
+    if len != h.header.data_bytes || len != l.total_bytes() || dst.len() != len {
+        return Err(bad(
+            &dp,
+            format!(
+                "{len} bytes, the header says {} and the layout {}",
+                h.header.data_bytes,
+                l.total_bytes()
+            ),
+        ));
+    }
+    if !dst.writable() {
+        return Err(Error::Invalid(
+            "reading a template into read-only memory".into(),
+        ));
+    }
+    // SAFETY: writable and of the right length; the caller gave it to this read alone.
+    let out = unsafe { dst.bytes_mut() };
+    for (i, r) in regions(l).enumerate() {
+        let part = &mut out[r];
+        f.read_exact(part).map_err(|e| Error::io(&dp, e))?;
+        if let Some(&want) = h.header.slab_crc32.get(i) {
+            let got = crc32fast::hash(part);
+            if got != want {
+                let what = if i < l.steps * l.blocks {
+                    format!("slab (step {}, block {})", i / l.blocks, i % l.blocks)
+                } else {
+                    "the latents".to_string()
+                };
+                return Err(bad(
+                    &dp,
+                    format!(
+                        "checksum mismatch in {what} (crc32 {got:08x}, header {want:08x}): the file is corrupt"
+                    ),
+                ));
+            }
+        }
+    }
+    if let Some(want) = h.header.crc32 {
+        let got = crc32fast::hash(out);
+        if got != want {
+            return Err(bad(
+                &dp,
+                format!(
+                    "checksum mismatch (crc32 {got:08x}, header {want:08x}): the file is corrupt"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A template read from disk: the cache (its image as the file holds it), what it
@@ -177,16 +289,7 @@ pub struct Loaded {
 /// any storage dtype).
 pub fn load(dir: &Path, model: &str, expected: &TemplateLayout) -> Result<Loaded> {
     let h = read_header(dir)?;
-    let kv_dtype = match h.kv_dtype.as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        other => {
-            return Err(bad(
-                dir,
-                format!("K/V stored as `{other}`; this build reads f32 and bf16"),
-            ))
-        }
-    };
+    let got = h.layout;
     if h.meta.model != model {
         return Err(bad(
             dir,
@@ -196,17 +299,9 @@ pub fn load(dir: &Path, model: &str, expected: &TemplateLayout) -> Result<Loaded
             ),
         ));
     }
-    let got = TemplateLayout {
-        steps: h.steps,
-        blocks: h.blocks,
-        tokens: h.tokens,
-        hidden: h.hidden,
-        latent_channels: h.latent_channels,
-        dtype: kv_dtype,
-    };
     if got
         != (TemplateLayout {
-            dtype: kv_dtype,
+            dtype: got.dtype,
             ..*expected
         })
     {
@@ -218,33 +313,12 @@ pub fn load(dir: &Path, model: &str, expected: &TemplateLayout) -> Result<Loaded
             ),
         ));
     }
-    let dp = dir.join(DATA);
-    let mut f = std::fs::File::open(&dp).map_err(|e| Error::io(&dp, e))?;
-    let len = f.metadata().map_err(|e| Error::io(&dp, e))?.len() as usize;
-    if len != h.data_bytes || len != data_bytes(&got, kv_dtype) {
-        return Err(bad(
-            &dp,
-            format!("{len} bytes, the header says {}", h.data_bytes),
-        ));
-    }
-    let image = HostSlice::zeroed(len)?;
-    // SAFETY: a fresh slice nobody else has seen.
-    f.read_exact(unsafe { image.bytes_mut() })
-        .map_err(|e| Error::io(&dp, e))?;
-    let crc = crc32fast::hash(image.bytes());
-    if crc != h.crc32 {
-        return Err(bad(
-            &dp,
-            format!(
-                "checksum mismatch (crc32 {crc:08x}, header {:08x}): the file is corrupt",
-                h.crc32
-            ),
-        ));
-    }
+    let image = HostSlice::zeroed(got.total_bytes())?;
+    read_into(dir, &h, &image)?;
     Ok(Loaded {
         cache: TemplateCache::view(got, image)?,
         meta: h.meta,
-        kv_dtype,
+        kv_dtype: got.dtype,
     })
 }
 
@@ -326,19 +400,31 @@ mod tests {
     }
 
     #[test]
-    fn version_1_files_are_f32() {
+    fn version_1_files_are_f32_with_one_checksum() {
         let dir = tempfile::tempdir().unwrap();
         let (c, meta) = sample();
         save(dir.path(), &c, &meta, DType::F32).unwrap();
         let hp = dir.path().join(HEADER);
         let mut h: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&hp).unwrap()).unwrap();
+        let data = std::fs::read(dir.path().join(DATA)).unwrap();
         h["version"] = 1.into();
         h.as_object_mut().unwrap().remove("kv_dtype");
+        h.as_object_mut().unwrap().remove("slab_crc32");
+        h["crc32"] = crc32fast::hash(&data).into();
         std::fs::write(&hp, h.to_string()).unwrap();
         let back = load(dir.path(), "m1", c.layout()).unwrap();
         assert_eq!(back.kv_dtype, DType::F32);
         assert_eq!(back.cache.kv(1, 2).unwrap(), c.kv(1, 2).unwrap());
+        // Its one checksum still catches a flipped byte.
+        let mut bad = data.clone();
+        bad[7] ^= 4;
+        std::fs::write(dir.path().join(DATA), &bad).unwrap();
+        let e = load(dir.path(), "m1", c.layout())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("checksum mismatch"), "{e}");
     }
 
     #[test]
@@ -367,13 +453,23 @@ mod tests {
             .to_string();
         assert!(e.contains("16 tokens"), "{e}");
 
-        // Flip one byte: the checksum catches it.
+        // Flip one byte: its slab's checksum catches it, and names the slab.
         let p = dir.path().join(DATA);
-        let mut bytes = std::fs::read(&p).unwrap();
-        bytes[100] ^= 1;
+        let good = std::fs::read(&p).unwrap();
+        let mut bytes = good.clone();
+        let at = l.kv_offset(1, 2) + 100;
+        bytes[at] ^= 1;
         std::fs::write(&p, &bytes).unwrap();
         let e = load(dir.path(), "m1", &l).err().unwrap().to_string();
-        assert!(e.contains("checksum mismatch"), "{e}");
+        assert!(
+            e.contains("checksum mismatch in slab (step 1, block 2)"),
+            "{e}"
+        );
+        let mut bytes = good.clone();
+        bytes[l.latent_offset(1) + 3] ^= 1;
+        std::fs::write(&p, &bytes).unwrap();
+        let e = load(dir.path(), "m1", &l).err().unwrap().to_string();
+        assert!(e.contains("in the latents"), "{e}");
         // Truncate it.
         std::fs::write(&p, &bytes[..100]).unwrap();
         assert!(load(dir.path(), "m1", &l)
@@ -386,7 +482,7 @@ mod tests {
         let hp = dir.path().join(HEADER);
         let text = std::fs::read_to_string(&hp)
             .unwrap()
-            .replace("\"version\": 2", "\"version\": 99");
+            .replace("\"version\": 3", "\"version\": 99");
         std::fs::write(&hp, text).unwrap();
         assert!(load(dir.path(), "m1", &l)
             .err()

@@ -1,0 +1,191 @@
+//! The disk tier of the template cache: one directory per template version under
+//! `[cache] dir/<model fingerprint>/`, named `<id>@<version>`, holding the template file
+//! (`template.json` + `cache.bin`, with a checksum per slab: see
+//! `denoised_models::flux::template_file`), the encoded image (`image.bin`) and the
+//! API description (`info.json`). A version is written to `<id>@<version>.tmp` and
+//! renamed when complete, so a crash mid-write leaves no half template behind; versions
+//! are unique, so a replacement never overwrites a directory another write may still
+//! be filling. `scan` rebuilds the index after a restart: the newest version of each
+//! id, with everything else (older versions, unfinished writes, unreadable ones)
+//! removed and logged.
+
+use std::path::{Path, PathBuf};
+
+use denoised_models::flux::template::{TemplateCache, TemplateLayout};
+use denoised_models::flux::template_file::{self, TemplateMeta};
+use denoised_runtime::HostSlice;
+
+use crate::wire::{TemplateInfo, WireError};
+
+const INFO: &str = "info.json";
+const IMAGE: &str = "image.bin";
+
+/// A template found on disk at start.
+pub struct Found {
+    pub info: TemplateInfo,
+    pub version: u64,
+    pub layout: TemplateLayout,
+    /// Bytes of its directory.
+    pub bytes: u64,
+    pub image: Vec<u8>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Stored {
+    version: u64,
+    info: TemplateInfo,
+}
+
+#[derive(Clone)]
+pub struct DiskTier {
+    root: PathBuf,
+}
+
+fn io(path: &Path, e: impl std::fmt::Display) -> WireError {
+    WireError::internal(format!("{}: {e}", path.display()))
+}
+
+impl DiskTier {
+    /// The tier under `dir` for templates of `model`, created if needed.
+    pub fn open(dir: &Path, model: &str) -> Result<DiskTier, String> {
+        let root = dir.join(model);
+        std::fs::create_dir_all(&root)
+            .map_err(|e| format!("the template cache's disk tier {}: {e}", root.display()))?;
+        Ok(DiskTier { root })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn dir(&self, id: &str, version: u64) -> PathBuf {
+        self.root.join(format!("{id}@{version}"))
+    }
+
+    /// Writes a version; returns its bytes on disk.
+    pub fn write(
+        &self,
+        version: u64,
+        info: &TemplateInfo,
+        cache: &TemplateCache,
+        image: &[u8],
+    ) -> Result<u64, WireError> {
+        let dir = self.dir(&info.id, version);
+        let tmp = dir.with_extension("tmp");
+        let _ = std::fs::remove_dir_all(&tmp);
+        let meta = TemplateMeta {
+            model: info.model.clone(),
+            height: info.height as usize,
+            width: info.width as usize,
+            steps: info.steps as usize,
+            guidance: info.guidance,
+            seed: info.seed,
+            prompt: info.prompt.clone(),
+        };
+        let write = || -> Result<(), WireError> {
+            template_file::save(&tmp, cache, &meta, cache.layout().dtype)
+                .map_err(|e| WireError::internal(e.to_string()))?;
+            std::fs::write(tmp.join(IMAGE), image).map_err(|e| io(&tmp, e))?;
+            let stored = Stored {
+                version,
+                info: TemplateInfo {
+                    tiers: Default::default(),
+                    ..info.clone()
+                },
+            };
+            let text = serde_json::to_vec_pretty(&stored).map_err(|e| io(&tmp, e))?;
+            std::fs::write(tmp.join(INFO), text).map_err(|e| io(&tmp, e))?;
+            std::fs::rename(&tmp, &dir).map_err(|e| io(&dir, e))
+        };
+        if let Err(e) = write() {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        Ok(dir_bytes(&dir))
+    }
+
+    /// Reads a version's cache into `dst`, checking every slab.
+    pub fn read_into(&self, id: &str, version: u64, dst: &HostSlice) -> Result<(), WireError> {
+        let dir = self.dir(id, version);
+        let h = template_file::read_header(&dir).map_err(|e| WireError::internal(e.to_string()))?;
+        template_file::read_into(&dir, &h, dst).map_err(|e| WireError::internal(e.to_string()))
+    }
+
+    /// Removes a version's directory.
+    pub fn remove(&self, id: &str, version: u64) {
+        let dir = self.dir(id, version);
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!("removing {}: {e}", dir.display());
+            }
+        }
+    }
+
+    /// The templates on disk: the newest complete version of each id. Everything else
+    /// is removed (and logged): unfinished writes, older versions, unreadable ones,
+    /// ones whose layout `check` refuses.
+    pub fn scan(&self, check: impl Fn(&TemplateLayout, &TemplateInfo) -> bool) -> Vec<Found> {
+        let Ok(rd) = std::fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        let mut found: Vec<Found> = Vec::new();
+        for e in rd.flatten() {
+            let path = e.path();
+            let name = e.file_name().to_string_lossy().to_string();
+            let drop = |why: &str| {
+                tracing::warn!("template cache: removing {}: {why}", path.display());
+                let _ = std::fs::remove_dir_all(&path);
+            };
+            if name.ends_with(".tmp") {
+                drop("an unfinished write");
+                continue;
+            }
+            let read = || -> Result<Found, String> {
+                let text = std::fs::read(path.join(INFO)).map_err(|e| e.to_string())?;
+                let s: Stored = serde_json::from_slice(&text).map_err(|e| e.to_string())?;
+                let h = template_file::read_header(&path).map_err(|e| e.to_string())?;
+                let image = std::fs::read(path.join(IMAGE)).map_err(|e| e.to_string())?;
+                Ok(Found {
+                    info: s.info,
+                    version: s.version,
+                    layout: h.layout,
+                    bytes: dir_bytes(&path),
+                    image,
+                })
+            };
+            match read() {
+                Ok(f) if name == format!("{}@{}", f.info.id, f.version) => {
+                    if !check(&f.layout, &f.info) {
+                        drop("it does not match the served model");
+                    } else if let Some(i) = found.iter().position(|o| o.info.id == f.info.id) {
+                        // Two versions of one id: a replacement whose older version was
+                        // not removed yet. The newer one stands.
+                        let old = if found[i].version < f.version {
+                            std::mem::replace(&mut found[i], f)
+                        } else {
+                            f
+                        };
+                        self.remove(&old.info.id, old.version);
+                    } else {
+                        found.push(f);
+                    }
+                }
+                Ok(_) => drop("its name does not match its contents"),
+                Err(e) => drop(&e),
+            }
+        }
+        found
+    }
+}
+
+/// Bytes of the files in `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}

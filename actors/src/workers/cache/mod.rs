@@ -1,0 +1,646 @@
+//! The cache actor: the host's template index and the host and disk tiers of the
+//! template cache (the device tier is each denoise worker's; see
+//! `denoised_models::flux::stepper`).
+//!
+//! - **Host**: this process's shared-memory arena (`[workers] cache_arena_bytes`), which
+//!   denoise workers map read-only and stream from (a GPU page-locks it). Every
+//!   template's image bytes live here; its cache (K/V and latents) when it is in use.
+//! - **Disk**: `[cache] dir`, up to `[cache] disk_bytes` ([`disk`]). Every new template
+//!   is written through in the background, so a crash of this process loses none: at
+//!   start the index is rebuilt from the directory (templates then load from disk on
+//!   first use). A slab whose checksum fails drops its template, with a log line.
+//!
+//! Policy ([`index`]): least recently used first, host → disk → dropped; never a
+//! template an edit has pinned. An edit pins its template when it arrives; a template
+//! only on disk starts loading then, while the request is preprocessed, and the router
+//! asks for its cache (`Load`) only when the denoise stage needs it.
+//!
+//! Copies and disk I/O (a template is hundreds of MB to tens of GB) run on blocking
+//! tasks, never on this actor's message loop: they report back with `Copied`,
+//! `Loaded` and `Written`, and the requests that wait for them are answered then.
+//!
+//! Edits pin the template version they read: deleting or replacing a template takes
+//! it out of the index at once (new edits get 404, or the new version), but a pinned
+//! version's slices stay until the last edit reading it is done. Pins belong to the
+//! router's requests, so when the router is lost they all go.
+
+pub mod disk;
+pub mod index;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use denoised_models::flux::template::{TemplateCache, TemplateLayout};
+use denoised_models::FluxConfig;
+use denoised_runtime::shm::Handle;
+use denoised_runtime::HostSlice;
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+
+use self::disk::DiskTier;
+use self::index::{Disk, Index};
+use crate::metrics::cache::{CacheMetrics, DISK, HOST};
+use crate::node::Shm;
+use crate::wire::{
+    CacheMsg, ErrorKind, PutTemplate, Reply, TemplateEntry, TemplateInfo, TierBytes, Wire,
+    WireError,
+};
+
+pub struct CacheActor;
+
+pub struct CacheArgs {
+    pub shm: Arc<Shm>,
+    pub metrics: CacheMetrics,
+    /// The served model (the layout of its templates) and its fingerprint.
+    pub model: FluxConfig,
+    pub fingerprint: String,
+    /// `[cache] dir` resolved, and `[cache] disk_bytes` (0: no disk tier).
+    pub dir: std::path::PathBuf,
+    pub disk_bytes: u64,
+}
+
+/// What the cache keeps of a version besides its place in the index.
+struct Entry {
+    info: TemplateInfo,
+    layout: TemplateLayout,
+    image: Handle,
+    /// Its cache in the host tier.
+    blob: Option<Handle>,
+}
+
+pub struct CacheState {
+    shm: Arc<Shm>,
+    index: Index,
+    entries: HashMap<u64, Entry>,
+    disk: Option<DiskTier>,
+    disk_bytes: u64,
+    model: FluxConfig,
+    metrics: CacheMetrics,
+    myself: ActorRef<CacheMsg>,
+    /// Registrations whose copy into the host tier is running: who to answer.
+    copying: HashMap<u64, (Reply<TemplateEntry>, bool)>,
+    /// Loads from disk running: the slice they fill.
+    loading: HashMap<u64, Handle>,
+    /// Who waits for a version's load.
+    waiting: HashMap<u64, Vec<Reply<Handle>>>,
+    /// Versions dropped because their bytes on disk were damaged, newest first, with
+    /// the error their edits get (an edit that pinned one asks for it later).
+    damaged: std::collections::VecDeque<(u64, WireError)>,
+    next_version: u64,
+}
+
+/// Damaged versions remembered (more than edits can have pinned at once).
+const DAMAGED_KEPT: usize = 256;
+
+impl Actor for CacheActor {
+    type Msg = CacheMsg;
+    type State = CacheState;
+    type Arguments = CacheArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        a: Self::Arguments,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        let disk = match a.disk_bytes {
+            0 => None,
+            _ => Some(DiskTier::open(&a.dir, &a.fingerprint)?),
+        };
+        // Versions count up from the clock (microseconds), so they never repeat, not
+        // even across restarts of this process.
+        let now = (crate::denoise::actor::unix_now() * 1e6) as u64;
+        let mut st = CacheState {
+            shm: a.shm,
+            index: Index::default(),
+            entries: HashMap::new(),
+            disk,
+            disk_bytes: a.disk_bytes,
+            model: a.model,
+            metrics: a.metrics,
+            myself,
+            copying: HashMap::new(),
+            loading: HashMap::new(),
+            waiting: HashMap::new(),
+            damaged: Default::default(),
+            next_version: now,
+        };
+        st.rebuild(&a.fingerprint);
+        Ok(st)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        st: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            CacheMsg::Put(Wire(put), reply) => st.put(put, reply),
+            CacheMsg::Copied(Wire((version, r))) => st.copied(version, r),
+            CacheMsg::Written(Wire((version, r))) => st.written(version, r),
+            CacheMsg::Get(Wire(id), reply) => {
+                let r = st.entry_of(&id);
+                let _ = reply.send(Wire(r));
+            }
+            CacheMsg::List(_, reply) => {
+                let mut list: Vec<TemplateInfo> = st
+                    .index
+                    .versions()
+                    .filter(|(_, s)| s.current)
+                    .map(|(v, _)| st.describe(v))
+                    .collect();
+                list.sort_by(|a, b| a.id.cmp(&b.id));
+                let _ = reply.send(Wire(Ok(list)));
+            }
+            CacheMsg::Delete(Wire(id), reply) => {
+                let r = match st.index.retire(&id) {
+                    Some(v) => {
+                        let info = st.describe(v);
+                        st.collect_unreachable();
+                        Ok(info)
+                    }
+                    None => Err(not_found(&id)),
+                };
+                st.report();
+                let _ = reply.send(Wire(r));
+            }
+            CacheMsg::Pin(Wire(id), reply) => {
+                let r = st.pin(&id);
+                let _ = reply.send(Wire(r));
+            }
+            CacheMsg::Load(Wire(version), reply) => st.load(version, reply),
+            CacheMsg::Loaded(Wire((version, r))) => st.loaded(version, r),
+            CacheMsg::Unpin(Wire(version)) => {
+                if let Some(s) = st.index.get_mut(version) {
+                    s.pins = s.pins.saturating_sub(1);
+                }
+                st.collect_unreachable();
+            }
+            CacheMsg::RouterLost(_) => {
+                let versions: Vec<u64> = st.index.versions().map(|(v, _)| v).collect();
+                for v in versions {
+                    if let Some(s) = st.index.get_mut(v) {
+                        s.pins = 0;
+                    }
+                }
+                st.collect_unreachable();
+            }
+        }
+        Ok(())
+    }
+}
+
+fn not_found(id: &str) -> WireError {
+    WireError::new(ErrorKind::NotFound, format!("unknown template `{id}`"))
+}
+
+fn dtype_name(l: &TemplateLayout) -> String {
+    format!("{:?}", l.dtype).to_lowercase()
+}
+
+impl CacheState {
+    fn new_version(&mut self) -> u64 {
+        self.next_version += 1;
+        self.next_version
+    }
+
+    /// The index of what the disk tier holds, after a restart: templates stay on disk
+    /// until an edit needs them; their images come into memory now.
+    fn rebuild(&mut self, fingerprint: &str) {
+        let Some(disk) = &self.disk else { return };
+        let model = self.model.clone();
+        let mut found = disk.scan(|l, info| {
+            info.model == fingerprint
+                && *l == TemplateLayout::for_model(&model, l.tokens, l.steps, l.dtype)
+        });
+        // Oldest first, so that the use order starts as the registration order.
+        found.sort_by(|a, b| a.info.created_unix.total_cmp(&b.info.created_unix));
+        let n = found.len();
+        for f in found {
+            let image = match self.shm.write_bytes(&f.image) {
+                Ok(h) => h,
+                Err(e) => {
+                    tracing::error!(
+                        "template cache: no memory for the image of `{}` ({}); it stays on disk, unindexed",
+                        f.info.id,
+                        e.message
+                    );
+                    continue;
+                }
+            };
+            self.next_version = self.next_version.max(f.version);
+            self.index
+                .insert(f.version, &f.info.id, 0, Disk::Stored(f.bytes));
+            self.entries.insert(
+                f.version,
+                Entry {
+                    info: f.info,
+                    layout: f.layout,
+                    image,
+                    blob: None,
+                },
+            );
+        }
+        if n > 0 {
+            tracing::info!(
+                "template cache: {n} templates found on disk in {} ({:.1} MB)",
+                disk.root().display(),
+                self.index.disk_bytes() as f64 / 1e6
+            );
+        }
+        self.enforce_disk_capacity();
+        self.report();
+    }
+
+    /// A version's description, with where it is now.
+    fn describe(&self, version: u64) -> TemplateInfo {
+        let e = &self.entries[&version];
+        let s = self.index.get(version).expect("an indexed version");
+        TemplateInfo {
+            kv_dtype: dtype_name(&e.layout),
+            tiers: TierBytes {
+                host: s.host,
+                disk: match s.disk {
+                    Disk::Stored(b) => b,
+                    _ => 0,
+                },
+            },
+            ..e.info.clone()
+        }
+    }
+
+    fn entry(&self, version: u64) -> TemplateEntry {
+        let e = &self.entries[&version];
+        TemplateEntry {
+            info: self.describe(version),
+            version,
+            blob: e.blob.clone(),
+            image: e.image.clone(),
+        }
+    }
+
+    fn entry_of(&self, id: &str) -> Result<TemplateEntry, WireError> {
+        let v = self.index.version_of(id).ok_or_else(|| not_found(id))?;
+        Ok(self.entry(v))
+    }
+
+    /// Allocates `len` bytes in the host tier, evicting the least recently used
+    /// templates that are safe on disk until it fits.
+    fn alloc(&mut self, len: usize) -> Result<(Handle, HostSlice), WireError> {
+        loop {
+            match self.shm.alloc_host(len) {
+                Ok(a) => return Ok(a),
+                Err(e) if e.kind == ErrorKind::Overloaded || e.kind == ErrorKind::TooLarge => {
+                    let Some(&v) = self.index.host_victims().first() else {
+                        let (_, capacity) = self.shm.room();
+                        let kind = if len as u64 > capacity {
+                            ErrorKind::TooLarge
+                        } else {
+                            ErrorKind::Overloaded
+                        };
+                        return Err(WireError::new(
+                            kind,
+                            format!(
+                                "the template cache's memory ({:.0} MB) has no room for {:.0} MB: every template in it is in use or not yet on disk ({})",
+                                capacity as f64 / 1e6,
+                                len as f64 / 1e6,
+                                e.message
+                            ),
+                        ));
+                    };
+                    self.evict_host(v);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Drops a version's host copy (it stays on disk).
+    fn evict_host(&mut self, version: u64) {
+        if let Some(b) = self.entries.get_mut(&version).and_then(|e| e.blob.take()) {
+            self.shm.release(&[b]);
+        }
+        if let Some(s) = self.index.get_mut(version) {
+            s.host = 0;
+        }
+        self.metrics.evicted(HOST);
+    }
+
+    /// Stores a capture: copied into the host tier off the message loop, answered when
+    /// that is done, then written to disk in the background.
+    fn put(&mut self, put: PutTemplate, reply: Reply<TemplateEntry>) {
+        let r = (|| -> Result<(u64, Handle, HostSlice), WireError> {
+            if !put.replace && self.index.version_of(&put.info.id).is_some() {
+                return Err(crate::router::flow::exists(&put.info.id));
+            }
+            let i = &put.info;
+            let layout = TemplateLayout::infer(
+                &self.model,
+                i.tokens as usize,
+                i.steps as usize,
+                put.blob.len,
+            )
+            .ok_or_else(|| {
+                WireError::internal(format!(
+                    "a template of {} bytes matches no layout of {} tokens x {} steps",
+                    put.blob.len, i.tokens, i.steps
+                ))
+            })?;
+            let (dst, bytes) = self.alloc(put.blob.len as usize)?;
+            let image = self
+                .shm
+                .read_bytes(&put.image)
+                .and_then(|b| self.shm.write_bytes(&b));
+            let image = match image {
+                Ok(h) => h,
+                Err(e) => {
+                    self.shm.release(&[dst]);
+                    return Err(e);
+                }
+            };
+            let version = self.new_version();
+            self.entries.insert(
+                version,
+                Entry {
+                    info: TemplateInfo {
+                        cache_bytes: put.blob.len,
+                        ..put.info.clone()
+                    },
+                    layout,
+                    image,
+                    blob: Some(dst),
+                },
+            );
+            Ok((version, put.blob.clone(), bytes))
+        })();
+        let (version, src, dst) = match r {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = reply.send(Wire(Err(e)));
+                return;
+            }
+        };
+        self.copying.insert(version, (reply, put.replace));
+        let (shm, me) = (self.shm.clone(), self.myself.clone());
+        tokio::task::spawn_blocking(move || {
+            let r = shm.host_slice(&src).and_then(|s| {
+                if s.len() != dst.len() {
+                    return Err(WireError::internal("a template changed size in flight"));
+                }
+                // SAFETY: `dst` was allocated for this copy alone; `src` is the
+                // capture's slice, which the router holds until this reply.
+                unsafe { dst.bytes_mut() }.copy_from_slice(s.bytes());
+                Ok(())
+            });
+            let _ = me.cast(CacheMsg::Copied(Wire((version, r))));
+        });
+    }
+
+    fn copied(&mut self, version: u64, r: Result<(), WireError>) {
+        let Some((reply, replace)) = self.copying.remove(&version) else {
+            return;
+        };
+        let e = &self.entries[&version];
+        let id = e.info.id.clone();
+        // Another registration of the id may have completed meanwhile.
+        let r = r.and_then(|()| match self.index.version_of(&id) {
+            Some(_) if !replace => Err(crate::router::flow::exists(&id)),
+            _ => Ok(()),
+        });
+        if let Err(err) = r {
+            let e = self.entries.remove(&version).expect("the entry put made");
+            self.shm
+                .release(&[e.image].into_iter().chain(e.blob).collect::<Vec<_>>());
+            let _ = reply.send(Wire(Err(err)));
+            return;
+        }
+        let bytes = e.layout.total_bytes() as u64;
+        let disk = if self.disk.is_some() {
+            Disk::Writing
+        } else {
+            Disk::None
+        };
+        if self.index.insert(version, &id, bytes, disk).is_some() {
+            self.collect_unreachable();
+        }
+        self.metrics.loaded(HOST, bytes);
+        let _ = reply.send(Wire(Ok(self.entry(version))));
+        self.write_to_disk(version);
+        self.report();
+    }
+
+    /// Writes a version through to disk on a blocking task.
+    fn write_to_disk(&self, version: u64) {
+        let Some(disk) = self.disk.clone() else {
+            return;
+        };
+        let e = &self.entries[&version];
+        let (Some(blob), image) = (e.blob.clone(), e.image.clone()) else {
+            return;
+        };
+        let (info, layout) = (e.info.clone(), e.layout);
+        let (shm, me) = (self.shm.clone(), self.myself.clone());
+        tokio::task::spawn_blocking(move || {
+            // The index keeps a version being written in memory (it is not evictable
+            // before it is stored), so its slices stay valid for this write.
+            let r = shm.host_slice(&blob).and_then(|bytes| {
+                let cache = TemplateCache::view(layout, bytes)
+                    .map_err(|e| WireError::internal(e.to_string()))?;
+                let image = shm.read_bytes(&image)?;
+                disk.write(version, &info, &cache, &image)
+            });
+            let _ = me.cast(CacheMsg::Written(Wire((version, r))));
+        });
+    }
+
+    fn written(&mut self, version: u64, r: Result<u64, WireError>) {
+        let Some(s) = self.index.get_mut(version) else {
+            return;
+        };
+        match r {
+            Ok(bytes) => {
+                s.disk = Disk::Stored(bytes);
+                self.metrics.loaded(DISK, bytes);
+            }
+            Err(e) => {
+                s.disk = Disk::None;
+                tracing::error!(
+                    "template cache: writing version {version} to disk failed ({}); it stays in memory only",
+                    e.message
+                );
+            }
+        }
+        self.enforce_disk_capacity();
+        self.collect_unreachable();
+        self.report();
+    }
+
+    /// Drops the least recently used templates while the disk tier is over capacity.
+    fn enforce_disk_capacity(&mut self) {
+        for v in self.index.disk_victims(self.disk_bytes) {
+            tracing::info!(
+                "template cache: dropping `{}` (the disk tier is full)",
+                self.entries[&v].info.id
+            );
+            self.metrics.evicted(DISK);
+            self.drop_version(v);
+        }
+    }
+
+    /// Forgets a version: its slices, its disk directory, its index entry.
+    fn drop_version(&mut self, version: u64) {
+        let slot = self.index.remove(version);
+        if let Some(e) = self.entries.remove(&version) {
+            self.shm
+                .release(&[e.image].into_iter().chain(e.blob).collect::<Vec<_>>());
+            if let (Some(disk), Some(Disk::Stored(_))) = (&self.disk, slot.map(|s| s.disk)) {
+                disk.remove(&e.info.id, version);
+            }
+        }
+    }
+
+    /// Versions deleted or replaced, once no edit reads them, go (one being written
+    /// goes when its write is done: the write reads its slices).
+    fn collect_unreachable(&mut self) {
+        for v in self.index.unreachable() {
+            if self.index.get(v).is_some_and(|s| s.disk != Disk::Writing) {
+                self.drop_version(v);
+            }
+        }
+        self.report();
+    }
+
+    /// Pins `id`'s current version for an edit; one only on disk starts loading.
+    fn pin(&mut self, id: &str) -> Result<TemplateEntry, WireError> {
+        let Some(v) = self.index.version_of(id) else {
+            self.metrics.lookup(HOST, false);
+            return Err(not_found(id));
+        };
+        self.index.touch(v);
+        if let Some(s) = self.index.get_mut(v) {
+            s.pins += 1;
+        }
+        let in_memory = self.entries[&v].blob.is_some();
+        self.metrics.lookup(HOST, in_memory);
+        if !in_memory {
+            self.metrics.lookup(DISK, true);
+            if let Err(e) = self.start_load(v) {
+                tracing::warn!("template cache: cannot load `{id}` now: {}", e.message);
+            }
+        }
+        Ok(self.entry(v))
+    }
+
+    /// Starts reading a version from disk into the host tier (once).
+    fn start_load(&mut self, version: u64) -> Result<(), WireError> {
+        if self.loading.contains_key(&version) || self.entries[&version].blob.is_some() {
+            return Ok(());
+        }
+        let Some(disk) = self.disk.clone() else {
+            return Err(WireError::internal(
+                "a template neither in memory nor on disk",
+            ));
+        };
+        let len = self.entries[&version].layout.total_bytes();
+        let (dst, bytes) = self.alloc(len)?;
+        self.loading.insert(version, dst);
+        if let Some(s) = self.index.get_mut(version) {
+            s.loading = true;
+        }
+        let id = self.entries[&version].info.id.clone();
+        let me = self.myself.clone();
+        tokio::task::spawn_blocking(move || {
+            let r = disk.read_into(&id, version, &bytes);
+            let _ = me.cast(CacheMsg::Loaded(Wire((version, r))));
+        });
+        Ok(())
+    }
+
+    fn load(&mut self, version: u64, reply: Reply<Handle>) {
+        let Some(e) = self.entries.get(&version) else {
+            let e = match self.damaged.iter().find(|(v, _)| *v == version) {
+                Some((_, e)) => e.clone(),
+                None => WireError::new(ErrorKind::NotFound, "the template is gone"),
+            };
+            let _ = reply.send(Wire(Err(e)));
+            return;
+        };
+        if let Some(b) = &e.blob {
+            let _ = reply.send(Wire(Ok(b.clone())));
+            return;
+        }
+        match self.start_load(version) {
+            Ok(()) => self.waiting.entry(version).or_default().push(reply),
+            Err(e) => {
+                let _ = reply.send(Wire(Err(e)));
+            }
+        }
+    }
+
+    fn loaded(&mut self, version: u64, r: Result<(), WireError>) {
+        let Some(dst) = self.loading.remove(&version) else {
+            return;
+        };
+        let waiters = self.waiting.remove(&version).unwrap_or_default();
+        if let Some(s) = self.index.get_mut(version) {
+            s.loading = false;
+        }
+        let answer = match r {
+            Ok(()) => {
+                let bytes = dst.len;
+                if let Some(e) = self.entries.get_mut(&version) {
+                    e.blob = Some(dst.clone());
+                }
+                if let Some(s) = self.index.get_mut(version) {
+                    s.host = bytes;
+                }
+                self.metrics.loaded(HOST, bytes);
+                Ok(dst)
+            }
+            Err(e) => {
+                // A template whose bytes on disk are not what was written is never
+                // used: it is dropped, and its edits fail as if it were unknown.
+                self.shm.release(&[dst]);
+                let id = self.entries[&version].info.id.clone();
+                tracing::error!(
+                    "template cache: `{id}` on disk is damaged ({}); it is dropped and must be registered again",
+                    e.message
+                );
+                // Out of the index at once; its image stays until the edits that
+                // pinned it (and may be preprocessing from it) are done.
+                self.index.retire(&id);
+                if let Some(disk) = &self.disk {
+                    disk.remove(&id, version);
+                }
+                if let Some(s) = self.index.get_mut(version) {
+                    s.disk = Disk::None;
+                }
+                let err = WireError::new(
+                    ErrorKind::NotFound,
+                    format!("template `{id}` was damaged on disk and dropped: register it again"),
+                );
+                self.damaged.push_front((version, err.clone()));
+                self.damaged.truncate(DAMAGED_KEPT);
+                Err(err)
+            }
+        };
+        for w in waiters {
+            let _ = w.send(Wire(answer.clone()));
+        }
+        self.collect_unreachable();
+    }
+
+    /// Updates the gauges of what each tier holds.
+    fn report(&self) {
+        let (mut host, mut disk) = ((0, 0), (0, 0));
+        for (_, s) in self.index.versions() {
+            if s.host > 0 {
+                host = (host.0 + 1, host.1 + s.host);
+            }
+            if let Disk::Stored(b) = s.disk {
+                disk = (disk.0 + 1, disk.1 + b);
+            }
+        }
+        self.metrics.set_held(HOST, host.0, host.1);
+        self.metrics.set_held(DISK, disk.0, disk.1);
+    }
+}
