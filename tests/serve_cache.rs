@@ -14,14 +14,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{json, Value};
 
-fn with_config(toml: &str) -> (tempfile::TempDir, Daemon) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("config.toml");
-    std::fs::write(&path, toml).unwrap();
-    let d = Daemon::start(&["--config", path.to_str().unwrap()]);
-    (dir, d)
-}
-
 fn info(d: &Daemon, id: &str) -> (u16, Value) {
     d.get(&format!("/v1/templates/{id}"))
 }
@@ -123,8 +115,9 @@ fn templates_survive_a_killed_cache_and_a_damaged_one_is_never_used() {
 fn memory_holds_its_capacity_and_disk_drops_the_least_recently_used() {
     // A cache arena for about two templates of the built-in model at 4 steps (2.9 MB
     // each) and their images, and a disk tier for about three.
-    let (_cfg, d) =
-        with_config("[workers]\ncache_arena_bytes = 7000000\n[cache]\ndisk_bytes = 9500000\n");
+    let (_cfg, d) = Daemon::with_config(
+        "[workers]\ncache_arena_bytes = 7000000\n[cache]\ndisk_bytes = 9500000\n",
+    );
     for id in ["t0", "t1", "t2"] {
         d.template(id, 4);
         on_disk(&d, id);

@@ -9,15 +9,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::json;
 
-/// A daemon started with this config.toml (the directory holding it must outlive it).
-fn with_config(toml: &str) -> (tempfile::TempDir, Daemon) {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("config.toml");
-    std::fs::write(&cfg, toml).unwrap();
-    let d = Daemon::start(&["--config", cfg.to_str().unwrap()]);
-    (dir, d)
-}
-
 /// Waits until `/readyz` answers 200 again; returns how long it took.
 fn until_ready(d: &Daemon, limit: Duration) -> Duration {
     let t0 = Instant::now();
@@ -271,7 +262,7 @@ fn kill_9_of_each_role_under_load_loses_nothing() {
 #[test]
 fn a_template_that_cannot_be_stored_is_refused_before_it_runs() {
     // A 64x64 template of 8 steps needs about 6 MB; the cache arena has 1 MB.
-    let (_dir, d) = with_config("[workers]\ncache_arena_bytes = 1000000\n");
+    let (_dir, d) = Daemon::with_config("[workers]\ncache_arena_bytes = 1000000\n");
     let (s, v) = d.post(
         "/v1/templates",
         &json!({"image": image_b64(), "id": "big", "steps": 8, "async": true}),
@@ -396,7 +387,7 @@ fn delete_during_edits_lets_them_finish_and_then_frees_the_template() {
 
 #[test]
 fn a_stage_past_its_deadline_is_a_504_and_the_daemon_goes_on() {
-    let (_dir, d) = with_config("[server]\nstage_timeout_seconds = 1\n");
+    let (_dir, d) = Daemon::with_config("[server]\nstage_timeout_seconds = 1\n");
     // 100 steps take longer than the 1 s deadline of the denoise stage.
     let t0 = Instant::now();
     let (s, v) = d.post(

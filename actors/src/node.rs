@@ -115,6 +115,15 @@ pub struct WorkerEnv {
 impl WorkerEnv {
     pub const VAR: &'static str = "DENOISED_WORKER_ENV";
 
+    /// `[model] source` (parsing cannot fail: any other string is a directory).
+    pub fn model_source(&self) -> denoised_models::ModelSource {
+        self.config
+            .model
+            .source
+            .parse()
+            .unwrap_or_else(|e| match e {})
+    }
+
     pub fn from_env() -> Result<Self, String> {
         let text = std::env::var(Self::VAR).map_err(|_| {
             format!(

@@ -7,7 +7,6 @@ use std::time::Duration;
 use denoised_cuda::DeviceSpec;
 use denoised_models::pipeline::flux_fill::{FluxFill, Parts};
 use denoised_models::vae::VaeHalves;
-use denoised_models::ModelSource;
 use denoised_runtime::CpuBackend;
 use ractor::Actor;
 
@@ -68,12 +67,7 @@ struct Loaded {
 }
 
 fn load(env: &WorkerEnv) -> Result<Loaded, String> {
-    let source: ModelSource = env
-        .config
-        .model
-        .source
-        .parse()
-        .unwrap_or_else(|e| match e {});
+    let source = env.model_source();
     let device: DeviceSpec = env.device.parse().map_err(|e| format!("{e}"))?;
     let parts = device::host_parts(
         device,
@@ -263,12 +257,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
             }
             (Role::Cache, _) => {
                 let metrics = CacheMetrics::register(registry.registry());
-                let source: ModelSource = env
-                    .config
-                    .model
-                    .source
-                    .parse()
-                    .unwrap_or_else(|e| match e {});
+                let source = env.model_source();
                 let args = CacheArgs {
                     shm: shm.clone(),
                     metrics,
@@ -325,6 +314,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
+    use denoised_models::ModelSource;
 
     /// Copies the reference model directory without the given component directories
     /// (their weight files, or the whole directory for tokenizers), so loading can only

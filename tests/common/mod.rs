@@ -65,6 +65,16 @@ impl Daemon {
         Self::spawn(args, env, Stdio::inherit())
     }
 
+    /// A daemon started with this config.toml (the directory holding it must outlive
+    /// the daemon).
+    pub fn with_config(toml: &str) -> (tempfile::TempDir, Daemon) {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("config.toml");
+        std::fs::write(&cfg, toml).unwrap();
+        let d = Daemon::start(&["--config", cfg.to_str().unwrap()]);
+        (dir, d)
+    }
+
     /// [`Daemon::start_with_env`], every process's log lines (stderr) going to `log`.
     pub fn start_logging(args: &[&str], env: &[(&str, &str)], log: &Path) -> Daemon {
         let f = std::fs::File::create(log).unwrap();

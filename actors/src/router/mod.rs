@@ -107,12 +107,7 @@ impl Actor for RouterActor {
 
 /// Runs the router process until SIGTERM/SIGINT.
 pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
-    let model: denoised_models::ModelSource = env
-        .config
-        .model
-        .source
-        .parse()
-        .unwrap_or_else(|e| match e {});
+    let model = env.model_source();
     let fingerprint = model.fingerprint().map_err(|e| e.to_string())?;
     let shm = Shm::create(&env)?;
     let server = &env.config.server;

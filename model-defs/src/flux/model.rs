@@ -18,6 +18,7 @@ use denoised_runtime::{AttnSeq, Backend, Error, KvSource, QSpan, Result, Rows, S
 
 use super::config::FluxConfig;
 use super::embed;
+use super::request::check_shape;
 pub use super::request::{RequestTensors, StepRequest};
 use super::weights::{FluxWeights, Linear};
 
@@ -182,16 +183,6 @@ impl Layout {
 
 fn modl<'a, T>(table: &'a T, chunk: usize, seg: &'a [u32]) -> Modulation<'a, T> {
     Modulation { table, chunk, seg }
-}
-
-fn check_shape(what: &str, t: &Tensor, expected: &[usize]) -> Result<()> {
-    if t.shape() != expected {
-        return Err(Error::Invalid(format!(
-            "{what}: shape {:?}, expected {expected:?}",
-            t.shape()
-        )));
-    }
-    Ok(())
 }
 
 impl<B: Backend> FluxTransformer<B> {

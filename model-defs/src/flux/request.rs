@@ -92,7 +92,7 @@ pub struct StepRequest<'a, T> {
     pub cache: Option<&'a dyn KvCache<T>>,
 }
 
-fn check_shape(what: &str, t: &Tensor, expected: &[usize]) -> Result<()> {
+pub(super) fn check_shape(what: &str, t: &Tensor, expected: &[usize]) -> Result<()> {
     if t.shape() != expected {
         return Err(Error::Invalid(format!(
             "{what}: shape {:?}, expected {expected:?}",
