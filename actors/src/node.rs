@@ -451,27 +451,6 @@ impl Shm {
         (a.largest_free(), a.capacity())
     }
 
-    /// Allocates an F32 slice and fills it through `fill` (no intermediate copy).
-    pub fn write_with(
-        &self,
-        shape: &[usize],
-        fill: impl FnOnce(&mut [f32]) -> Result<(), WireError>,
-    ) -> Result<Handle, WireError> {
-        let mut a = self.arena();
-        let h = a
-            .alloc(denoised_runtime::DType::F32, shape)
-            .map_err(space_error)?;
-        let r = a
-            .slice_f32_mut(&h)
-            .map_err(|e| WireError::internal(e.to_string()))
-            .and_then(fill);
-        if let Err(e) = r {
-            let _ = a.free(&h);
-            return Err(e);
-        }
-        Ok(h)
-    }
-
     /// Frees slices of this process's arena; handles of other arenas and stale ones
     /// are ignored (a release can race with a restart).
     pub fn release(&self, handles: &[Handle]) {

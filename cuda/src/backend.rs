@@ -108,10 +108,6 @@ impl<E: Exec> GpuBackend<E> {
     pub fn dtype(&self) -> Dt {
         self.dt
     }
-    /// Host bytes page-locked for this device now.
-    pub fn pinned_bytes(&self) -> usize {
-        self.host.pinned_bytes()
-    }
     /// The runtime dtype of this device's storage type.
     pub fn storage_dtype(&self) -> DType {
         match self.dt {

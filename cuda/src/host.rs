@@ -32,7 +32,7 @@ type Pending<E> = (Arc<<E as Exec>::Mem>, <E as Exec>::Event);
 struct Region<E: Exec> {
     mem: Arc<dyn HostMemory>,
     /// `None` when registration failed (copies from it are synchronous).
-    _pinned: Option<E::Pinned>,
+    pinned: Option<E::Pinned>,
 }
 
 impl<E: Exec> HostIo<E> {
@@ -66,7 +66,7 @@ impl<E: Exec> HostIo<E> {
         };
         pinned.push(Region {
             mem: mem.clone(),
-            _pinned: reg,
+            pinned: reg,
         });
         Ok(())
     }
@@ -76,7 +76,7 @@ impl<E: Exec> HostIo<E> {
         let (a, pinned) = (ptr as usize, self.pinned.lock().unwrap());
         pinned.iter().any(|r| {
             let base = r.mem.base() as usize;
-            r._pinned.is_some() && base <= a && a + len <= base + r.mem.len()
+            r.pinned.is_some() && base <= a && a + len <= base + r.mem.len()
         })
     }
 
@@ -93,16 +93,6 @@ impl<E: Exec> HostIo<E> {
             .map_err(dev)?;
         let loaded = exec.record(Stream::Copy).map_err(dev)?;
         exec.wait(Stream::Compute, &loaded).map_err(dev)
-    }
-
-    /// Bytes of host memory registered now.
-    pub fn pinned_bytes(&self) -> usize {
-        let pinned = self.pinned.lock().unwrap();
-        pinned
-            .iter()
-            .filter(|r| r._pinned.is_some())
-            .map(|r| r.mem.len())
-            .sum()
     }
 
     /// Queues a copy of `len` bytes at `offset` of `src` into `dst`, behind the compute

@@ -107,10 +107,6 @@ impl HostSlice {
     pub fn memory(&self) -> &Arc<dyn HostMemory> {
         &self.mem
     }
-    /// The slice's offset within its region.
-    pub fn offset(&self) -> usize {
-        self.offset
-    }
     pub fn as_ptr(&self) -> *mut u8 {
         // SAFETY: offset <= region length (checked in `new`).
         unsafe { self.mem.base().add(self.offset) }

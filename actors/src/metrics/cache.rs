@@ -25,38 +25,13 @@ pub struct CacheMetrics {
 impl CacheMetrics {
     pub fn register(r: &mut Registry) -> Self {
         let m = CacheMetrics::default();
-        r.register(
-            "template_cache_entries",
-            "Templates held in a tier of the template cache",
-            m.entries.clone(),
-        );
-        r.register_with_unit(
-            "template_cache",
-            "Bytes of the templates held in a tier of the template cache",
-            Unit::Bytes,
-            m.bytes.clone(),
-        );
-        r.register(
-            "template_cache_hits",
-            "Uses of a template found in the tier",
-            m.hits.clone(),
-        );
-        r.register(
-            "template_cache_misses",
-            "Uses of a template not in the tier (then loaded into it, or streamed)",
-            m.misses.clone(),
-        );
-        r.register(
-            "template_cache_evictions",
-            "Templates evicted from the tier to make room",
-            m.evictions.clone(),
-        );
-        r.register_with_unit(
-            "template_cache_loaded",
-            "Bytes loaded into the tier",
-            Unit::Bytes,
-            m.loaded.clone(),
-        );
+        use super::template_cache::*;
+        r.register(ENTRIES.0, ENTRIES.1, m.entries.clone());
+        r.register_with_unit(BYTES.0, BYTES.1, Unit::Bytes, m.bytes.clone());
+        r.register(HITS.0, HITS.1, m.hits.clone());
+        r.register(MISSES.0, MISSES.1, m.misses.clone());
+        r.register(EVICTIONS.0, EVICTIONS.1, m.evictions.clone());
+        r.register_with_unit(LOADED.0, LOADED.1, Unit::Bytes, m.loaded.clone());
         // Present from the start, so dashboards and rates have a series at zero.
         for tier in [HOST, DISK] {
             let t = [("tier", tier)];

@@ -99,64 +99,34 @@ impl Collector for DeviceCollector {
     fn encode(&self, mut e: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let s = &self.stats;
         let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-        let gauges: [(&str, &str, Option<Unit>, u64); 2] = [
-            (
-                "template_cache_entries",
-                "Templates held in a tier of the template cache.",
-                None,
-                get(&s.entries),
-            ),
-            (
-                "template_cache",
-                "Bytes of the templates held in a tier of the template cache.",
-                Some(Unit::Bytes),
-                get(&s.bytes),
-            ),
+        use super::template_cache::*;
+        // The registry appends the period to help texts; a collector writes its own.
+        let help = |h: &str| format!("{h}.");
+        let gauges = [
+            (ENTRIES, None, get(&s.entries)),
+            (BYTES, Some(Unit::Bytes), get(&s.bytes)),
         ];
-        for (name, help, unit, v) in gauges {
-            let mut m = e.encode_descriptor(name, help, unit.as_ref(), MetricType::Gauge)?;
+        for ((name, h), unit, v) in gauges {
+            let mut m = e.encode_descriptor(name, &help(h), unit.as_ref(), MetricType::Gauge)?;
             ConstGauge::new(v as i64).encode(m.encode_family(&tier())?)?;
         }
-        let counters: [(&str, &str, Option<Unit>, u64); 5] = [
-            (
-                "template_cache_hits",
-                "Uses of a template found in the tier.",
-                None,
-                get(&s.hits),
-            ),
-            (
-                "template_cache_misses",
-                "Uses of a template not in the tier (then loaded into it, or streamed).",
-                None,
-                get(&s.misses),
-            ),
-            (
-                "template_cache_evictions",
-                "Templates evicted from the tier to make room.",
-                None,
-                get(&s.evictions),
-            ),
-            (
-                "template_cache_loaded",
-                "Bytes loaded into the tier.",
-                Some(Unit::Bytes),
-                get(&s.loaded_bytes),
-            ),
-            (
-                "template_streamed",
-                "Bytes of template K/V streamed to the device during steps (templates larger than its template budget).",
-                Some(Unit::Bytes),
-                get(&s.streamed_bytes),
-            ),
+        let counters = [
+            (HITS, None, get(&s.hits)),
+            (MISSES, None, get(&s.misses)),
+            (EVICTIONS, None, get(&s.evictions)),
+            (LOADED, Some(Unit::Bytes), get(&s.loaded_bytes)),
         ];
-        for (name, help, unit, v) in counters {
-            let mut m = e.encode_descriptor(name, help, unit.as_ref(), MetricType::Counter)?;
-            if name == "template_streamed" {
-                ConstCounter::new(v).encode(m)?;
-            } else {
-                ConstCounter::new(v).encode(m.encode_family(&tier())?)?;
-            }
+        for ((name, h), unit, v) in counters {
+            let mut m = e.encode_descriptor(name, &help(h), unit.as_ref(), MetricType::Counter)?;
+            ConstCounter::new(v).encode(m.encode_family(&tier())?)?;
         }
+        let m = e.encode_descriptor(
+            "template_streamed",
+            "Bytes of template K/V streamed to the device during steps (templates larger than its template budget).",
+            Some(&Unit::Bytes),
+            MetricType::Counter,
+        )?;
+        ConstCounter::new(get(&s.streamed_bytes)).encode(m)?;
         if let Some(b) = &self.budget {
             let mut m = e.encode_descriptor(
                 "device_memory_budget",

@@ -42,6 +42,33 @@ pub const BATCH_TOKENS: &[f64] = &[
 /// Shares: the mask ratio of an edit (the traces' means are 0.11 and 0.19).
 pub const RATIO: &[f64] = &[0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0];
 
+/// The template cache's families, `(name, help)`: one meaning each, reported with a
+/// `tier` label by the cache process (host, disk) and by each denoise worker
+/// (device). The names take their unit (`_bytes`) and counters `_total` when encoded.
+pub mod template_cache {
+    pub const ENTRIES: (&str, &str) = (
+        "template_cache_entries",
+        "Templates held in a tier of the template cache",
+    );
+    pub const BYTES: (&str, &str) = (
+        "template_cache",
+        "Bytes of the templates held in a tier of the template cache",
+    );
+    pub const HITS: (&str, &str) = (
+        "template_cache_hits",
+        "Uses of a template found in the tier",
+    );
+    pub const MISSES: (&str, &str) = (
+        "template_cache_misses",
+        "Uses of a template not in the tier (then loaded into it, or streamed)",
+    );
+    pub const EVICTIONS: (&str, &str) = (
+        "template_cache_evictions",
+        "Templates evicted from the tier to make room",
+    );
+    pub const LOADED: (&str, &str) = ("template_cache_loaded", "Bytes loaded into the tier");
+}
+
 /// A process's registry, labelled with the process.
 pub struct ProcessRegistry {
     registry: Registry,

@@ -136,18 +136,9 @@ where
         resident_bytes(t, self.elem_bytes)
     }
 
-    pub fn model(&self) -> &Arc<FluxTransformer<B>> {
-        &self.model
-    }
-
     /// Templates resident now, most recently used first (for tests).
     pub fn resident(&self) -> impl Iterator<Item = &Arc<TemplateCache>> {
         self.recent.iter()
-    }
-
-    /// Templates streamed now, with their buffer pairs (for tests).
-    pub fn streamed(&self, t: &TemplateCache) -> usize {
-        self.templates.streamed_lanes(t)
     }
 
     /// Puts every template `ids` read where the device reads it: resident (first
