@@ -135,7 +135,8 @@ pub fn identity<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
         check("resident template", &run_to_end(&m, edit()?, &resident)?.0)?;
 
         // Streamed by two requests that share every forward at different steps (the
-        // second starts one step later).
+        // second starts one step later), under plans whose full prefix changes from
+        // step to step (the slabs of a prefix's blocks are not loaded).
         let mut streamed = DeviceTemplates::new();
         if !streamed.stream(m.backend(), &cache, 2)? {
             return Err(Error::Invalid(
@@ -143,16 +144,18 @@ pub fn identity<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
             ));
         }
         let mut first = edit()?;
-        step_batch_with(&m, &mut [&mut first], &streamed)?;
+        step_batch_with(&m, &mut [&mut first], &streamed, 0)?;
         let mut second = edit()?;
+        let mut call = 1;
         while !(first.done() && second.done()) {
             let mut refs: Vec<&mut Job<_>> = [&mut first, &mut second]
                 .into_iter()
                 .filter(|j| !j.done())
                 .collect();
-            step_batch_with(&m, &mut refs, &streamed)?;
+            step_batch_with(&m, &mut refs, &streamed, call % (m.num_blocks() + 1))?;
+            call += 1;
         }
-        check("streamed, steps 0..3", &first.finish(&m)?.0)?;
+        check("streamed with full prefixes, steps 0..3", &first.finish(&m)?.0)?;
         check("streamed, joining a step later", &second.finish(&m)?.0)?;
     }
     Ok(out)

@@ -9,6 +9,7 @@
 use denoised_cuda::{CudaExec, DeviceSpec, Dt, EmuExec, Exec, GpuBackend};
 
 use crate::budget::{BudgetInputs, DeviceBudget};
+use denoised_models::profile::Profile;
 use denoised_models::flux::stepper::{ModelStepper, Stepper};
 use denoised_models::pipeline::flux_fill::{Component, FluxFill, Parts};
 use denoised_models::ModelSource;
@@ -98,7 +99,9 @@ pub fn place(
                 weight_bytes: 4 * t.params(),
             };
             Ok(Placed {
-                stepper: Box::new(ModelStepper::new(t, limits.host_template_bytes, 4, false)),
+                // Templates beyond the budget are streamed from the cache's arena by a
+                // loader thread.
+                stepper: Box::new(ModelStepper::new(t, limits.host_template_bytes, 4, true)),
                 device: "cpu".into(),
                 dtype: "f32",
                 component,
@@ -178,6 +181,31 @@ fn on_gpu<E: Exec + 'static>(
         component,
         budget: Some(budget),
     })
+}
+
+/// The planner's latency models for `device`: the profile file at `path`, or (empty)
+/// the defaults, said in the log. A profile of another device kind is used, with a
+/// warning: its figures are still better than none.
+pub fn planner_profile(path: &str, device: &str) -> Result<Profile, String> {
+    if path.is_empty() {
+        tracing::info!(
+            "planner: no [denoise] profile, using conservative defaults for {device}; `denoised profile` measures this device"
+        );
+        return Ok(Profile::defaults(device));
+    }
+    let p = Profile::read(std::path::Path::new(path)).map_err(|e| format!("[denoise] profile: {e}"))?;
+    if p.device != device {
+        tracing::warn!(
+            "planner: profile {path} was measured on `{}`, this worker runs on `{device}`",
+            p.device
+        );
+    }
+    tracing::info!(
+        "planner: profile {path} (compute R² {:.3}, host load R² {:.3})",
+        p.compute.r2,
+        p.load_host.r2
+    );
+    Ok(p)
 }
 
 /// What `/readyz` shows of a process's model: the components it loaded on the host,

@@ -1,5 +1,5 @@
 //! denoised-actors: the actor groups of the serving runtime (router, preprocess,
-//! denoise, postprocess, cache), the batching loop, the planner and routing policies.
+//! denoise, postprocess, cache), the batching loop and routing policies.
 //!
 //! The serving runtime is built on top of the engine crates (`denoised-runtime`,
 //! `denoised-models`); see DESIGN.md §"Processes and actors". Its first pieces land
@@ -14,7 +14,6 @@ pub mod metrics;
 pub mod node;
 pub mod notify;
 pub mod overheads;
-pub mod planner;
 pub mod process;
 pub mod restarts;
 pub mod router;

@@ -84,7 +84,12 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
                 max_pixels: env.config.server.max_pixels,
                 host_template_bytes: env.config.workers.cache_arena_bytes,
             };
-            Some(device::place(&source, device, dt, &pipeline, limits)?)
+            let mut placed = device::place(&source, device, dt, &pipeline, limits)?;
+            placed.stepper.set_profile(device::planner_profile(
+                &env.config.denoise.profile,
+                &placed.stepper.backend(),
+            )?);
+            Some(placed)
         }
         _ => None,
     };

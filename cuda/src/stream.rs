@@ -141,7 +141,7 @@ impl<E: Exec> StreamedTemplate<E> {
 }
 
 impl<E: Exec> SlabProvider<GpuTensor<E>> for StreamedTemplate<E> {
-    fn prepare(&self, step: usize) -> Result<()> {
+    fn prepare(&self, step: usize, first: usize) -> Result<()> {
         if step >= self.steps {
             return Err(Error::Invalid(format!(
                 "step {step} of a {}-step template",
@@ -167,11 +167,11 @@ impl<E: Exec> SlabProvider<GpuTensor<E>> for StreamedTemplate<E> {
             holds: [None; 2],
             loaded: [None, None],
             at: None,
-            next: 2.min(self.blocks),
+            next: (first + 2).min(self.blocks),
         };
         // The previous forward's kernels may still read both buffers.
         self.after_compute()?;
-        for b in 0..st.next {
+        for b in first..st.next {
             self.load(lane, &mut st, b)?;
         }
         Ok(())

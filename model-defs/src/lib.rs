@@ -8,6 +8,8 @@ pub mod fixtures;
 pub mod flux;
 pub mod mask;
 pub mod pipeline;
+pub mod planner;
+pub mod profile;
 pub mod scheduler;
 pub mod source;
 pub mod text;

@@ -5,6 +5,8 @@
 //! - the identity invariant: an edit with exactly a capture's inputs gives the
 //!   capture's final latent (1e-5 relative), for empty, full, one-token and irregular
 //!   masks, alone and in a batch of requests at different steps;
+//! - it holds for every planned full prefix (the first blocks computing every token),
+//!   with the template resident or streamed by the CPU's loader thread;
 //! - batch independence: a request's result does not depend on its batch mates;
 //! - an all-active edit equals a plain full run.
 
@@ -128,7 +130,7 @@ fn full_loop_matches_diffusers_per_step() {
         let mut job = Job::new(&m, &inputs, s.clone(), Mode::Full).unwrap();
         let none = DeviceTemplates::new();
         for i in 0..4 {
-            step_batch_with(&m, &mut [&mut job], &none).unwrap();
+            step_batch_with(&m, &mut [&mut job], &none, 0).unwrap();
             let latents = job.computed_latents(&m).unwrap();
             let d = case.assert_close(&format!("step{i}.latents"), &latents, tier);
             println!("step{i}.latents ({tier:?}): {d:.2e}");
@@ -166,16 +168,74 @@ fn identity_invariant_in_a_batch_at_different_steps() {
     let (mut a, mut b, mut c) = (job(ma), job(mb), job(mc));
     // a starts first, b joins one step later, c two steps later: the batch holds
     // requests at steps (2, 1, 0) at its third call.
-    step_batch_with(&m, &mut [&mut a], &slabs).unwrap();
-    step_batch_with(&m, &mut [&mut a, &mut b], &slabs).unwrap();
+    step_batch_with(&m, &mut [&mut a], &slabs, 0).unwrap();
+    step_batch_with(&m, &mut [&mut a, &mut b], &slabs, 0).unwrap();
     assert_eq!((a.step(), b.step(), c.step()), (2, 1, 0));
     while !(a.done() && b.done() && c.done()) {
-        step_batch_with(&m, &mut [&mut a, &mut b, &mut c], &slabs).unwrap();
+        step_batch_with(&m, &mut [&mut a, &mut b, &mut c], &slabs, 0).unwrap();
     }
     for (name, j) in [("a", a), ("b", b), ("c", c)] {
         let rel = rel_diff(&j.finish(&m).unwrap().0, &template_final);
         assert!(rel <= 1e-5, "{name}: relative diff {rel:.2e}");
     }
+}
+
+#[test]
+fn identity_invariant_for_every_full_prefix_resident_and_streamed() {
+    let case = RefCase::open("e2e").unwrap();
+    let (m, s, inputs) = (model(), schedule(), e2e_inputs(&case));
+    let (cache, template_final) = capture(&m, &inputs, &s);
+    let blocks = m.num_blocks();
+    let all = masks(&case);
+    let resident = slabs(&m, &cache);
+    let mut streamed = DeviceTemplates::new();
+    assert!(streamed.stream(m.backend(), &cache, 3).unwrap());
+    for (form, source) in [("resident", &resident), ("streamed", &streamed)] {
+        // A fixed prefix for every step, then a plan that changes from step to step,
+        // with three edits at different steps in one batch.
+        for k in 0..=blocks {
+            let mask = &all[3].1;
+            let mut j = Job::new(&m, &inputs, s.clone(), edit(mask, &cache)).unwrap();
+            while !j.done() {
+                step_batch_with(&m, &mut [&mut j], source, k).unwrap();
+            }
+            let rel = rel_diff(&j.finish(&m).unwrap().0, &template_final);
+            println!("{form}, {k} full blocks: relative diff {rel:.1e}");
+            assert!(rel <= 1e-5, "{form}, {k} full blocks: relative diff {rel:.2e}");
+        }
+        let job = |mask| Job::new(&m, &inputs, s.clone(), edit(mask, &cache)).unwrap();
+        let (mut a, mut b, mut c) = (job(&all[3].1), job(&all[2].1), job(&all[5].1));
+        let mut full = Job::new(&m, &inputs, s.clone(), Mode::Full).unwrap();
+        step_batch_with(&m, &mut [&mut a], source, blocks).unwrap();
+        step_batch_with(&m, &mut [&mut a, &mut b], source, 1).unwrap();
+        let mut call = 0;
+        while !(a.done() && b.done() && c.done()) {
+            let k = (call * 7 + 3) % (blocks + 1);
+            step_batch_with(&m, &mut [&mut a, &mut b, &mut c, &mut full], source, k).unwrap();
+            call += 1;
+        }
+        for (name, j) in [("a", a), ("b", b), ("c", c)] {
+            let rel = rel_diff(&j.finish(&m).unwrap().0, &template_final);
+            assert!(rel <= 1e-5, "{form} batch {name}: relative diff {rel:.2e}");
+        }
+    }
+    // The full prefix really computes the inactive tokens: with another guidance their
+    // K/V in the first blocks differ from the template's, and so do the active tokens.
+    let mut other = inputs.clone();
+    other.guidance = 4.0;
+    let run_k = |k: usize| {
+        let mut j = Job::new(&m, &other, s.clone(), edit(&all[3].1, &cache)).unwrap();
+        while !j.done() {
+            step_batch_with(&m, &mut [&mut j], &resident, k).unwrap();
+        }
+        j.finish(&m).unwrap().0
+    };
+    let moved = rel_diff(&run_k(blocks), &run_k(0));
+    println!("another guidance, all blocks full vs all cached: relative diff {moved:.1e}");
+    assert!(moved > 1e-4, "the full prefix changed nothing ({moved:.1e})");
+    // A plan beyond the model's blocks is refused.
+    let mut j = Job::new(&m, &inputs, s.clone(), edit(&all[3].1, &cache)).unwrap();
+    assert!(step_batch_with(&m, &mut [&mut j], &resident, blocks + 1).is_err());
 }
 
 #[test]
@@ -199,9 +259,9 @@ fn batch_results_do_not_depend_on_batch_mates() {
     let mut a = job(edit(&all[3].1, &cache), &edit_inputs);
     let mut b = job(edit(&all[5].1, &cache), &inputs);
     let mut c = job(Mode::Full, &edit_inputs);
-    step_batch_with(&m, &mut [&mut c], &slabs).unwrap();
+    step_batch_with(&m, &mut [&mut c], &slabs, 0).unwrap();
     while !(a.done() && b.done() && c.done()) {
-        step_batch_with(&m, &mut [&mut a, &mut b, &mut c], &slabs).unwrap();
+        step_batch_with(&m, &mut [&mut a, &mut b, &mut c], &slabs, 0).unwrap();
     }
     for (name, got, want) in [
         ("a", a.finish(&m).unwrap().0, &want_a),

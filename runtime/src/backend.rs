@@ -265,8 +265,7 @@ pub trait Backend: Send + Sync {
     /// A provider that streams the slabs of a template out of host memory while the
     /// model computes: `steps * blocks` slabs of `shape`, step-major, in `dtype`, at
     /// `src`, with `lanes` pairs of device buffers (the most distinct steps of the
-    /// template one forward reads). `None` where the backend has no such path (the CPU
-    /// reads host memory in place).
+    /// template one forward reads). `None` where the backend has no such path.
     fn stream_slabs(
         &self,
         _src: &HostSlice,
@@ -351,10 +350,17 @@ fn stack_f32(parts: &[Stored<'_>]) -> Result<Tensor> {
 /// (`denoised_cuda::StreamedTemplate`). Within one forward, the model asks for the
 /// blocks of a step in order, each after the previous block's work has been queued.
 pub trait SlabProvider<T>: Send + Sync {
-    /// Called before each forward that reads `step`.
-    fn prepare(&self, step: usize) -> Result<()>;
+    /// Called before each forward that reads `step` from block `first` on (the
+    /// blocks before it compute every token, so their slabs are not loaded).
+    fn prepare(&self, step: usize, first: usize) -> Result<()>;
     /// The `[L, 2*hidden]` `[K | V]` slab of `block` at `step`.
     fn slab(&self, step: usize, block: usize) -> Result<&T>;
     /// Called once the forward's work is queued: its slabs are not asked for again.
     fn finish(&self) {}
+    /// The time compute waited for slabs since the last call (the bubble), where the
+    /// provider can tell: a loader thread measures its consumer's waits; a GPU copy
+    /// stream's waits happen on the device, unseen by the host (`None`).
+    fn take_wait(&self) -> Option<std::time::Duration> {
+        None
+    }
 }

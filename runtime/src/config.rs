@@ -171,6 +171,9 @@ pub struct DenoiseConfig {
     /// false: pre- and post-processing run inside the denoise process, between steps
     /// (the baseline that disaggregation is measured against).
     pub disaggregate: bool,
+    /// The device's latency models for the planner, written by `denoised profile`.
+    /// Empty: conservative defaults for the device kind (logged at start).
+    pub profile: String,
 }
 
 impl Default for DenoiseConfig {
@@ -180,6 +183,7 @@ impl Default for DenoiseConfig {
             token_budget: 32768,
             batching: Batching::Continuous,
             disaggregate: true,
+            profile: String::new(),
         }
     }
 }

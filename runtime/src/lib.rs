@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod config;
 pub mod cpu;
+pub mod direct;
 pub mod error;
 pub mod fixtures;
 pub mod host;

@@ -87,6 +87,19 @@ impl Tensor {
         &self.data[r * c..(r + 1) * c]
     }
 
+    /// The matrix of rows `rows` (in that order) of this one viewed as `[rows, cols]`.
+    pub fn gather(&self, rows: &[u32]) -> Tensor {
+        let c = self.cols();
+        let mut data = Vec::with_capacity(rows.len() * c);
+        for &r in rows {
+            data.extend_from_slice(self.row(r as usize));
+        }
+        Tensor {
+            shape: vec![rows.len(), c],
+            data,
+        }
+    }
+
     pub fn reshape(mut self, shape: impl Into<Vec<usize>>) -> Result<Self> {
         let shape = shape.into();
         let n: usize = shape.iter().product();

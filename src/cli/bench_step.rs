@@ -9,7 +9,7 @@
 //! `(T+L)/(T+A)`. `--batch N` times N requests in one step, their masks drawn from
 //! `--mask-trace` (or the first ratio).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,11 +17,15 @@ use denoised_cuda::{Dt, Exec, GpuBackend};
 use denoised_models::flux::cost::{flop_bound, forward_flops, StepShape};
 use denoised_models::flux::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
 use denoised_models::flux::embed::image_ids;
+use denoised_models::flux::plan::{plan_step, SlabLoad};
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
+use denoised_models::flux::template_file::{self, SlabFile, TemplateMeta};
+use denoised_models::profile::{Profile, Tier};
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::{read_ratio_trace, TokenMask};
 use denoised_models::{FlowMatchEuler, FluxConfig, FluxTransformer};
-use denoised_runtime::{Backend, CpuBackend, DType, Tensor};
+use denoised_runtime::cpu::stream::CpuStream;
+use denoised_runtime::{Backend, CpuBackend, DType, HostSlice, Tensor};
 
 use super::{CliResult, DeviceArgs, Selected};
 
@@ -58,11 +62,25 @@ pub struct Args {
     /// The CPU always computes in f32.
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
     pub dtype: String,
-    /// On a GPU, where edits read the template's K/V: `resident` (uploaded once, in
-    /// device memory) or `streamed` (from pinned host memory, block by block on the
-    /// copy stream into ping-pong buffers, overlapping compute).
-    #[arg(long, default_value = "resident", value_parser = ["resident", "streamed"])]
-    pub slabs: String,
+    /// Where edits read the template's K/V from: `memory` (resident on the device),
+    /// `host` (streamed from host memory: on a GPU from pinned memory on the copy
+    /// stream, on the CPU by a loader thread) or `disk` (a template file, page cache
+    /// dropped before each run; the CPU only: a GPU worker reads templates from the
+    /// host tier, where the cache process prefetches them).
+    #[arg(long, default_value = "memory", value_parser = ["memory", "host", "disk"])]
+    pub cache_tier: String,
+    /// How a step outside the memory tier meets its loads, comma-separated: naive,
+    /// pipelined, planner. Each is timed against the in-memory ideal.
+    #[arg(long, value_delimiter = ',', default_value = "pipelined",
+          value_parser = ["naive", "pipelined", "planner"])]
+    pub plan: Vec<String>,
+    /// Latency models for `--plan planner` (written by `denoised profile`); without
+    /// it the planner uses the defaults.
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// Where the disk tier's template file is written (a temporary directory there).
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
+    pub disk_dir: PathBuf,
 }
 
 /// The most square `rows x cols` grid with `n` cells.
@@ -82,38 +100,50 @@ fn random(shape: &[usize], rng: &mut SplitMix) -> Tensor {
 struct Timing {
     min: f64,
     median: f64,
+    /// Median time compute waited for loads.
+    bubble: f64,
 }
 
-/// Times `iters` batched steps of the jobs `setup` builds (fresh ones for every run,
-/// uploaded outside the timed region, as the serving loop uploads a request once when
-/// it is admitted), after one warm-up.
-fn time_steps<B: Backend>(
-    model: &FluxTransformer<B>,
-    slabs: &DeviceTemplates<B::Tensor>,
+/// Times `iters` runs of `run` on fresh jobs from `setup` (built outside the timed
+/// region, as the serving loop uploads a request once when it is admitted), after one
+/// warm-up. `run` returns its bubble.
+fn time_steps<J>(
     iters: usize,
-    mut setup: impl FnMut() -> CliResult<Vec<Job<B::Tensor>>>,
-) -> CliResult<Timing>
-where
-    B::Tensor: Send + Sync,
-{
-    let run = |jobs: &mut Vec<Job<B::Tensor>>| {
-        step_batch_with(model, &mut jobs.iter_mut().collect::<Vec<_>>(), slabs)?;
-        // A device queues the step; the clock stops when it has run.
-        model.backend().synchronize()
-    };
+    mut setup: impl FnMut() -> CliResult<J>,
+    mut run: impl FnMut(&mut J) -> CliResult<f64>,
+) -> CliResult<Timing> {
     run(&mut setup()?)?;
     let mut ts = Vec::with_capacity(iters);
+    let mut bubbles = Vec::with_capacity(iters);
     for _ in 0..iters {
         let mut jobs = setup()?;
         let t = Instant::now();
-        run(&mut jobs)?;
+        bubbles.push(run(&mut jobs)?);
         ts.push(t.elapsed().as_secs_f64());
     }
     ts.sort_by(|a, b| a.total_cmp(b));
+    bubbles.sort_by(|a, b| a.total_cmp(b));
     Ok(Timing {
         min: ts[0],
         median: ts[ts.len() / 2],
+        bubble: bubbles[bubbles.len() / 2],
     })
+}
+
+/// One step of `jobs` reading `slabs` with `full_blocks` full blocks; a device queues
+/// the step, so the clock stops when it has run. Returns the bubble the slabs saw.
+fn step<B: Backend>(
+    model: &FluxTransformer<B>,
+    jobs: &mut [Job<B::Tensor>],
+    slabs: &DeviceTemplates<B::Tensor>,
+    full_blocks: usize,
+) -> CliResult<f64>
+where
+    B::Tensor: Send + Sync,
+{
+    step_batch_with(model, &mut jobs.iter_mut().collect::<Vec<_>>(), slabs, full_blocks)?;
+    model.backend().synchronize()?;
+    Ok(slabs.take_wait().map_or(0.0, |d| d.as_secs_f64()))
 }
 
 pub fn run(a: Args) -> CliResult {
@@ -130,10 +160,35 @@ pub fn run(a: Args) -> CliResult {
     if let Some(bad) = a.mask_ratio.iter().find(|r| !(0.0..=1.0).contains(*r)) {
         return Err(format!("--mask-ratio {bad} is not in [0, 1]").into());
     }
+    if a.cache_tier != "memory" && a.mask_trace.is_none() && a.mask_ratio.iter().all(|&r| r >= 1.0) {
+        return Err("--cache-tier host|disk times edits: give --mask-ratio below 1 or --mask-trace".into());
+    }
     let lines = match a.device.select()? {
-        Selected::Cpu => bench(&a, cfg, CpuBackend::new(), DType::F32, |be, cache| {
-            Ok(DeviceTemplates::resident(be, &[cache])?)
-        })?,
+        Selected::Cpu => {
+            let disk: std::cell::OnceCell<DiskTier> = Default::default();
+            bench(&a, cfg, CpuBackend::new(), DType::F32, |be, cache, tier, whole| {
+                if tier == Tier::Disk && disk.get().is_none() {
+                    let _ = disk.set(DiskTier::save(&a.disk_dir, cache, &a.config)?);
+                }
+                Ok(match (tier, whole) {
+                    (Tier::Device, _) | (Tier::Host, true) => DeviceTemplates::resident(be, &[cache])?,
+                    (Tier::Host, false) => {
+                        let mut t = DeviceTemplates::new();
+                        t.stream(be, cache, a.batch)?;
+                        t
+                    }
+                    (Tier::Disk, whole) => {
+                        let d = disk.get().expect("saved above");
+                        if whole {
+                            let read = Arc::new(d.read()?.with_key(cache.key()));
+                            DeviceTemplates::resident(be, &[&read])?
+                        } else {
+                            d.stream(cache, a.batch)?
+                        }
+                    }
+                })
+            })?
+        }
         Selected::Cuda(exec) => {
             // Compile (or load from the kernel cache) before timing anything.
             exec.warm_up()?;
@@ -156,9 +211,11 @@ pub fn measure_gpu<E: Exec>(
     let dt = if a.dtype == "f32" { Dt::F32 } else { Dt::Bf16 };
     let be = GpuBackend::new(exec, dt);
     let storage = be.storage_dtype();
-    let streamed = a.slabs == "streamed";
-    bench(a, cfg, be, storage, |be, cache| {
-        if streamed {
+    if a.cache_tier == "disk" {
+        return Err("on a GPU the disk tier is read through the host tier (the cache process prefetches it): use --cache-tier host".into());
+    }
+    bench(a, cfg, be, storage, |be, cache, tier, whole| {
+        if tier == Tier::Host && !whole {
             // One lane per request: every request may be at its own step. The slabs
             // stream from the template's host memory, page-locked.
             let mut t = DeviceTemplates::new();
@@ -174,15 +231,72 @@ pub fn measure_gpu<E: Exec>(
     })
 }
 
+fn tier_of(name: &str) -> Tier {
+    match name {
+        "host" => Tier::Host,
+        "disk" => Tier::Disk,
+        _ => Tier::Device,
+    }
+}
+
+/// The disk tier of a bench: the template saved as a template file, streamed from it
+/// by a loader thread (the CPU).
+struct DiskTier {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl DiskTier {
+    fn save(parent: &Path, cache: &TemplateCache, cfg_name: &str) -> CliResult<Self> {
+        let dir = tempfile::Builder::new().prefix("denoised-bench-").tempdir_in(parent)?;
+        let path = dir.path().join("template");
+        let l = cache.layout();
+        let meta = TemplateMeta {
+            model: cfg_name.into(),
+            height: 0,
+            width: 0,
+            steps: l.steps,
+            guidance: 0.0,
+            seed: 0,
+            prompt: String::new(),
+        };
+        template_file::save(&path, cache, &meta, l.dtype)?;
+        Ok(DiskTier { _dir: dir, path })
+    }
+
+    /// `cache` (the template this file holds) streamed from the file, its pages
+    /// dropped from the page cache first.
+    fn stream(&self, cache: &Arc<TemplateCache>, lanes: usize) -> CliResult<DeviceTemplates<Tensor>> {
+        let file = SlabFile::open(&self.path)?;
+        file.file().drop_page_cache()?;
+        let l = *file.layout();
+        let shape = [l.tokens, 2 * l.hidden];
+        let stream = CpuStream::new(Arc::new(file), l.dtype, &shape, l.steps, l.blocks, lanes)?;
+        let mut t = DeviceTemplates::new();
+        t.insert_streamed(cache, Box::new(stream), lanes);
+        Ok(t)
+    }
+
+    /// The whole file read into host memory (checked), its pages dropped first.
+    fn read(&self) -> CliResult<TemplateCache> {
+        SlabFile::open(&self.path)?.file().drop_page_cache()?;
+        let h = template_file::read_header(&self.path)?;
+        let bytes = HostSlice::zeroed(h.layout.total_bytes())?;
+        template_file::read_into(&self.path, &h, &bytes)?;
+        Ok(TemplateCache::view(h.layout, bytes)?)
+    }
+}
+
 /// The measurements on one backend, whose templates are stored in `storage`.
-/// `slabs_for` makes a captured template readable by edits on that backend (resident
-/// or streamed).
+/// `slabs_for(backend, template, tier, whole)` makes a captured template readable by
+/// edits on that backend from `tier`: every slab loaded now (`whole`, resident) or
+/// streamed during the steps.
 fn bench<B: Backend>(
     a: &Args,
     cfg: FluxConfig,
     backend: B,
     storage: DType,
-    slabs_for: impl Fn(&B, &Arc<TemplateCache>) -> CliResult<DeviceTemplates<B::Tensor>>,
+    slabs_for: impl Fn(&B, &Arc<TemplateCache>, Tier, bool) -> CliResult<DeviceTemplates<B::Tensor>>,
 ) -> CliResult<Vec<serde_json::Value>>
 where
     B::Tensor: Send + Sync,
@@ -210,17 +324,21 @@ where
     let batch = a.batch;
     let full_flops = forward_flops(&cfg, StepShape::full(t, l));
     let no_slabs = DeviceTemplates::<B::Tensor>::new();
-    let full = time_steps(&model, &no_slabs, a.iters, || {
-        Ok((0..batch)
-            .map(|_| Job::new(&model, &inputs, schedule.clone(), Mode::Full))
-            .collect::<Result<Vec<_>, _>>()?)
-    })?;
+    let full = time_steps(
+        a.iters,
+        || {
+            Ok((0..batch)
+                .map(|_| Job::new(&model, &inputs, schedule.clone(), Mode::Full))
+                .collect::<Result<Vec<_>, _>>()?)
+        },
+        |jobs| step(&model, jobs, &no_slabs, 0),
+    )?;
     let mut lines = Vec::new();
     let mut line = |ratio: serde_json::Value, tm: &Timing, flops: f64, extra: serde_json::Value| {
         let mut v = serde_json::json!({
             "config": a.config, "image_tokens": l, "text_tokens": t, "mask_ratio": ratio,
             "batch": batch, "min_s": tm.min, "median_s": tm.median, "gflops": flops / tm.median / 1e9,
-            "backend": backend_name,
+            "backend": backend_name, "bubble_s": tm.bubble,
         });
         if let (Some(o), serde_json::Value::Object(e)) = (v.as_object_mut(), extra) {
             o.extend(e);
@@ -240,14 +358,19 @@ where
 
     let cache = TemplateCache::new(TemplateLayout::for_model(&cfg, l, 1, storage))?;
     let mut capture = Job::new(&model, &inputs, schedule.clone(), Mode::Capture(cache))?;
-    step_batch_with(&model, &mut [&mut capture], &no_slabs)?;
+    step_batch_with(&model, &mut [&mut capture], &no_slabs, 0)?;
     let cache = Arc::new(
         capture
             .finish(&model)?
             .1
             .ok_or("capture returned no cache")?,
     );
-    let slabs = slabs_for(model.backend(), &cache)?;
+    let slabs = slabs_for(model.backend(), &cache, Tier::Device, true)?;
+    let tier = tier_of(&a.cache_tier);
+    let profile = match &a.profile {
+        Some(p) => Profile::read(p)?,
+        None => Profile::defaults(&model.backend().name()),
+    };
     let trace = a.mask_trace.as_ref().map(read_ratio_trace).transpose()?;
     let ratio_sets: Vec<Vec<f64>> = match &trace {
         Some(tr) => vec![(0..batch)
@@ -276,7 +399,7 @@ where
             })
             .collect();
         let flops: f64 = shapes.iter().map(|s| forward_flops(&cfg, *s)).sum();
-        let tm = time_steps(&model, &slabs, a.iters, || {
+        let edits = || -> CliResult<Vec<Job<B::Tensor>>> {
             Ok(masks
                 .iter()
                 .map(|m| {
@@ -287,7 +410,8 @@ where
                     Job::new(&model, &inputs, schedule.clone(), mode)
                 })
                 .collect::<Result<Vec<_>, _>>()?)
-        })?;
+        };
+        let tm = time_steps(a.iters, edits, |jobs| step(&model, jobs, &slabs, 0))?;
         let bound = batch as f64 * full_flops / flops;
         let speedup = full.median / tm.median;
         let token_ratio = shapes.iter().map(|s| s.active as f64).sum::<f64>() / (batch * l) as f64;
@@ -298,7 +422,7 @@ where
         };
         let single_bound = (batch == 1).then(|| flop_bound(&cfg, shapes[0]));
         line(
-            ratio_field,
+            ratio_field.clone(),
             &tm,
             flops,
             serde_json::json!({
@@ -307,8 +431,58 @@ where
                 "speedup": speedup,
                 "flop_bound": single_bound.unwrap_or(bound),
                 "fraction_of_bound": speedup / bound,
+                "cache_tier": "memory",
             }),
         );
+        if tier == Tier::Device {
+            continue;
+        }
+        // The same edits with the template on another tier, against the ideal above.
+        let loads = [SlabLoad {
+            tier,
+            bytes: cache.layout().kv_slab_bytes(),
+        }];
+        for plan in &a.plan {
+            let (out, full_blocks, predicted) = match plan.as_str() {
+                "naive" => {
+                    // Load the step's slabs, then compute: compute waits for all of it.
+                    let out = time_steps(a.iters, edits, |jobs| {
+                        let t0 = Instant::now();
+                        let resident = slabs_for(model.backend(), &cache, tier, true)?;
+                        model.backend().synchronize()?;
+                        let load = t0.elapsed().as_secs_f64();
+                        step(&model, jobs, &resident, 0)?;
+                        Ok(load)
+                    })?;
+                    (out, 0, None)
+                }
+                p => {
+                    let planned = plan_step(&cfg, &profile, &shapes, &loads);
+                    let k = if p == "planner" { planned.full_blocks() } else { 0 };
+                    let out = time_steps(
+                        a.iters,
+                        || Ok((edits()?, slabs_for(model.backend(), &cache, tier, false)?)),
+                        |(jobs, s)| step(&model, jobs, s, k),
+                    )?;
+                    (out, k, (p == "planner").then_some(planned.latency))
+                }
+            };
+            line(
+                ratio_field.clone(),
+                &out,
+                flops,
+                serde_json::json!({
+                    "cache_tier": a.cache_tier,
+                    "plan": plan,
+                    "full_blocks": full_blocks,
+                    "predicted_s": predicted,
+                    "ideal_median_s": tm.median,
+                    "over_ideal": out.median / tm.median - 1.0,
+                }),
+            );
+        }
     }
     Ok(lines)
 }
+
+

@@ -9,6 +9,7 @@ mod devices;
 mod edit;
 mod footprint;
 mod forward;
+mod profile;
 mod selftest;
 mod serve;
 
@@ -55,6 +56,10 @@ pub enum Command {
     /// Load-test a running daemon: open-loop Poisson arrivals of edits with mask sizes
     /// from a trace; reports latency percentiles, server stage timings and batch sizes.
     BenchServe(bench_serve::Args),
+    /// Measure this device's latency models for the planner (compute against FLOPs,
+    /// loads against bytes per cache tier), report R², and write the profile file
+    /// that `[denoise] profile` names.
+    Profile(profile::Args),
     /// Print the template cache size of models at a resolution (computed, not allocated).
     Footprint(footprint::Args),
     /// List the compute devices this machine offers.
@@ -89,6 +94,7 @@ pub fn run(cli: Cli) -> CliResult {
     match cli.command {
         Command::Forward(a) => forward::run(a),
         Command::BenchStep(a) => bench_step::run(a),
+        Command::Profile(a) => profile::run(a),
         Command::BenchAttn(a) => bench_attn::run(a),
         Command::Edit(a) => edit::run_edit(a),
         Command::Template(TemplateCommand::Capture(a)) => edit::run_capture(a),

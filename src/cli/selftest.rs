@@ -225,7 +225,10 @@ fn bench_steps(t: Target) -> CliResult<Vec<Check>> {
             device: DeviceSpec::Emu,
         },
         dtype: "bf16".into(),
-        slabs: "resident".into(),
+        cache_tier: "memory".into(),
+        plan: vec!["pipelined".into()],
+        profile: None,
+        disk_dir: std::env::temp_dir(),
     };
     let cfg = FluxConfig::named(config).expect("a known config");
     let lines = match t {

@@ -40,6 +40,9 @@ pub struct ServeArgs {
     /// `[denoise] token_budget`.
     #[arg(long, env = "DENOISED_TOKEN_BUDGET")]
     pub token_budget: Option<usize>,
+    /// `[denoise] profile`: the planner's latency models (from `denoised profile`).
+    #[arg(long, env = "DENOISED_PROFILE")]
+    pub profile: Option<String>,
     /// `[device] device`: auto, cpu, emu, cuda:N or a list cuda:N,M (one denoise
     /// worker per GPU).
     #[arg(long, env = "DENOISED_DEVICE")]
@@ -93,6 +96,9 @@ impl ServeArgs {
         }
         if let Some(n) = self.max_batch {
             c.denoise.max_batch = n;
+        }
+        if let Some(p) = &self.profile {
+            c.denoise.profile = p.clone();
         }
         if let Some(n) = self.token_budget {
             c.denoise.token_budget = n;

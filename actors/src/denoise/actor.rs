@@ -422,10 +422,18 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
                 rows,
                 running,
                 waiting,
+                report,
                 ..
             } => {
                 let m = &ctx.metrics;
                 m.step.observe(seconds);
+                m.full_blocks.observe(report.full_blocks as f64);
+                if let Some(p) = report.predicted_s {
+                    m.predicted.observe(p);
+                }
+                if let Some(b) = report.bubble_s {
+                    m.bubble.observe(b);
+                }
                 m.batch_requests.observe(batch.len() as f64);
                 m.batch_tokens.observe(rows as f64);
                 m.running.set(running as i64);

@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use denoised_models::flux::edit::{DenoiseInputs, Mode};
-use denoised_models::flux::stepper::Stepper;
+use denoised_models::flux::stepper::{StepReport, Stepper};
 use denoised_models::flux::template::TemplateCache;
 use denoised_models::FlowMatchEuler;
 use denoised_runtime::Tensor;
@@ -81,6 +81,8 @@ pub enum Event {
         rows: usize,
         running: usize,
         waiting: usize,
+        /// The plan it followed: full blocks, predicted latency, bubble.
+        report: StepReport,
     },
     /// A request finished its last step: the final packed latent, and for a capture
     /// the template cache.
@@ -293,13 +295,17 @@ fn run(
         // advance are retried alone.
         let before: Vec<Option<usize>> = ids.iter().map(|&id| model.position(id)).collect();
         let assembly_seconds = t0.elapsed().as_secs_f64();
-        if let Err(e) = model.step(&ids) {
-            for (id, error) in isolate(&mut *model, &ids, &before, e) {
-                st.sched.cancel(id);
-                model.remove(id);
-                let _ = st.tx.send(Event::Failed { id, error });
+        let report = match model.step(&ids) {
+            Ok(r) => r,
+            Err(e) => {
+                for (id, error) in isolate(&mut *model, &ids, &before, e) {
+                    st.sched.cancel(id);
+                    model.remove(id);
+                    let _ = st.tx.send(Event::Failed { id, error });
+                }
+                StepReport::default()
             }
-        }
+        };
         let finished = st.sched.complete_step(&plan);
         // Finished results go out first, so whoever sees a step's event has already been
         // sent everything that step produced. Each result is downloaded here, once.
@@ -327,6 +333,7 @@ fn run(
             rows: plan.rows(),
             running: st.sched.num_running(),
             waiting: st.sched.num_waiting(),
+            report,
         });
     }
 }

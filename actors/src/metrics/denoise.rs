@@ -16,7 +16,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
-use super::{BATCH_REQUESTS, BATCH_TOKENS, STEP_SECONDS};
+use super::{BATCH_REQUESTS, BATCH_TOKENS, BUBBLE_SECONDS, FULL_BLOCKS, STEP_SECONDS};
 use crate::budget::DeviceBudget;
 
 /// How a request left the denoise loop.
@@ -25,6 +25,11 @@ pub type Outcome = [(&'static str, &'static str); 1];
 #[derive(Clone)]
 pub struct DenoiseMetrics {
     pub step: Histogram,
+    /// The planner's predicted step latency, the blocks it computed in full, and the
+    /// time compute waited for template loads.
+    pub predicted: Histogram,
+    pub full_blocks: Histogram,
+    pub bubble: Histogram,
     pub batch_requests: Histogram,
     pub batch_tokens: Histogram,
     pub running: Gauge,
@@ -42,6 +47,9 @@ impl DenoiseMetrics {
     ) -> Self {
         let m = DenoiseMetrics {
             step: Histogram::new(STEP_SECONDS.iter().copied()),
+            predicted: Histogram::new(STEP_SECONDS.iter().copied()),
+            full_blocks: Histogram::new(FULL_BLOCKS.iter().copied()),
+            bubble: Histogram::new(BUBBLE_SECONDS.iter().copied()),
             batch_requests: Histogram::new(BATCH_REQUESTS.iter().copied()),
             batch_tokens: Histogram::new(BATCH_TOKENS.iter().copied()),
             running: Gauge::default(),
@@ -53,6 +61,23 @@ impl DenoiseMetrics {
             "Duration of one batched denoising step",
             Unit::Seconds,
             m.step.clone(),
+        );
+        r.register_with_unit(
+            "denoise_step_predicted_duration",
+            "The planner's predicted duration of a step that reads a template (compare with denoise_step_duration)",
+            Unit::Seconds,
+            m.predicted.clone(),
+        );
+        r.register(
+            "denoise_step_full_blocks",
+            "Blocks a step computed over every token (the planner's full prefix)",
+            m.full_blocks.clone(),
+        );
+        r.register_with_unit(
+            "denoise_step_bubble",
+            "Time a step's compute waited for template loads (where the device measures it: the CPU loader thread)",
+            Unit::Seconds,
+            m.bubble.clone(),
         );
         r.register(
             "denoise_batch_requests",

@@ -33,6 +33,12 @@ pub const LATENCY_SECONDS: &[f64] = &[
 pub const STEP_SECONDS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
+/// A step's wait for template loads, seconds: 0 (hidden behind compute) to 10 s.
+pub const BUBBLE_SECONDS: &[f64] = &[
+    0.0, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
+/// Blocks a step computes in full (FLUX.1 has 57).
+pub const FULL_BLOCKS: &[f64] = &[0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0];
 /// Requests in a step's batch.
 pub const BATCH_REQUESTS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0];
 /// Token rows a step computes (text plus active image tokens of every request).

@@ -25,8 +25,9 @@ use std::sync::Arc;
 
 use denoised_runtime::{Backend, DType, Error, Result, Tensor};
 
+use super::cost::StepShape;
 use super::model::{FluxTransformer, ForwardObserver, KvCache};
-use super::request::{RequestTensors, StepRequest};
+use super::request::{RequestTensors, RestRows, StepRequest};
 pub use super::slabs::{DeviceTemplates, SlabSource};
 use super::template::TemplateCache;
 use crate::mask::TokenMask;
@@ -78,6 +79,10 @@ pub struct Job<T> {
     /// Token rows computed each step, and the rest (edits only).
     active: Vec<u32>,
     inactive: Vec<u32>,
+    /// An edit's inactive rows for planned full blocks: their inputs on the host, and
+    /// on the device once a plan first needs them.
+    rest_host: Option<RestHost>,
+    rest: Option<RestRows<T>>,
     tokens: usize,
     latent_channels: usize,
 }
@@ -161,6 +166,7 @@ impl<T> Job<T> {
         if let Mode::Capture(cache) = &mode {
             model.backend().pin_host(cache.bytes().memory())?;
         }
+        let rest_host = (!inactive.is_empty()).then(|| RestHost::new(inputs, &inactive));
         Ok(Job {
             tensors,
             guidance: inputs.guidance,
@@ -169,6 +175,8 @@ impl<T> Job<T> {
             mode,
             active,
             inactive,
+            rest_host,
+            rest: None,
             tokens: l,
             latent_channels: c,
         })
@@ -190,6 +198,14 @@ impl<T> Job<T> {
     /// Image tokens computed per step.
     pub fn active_tokens(&self) -> usize {
         self.active.len()
+    }
+    /// The shape of its steps, for costs.
+    pub fn shape(&self) -> StepShape {
+        StepShape {
+            text: self.tensors.txt_rows(),
+            active: self.active.len(),
+            image: self.tokens,
+        }
     }
 
     /// The latent of the rows it computes, `[A, C]` (every row for a full run or a
@@ -241,6 +257,65 @@ impl<T> Job<T> {
     }
 }
 
+/// An edit's inactive rows on the host: what the full blocks of a plan compute them
+/// from. Their latent at step `s` is the template's (the latent it captured after
+/// step `s - 1`; at step 0 the edit's own initial noise), so with a capture's inputs
+/// they reproduce the captured K/V exactly.
+struct RestHost {
+    /// `[R, C]` initial latents, `[R, K]` conditioning, `[R, 3]` position ids.
+    latent0: Tensor,
+    cond: Tensor,
+    ids: Tensor,
+}
+
+impl RestHost {
+    fn new(inputs: &DenoiseInputs, rows: &[u32]) -> Self {
+        RestHost {
+            latent0: inputs.latents.gather(rows),
+            cond: inputs.cond.gather(rows),
+            ids: inputs.img_ids.gather(rows),
+        }
+    }
+
+    /// `[R, C + K]` inputs of the rows at `step` of `cache`.
+    fn rows(&self, cache: &TemplateCache, rows: &[u32], step: usize) -> Result<Tensor> {
+        let latent = match step {
+            0 => self.latent0.clone(),
+            s => cache.latent(s - 1)?.gather(rows),
+        };
+        let (c, k) = (latent.cols(), self.cond.cols());
+        let mut x = Vec::with_capacity(rows.len() * (c + k));
+        for r in 0..rows.len() {
+            x.extend_from_slice(latent.row(r));
+            x.extend_from_slice(self.cond.row(r));
+        }
+        Tensor::new([rows.len(), c + k], x)
+    }
+}
+
+impl<T> Job<T> {
+    /// Puts an edit's inactive rows at its current step on the device, for a plan
+    /// with full blocks.
+    fn prepare_rest<B: Backend<Tensor = T>>(&mut self, model: &FluxTransformer<B>) -> Result<()> {
+        let (Some(host), Mode::Edit { cache, .. }) = (&self.rest_host, &self.mode) else {
+            return Ok(());
+        };
+        let img = host.rows(cache, &self.inactive, self.step)?;
+        match &mut self.rest {
+            Some(rest) => rest.set_img(model.backend(), &img),
+            None => {
+                self.rest = Some(RestRows::upload(
+                    model.backend(),
+                    &model.config,
+                    &img,
+                    &host.ids,
+                )?);
+                Ok(())
+            }
+        }
+    }
+}
+
 /// The cached K/V a job reads at its current step, fetched block by block as the
 /// forward reaches each block.
 struct StepKv<'a, S> {
@@ -280,22 +355,29 @@ impl<B: Backend> ForwardObserver<B::Tensor> for CaptureSink<'_, B> {
 }
 
 /// Advances every unfinished job by one step with one forward call, edits reading
-/// their cached K/V from `slabs`.
+/// their cached K/V from `slabs` from block `full_blocks` on (the blocks before it
+/// compute every token: the plan's full prefix).
 pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
     model: &FluxTransformer<B>,
     jobs: &mut [&mut Job<B::Tensor>],
     slabs: &S,
+    full_blocks: usize,
 ) -> Result<()> {
     let live: Vec<usize> = (0..jobs.len()).filter(|&i| !jobs[i].done()).collect();
     if live.is_empty() {
         return Ok(());
+    }
+    if full_blocks > 0 {
+        for &i in &live {
+            jobs[i].prepare_rest(model)?;
+        }
     }
     let be = model.backend();
     let kvs: Vec<Option<StepKv<'_, S>>> = live
         .iter()
         .map(|&i| match &jobs[i].mode {
             Mode::Edit { cache, .. } => {
-                slabs.prepare(cache, jobs[i].step)?;
+                slabs.prepare(cache, jobs[i].step, full_blocks)?;
                 Ok(Some(StepKv {
                     inactive: &jobs[i].inactive,
                     cache,
@@ -316,6 +398,7 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
                 timestep: j.schedule.model_timestep(j.step),
                 guidance: j.guidance,
                 cache: kv.as_ref().map(|k| k as &dyn KvCache<B::Tensor>),
+                rest: j.rest.as_ref().filter(|_| full_blocks > 0),
             }
         })
         .collect();
@@ -329,7 +412,7 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
             })
             .collect(),
     };
-    let velocity = model.forward_step(&reqs, &mut sink);
+    let velocity = model.forward_step(&reqs, full_blocks, &mut sink);
     slabs.finish();
     let velocity = velocity?;
     drop(sink);
@@ -357,7 +440,7 @@ pub fn run_to_end<B: Backend, S: SlabSource<B::Tensor>>(
     slabs: &S,
 ) -> Result<(Tensor, Option<TemplateCache>)> {
     while !job.done() {
-        step_batch_with(model, &mut [&mut job], slabs)?;
+        step_batch_with(model, &mut [&mut job], slabs, 0)?;
     }
     job.finish(model)
 }

@@ -11,6 +11,8 @@ pub mod cost;
 pub mod edit;
 pub mod embed;
 pub mod model;
+mod packing;
+pub mod plan;
 pub mod request;
 pub mod slabs;
 pub mod stepper;

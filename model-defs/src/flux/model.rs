@@ -19,7 +19,8 @@ use denoised_runtime::{AttnSeq, Backend, Error, KvSource, QSpan, Result, Rows, S
 use super::config::FluxConfig;
 use super::embed;
 use super::request::check_shape;
-pub use super::request::{RequestTensors, StepRequest};
+use super::packing::{pack_text, PhaseInputs};
+pub use super::request::{RequestTensors, RestRows, StepRequest};
 use super::weights::{FluxWeights, Linear};
 
 const NORM_EPS: f32 = 1e-6;
@@ -126,59 +127,6 @@ pub struct FluxTransformer<B: Backend> {
     backend: B,
     w: FluxWeights<B>,
     time_freqs: Vec<f32>,
-}
-
-/// Where each request's rows sit in the packed matrices.
-struct Layout {
-    txt: Vec<Range<usize>>,
-    img: Vec<Range<usize>>,
-    /// Rows of the joint `[txt_r; img_r]` matrix, request after request.
-    joint: Vec<Range<usize>>,
-    txt_seg: Vec<u32>,
-    img_seg: Vec<u32>,
-    joint_seg: Vec<u32>,
-    /// Joint row i = (0: txt, 1: img, row).
-    joint_index: Vec<(u32, u32)>,
-    /// Positions of text and image rows in the joint matrix.
-    txt_in_joint: Vec<(u32, u32)>,
-    img_in_joint: Vec<(u32, u32)>,
-}
-
-impl Layout {
-    fn new(txt_lens: &[usize], img_lens: &[usize]) -> Self {
-        let mut l = Layout {
-            txt: vec![],
-            img: vec![],
-            joint: vec![],
-            txt_seg: vec![],
-            img_seg: vec![],
-            joint_seg: vec![],
-            joint_index: vec![],
-            txt_in_joint: vec![],
-            img_in_joint: vec![],
-        };
-        let (mut t0, mut i0) = (0, 0);
-        for (r, (&t, &a)) in txt_lens.iter().zip(img_lens).enumerate() {
-            let j0 = l.joint_index.len();
-            l.txt.push(t0..t0 + t);
-            l.img.push(i0..i0 + a);
-            l.joint.push(j0..j0 + t + a);
-            l.txt_seg.extend(std::iter::repeat_n(r as u32, t));
-            l.img_seg.extend(std::iter::repeat_n(r as u32, a));
-            l.joint_seg.extend(std::iter::repeat_n(r as u32, t + a));
-            for k in 0..t {
-                l.txt_in_joint.push((0, (j0 + k) as u32));
-                l.joint_index.push((0, (t0 + k) as u32));
-            }
-            for k in 0..a {
-                l.img_in_joint.push((0, (j0 + t + k) as u32));
-                l.joint_index.push((1, (i0 + k) as u32));
-            }
-            t0 += t;
-            i0 += a;
-        }
-        l
-    }
 }
 
 fn modl<'a, T>(table: &'a T, chunk: usize, seg: &'a [u32]) -> Modulation<'a, T> {
@@ -371,9 +319,10 @@ impl<B: Backend> FluxTransformer<B> {
                 timestep: r.timestep,
                 guidance: r.guidance,
                 cache: r.cache,
+                rest: None,
             })
             .collect();
-        let v = self.forward_step(&steps, obs)?;
+        let v = self.forward_step(&steps, 0, obs)?;
         let out = self.backend.download(&v.packed)?;
         let oc = self.config.out_channels();
         v.rows
@@ -384,9 +333,13 @@ impl<B: Backend> FluxTransformer<B> {
 
     /// One forward over a batch of requests whose tensors are on the device; returns
     /// the velocity of every computed row, still on the device.
+    /// The first `full_blocks` blocks (the plan's full prefix) compute the inactive
+    /// rows of the edits that pass them (`StepRequest::rest`) as well, and read no
+    /// cache.
     pub fn forward_step(
         &self,
         reqs: &[StepRequest<'_, B::Tensor>],
+        full_blocks: usize,
         obs: &mut dyn ForwardObserver<B::Tensor>,
     ) -> Result<Velocity<B::Tensor>> {
         let c = &self.config;
@@ -401,55 +354,28 @@ impl<B: Backend> FluxTransformer<B> {
         }
 
         // ---- packing: every request's rows, one matrix per stream ----------------
-        let mut txt_lens = vec![];
-        let mut img_lens = vec![];
         for (i, r) in reqs.iter().enumerate() {
-            let (a, t) = (r.tensors.img_rows(), r.tensors.txt_rows());
             if let Some(cache) = r.cache {
-                if cache.inactive().len() + a == 0 {
+                if cache.inactive().len() + r.tensors.img_rows() == 0 {
                     return Err(Error::Invalid(format!("request {i} has no image tokens")));
                 }
             }
-            txt_lens.push(t);
-            img_lens.push(a);
         }
-        let lay = Layout::new(&txt_lens, &img_lens);
-        let n_joint = lay.joint_seg.len();
-        // One request's tensors are read in place; a batch's are gathered (a device
-        // copy of a few MB, no host transfer).
-        let pack = |f: &dyn Fn(&RequestTensors<B::Tensor>) -> &B::Tensor,
-                    rows: &dyn Fn(usize) -> Range<usize>|
-         -> Result<Packed<'_, B::Tensor>> {
-            if let [r] = reqs {
-                if rows(0) == (0..be.shape(f(r.tensors))[0]) {
-                    return Ok(Packed::One(f(r.tensors)));
-                }
-            }
-            let srcs: Vec<&B::Tensor> = reqs.iter().map(|r| f(r.tensors)).collect();
-            let index: Vec<(u32, u32)> = (0..reqs.len())
-                .flat_map(|i| rows(i).map(move |k| (i as u32, k as u32)))
-                .collect();
-            Ok(Packed::Gathered(be.gather_rows(&srcs, &index)?))
-        };
-        let img_in = pack(&|t| &t.img, &|i| 0..img_lens[i])?;
-        let txt_in = pack(&|t| &t.txt, &|i| 0..txt_lens[i])?;
-        let rope_joint = (
-            pack(&|t| &t.rope_cos, &|i| 0..txt_lens[i] + img_lens[i])?,
-            pack(&|t| &t.rope_sin, &|i| 0..txt_lens[i] + img_lens[i])?,
-        );
-        let rope_txt = (
-            pack(&|t| &t.rope_cos, &|i| 0..txt_lens[i])?,
-            pack(&|t| &t.rope_sin, &|i| 0..txt_lens[i])?,
-        );
-        let img_rope = |i: usize| txt_lens[i]..txt_lens[i] + img_lens[i];
-        let rope_img = (
-            pack(&|t| &t.rope_cos, &img_rope)?,
-            pack(&|t| &t.rope_sin, &img_rope)?,
-        );
-        let (img_in, txt_in) = (img_in.get(), txt_in.get());
-        let rope_joint = (rope_joint.0.get(), rope_joint.1.get());
-        let rope_txt = (rope_txt.0.get(), rope_txt.1.get());
-        let rope_img = (rope_img.0.get(), rope_img.1.get());
+        let blocks = self.num_blocks();
+        if full_blocks > blocks {
+            return Err(Error::Invalid(format!(
+                "a plan of {full_blocks} full blocks for a model of {blocks}"
+            )));
+        }
+        // The planned full prefix: edits' inactive rows join the first blocks. Without
+        // such rows (no edit, or no full block) the step has one phase.
+        let phased = full_blocks > 0 && reqs.iter().any(|r| r.rest.is_some());
+        let mut phase = PhaseInputs::pack(be, reqs, phased, true)?;
+        let (txt_in, rope_txt_cos, rope_txt_sin) = pack_text(be, reqs)?;
+        let rope_txt = (rope_txt_cos.get(), rope_txt_sin.get());
+        // Image rows each request keeps when the full phase ends.
+        let keep: Vec<usize> = reqs.iter().map(|r| r.tensors.img_rows()).collect();
+        let mut in_full = phased;
 
         // ---- conditioning vector temb [B, d] ------------------------------------
         let nb = reqs.len();
@@ -478,8 +404,10 @@ impl<B: Backend> FluxTransformer<B> {
         self.emit(obs, "temb", &temb)?;
         let temb_act = be.silu(&temb)?;
 
-        let mut x = self.linear(img_in, &self.w.x_embedder)?;
-        let mut ctx = self.linear(txt_in, &self.w.context_embedder)?;
+        let img_in = phase.img.take().expect("packed with the image input");
+        let mut x = self.linear(img_in.get(), &self.w.x_embedder)?;
+        drop(img_in);
+        let mut ctx = self.linear(txt_in.get(), &self.w.context_embedder)?;
         self.emit(obs, "x_embedder", &x)?;
         self.emit(obs, "context_embedder", &ctx)?;
 
@@ -487,6 +415,13 @@ impl<B: Backend> FluxTransformer<B> {
         // Fused projections give [q | k | v] per stream; attention reads both streams
         // in place and writes its output over q, which the output projections read.
         for (bi, blk) in self.w.double.iter().enumerate() {
+            if in_full && bi == full_blocks {
+                x = be.gather_rows(&[&x], &phase.layout.img_prefix(&keep))?;
+                phase = PhaseInputs::pack(be, reqs, false, false)?;
+                in_full = false;
+            }
+            let lay = &phase.layout;
+            let rope_img = (phase.rope_img.0.get(), phase.rope_img.1.get());
             let m_img = self.linear(&temb_act, &blk.norm1)?;
             let m_txt = self.linear(&temb_act, &blk.norm1_context)?;
             let nx = be.layer_norm_modulate(
@@ -530,6 +465,7 @@ impl<B: Backend> FluxTransformer<B> {
                     self.seq(
                         &reqs[r],
                         bi,
+                        !in_full,
                         vec![
                             QSpan {
                                 buf: 0,
@@ -582,10 +518,18 @@ impl<B: Backend> FluxTransformer<B> {
         // ---- single-stream blocks over the joint [txt; img] rows ------------------
         // One fused projection gives [k | v | q | mlp]; attention overwrites q, so
         // columns d.. hold [k.. | attn | mlp] and proj_out reads [attn | mlp] in place.
-        let mut h = be.gather_rows(&[&ctx, &x], &lay.joint_index)?;
+        let mut h = be.gather_rows(&[&ctx, &x], &phase.layout.joint_index)?;
         drop((x, ctx));
         let nd = c.num_layers;
         for (si, blk) in self.w.single.iter().enumerate() {
+            if in_full && nd + si == full_blocks {
+                h = be.gather_rows(&[&h], &phase.layout.joint_prefix(&keep))?;
+                phase = PhaseInputs::pack(be, reqs, false, false)?;
+                in_full = false;
+            }
+            let lay = &phase.layout;
+            let n_joint = lay.joint_seg.len();
+            let rope_joint = (phase.rope_joint.0.get(), phase.rope_joint.1.get());
             let m = self.linear(&temb_act, &blk.norm)?;
             let n = be.layer_norm_modulate(
                 &h,
@@ -621,6 +565,7 @@ impl<B: Backend> FluxTransformer<B> {
                     self.seq(
                         &reqs[r],
                         nd + si,
+                        !in_full,
                         vec![QSpan {
                             buf: 0,
                             rows: lay.joint[r].clone(),
@@ -652,6 +597,11 @@ impl<B: Backend> FluxTransformer<B> {
         }
 
         // ---- output head ----------------------------------------------------------
+        if in_full {
+            h = be.gather_rows(&[&h], &phase.layout.joint_prefix(&keep))?;
+            phase = PhaseInputs::pack(be, reqs, false, false)?;
+        }
+        let lay = &phase.layout;
         let x = be.gather_rows(&[&h], &lay.img_in_joint)?;
         let m = self.linear(&temb_act, &self.w.norm_out)?;
         // AdaLayerNormContinuous chunks are (scale, shift): reversed from adaLN-Zero.
@@ -664,17 +614,20 @@ impl<B: Backend> FluxTransformer<B> {
         self.emit(obs, "norm_out", &nx)?;
         Ok(Velocity {
             packed: self.linear(&nx, &self.w.proj_out)?,
-            rows: lay.img,
+            rows: lay.img.clone(),
         })
     }
 
     /// The attention sequence of one request at one block: queries `q`, fresh keys
     /// and values from `fresh` (buffer, rows) with K at column `k_col` and V right
-    /// after it, plus the request's cached K/V of the tokens it does not compute.
+    /// after it, plus (`cached`) the request's cached K/V of the tokens it does not
+    /// compute.
+    #[allow(clippy::too_many_arguments)]
     fn seq<'a>(
         &self,
         req: &StepRequest<'a, B::Tensor>,
         block: usize,
+        cached: bool,
         q: Vec<QSpan>,
         fresh: Vec<(usize, Range<usize>)>,
         k_col: usize,
@@ -689,7 +642,7 @@ impl<B: Backend> FluxTransformer<B> {
                 rows: Rows::Range(rows),
             })
             .collect();
-        if let Some(cache) = req.cache {
+        if let Some(cache) = req.cache.filter(|_| cached) {
             if !cache.inactive().is_empty() {
                 kv.push(KvSource {
                     src: Src::Ext(cache.block(block)?),
@@ -712,20 +665,5 @@ impl<B: Backend> FluxTransformer<B> {
     fn ff(&self, x: &B::Tensor, l1: &Linear<B>, l2: &Linear<B>) -> Result<B::Tensor> {
         let h = self.backend.linear_gelu(x, &l1.w, l1.b.as_ref())?;
         self.linear(&h, l2)
-    }
-}
-
-/// A packed input: one request's tensor read in place, or a batch's gathered.
-enum Packed<'a, T> {
-    One(&'a T),
-    Gathered(T),
-}
-
-impl<T> Packed<'_, T> {
-    fn get(&self) -> &T {
-        match self {
-            Packed::One(t) => t,
-            Packed::Gathered(t) => t,
-        }
     }
 }

@@ -80,6 +80,56 @@ impl<T> RequestTensors<T> {
     }
 }
 
+/// An edit's inactive image rows at one step, for the blocks a plan computes in full
+/// (DESIGN.md §Planner): their `[latent | conditioning]` rows `[R, in_channels]`, the
+/// latent being the template's at that step, and their RoPE tables `[R, head_dim]`.
+pub struct RestRows<T> {
+    pub img: T,
+    pub rope_cos: T,
+    pub rope_sin: T,
+    rows: usize,
+}
+
+impl<T> RestRows<T> {
+    /// Uploads the RoPE tables of the rows with position ids `ids` `[R, 3]`; `img`
+    /// (the rows' inputs at the first step) follows with [`RestRows::set_img`].
+    pub fn upload<B: Backend<Tensor = T>>(
+        backend: &B,
+        config: &FluxConfig,
+        img: &Tensor,
+        ids: &Tensor,
+    ) -> Result<Self> {
+        let r = ids.rows();
+        check_shape("inactive image ids", ids, &[r, 3])?;
+        check_shape("inactive image tokens", img, &[r, config.in_channels])?;
+        let hd = config.attention_head_dim;
+        let (cos, sin) = embed::rope_tables(ids.data(), &config.axes_dims_rope);
+        Ok(RestRows {
+            img: backend.upload(img)?,
+            rope_cos: backend.upload(&Tensor::new([r, hd], cos)?)?,
+            rope_sin: backend.upload(&Tensor::new([r, hd], sin)?)?,
+            rows: r,
+        })
+    }
+
+    /// Replaces the rows' inputs (at a new step).
+    pub fn set_img<B: Backend<Tensor = T>>(&mut self, backend: &B, img: &Tensor) -> Result<()> {
+        if img.rows() != self.rows {
+            return Err(Error::Invalid(format!(
+                "{} inactive rows, expected {}",
+                img.rows(),
+                self.rows
+            )));
+        }
+        self.img = backend.upload(img)?;
+        Ok(())
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
 /// One request of a step: its tensors, where it is in its schedule, and for an edit
 /// the cached K/V of the tokens it does not compute.
 pub struct StepRequest<'a, T> {
@@ -90,6 +140,8 @@ pub struct StepRequest<'a, T> {
     /// without a guidance embedder.
     pub guidance: f32,
     pub cache: Option<&'a dyn KvCache<T>>,
+    /// An edit's inactive rows, where the step computes its first blocks in full.
+    pub rest: Option<&'a RestRows<T>>,
 }
 
 pub(super) fn check_shape(what: &str, t: &Tensor, expected: &[usize]) -> Result<()> {

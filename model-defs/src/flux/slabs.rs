@@ -21,8 +21,9 @@ use super::template::TemplateCache;
 
 /// Where an edit's cached K/V slabs come from, as tensors of the model's backend.
 pub trait SlabSource<T>: Sync {
-    /// Called for each edit job before a forward that reads `step` of `cache`.
-    fn prepare(&self, _cache: &TemplateCache, _step: usize) -> Result<()> {
+    /// Called for each edit job before a forward that reads `step` of `cache` from
+    /// block `first` on (the blocks before it compute every token).
+    fn prepare(&self, _cache: &TemplateCache, _step: usize, _first: usize) -> Result<()> {
         Ok(())
     }
     /// The `[L, 2*hidden]` `[K | V]` slab of `(step, block)` of `cache`. Within a
@@ -136,6 +137,31 @@ impl<T: Send + Sync> DeviceTemplates<T> {
         }
     }
 
+    /// The time compute waited for streamed slabs since the last call, where the
+    /// streams measure it.
+    pub fn take_wait(&self) -> Option<std::time::Duration> {
+        self.entries
+            .iter()
+            .filter_map(|(_, f)| match f {
+                Form::Streamed { provider, .. } => provider.take_wait(),
+                Form::Resident(_) => None,
+            })
+            .reduce(|a, b| a + b)
+    }
+
+    /// Streams `cache` through `provider` (one the caller built, e.g. reading the disk
+    /// tier) with `lanes` buffer pairs.
+    pub fn insert_streamed(
+        &mut self,
+        cache: &Arc<TemplateCache>,
+        provider: Box<dyn SlabProvider<T>>,
+        lanes: usize,
+    ) {
+        self.evict(cache);
+        self.entries
+            .push((cache.clone(), Form::Streamed { provider, lanes }));
+    }
+
     pub fn evict(&mut self, cache: &TemplateCache) {
         self.entries.retain(|(c, _)| c.key() != cache.key());
     }
@@ -153,9 +179,9 @@ impl<T: Send + Sync> Default for DeviceTemplates<T> {
 }
 
 impl<T: Send + Sync> SlabSource<T> for DeviceTemplates<T> {
-    fn prepare(&self, cache: &TemplateCache, step: usize) -> Result<()> {
+    fn prepare(&self, cache: &TemplateCache, step: usize, first: usize) -> Result<()> {
         match self.find(cache) {
-            Some(Form::Streamed { provider, .. }) => provider.prepare(step),
+            Some(Form::Streamed { provider, .. }) => provider.prepare(step, first),
             Some(Form::Resident(_)) => Ok(()),
             None => Err(not_here()),
         }

@@ -18,8 +18,10 @@ use std::time::{Duration, Instant};
 use denoised_runtime::{Backend, Error, Result, Tensor};
 
 use super::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
+use super::plan::{plan_step, SlabLoad};
 use super::template::TemplateCache;
 use super::FluxTransformer;
+use crate::profile::{Profile, Tier};
 use crate::scheduler::FlowMatchEuler;
 
 /// Identifies a job among those a stepper runs.
@@ -44,6 +46,18 @@ pub struct StepperStats {
     pub device_used_bytes: AtomicU64,
 }
 
+/// What a step did beyond advancing its jobs: the plan it followed and what the
+/// loads cost it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepReport {
+    /// Blocks computed over every token (the plan's full prefix).
+    pub full_blocks: usize,
+    /// The planner's predicted step latency (for steps that read a template).
+    pub predicted_s: Option<f64>,
+    /// Time compute waited for template loads, where the device measures it.
+    pub bubble_s: Option<f64>,
+}
+
 /// How often the device's memory in use is read (a driver call).
 const MEMORY_SAMPLE: Duration = Duration::from_secs(1);
 
@@ -58,8 +72,8 @@ pub trait Stepper: Send {
         schedule: Arc<FlowMatchEuler>,
         mode: Mode,
     ) -> Result<usize>;
-    /// Advances each of `ids` by one step, in one forward.
-    fn step(&mut self, ids: &[JobKey]) -> Result<()>;
+    /// Advances each of `ids` by one step, in one forward, as the planner chose.
+    fn step(&mut self, ids: &[JobKey]) -> Result<StepReport>;
     /// The step a job is at (`None` for an unknown job).
     fn position(&self, id: JobKey) -> Option<usize>;
     /// Whether a job has run all its steps (or is unknown).
@@ -79,6 +93,8 @@ pub trait Stepper: Send {
     fn template_bytes(&self, template: &TemplateCache) -> u64;
     /// Its counters, shared with whoever reports them.
     fn stats(&self) -> Arc<StepperStats>;
+    /// Plans with `profile`'s latency models from now on.
+    fn set_profile(&mut self, profile: Profile);
 }
 
 /// The [`Stepper`] of any backend.
@@ -99,6 +115,8 @@ pub struct ModelStepper<B: Backend> {
     stats: Arc<StepperStats>,
     /// When the device's memory in use was last read.
     sampled: Option<Instant>,
+    /// The device's latency models, which price the planner's choices.
+    profile: Profile,
 }
 
 impl<B: Backend> ModelStepper<B>
@@ -114,6 +132,7 @@ where
         elem_bytes: usize,
         streams: bool,
     ) -> Self {
+        let device = model.backend().name();
         ModelStepper {
             model,
             jobs: HashMap::new(),
@@ -124,8 +143,10 @@ where
             streams,
             stats: Arc::default(),
             sampled: None,
+            profile: Profile::defaults(&device),
         }
     }
+
 
     /// A stepper for one-off runs (the CLI, tests): every template resident.
     pub fn unbounded(model: Arc<FluxTransformer<B>>, elem_bytes: usize) -> Self {
@@ -216,6 +237,36 @@ where
         Ok(())
     }
 
+    /// The planner's choice for a step of `ids` (`None` when no job reads a
+    /// template): its costs are the jobs' FLOPs and the slabs of streamed templates,
+    /// one stream per (template, step).
+    fn plan(&self, ids: &[JobKey]) -> Option<crate::planner::Plan> {
+        let jobs: Vec<&Job<B::Tensor>> = ids
+            .iter()
+            .filter_map(|id| self.jobs.get(id))
+            .filter(|j| !j.done())
+            .collect();
+        if !jobs.iter().any(|j| j.template().is_some()) {
+            return None;
+        }
+        let shapes: Vec<_> = jobs.iter().map(|j| j.shape()).collect();
+        let mut streams: Vec<(u64, usize)> = vec![];
+        let mut loads = vec![];
+        for j in &jobs {
+            let Some(t) = j.template().filter(|t| !self.templates.is_resident(t)) else {
+                continue;
+            };
+            if !streams.contains(&(t.key(), j.step())) {
+                streams.push((t.key(), j.step()));
+                loads.push(SlabLoad {
+                    tier: Tier::Host,
+                    bytes: t.layout().kv_slab_bytes(),
+                });
+            }
+        }
+        Some(plan_step(&self.model.config, &self.profile, &shapes, &loads))
+    }
+
     /// Reads the device's memory in use, at most once per [`MEMORY_SAMPLE`].
     fn sample_memory(&mut self) {
         if self.sampled.is_some_and(|t| t.elapsed() < MEMORY_SAMPLE) {
@@ -245,17 +296,24 @@ where
         Ok(active)
     }
 
-    fn step(&mut self, ids: &[JobKey]) -> Result<()> {
+    fn step(&mut self, ids: &[JobKey]) -> Result<StepReport> {
         self.place_templates(ids)?;
+        let plan = self.plan(ids);
+        let full_blocks = plan.as_ref().map_or(0, |p| p.full_blocks());
         let mut batch: Vec<&mut Job<B::Tensor>> = self
             .jobs
             .iter_mut()
             .filter(|(id, _)| ids.contains(id))
             .map(|(_, j)| j)
             .collect();
-        let r = step_batch_with(&self.model, &mut batch, &self.templates);
+        let r = step_batch_with(&self.model, &mut batch, &self.templates, full_blocks);
+        let bubble = self.templates.take_wait();
         self.sample_memory();
-        r
+        r.map(|()| StepReport {
+            full_blocks,
+            predicted_s: plan.map(|p| p.latency),
+            bubble_s: bubble.map(|d| d.as_secs_f64()),
+        })
     }
 
     fn position(&self, id: JobKey) -> Option<usize> {
@@ -295,6 +353,9 @@ where
     }
     fn stats(&self) -> Arc<StepperStats> {
         self.stats.clone()
+    }
+    fn set_profile(&mut self, profile: Profile) {
+        self.profile = profile;
     }
 }
 

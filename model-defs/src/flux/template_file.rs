@@ -20,6 +20,7 @@
 use std::io::{BufWriter, Read, Write};
 use std::path::Path;
 
+use denoised_runtime::direct::DirectFile;
 use denoised_runtime::stored::encode;
 use denoised_runtime::{DType, Error, HostSlice, Result};
 use serde::{Deserialize, Serialize};
@@ -275,6 +276,63 @@ pub fn read_into(dir: &Path, h: &FileHeader, dst: &HostSlice) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The K/V slabs of a template on disk, read one at a time (the disk tier streamed by
+/// a loader thread, `denoised_runtime::cpu::stream`), bypassing the page cache where
+/// the filesystem allows ([`DirectFile`]): each slab is checked against its checksum
+/// as it arrives, so a corrupt slab is an error, never data.
+pub struct SlabFile {
+    file: DirectFile,
+    path: std::path::PathBuf,
+    header: FileHeader,
+}
+
+impl SlabFile {
+    /// Opens the template at `dir` (a version 3 file: one checksum per slab).
+    pub fn open(dir: &Path) -> Result<Self> {
+        let header = read_header(dir)?;
+        let path = dir.join(DATA);
+        if header.header.version != VERSION {
+            return Err(bad(&path, "slab reads need a file with a checksum per slab (version 3)"));
+        }
+        let file = DirectFile::open(&path)?;
+        Ok(SlabFile { file, path, header })
+    }
+
+    pub fn layout(&self) -> &TemplateLayout {
+        &self.header.layout
+    }
+
+    /// The file, for benchmarks (dropping its pages from the page cache).
+    pub fn file(&self) -> &DirectFile {
+        &self.file
+    }
+}
+
+impl denoised_runtime::cpu::stream::SlabRead for SlabFile {
+    fn read(&self, index: usize, dst: &mut [u8]) -> Result<()> {
+        let l = &self.header.layout;
+        if index >= l.steps * l.blocks || dst.len() != l.kv_slab_bytes() {
+            return Err(Error::Invalid(format!(
+                "slab {index} of {} bytes is not in this template",
+                dst.len()
+            )));
+        }
+        let offset = l.kv_offset(index / l.blocks, index % l.blocks) as u64;
+        let (got, want) = (self.file.read_crc(offset, dst)?, self.header.header.slab_crc32[index]);
+        if got != want {
+            return Err(bad(
+                &self.path,
+                format!(
+                    "checksum mismatch in slab (step {}, block {}) (crc32 {got:08x}, header {want:08x}): the file is corrupt",
+                    index / l.blocks,
+                    index % l.blocks
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A template read from disk: the cache (its image as the file holds it), what it

@@ -9,10 +9,12 @@ pub mod conv;
 pub mod matmul;
 pub mod norm;
 pub mod simd;
+pub mod stream;
 
 use rayon::prelude::*;
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::backend::{AttnSeq, Backend, Modulation, Src};
 use crate::error::{Error, Result};
@@ -98,6 +100,25 @@ fn matrix_dims(op: &'static str, t: &Tensor) -> Result<(usize, usize)> {
 impl Backend for CpuBackend {
     type Tensor = Tensor;
     type Weight = CpuWeight;
+
+    /// A loader thread copies each slab into f32 staging one block ahead of compute.
+    fn stream_slabs(
+        &self,
+        src: &crate::HostSlice,
+        dtype: crate::DType,
+        shape: &[usize],
+        steps: usize,
+        blocks: usize,
+        lanes: usize,
+    ) -> Result<Option<Box<dyn crate::SlabProvider<Tensor>>>> {
+        let slab_bytes = shape.iter().product::<usize>() * dtype.size_bytes();
+        let read = stream::HostSlabs {
+            src: src.clone(),
+            slab_bytes,
+        };
+        let s = stream::CpuStream::new(Arc::new(read), dtype, shape, steps, blocks, lanes)?;
+        Ok(Some(Box::new(s)))
+    }
 
     fn name(&self) -> String {
         let isa = if cfg!(target_arch = "x86_64") && std::arch::is_x86_feature_detected!("avx512f")
