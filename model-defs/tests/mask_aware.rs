@@ -238,6 +238,52 @@ fn identity_invariant_for_every_full_prefix_resident_and_streamed() {
     assert!(step_batch_with(&m, &mut [&mut j], &resident, blocks + 1).is_err());
 }
 
+/// The stepper plans every step from its profile: with a template it must stream
+/// (over its budget) and slow loads, its steps compute a full prefix, report the
+/// prediction and the bubble its loader measured, and still reproduce the capture.
+#[test]
+fn the_stepper_follows_the_planner_and_reports_its_steps() {
+    use denoised_models::flux::stepper::{ModelStepper, Stepper};
+    use denoised_models::profile::{Fit, Profile};
+    let case = RefCase::open("e2e").unwrap();
+    let (m, s, inputs) = (model(), schedule(), e2e_inputs(&case));
+    let (cache, template_final) = capture(&m, &inputs, &s);
+    let m = Arc::new(m);
+    let mask = &masks(&case)[3].1;
+    let run = |load_bps: f64| {
+        // A budget of 0 bytes: the template is streamed by the CPU's loader thread.
+        let mut st = ModelStepper::new(m.clone(), 0, 4, true);
+        let mut p = Profile::defaults("cpu");
+        p.compute = Fit::assumed(0.0, 1e-11);
+        p.load_host = Fit::assumed(0.0, 1.0 / load_bps);
+        st.set_profile(p);
+        st.admit(1, &inputs, Arc::new(s.clone()), edit(mask, &cache)).unwrap();
+        let mut reports = vec![];
+        while !st.done(1) {
+            reports.push(st.step(&[1]).unwrap());
+        }
+        (st.finish(1).unwrap().0, reports)
+    };
+    let (fast, fast_reports) = run(1e15);
+    let (slow, slow_reports) = run(1e3);
+    for r in &fast_reports {
+        assert_eq!(r.full_blocks, 0, "{r:?}");
+        assert!(r.predicted_s.is_some() && r.bubble_s.is_some(), "{r:?}");
+    }
+    for r in &slow_reports {
+        assert_eq!(r.full_blocks, m.num_blocks(), "loads this slow make every block full: {r:?}");
+    }
+    for (name, fin) in [("fast loads", fast), ("slow loads", slow)] {
+        let rel = rel_diff(&fin, &template_final);
+        assert!(rel <= 1e-5, "{name}: relative diff {rel:.2e}");
+    }
+    // Full runs read no template: no plan.
+    let mut st = ModelStepper::new(m.clone(), 0, 4, true);
+    st.admit(2, &inputs, Arc::new(s.clone()), Mode::Full).unwrap();
+    let r = st.step(&[2]).unwrap();
+    assert_eq!((r.full_blocks, r.predicted_s), (0, None));
+}
+
 #[test]
 fn batch_results_do_not_depend_on_batch_mates() {
     let case = RefCase::open("e2e").unwrap();

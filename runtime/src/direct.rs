@@ -17,13 +17,15 @@ use std::sync::Mutex;
 
 use crate::error::{Error, Result};
 
-/// Alignment of offsets, lengths and buffers for `O_DIRECT` (a page: every block size
-/// divides it).
+/// Alignment of offsets and lengths for `O_DIRECT` (a page: every block size divides
+/// it).
 const ALIGN: usize = 4096;
+/// Alignment of the staging buffer: a huge page.
+const BUF_ALIGN: usize = 2 << 20;
 /// Chunk of the checksum-and-copy pass (fits in L2 with room to spare).
 const CHUNK: usize = 256 << 10;
 
-/// A zeroed, `ALIGN`-aligned heap buffer.
+/// A zeroed heap buffer aligned to a huge page.
 struct Aligned {
     ptr: *mut u8,
     len: usize,
@@ -34,13 +36,17 @@ unsafe impl Send for Aligned {}
 
 impl Aligned {
     fn new(len: usize) -> Result<Self> {
-        let layout = std::alloc::Layout::from_size_align(len.max(ALIGN), ALIGN)
+        let layout = std::alloc::Layout::from_size_align(len.max(ALIGN), BUF_ALIGN)
             .map_err(|e| Error::Invalid(format!("staging of {len} bytes: {e}")))?;
         // SAFETY: non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
             return Err(Error::Invalid(format!("cannot allocate {len} bytes of staging")));
         }
+        // Huge pages where the kernel offers them: a direct read pins its buffer's
+        // pages for the device, 512 times fewer of them.
+        // SAFETY: advice on memory this struct owns.
+        unsafe { libc::madvise(ptr.cast(), layout.size(), libc::MADV_HUGEPAGE) };
         Ok(Aligned { ptr, len: layout.size() })
     }
     fn bytes(&mut self, len: usize) -> &mut [u8] {
@@ -52,7 +58,7 @@ impl Aligned {
 
 impl Drop for Aligned {
     fn drop(&mut self) {
-        let layout = std::alloc::Layout::from_size_align(self.len, ALIGN).expect("made in new");
+        let layout = std::alloc::Layout::from_size_align(self.len, BUF_ALIGN).expect("made in new");
         // SAFETY: allocated in `new` with this layout.
         unsafe { std::alloc::dealloc(self.ptr, layout) };
     }

@@ -264,11 +264,17 @@ impl DiskTier {
         Ok(DiskTier { _dir: dir, path })
     }
 
-    /// `cache` (the template this file holds) streamed from the file, its pages
-    /// dropped from the page cache first.
+    /// `cache` (the template this file holds) streamed from the file, which must
+    /// bypass the page cache: else every run after the first would read memory.
     fn stream(&self, cache: &Arc<TemplateCache>, lanes: usize) -> CliResult<DeviceTemplates<Tensor>> {
         let file = SlabFile::open(&self.path)?;
-        file.file().drop_page_cache()?;
+        if !file.file().is_direct() {
+            return Err(format!(
+                "{} does not allow O_DIRECT reads; give --disk-dir on a disk filesystem",
+                self.path.display()
+            )
+            .into());
+        }
         let l = *file.layout();
         let shape = [l.tokens, 2 * l.hidden];
         let stream = CpuStream::new(Arc::new(file), l.dtype, &shape, l.steps, l.blocks, lanes)?;
@@ -459,11 +465,11 @@ where
                 p => {
                     let planned = plan_step(&cfg, &profile, &shapes, &loads);
                     let k = if p == "planner" { planned.full_blocks() } else { 0 };
-                    let out = time_steps(
-                        a.iters,
-                        || Ok((edits()?, slabs_for(model.backend(), &cache, tier, false)?)),
-                        |(jobs, s)| step(&model, jobs, s, k),
-                    )?;
+                    // One stream for every run, as a worker keeps it: its buffers are
+                    // warm. The disk tier's reads bypass the page cache (O_DIRECT),
+                    // so every run reads the disk.
+                    let streamed = slabs_for(model.backend(), &cache, tier, false)?;
+                    let out = time_steps(a.iters, edits, |jobs| step(&model, jobs, &streamed, k))?;
                     (out, k, (p == "planner").then_some(planned.latency))
                 }
             };
