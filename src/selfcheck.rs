@@ -155,7 +155,10 @@ pub fn identity<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
             step_batch_with(&m, &mut refs, &streamed, call % (m.num_blocks() + 1))?;
             call += 1;
         }
-        check("streamed with full prefixes, steps 0..3", &first.finish(&m)?.0)?;
+        check(
+            "streamed with full prefixes, steps 0..3",
+            &first.finish(&m)?.0,
+        )?;
         check("streamed, joining a step later", &second.finish(&m)?.0)?;
     }
     Ok(out)

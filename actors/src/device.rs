@@ -9,9 +9,9 @@
 use denoised_cuda::{CudaExec, DeviceSpec, Dt, EmuExec, Exec, GpuBackend};
 
 use crate::budget::{BudgetInputs, DeviceBudget};
-use denoised_models::profile::Profile;
 use denoised_models::flux::stepper::{ModelStepper, Stepper};
 use denoised_models::pipeline::flux_fill::{Component, FluxFill, Parts};
+use denoised_models::profile::Profile;
 use denoised_models::ModelSource;
 use denoised_runtime::CpuBackend;
 
@@ -193,7 +193,8 @@ pub fn planner_profile(path: &str, device: &str) -> Result<Profile, String> {
         );
         return Ok(Profile::defaults(device));
     }
-    let p = Profile::read(std::path::Path::new(path)).map_err(|e| format!("[denoise] profile: {e}"))?;
+    let p =
+        Profile::read(std::path::Path::new(path)).map_err(|e| format!("[denoise] profile: {e}"))?;
     if p.device != device {
         tracing::warn!(
             "planner: profile {path} was measured on `{}`, this worker runs on `{device}`",

@@ -72,7 +72,11 @@ impl Fit {
         Ok(Fit {
             intercept_s: intercept,
             slope_s: slope,
-            r2: if ss_tot > 0.0 { 1.0 - ss_res / ss_tot } else { 1.0 },
+            r2: if ss_tot > 0.0 {
+                1.0 - ss_res / ss_tot
+            } else {
+                1.0
+            },
             samples: n,
         })
     }

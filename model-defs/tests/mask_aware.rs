@@ -201,7 +201,10 @@ fn identity_invariant_for_every_full_prefix_resident_and_streamed() {
             }
             let rel = rel_diff(&j.finish(&m).unwrap().0, &template_final);
             println!("{form}, {k} full blocks: relative diff {rel:.1e}");
-            assert!(rel <= 1e-5, "{form}, {k} full blocks: relative diff {rel:.2e}");
+            assert!(
+                rel <= 1e-5,
+                "{form}, {k} full blocks: relative diff {rel:.2e}"
+            );
         }
         let job = |mask| Job::new(&m, &inputs, s.clone(), edit(mask, &cache)).unwrap();
         let (mut a, mut b, mut c) = (job(&all[3].1), job(&all[2].1), job(&all[5].1));
@@ -232,7 +235,10 @@ fn identity_invariant_for_every_full_prefix_resident_and_streamed() {
     };
     let moved = rel_diff(&run_k(blocks), &run_k(0));
     println!("another guidance, all blocks full vs all cached: relative diff {moved:.1e}");
-    assert!(moved > 1e-4, "the full prefix changed nothing ({moved:.1e})");
+    assert!(
+        moved > 1e-4,
+        "the full prefix changed nothing ({moved:.1e})"
+    );
     // A plan beyond the model's blocks is refused.
     let mut j = Job::new(&m, &inputs, s.clone(), edit(&all[3].1, &cache)).unwrap();
     assert!(step_batch_with(&m, &mut [&mut j], &resident, blocks + 1).is_err());
@@ -257,7 +263,8 @@ fn the_stepper_follows_the_planner_and_reports_its_steps() {
         p.compute = Fit::assumed(0.0, 1e-11);
         p.load_host = Fit::assumed(0.0, 1.0 / load_bps);
         st.set_profile(p);
-        st.admit(1, &inputs, Arc::new(s.clone()), edit(mask, &cache)).unwrap();
+        st.admit(1, &inputs, Arc::new(s.clone()), edit(mask, &cache))
+            .unwrap();
         let mut reports = vec![];
         while !st.done(1) {
             reports.push(st.step(&[1]).unwrap());
@@ -271,7 +278,11 @@ fn the_stepper_follows_the_planner_and_reports_its_steps() {
         assert!(r.predicted_s.is_some() && r.bubble_s.is_some(), "{r:?}");
     }
     for r in &slow_reports {
-        assert_eq!(r.full_blocks, m.num_blocks(), "loads this slow make every block full: {r:?}");
+        assert_eq!(
+            r.full_blocks,
+            m.num_blocks(),
+            "loads this slow make every block full: {r:?}"
+        );
     }
     for (name, fin) in [("fast loads", fast), ("slow loads", slow)] {
         let rel = rel_diff(&fin, &template_final);
@@ -279,7 +290,8 @@ fn the_stepper_follows_the_planner_and_reports_its_steps() {
     }
     // Full runs read no template: no plan.
     let mut st = ModelStepper::new(m.clone(), 0, 4, true);
-    st.admit(2, &inputs, Arc::new(s.clone()), Mode::Full).unwrap();
+    st.admit(2, &inputs, Arc::new(s.clone()), Mode::Full)
+        .unwrap();
     let r = st.step(&[2]).unwrap();
     assert_eq!((r.full_blocks, r.predicted_s), (0, None));
 }

@@ -41,13 +41,18 @@ impl Aligned {
         // SAFETY: non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
-            return Err(Error::Invalid(format!("cannot allocate {len} bytes of staging")));
+            return Err(Error::Invalid(format!(
+                "cannot allocate {len} bytes of staging"
+            )));
         }
         // Huge pages where the kernel offers them: a direct read pins its buffer's
         // pages for the device, 512 times fewer of them.
         // SAFETY: advice on memory this struct owns.
         unsafe { libc::madvise(ptr.cast(), layout.size(), libc::MADV_HUGEPAGE) };
-        Ok(Aligned { ptr, len: layout.size() })
+        Ok(Aligned {
+            ptr,
+            len: layout.size(),
+        })
     }
     fn bytes(&mut self, len: usize) -> &mut [u8] {
         assert!(len <= self.len);
@@ -97,7 +102,9 @@ impl DirectFile {
     pub fn drop_page_cache(&self) -> Result<()> {
         use std::os::fd::AsRawFd;
         // SAFETY: an advisory call on a descriptor this struct owns.
-        let rc = unsafe { libc::posix_fadvise(self.buffered.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        let rc = unsafe {
+            libc::posix_fadvise(self.buffered.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED)
+        };
         if rc != 0 {
             return Err(Error::io(&self.path, std::io::Error::from_raw_os_error(rc)));
         }
@@ -144,11 +151,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("data.bin");
         let data: Vec<u8> = (0..5 * ALIGN + 100).map(|i| (i * 31 % 251) as u8).collect();
-        std::fs::File::create(&path).unwrap().write_all(&data).unwrap();
+        std::fs::File::create(&path)
+            .unwrap()
+            .write_all(&data)
+            .unwrap();
         let f = DirectFile::open(&path).unwrap();
         println!("O_DIRECT here: {}", f.is_direct());
         // Aligned (direct where the filesystem allows it) and unaligned (buffered).
-        for (off, len) in [(0, 2 * ALIGN), (ALIGN, 3 * ALIGN), (100, 777), (5 * ALIGN, 100)] {
+        for (off, len) in [
+            (0, 2 * ALIGN),
+            (ALIGN, 3 * ALIGN),
+            (100, 777),
+            (5 * ALIGN, 100),
+        ] {
             let mut got = vec![0u8; len];
             let crc = f.read_crc(off as u64, &mut got).unwrap();
             assert_eq!(got, &data[off..off + len], "{off}+{len}");
@@ -156,6 +171,9 @@ mod tests {
         }
         f.drop_page_cache().unwrap();
         let mut past = vec![0u8; ALIGN];
-        assert!(f.read_crc(5 * ALIGN as u64, &mut past).is_err(), "a short read is an error");
+        assert!(
+            f.read_crc(5 * ALIGN as u64, &mut past).is_err(),
+            "a short read is an error"
+        );
     }
 }

@@ -20,9 +20,9 @@ use denoised_models::flux::embed::image_ids;
 use denoised_models::flux::plan::{plan_step, SlabLoad};
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::template_file::{self, SlabFile, TemplateMeta};
-use denoised_models::profile::{Profile, Tier};
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::{read_ratio_trace, TokenMask};
+use denoised_models::profile::{Profile, Tier};
 use denoised_models::{FlowMatchEuler, FluxConfig, FluxTransformer};
 use denoised_runtime::cpu::stream::CpuStream;
 use denoised_runtime::{Backend, CpuBackend, DType, HostSlice, Tensor};
@@ -141,7 +141,12 @@ fn step<B: Backend>(
 where
     B::Tensor: Send + Sync,
 {
-    step_batch_with(model, &mut jobs.iter_mut().collect::<Vec<_>>(), slabs, full_blocks)?;
+    step_batch_with(
+        model,
+        &mut jobs.iter_mut().collect::<Vec<_>>(),
+        slabs,
+        full_blocks,
+    )?;
     model.backend().synchronize()?;
     Ok(slabs.take_wait().map_or(0.0, |d| d.as_secs_f64()))
 }
@@ -160,34 +165,45 @@ pub fn run(a: Args) -> CliResult {
     if let Some(bad) = a.mask_ratio.iter().find(|r| !(0.0..=1.0).contains(*r)) {
         return Err(format!("--mask-ratio {bad} is not in [0, 1]").into());
     }
-    if a.cache_tier != "memory" && a.mask_trace.is_none() && a.mask_ratio.iter().all(|&r| r >= 1.0) {
-        return Err("--cache-tier host|disk times edits: give --mask-ratio below 1 or --mask-trace".into());
+    if a.cache_tier != "memory" && a.mask_trace.is_none() && a.mask_ratio.iter().all(|&r| r >= 1.0)
+    {
+        return Err(
+            "--cache-tier host|disk times edits: give --mask-ratio below 1 or --mask-trace".into(),
+        );
     }
     let lines = match a.device.select()? {
         Selected::Cpu => {
             let disk: std::cell::OnceCell<DiskTier> = Default::default();
-            bench(&a, cfg, CpuBackend::new(), DType::F32, |be, cache, tier, whole| {
-                if tier == Tier::Disk && disk.get().is_none() {
-                    let _ = disk.set(DiskTier::save(&a.disk_dir, cache, &a.config)?);
-                }
-                Ok(match (tier, whole) {
-                    (Tier::Device, _) | (Tier::Host, true) => DeviceTemplates::resident(be, &[cache])?,
-                    (Tier::Host, false) => {
-                        let mut t = DeviceTemplates::new();
-                        t.stream(be, cache, a.batch)?;
-                        t
+            bench(
+                &a,
+                cfg,
+                CpuBackend::new(),
+                DType::F32,
+                |be, cache, tier, whole| {
+                    if tier == Tier::Disk && disk.get().is_none() {
+                        let _ = disk.set(DiskTier::save(&a.disk_dir, cache, &a.config)?);
                     }
-                    (Tier::Disk, whole) => {
-                        let d = disk.get().expect("saved above");
-                        if whole {
-                            let read = Arc::new(d.read()?.with_key(cache.key()));
-                            DeviceTemplates::resident(be, &[&read])?
-                        } else {
-                            d.stream(cache, a.batch)?
+                    Ok(match (tier, whole) {
+                        (Tier::Device, _) | (Tier::Host, true) => {
+                            DeviceTemplates::resident(be, &[cache])?
                         }
-                    }
-                })
-            })?
+                        (Tier::Host, false) => {
+                            let mut t = DeviceTemplates::new();
+                            t.stream(be, cache, a.batch)?;
+                            t
+                        }
+                        (Tier::Disk, whole) => {
+                            let d = disk.get().expect("saved above");
+                            if whole {
+                                let read = Arc::new(d.read()?.with_key(cache.key()));
+                                DeviceTemplates::resident(be, &[&read])?
+                            } else {
+                                d.stream(cache, a.batch)?
+                            }
+                        }
+                    })
+                },
+            )?
         }
         Selected::Cuda(exec) => {
             // Compile (or load from the kernel cache) before timing anything.
@@ -248,7 +264,9 @@ struct DiskTier {
 
 impl DiskTier {
     fn save(parent: &Path, cache: &TemplateCache, cfg_name: &str) -> CliResult<Self> {
-        let dir = tempfile::Builder::new().prefix("denoised-bench-").tempdir_in(parent)?;
+        let dir = tempfile::Builder::new()
+            .prefix("denoised-bench-")
+            .tempdir_in(parent)?;
         let path = dir.path().join("template");
         let l = cache.layout();
         let meta = TemplateMeta {
@@ -266,7 +284,11 @@ impl DiskTier {
 
     /// `cache` (the template this file holds) streamed from the file, which must
     /// bypass the page cache: else every run after the first would read memory.
-    fn stream(&self, cache: &Arc<TemplateCache>, lanes: usize) -> CliResult<DeviceTemplates<Tensor>> {
+    fn stream(
+        &self,
+        cache: &Arc<TemplateCache>,
+        lanes: usize,
+    ) -> CliResult<DeviceTemplates<Tensor>> {
         let file = SlabFile::open(&self.path)?;
         if !file.file().is_direct() {
             return Err(format!(
@@ -464,7 +486,11 @@ where
                 }
                 p => {
                     let planned = plan_step(&cfg, &profile, &shapes, &loads);
-                    let k = if p == "planner" { planned.full_blocks() } else { 0 };
+                    let k = if p == "planner" {
+                        planned.full_blocks()
+                    } else {
+                        0
+                    };
                     // One stream for every run, as a worker keeps it: its buffers are
                     // warm. The disk tier's reads bypass the page cache (O_DIRECT),
                     // so every run reads the disk.
@@ -490,5 +516,3 @@ where
     }
     Ok(lines)
 }
-
-

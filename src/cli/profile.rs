@@ -57,7 +57,11 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     pub batch: Vec<usize>,
     /// Active-token shares of the compute grid (1 is a full step).
-    #[arg(long, value_delimiter = ',', default_value = "0.05,0.1,0.2,0.4,0.7,1.0")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "0.05,0.1,0.2,0.4,0.7,1.0"
+    )]
     pub active: Vec<f64>,
     /// Timed runs per point (the median is fitted), after one warm-up.
     #[arg(long, default_value_t = 2)]
@@ -95,7 +99,9 @@ fn config_of(model: &str) -> CliResult<FluxConfig> {
 pub fn run(a: Args) -> CliResult {
     let cfg = config_of(&a.model)?;
     if a.batch.is_empty() || a.active.is_empty() || a.iters == 0 || a.image_tokens == 0 {
-        return Err("--batch, --active, --iters and --image-tokens must be non-empty and positive".into());
+        return Err(
+            "--batch, --active, --iters and --image-tokens must be non-empty and positive".into(),
+        );
     }
     if let Some(bad) = a.active.iter().find(|r| !(0.0 < **r && **r <= 1.0)) {
         return Err(format!("--active {bad} is not in (0, 1]").into());
@@ -119,7 +125,9 @@ fn progress(n: usize) -> ProgressBar {
         return ProgressBar::hidden();
     }
     let pb = ProgressBar::new(n as u64);
-    if let Ok(style) = ProgressStyle::with_template("{spinner} profiling [{bar:30}] {pos}/{len} {msg}") {
+    if let Ok(style) =
+        ProgressStyle::with_template("{spinner} profiling [{bar:30}] {pos}/{len} {msg}")
+    {
         pb.set_style(style.progress_chars("=> "));
     }
     pb
@@ -130,7 +138,12 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn measure<B: Backend>(a: &Args, cfg: FluxConfig, backend: B, storage: DType) -> CliResult<serde_json::Value>
+fn measure<B: Backend>(
+    a: &Args,
+    cfg: FluxConfig,
+    backend: B,
+    storage: DType,
+) -> CliResult<serde_json::Value>
 where
     B::Tensor: Send + Sync,
 {
@@ -144,7 +157,10 @@ where
     let c = cfg.out_channels();
     let mut rng = SplitMix::new(a.seed ^ 0x9f0f);
     let random = |shape: [usize; 2], rng: &mut SplitMix| {
-        Tensor::new(shape, (0..shape[0] * shape[1]).map(|_| rng.normal()).collect())
+        Tensor::new(
+            shape,
+            (0..shape[0] * shape[1]).map(|_| rng.normal()).collect(),
+        )
     };
     let inputs = DenoiseInputs {
         latents: random([l, c], &mut rng)?,
@@ -152,7 +168,9 @@ where
         img_ids: Tensor::new([l, 3], image_ids(rows, cols))?,
         txt: random([t, cfg.joint_attention_dim], &mut rng)?,
         txt_ids: Tensor::zeros([t, 3]),
-        pooled: (0..cfg.pooled_projection_dim).map(|_| rng.normal()).collect(),
+        pooled: (0..cfg.pooled_projection_dim)
+            .map(|_| rng.normal())
+            .collect(),
         guidance: 30.0,
     };
     let schedule = Arc::new(FlowMatchEuler::new(&Default::default(), 1, l)?);
@@ -161,10 +179,17 @@ where
         &model,
         &inputs,
         schedule.clone(),
-        Mode::Capture(TemplateCache::new(TemplateLayout::for_model(&cfg, l, 1, storage))?),
+        Mode::Capture(TemplateCache::new(TemplateLayout::for_model(
+            &cfg, l, 1, storage,
+        ))?),
     )?;
     step_batch_with(&model, &mut [&mut capture], &none, 0)?;
-    let cache = Arc::new(capture.finish(&model)?.1.ok_or("capture returned no cache")?);
+    let cache = Arc::new(
+        capture
+            .finish(&model)?
+            .1
+            .ok_or("capture returned no cache")?,
+    );
     let slabs = DeviceTemplates::resident(model.backend(), &[&cache])?;
 
     // Times one step of requests with these active shares (median of `iters`).
@@ -221,7 +246,12 @@ where
 
     let sizes: Vec<usize> = a.load_mb.iter().map(|mb| mb << 20).collect();
     pb.set_message("loads: host");
-    let load_host = fit_loads(&sizes, a.iters, |bytes| load_host(model.backend(), bytes), &pb)?;
+    let load_host = fit_loads(
+        &sizes,
+        a.iters,
+        |bytes| load_host(model.backend(), bytes),
+        &pb,
+    )?;
     pb.set_message("loads: disk");
     let disk = DiskFile::create(&a.disk_dir, *sizes.iter().max().unwrap_or(&(1 << 20)))?;
     let mut buf = vec![];
@@ -268,7 +298,9 @@ fn fit_loads(
     let (mut x, mut y) = (vec![], vec![]);
     for &bytes in sizes {
         load(bytes)?;
-        let ts = (0..iters).map(|_| load(bytes)).collect::<CliResult<Vec<_>>>()?;
+        let ts = (0..iters)
+            .map(|_| load(bytes))
+            .collect::<CliResult<Vec<_>>>()?;
         x.push(bytes as f64);
         y.push(median(ts));
         pb.inc(1);
@@ -312,7 +344,9 @@ struct DiskFile {
 
 impl DiskFile {
     fn create(parent: &std::path::Path, bytes: usize) -> CliResult<Self> {
-        let dir = tempfile::Builder::new().prefix("denoised-profile-").tempdir_in(parent)?;
+        let dir = tempfile::Builder::new()
+            .prefix("denoised-profile-")
+            .tempdir_in(parent)?;
         let path = dir.path().join("slabs.bin");
         let mut f = std::fs::File::create(&path)?;
         let mut rng = SplitMix::new(7);

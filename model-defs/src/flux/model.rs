@@ -18,8 +18,8 @@ use denoised_runtime::{AttnSeq, Backend, Error, KvSource, QSpan, Result, Rows, S
 
 use super::config::FluxConfig;
 use super::embed;
-use super::request::check_shape;
 use super::packing::{pack_text, PhaseInputs};
+use super::request::check_shape;
 pub use super::request::{RequestTensors, RestRows, StepRequest};
 use super::weights::{FluxWeights, Linear};
 
@@ -371,8 +371,8 @@ impl<B: Backend> FluxTransformer<B> {
         // such rows (no edit, or no full block) the step has one phase.
         let phased = full_blocks > 0 && reqs.iter().any(|r| r.rest.is_some());
         let mut phase = PhaseInputs::pack(be, reqs, phased, true)?;
-        let (txt_in, rope_txt_cos, rope_txt_sin) = pack_text(be, reqs)?;
-        let rope_txt = (rope_txt_cos.get(), rope_txt_sin.get());
+        let text = pack_text(be, reqs)?;
+        let rope_txt = (text.rope_cos.get(), text.rope_sin.get());
         // Image rows each request keeps when the full phase ends.
         let keep: Vec<usize> = reqs.iter().map(|r| r.tensors.img_rows()).collect();
         let mut in_full = phased;
@@ -407,7 +407,7 @@ impl<B: Backend> FluxTransformer<B> {
         let img_in = phase.img.take().expect("packed with the image input");
         let mut x = self.linear(img_in.get(), &self.w.x_embedder)?;
         drop(img_in);
-        let mut ctx = self.linear(txt_in.get(), &self.w.context_embedder)?;
+        let mut ctx = self.linear(text.txt.get(), &self.w.context_embedder)?;
         self.emit(obs, "x_embedder", &x)?;
         self.emit(obs, "context_embedder", &ctx)?;
 

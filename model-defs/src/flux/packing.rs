@@ -102,10 +102,13 @@ impl<T> Packed<'_, T> {
     }
 }
 
+/// Row ranges of tensors, in packing order.
+type Segments<'a, T> = Vec<(&'a T, Range<usize>)>;
+
 /// Packs row ranges of several tensors, request after request (each request's
 /// segments in order). A single segment covering a whole tensor is read in place; a
 /// batch is gathered (a device copy of a few MB, no host transfer).
-fn pack<'a, B: Backend>(be: &B, segs: &[Vec<(&'a B::Tensor, Range<usize>)>]) -> Result<Packed<'a, B::Tensor>> {
+fn pack<'a, B: Backend>(be: &B, segs: &[Segments<'a, B::Tensor>]) -> Result<Packed<'a, B::Tensor>> {
     if let [one] = segs {
         if let [(t, rows)] = one.as_slice() {
             if *rows == (0..be.shape(t)[0]) {
@@ -158,30 +161,46 @@ impl<'a, T> PhaseInputs<'a, T> {
         // RoPE rows of the image part (`with_text`: preceded by the text rows).
         let rope = |r: &StepRequest<'a, T>, sin: bool, with_text: bool| {
             let (t, a) = (r.tensors.txt_rows(), r.tensors.img_rows());
-            let own = if sin { &r.tensors.rope_sin } else { &r.tensors.rope_cos };
+            let own = if sin {
+                &r.tensors.rope_sin
+            } else {
+                &r.tensors.rope_cos
+            };
             let mut s = vec![(own, if with_text { 0 } else { t }..t + a)];
             if let Some(x) = rest(r) {
                 s.push((if sin { &x.rope_sin } else { &x.rope_cos }, 0..x.rows()));
             }
             s
         };
-        let segs = |f: &dyn Fn(&StepRequest<'a, T>) -> Vec<(&'a T, Range<usize>)>| {
+        let segs = |f: &dyn Fn(&StepRequest<'a, T>) -> Segments<'a, T>| {
             pack(be, &reqs.iter().map(f).collect::<Vec<_>>())
         };
         Ok(PhaseInputs {
             layout: Layout::new(&txt_lens, &img_lens),
             img: if with_img { Some(segs(&img)?) } else { None },
-            rope_joint: (segs(&|r| rope(r, false, true))?, segs(&|r| rope(r, true, true))?),
-            rope_img: (segs(&|r| rope(r, false, false))?, segs(&|r| rope(r, true, false))?),
+            rope_joint: (
+                segs(&|r| rope(r, false, true))?,
+                segs(&|r| rope(r, true, true))?,
+            ),
+            rope_img: (
+                segs(&|r| rope(r, false, false))?,
+                segs(&|r| rope(r, true, false))?,
+            ),
         })
     }
 }
 
-/// The RoPE tables of the text rows (the same in both phases).
+/// The text rows and their RoPE tables (the same in both phases).
+pub(super) struct TextInputs<'a, T> {
+    pub txt: Packed<'a, T>,
+    pub rope_cos: Packed<'a, T>,
+    pub rope_sin: Packed<'a, T>,
+}
+
 pub(super) fn pack_text<'a, B: Backend>(
     be: &B,
     reqs: &[StepRequest<'a, B::Tensor>],
-) -> Result<(Packed<'a, B::Tensor>, Packed<'a, B::Tensor>, Packed<'a, B::Tensor>)> {
+) -> Result<TextInputs<'a, B::Tensor>> {
     let txt = |f: &dyn Fn(&StepRequest<'a, B::Tensor>) -> &'a B::Tensor| {
         pack(
             be,
@@ -191,9 +210,9 @@ pub(super) fn pack_text<'a, B: Backend>(
                 .collect::<Vec<_>>(),
         )
     };
-    Ok((
-        txt(&|r| &r.tensors.txt)?,
-        txt(&|r| &r.tensors.rope_cos)?,
-        txt(&|r| &r.tensors.rope_sin)?,
-    ))
+    Ok(TextInputs {
+        txt: txt(&|r| &r.tensors.txt)?,
+        rope_cos: txt(&|r| &r.tensors.rope_cos)?,
+        rope_sin: txt(&|r| &r.tensors.rope_sin)?,
+    })
 }

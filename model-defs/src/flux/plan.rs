@@ -32,7 +32,10 @@ pub fn block_costs(
         for (b, f) in block_flops(c, *s).iter().enumerate() {
             cached[b] += f.total();
         }
-        for (b, f) in block_flops(c, StepShape::full(s.text, s.image)).iter().enumerate() {
+        for (b, f) in block_flops(c, StepShape::full(s.text, s.image))
+            .iter()
+            .enumerate()
+        {
             full[b] += f.total();
         }
     }
@@ -51,7 +54,12 @@ pub fn block_costs(
 
 /// The plan of one step (KV mode: a full prefix) and its predicted latency, the
 /// embedders and output head included.
-pub fn plan_step(c: &FluxConfig, profile: &Profile, shapes: &[StepShape], loads: &[SlabLoad]) -> Plan {
+pub fn plan_step(
+    c: &FluxConfig,
+    profile: &Profile,
+    shapes: &[StepShape],
+    loads: &[SlabLoad],
+) -> Plan {
     let mut p = plan(&block_costs(c, profile, shapes, loads), CacheMode::Kv);
     let block_sum: f64 = shapes
         .iter()
@@ -89,7 +97,11 @@ mod tests {
         assert_eq!(p.bubble, 0.0);
         // The prediction is the FLOPs at the profile's rate.
         let want = forward_flops(&c, shapes[0]) / 1e11;
-        assert!((p.latency - want).abs() < 1e-9 * want, "{} vs {want}", p.latency);
+        assert!(
+            (p.latency - want).abs() < 1e-9 * want,
+            "{} vs {want}",
+            p.latency
+        );
     }
 
     #[test]
@@ -114,8 +126,10 @@ mod tests {
         };
         let fast = load(1e11);
         assert_eq!(fast.full_blocks(), 0, "{fast:?}");
-        let slow = load(2e8);
+        let slow = load(2e6);
         assert!(slow.full_blocks() > 0, "{slow:?}");
-        assert!(slow.choices[..slow.full_blocks()].iter().all(|&x| x == Choice::Full));
+        assert!(slow.choices[..slow.full_blocks()]
+            .iter()
+            .all(|&x| x == Choice::Full));
     }
 }

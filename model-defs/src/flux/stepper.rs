@@ -147,7 +147,6 @@ where
         }
     }
 
-
     /// A stepper for one-off runs (the CLI, tests): every template resident.
     pub fn unbounded(model: Arc<FluxTransformer<B>>, elem_bytes: usize) -> Self {
         Self::new(model, u64::MAX, elem_bytes, false)
@@ -264,7 +263,12 @@ where
                 });
             }
         }
-        Some(plan_step(&self.model.config, &self.profile, &shapes, &loads))
+        Some(plan_step(
+            &self.model.config,
+            &self.profile,
+            &shapes,
+            &loads,
+        ))
     }
 
     /// Reads the device's memory in use, at most once per [`MEMORY_SAMPLE`].

@@ -294,7 +294,10 @@ impl SlabFile {
         let header = read_header(dir)?;
         let path = dir.join(DATA);
         if header.header.version != VERSION {
-            return Err(bad(&path, "slab reads need a file with a checksum per slab (version 3)"));
+            return Err(bad(
+                &path,
+                "slab reads need a file with a checksum per slab (version 3)",
+            ));
         }
         let file = DirectFile::open(&path)?;
         Ok(SlabFile { file, path, header })
@@ -320,7 +323,10 @@ impl denoised_runtime::cpu::stream::SlabRead for SlabFile {
             )));
         }
         let offset = l.kv_offset(index / l.blocks, index % l.blocks) as u64;
-        let (got, want) = (self.file.read_crc(offset, dst)?, self.header.header.slab_crc32[index]);
+        let (got, want) = (
+            self.file.read_crc(offset, dst)?,
+            self.header.header.slab_crc32[index],
+        );
         if got != want {
             return Err(bad(
                 &self.path,

@@ -128,7 +128,13 @@ impl CpuStream {
                     let lane = &ls[job.lane];
                     // SAFETY: this buffer is loading (see the `Sync` note above).
                     let buf = unsafe { &mut *lane.bufs[job.buf].get() };
-                    let r = read_slab(&*src, job.step * blocks + job.block, dtype, buf, &mut staging);
+                    let r = read_slab(
+                        &*src,
+                        job.step * blocks + job.block,
+                        dtype,
+                        buf,
+                        &mut staging,
+                    );
                     let mut st = lane.st.lock().unwrap();
                     st.pending -= 1;
                     match r {
@@ -324,7 +330,11 @@ mod tests {
             s.prepare(step, first).unwrap();
             for b in first..blocks {
                 let t = s.slab(step, b).unwrap();
-                assert_eq!(t.data(), &[(step * blocks + b) as f32; 6], "step {step} block {b}");
+                assert_eq!(
+                    t.data(),
+                    &[(step * blocks + b) as f32; 6],
+                    "step {step} block {b}"
+                );
             }
             s.finish();
         }
