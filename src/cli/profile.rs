@@ -313,6 +313,10 @@ fn fit_loads(
 /// page-locked memory.
 fn load_host<B: Backend>(be: &B, bytes: usize) -> CliResult<f64> {
     let src = HostSlice::zeroed(bytes)?;
+    // Written, so reads touch real pages (untouched zeroed memory reads the kernel's
+    // one zero page, from cache).
+    // SAFETY: this slice is fresh and only this function holds it.
+    unsafe { src.bytes_mut() }.fill(1);
     if be.name().starts_with("cpu") {
         let read = HostSlabs {
             src: src.clone(),
