@@ -71,7 +71,8 @@ struct LaneState {
     pending: usize,
     at: Option<usize>,
     next: usize,
-    error: Option<String>,
+    /// Why each buffer's latest load failed.
+    failed: [Option<String>; 2],
 }
 
 struct Load {
@@ -137,10 +138,11 @@ impl CpuStream {
                     );
                     let mut st = lane.st.lock().unwrap();
                     st.pending -= 1;
-                    match r {
-                        Ok(()) if st.holds[job.buf] == Some(job.block) => st.landed[job.buf] = true,
-                        Ok(()) => {}
-                        Err(e) => st.error = Some(e.to_string()),
+                    if st.holds[job.buf] == Some(job.block) {
+                        match r {
+                            Ok(()) => st.landed[job.buf] = true,
+                            Err(e) => st.failed[job.buf] = Some(e.to_string()),
+                        }
                     }
                     lane.ready.notify_all();
                 }
@@ -160,6 +162,7 @@ impl CpuStream {
         let buf = block % 2;
         st.holds[buf] = Some(block);
         st.landed[buf] = false;
+        st.failed[buf] = None;
         st.pending += 1;
         self.send
             .as_ref()
@@ -262,12 +265,12 @@ impl SlabProvider<Tensor> for CpuStream {
                 )));
             }
             let t = Instant::now();
-            while !st.landed[i] && st.error.is_none() {
+            while !st.landed[i] && st.failed[i].is_none() {
                 st = lane.ready.wait(st).unwrap();
             }
             self.waited_ns
                 .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            if let Some(e) = &st.error {
+            if let Some(e) = &st.failed[i] {
                 return Err(Error::Invalid(format!("loading a template slab: {e}")));
             }
             st.at = Some(block);
@@ -362,7 +365,12 @@ mod tests {
         }
         let s = CpuStream::new(Arc::new(Broken), DType::F32, &[1, 2], 1, 2, 1).unwrap();
         s.prepare(0, 0).unwrap();
+        // Both loads fail; each block reports its own slab.
         let e = s.slab(0, 0).unwrap_err().to_string();
         assert!(e.contains("checksum mismatch in slab 0"), "{e}");
+        s.finish();
+        s.prepare(0, 1).unwrap();
+        let e = s.slab(0, 1).unwrap_err().to_string();
+        assert!(e.contains("checksum mismatch in slab 1"), "{e}");
     }
 }
