@@ -99,7 +99,7 @@ fn profile_then_bench_step_from_the_disk_tier_with_every_plan() {
     for l in &lines[1..] {
         assert_eq!(l["cache_tier"], tier);
         assert!(l["bubble_s"].as_f64().unwrap() >= 0.0);
-        assert_eq!(l["ideal_median_s"], lines[0]["median_s"]);
+        assert!(l["ideal_median_s"].as_f64().unwrap() > 0.0);
     }
     // The naive run waits for its whole load; the planner's prediction is given.
     assert!(lines[1]["bubble_s"].as_f64().unwrap() > 0.0);
