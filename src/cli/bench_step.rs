@@ -83,8 +83,51 @@ pub struct Args {
     pub disk_dir: PathBuf,
 }
 
+/// Random inputs of a request of `l` image and `t` text tokens for `cfg` (timing does
+/// not depend on their values), on the most square grid of `l` tokens.
+pub(super) fn random_inputs(
+    cfg: &FluxConfig,
+    l: usize,
+    t: usize,
+    rng: &mut SplitMix,
+) -> CliResult<DenoiseInputs> {
+    let (rows, cols) = grid(l);
+    let c = cfg.out_channels();
+    Ok(DenoiseInputs {
+        latents: random(&[l, c], rng),
+        cond: random(&[l, cfg.in_channels - c], rng),
+        img_ids: Tensor::new([l, 3], image_ids(rows, cols))?,
+        txt: random(&[t, cfg.joint_attention_dim], rng),
+        txt_ids: Tensor::zeros([t, 3]),
+        pooled: (0..cfg.pooled_projection_dim)
+            .map(|_| rng.normal())
+            .collect(),
+        guidance: 30.0,
+    })
+}
+
+/// The template of a full step of `inputs`, captured on `model`'s device in `storage`.
+pub(super) fn capture<B: Backend>(
+    model: &FluxTransformer<B>,
+    inputs: &DenoiseInputs,
+    schedule: &Arc<FlowMatchEuler>,
+    storage: DType,
+) -> CliResult<Arc<TemplateCache>>
+where
+    B::Tensor: Send + Sync,
+{
+    let l = inputs.tokens();
+    let layout = TemplateLayout::for_model(&model.config, l, schedule.steps(), storage);
+    let mode = Mode::Capture(TemplateCache::new(layout)?);
+    let mut job = Job::new(model, inputs, schedule.clone(), mode)?;
+    step_batch_with(model, &mut [&mut job], &DeviceTemplates::new(), 0)?;
+    Ok(Arc::new(
+        job.finish(model)?.1.ok_or("capture returned no cache")?,
+    ))
+}
+
 /// The most square `rows x cols` grid with `n` cells.
-fn grid(n: usize) -> (usize, usize) {
+pub(super) fn grid(n: usize) -> (usize, usize) {
     let mut r = (n as f64).sqrt() as usize;
     while r > 1 && n % r != 0 {
         r -= 1;
@@ -369,19 +412,8 @@ where
     let model = FluxTransformer::seeded(backend, cfg.clone(), a.seed)?;
     let (l, t) = (a.image_tokens, a.text_tokens);
     let (rows, cols) = grid(l);
-    let c = cfg.out_channels();
     let mut rng = SplitMix::new(a.seed ^ 0xbe4c);
-    let inputs = DenoiseInputs {
-        latents: random(&[l, c], &mut rng),
-        cond: random(&[l, cfg.in_channels - c], &mut rng),
-        img_ids: Tensor::new([l, 3], image_ids(rows, cols))?,
-        txt: random(&[t, cfg.joint_attention_dim], &mut rng),
-        txt_ids: Tensor::zeros([t, 3]),
-        pooled: (0..cfg.pooled_projection_dim)
-            .map(|_| rng.normal())
-            .collect(),
-        guidance: 30.0,
-    };
+    let inputs = random_inputs(&cfg, l, t, &mut rng)?;
     // One step of the real schedule at this resolution: timing does not depend on
     // which step it is, and a one-step template keeps the cache in memory small.
     let schedule = Arc::new(FlowMatchEuler::new(&Default::default(), 1, l)?);
@@ -420,15 +452,7 @@ where
         return Ok(lines);
     }
 
-    let cache = TemplateCache::new(TemplateLayout::for_model(&cfg, l, 1, storage))?;
-    let mut capture = Job::new(&model, &inputs, schedule.clone(), Mode::Capture(cache))?;
-    step_batch_with(&model, &mut [&mut capture], &no_slabs, 0)?;
-    let cache = Arc::new(
-        capture
-            .finish(&model)?
-            .1
-            .ok_or("capture returned no cache")?,
-    );
+    let cache = capture(&model, &inputs, &schedule, storage)?;
     let slabs = slabs_for(model.backend(), &cache, Tier::Device, true)?;
     let tier = tier_of(&a.cache_tier);
     let profile = match &a.profile {

@@ -5,10 +5,10 @@
 //!   against a captured template, and full steps), each timed, then fitted as seconds
 //!   against the step's FLOPs. The planner gives each block its FLOPs' share, so a
 //!   step-level fit is the same linear model summed over blocks.
-//! - **Loads**: one block's K/V slab of several sizes, from the host tier (on the CPU
-//!   the loader thread's copy into f32 staging; on a GPU an upload from page-locked
-//!   memory) and from the disk tier (a read and its checksum, with the file's pages
-//!   dropped from the page cache first), fitted as seconds against bytes.
+//! - **Loads**: one block's K/V slab of several sizes, from the host tier through the
+//!   backend's template stream (on the CPU the loader thread, on a GPU the copy stream)
+//!   and from the disk tier (an `O_DIRECT` read and its checksum, as the loader reads
+//!   a template file), fitted as seconds against bytes.
 //! - **Held out**: a mix of requests not in the grid, timed and compared with the
 //!   fitted prediction.
 //!
@@ -21,19 +21,17 @@ use std::time::Instant;
 
 use denoised_cuda::{Dt, GpuBackend};
 use denoised_models::flux::cost::{forward_flops, StepShape};
-use denoised_models::flux::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
-use denoised_models::flux::embed::image_ids;
+use denoised_models::flux::edit::{step_batch_with, DeviceTemplates, Job, Mode};
 use denoised_models::flux::plan::plan_step;
-use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::TokenMask;
 use denoised_models::profile::{Fit, Profile, FORMAT, VERSION};
 use denoised_models::{FlowMatchEuler, FluxConfig, FluxTransformer};
-use denoised_runtime::cpu::stream::{HostSlabs, SlabRead};
 use denoised_runtime::direct::DirectFile;
-use denoised_runtime::{Backend, CpuBackend, DType, HostSlice, Stored, Tensor};
+use denoised_runtime::{Backend, CpuBackend, DType, HostSlice};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use super::bench_step::{capture, grid, random_inputs};
 use super::{CliResult, DeviceArgs, Selected};
 
 #[derive(clap::Args, Debug)]
@@ -150,46 +148,10 @@ where
     let device = backend.name();
     let model = FluxTransformer::seeded(backend, cfg.clone(), a.seed)?;
     let (l, t) = (a.image_tokens, a.text_tokens);
-    let (rows, cols) = (l.isqrt().max(1), l / l.isqrt().max(1));
-    if rows * cols != l {
-        return Err(format!("--image-tokens {l} is not a rows x cols grid near a square").into());
-    }
-    let c = cfg.out_channels();
-    let mut rng = SplitMix::new(a.seed ^ 0x9f0f);
-    let random = |shape: [usize; 2], rng: &mut SplitMix| {
-        Tensor::new(
-            shape,
-            (0..shape[0] * shape[1]).map(|_| rng.normal()).collect(),
-        )
-    };
-    let inputs = DenoiseInputs {
-        latents: random([l, c], &mut rng)?,
-        cond: random([l, cfg.in_channels - c], &mut rng)?,
-        img_ids: Tensor::new([l, 3], image_ids(rows, cols))?,
-        txt: random([t, cfg.joint_attention_dim], &mut rng)?,
-        txt_ids: Tensor::zeros([t, 3]),
-        pooled: (0..cfg.pooled_projection_dim)
-            .map(|_| rng.normal())
-            .collect(),
-        guidance: 30.0,
-    };
+    let (rows, cols) = grid(l);
+    let inputs = random_inputs(&cfg, l, t, &mut SplitMix::new(a.seed ^ 0x9f0f))?;
     let schedule = Arc::new(FlowMatchEuler::new(&Default::default(), 1, l)?);
-    let none = DeviceTemplates::<B::Tensor>::new();
-    let mut capture = Job::new(
-        &model,
-        &inputs,
-        schedule.clone(),
-        Mode::Capture(TemplateCache::new(TemplateLayout::for_model(
-            &cfg, l, 1, storage,
-        ))?),
-    )?;
-    step_batch_with(&model, &mut [&mut capture], &none, 0)?;
-    let cache = Arc::new(
-        capture
-            .finish(&model)?
-            .1
-            .ok_or("capture returned no cache")?,
-    );
+    let cache = capture(&model, &inputs, &schedule, storage)?;
     let slabs = DeviceTemplates::resident(model.backend(), &[&cache])?;
 
     // Times one step of requests with these active shares (median of `iters`).
@@ -249,7 +211,7 @@ where
     let load_host = fit_loads(
         &sizes,
         a.iters,
-        |bytes| load_host(model.backend(), bytes),
+        |bytes| load_host(model.backend(), bytes, storage),
         &pb,
     )?;
     pb.set_message("loads: disk");
@@ -308,35 +270,31 @@ fn fit_loads(
     Ok(Fit::least_squares(&x, &y)?)
 }
 
-/// Seconds to bring a slab of `bytes` from host memory to where compute reads it: on
-/// the CPU the loader thread's copy into f32 staging, on a device an upload from
-/// page-locked memory.
-fn load_host<B: Backend>(be: &B, bytes: usize) -> CliResult<f64> {
+/// Seconds to bring a slab of `bytes` (stored as `dtype`) from host memory to where
+/// compute reads it, through the backend's own template stream (`stream_slabs`: on
+/// the CPU the loader thread's copy into f32 staging, on a GPU the copy stream from
+/// page-locked memory), its buffers warm.
+fn load_host<B: Backend>(be: &B, bytes: usize, dtype: DType) -> CliResult<f64> {
     let src = HostSlice::zeroed(bytes)?;
     // Written, so reads touch real pages (untouched zeroed memory reads the kernel's
     // one zero page, from cache).
     // SAFETY: this slice is fresh and only this function holds it.
     unsafe { src.bytes_mut() }.fill(1);
-    if be.name().starts_with("cpu") {
-        let read = HostSlabs {
-            src: src.clone(),
-            slab_bytes: bytes,
-        };
-        // Staging that was written before, as the loader's buffers are.
-        let mut dst = vec![1u8; bytes];
-        read.read(0, &mut dst)?;
+    let shape = [1, bytes / dtype.size_bytes()];
+    let stream = be
+        .stream_slabs(&src, dtype, &shape, 1, 1, 1)?
+        .ok_or("this device cannot stream templates")?;
+    let once = || -> CliResult<f64> {
         let t0 = Instant::now();
-        read.read(0, &mut dst)?;
-        return Ok(t0.elapsed().as_secs_f64());
-    }
-    be.pin_host(src.memory())?;
-    let part = Stored::new("slab", vec![bytes / 2], DType::BF16, src.bytes())?;
-    let t0 = Instant::now();
-    let t = be.upload_stored(&[part])?;
-    be.synchronize()?;
-    let s = t0.elapsed().as_secs_f64();
-    drop(t);
-    Ok(s)
+        stream.prepare(0, 0)?;
+        stream.slab(0, 0)?;
+        be.synchronize()?;
+        let s = t0.elapsed().as_secs_f64();
+        stream.finish();
+        Ok(s)
+    };
+    once()?;
+    once()
 }
 
 /// A file of random bytes for the disk tier's load fit, read as the loader reads a

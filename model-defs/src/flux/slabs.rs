@@ -128,9 +128,7 @@ impl<T: Send + Sync> DeviceTemplates<T> {
         let shape = [l.tokens, 2 * l.hidden];
         match backend.stream_slabs(&slabs, l.dtype, &shape, l.steps, l.blocks, lanes)? {
             Some(provider) => {
-                self.evict(cache);
-                self.entries
-                    .push((cache.clone(), Form::Streamed { provider, lanes }));
+                self.insert_streamed(cache, provider, lanes);
                 Ok(true)
             }
             None => Ok(false),

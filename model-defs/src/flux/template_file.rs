@@ -248,20 +248,7 @@ pub fn read_into(dir: &Path, h: &FileHeader, dst: &HostSlice) -> Result<()> {
         let part = &mut out[r];
         f.read_exact(part).map_err(|e| Error::io(&dp, e))?;
         if let Some(&want) = h.header.slab_crc32.get(i) {
-            let got = crc32fast::hash(part);
-            if got != want {
-                let what = if i < l.steps * l.blocks {
-                    format!("slab (step {}, block {})", i / l.blocks, i % l.blocks)
-                } else {
-                    "the latents".to_string()
-                };
-                return Err(bad(
-                    &dp,
-                    format!(
-                        "checksum mismatch in {what} (crc32 {got:08x}, header {want:08x}): the file is corrupt"
-                    ),
-                ));
-            }
+            check_region(&dp, l, i, crc32fast::hash(part), want)?;
         }
     }
     if let Some(want) = h.header.crc32 {
@@ -323,22 +310,34 @@ impl denoised_runtime::cpu::stream::SlabRead for SlabFile {
             )));
         }
         let offset = l.kv_offset(index / l.blocks, index % l.blocks) as u64;
-        let (got, want) = (
-            self.file.read_crc(offset, dst)?,
+        let got = self.file.read_crc(offset, dst)?;
+        check_region(
+            &self.path,
+            l,
+            index,
+            got,
             self.header.header.slab_crc32[index],
-        );
-        if got != want {
-            return Err(bad(
-                &self.path,
-                format!(
-                    "checksum mismatch in slab (step {}, block {}) (crc32 {got:08x}, header {want:08x}): the file is corrupt",
-                    index / l.blocks,
-                    index % l.blocks
-                ),
-            ));
-        }
-        Ok(())
+        )
     }
+}
+
+/// Checks region `i` of a template file (a slab, or past the slabs the latents)
+/// against its checksum, naming it when they differ.
+fn check_region(path: &Path, l: &TemplateLayout, i: usize, got: u32, want: u32) -> Result<()> {
+    if got == want {
+        return Ok(());
+    }
+    let what = if i < l.steps * l.blocks {
+        format!("slab (step {}, block {})", i / l.blocks, i % l.blocks)
+    } else {
+        "the latents".to_string()
+    };
+    Err(bad(
+        path,
+        format!(
+            "checksum mismatch in {what} (crc32 {got:08x}, header {want:08x}): the file is corrupt"
+        ),
+    ))
 }
 
 /// A template read from disk: the cache (its image as the file holds it), what it
