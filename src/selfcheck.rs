@@ -23,8 +23,9 @@ use denoised_models::flux::edit::{
     run_to_end, step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode,
 };
 use denoised_models::flux::model::{FluxInputs, NoObserver};
-use denoised_models::flux::template::{TemplateCache, TemplateLayout};
+use denoised_models::flux::template::{CacheMode, TemplateCache, TemplateLayout};
 use denoised_models::mask::TokenMask;
+use denoised_models::planner::{prefix, Choice};
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
 use denoised_models::FluxTransformer;
 use denoised_runtime::fixtures::{tiny_model_dir, RefCase, Tier};
@@ -143,8 +144,9 @@ pub fn identity<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
                 "the device backend cannot stream templates".into(),
             ));
         }
+        let blocks = m.num_blocks();
         let mut first = edit()?;
-        step_batch_with(&m, &mut [&mut first], &streamed, 0)?;
+        step_batch_with(&m, &mut [&mut first], &streamed, &prefix(blocks, 0))?;
         let mut second = edit()?;
         let mut call = 1;
         while !(first.done() && second.done()) {
@@ -152,7 +154,12 @@ pub fn identity<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
                 .into_iter()
                 .filter(|j| !j.done())
                 .collect();
-            step_batch_with(&m, &mut refs, &streamed, call % (m.num_blocks() + 1))?;
+            step_batch_with(
+                &m,
+                &mut refs,
+                &streamed,
+                &prefix(blocks, call % (blocks + 1)),
+            )?;
             call += 1;
         }
         check(
@@ -160,6 +167,47 @@ pub fn identity<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
             &first.finish(&m)?.0,
         )?;
         check("streamed, joining a step later", &second.finish(&m)?.0)?;
+
+        // A Y-mode template (block outputs; the inactive tokens' K/V recomputed on
+        // the device), resident and streamed, under patterns of cached and full
+        // blocks that are not prefixes and change every step.
+        let layout = layout.with_mode(CacheMode::Y);
+        let capture = Mode::Capture(TemplateCache::new(layout)?);
+        let job = Job::new(&m, &inputs, s.clone(), capture)?;
+        let cache = run_to_end(&m, job, &DeviceTemplates::new())?
+            .1
+            .ok_or_else(|| Error::Invalid("a capture returned no template".into()))?;
+        let cache = Arc::new(cache);
+        let edit = || {
+            let mode = Mode::Edit {
+                mask: mask.clone(),
+                cache: cache.clone(),
+            };
+            Job::new(&m, &inputs, s.clone(), mode)
+        };
+        let every_third = |call: usize| -> Vec<Choice> {
+            (0..blocks)
+                .map(|b| match (b + call) % 3 {
+                    0 => Choice::Full,
+                    _ => Choice::Cached,
+                })
+                .collect()
+        };
+        let resident = DeviceTemplates::resident(m.backend(), &[&cache])?;
+        let mut streamed = DeviceTemplates::new();
+        streamed.stream(m.backend(), &cache, 1)?;
+        for (what, src) in [("resident", &resident), ("streamed", &streamed)] {
+            let mut j = edit()?;
+            let mut call = 0;
+            while !j.done() {
+                step_batch_with(&m, &mut [&mut j], src, &every_third(call))?;
+                call += 1;
+            }
+            check(
+                &format!("Y-mode template {what}, changing patterns"),
+                &j.finish(&m)?.0,
+            )?;
+        }
     }
     Ok(out)
 }

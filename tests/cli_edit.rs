@@ -197,6 +197,50 @@ fn template_capture_and_mask_aware_edits() {
     assert!(log.contains("0 of 256 tokens active"), "{log}");
     assert_eq!(png(&same), png(&t.join("reconstruction.png")));
 
+    // The same with a Y-mode template (block outputs cached): half the bytes, and an
+    // edit that computes no token still reproduces the capture.
+    let ty = dir.path().join("tpl_y");
+    ok(&[
+        "template",
+        "capture",
+        "--model",
+        "builtin",
+        "--image",
+        s(&input),
+        "--steps",
+        "4",
+        "--max-sequence-length",
+        "32",
+        "--cache-mode",
+        "y",
+        "--out",
+        s(&ty),
+    ]);
+    let size = |d: &Path| std::fs::metadata(d.join("cache.bin")).unwrap().len() as f64;
+    assert!(size(&ty) < 0.6 * size(&t), "{} vs {}", size(&ty), size(&t));
+    let header = std::fs::read_to_string(ty.join("template.json")).unwrap();
+    assert!(header.contains("\"cache_mode\": \"y\""), "{header}");
+    let same_y = dir.path().join("same_y.png");
+    ok(&[
+        "edit",
+        "--model",
+        "builtin",
+        "--template",
+        s(&ty),
+        "--mask",
+        s(&empty),
+        "--max-sequence-length",
+        "32",
+        "--no-paste-back",
+        "--out",
+        s(&same_y),
+    ]);
+    assert_eq!(png(&same_y), png(&ty.join("reconstruction.png")));
+    assert_eq!(
+        png(&ty.join("reconstruction.png")),
+        png(&t.join("reconstruction.png"))
+    );
+
     // Steps that differ from the template's are refused.
     fails(
         &[

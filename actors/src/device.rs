@@ -28,6 +28,18 @@ pub struct StepLimits {
     /// Host bytes the CPU may keep decoded templates in (`[workers]
     /// cache_arena_bytes`: no more templates than the host tier holds).
     pub host_template_bytes: u64,
+    /// `[denoise] resident_template_bytes`: a cap on resident templates (0: none).
+    pub resident_template_bytes: u64,
+}
+
+impl StepLimits {
+    /// Resident template bytes within `allowed` (what the device leaves).
+    fn resident(&self, allowed: u64) -> u64 {
+        match self.resident_template_bytes {
+            0 => allowed,
+            cap => cap.min(allowed),
+        }
+    }
 }
 
 /// The storage dtype of a device's weights and activations: `bf16` or `f32`.
@@ -101,7 +113,12 @@ pub fn place(
             Ok(Placed {
                 // Templates beyond the budget are streamed from the cache's arena by a
                 // loader thread.
-                stepper: Box::new(ModelStepper::new(t, limits.host_template_bytes, 4, true)),
+                stepper: Box::new(ModelStepper::new(
+                    t,
+                    limits.resident(limits.host_template_bytes),
+                    4,
+                    true,
+                )),
                 device: "cpu".into(),
                 dtype: "f32",
                 component,
@@ -172,7 +189,7 @@ fn on_gpu<E: Exec + 'static>(
     Ok(Placed {
         stepper: Box::new(ModelStepper::new(
             std::sync::Arc::new(model),
-            budget.template_bytes,
+            limits.resident(budget.template_bytes),
             dt.size(),
             true,
         )),

@@ -83,6 +83,7 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
                 token_budget: env.config.denoise.token_budget,
                 max_pixels: env.config.server.max_pixels,
                 host_template_bytes: env.config.workers.cache_arena_bytes,
+                resident_template_bytes: env.config.denoise.resident_template_bytes,
             };
             let mut placed = device::place(&source, device, dt, &pipeline, limits)?;
             placed.stepper.set_profile(device::planner_profile(

@@ -13,6 +13,7 @@
 //! Replies are `Result<T, WireError>`: a worker turns every failure into a typed error
 //! the router maps to an HTTP status.
 
+use denoised_models::planner::CacheMode;
 use denoised_runtime::shm::Handle;
 use ractor::{BytesConvertable, RpcReplyPort};
 use ractor_cluster::RactorClusterMessage;
@@ -208,8 +209,10 @@ pub struct TemplateRef {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum DenoiseWork {
     Full,
-    /// A full run that records a template cache.
-    Capture,
+    /// A full run that records a template cache of this mode.
+    Capture {
+        mode: CacheMode,
+    },
     /// A mask-aware edit: only `active` tokens are computed.
     Edit {
         template: TemplateRef,
@@ -334,6 +337,9 @@ pub struct TemplateInfo {
     /// The storage dtype of its K/V (the capturing device's): `f32` or `bf16`.
     #[serde(default)]
     pub kv_dtype: String,
+    /// What it caches per block: `kv` or `y`.
+    #[serde(default)]
+    pub cache_mode: String,
     /// Where it is now: its bytes in each tier of the template cache (0 where it is
     /// not). Filled in when it is described.
     #[serde(default)]

@@ -363,6 +363,44 @@ impl<E: Exec> Backend for GpuBackend<E> {
         self.gemm(x, cols, w, b, false)
     }
 
+    fn linear_out(
+        &self,
+        x: &GpuTensor<E>,
+        w: &GpuTensor<E>,
+        b: Option<&GpuTensor<E>>,
+        outs: Range<usize>,
+    ) -> Result<GpuTensor<E>> {
+        let (n, k) = matrix("linear_out", x)?;
+        let (m, kw) = matrix("linear_out", w)?;
+        if k != kw || outs.end > m || b.is_some_and(|b| b.len() != m) {
+            return Err(Error::shape(
+                "linear_out",
+                format!("x {:?}, outputs {outs:?} of weight {:?}", x.shape, w.shape),
+            ));
+        }
+        // The weight is `[out, in]` row-major: its output block is a contiguous row
+        // block, so the GEMM reads it in place at an offset.
+        let out = self.empty(vec![n, outs.len()])?;
+        let sz = self.dt.size() as u64;
+        if n > 0 && !outs.is_empty() {
+            self.exec
+                .gemm(&Gemm {
+                    dt: self.dt,
+                    n,
+                    m: outs.len(),
+                    k,
+                    x: x.addr,
+                    ldx: k,
+                    w: w.addr + (outs.start * k) as u64 * sz,
+                    bias: b.map(|b| b.addr + outs.start as u64 * sz),
+                    gelu: false,
+                    out: out.addr,
+                })
+                .map_err(dev)?;
+        }
+        Ok(out)
+    }
+
     fn linear_gelu(
         &self,
         x: &GpuTensor<E>,

@@ -187,6 +187,11 @@ fn check_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
     let got = gpu.linear_gelu(&up(&x)?, &gpu.upload_weight(&w)?, Some(&up(&b)?))?;
     close(out, "linear+bias+gelu_tanh", dt, &down(&got)?, &want);
 
+    // linear over a block of output features (Y-mode K/V recompute), with bias
+    let want = cpu.linear_out(&x, &cpu.upload_weight(&w)?, Some(&b), 3..11)?;
+    let got = gpu.linear_out(&up(&x)?, &gpu.upload_weight(&w)?, Some(&up(&b)?), 3..11)?;
+    close(out, "linear_out+bias", dt, &down(&got)?, &want);
+
     // LayerNorm + modulation per segment
     let x = rng.tensor(&[9, 96], 2.0);
     let table = rng.tensor(&[3, 3 * 96], 0.5);

@@ -7,6 +7,9 @@
 //!   masks, alone and in a batch of requests at different steps;
 //! - it holds for every planned full prefix (the first blocks computing every token),
 //!   with the template resident or streamed by the CPU's loader thread;
+//! - with a Y-mode template (block outputs cached, inactive K/V recomputed) it holds
+//!   for any pattern of cached and full blocks, resident and streamed, and in a batch
+//!   with KV-mode edits;
 //! - batch independence: a request's result does not depend on its batch mates;
 //! - an all-active edit equals a plain full run.
 
@@ -15,8 +18,9 @@ use std::sync::Arc;
 use denoised_models::flux::edit::{
     run_to_end, step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode,
 };
-use denoised_models::flux::template::{TemplateCache, TemplateLayout};
+use denoised_models::flux::template::{CacheMode, TemplateCache, TemplateLayout};
 use denoised_models::mask::TokenMask;
+use denoised_models::planner::{prefix, Choice};
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
 use denoised_models::FluxTransformer;
 use denoised_runtime::fixtures::{tiny_model_dir, RefCase, Tier};
@@ -39,7 +43,17 @@ fn capture(
     inputs: &DenoiseInputs,
     s: &FlowMatchEuler,
 ) -> (Arc<TemplateCache>, Tensor) {
-    let layout = TemplateLayout::for_model(&m.config, 256, s.steps(), DType::F32);
+    capture_in(m, inputs, s, CacheMode::Kv)
+}
+
+fn capture_in(
+    m: &FluxTransformer<CpuBackend>,
+    inputs: &DenoiseInputs,
+    s: &FlowMatchEuler,
+    cache_mode: CacheMode,
+) -> (Arc<TemplateCache>, Tensor) {
+    let layout =
+        TemplateLayout::for_model(&m.config, 256, s.steps(), DType::F32).with_mode(cache_mode);
     let mode = Mode::Capture(TemplateCache::new(layout).unwrap());
     let job = Job::new(m, inputs, s.clone(), mode).unwrap();
     let (fin, cache) = run_to_end(m, job, &DeviceTemplates::new()).unwrap();
@@ -129,8 +143,9 @@ fn full_loop_matches_diffusers_per_step() {
         let inputs = e2e_inputs(&case);
         let mut job = Job::new(&m, &inputs, s.clone(), Mode::Full).unwrap();
         let none = DeviceTemplates::new();
+        let plan = prefix(m.num_blocks(), 0);
         for i in 0..4 {
-            step_batch_with(&m, &mut [&mut job], &none, 0).unwrap();
+            step_batch_with(&m, &mut [&mut job], &none, &plan).unwrap();
             let latents = job.computed_latents(&m).unwrap();
             let d = case.assert_close(&format!("step{i}.latents"), &latents, tier);
             println!("step{i}.latents ({tier:?}): {d:.2e}");
@@ -166,13 +181,14 @@ fn identity_invariant_in_a_batch_at_different_steps() {
     let slabs = slabs(&m, &cache);
     let job = |mask| Job::new(&m, &inputs, s.clone(), edit(mask, &cache)).unwrap();
     let (mut a, mut b, mut c) = (job(ma), job(mb), job(mc));
+    let plan = prefix(m.num_blocks(), 0);
     // a starts first, b joins one step later, c two steps later: the batch holds
     // requests at steps (2, 1, 0) at its third call.
-    step_batch_with(&m, &mut [&mut a], &slabs, 0).unwrap();
-    step_batch_with(&m, &mut [&mut a, &mut b], &slabs, 0).unwrap();
+    step_batch_with(&m, &mut [&mut a], &slabs, &plan).unwrap();
+    step_batch_with(&m, &mut [&mut a, &mut b], &slabs, &plan).unwrap();
     assert_eq!((a.step(), b.step(), c.step()), (2, 1, 0));
     while !(a.done() && b.done() && c.done()) {
-        step_batch_with(&m, &mut [&mut a, &mut b, &mut c], &slabs, 0).unwrap();
+        step_batch_with(&m, &mut [&mut a, &mut b, &mut c], &slabs, &plan).unwrap();
     }
     for (name, j) in [("a", a), ("b", b), ("c", c)] {
         let rel = rel_diff(&j.finish(&m).unwrap().0, &template_final);
@@ -197,7 +213,7 @@ fn identity_invariant_for_every_full_prefix_resident_and_streamed() {
             let mask = &all[3].1;
             let mut j = Job::new(&m, &inputs, s.clone(), edit(mask, &cache)).unwrap();
             while !j.done() {
-                step_batch_with(&m, &mut [&mut j], source, k).unwrap();
+                step_batch_with(&m, &mut [&mut j], source, &prefix(blocks, k)).unwrap();
             }
             let rel = rel_diff(&j.finish(&m).unwrap().0, &template_final);
             println!("{form}, {k} full blocks: relative diff {rel:.1e}");
@@ -209,12 +225,13 @@ fn identity_invariant_for_every_full_prefix_resident_and_streamed() {
         let job = |mask| Job::new(&m, &inputs, s.clone(), edit(mask, &cache)).unwrap();
         let (mut a, mut b, mut c) = (job(&all[3].1), job(&all[2].1), job(&all[5].1));
         let mut full = Job::new(&m, &inputs, s.clone(), Mode::Full).unwrap();
-        step_batch_with(&m, &mut [&mut a], source, blocks).unwrap();
-        step_batch_with(&m, &mut [&mut a, &mut b], source, 1).unwrap();
+        step_batch_with(&m, &mut [&mut a], source, &prefix(blocks, blocks)).unwrap();
+        step_batch_with(&m, &mut [&mut a, &mut b], source, &prefix(blocks, 1)).unwrap();
         let mut call = 0;
         while !(a.done() && b.done() && c.done()) {
             let k = (call * 7 + 3) % (blocks + 1);
-            step_batch_with(&m, &mut [&mut a, &mut b, &mut c, &mut full], source, k).unwrap();
+            let plan = prefix(blocks, k);
+            step_batch_with(&m, &mut [&mut a, &mut b, &mut c, &mut full], source, &plan).unwrap();
             call += 1;
         }
         for (name, j) in [("a", a), ("b", b), ("c", c)] {
@@ -229,7 +246,7 @@ fn identity_invariant_for_every_full_prefix_resident_and_streamed() {
     let run_k = |k: usize| {
         let mut j = Job::new(&m, &other, s.clone(), edit(&all[3].1, &cache)).unwrap();
         while !j.done() {
-            step_batch_with(&m, &mut [&mut j], &resident, k).unwrap();
+            step_batch_with(&m, &mut [&mut j], &resident, &prefix(blocks, k)).unwrap();
         }
         j.finish(&m).unwrap().0
     };
@@ -239,9 +256,145 @@ fn identity_invariant_for_every_full_prefix_resident_and_streamed() {
         moved > 1e-4,
         "the full prefix changed nothing ({moved:.1e})"
     );
-    // A plan beyond the model's blocks is refused.
+    // A plan of another length, and a KV template's inactive rows asked to rejoin
+    // after a cached block, are refused.
     let mut j = Job::new(&m, &inputs, s.clone(), edit(&all[3].1, &cache)).unwrap();
-    assert!(step_batch_with(&m, &mut [&mut j], &resident, blocks + 1).is_err());
+    assert!(step_batch_with(&m, &mut [&mut j], &resident, &prefix(blocks + 1, 0)).is_err());
+    let mut gap = prefix(blocks, blocks);
+    gap[1] = Choice::Cached;
+    let e = step_batch_with(&m, &mut [&mut j], &resident, &gap).unwrap_err();
+    assert!(e.to_string().contains("not a prefix"), "{e}");
+}
+
+/// Patterns of cached and full blocks: the ends, alternations, and seeded random ones.
+fn patterns(blocks: usize) -> Vec<Vec<Choice>> {
+    let (c, f) = (Choice::Cached, Choice::Full);
+    let mut out = vec![
+        vec![c; blocks],
+        vec![f; blocks],
+        (0..blocks)
+            .map(|b| if b % 2 == 0 { c } else { f })
+            .collect(),
+        (0..blocks)
+            .map(|b| if b % 2 == 0 { f } else { c })
+            .collect(),
+    ];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for _ in 0..4 {
+        out.push(
+            (0..blocks)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    if x % 3 == 0 {
+                        f
+                    } else {
+                        c
+                    }
+                })
+                .collect(),
+        );
+    }
+    out
+}
+
+#[test]
+fn y_mode_identity_for_any_pattern_resident_and_streamed() {
+    let case = RefCase::open("e2e").unwrap();
+    let (m, s, inputs) = (model(), schedule(), e2e_inputs(&case));
+    let (kv_cache, kv_final) = capture(&m, &inputs, &s);
+    let (cache, template_final) = capture_in(&m, &inputs, &s, CacheMode::Y);
+    // Capturing block outputs instead of K/V changes nothing of the run itself.
+    assert_eq!(template_final, kv_final);
+    let l = cache.layout();
+    assert_eq!(l.slabs_per_step(), m.num_blocks() - 1);
+    assert_eq!(l.slab_width(), m.config.hidden());
+    let blocks = m.num_blocks();
+    let all = masks(&case);
+    let resident = slabs(&m, &cache);
+    let mut streamed = DeviceTemplates::new();
+    assert!(streamed.stream(m.backend(), &cache, 4).unwrap());
+    for (form, source) in [("resident", &resident), ("streamed", &streamed)] {
+        for (pi, plan) in patterns(blocks).iter().enumerate() {
+            for (name, mask) in [&all[3], &all[0], &all[5]] {
+                let mut j = Job::new(&m, &inputs, s.clone(), edit(mask, &cache)).unwrap();
+                while !j.done() {
+                    step_batch_with(&m, &mut [&mut j], source, plan).unwrap();
+                }
+                let rel = rel_diff(&j.finish(&m).unwrap().0, &template_final);
+                println!("Y {form}, pattern {pi}, {name}: relative diff {rel:.1e}");
+                assert!(rel <= 1e-5, "Y {form} pattern {pi} {name}: {rel:.2e}");
+            }
+        }
+        // Three edits at different steps, an all-active edit at c's step (it reads no
+        // slab), a full run, a plan changing every call.
+        let job = |mask| Job::new(&m, &inputs, s.clone(), edit(mask, &cache)).unwrap();
+        let (mut a, mut b, mut c) = (job(&all[3].1), job(&all[2].1), job(&all[5].1));
+        let mut d = job(&all[1].1);
+        let mut full = Job::new(&m, &inputs, s.clone(), Mode::Full).unwrap();
+        let ps = patterns(blocks);
+        step_batch_with(&m, &mut [&mut a], source, &ps[2]).unwrap();
+        step_batch_with(&m, &mut [&mut a, &mut b], source, &ps[5]).unwrap();
+        let mut call = 0;
+        while !(a.done() && b.done() && c.done() && d.done()) {
+            let plan = &ps[(call * 3 + 1) % ps.len()];
+            let mut batch = [&mut a, &mut b, &mut c, &mut d, &mut full];
+            step_batch_with(&m, &mut batch, source, plan).unwrap();
+            call += 1;
+        }
+        for (name, j) in [("a", a), ("b", b), ("c", c), ("d", d)] {
+            let rel = rel_diff(&j.finish(&m).unwrap().0, &template_final);
+            assert!(
+                rel <= 1e-5,
+                "Y {form} batch {name}: relative diff {rel:.2e}"
+            );
+        }
+    }
+    // A Y edit batched with a KV edit: the plan is a prefix, both reproduce.
+    let kv_slabs = DeviceTemplates::resident(m.backend(), &[&kv_cache, &cache]).unwrap();
+    let mut y = Job::new(&m, &inputs, s.clone(), edit(&all[3].1, &cache)).unwrap();
+    let mut kv = Job::new(&m, &inputs, s.clone(), edit(&all[5].1, &kv_cache)).unwrap();
+    let mut k = 0;
+    while !(y.done() && kv.done()) {
+        step_batch_with(&m, &mut [&mut y, &mut kv], &kv_slabs, &prefix(blocks, k)).unwrap();
+        k = (k + 2) % (blocks + 1);
+    }
+    for (name, j) in [("Y", y), ("KV", kv)] {
+        let rel = rel_diff(&j.finish(&m).unwrap().0, &template_final);
+        assert!(
+            rel <= 1e-5,
+            "mixed batch, {name} edit: relative diff {rel:.2e}"
+        );
+    }
+    // A real edit (another guidance): all-full is one computation in both modes; a
+    // cached Y block recomputes the inactive K/V with the edit's conditioning, so
+    // all-cached Y differs from all-cached KV.
+    let mut other = inputs.clone();
+    other.guidance = 4.0;
+    let run = |cache: &Arc<TemplateCache>, src: &DeviceTemplates<Tensor>, plan: &[Choice]| {
+        let mut j = Job::new(&m, &other, s.clone(), edit(&all[3].1, cache)).unwrap();
+        while !j.done() {
+            step_batch_with(&m, &mut [&mut j], src, plan).unwrap();
+        }
+        j.finish(&m).unwrap().0
+    };
+    let (full, cached) = (prefix(blocks, blocks), prefix(blocks, 0));
+    let kv_res = slabs(&m, &kv_cache);
+    let same = rel_diff(
+        &run(&cache, &resident, &full),
+        &run(&kv_cache, &kv_res, &full),
+    );
+    let y_vs_kv = rel_diff(
+        &run(&cache, &resident, &cached),
+        &run(&kv_cache, &kv_res, &cached),
+    );
+    println!("another guidance: all full Y vs KV {same:.1e}; all cached Y vs KV {y_vs_kv:.1e}");
+    assert!(same <= 1e-5, "all-full Y vs KV: {same:.2e}");
+    assert!(
+        y_vs_kv > 1e-4,
+        "Y recompute changed nothing ({y_vs_kv:.1e})"
+    );
 }
 
 /// The stepper plans every step from its profile: with a template it must stream
@@ -317,9 +470,10 @@ fn batch_results_do_not_depend_on_batch_mates() {
     let mut a = job(edit(&all[3].1, &cache), &edit_inputs);
     let mut b = job(edit(&all[5].1, &cache), &inputs);
     let mut c = job(Mode::Full, &edit_inputs);
-    step_batch_with(&m, &mut [&mut c], &slabs, 0).unwrap();
+    let plan = prefix(m.num_blocks(), 0);
+    step_batch_with(&m, &mut [&mut c], &slabs, &plan).unwrap();
     while !(a.done() && b.done() && c.done()) {
-        step_batch_with(&m, &mut [&mut a, &mut b, &mut c], &slabs, 0).unwrap();
+        step_batch_with(&m, &mut [&mut a, &mut b, &mut c], &slabs, &plan).unwrap();
     }
     for (name, got, want) in [
         ("a", a.finish(&m).unwrap().0, &want_a),

@@ -77,7 +77,13 @@ fn end_to_end_matches_diffusers() {
     let m = p.transformer().unwrap();
     let mut job = Job::new(m, &prep.inputs, schedule.clone(), Mode::Full).unwrap();
     for i in 0..4 {
-        step_batch_with(m, &mut [&mut job], &DeviceTemplates::new(), 0).unwrap();
+        step_batch_with(
+            m,
+            &mut [&mut job],
+            &DeviceTemplates::new(),
+            &denoised_models::planner::prefix(m.num_blocks(), 0),
+        )
+        .unwrap();
         let latents = job.computed_latents(m).unwrap();
         let d = case.assert_close(&format!("step{i}.latents"), &latents, Tier::Strict);
         println!("step{i}.latents: {d:.2e}");

@@ -141,6 +141,18 @@ pub trait Backend: Send + Sync {
         b: Option<&Self::Tensor>,
     ) -> Result<Self::Tensor>;
 
+    /// Linear computing only the output features `outs` (a row block of the `[out,
+    /// in]` weight and of the bias): how a Y-mode template step recomputes only the K
+    /// and V columns of a fused projection for the tokens it does not compute
+    /// (DESIGN.md §Planner), at a fraction of the whole projection's cost.
+    fn linear_out(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        b: Option<&Self::Tensor>,
+        outs: Range<usize>,
+    ) -> Result<Self::Tensor>;
+
     /// `gelu_tanh(linear(x, w, b))`: the first half of a FeedForward. Device backends
     /// fuse the GELU into the GEMM's epilogue instead of a second pass over the
     /// (4x wide) hidden activations.
@@ -348,12 +360,17 @@ fn stack_f32(parts: &[Stored<'_>]) -> Result<Tensor> {
 ///
 /// A device backend implements it to stream a template in while the model computes
 /// (`denoised_cuda::StreamedTemplate`). Within one forward, the model asks for the
-/// blocks of a step in order, each after the previous block's work has been queued.
+/// slabs of a step in the order `prepare` listed them, each after the previous
+/// block's work has been queued: that is what lets a provider reuse a buffer as soon
+/// as the next slab is asked for.
 pub trait SlabProvider<T>: Send + Sync {
-    /// Called before each forward that reads `step` from block `first` on (the
-    /// blocks before it compute every token, so their slabs are not loaded).
-    fn prepare(&self, step: usize, first: usize) -> Result<()>;
-    /// The `[L, 2*hidden]` `[K | V]` slab of `block` at `step`.
+    /// Called before each forward that reads `step`: `slabs` are the blocks whose
+    /// slabs it will ask for, strictly ascending (a plan may compute any block in full
+    /// and skip its slab, DESIGN.md §Planner). Only these are loaded.
+    fn prepare(&self, step: usize, slabs: &[usize]) -> Result<()>;
+    /// The slab of `block` at `step` (`[L, 2*hidden]` of `[K | V]`, or a Y-mode
+    /// template's `[L, hidden]` block output). Asking for a block that
+    /// `prepare` did not list, or out of the list's order, is an error.
     fn slab(&self, step: usize, block: usize) -> Result<&T>;
     /// Called once the forward's work is queued: its slabs are not asked for again.
     fn finish(&self) {}
@@ -363,4 +380,18 @@ pub trait SlabProvider<T>: Send + Sync {
     fn take_wait(&self) -> Option<std::time::Duration> {
         None
     }
+}
+
+/// Checks a [`SlabProvider::prepare`] list against a template of `blocks` blocks.
+/// Providers find a slab's buffer by its position in the list and tell an out-of-order
+/// ask by comparing positions, which is only sound when each block appears once, in
+/// order.
+pub fn check_slab_list(slabs: &[usize], blocks: usize) -> Result<()> {
+    let ascending = slabs.windows(2).all(|w| w[0] < w[1]);
+    if !ascending || slabs.last().is_some_and(|&b| b >= blocks) {
+        return Err(crate::Error::Invalid(format!(
+            "slabs {slabs:?} are not strictly ascending blocks of a {blocks}-block template"
+        )));
+    }
+    Ok(())
 }

@@ -32,6 +32,9 @@ pub struct CacheConfig {
     /// Bytes the disk tier may hold; the least recently used templates beyond it are
     /// dropped. 0 turns the disk tier off (templates then live in memory only).
     pub disk_bytes: u64,
+    /// What new templates cache per block unless their request says: `kv` (K and V)
+    /// or `y` (block outputs: half the bytes, the K/V of unmasked tokens recomputed).
+    pub mode: String,
 }
 
 impl Default for CacheConfig {
@@ -39,6 +42,7 @@ impl Default for CacheConfig {
         CacheConfig {
             dir: String::new(),
             disk_bytes: 100 << 30,
+            mode: "kv".into(),
         }
     }
 }
@@ -174,6 +178,11 @@ pub struct DenoiseConfig {
     /// The device's latency models for the planner, written by `denoised profile`.
     /// Empty: conservative defaults for the device kind (logged at start).
     pub profile: String,
+    /// Bytes of templates a denoise worker keeps resident on its device; a template
+    /// beyond it is streamed from the host tier during each step. 0: what the device
+    /// allows (on a GPU what its memory budget leaves; on the CPU `[workers]
+    /// cache_arena_bytes`, no more than the host tier holds).
+    pub resident_template_bytes: u64,
 }
 
 impl Default for DenoiseConfig {
@@ -184,6 +193,7 @@ impl Default for DenoiseConfig {
             batching: Batching::Continuous,
             disaggregate: true,
             profile: String::new(),
+            resident_template_bytes: 0,
         }
     }
 }

@@ -7,7 +7,8 @@
 //! full step and a mask-aware edit step at each ratio (a random irregular mask with
 //! that share of tokens), and prints the measured speedup beside the FLOP bound
 //! `(T+L)/(T+A)`. `--batch N` times N requests in one step, their masks drawn from
-//! `--mask-trace` (or the first ratio).
+//! `--mask-trace` (or the first ratio). `--cache-mode kv,y` captures the template in
+//! each mode and times the Y-mode edit against the KV-mode one in alternating runs.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,11 +18,12 @@ use denoised_cuda::{Dt, Exec, GpuBackend};
 use denoised_models::flux::cost::{flop_bound, forward_flops, StepShape};
 use denoised_models::flux::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
 use denoised_models::flux::embed::image_ids;
-use denoised_models::flux::plan::{plan_step, SlabLoad};
-use denoised_models::flux::template::{TemplateCache, TemplateLayout};
+use denoised_models::flux::plan::{plan_step, SlabLoad, StepWork};
+use denoised_models::flux::template::{CacheMode, TemplateCache, TemplateLayout};
 use denoised_models::flux::template_file::{self, SlabFile, TemplateMeta};
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::{read_ratio_trace, TokenMask};
+use denoised_models::planner::{prefix, Choice};
 use denoised_models::profile::{Profile, Tier};
 use denoised_models::{FlowMatchEuler, FluxConfig, FluxTransformer};
 use denoised_runtime::cpu::stream::{CpuStream, SlabRead};
@@ -81,6 +83,19 @@ pub struct Args {
     /// Where the disk tier's template file is written (a temporary directory there).
     #[arg(long, default_value_os_t = std::env::temp_dir())]
     pub disk_dir: PathBuf,
+    /// What the template caches, comma-separated: `kv` (K and V per block) and/or `y`
+    /// (block outputs: half the bytes, the inactive tokens' K/V recomputed). With
+    /// both, the Y-mode edit is also timed against the KV-mode one (`over_kv`).
+    #[arg(long, value_delimiter = ',', default_value = "kv", value_parser = ["kv", "y"])]
+    pub cache_mode: Vec<String>,
+}
+
+fn cache_mode(name: &str) -> CacheMode {
+    if name == "y" {
+        CacheMode::Y
+    } else {
+        CacheMode::Kv
+    }
 }
 
 /// Random inputs of a request of `l` image and `t` text tokens for `cfg` (timing does
@@ -106,21 +121,25 @@ pub(super) fn random_inputs(
     })
 }
 
-/// The template of a full step of `inputs`, captured on `model`'s device in `storage`.
+/// The template of a full step of `inputs`, captured on `model`'s device in `storage`
+/// and `cache_mode`.
 pub(super) fn capture<B: Backend>(
     model: &FluxTransformer<B>,
     inputs: &DenoiseInputs,
     schedule: &Arc<FlowMatchEuler>,
     storage: DType,
+    cache_mode: CacheMode,
 ) -> CliResult<Arc<TemplateCache>>
 where
     B::Tensor: Send + Sync,
 {
     let l = inputs.tokens();
-    let layout = TemplateLayout::for_model(&model.config, l, schedule.steps(), storage);
+    let layout = TemplateLayout::for_model(&model.config, l, schedule.steps(), storage)
+        .with_mode(cache_mode);
     let mode = Mode::Capture(TemplateCache::new(layout)?);
     let mut job = Job::new(model, inputs, schedule.clone(), mode)?;
-    step_batch_with(model, &mut [&mut job], &DeviceTemplates::new(), 0)?;
+    let plan = prefix(model.num_blocks(), 0);
+    step_batch_with(model, &mut [&mut job], &DeviceTemplates::new(), &plan)?;
     Ok(Arc::new(
         job.finish(model)?.1.ok_or("capture returned no cache")?,
     ))
@@ -202,23 +221,18 @@ fn timing(samples: Vec<(f64, f64)>) -> Timing {
     }
 }
 
-/// One step of `jobs` reading `slabs` with `full_blocks` full blocks; a device queues
-/// the step, so the clock stops when it has run. Returns the bubble the slabs saw.
+/// One step of `jobs` reading `slabs` following `plan`; a device queues the step, so
+/// the clock stops when it has run. Returns the bubble the slabs saw.
 fn step<B: Backend>(
     model: &FluxTransformer<B>,
     jobs: &mut [Job<B::Tensor>],
     slabs: &DeviceTemplates<B::Tensor>,
-    full_blocks: usize,
+    plan: &[Choice],
 ) -> CliResult<f64>
 where
     B::Tensor: Send + Sync,
 {
-    step_batch_with(
-        model,
-        &mut jobs.iter_mut().collect::<Vec<_>>(),
-        slabs,
-        full_blocks,
-    )?;
+    step_batch_with(model, &mut jobs.iter_mut().collect::<Vec<_>>(), slabs, plan)?;
     model.backend().synchronize()?;
     Ok(slabs.take_wait().map_or(0.0, |d| d.as_secs_f64()))
 }
@@ -245,16 +259,23 @@ pub fn run(a: Args) -> CliResult {
     }
     let lines = match a.device.select()? {
         Selected::Cpu => {
-            let disk: std::cell::OnceCell<DiskTier> = Default::default();
+            // One template file per template (cache mode) the bench captures.
+            let disk: std::cell::RefCell<Vec<(u64, Arc<DiskTier>)>> = Default::default();
+            let disk_of = |cache: &TemplateCache| -> CliResult<Arc<DiskTier>> {
+                let mut d = disk.borrow_mut();
+                if let Some((_, t)) = d.iter().find(|(k, _)| *k == cache.key()) {
+                    return Ok(t.clone());
+                }
+                let t = Arc::new(DiskTier::save(&a.disk_dir, cache, &a.config)?);
+                d.push((cache.key(), t.clone()));
+                Ok(t)
+            };
             bench(
                 &a,
                 cfg,
                 CpuBackend::new(),
                 DType::F32,
                 |be, cache, tier, whole| {
-                    if tier == Tier::Disk && disk.get().is_none() {
-                        let _ = disk.set(DiskTier::save(&a.disk_dir, cache, &a.config)?);
-                    }
                     Ok(match (tier, whole) {
                         (Tier::Device, _) | (Tier::Host, true) => {
                             DeviceTemplates::resident(be, &[cache])?
@@ -265,7 +286,7 @@ pub fn run(a: Args) -> CliResult {
                             t
                         }
                         (Tier::Disk, whole) => {
-                            let d = disk.get().expect("saved above");
+                            let d = disk_of(cache)?;
                             if whole {
                                 let read = Arc::new(d.read(cache)?);
                                 DeviceTemplates::resident(be, &[&read])?
@@ -370,14 +391,15 @@ impl DiskTier {
             .into());
         }
         let l = *file.layout();
-        let shape = [l.tokens, 2 * l.hidden];
-        let stream = CpuStream::new(Arc::new(file), l.dtype, &shape, l.steps, l.blocks, lanes)?;
+        let shape = [l.tokens, l.slab_width()];
+        let per_step = l.slabs_per_step();
+        let stream = CpuStream::new(Arc::new(file), l.dtype, &shape, l.steps, per_step, lanes)?;
         let mut t = DeviceTemplates::new();
         t.insert_streamed(cache, Box::new(stream), lanes);
         Ok(t)
     }
 
-    /// Every K/V slab of `cache` read from the file into host memory, through the
+    /// Every slab of `cache` read from the file into host memory, through the
     /// reader the stream uses (O_DIRECT, checked), the latents taken from `cache`.
     fn read(&self, cache: &TemplateCache) -> CliResult<TemplateCache> {
         let file = SlabFile::open(&self.path)?;
@@ -385,11 +407,11 @@ impl DiskTier {
         let bytes = HostSlice::zeroed(l.total_bytes())?;
         // SAFETY: a fresh slice only this function holds.
         let out = unsafe { bytes.bytes_mut() };
-        let kv = l.kv_offset(l.steps, 0);
-        for (i, slab) in out[..kv].chunks_mut(l.kv_slab_bytes()).enumerate() {
+        let slabs = l.latent_offset(0);
+        for (i, slab) in out[..slabs].chunks_mut(l.slab_bytes()).enumerate() {
             file.read(i, slab)?;
         }
-        out[kv..].copy_from_slice(&cache.bytes().bytes()[kv..]);
+        out[slabs..].copy_from_slice(&cache.bytes().bytes()[slabs..]);
         Ok(TemplateCache::view(l, bytes)?.with_key(cache.key()))
     }
 }
@@ -427,7 +449,14 @@ where
                 .map(|_| Job::new(&model, &inputs, schedule.clone(), Mode::Full))
                 .collect::<Result<Vec<_>, _>>()?)
         },
-        |jobs| step(&model, jobs, &no_slabs, 0),
+        |jobs| {
+            step(
+                &model,
+                jobs,
+                &no_slabs,
+                &prefix(cfg.num_layers + cfg.num_single_layers, 0),
+            )
+        },
     )?;
     let mut lines = Vec::new();
     let mut line = |ratio: serde_json::Value, tm: &Timing, flops: f64, extra: serde_json::Value| {
@@ -452,8 +481,13 @@ where
         return Ok(lines);
     }
 
-    let cache = capture(&model, &inputs, &schedule, storage)?;
-    let slabs = slabs_for(model.backend(), &cache, Tier::Device, true)?;
+    // The template in each cache mode asked for, read from device memory.
+    let mut templates = vec![];
+    for name in &a.cache_mode {
+        let cache = capture(&model, &inputs, &schedule, storage, cache_mode(name))?;
+        let slabs = slabs_for(model.backend(), &cache, Tier::Device, true)?;
+        templates.push((name.as_str(), cache, slabs));
+    }
     let tier = tier_of(&a.cache_tier);
     let profile = match &a.profile {
         Some(p) => Profile::read(p)?,
@@ -466,6 +500,7 @@ where
             .collect()],
         None => a.mask_ratio.iter().map(|&r| vec![r; batch]).collect(),
     };
+    let all_cached = prefix(model.num_blocks(), 0);
     for ratios in ratio_sets {
         let masks: Vec<Arc<TokenMask>> = ratios
             .iter()
@@ -487,7 +522,7 @@ where
             })
             .collect();
         let flops: f64 = shapes.iter().map(|s| forward_flops(&cfg, *s)).sum();
-        let edits = || -> CliResult<Vec<Job<B::Tensor>>> {
+        let edits_of = |cache: &Arc<TemplateCache>| -> CliResult<Vec<Job<B::Tensor>>> {
             Ok(masks
                 .iter()
                 .map(|m| {
@@ -499,83 +534,115 @@ where
                 })
                 .collect::<Result<Vec<_>, _>>()?)
         };
-        let tm = time_steps(a.iters, edits, |jobs| step(&model, jobs, &slabs, 0))?;
-        let bound = batch as f64 * full_flops / flops;
-        let speedup = full.median / tm.median;
-        let token_ratio = shapes.iter().map(|s| s.active as f64).sum::<f64>() / (batch * l) as f64;
         let ratio_field = if trace.is_some() {
             serde_json::json!(ratios)
         } else {
             serde_json::json!(ratios[0])
         };
-        let single_bound = (batch == 1).then(|| flop_bound(&cfg, shapes[0]));
-        line(
-            ratio_field.clone(),
-            &tm,
-            flops,
-            serde_json::json!({
+        let kv = templates.iter().find(|(n, _, _)| *n == "kv");
+        for (mode_name, cache, slabs) in &templates {
+            let edits = || edits_of(cache);
+            let tm = time_steps(a.iters, edits, |jobs| {
+                step(&model, jobs, slabs, &all_cached)
+            })?;
+            let bound = batch as f64 * full_flops / flops;
+            let speedup = full.median / tm.median;
+            let token_ratio =
+                shapes.iter().map(|s| s.active as f64).sum::<f64>() / (batch * l) as f64;
+            let single_bound = (batch == 1).then(|| flop_bound(&cfg, shapes[0]));
+            let lay = cache.layout();
+            let mut extra = serde_json::json!({
                 "token_ratio": token_ratio,
                 "full_median_s": full.median,
                 "speedup": speedup,
                 "flop_bound": single_bound.unwrap_or(bound),
                 "fraction_of_bound": speedup / bound,
                 "cache_tier": "memory",
-            }),
-        );
-        if tier == Tier::Device {
-            continue;
-        }
-        // The same edits with the template on another tier, each plan's runs alternating
-        // with runs of the ideal.
-        let loads = [SlabLoad {
-            tier,
-            bytes: cache.layout().kv_slab_bytes(),
-        }];
-        let ideal = |jobs: &mut Vec<Job<B::Tensor>>| step(&model, jobs, &slabs, 0);
-        for plan in &a.plan {
-            let ((ideal_t, out, ratio), full_blocks, predicted) = match plan.as_str() {
-                "naive" => {
-                    // Load the step's slabs, then compute: compute waits for all of it.
-                    let out = time_paired(a.iters, edits, ideal, |jobs| {
-                        let t0 = Instant::now();
-                        let resident = slabs_for(model.backend(), &cache, tier, true)?;
-                        model.backend().synchronize()?;
-                        let load = t0.elapsed().as_secs_f64();
-                        step(&model, jobs, &resident, 0)?;
-                        Ok(load)
-                    })?;
-                    (out, 0, None)
-                }
-                p => {
-                    let planned = plan_step(&cfg, &profile, &shapes, &loads);
-                    let k = if p == "planner" {
-                        planned.full_blocks()
-                    } else {
-                        0
-                    };
-                    // One stream for every run, as a worker keeps it: its buffers are
-                    // warm. The disk tier's reads bypass the page cache (O_DIRECT),
-                    // so every run reads the disk.
-                    let streamed = slabs_for(model.backend(), &cache, tier, false)?;
-                    let out = time_paired(a.iters, edits, ideal, |jobs| {
-                        step(&model, jobs, &streamed, k)
-                    })?;
-                    (out, k, (p == "planner").then_some(planned.latency))
-                }
-            };
-            line(
-                ratio_field.clone(),
-                &out,
-                flops,
-                serde_json::json!({
-                    "cache_tier": a.cache_tier,
-                    "plan": plan,
-                    "full_blocks": full_blocks,
-                    "predicted_s": predicted,
-                    "ideal_median_s": ideal_t.median,
-                    "over_ideal": ratio - 1.0,
-                }),
-            );
+                "cache_mode": mode_name,
+                "cache_bytes_per_step": lay.cache_bytes_per_step(),
+            });
+            // A Y-mode step against the KV-mode one, in alternating runs.
+            if let Some((_, kv_cache, kv_slabs)) = kv.filter(|_| *mode_name == "y") {
+                let (kv_t, _, ratio) = time_paired(
+                    a.iters,
+                    || Ok((edits_of(kv_cache)?, edits()?)),
+                    |(k, _)| step(&model, k, kv_slabs, &all_cached),
+                    |(_, y)| step(&model, y, slabs, &all_cached),
+                )?;
+                extra["kv_median_s"] = kv_t.median.into();
+                extra["over_kv"] = (ratio - 1.0).into();
+                extra["bytes_vs_kv"] = (lay.cache_bytes_per_step() as f64
+                    / kv_cache.layout().cache_bytes_per_step() as f64)
+                    .into();
+            }
+            line(ratio_field.clone(), &tm, flops, extra);
+            if tier == Tier::Device {
+                continue;
+            }
+            // The same edits with the template on another tier, each plan's runs
+            // alternating with runs of the ideal.
+            let loads = [SlabLoad {
+                tier,
+                bytes: lay.slab_bytes(),
+                mode: lay.mode,
+            }];
+            let ideal = |jobs: &mut Vec<Job<B::Tensor>>| step(&model, jobs, slabs, &all_cached);
+            for plan in &a.plan {
+                let ((ideal_t, out, ratio), full_blocks, predicted) = match plan.as_str() {
+                    "naive" => {
+                        // Load the step's slabs, then compute: compute waits for all of it.
+                        let out = time_paired(a.iters, edits, ideal, |jobs| {
+                            let t0 = Instant::now();
+                            let resident = slabs_for(model.backend(), cache, tier, true)?;
+                            model.backend().synchronize()?;
+                            let load = t0.elapsed().as_secs_f64();
+                            step(&model, jobs, &resident, &all_cached)?;
+                            Ok(load)
+                        })?;
+                        (out, 0, None)
+                    }
+                    p => {
+                        let work = StepWork {
+                            shapes: &shapes,
+                            recomputed: match lay.mode {
+                                CacheMode::Y => shapes.iter().map(|s| s.image - s.active).sum(),
+                                CacheMode::Kv => 0,
+                            },
+                            loads: &loads,
+                            mode: lay.mode,
+                        };
+                        let planned = plan_step(&cfg, &profile, &work);
+                        let choices = if p == "planner" {
+                            planned.choices.clone()
+                        } else {
+                            all_cached.clone()
+                        };
+                        // One stream for every run, as a worker keeps it: its buffers
+                        // are warm. The disk tier's reads bypass the page cache
+                        // (O_DIRECT), so every run reads the disk.
+                        let streamed = slabs_for(model.backend(), cache, tier, false)?;
+                        let out = time_paired(a.iters, edits, ideal, |jobs| {
+                            step(&model, jobs, &streamed, &choices)
+                        })?;
+                        let full = choices.iter().filter(|&&c| c == Choice::Full).count();
+                        (out, full, (p == "planner").then_some(planned.latency))
+                    }
+                };
+                line(
+                    ratio_field.clone(),
+                    &out,
+                    flops,
+                    serde_json::json!({
+                        "cache_tier": a.cache_tier,
+                        "cache_mode": mode_name,
+                        "plan": plan,
+                        "full_blocks": full_blocks,
+                        "predicted_s": predicted,
+                        "ideal_median_s": ideal_t.median,
+                        "over_ideal": ratio - 1.0,
+                    }),
+                );
+            }
         }
     }
     Ok(lines)

@@ -97,6 +97,10 @@ pub struct CaptureArgs {
     /// Output directory (template.json, cache.bin, image.png, reconstruction.png).
     #[arg(long)]
     pub out: PathBuf,
+    /// What the template caches per block: `kv` (K and V) or `y` (block outputs: about
+    /// half the bytes; edits recompute the unmasked tokens' K/V each step).
+    #[arg(long, default_value = "kv", value_parser = ["kv", "y"])]
+    pub cache_mode: String,
 }
 
 fn read(path: &Path) -> CliResult<Vec<u8>> {
@@ -129,6 +133,7 @@ fn load_pipeline(c: &Common) -> CliResult<(FluxFill<CpuBackend>, Placed)> {
         token_budget: 1,
         max_pixels: c.max_pixels,
         host_template_bytes: u64::MAX,
+        resident_template_bytes: 0,
     };
     let placed = device::place(&c.model, device, c.device.dtype()?, &p, limits)?;
     if device != DeviceSpec::Cpu {
@@ -319,7 +324,8 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
     let schedule = p.schedule(opts.steps, image.width, image.height)?;
     let (rows, cols) = p.tokens(image.width, image.height);
     let layout =
-        TemplateLayout::for_model(&p.config, rows * cols, opts.steps, placed.template_dtype());
+        TemplateLayout::for_model(&p.config, rows * cols, opts.steps, placed.template_dtype())
+            .with_mode(a.cache_mode.parse()?);
     let mode = Mode::Capture(TemplateCache::new(layout)?);
     let (latents, cache) = denoise(&mut placed, &prepared.inputs, schedule, mode, &mut t)?;
     let cache = cache.ok_or("the capture run returned no template cache")?;

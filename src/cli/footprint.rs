@@ -2,7 +2,7 @@
 //! from the layout (nothing is allocated). Capacity planning for the cache tiers
 //! starts here.
 
-use denoised_models::flux::template::TemplateLayout;
+use denoised_models::flux::template::{CacheMode, TemplateLayout};
 use denoised_models::FluxConfig;
 use denoised_runtime::DType;
 
@@ -31,6 +31,10 @@ pub struct Args {
     /// Storage dtype of the cache: f32, bf16 or f16.
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
+    /// Cache modes to report, comma-separated: `kv` (K and V of every block) and `y`
+    /// (the output of every block but the last: about half).
+    #[arg(long, value_delimiter = ',', default_value = "kv,y", value_parser = ["kv", "y"])]
+    pub cache_mode: Vec<String>,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -60,17 +64,27 @@ pub fn run(a: Args) -> CliResult {
                 FluxConfig::NAMES.join(", ")
             )
         })?;
-        let l = TemplateLayout::for_model(&cfg, tokens, a.steps, dtype);
-        println!(
-            "{}",
-            serde_json::json!({
-                "config": name, "height": a.height, "width": a.width, "image_tokens": tokens,
-                "steps": a.steps, "blocks": l.blocks, "hidden": l.hidden, "dtype": a.dtype,
-                "kv_slab_bytes": l.kv_slab_bytes(), "bytes_per_step": l.kv_bytes_per_step() + l.latent_bytes(),
-                "total_bytes": l.total_bytes(), "total_gib": l.total_bytes() as f64 / GIB,
-                "total_gb": l.total_bytes() as f64 / 1e9,
-            })
-        );
+        let kv = TemplateLayout::for_model(&cfg, tokens, a.steps, dtype);
+        for mode in &a.cache_mode {
+            let l = kv.with_mode(if mode == "y" {
+                CacheMode::Y
+            } else {
+                CacheMode::Kv
+            });
+            println!(
+                "{}",
+                serde_json::json!({
+                    "config": name, "height": a.height, "width": a.width, "image_tokens": tokens,
+                    "steps": a.steps, "blocks": l.blocks, "hidden": l.hidden, "dtype": a.dtype,
+                    "cache_mode": mode, "slabs_per_step": l.slabs_per_step(),
+                    "slab_bytes": l.slab_bytes(),
+                    "bytes_per_step": l.cache_bytes_per_step() + l.latent_bytes(),
+                    "total_bytes": l.total_bytes(), "total_gib": l.total_bytes() as f64 / GIB,
+                    "total_gb": l.total_bytes() as f64 / 1e9,
+                    "vs_kv": l.total_bytes() as f64 / kv.total_bytes() as f64,
+                })
+            );
+        }
     }
     Ok(())
 }

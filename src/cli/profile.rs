@@ -22,9 +22,11 @@ use std::time::Instant;
 use denoised_cuda::{Dt, GpuBackend};
 use denoised_models::flux::cost::{forward_flops, StepShape};
 use denoised_models::flux::edit::{step_batch_with, DeviceTemplates, Job, Mode};
-use denoised_models::flux::plan::plan_step;
+use denoised_models::flux::plan::{plan_step, StepWork};
+use denoised_models::flux::template::CacheMode;
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::TokenMask;
+use denoised_models::planner::prefix;
 use denoised_models::profile::{Fit, Profile, FORMAT, VERSION};
 use denoised_models::{FlowMatchEuler, FluxConfig, FluxTransformer};
 use denoised_runtime::direct::DirectFile;
@@ -151,7 +153,8 @@ where
     let (rows, cols) = grid(l);
     let inputs = random_inputs(&cfg, l, t, &mut SplitMix::new(a.seed ^ 0x9f0f))?;
     let schedule = Arc::new(FlowMatchEuler::new(&Default::default(), 1, l)?);
-    let cache = capture(&model, &inputs, &schedule, storage)?;
+    let cache = capture(&model, &inputs, &schedule, storage, CacheMode::Kv)?;
+    let all_cached = prefix(model.num_blocks(), 0);
     let slabs = DeviceTemplates::resident(model.backend(), &[&cache])?;
 
     // Times one step of requests with these active shares (median of `iters`).
@@ -181,7 +184,8 @@ where
             let mut jobs = jobs_of(&mut mask_seed)?;
             shapes = jobs.iter().map(Job::shape).collect();
             let t0 = Instant::now();
-            step_batch_with(&model, &mut jobs.iter_mut().collect::<Vec<_>>(), &slabs, 0)?;
+            let mut refs = jobs.iter_mut().collect::<Vec<_>>();
+            step_batch_with(&model, &mut refs, &slabs, &all_cached)?;
             model.backend().synchronize()?;
             if i > 0 {
                 ts.push(t0.elapsed().as_secs_f64());
@@ -234,7 +238,13 @@ where
         load_host,
         load_disk,
     };
-    let predicted = plan_step(&cfg, &profile, &shapes, &[]).latency;
+    let work = StepWork {
+        shapes: &shapes,
+        recomputed: 0,
+        loads: &[],
+        mode: CacheMode::Kv,
+    };
+    let predicted = plan_step(&cfg, &profile, &work).latency;
     profile.write(&a.output)?;
     Ok(serde_json::json!({
         "profile": a.output, "device": device, "model": a.model,
@@ -286,7 +296,7 @@ fn load_host<B: Backend>(be: &B, bytes: usize, dtype: DType) -> CliResult<f64> {
         .ok_or("this device cannot stream templates")?;
     let once = || -> CliResult<f64> {
         let t0 = Instant::now();
-        stream.prepare(0, 0)?;
+        stream.prepare(0, &[0])?;
         stream.slab(0, 0)?;
         be.synchronize()?;
         let s = t0.elapsed().as_secs_f64();

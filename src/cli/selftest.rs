@@ -229,6 +229,7 @@ fn bench_steps(t: Target) -> CliResult<Vec<Check>> {
         plan: vec!["pipelined".into()],
         profile: None,
         disk_dir: std::env::temp_dir(),
+        cache_mode: vec!["kv".into()],
     };
     let cfg = FluxConfig::named(config).expect("a known config");
     let lines = match t {

@@ -62,6 +62,9 @@ pub struct ServeArgs {
     /// `[cache] dir`: the template cache's disk tier.
     #[arg(long, env = "DENOISED_CACHE_DIR")]
     pub cache_dir: Option<String>,
+    /// `[cache] mode`: what new templates cache per block, `kv` or `y`.
+    #[arg(long, env = "DENOISED_CACHE_MODE")]
+    pub cache_mode: Option<String>,
 }
 
 impl ServeArgs {
@@ -127,6 +130,13 @@ impl ServeArgs {
         if let Some(d) = &self.cache_dir {
             c.cache.dir = d.clone();
         }
+        if let Some(m) = &self.cache_mode {
+            c.cache.mode = m.clone();
+        }
+        c.cache
+            .mode
+            .parse::<denoised_models::planner::CacheMode>()
+            .map_err(|e| format!("[cache] mode: {e}"))?;
         denoised_actors::logging::set_format(&c.server.log_format)
             .map_err(|e| format!("[server] {e}"))?;
         if c.workers.preprocess == 0 || c.workers.postprocess == 0 || c.workers.denoise == 0 {

@@ -23,7 +23,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use crossbeam_channel::Receiver;
 use denoised_models::flux::edit::{DenoiseInputs, Mode};
 use denoised_models::flux::stepper::Stepper;
-use denoised_models::flux::template::{TemplateCache, TemplateLayout};
+use denoised_models::flux::template::{CacheMode, TemplateCache, TemplateLayout};
 use denoised_models::mask::TokenMask;
 use denoised_models::FlowMatchEuler;
 use denoised_runtime::shm::Handle;
@@ -235,8 +235,8 @@ impl DenoiseState {
             .map_err(|e| WireError::bad_input(e.to_string()))?;
         let work = match &req.work {
             DenoiseWork::Full => Mode::Full,
-            DenoiseWork::Capture => {
-                let layout = self.capture_layout(n, req.steps)?;
+            DenoiseWork::Capture { mode } => {
+                let layout = self.capture_layout(n, req.steps, *mode)?;
                 let (handle, bytes) = self.shm.alloc_host(layout.total_bytes())?;
                 let cache = TemplateCache::empty_in(layout, bytes)
                     .map_err(|e| WireError::internal(e.to_string()));
@@ -263,8 +263,15 @@ impl DenoiseState {
     /// The layout of a capture's template, once it is known to fit where it goes:
     /// this worker's arena (where the result is written) and the cache's. Checked
     /// before the capture runs, so a template that cannot be stored costs no compute.
-    fn capture_layout(&self, tokens: usize, steps: u32) -> Result<TemplateLayout, WireError> {
-        let layout = self.layout(tokens, steps, self.template_dtype);
+    fn capture_layout(
+        &self,
+        tokens: usize,
+        steps: u32,
+        mode: CacheMode,
+    ) -> Result<TemplateLayout, WireError> {
+        let layout = self
+            .layout(tokens, steps, self.template_dtype)
+            .with_mode(mode);
         let bytes = layout.total_bytes() as u64;
         let (free, own) = self.shm.room();
         let mb = |b: u64| b as f64 / 1e6;

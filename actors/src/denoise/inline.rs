@@ -85,13 +85,14 @@ pub fn submit(
                         mask: Arc::new(s1.token_mask),
                         cache,
                     },
-                    (DenoiseWork::Capture, _) => {
+                    (DenoiseWork::Capture { mode }, _) => {
                         let layout = TemplateLayout::for_model(
                             &p.config,
                             n,
                             params.steps as usize,
                             template_dtype,
-                        );
+                        )
+                        .with_mode(*mode);
                         Mode::Capture(
                             TemplateCache::new(layout)
                                 .map_err(|e| WireError::internal(e.to_string()))?,

@@ -11,6 +11,7 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use denoised_models::planner::CacheMode;
 use denoised_runtime::config::Config;
 use denoised_runtime::shm::Handle;
 use ractor::ActorCell;
@@ -341,6 +342,8 @@ pub struct TemplateInput {
     pub max_sequence_length: u32,
     /// Replace a template of the same id instead of refusing (409).
     pub replace: bool,
+    /// What the template caches per block.
+    pub cache_mode: CacheMode,
 }
 
 /// The error of registering an id that is taken.
@@ -728,7 +731,9 @@ async fn capture_once(
     };
     let (blob, width, height, tokens) = if ctx.config.denoise.disaggregate {
         let prepared = preprocess(ctx, job, prepare, held).await?;
-        let work = DenoiseWork::Capture;
+        let work = DenoiseWork::Capture {
+            mode: input.cache_mode,
+        };
         let d = denoise(ctx, job, &prepared, params.steps, Vec::new(), work, held).await?;
         let blob = d
             .cache
@@ -744,7 +749,9 @@ async fn capture_once(
         ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
         let req = InlineReq {
             prepare,
-            work: DenoiseWork::Capture,
+            work: DenoiseWork::Capture {
+                mode: input.cache_mode,
+            },
             finish: None,
         };
         let d = ctx.ask(&den, |p| DenoiseMsg::Inline(Wire(req), p)).await?;
@@ -769,6 +776,7 @@ async fn capture_once(
         created_unix: unix_now(),
         // The cache fills these in.
         kv_dtype: String::new(),
+        cache_mode: String::new(),
         tiers: TierBytes::default(),
     };
     let cache = ctx.cache().await?;

@@ -371,6 +371,9 @@ struct TemplateBody {
     /// Replace a template of the same id (409 without it).
     #[serde(default)]
     replace: bool,
+    /// `kv` or `y`; the default is `[cache] mode`.
+    #[serde(default)]
+    cache_mode: Option<String>,
 }
 
 /// `POST /v1/templates`: JSON with a base64 image, or multipart with an `image` file
@@ -412,6 +415,12 @@ async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult
         }
         None => format!("tpl_{:016x}", ctx.next_job()),
     };
+    let cache_mode = b
+        .cache_mode
+        .as_deref()
+        .unwrap_or(&ctx.config.cache.mode)
+        .parse()
+        .map_err(ApiError::bad)?;
     let input = TemplateInput {
         id,
         image,
@@ -421,6 +430,7 @@ async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult
         seed: b.seed,
         max_sequence_length: b.max_sequence_length,
         replace: b.replace,
+        cache_mode,
     };
     let job = ctx.next_job();
     ctx.jobs.create(job, "template", input.steps);
@@ -472,7 +482,7 @@ async fn multipart_template(ctx: &Ctx, req: Request) -> ApiResult<(Vec<u8>, Temp
         }
         let text = String::from_utf8_lossy(&data).to_string();
         let v = match name.as_str() {
-            "prompt" | "id" => Value::String(text),
+            "prompt" | "id" | "cache_mode" => Value::String(text),
             "async" | "replace" => Value::Bool(text == "true" || text == "1"),
             _ => serde_json::from_str(&text).unwrap_or(Value::String(text)),
         };

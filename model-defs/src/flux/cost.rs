@@ -53,6 +53,14 @@ pub fn block_flops(c: &FluxConfig, s: StepShape) -> Vec<BlockFlops> {
     vec![BlockFlops { linear, attention }; c.num_layers + c.num_single_layers]
 }
 
+/// FLOPs per block of recomputing the K and V of `rows` tokens from their cached
+/// input (a Y-mode template's cached block): the K|V columns of the block's
+/// projection, `2d x d` weights per row.
+pub fn kv_recompute_flops(c: &FluxConfig, rows: usize) -> f64 {
+    let d = c.hidden() as f64;
+    2.0 * rows as f64 * 2.0 * d * d
+}
+
 /// Total FLOPs of one forward, embedders and output head included.
 pub fn forward_flops(c: &FluxConfig, s: StepShape) -> f64 {
     let d = c.hidden() as f64;

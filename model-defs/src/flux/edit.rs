@@ -8,12 +8,16 @@
 //! own guidance, text and active set:
 //!
 //! - a **full** job computes every image token;
-//! - a **capture** job computes every token and stores each block's image K/V and the
-//!   latent after the step into its [`TemplateCache`] (asynchronously on a device:
-//!   `Backend::store`);
+//! - a **capture** job computes every token and stores each block's slab (image K/V,
+//!   or in Y mode the block's output) and the latent after the step into its
+//!   [`TemplateCache`] (asynchronously on a device: `Backend::store`);
 //! - an **edit** job computes only its active tokens and attends to the template's
-//!   cached K/V for the others. Its inactive tokens never enter the model, so they are
-//!   not kept: at the end they take the template's final latent ([`Job::finish`]).
+//!   cached K/V for the others (read, or in Y mode recomputed from the cached block
+//!   outputs). Its inactive tokens' latents are not kept: at the end they take the
+//!   template's final latent ([`Job::finish`]).
+//!
+//! The step's plan (one [`Choice`] per block) says which blocks compute every token of
+//! the edits instead.
 //!
 //! The Euler update runs on the device (`Backend::axpy_cols`), so a step moves no
 //! latents between host and device. Editing with exactly a capture's inputs reproduces
@@ -26,11 +30,12 @@ use std::sync::Arc;
 use denoised_runtime::{Backend, DType, Error, Result, Tensor};
 
 use super::cost::StepShape;
-use super::model::{FluxTransformer, ForwardObserver, KvCache};
+use super::model::{BlockCache, FluxTransformer, ForwardObserver};
 use super::request::{RequestTensors, RestRows, StepRequest};
 pub use super::slabs::{DeviceTemplates, SlabSource};
-use super::template::TemplateCache;
+use super::template::{CacheMode, TemplateCache};
 use crate::mask::TokenMask;
+use crate::planner::Choice;
 use crate::scheduler::FlowMatchEuler;
 
 /// A request's inputs over the full token grid, on the host.
@@ -79,8 +84,8 @@ pub struct Job<T> {
     /// Token rows computed each step, and the rest (edits only).
     active: Vec<u32>,
     inactive: Vec<u32>,
-    /// An edit's inactive rows for planned full blocks: their inputs on the host, and
-    /// on the device once a plan first needs them.
+    /// An edit's inactive rows for planned full blocks and Y-mode templates: their
+    /// inputs on the host, and on the device once a step first needs them.
     rest_host: Option<RestHost>,
     rest: Option<RestRows<T>>,
     tokens: usize,
@@ -294,8 +299,18 @@ impl RestHost {
 }
 
 impl<T> Job<T> {
-    /// Puts an edit's inactive rows at its current step on the device, for a plan
-    /// with full blocks.
+    /// Whether its step with `plan` needs its inactive rows: an edit whose template
+    /// is in Y mode (its K/V are recomputed from them), or whose plan has full blocks.
+    fn needs_rest(&self, plan: &[Choice]) -> bool {
+        match &self.mode {
+            Mode::Edit { cache, .. } if !self.inactive.is_empty() => {
+                cache.layout().mode == CacheMode::Y || plan.contains(&Choice::Full)
+            }
+            _ => false,
+        }
+    }
+
+    /// Puts an edit's inactive rows at its current step on the device.
     fn prepare_rest<B: Backend<Tensor = T>>(&mut self, model: &FluxTransformer<B>) -> Result<()> {
         let (Some(host), Mode::Edit { cache, .. }) = (&self.rest_host, &self.mode) else {
             return Ok(());
@@ -316,25 +331,38 @@ impl<T> Job<T> {
     }
 }
 
-/// The cached K/V a job reads at its current step, fetched block by block as the
+/// The template slabs `plan` reads of a template in `mode`: the cached blocks' K/V, or
+/// in Y mode the outputs of the cached blocks but the last (the next block's input).
+pub fn slabs_read(mode: CacheMode, plan: &[Choice]) -> Vec<usize> {
+    let n = match mode {
+        CacheMode::Kv => plan.len(),
+        CacheMode::Y => plan.len().saturating_sub(1),
+    };
+    (0..n).filter(|&b| plan[b] == Choice::Cached).collect()
+}
+
+/// The template cache a job reads at its current step, fetched block by block as the
 /// forward reaches each block.
-struct StepKv<'a, S> {
+struct StepCache<'a, S> {
     inactive: &'a [u32],
     cache: &'a TemplateCache,
     step: usize,
     source: &'a S,
 }
 
-impl<T, S: SlabSource<T>> KvCache<T> for StepKv<'_, S> {
+impl<T, S: SlabSource<T>> BlockCache<T> for StepCache<'_, S> {
     fn inactive(&self) -> &[u32] {
         self.inactive
+    }
+    fn mode(&self) -> CacheMode {
+        self.cache.layout().mode
     }
     fn block(&self, b: usize) -> Result<&T> {
         self.source.slab(self.cache, self.step, b)
     }
 }
 
-/// Stores the K/V of capture jobs into their caches as the forward produces them.
+/// Stores the slabs of capture jobs into their caches as the forward produces them.
 struct CaptureSink<'a, B: Backend> {
     backend: &'a B,
     /// Per request of the forward: the cache it captures into, and its step.
@@ -342,43 +370,46 @@ struct CaptureSink<'a, B: Backend> {
 }
 
 impl<B: Backend> ForwardObserver<B::Tensor> for CaptureSink<'_, B> {
-    fn wants_kv(&self) -> bool {
-        self.targets.iter().any(Option::is_some)
+    fn captures(&self, req: usize) -> Option<CacheMode> {
+        self.targets.get(req)?.map(|(cache, _)| cache.layout().mode)
     }
-    fn image_kv(&mut self, req: usize, block: usize, kv: &B::Tensor) -> Result<()> {
+    fn block_slab(&mut self, req: usize, block: usize, slab: &B::Tensor) -> Result<()> {
         if let Some(Some((cache, step))) = self.targets.get(req) {
-            let dst = cache.kv_slice(*step, block)?;
-            self.backend.store(kv, &dst, cache.layout().dtype)?;
+            let dst = cache.slab_slice(*step, block)?;
+            self.backend.store(slab, &dst, cache.layout().dtype)?;
         }
         Ok(())
     }
 }
 
-/// Advances every unfinished job by one step with one forward call, edits reading
-/// their cached K/V from `slabs` from block `full_blocks` on (the blocks before it
-/// compute every token: the plan's full prefix).
+/// Advances every unfinished job by one step with one forward call following `plan`
+/// (one choice per block; with KV-mode templates its full blocks form a prefix), edits
+/// reading their template slabs from `slabs`.
 pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
     model: &FluxTransformer<B>,
     jobs: &mut [&mut Job<B::Tensor>],
     slabs: &S,
-    full_blocks: usize,
+    plan: &[Choice],
 ) -> Result<()> {
     let live: Vec<usize> = (0..jobs.len()).filter(|&i| !jobs[i].done()).collect();
     if live.is_empty() {
         return Ok(());
     }
-    if full_blocks > 0 {
-        for &i in &live {
-            jobs[i].prepare_rest(model)?;
-        }
+    let rest: Vec<bool> = live.iter().map(|&i| jobs[i].needs_rest(plan)).collect();
+    for (&i, _) in live.iter().zip(&rest).filter(|(_, &r)| r) {
+        jobs[i].prepare_rest(model)?;
     }
     let be = model.backend();
-    let kvs: Vec<Option<StepKv<'_, S>>> = live
+    let kvs: Vec<Option<StepCache<'_, S>>> = live
         .iter()
         .map(|&i| match &jobs[i].mode {
             Mode::Edit { cache, .. } => {
-                slabs.prepare(cache, jobs[i].step, full_blocks)?;
-                Ok(Some(StepKv {
+                // An edit that computes every token reads no slab.
+                if !jobs[i].inactive.is_empty() {
+                    let read = slabs_read(cache.layout().mode, plan);
+                    slabs.prepare(cache, jobs[i].step, &read)?;
+                }
+                Ok(Some(StepCache {
                     inactive: &jobs[i].inactive,
                     cache,
                     step: jobs[i].step,
@@ -391,14 +422,15 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
     let reqs: Vec<StepRequest<'_, B::Tensor>> = live
         .iter()
         .zip(&kvs)
-        .map(|(&i, kv)| {
+        .zip(&rest)
+        .map(|((&i, kv), &rest)| {
             let j = &jobs[i];
             StepRequest {
                 tensors: &j.tensors,
                 timestep: j.schedule.model_timestep(j.step),
                 guidance: j.guidance,
-                cache: kv.as_ref().map(|k| k as &dyn KvCache<B::Tensor>),
-                rest: j.rest.as_ref().filter(|_| full_blocks > 0),
+                cache: kv.as_ref().map(|k| k as &dyn BlockCache<B::Tensor>),
+                rest: j.rest.as_ref().filter(|_| rest),
             }
         })
         .collect();
@@ -412,7 +444,7 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
             })
             .collect(),
     };
-    let velocity = model.forward_step(&reqs, full_blocks, &mut sink);
+    let velocity = model.forward_step(&reqs, plan, &mut sink);
     slabs.finish();
     let velocity = velocity?;
     drop(sink);
@@ -439,8 +471,9 @@ pub fn run_to_end<B: Backend, S: SlabSource<B::Tensor>>(
     mut job: Job<B::Tensor>,
     slabs: &S,
 ) -> Result<(Tensor, Option<TemplateCache>)> {
+    let plan = vec![Choice::Cached; model.num_blocks()];
     while !job.done() {
-        step_batch_with(model, &mut [&mut job], slabs, 0)?;
+        step_batch_with(model, &mut [&mut job], slabs, &plan)?;
     }
     job.finish(model)
 }

@@ -4,12 +4,13 @@
 //! - [`weights`]: the parameter set, loaded from diffusers or generated from a seed.
 //! - [`embed`]: timestep/guidance sinusoids and the 3-axis RoPE tables.
 //! - [`model`]: the forward pass over a packed batch of requests.
-//! - [`edit`]: jobs and the batched step; [`slabs`]: where edits read cached K/V from.
+//! - [`edit`]: jobs and the batched step; [`slabs`]: where edits read cached slabs from.
 
 pub mod config;
 pub mod cost;
 pub mod edit;
 pub mod embed;
+mod inactive;
 pub mod model;
 mod packing;
 pub mod plan;

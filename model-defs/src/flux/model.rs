@@ -6,9 +6,11 @@
 //! attention runs per request over `[text; image]`.
 //!
 //! A request may compute only some of its image tokens (a masked edit): it then passes
-//! only those rows, and a [`KvCache`] that supplies the cached K/V of the other tokens
-//! for every block. With all tokens passed and no cache, this is exactly
-//! `FluxTransformer2DModel.forward`.
+//! only those rows, and a [`BlockCache`] that supplies, for every block, the cached K/V
+//! of the other tokens (KV mode) or their cached block outputs, from which the K/V are
+//! recomputed (Y mode, see `inactive.rs`). A step's plan says which blocks compute
+//! every token instead (DESIGN.md §Planner). With all tokens passed and no cache, this
+//! is exactly `FluxTransformer2DModel.forward`.
 
 use std::ops::Range;
 use std::path::Path;
@@ -18,12 +20,15 @@ use denoised_runtime::{AttnSeq, Backend, Error, KvSource, QSpan, Result, Rows, S
 
 use super::config::FluxConfig;
 use super::embed;
+use super::inactive::{y_cache, Inactive};
 use super::packing::{pack_text, PhaseInputs};
 use super::request::check_shape;
 pub use super::request::{RequestTensors, RestRows, StepRequest};
+use super::template::CacheMode;
 use super::weights::{FluxWeights, Linear};
+use crate::planner::{valid, Choice};
 
-const NORM_EPS: f32 = 1e-6;
+pub(super) const NORM_EPS: f32 = 1e-6;
 
 /// One request of a batch with host inputs (the reference cases, `denoised forward`).
 /// Serving uploads a request once instead ([`RequestTensors`]) and steps it with
@@ -44,8 +49,8 @@ pub struct FluxRequest<'a, T> {
     /// Guidance scale as the pipeline passes it (e.g. 30.0). Ignored by models
     /// without a guidance embedder.
     pub guidance: f32,
-    /// Cached K/V for the image tokens not in `img` (mask-aware edits).
-    pub cache: Option<&'a dyn KvCache<T>>,
+    /// The template cache of the image tokens not in `img` (mask-aware edits).
+    pub cache: Option<&'a dyn BlockCache<T>>,
 }
 
 /// A step's output: the velocity of every computed row, packed request after request
@@ -55,13 +60,17 @@ pub struct Velocity<T> {
     pub rows: Vec<Range<usize>>,
 }
 
-/// Cached keys and values of one request's inactive image tokens at its current step.
-pub trait KvCache<T>: Sync {
-    /// Indices (rows of the cached buffers) of the tokens not computed.
+/// One request's template cache at its current step: what it holds of the image
+/// tokens the request does not compute.
+pub trait BlockCache<T>: Sync {
+    /// Indices (rows of the cached slabs) of the tokens not computed.
     fn inactive(&self) -> &[u32];
-    /// `[L, 2*hidden]` rows of `[K | V]` for block `b` (double blocks first, then
-    /// single blocks), K post-norm and post-RoPE. Asked for in block order, each after
-    /// the previous block's work was queued (so a device can stream them in).
+    fn mode(&self) -> CacheMode;
+    /// The slab of block `b` (double blocks first, then single blocks): in KV mode
+    /// `[L, 2*hidden]` rows of `[K | V]`, K post-norm and post-RoPE, asked for by the
+    /// blocks that read it; in Y mode `[L, hidden]` rows of the block's output, asked
+    /// for after the block (the next block's input). Asked for in block order, each
+    /// after the previous block's work was queued (so a device can stream them in).
     fn block(&self, b: usize) -> Result<&T>;
 }
 
@@ -73,15 +82,16 @@ pub trait ForwardObserver<T> {
         false
     }
     fn hidden(&mut self, _name: &str, _t: Tensor) {}
-    /// Whether to report per-block image K/V.
-    fn wants_kv(&self) -> bool {
-        false
+    /// What request `req` captures of each block, if anything (a template capture).
+    fn captures(&self, _req: usize) -> Option<CacheMode> {
+        None
     }
-    /// `[K | V]` rows `[A, 2*hidden]` of request `req`'s computed image tokens at block
-    /// `block`, K post-norm and post-RoPE, on the device: the template cache layout.
-    /// Called as soon as the block has queued them, so a capture can start copying
-    /// them out while later blocks compute.
-    fn image_kv(&mut self, _req: usize, _block: usize, _kv: &T) -> Result<()> {
+    /// The slab of request `req`'s computed image tokens at block `block`, on the
+    /// device, in the template cache layout of its [`captures`](Self::captures) mode:
+    /// `[K | V]` rows `[A, 2*hidden]` (K post-norm and post-RoPE), or the block's output
+    /// `[A, hidden]` (every block but the last). Called as soon as the block has queued
+    /// them, so a capture can start copying them out while later blocks compute.
+    fn block_slab(&mut self, _req: usize, _block: usize, _slab: &T) -> Result<()> {
         Ok(())
     }
 }
@@ -322,7 +332,7 @@ impl<B: Backend> FluxTransformer<B> {
                 rest: None,
             })
             .collect();
-        let v = self.forward_step(&steps, 0, obs)?;
+        let v = self.forward_step(&steps, &vec![Choice::Cached; self.num_blocks()], obs)?;
         let out = self.backend.download(&v.packed)?;
         let oc = self.config.out_channels();
         v.rows
@@ -333,13 +343,17 @@ impl<B: Backend> FluxTransformer<B> {
 
     /// One forward over a batch of requests whose tensors are on the device; returns
     /// the velocity of every computed row, still on the device.
-    /// The first `full_blocks` blocks (the plan's full prefix) compute the inactive
-    /// rows of the edits that pass them (`StepRequest::rest`) as well, and read no
-    /// cache.
+    ///
+    /// `plan` has one choice per block. A [`Choice::Full`] block computes the inactive
+    /// rows of the edits that pass them (`StepRequest::rest`) as well, and reads no
+    /// cache; a cached block computes the active rows against the cache. Edits of KV
+    /// templates that pass their inactive rows need the full blocks to be a prefix
+    /// (their inactive rows cannot rejoin once they have left); edits of Y templates
+    /// pass them always, and may follow any pattern.
     pub fn forward_step(
         &self,
         reqs: &[StepRequest<'_, B::Tensor>],
-        full_blocks: usize,
+        plan: &[Choice],
         obs: &mut dyn ForwardObserver<B::Tensor>,
     ) -> Result<Velocity<B::Tensor>> {
         let c = &self.config;
@@ -354,28 +368,37 @@ impl<B: Backend> FluxTransformer<B> {
         }
 
         // ---- packing: every request's rows, one matrix per stream ----------------
+        let blocks = self.num_blocks();
+        if plan.len() != blocks {
+            return Err(Error::Invalid(format!(
+                "a plan of {} blocks for a model of {blocks}",
+                plan.len()
+            )));
+        }
         for (i, r) in reqs.iter().enumerate() {
             if let Some(cache) = r.cache {
                 if cache.inactive().len() + r.tensors.img_rows() == 0 {
                     return Err(Error::Invalid(format!("request {i} has no image tokens")));
                 }
             }
+            let kv_rest = r.rest.is_some() && y_cache(r).is_none();
+            if kv_rest && !valid(CacheMode::Kv, plan) {
+                return Err(Error::Invalid(format!(
+                    "request {i} passes the inactive rows of a KV-mode template to a plan whose full blocks are not a prefix"
+                )));
+            }
         }
-        let blocks = self.num_blocks();
-        if full_blocks > blocks {
-            return Err(Error::Invalid(format!(
-                "a plan of {full_blocks} full blocks for a model of {blocks}"
-            )));
-        }
-        // The planned full prefix: edits' inactive rows join the first blocks. Without
-        // such rows (no edit, or no full block) the step has one phase.
-        let phased = full_blocks > 0 && reqs.iter().any(|r| r.rest.is_some());
-        let mut phase = PhaseInputs::pack(be, reqs, phased, true)?;
+        // Edits' inactive rows start in the image matrix (the embedder computes them),
+        // leave it at the first cached block and, for Y templates, rejoin it at the
+        // next full block. Without such rows the step has one phase.
+        let has_rest = reqs.iter().any(|r| r.rest.is_some());
+        let mut side = Inactive::new(be, reqs)?;
+        let mut phase = PhaseInputs::pack(be, reqs, has_rest, true)?;
         let text = pack_text(be, reqs)?;
         let rope_txt = (text.rope_cos.get(), text.rope_sin.get());
         // Image rows each request keeps when the full phase ends.
         let keep: Vec<usize> = reqs.iter().map(|r| r.tensors.img_rows()).collect();
-        let mut in_full = phased;
+        let mut in_full = has_rest;
 
         // ---- conditioning vector temb [B, d] ------------------------------------
         let nb = reqs.len();
@@ -415,15 +438,32 @@ impl<B: Backend> FluxTransformer<B> {
         // Fused projections give [q | k | v] per stream; attention reads both streams
         // in place and writes its output over q, which the output projections read.
         for (bi, blk) in self.w.double.iter().enumerate() {
-            if in_full && bi == full_blocks {
+            let full = plan[bi] == Choice::Full;
+            if in_full && !full {
+                if let Some(s) = &mut side {
+                    s.take_from(be, &x, &phase.layout.img)?;
+                }
                 x = be.gather_rows(&[&x], &phase.layout.img_prefix(&keep))?;
                 phase = PhaseInputs::pack(be, reqs, false, false)?;
                 in_full = false;
+            } else if !in_full && full && has_rest {
+                let s = side.as_mut().expect("valid plans rejoin only Y-mode rows");
+                x = s.merge_into(be, &x, &phase.layout.img)?;
+                phase = PhaseInputs::pack(be, reqs, true, false)?;
+                in_full = true;
             }
             let lay = &phase.layout;
             let rope_img = (phase.rope_img.0.get(), phase.rope_img.1.get());
             let m_img = self.linear(&temb_act, &blk.norm1)?;
             let m_txt = self.linear(&temb_act, &blk.norm1_context)?;
+            // The inactive rows' K/V at a cached block of a Y-mode template.
+            let side_kv = match &side {
+                Some(s) if !in_full => {
+                    let (w, b) = (&blk.qkv.w, blk.qkv.b.as_ref());
+                    Some(s.kv(be, &m_img, w, b, d..3 * d, &blk.norm_k)?)
+                }
+                _ => None,
+            };
             let nx = be.layer_norm_modulate(
                 &x,
                 NORM_EPS,
@@ -455,9 +495,9 @@ impl<B: Backend> FluxTransformer<B> {
                 NORM_EPS,
                 Some(rope_txt),
             )?;
-            if obs.wants_kv() {
-                for (ri, rows) in lay.img.iter().enumerate() {
-                    obs.image_kv(ri, bi, &be.gather_cols(&qkv_i, rows.clone(), d..3 * d)?)?;
+            for (ri, rows) in lay.img.iter().enumerate() {
+                if obs.captures(ri) == Some(CacheMode::Kv) {
+                    obs.block_slab(ri, bi, &be.gather_cols(&qkv_i, rows.clone(), d..3 * d)?)?;
                 }
             }
             let seqs = (0..reqs.len())
@@ -465,7 +505,8 @@ impl<B: Backend> FluxTransformer<B> {
                     self.seq(
                         &reqs[r],
                         bi,
-                        !in_full,
+                        in_full,
+                        side_rows(&side_kv, &side, r),
                         vec![
                             QSpan {
                                 buf: 0,
@@ -483,6 +524,7 @@ impl<B: Backend> FluxTransformer<B> {
                 .collect::<Result<Vec<_>>>()?;
             be.attention(&mut [&mut qkv_t, &mut qkv_i], 0, d, heads, &seqs)?;
             drop(seqs);
+            drop(side_kv);
             let a_img = be.linear_cols(&qkv_i, 0..d, &blk.to_out.w, blk.to_out.b.as_ref())?;
             let a_txt =
                 be.linear_cols(&qkv_t, 0..d, &blk.to_add_out.w, blk.to_add_out.b.as_ref())?;
@@ -513,6 +555,14 @@ impl<B: Backend> FluxTransformer<B> {
             be.gated_residual(&mut ctx, &ffc, modl(&m_txt, 5, &lay.txt_seg))?;
             self.emit(obs, &format!("{p}.encoder_hidden_states"), &ctx)?;
             self.emit(obs, &format!("{p}.hidden_states"), &x)?;
+            for (ri, rows) in lay.img.iter().enumerate() {
+                if obs.captures(ri) == Some(CacheMode::Y) && bi + 1 < blocks {
+                    obs.block_slab(ri, bi, &be.gather_cols(&x, rows.clone(), 0..d)?)?;
+                }
+            }
+            if let Some(s) = side.as_mut().filter(|_| !in_full && bi + 1 < blocks) {
+                s.load(be, reqs, bi)?;
+            }
         }
 
         // ---- single-stream blocks over the joint [txt; img] rows ------------------
@@ -522,15 +572,32 @@ impl<B: Backend> FluxTransformer<B> {
         drop((x, ctx));
         let nd = c.num_layers;
         for (si, blk) in self.w.single.iter().enumerate() {
-            if in_full && nd + si == full_blocks {
+            let bi = nd + si;
+            let full = plan[bi] == Choice::Full;
+            if in_full && !full {
+                if let Some(s) = &mut side {
+                    s.take_from(be, &h, &phase.layout.joint)?;
+                }
                 h = be.gather_rows(&[&h], &phase.layout.joint_prefix(&keep))?;
                 phase = PhaseInputs::pack(be, reqs, false, false)?;
                 in_full = false;
+            } else if !in_full && full && has_rest {
+                let s = side.as_mut().expect("valid plans rejoin only Y-mode rows");
+                h = s.merge_into(be, &h, &phase.layout.joint)?;
+                phase = PhaseInputs::pack(be, reqs, true, false)?;
+                in_full = true;
             }
             let lay = &phase.layout;
             let n_joint = lay.joint_seg.len();
             let rope_joint = (phase.rope_joint.0.get(), phase.rope_joint.1.get());
             let m = self.linear(&temb_act, &blk.norm)?;
+            let side_kv = match &side {
+                Some(s) if !in_full => {
+                    let (w, b) = (&blk.qkv_mlp.w, blk.qkv_mlp.b.as_ref());
+                    Some(s.kv(be, &m, w, b, 0..2 * d, &blk.norm_k)?)
+                }
+                _ => None,
+            };
             let n = be.layer_norm_modulate(
                 &h,
                 NORM_EPS,
@@ -554,18 +621,19 @@ impl<B: Backend> FluxTransformer<B> {
                 Some(rope_joint),
             )?;
             be.rms_norm_rope(&mut f, 0..d, &blk.norm_k, NORM_EPS, Some(rope_joint))?;
-            if obs.wants_kv() {
-                for (ri, jr) in lay.joint.iter().enumerate() {
+            for (ri, jr) in lay.joint.iter().enumerate() {
+                if obs.captures(ri) == Some(CacheMode::Kv) {
                     let rows = jr.start + lay.txt[ri].len()..jr.end;
-                    obs.image_kv(ri, nd + si, &be.gather_cols(&f, rows, 0..2 * d)?)?;
+                    obs.block_slab(ri, bi, &be.gather_cols(&f, rows, 0..2 * d)?)?;
                 }
             }
             let seqs = (0..reqs.len())
                 .map(|r| {
                     self.seq(
                         &reqs[r],
-                        nd + si,
-                        !in_full,
+                        bi,
+                        in_full,
+                        side_rows(&side_kv, &side, r),
                         vec![QSpan {
                             buf: 0,
                             rows: lay.joint[r].clone(),
@@ -577,6 +645,7 @@ impl<B: Backend> FluxTransformer<B> {
                 .collect::<Result<Vec<_>>>()?;
             be.attention(&mut [&mut f], 2 * d, d, heads, &seqs)?;
             drop(seqs);
+            drop(side_kv);
             if obs.wants_hidden() {
                 obs.hidden(
                     &format!("{p}.attn"),
@@ -594,6 +663,15 @@ impl<B: Backend> FluxTransformer<B> {
                 &lay.txt_in_joint,
             )?;
             self.emit_rows(obs, &format!("{p}.hidden_states"), &h, &lay.img_in_joint)?;
+            for (ri, jr) in lay.joint.iter().enumerate() {
+                if obs.captures(ri) == Some(CacheMode::Y) && bi + 1 < blocks {
+                    let rows = jr.start + lay.txt[ri].len()..jr.end;
+                    obs.block_slab(ri, bi, &be.gather_cols(&h, rows, 0..d)?)?;
+                }
+            }
+            if let Some(s) = side.as_mut().filter(|_| !in_full && bi + 1 < blocks) {
+                s.load(be, reqs, bi)?;
+            }
         }
 
         // ---- output head ----------------------------------------------------------
@@ -620,14 +698,17 @@ impl<B: Backend> FluxTransformer<B> {
 
     /// The attention sequence of one request at one block: queries `q`, fresh keys
     /// and values from `fresh` (buffer, rows) with K at column `k_col` and V right
-    /// after it, plus (`cached`) the request's cached K/V of the tokens it does not
-    /// compute.
+    /// after it, plus the K/V of the tokens it does not compute where they are not
+    /// among the fresh rows (`in_full` with its inactive rows passed): recomputed
+    /// from a Y-mode template (`side`: the `[K | V]` of the batch's inactive rows and
+    /// this request's rows of it), or read from a KV-mode template.
     #[allow(clippy::too_many_arguments)]
     fn seq<'a>(
         &self,
         req: &StepRequest<'a, B::Tensor>,
         block: usize,
-        cached: bool,
+        in_full: bool,
+        side: Option<(&'a B::Tensor, Range<usize>)>,
         q: Vec<QSpan>,
         fresh: Vec<(usize, Range<usize>)>,
         k_col: usize,
@@ -642,16 +723,31 @@ impl<B: Backend> FluxTransformer<B> {
                 rows: Rows::Range(rows),
             })
             .collect();
-        if let Some(cache) = req.cache.filter(|_| cached) {
-            if !cache.inactive().is_empty() {
-                kv.push(KvSource {
-                    src: Src::Ext(cache.block(block)?),
+        let Some(cache) = req.cache.filter(|c| !c.inactive().is_empty()) else {
+            return Ok(AttnSeq { q, kv });
+        };
+        if in_full && req.rest.is_some() {
+            return Ok(AttnSeq { q, kv });
+        }
+        kv.push(match cache.mode() {
+            CacheMode::Kv => KvSource {
+                src: Src::Ext(cache.block(block)?),
+                k_col: 0,
+                v_col: d,
+                rows: Rows::Index(cache.inactive()),
+            },
+            CacheMode::Y => {
+                let (kvs, rows) = side.ok_or_else(|| {
+                    Error::Invalid("a Y-mode template's K/V were not recomputed".into())
+                })?;
+                KvSource {
+                    src: Src::Ext(kvs),
                     k_col: 0,
                     v_col: d,
-                    rows: Rows::Index(cache.inactive()),
-                });
+                    rows: Rows::Range(rows),
+                }
             }
-        }
+        });
         Ok(AttnSeq { q, kv })
     }
 
@@ -666,4 +762,13 @@ impl<B: Backend> FluxTransformer<B> {
         let h = self.backend.linear_gelu(x, &l1.w, l1.b.as_ref())?;
         self.linear(&h, l2)
     }
+}
+
+/// A request's rows of the inactive rows' recomputed K/V at a cached block, with them.
+fn side_rows<'s, T>(
+    kv: &'s Option<T>,
+    side: &Option<Inactive<'_, T>>,
+    req: usize,
+) -> Option<(&'s T, Range<usize>)> {
+    Some((kv.as_ref()?, side.as_ref()?.rows[req].clone()?))
 }

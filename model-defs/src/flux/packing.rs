@@ -103,12 +103,15 @@ impl<T> Packed<'_, T> {
 }
 
 /// Row ranges of tensors, in packing order.
-type Segments<'a, T> = Vec<(&'a T, Range<usize>)>;
+pub(super) type Segments<'a, T> = Vec<(&'a T, Range<usize>)>;
 
 /// Packs row ranges of several tensors, request after request (each request's
 /// segments in order). A single segment covering a whole tensor is read in place; a
 /// batch is gathered (a device copy of a few MB, no host transfer).
-fn pack<'a, B: Backend>(be: &B, segs: &[Segments<'a, B::Tensor>]) -> Result<Packed<'a, B::Tensor>> {
+pub(super) fn pack_segments<'a, B: Backend>(
+    be: &B,
+    segs: &[Segments<'a, B::Tensor>],
+) -> Result<Packed<'a, B::Tensor>> {
     if let [one] = segs {
         if let [(t, rows)] = one.as_slice() {
             if *rows == (0..be.shape(t)[0]) {
@@ -173,7 +176,7 @@ impl<'a, T> PhaseInputs<'a, T> {
             s
         };
         let segs = |f: &dyn Fn(&StepRequest<'a, T>) -> Segments<'a, T>| {
-            pack(be, &reqs.iter().map(f).collect::<Vec<_>>())
+            pack_segments(be, &reqs.iter().map(f).collect::<Vec<_>>())
         };
         Ok(PhaseInputs {
             layout: Layout::new(&txt_lens, &img_lens),
@@ -202,7 +205,7 @@ pub(super) fn pack_text<'a, B: Backend>(
     reqs: &[StepRequest<'a, B::Tensor>],
 ) -> Result<TextInputs<'a, B::Tensor>> {
     let txt = |f: &dyn Fn(&StepRequest<'a, B::Tensor>) -> &'a B::Tensor| {
-        pack(
+        pack_segments(
             be,
             &reqs
                 .iter()

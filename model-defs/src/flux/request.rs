@@ -12,7 +12,7 @@ use denoised_runtime::{Backend, Error, Result, Tensor};
 
 use super::config::FluxConfig;
 use super::embed;
-use super::model::KvCache;
+use super::model::BlockCache;
 
 /// One request's tensors on the model's device.
 pub struct RequestTensors<T> {
@@ -131,7 +131,7 @@ impl<T> RestRows<T> {
 }
 
 /// One request of a step: its tensors, where it is in its schedule, and for an edit
-/// the cached K/V of the tokens it does not compute.
+/// the template cache of the tokens it does not compute.
 pub struct StepRequest<'a, T> {
     pub tensors: &'a RequestTensors<T>,
     /// Timestep as the pipeline passes it (scheduler timestep / 1000).
@@ -139,8 +139,9 @@ pub struct StepRequest<'a, T> {
     /// Guidance scale as the pipeline passes it (e.g. 30.0). Ignored by models
     /// without a guidance embedder.
     pub guidance: f32,
-    pub cache: Option<&'a dyn KvCache<T>>,
-    /// An edit's inactive rows, where the step computes its first blocks in full.
+    pub cache: Option<&'a dyn BlockCache<T>>,
+    /// An edit's inactive rows: for the full blocks of a plan, and always for a Y-mode
+    /// template (their K/V are recomputed from them).
     pub rest: Option<&'a RestRows<T>>,
 }
 

@@ -1,4 +1,4 @@
-//! Where a mask-aware edit reads its template's cached K/V from, on each device.
+//! Where a mask-aware edit reads its template's cached slabs from, on each device.
 //!
 //! A template's slabs live in host memory ([`TemplateCache`]: a shared-memory arena
 //! slice in the daemon). A backend computes on its own tensors, so each device keeps
@@ -19,15 +19,15 @@ use denoised_runtime::{Backend, Error, Result, SlabProvider, Stored};
 
 use super::template::TemplateCache;
 
-/// Where an edit's cached K/V slabs come from, as tensors of the model's backend.
+/// Where an edit's cached slabs come from, as tensors of the model's backend.
 pub trait SlabSource<T>: Sync {
-    /// Called for each edit job before a forward that reads `step` of `cache` from
-    /// block `first` on (the blocks before it compute every token).
-    fn prepare(&self, _cache: &TemplateCache, _step: usize, _first: usize) -> Result<()> {
+    /// Called for each edit job before a forward that reads the slabs `slabs`
+    /// (ascending) of `step` of `cache` (the plan's other blocks need none).
+    fn prepare(&self, _cache: &TemplateCache, _step: usize, _slabs: &[usize]) -> Result<()> {
         Ok(())
     }
-    /// The `[L, 2*hidden]` `[K | V]` slab of `(step, block)` of `cache`. Within a
-    /// forward, blocks are asked for in order.
+    /// The `[L, slab_width]` slab of `(step, block)` of `cache`. Within a forward,
+    /// blocks are asked for in order.
     fn slab<'a>(&'a self, cache: &'a TemplateCache, step: usize, block: usize) -> Result<&'a T>;
     /// Called after the forward.
     fn finish(&self) {}
@@ -98,12 +98,12 @@ impl<T: Send + Sync> DeviceTemplates<T> {
         // Page-locked once, so a device copies every slab from where it lies.
         backend.pin_host(cache.bytes().memory())?;
         let l = cache.layout();
-        let shape = vec![l.tokens, 2 * l.hidden];
-        let mut slabs = Vec::with_capacity(l.steps * l.blocks);
+        let shape = vec![l.tokens, l.slab_width()];
+        let mut slabs = Vec::with_capacity(l.slab_count());
         for s in 0..l.steps {
-            for b in 0..l.blocks {
-                let bytes = cache.kv_slice(s, b)?;
-                let part = Stored::new("template K/V", shape.clone(), l.dtype, bytes.bytes())?;
+            for b in 0..l.slabs_per_step() {
+                let bytes = cache.slab_slice(s, b)?;
+                let part = Stored::new("template slab", shape.clone(), l.dtype, bytes.bytes())?;
                 slabs.push(backend.upload_stored(&[part])?);
             }
         }
@@ -124,9 +124,10 @@ impl<T: Send + Sync> DeviceTemplates<T> {
             return Ok(true);
         }
         let l = cache.layout();
-        let slabs = cache.bytes().sub(0, l.kv_offset(l.steps, 0))?;
-        let shape = [l.tokens, 2 * l.hidden];
-        match backend.stream_slabs(&slabs, l.dtype, &shape, l.steps, l.blocks, lanes)? {
+        let slabs = cache.bytes().sub(0, l.latent_offset(0))?;
+        let shape = [l.tokens, l.slab_width()];
+        let per_step = l.slabs_per_step();
+        match backend.stream_slabs(&slabs, l.dtype, &shape, l.steps, per_step, lanes)? {
             Some(provider) => {
                 self.insert_streamed(cache, provider, lanes);
                 Ok(true)
@@ -177,16 +178,25 @@ impl<T: Send + Sync> Default for DeviceTemplates<T> {
 }
 
 impl<T: Send + Sync> SlabSource<T> for DeviceTemplates<T> {
-    fn prepare(&self, cache: &TemplateCache, step: usize, first: usize) -> Result<()> {
+    fn prepare(&self, cache: &TemplateCache, step: usize, slabs: &[usize]) -> Result<()> {
         match self.find(cache) {
-            Some(Form::Streamed { provider, .. }) => provider.prepare(step, first),
+            Some(Form::Streamed { provider, .. }) => provider.prepare(step, slabs),
             Some(Form::Resident(_)) => Ok(()),
             None => Err(not_here()),
         }
     }
     fn slab<'a>(&'a self, cache: &'a TemplateCache, step: usize, block: usize) -> Result<&'a T> {
         match self.find(cache) {
-            Some(Form::Resident(slabs)) => Ok(&slabs[step * cache.layout().blocks + block]),
+            Some(Form::Resident(slabs)) => {
+                let l = cache.layout();
+                if block >= l.slabs_per_step() {
+                    return Err(Error::Invalid(format!(
+                        "slab {block} of a template with {} per step",
+                        l.slabs_per_step()
+                    )));
+                }
+                Ok(&slabs[step * l.slabs_per_step() + block])
+            }
             Some(Form::Streamed { provider, .. }) => provider.slab(step, block),
             None => Err(not_here()),
         }

@@ -18,9 +18,10 @@ use std::time::{Duration, Instant};
 use denoised_runtime::{Backend, Error, Result, Tensor};
 
 use super::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
-use super::plan::{plan_step, SlabLoad};
-use super::template::TemplateCache;
+use super::plan::{plan_step, SlabLoad, StepWork};
+use super::template::{CacheMode, TemplateCache};
 use super::FluxTransformer;
+use crate::planner::Choice;
 use crate::profile::{Profile, Tier};
 use crate::scheduler::FlowMatchEuler;
 
@@ -50,7 +51,7 @@ pub struct StepperStats {
 /// loads cost it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StepReport {
-    /// Blocks computed over every token (the plan's full prefix).
+    /// Blocks computed over every token.
     pub full_blocks: usize,
     /// The planner's predicted step latency (for steps that read a template).
     pub predicted_s: Option<f64>,
@@ -218,7 +219,7 @@ where
                 }
             } else if self.streams && self.templates.stream(be, t, steps.len())? {
                 count(&self.stats.misses, 1);
-                let per_step = t.layout().kv_bytes_per_step() as u64;
+                let per_step = t.layout().cache_bytes_per_step() as u64;
                 count(&self.stats.streamed_bytes, per_step * steps.len() as u64);
             } else {
                 return Err(Error::Invalid(format!(
@@ -237,8 +238,9 @@ where
     }
 
     /// The planner's choice for a step of `ids` (`None` when no job reads a
-    /// template): its costs are the jobs' FLOPs and the slabs of streamed templates,
-    /// one stream per (template, step).
+    /// template): its costs are the jobs' FLOPs (with the K/V recompute of Y-mode
+    /// templates) and the slabs of streamed templates, one stream per (template,
+    /// step).
     fn plan(&self, ids: &[JobKey]) -> Option<crate::planner::Plan> {
         let jobs: Vec<&Job<B::Tensor>> = ids
             .iter()
@@ -249,6 +251,15 @@ where
             return None;
         }
         let shapes: Vec<_> = jobs.iter().map(|j| j.shape()).collect();
+        let mut mode = CacheMode::Y;
+        let mut recomputed = 0;
+        for j in &jobs {
+            match j.template().map(|t| t.layout().mode) {
+                Some(CacheMode::Kv) => mode = CacheMode::Kv,
+                Some(CacheMode::Y) => recomputed += j.shape().image - j.shape().active,
+                None => {}
+            }
+        }
         let mut streams: Vec<(u64, usize)> = vec![];
         let mut loads = vec![];
         for j in &jobs {
@@ -259,15 +270,20 @@ where
                 streams.push((t.key(), j.step()));
                 loads.push(SlabLoad {
                     tier: Tier::Host,
-                    bytes: t.layout().kv_slab_bytes(),
+                    bytes: t.layout().slab_bytes(),
+                    mode: t.layout().mode,
                 });
             }
         }
         Some(plan_step(
             &self.model.config,
             &self.profile,
-            &shapes,
-            &loads,
+            &StepWork {
+                shapes: &shapes,
+                recomputed,
+                loads: &loads,
+                mode,
+            },
         ))
     }
 
@@ -303,18 +319,21 @@ where
     fn step(&mut self, ids: &[JobKey]) -> Result<StepReport> {
         self.place_templates(ids)?;
         let plan = self.plan(ids);
-        let full_blocks = plan.as_ref().map_or(0, |p| p.full_blocks());
+        let choices = match &plan {
+            Some(p) => p.choices.clone(),
+            None => vec![Choice::Cached; self.model.num_blocks()],
+        };
         let mut batch: Vec<&mut Job<B::Tensor>> = self
             .jobs
             .iter_mut()
             .filter(|(id, _)| ids.contains(id))
             .map(|(_, j)| j)
             .collect();
-        let r = step_batch_with(&self.model, &mut batch, &self.templates, full_blocks);
+        let r = step_batch_with(&self.model, &mut batch, &self.templates, &choices);
         let bubble = self.templates.take_wait();
         self.sample_memory();
         r.map(|()| StepReport {
-            full_blocks,
+            full_blocks: plan.as_ref().map_or(0, |p| p.full_blocks()),
             predicted_s: plan.map(|p| p.latency),
             bubble_s: bubble.map(|d| d.as_secs_f64()),
         })
@@ -383,7 +402,7 @@ where
 /// Device bytes of a template's slabs at `elem_bytes` per element.
 fn resident_bytes(t: &TemplateCache, elem_bytes: usize) -> u64 {
     let l = t.layout();
-    (l.steps * l.blocks * l.kv_slab_elems() * elem_bytes) as u64
+    (l.slab_count() * l.slab_elems() * elem_bytes) as u64
 }
 
 /// Runs one job to the end on a stepper (the CLI): its final latent and, for a

@@ -1,15 +1,24 @@
 //! The template cache: what a capture run records so that edits can skip the
 //! unmasked tokens.
 //!
-//! For every (step, block) it holds the K (post-norm, post-RoPE) and V rows of every
-//! image token, as one `[L, 2*hidden]` slab of `[K | V]` rows, and for every step the
-//! packed latent after that step, `[L, C]`. It is one flat image in host memory, laid
-//! out by [`TemplateLayout`]: slabs step-major, block-minor, in the storage dtype of
-//! the device that captured them (bf16 on a GPU, f32 on the CPU), then the latents in
-//! f32. The same bytes are the shared-memory form the cache process holds (which a GPU
-//! worker streams from in place), and the data file of a template on disk. Cache size
-//! is a first-class number (DESIGN.md §Costs): `steps x blocks x L x hidden x 2 x
-//! bytes`.
+//! A template caches, for every (step, block), one slab over every image token, in one
+//! of two modes ([`CacheMode`], chosen per template):
+//!
+//! - **KV**: the block's K (post-norm, post-RoPE) and V rows, `[L, 2*hidden]` of `[K |
+//!   V]` rows. An edit attends to them directly.
+//! - **Y**: the block's output hidden states, `[L, hidden]`: half the bytes. An edit
+//!   recomputes the K/V of its inactive tokens each step from the previous block's
+//!   output (a projection of only the K and V columns), so any block may compute in
+//!   full (DESIGN.md §Planner). The last block's output is read by nothing (the head
+//!   reads only computed tokens), so it is not stored: `blocks - 1` slabs per step.
+//!
+//! Then, for every step, the packed latent after that step, `[L, C]`. It is one flat
+//! image in host memory, laid out by [`TemplateLayout`]: slabs step-major, block-minor,
+//! in the storage dtype of the device that captured them (bf16 on a GPU, f32 on the
+//! CPU), then the latents in f32. The same bytes are the shared-memory form the cache
+//! process holds (which a GPU worker streams from in place), and the data file of a
+//! template on disk. Cache size is a first-class number (DESIGN.md §Costs): in KV mode
+//! `steps x blocks x L x hidden x 2 x bytes`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -18,8 +27,10 @@ use denoised_runtime::stored::encode;
 use denoised_runtime::{DType, Error, HostSlice, Result, Stored, Tensor};
 
 use super::config::FluxConfig;
+pub use crate::planner::CacheMode;
 
-/// Shapes and dtype of a template cache, and the flat byte layout derived from them.
+/// Shapes, mode and dtype of a template cache, and the flat byte layout derived from
+/// them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TemplateLayout {
     pub steps: usize,
@@ -30,11 +41,14 @@ pub struct TemplateLayout {
     pub hidden: usize,
     /// Channels of the packed latent (the transformer's out_channels).
     pub latent_channels: usize,
-    /// Storage dtype of the K/V slabs (latents are f32).
+    /// Storage dtype of the slabs (latents are f32).
     pub dtype: DType,
+    /// What each slab holds.
+    pub mode: CacheMode,
 }
 
 impl TemplateLayout {
+    /// A KV-mode layout (see [`TemplateLayout::with_mode`]).
     pub fn for_model(c: &FluxConfig, tokens: usize, steps: usize, dtype: DType) -> Self {
         TemplateLayout {
             steps,
@@ -43,25 +57,50 @@ impl TemplateLayout {
             hidden: c.hidden(),
             latent_channels: c.out_channels(),
             dtype,
+            mode: CacheMode::Kv,
         }
     }
 
+    pub fn with_mode(self, mode: CacheMode) -> Self {
+        TemplateLayout { mode, ..self }
+    }
+
     /// The layout for `c` of `tokens` x `steps` whose flat image is `bytes` long: its
-    /// K/V storage dtype is the one whose layout has that size (a template is stored
-    /// in its capturing device's dtype, which only its size tells).
+    /// storage dtype and mode are the ones whose layout has that size (a template is
+    /// stored in its capturing device's dtype, which only its size tells; the four
+    /// sizes differ for any non-empty template).
     pub fn infer(c: &FluxConfig, tokens: usize, steps: usize, bytes: u64) -> Option<Self> {
-        [DType::BF16, DType::F32]
+        [CacheMode::Kv, CacheMode::Y]
             .into_iter()
-            .map(|dt| Self::for_model(c, tokens, steps, dt))
+            .flat_map(|m| [DType::BF16, DType::F32].map(|dt| (m, dt)))
+            .map(|(m, dt)| Self::for_model(c, tokens, steps, dt).with_mode(m))
             .find(|l| l.total_bytes() as u64 == bytes)
     }
 
-    /// Elements of one `[L, 2*hidden]` K|V slab.
-    pub fn kv_slab_elems(&self) -> usize {
-        self.tokens * 2 * self.hidden
+    /// Columns of a slab: `[K | V]` or the block output.
+    pub fn slab_width(&self) -> usize {
+        match self.mode {
+            CacheMode::Kv => 2 * self.hidden,
+            CacheMode::Y => self.hidden,
+        }
     }
-    pub fn kv_slab_bytes(&self) -> usize {
-        self.kv_slab_elems() * self.dtype.size_bytes()
+    /// Slabs per step: one per block, or in Y mode one per block but the last.
+    pub fn slabs_per_step(&self) -> usize {
+        match self.mode {
+            CacheMode::Kv => self.blocks,
+            CacheMode::Y => self.blocks.saturating_sub(1),
+        }
+    }
+    /// Slabs of the whole template.
+    pub fn slab_count(&self) -> usize {
+        self.steps * self.slabs_per_step()
+    }
+    /// Elements of one `[L, slab_width]` slab.
+    pub fn slab_elems(&self) -> usize {
+        self.tokens * self.slab_width()
+    }
+    pub fn slab_bytes(&self) -> usize {
+        self.slab_elems() * self.dtype.size_bytes()
     }
     /// Bytes of one latent: f32, since the Euler update accumulates in it (a small
     /// share of a template).
@@ -69,16 +108,17 @@ impl TemplateLayout {
         self.tokens * self.latent_channels * 4
     }
     /// Byte offset of the (step, block) slab in the flat image.
-    pub fn kv_offset(&self, step: usize, block: usize) -> usize {
-        (step * self.blocks + block) * self.kv_slab_bytes()
+    pub fn slab_offset(&self, step: usize, block: usize) -> usize {
+        (step * self.slabs_per_step() + block) * self.slab_bytes()
     }
-    /// Byte offset of the latent after `step`, after all K/V slabs.
+    /// Byte offset of the latent after `step`, after all slabs.
     pub fn latent_offset(&self, step: usize) -> usize {
-        self.steps * self.blocks * self.kv_slab_bytes() + step * self.latent_bytes()
+        self.slab_count() * self.slab_bytes() + step * self.latent_bytes()
     }
-    /// K/V bytes one step of an edit reads from the cache (all blocks).
-    pub fn kv_bytes_per_step(&self) -> usize {
-        self.blocks * self.kv_slab_bytes()
+    /// Slab bytes of one step (what one step of an edit reads with every block
+    /// cached).
+    pub fn cache_bytes_per_step(&self) -> usize {
+        self.slabs_per_step() * self.slab_bytes()
     }
     pub fn total_bytes(&self) -> usize {
         self.latent_offset(self.steps)
@@ -154,16 +194,17 @@ impl TemplateCache {
         &self.bytes
     }
 
-    /// The bytes of the `(step, block)` `[K | V]` slab.
-    pub fn kv_slice(&self, step: usize, block: usize) -> Result<HostSlice> {
+    /// The bytes of the `(step, block)` slab.
+    pub fn slab_slice(&self, step: usize, block: usize) -> Result<HostSlice> {
         let l = &self.layout;
-        if step >= l.steps || block >= l.blocks {
+        if step >= l.steps || block >= l.slabs_per_step() {
             return Err(Error::Invalid(format!(
-                "template K/V for step {step} block {block}, outside {} steps x {} blocks",
-                l.steps, l.blocks
+                "template slab for step {step} block {block}, outside {} steps x {} slabs",
+                l.steps,
+                l.slabs_per_step()
             )));
         }
-        self.bytes.sub(l.kv_offset(step, block), l.kv_slab_bytes())
+        self.bytes.sub(l.slab_offset(step, block), l.slab_bytes())
     }
 
     /// The bytes of the latent after `step`.
@@ -178,13 +219,13 @@ impl TemplateCache {
         self.bytes.sub(l.latent_offset(step), l.latent_bytes())
     }
 
-    /// The `[L, 2*hidden]` K|V slab of (step, block), decoded to f32.
-    pub fn kv(&self, step: usize, block: usize) -> Result<Tensor> {
+    /// The `[L, slab_width]` slab of (step, block), decoded to f32.
+    pub fn slab(&self, step: usize, block: usize) -> Result<Tensor> {
         let l = &self.layout;
-        let b = self.kv_slice(step, block)?;
+        let b = self.slab_slice(step, block)?;
         Stored::new(
-            "template K/V",
-            vec![l.tokens, 2 * l.hidden],
+            "template slab",
+            vec![l.tokens, l.slab_width()],
             l.dtype,
             b.bytes(),
         )?
@@ -206,17 +247,20 @@ impl TemplateCache {
 
     /// Writes the (step, block) slab from host values (tests, the CPU's stores go
     /// through `Backend::store`).
-    pub fn set_kv(&mut self, step: usize, block: usize, kv: &Tensor) -> Result<()> {
+    pub fn set_slab(&mut self, step: usize, block: usize, slab: &Tensor) -> Result<()> {
         let l = self.layout;
-        if kv.shape() != [l.tokens, 2 * l.hidden] {
+        if slab.shape() != [l.tokens, l.slab_width()] {
             return Err(Error::Invalid(format!(
-                "template K/V for step {step} block {block}: shape {:?}, expected [{}, {}]",
-                kv.shape(),
+                "template slab for step {step} block {block}: shape {:?}, expected [{}, {}]",
+                slab.shape(),
                 l.tokens,
-                2 * l.hidden
+                l.slab_width()
             )));
         }
-        write_host(&self.kv_slice(step, block)?, &encode(kv.data(), l.dtype))
+        write_host(
+            &self.slab_slice(step, block)?,
+            &encode(slab.data(), l.dtype),
+        )
     }
 
     pub fn set_latent(&mut self, step: usize, latent: &Tensor) -> Result<()> {
@@ -238,7 +282,7 @@ impl TemplateCache {
         self.complete = true;
     }
 
-    /// Whether every step the cache covers has its K/V and latent.
+    /// Whether every step the cache covers has its slabs and latent.
     pub fn is_complete(&self) -> bool {
         self.complete
     }
@@ -253,13 +297,37 @@ mod tests {
         // FLUX.1-Fill-dev at 1024x1024: 64x64 = 4096 tokens, 57 blocks, hidden 3072.
         let l = TemplateLayout::for_model(&FluxConfig::flux1_fill_dev(), 4096, 28, DType::BF16);
         assert_eq!(l.blocks, 57);
-        assert_eq!(l.kv_slab_bytes(), 4096 * 6144 * 2);
+        assert_eq!(l.slab_bytes(), 4096 * 6144 * 2);
         assert_eq!(
             l.total_bytes(),
             28 * 57 * 4096 * 6144 * 2 + 28 * 4096 * 64 * 4
         );
-        assert_eq!(l.kv_offset(1, 0), 57 * l.kv_slab_bytes());
-        assert_eq!(l.latent_offset(0), 28 * 57 * l.kv_slab_bytes());
+        assert_eq!(l.slab_offset(1, 0), 57 * l.slab_bytes());
+        assert_eq!(l.latent_offset(0), 28 * 57 * l.slab_bytes());
+        // Y mode: 56 block outputs of [4096, 3072] per step, 49% of KV mode's bytes.
+        let y = l.with_mode(CacheMode::Y);
+        assert_eq!(y.slab_bytes(), 4096 * 3072 * 2);
+        assert_eq!(y.cache_bytes_per_step(), 56 * 4096 * 3072 * 2);
+        assert_eq!(y.slab_offset(1, 0), 56 * y.slab_bytes());
+        assert_eq!(
+            y.total_bytes(),
+            28 * 56 * 4096 * 3072 * 2 + 28 * 4096 * 64 * 4
+        );
+    }
+
+    #[test]
+    fn infer_tells_every_mode_and_dtype_apart() {
+        let c = FluxConfig::tiny();
+        for mode in [CacheMode::Kv, CacheMode::Y] {
+            for dt in [DType::F32, DType::BF16] {
+                let l = TemplateLayout::for_model(&c, 16, 3, dt).with_mode(mode);
+                assert_eq!(
+                    TemplateLayout::infer(&c, 16, 3, l.total_bytes() as u64),
+                    Some(l)
+                );
+            }
+        }
+        assert_eq!(TemplateLayout::infer(&c, 16, 3, 12345), None);
     }
 
     #[test]
@@ -274,7 +342,7 @@ mod tests {
                 .collect(),
         )
         .unwrap();
-        c.set_kv(1, 2, &kv).unwrap();
+        c.set_slab(1, 2, &kv).unwrap();
         let lat = Tensor::new(
             [4, l.latent_channels],
             (0..4 * l.latent_channels)
@@ -284,9 +352,9 @@ mod tests {
         .unwrap();
         c.set_latent(1, &lat).unwrap();
         // bf16 K/V (these values are exact in bf16), f32 latents (bit for bit).
-        assert_eq!(c.kv(1, 2).unwrap(), kv);
+        assert_eq!(c.slab(1, 2).unwrap(), kv);
         assert_eq!(c.latent(1).unwrap(), lat);
-        assert_eq!(c.kv_slice(1, 2).unwrap().len(), 4 * 2 * l.hidden * 2);
+        assert_eq!(c.slab_slice(1, 2).unwrap().len(), 4 * 2 * l.hidden * 2);
         let view = TemplateCache::view(l, c.bytes().clone()).unwrap();
         assert_eq!(view.latent(1).unwrap(), lat);
         assert_ne!(view.key(), c.key());
@@ -297,13 +365,22 @@ mod tests {
     fn rejects_misshapen_slabs() {
         let l = TemplateLayout::for_model(&FluxConfig::tiny(), 16, 2, DType::F32);
         let mut c = TemplateCache::new(l).unwrap();
-        assert!(c.set_kv(0, 0, &Tensor::zeros([16, 128])).is_ok());
-        assert!(c.set_kv(0, 0, &Tensor::zeros([16, 64])).is_err());
-        assert!(c.set_kv(2, 0, &Tensor::zeros([16, 128])).is_err());
+        assert!(c.set_slab(0, 0, &Tensor::zeros([16, 128])).is_ok());
+        assert!(c.set_slab(0, 0, &Tensor::zeros([16, 64])).is_err());
+        assert!(c.set_slab(2, 0, &Tensor::zeros([16, 128])).is_err());
         assert!(c
-            .kv(2, 0)
+            .slab(2, 0)
             .unwrap_err()
             .to_string()
             .contains("step 2 block 0"));
+        let y = TemplateLayout::for_model(&FluxConfig::tiny(), 16, 2, DType::F32)
+            .with_mode(CacheMode::Y);
+        let mut c = TemplateCache::new(y).unwrap();
+        assert!(c.set_slab(0, 0, &Tensor::zeros([16, 64])).is_ok());
+        assert!(c.set_slab(0, 0, &Tensor::zeros([16, 128])).is_err());
+        // No slab for the last block.
+        assert!(c
+            .set_slab(0, y.blocks - 1, &Tensor::zeros([16, 64]))
+            .is_err());
     }
 }

@@ -2,10 +2,11 @@
 //! slab.
 //!
 //! A template directory holds `template.json` (format name and version, the model
-//! fingerprint, resolution, steps, guidance, the layout, the K/V storage dtype and the
-//! CRC-32 of each (step, block) slab and of the latents) and `cache.bin` (the flat image
-//! described by [`TemplateLayout`], exactly as it is in memory: K|V slabs step-major in
-//! the storage dtype, then the latents in f32, little-endian). Loading refuses a file
+//! fingerprint, resolution, steps, guidance, the layout, the cache mode (`kv` or `y`),
+//! the slabs' storage dtype and the CRC-32 of each (step, block) slab and of the
+//! latents) and `cache.bin` (the flat image described by [`TemplateLayout`], exactly
+//! as it is in memory: slabs step-major in the storage dtype, then the latents in f32,
+//! little-endian). Loading refuses a file
 //! of another format version, another model, another resolution or schedule, a size
 //! that does not match its dtype, or a bad checksum, and says which (for a corrupt
 //! slab, which slab); a silently wrong cache would produce silently wrong edits. The
@@ -14,8 +15,9 @@
 //!
 //! The storage dtype is the capturing device's: bf16 for a GPU worker (half the bytes,
 //! and lossless, since the device computed the K/V in bf16), f32 for the CPU.
-//! Version 2 files (one checksum for the whole data) and version 1 files (before the
-//! dtype was recorded: f32) still load.
+//! Version 3 files (before the mode was recorded: KV), version 2 files (one checksum
+//! for the whole data) and version 1 files (before the dtype was recorded: f32) still
+//! load.
 
 use std::io::{BufWriter, Read, Write};
 use std::path::Path;
@@ -25,12 +27,13 @@ use denoised_runtime::stored::encode;
 use denoised_runtime::{DType, Error, HostSlice, Result};
 use serde::{Deserialize, Serialize};
 
-use super::template::{TemplateCache, TemplateLayout};
+use super::template::{CacheMode, TemplateCache, TemplateLayout};
 
 pub const FORMAT: &str = "denoised-template";
-pub const VERSION: u32 = 3;
-/// Versions this build reads: 1 had no `kv_dtype` (always f32), 2 one checksum.
-const READS: [u32; 3] = [1, 2, 3];
+pub const VERSION: u32 = 4;
+/// Versions this build reads: 1 had no `kv_dtype` (always f32), 2 one checksum, 3 no
+/// `cache_mode` (always KV).
+const READS: [u32; 4] = [1, 2, 3, 4];
 const HEADER: &str = "template.json";
 const DATA: &str = "cache.bin";
 
@@ -61,8 +64,11 @@ struct Header {
     /// `f32` or `bf16`.
     #[serde(default = "f32_name")]
     kv_dtype: String,
+    /// `kv` or `y` (version 4).
+    #[serde(default = "kv_name")]
+    cache_mode: String,
     data_bytes: usize,
-    /// Version 3: the CRC-32 of each (step, block) slab, step-major, then of the
+    /// Versions 3 and 4: the CRC-32 of each (step, block) slab, step-major, then of the
     /// latents.
     #[serde(default)]
     slab_crc32: Vec<u32>,
@@ -73,6 +79,10 @@ struct Header {
 
 fn f32_name() -> String {
     "f32".into()
+}
+
+fn kv_name() -> String {
+    "kv".into()
 }
 
 fn dtype_name(dt: DType) -> Result<&'static str> {
@@ -95,13 +105,13 @@ fn bad(dir: &Path, reason: impl Into<String>) -> Error {
 /// The checksummed regions of a layout's flat image: each (step, block) slab, then the
 /// latents; their byte ranges in order.
 fn regions(l: &TemplateLayout) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
-    let kv = l.kv_slab_bytes();
-    (0..l.steps * l.blocks)
-        .map(move |i| i * kv..(i + 1) * kv)
+    let slab = l.slab_bytes();
+    (0..l.slab_count())
+        .map(move |i| i * slab..(i + 1) * slab)
         .chain(std::iter::once(l.latent_offset(0)..l.total_bytes()))
 }
 
-/// Writes `cache` with `meta` to `dir` (created if needed), its K/V in `kv_dtype`
+/// Writes `cache` with `meta` to `dir` (created if needed), its slabs in `kv_dtype`
 /// (the cache's own dtype is written as it is; another is converted slab by slab).
 pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta, kv_dtype: DType) -> Result<()> {
     let kv_name = dtype_name(kv_dtype)?;
@@ -119,13 +129,13 @@ pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta, kv_dtype: DT
     let data_path = dir.join(DATA);
     let file = std::fs::File::create(&data_path).map_err(|e| Error::io(&data_path, e))?;
     let mut w = BufWriter::new(file);
-    let mut slab_crc32 = Vec::with_capacity(l.steps * l.blocks + 1);
+    let mut slab_crc32 = Vec::with_capacity(l.slab_count() + 1);
     let bytes = cache.bytes().bytes();
     for (i, r) in regions(&src).enumerate() {
         let converted;
-        let part = if i < l.steps * l.blocks && kv_dtype != src.dtype {
-            let (s, b) = (i / l.blocks, i % l.blocks);
-            converted = encode(cache.kv(s, b)?.data(), kv_dtype);
+        let part = if i < l.slab_count() && kv_dtype != src.dtype {
+            let (s, b) = (i / l.slabs_per_step(), i % l.slabs_per_step());
+            converted = encode(cache.slab(s, b)?.data(), kv_dtype);
             &converted[..]
         } else {
             &bytes[r]
@@ -144,6 +154,7 @@ pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta, kv_dtype: DT
         hidden: l.hidden,
         latent_channels: l.latent_channels,
         kv_dtype: kv_name.into(),
+        cache_mode: l.mode.name().into(),
         data_bytes: l.total_bytes(),
         slab_crc32,
         crc32: None,
@@ -197,6 +208,7 @@ pub fn read_header(dir: &Path) -> Result<FileHeader> {
             ))
         }
     };
+    let mode: CacheMode = h.cache_mode.parse().map_err(|e: String| bad(&hp, e))?;
     let layout = TemplateLayout {
         steps: h.steps,
         blocks: h.blocks,
@@ -204,9 +216,10 @@ pub fn read_header(dir: &Path) -> Result<FileHeader> {
         hidden: h.hidden,
         latent_channels: h.latent_channels,
         dtype: kv_dtype,
+        mode,
     };
     let checks = match h.version {
-        3 => h.slab_crc32.len() == layout.steps * layout.blocks + 1,
+        3 | 4 => h.slab_crc32.len() == layout.slab_count() + 1,
         _ => h.crc32.is_some(),
     };
     if !checks {
@@ -276,14 +289,14 @@ pub struct SlabFile {
 }
 
 impl SlabFile {
-    /// Opens the template at `dir` (a version 3 file: one checksum per slab).
+    /// Opens the template at `dir` (a version 3 or later file: one checksum per slab).
     pub fn open(dir: &Path) -> Result<Self> {
         let header = read_header(dir)?;
         let path = dir.join(DATA);
-        if header.header.version != VERSION {
+        if header.header.version < 3 {
             return Err(bad(
                 &path,
-                "slab reads need a file with a checksum per slab (version 3)",
+                "slab reads need a file with a checksum per slab (version 3 or later)",
             ));
         }
         let file = DirectFile::open(&path)?;
@@ -303,13 +316,13 @@ impl SlabFile {
 impl denoised_runtime::cpu::stream::SlabRead for SlabFile {
     fn read(&self, index: usize, dst: &mut [u8]) -> Result<()> {
         let l = &self.header.layout;
-        if index >= l.steps * l.blocks || dst.len() != l.kv_slab_bytes() {
+        if index >= l.slab_count() || dst.len() != l.slab_bytes() {
             return Err(Error::Invalid(format!(
                 "slab {index} of {} bytes is not in this template",
                 dst.len()
             )));
         }
-        let offset = l.kv_offset(index / l.blocks, index % l.blocks) as u64;
+        let offset = (index * l.slab_bytes()) as u64;
         let got = self.file.read_crc(offset, dst)?;
         check_region(
             &self.path,
@@ -327,8 +340,9 @@ fn check_region(path: &Path, l: &TemplateLayout, i: usize, got: u32, want: u32) 
     if got == want {
         return Ok(());
     }
-    let what = if i < l.steps * l.blocks {
-        format!("slab (step {}, block {})", i / l.blocks, i % l.blocks)
+    let per = l.slabs_per_step();
+    let what = if i < l.slab_count() {
+        format!("slab (step {}, block {})", i / per, i % per)
     } else {
         "the latents".to_string()
     };
@@ -349,7 +363,7 @@ pub struct Loaded {
 }
 
 /// Loads a template and checks it was made by `model` with the layout `expected` (in
-/// any storage dtype).
+/// any storage dtype and cache mode).
 pub fn load(dir: &Path, model: &str, expected: &TemplateLayout) -> Result<Loaded> {
     let h = read_header(dir)?;
     let got = h.layout;
@@ -365,6 +379,7 @@ pub fn load(dir: &Path, model: &str, expected: &TemplateLayout) -> Result<Loaded
     if got
         != (TemplateLayout {
             dtype: got.dtype,
+            mode: got.mode,
             ..*expected
         })
     {
@@ -399,7 +414,8 @@ mod tests {
                 let v = (0..4 * 128)
                     .map(|i| (s * 1000 + b * 100 + i) as f32)
                     .collect();
-                c.set_kv(s, b, &Tensor::new([4, 128], v).unwrap()).unwrap();
+                c.set_slab(s, b, &Tensor::new([4, 128], v).unwrap())
+                    .unwrap();
             }
             c.set_latent(s, &Tensor::new([4, 64], vec![s as f32; 256]).unwrap())
                 .unwrap();
@@ -429,7 +445,7 @@ mod tests {
         save(d16.path(), &c, &meta, DType::BF16).unwrap();
         let size = |d: &tempfile::TempDir| std::fs::metadata(d.path().join(DATA)).unwrap().len();
         let (kv, lat) = (
-            (l.steps * l.blocks * l.kv_slab_elems()) as u64,
+            (l.slab_count() * l.slab_elems()) as u64,
             (l.steps * l.tokens * l.latent_channels) as u64,
         );
         assert_eq!(
@@ -445,8 +461,8 @@ mod tests {
                 .collect()
         };
         assert_eq!(
-            back.cache.kv(1, 3).unwrap().data(),
-            &round(&c.kv(1, 3).unwrap())[..]
+            back.cache.slab(1, 3).unwrap().data(),
+            &round(&c.slab(1, 3).unwrap())[..]
         );
         assert_eq!(back.cache.latent(1).unwrap(), c.latent(1).unwrap());
         assert_eq!(load(d32.path(), "m1", &l).unwrap().kv_dtype, DType::F32);
@@ -478,7 +494,7 @@ mod tests {
         std::fs::write(&hp, h.to_string()).unwrap();
         let back = load(dir.path(), "m1", c.layout()).unwrap();
         assert_eq!(back.kv_dtype, DType::F32);
-        assert_eq!(back.cache.kv(1, 2).unwrap(), c.kv(1, 2).unwrap());
+        assert_eq!(back.cache.slab(1, 2).unwrap(), c.slab(1, 2).unwrap());
         // Its one checksum still catches a flipped byte.
         let mut bad = data.clone();
         bad[7] ^= 4;
@@ -502,7 +518,7 @@ mod tests {
             ..
         } = load(dir.path(), "m1", &l).unwrap();
         assert_eq!(m, meta);
-        assert_eq!(back.kv(1, 3).unwrap(), c.kv(1, 3).unwrap());
+        assert_eq!(back.slab(1, 3).unwrap(), c.slab(1, 3).unwrap());
         assert_eq!(back.latent(1).unwrap(), c.latent(1).unwrap());
 
         let e = load(dir.path(), "other-model", &l)
@@ -520,7 +536,7 @@ mod tests {
         let p = dir.path().join(DATA);
         let good = std::fs::read(&p).unwrap();
         let mut bytes = good.clone();
-        let at = l.kv_offset(1, 2) + 100;
+        let at = l.slab_offset(1, 2) + 100;
         bytes[at] ^= 1;
         std::fs::write(&p, &bytes).unwrap();
         let e = load(dir.path(), "m1", &l).err().unwrap().to_string();
@@ -545,12 +561,55 @@ mod tests {
         let hp = dir.path().join(HEADER);
         let text = std::fs::read_to_string(&hp)
             .unwrap()
-            .replace("\"version\": 3", "\"version\": 99");
+            .replace(&format!("\"version\": {VERSION}"), "\"version\": 99");
         std::fs::write(&hp, text).unwrap();
         assert!(load(dir.path(), "m1", &l)
             .err()
             .unwrap()
             .to_string()
             .contains("version 99"));
+    }
+
+    #[test]
+    fn y_mode_templates_round_trip_with_their_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = TemplateLayout::for_model(&FluxConfig::tiny(), 4, 2, DType::F32)
+            .with_mode(CacheMode::Y);
+        let mut c = TemplateCache::new(l).unwrap();
+        for s in 0..2 {
+            for b in 0..l.slabs_per_step() {
+                let v = (0..4 * 64)
+                    .map(|i| (s * 1000 + b * 100 + i) as f32)
+                    .collect();
+                c.set_slab(s, b, &Tensor::new([4, 64], v).unwrap()).unwrap();
+            }
+            c.set_latent(s, &Tensor::new([4, 64], vec![s as f32; 256]).unwrap())
+                .unwrap();
+        }
+        c.mark_complete();
+        let (_, meta) = sample();
+        save(dir.path(), &c, &meta, DType::F32).unwrap();
+        assert_eq!(read_header(dir.path()).unwrap().layout, l);
+        // Expected as a KV layout: the file's own mode wins (it is per template).
+        let back = load(
+            dir.path(),
+            "m1",
+            &TemplateLayout {
+                mode: CacheMode::Kv,
+                ..l
+            },
+        )
+        .unwrap();
+        assert_eq!(back.cache.layout().mode, CacheMode::Y);
+        assert_eq!(back.cache.slab(1, 2).unwrap(), c.slab(1, 2).unwrap());
+        // A flipped byte in the last slab is named.
+        let p = dir.path().join(DATA);
+        let mut bytes = std::fs::read(&p).unwrap();
+        let bl = back.cache.layout();
+        bytes[bl.slab_offset(1, bl.slabs_per_step() - 1) + 3] ^= 1;
+        std::fs::write(&p, &bytes).unwrap();
+        let e = load(dir.path(), "m1", &l).err().unwrap().to_string();
+        let last = bl.slabs_per_step() - 1;
+        assert!(e.contains(&format!("slab (step 1, block {last})")), "{e}");
     }
 }

@@ -33,13 +33,37 @@ pub struct BlockCost {
     pub load: f64,
 }
 
-/// What a template caches per block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What a template caches per block (`kv` or `y` in config, requests and files).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum CacheMode {
     /// K and V: full blocks must form a prefix.
+    #[default]
     Kv,
     /// Block outputs: any pattern.
     Y,
+}
+
+impl CacheMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheMode::Kv => "kv",
+            CacheMode::Y => "y",
+        }
+    }
+}
+
+impl std::str::FromStr for CacheMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "kv" => Ok(CacheMode::Kv),
+            "y" => Ok(CacheMode::Y),
+            other => Err(format!(
+                "cache mode `{other}`: expected `kv` (K and V per block) or `y` (block outputs)"
+            )),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,7 +133,8 @@ pub fn plan(costs: &[BlockCost], mode: CacheMode) -> Plan {
     }
 }
 
-fn prefix(n: usize, k: usize) -> Vec<Choice> {
+/// The pattern of `n` blocks whose first `k` are full (a KV-mode plan).
+pub fn prefix(n: usize, k: usize) -> Vec<Choice> {
     (0..n)
         .map(|b| if b < k { Choice::Full } else { Choice::Cached })
         .collect()

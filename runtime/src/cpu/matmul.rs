@@ -146,14 +146,14 @@ pub fn matmul(
 }
 
 /// Linear over a column block of `x`: `out[n,o] = x[:, col..col+k] @ wt[k,o] + b`, where
-/// `x` is row-major with `x_cols` columns and `wt` is the transposed (`[in, out]`)
-/// weight. Returns the new `[n, o]` buffer.
+/// `x` is row-major with `x_cols` columns and `wt` is (a column block of) the
+/// transposed (`[in, out]`) weight. Returns the new `[n, o]` buffer.
 pub fn linear(
     x: &[f32],
     x_cols: usize,
     col: usize,
     k: usize,
-    wt: &[f32],
+    wt: MatRef<'_>,
     o: usize,
     bias: Option<&[f32]>,
 ) -> Vec<f32> {
@@ -176,7 +176,7 @@ pub fn linear(
                 rs: x_cols,
                 cs: 1,
             },
-            MatRef::row_major(wt, o),
+            wt,
             bias.is_some(),
             true,
         );
@@ -215,7 +215,7 @@ mod tests {
                 .collect();
             let b: Vec<f32> = (0..o).map(|i| i as f32 * 0.01).collect();
             let wt: Vec<f32> = (0..k * o).map(|i| w[(i % o) * k + i / o]).collect();
-            let out = linear(&x, k, 0, k, &wt, o, Some(&b));
+            let out = linear(&x, k, 0, k, MatRef::row_major(&wt, o), o, Some(&b));
             let want = naive(&x, k, &w, &b);
             for (a, e) in out.iter().zip(&want) {
                 assert!(
@@ -233,10 +233,47 @@ fn linear_over_a_column_block() {
     let x: Vec<f32> = (0..21).map(|i| i as f32).collect();
     // w = [[1, 0, -1], [0.5, 0.5, 0.5]] stored transposed as [3, 2].
     let wt = vec![1.0, 0.5, 0.0, 0.5, -1.0, 0.5];
-    let out = linear(&x, 7, 2, 3, &wt, 2, None);
+    let out = linear(&x, 7, 2, 3, MatRef::row_major(&wt, 2), 2, None);
     for r in 0..3 {
         let v = &x[r * 7 + 2..r * 7 + 5];
         assert_eq!(out[r * 2], v[0] - v[2]);
         assert_eq!(out[r * 2 + 1], 0.5 * (v[0] + v[1] + v[2]));
     }
+}
+
+#[test]
+fn backend_linear_out_is_a_column_block_of_linear() {
+    use crate::{Backend, CpuBackend, Tensor};
+    let cpu = CpuBackend::new();
+    let (n, k, o) = (37, 40, 24);
+    let x = Tensor::new(
+        [n, k],
+        (0..n * k)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
+            .collect(),
+    )
+    .unwrap();
+    let w = Tensor::new(
+        [o, k],
+        (0..o * k)
+            .map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0)
+            .collect(),
+    )
+    .unwrap();
+    let b = Tensor::new([o], (0..o).map(|i| i as f32 * 0.01).collect()).unwrap();
+    let w = cpu.upload_weight(&w).unwrap();
+    let all = cpu.linear(&x, &w, Some(&b)).unwrap();
+    for outs in [0..o, 5..13, 23..24, 7..7] {
+        let part = cpu.linear_out(&x, &w, Some(&b), outs.clone()).unwrap();
+        assert_eq!(part.shape(), [n, outs.len()]);
+        for r in 0..n {
+            // The same products in the same order: equal bit for bit.
+            assert_eq!(
+                &part.data()[r * outs.len()..(r + 1) * outs.len()],
+                &all.data()[r * o + outs.start..r * o + outs.end],
+                "outputs {outs:?} row {r}"
+            );
+        }
+    }
+    assert!(cpu.linear_out(&x, &w, Some(&b), 20..25).is_err());
 }

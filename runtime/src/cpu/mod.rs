@@ -192,11 +192,42 @@ impl Backend for CpuBackend {
             xw,
             cols.start,
             k,
-            w.t.data(),
+            matmul::MatRef::row_major(w.t.data(), o),
             o,
             b.map(|b| b.data()),
         );
         Tensor::new([n, o], out)
+    }
+
+    fn linear_out(
+        &self,
+        x: &Tensor,
+        w: &CpuWeight,
+        b: Option<&Tensor>,
+        outs: Range<usize>,
+    ) -> Result<Tensor> {
+        let (n, k) = matrix_dims("linear_out", x)?;
+        let o = w.out_features();
+        if k != w.in_features() || outs.end > o || b.is_some_and(|b| b.len() != o) {
+            return Err(Error::shape(
+                "linear_out",
+                format!(
+                    "x {:?}, outputs {outs:?} of weight [out {o}, in {}], bias {:?}",
+                    x.shape(),
+                    w.in_features(),
+                    b.map(|b| b.shape())
+                ),
+            ));
+        }
+        // The transposed weight's column block: a strided view, no copy.
+        let wt = matmul::MatRef {
+            data: &w.t.data()[outs.start..],
+            rs: o,
+            cs: 1,
+        };
+        let bias = b.map(|b| &b.data()[outs.clone()]);
+        let out = matmul::linear(x.data(), k, 0, k, wt, outs.len(), bias);
+        Tensor::new([n, outs.len()], out)
     }
 
     fn layer_norm_modulate(

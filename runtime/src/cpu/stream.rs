@@ -4,12 +4,13 @@
 //!
 //! The slabs come from wherever the template lies ([`SlabRead`]): the host tier (a
 //! shared-memory arena: a copy) or the disk tier (a read, each slab checked against
-//! its checksum). Each forward reads one step from a first block on; the loader keeps
-//! one block ahead in a ping-pong pair of buffers per step in flight:
+//! its checksum). Each forward reads a list of blocks of one step (those the plan
+//! does not compute in full); the loader keeps one slab ahead in a ping-pong pair of
+//! buffers per step in flight, the list's position `p` going to buffer `p % 2`:
 //!
 //! ```text
-//! loader:   load b → A, load b+1 → B | (compute left b) load b+2 → A | ...
-//! compute:  wait(A) block b          | wait(B) block b+1             | wait(A) ...
+//! loader:   load s0 → A, load s1 → B | (compute left s0) load s2 → A | ...
+//! compute:  wait(A) slab s0          | wait(B) slab s1               | wait(A) ...
 //! ```
 //!
 //! The time compute spends waiting is the step's bubble ([`SlabProvider::take_wait`]).
@@ -21,7 +22,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::backend::SlabProvider;
+use crate::backend::{check_slab_list, SlabProvider};
 use crate::error::{Error, Result};
 use crate::host::HostSlice;
 use crate::stored::to_f32;
@@ -64,11 +65,17 @@ struct Lane {
 struct LaneState {
     /// The step this lane serves in the current forward.
     step: Option<usize>,
-    /// The block each buffer holds or is loading, and whether it has landed.
+    /// The blocks the forward reads, in order; kept across forwards so that preparing
+    /// one does not allocate.
+    slabs: Vec<usize>,
+    /// The list position each buffer holds or is loading, and whether it has landed.
+    /// Positions, not blocks, pick the buffer: two consecutive slabs of a list with
+    /// holes may be blocks of the same parity.
     holds: [Option<usize>; 2],
     landed: [bool; 2],
     /// Loads sent and not yet done.
     pending: usize,
+    /// The list position compute is at, and the next one to load.
     at: Option<usize>,
     next: usize,
     /// Why each buffer's latest load failed.
@@ -78,6 +85,8 @@ struct LaneState {
 struct Load {
     lane: usize,
     buf: usize,
+    /// The list position loaded, to tell the load the buffer still waits for.
+    pos: usize,
     step: usize,
     block: usize,
 }
@@ -138,7 +147,7 @@ impl CpuStream {
                     );
                     let mut st = lane.st.lock().unwrap();
                     st.pending -= 1;
-                    if st.holds[job.buf] == Some(job.block) {
+                    if st.holds[job.buf] == Some(job.pos) {
                         match r {
                             Ok(()) => st.landed[job.buf] = true,
                             Err(e) => st.failed[job.buf] = Some(e.to_string()),
@@ -158,9 +167,10 @@ impl CpuStream {
         })
     }
 
-    fn send(&self, lane: usize, st: &mut LaneState, step: usize, block: usize) -> Result<()> {
-        let buf = block % 2;
-        st.holds[buf] = Some(block);
+    /// Sends the load of list position `pos` of the lane's forward.
+    fn send(&self, lane: usize, st: &mut LaneState, step: usize, pos: usize) -> Result<()> {
+        let buf = pos % 2;
+        st.holds[buf] = Some(pos);
         st.landed[buf] = false;
         st.failed[buf] = None;
         st.pending += 1;
@@ -170,8 +180,9 @@ impl CpuStream {
             .send(Load {
                 lane,
                 buf,
+                pos,
                 step,
-                block,
+                block: st.slabs[pos],
             })
             .map_err(|_| Error::Invalid("the slab loader has stopped".into()))
     }
@@ -209,15 +220,25 @@ fn read_slab(
 }
 
 impl SlabProvider<Tensor> for CpuStream {
-    fn prepare(&self, step: usize, first: usize) -> Result<()> {
+    fn prepare(&self, step: usize, slabs: &[usize]) -> Result<()> {
         if step >= self.steps {
             return Err(Error::Invalid(format!(
                 "step {step} of a {}-step template",
                 self.steps
             )));
         }
-        if self.lane_of(step).is_some() {
-            return Ok(()); // another request at the same step in this forward
+        check_slab_list(slabs, self.blocks)?;
+        if let Some(li) = self.lane_of(step) {
+            // Another request at the same step in this forward shares the lane, whose
+            // loads are already under way: only the same list can be served by it.
+            let st = self.lanes[li].st.lock().unwrap();
+            if st.slabs != slabs {
+                return Err(Error::Invalid(format!(
+                    "step {step} prepared twice in one forward with different slabs ({:?}, then {slabs:?})",
+                    st.slabs
+                )));
+            }
+            return Ok(());
         }
         let li = (0..self.lanes.len())
             .find(|&i| self.lanes[i].st.lock().unwrap().step.is_none())
@@ -233,13 +254,17 @@ impl SlabProvider<Tensor> for CpuStream {
         while st.pending > 0 {
             st = lane.ready.wait(st).unwrap();
         }
+        let mut list = std::mem::take(&mut st.slabs);
+        list.clear();
+        list.extend_from_slice(slabs);
         *st = LaneState {
             step: Some(step),
-            next: (first + 2).min(self.blocks),
+            slabs: list,
+            next: slabs.len().min(2),
             ..Default::default()
         };
-        for b in first..st.next {
-            self.send(li, &mut st, step, b)?;
+        for p in 0..st.next {
+            self.send(li, &mut st, step, p)?;
         }
         Ok(())
     }
@@ -250,33 +275,46 @@ impl SlabProvider<Tensor> for CpuStream {
             .ok_or_else(|| Error::Invalid(format!("step {step} was not prepared")))?;
         let lane = &self.lanes[li];
         let mut st = lane.st.lock().unwrap();
-        let i = block % 2;
-        if st.at != Some(block) {
-            // Entering `block`: compute is done with block-1 (the CPU runs a block to
-            // its end before asking for the next), so its buffer takes block+1.
-            if block + 1 < self.blocks && st.next == block + 1 {
-                self.send(li, &mut st, step, block + 1)?;
-                st.next = block + 2;
-            }
-            if st.holds[i] != Some(block) {
-                return Err(Error::Invalid(format!(
-                    "block {block} asked out of order (buffer holds {:?})",
-                    st.holds[i]
-                )));
-            }
-            let t = Instant::now();
-            while !st.landed[i] && st.failed[i].is_none() {
-                st = lane.ready.wait(st).unwrap();
-            }
-            self.waited_ns
-                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            if let Some(e) = &st.failed[i] {
-                return Err(Error::Invalid(format!("loading a template slab: {e}")));
-            }
-            st.at = Some(block);
+        if let Some(p) = st.at.filter(|&p| st.slabs[p] == block) {
+            // Another request at this step in the same forward: the slab is in place.
+            // SAFETY: as below.
+            return Ok(unsafe { &*lane.bufs[p % 2].get() });
         }
+        let p = st.at.map_or(0, |a| a + 1);
+        if st.slabs.get(p) != Some(&block) {
+            let why = if st.slabs.binary_search(&block).is_ok() {
+                "asked out of order"
+            } else {
+                "not prepared"
+            };
+            return Err(Error::Invalid(format!(
+                "block {block} of step {step} {why} (prepared {:?}, next {:?})",
+                st.slabs,
+                st.slabs.get(p)
+            )));
+        }
+        // Entering position p: compute is done with p-1 (the CPU runs a block to its
+        // end before asking for the next), so its buffer takes p+1.
+        if p + 1 < st.slabs.len() && st.next == p + 1 {
+            self.send(li, &mut st, step, p + 1)?;
+            st.next = p + 2;
+        }
+        let i = p % 2;
+        debug_assert_eq!(st.holds[i], Some(p), "position {p} was sent");
+        let t = Instant::now();
+        while !st.landed[i] && st.failed[i].is_none() {
+            st = lane.ready.wait(st).unwrap();
+        }
+        self.waited_ns
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        if let Some(e) = &st.failed[i] {
+            // `at` stays put, so asking again reports the same failure rather than
+            // handing out the buffer.
+            return Err(Error::Invalid(format!("loading a template slab: {e}")));
+        }
+        st.at = Some(p);
         // SAFETY: landed, and the loader writes this buffer again only after compute
-        // enters block+1 (which sends that load).
+        // enters position p+1 (which sends the load of p+2).
         Ok(unsafe { &*lane.bufs[i].get() })
     }
 
@@ -307,16 +345,31 @@ impl Drop for CpuStream {
 mod tests {
     use super::*;
 
-    /// Slabs whose every value is its index, read with a delay (a slow disk).
+    /// Slabs whose every value is its index, read with a delay (a slow disk); the
+    /// indices read are logged.
     struct Numbered {
         elems: usize,
         delay: Duration,
+        read: Mutex<Vec<usize>>,
+    }
+    impl Numbered {
+        fn new(elems: usize, delay: Duration) -> Arc<Self> {
+            Arc::new(Numbered {
+                elems,
+                delay,
+                read: Mutex::default(),
+            })
+        }
+        fn take_read(&self) -> Vec<usize> {
+            std::mem::take(&mut *self.read.lock().unwrap())
+        }
     }
     impl SlabRead for Numbered {
         fn read(&self, index: usize, dst: &mut [u8]) -> Result<()> {
             std::thread::sleep(self.delay);
             let v = crate::stored::encode(&vec![index as f32; self.elems], DType::BF16);
             dst.copy_from_slice(&v);
+            self.read.lock().unwrap().push(index);
             Ok(())
         }
     }
@@ -324,13 +377,11 @@ mod tests {
     #[test]
     fn streams_every_block_from_any_first_block_and_counts_the_wait() {
         let (steps, blocks) = (3, 5);
-        let src = Arc::new(Numbered {
-            elems: 6,
-            delay: Duration::from_millis(20),
-        });
+        let src = Numbered::new(6, Duration::from_millis(20));
         let s = CpuStream::new(src, DType::BF16, &[2, 3], steps, blocks, 2).unwrap();
         for (step, first) in [(0, 0), (2, 3), (1, 4)] {
-            s.prepare(step, first).unwrap();
+            let list: Vec<usize> = (first..blocks).collect();
+            s.prepare(step, &list).unwrap();
             for b in first..blocks {
                 let t = s.slab(step, b).unwrap();
                 assert_eq!(
@@ -347,12 +398,84 @@ mod tests {
         assert!(waited >= Duration::from_millis(20 * 5), "waited {waited:?}");
         assert_eq!(s.take_wait(), Some(Duration::ZERO));
         // Two steps in one forward use two lanes; a third is refused.
-        s.prepare(0, 0).unwrap();
-        s.prepare(1, 0).unwrap();
-        assert!(s.prepare(2, 0).is_err());
+        let all: Vec<usize> = (0..blocks).collect();
+        s.prepare(0, &all).unwrap();
+        s.prepare(1, &all).unwrap();
+        assert!(s.prepare(2, &all).is_err());
         assert_eq!(s.slab(1, 0).unwrap().data()[0], blocks as f32);
         assert!(s.slab(0, 2).is_err(), "out of order");
         s.finish();
+    }
+
+    #[test]
+    fn streams_only_the_listed_blocks_two_ahead_at_most() {
+        let (steps, blocks) = (2, 8);
+        let src = Numbered::new(6, Duration::from_millis(5));
+        let s = CpuStream::new(src.clone(), DType::BF16, &[2, 3], steps, blocks, 1).unwrap();
+        let list = [0, 2, 3, 6];
+        // The slabs read since the last call, once `n` were: waiting for the expected
+        // reads keeps a busy machine from failing the test, and the pause after them
+        // gives a load sent too early the time to show.
+        let read = |n: usize| {
+            let t = Instant::now();
+            while src.read.lock().unwrap().len() < n && t.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            std::thread::sleep(Duration::from_millis(30));
+            let r = src.take_read();
+            assert_eq!(r.len(), n, "{r:?}");
+            r
+        };
+        s.prepare(1, &list).unwrap();
+        assert_eq!(read(2), [8, 10], "the first two positions, in two buffers");
+        // Blocks of the same parity (2 after 0) in consecutive positions still get the
+        // two buffers: each slab keeps its contents until compute has left it.
+        for (p, &b) in list.iter().enumerate() {
+            let t = s.slab(1, b).unwrap();
+            assert_eq!(t.data(), &[(blocks + b) as f32; 6], "block {b}");
+            // Another request at the same step reads the same slab.
+            assert_eq!(s.slab(1, b).unwrap().data()[0], (blocks + b) as f32);
+            // Entering position p sends p+1 only (p+1 < 2 was sent by `prepare`).
+            let sent = if (1..list.len() - 1).contains(&p) {
+                vec![blocks + list[p + 1]]
+            } else {
+                vec![]
+            };
+            assert_eq!(read(sent.len()), sent, "entering block {b}");
+        }
+        let e = s.slab(1, 7).unwrap_err().to_string();
+        assert!(e.contains("not prepared"), "{e}");
+        s.finish();
+
+        // Blocks outside the list, or asked out of its order, are errors that leave the
+        // stream where it was.
+        s.prepare(0, &list).unwrap();
+        let e = s.slab(0, 1).unwrap_err().to_string();
+        assert!(e.contains("block 1 of step 0 not prepared"), "{e}");
+        let e = s.slab(0, 2).unwrap_err().to_string();
+        assert!(e.contains("asked out of order"), "{e}");
+        assert_eq!(s.slab(0, 0).unwrap().data()[0], 0.0);
+        assert!(s.slab(0, 3).is_err(), "2 comes first");
+        assert_eq!(s.slab(0, 2).unwrap().data()[0], 2.0);
+        assert!(s.slab(0, 0).is_err(), "already left");
+        // Another request at the same step must read the same list.
+        assert!(s.prepare(0, &list).is_ok());
+        assert!(s.prepare(0, &[0, 2, 3]).is_err());
+        s.finish();
+
+        // An empty list loads nothing and serves nothing.
+        s.prepare(0, &[]).unwrap();
+        // The forward before read 0, 2 and (sent on entering 2) 3, the last of them
+        // done by the time `prepare` takes the lane over.
+        assert_eq!(src.take_read(), [0, 2, 3]);
+        assert!(s.slab(0, 0).is_err());
+        s.finish();
+        assert_eq!(read(0), Vec::<usize>::new());
+
+        // Lists that are not strictly ascending blocks of the template are refused.
+        for bad in [&[2, 2][..], &[3, 1], &[0, 8]] {
+            assert!(s.prepare(0, bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
@@ -363,14 +486,17 @@ mod tests {
                 Err(Error::Invalid(format!("checksum mismatch in slab {index}")))
             }
         }
-        let s = CpuStream::new(Arc::new(Broken), DType::F32, &[1, 2], 1, 2, 1).unwrap();
-        s.prepare(0, 0).unwrap();
-        // Both loads fail; each block reports its own slab.
-        let e = s.slab(0, 0).unwrap_err().to_string();
-        assert!(e.contains("checksum mismatch in slab 0"), "{e}");
+        let s = CpuStream::new(Arc::new(Broken), DType::F32, &[1, 2], 1, 3, 1).unwrap();
+        s.prepare(0, &[0, 2]).unwrap();
+        // Both loads fail; each buffer reports its own slab, and asking again does not
+        // hand out the buffer.
+        for _ in 0..2 {
+            let e = s.slab(0, 0).unwrap_err().to_string();
+            assert!(e.contains("checksum mismatch in slab 0"), "{e}");
+        }
         s.finish();
-        s.prepare(0, 1).unwrap();
-        let e = s.slab(0, 1).unwrap_err().to_string();
-        assert!(e.contains("checksum mismatch in slab 1"), "{e}");
+        s.prepare(0, &[2]).unwrap();
+        let e = s.slab(0, 2).unwrap_err().to_string();
+        assert!(e.contains("checksum mismatch in slab 2"), "{e}");
     }
 }

@@ -210,7 +210,9 @@ impl CacheState {
         let model = self.model.clone();
         let mut found = disk.scan(|l, info| {
             info.model == fingerprint
-                && *l == TemplateLayout::for_model(&model, l.tokens, l.steps, l.dtype)
+                && *l
+                    == TemplateLayout::for_model(&model, l.tokens, l.steps, l.dtype)
+                        .with_mode(l.mode)
         });
         // Oldest first, so that the use order starts as the registration order.
         found.sort_by(|a, b| a.info.created_unix.total_cmp(&b.info.created_unix));
@@ -257,6 +259,7 @@ impl CacheState {
         let s = self.index.get(version).expect("an indexed version");
         TemplateInfo {
             kv_dtype: dtype_name(&e.layout),
+            cache_mode: e.layout.mode.name().into(),
             tiers: TierBytes {
                 host: s.host,
                 disk: match s.disk {
