@@ -29,7 +29,7 @@ use denoised_models::planner::{prefix, Choice};
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
 use denoised_models::FluxTransformer;
 use denoised_runtime::fixtures::{tiny_model_dir, RefCase, Tier};
-use denoised_runtime::{Error, Result};
+use denoised_runtime::{DType, Error, Result};
 
 const CASES: [&str; 4] = [
     "transformer_case1",
@@ -40,6 +40,10 @@ const CASES: [&str; 4] = [
 const BF16_REL_TOL: f64 = 3e-2;
 const IDENTITY_TOL_F32: f64 = 1e-5;
 const IDENTITY_TOL_BF16: f64 = 2e-2;
+/// An fp8 template's edit against its capture: each cached K and V is within 2^-4 of
+/// itself; the CPU measures about 1e-3 on this case (`mask_aware.rs`), and 1e-2 still
+/// catches a misread byte or scale (those give O(1) errors).
+const FP8_TOL: f64 = 1e-2;
 
 /// The transformer's output on every reference case, in f32 and bf16. `make` opens
 /// the executor (one per dtype).
@@ -208,6 +212,46 @@ pub fn identity<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
                 &j.finish(&m)?.0,
             )?;
         }
+
+        // An fp8 template (K/V in E4M3, a scale per head: quantised as the capture
+        // stores them, read as they are by the attention kernel), resident and
+        // streamed: equal to each other, and within the fp8 bound of the capture.
+        let layout = TemplateLayout::for_model(&m.config, 256, s.steps(), DType::F8E4M3);
+        let job = Job::new(
+            &m,
+            &inputs,
+            s.clone(),
+            Mode::Capture(TemplateCache::new(layout)?),
+        )?;
+        let cache = Arc::new(
+            run_to_end(&m, job, &DeviceTemplates::new())?
+                .1
+                .ok_or_else(|| Error::Invalid("a capture returned no template".into()))?,
+        );
+        let edit = || {
+            let mode = Mode::Edit {
+                mask: mask.clone(),
+                cache: cache.clone(),
+            };
+            Job::new(&m, &inputs, s.clone(), mode)
+        };
+        let resident = DeviceTemplates::resident(m.backend(), &[&cache])?;
+        let mut streamed = DeviceTemplates::new();
+        streamed.stream(m.backend(), &cache, 1)?;
+        let a = run_to_end(&m, edit()?, &resident)?.0;
+        let b = run_to_end(&m, edit()?, &streamed)?.0;
+        out.push(Check::within(
+            format!("fp8 template, resident vs streamed ({dt:?})"),
+            "max abs diff",
+            a.max_abs_diff(&b)? as f64,
+            0.0,
+        ));
+        out.push(Check::within(
+            format!("fp8 template vs the capture ({dt:?})"),
+            "rel diff",
+            (a.max_abs_diff(&fin)? / scale) as f64,
+            tol.max(FP8_TOL),
+        ));
     }
     Ok(out)
 }

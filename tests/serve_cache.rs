@@ -156,6 +156,37 @@ fn a_y_mode_template_is_half_the_bytes_and_survives_a_restart() {
     assert_eq!(png(&edit_image(&got)), png(&edit_image(&want)));
 }
 
+/// Compressed templates through the daemon: fp8 K/V (a quarter of f32) and step
+/// sharing, recorded per template, edited, and still themselves after a restart.
+#[test]
+fn fp8_and_step_shared_templates_serve_and_survive_a_restart() {
+    for (toml, dtype, stride) in [
+        ("[cache]\nkv_dtype = \"fp8\"\n", "fp8", 1),
+        ("[cache]\nkv_step_stride = 2\n", "f32", 2),
+    ] {
+        let (_cfg, d) = Daemon::with_config(toml);
+        d.template("t", 4);
+        let (_, t) = info(&d, "t");
+        println!("{toml:?}: {t}");
+        assert_eq!(t["kv_dtype"], dtype, "{t}");
+        assert_eq!(t["kv_step_stride"], stride, "{t}");
+        // The tiny model's f32 KV template of 4 steps is 2883584 bytes.
+        assert!(t["cache_bytes"].as_u64().unwrap() < 2_000_000, "{t}");
+        let (s, want) = edit(&d, "t");
+        assert_eq!(s, 200, "{want}");
+        on_disk(&d, "t");
+        kill_cache(&d);
+        let (_, t) = info(&d, "t");
+        assert_eq!(
+            (&t["kv_dtype"], &t["kv_step_stride"]),
+            (&json!(dtype), &json!(stride))
+        );
+        let (s, got) = edit(&d, "t");
+        assert_eq!(s, 200, "{got}");
+        assert_eq!(png(&edit_image(&got)), png(&edit_image(&want)));
+    }
+}
+
 #[test]
 fn memory_holds_its_capacity_and_disk_drops_the_least_recently_used() {
     // A cache arena for about two templates of the built-in model at 4 steps (2.9 MB

@@ -330,7 +330,7 @@ fn selftest_passes_on_the_emulator() {
         .collect();
     assert_eq!(parts, ["Daemon", "BenchStep", "BenchAttn"]);
     let checks = |i: usize| v["parts"][i]["checks"].as_array().unwrap().len();
-    assert_eq!((checks(0), checks(1), checks(2)), (4, 4, 4), "{v}");
+    assert_eq!((checks(0), checks(1), checks(2)), (4, 6, 4), "{v}");
 
     // Only a GPU (or its emulator) can be self-tested.
     let o = Command::new(env!("CARGO_BIN_EXE_denoised"))

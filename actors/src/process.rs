@@ -238,7 +238,12 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                         .map_or(u64::MAX, |b| b.template_bytes),
                 };
                 sched.validate().map_err(|e| e.to_string())?;
-                let template_dtype = placed.template_dtype();
+                let template_dtype = match env.config.cache.kv_dtype.as_str() {
+                    "" => placed.template_dtype(),
+                    name => denoised_models::flux::template::storage_dtype(name)
+                        .map_err(|e| format!("[cache] kv_dtype: {e}"))?,
+                };
+
                 let metrics = DenoiseMetrics::register(
                     registry.registry(),
                     placed.stepper.stats(),

@@ -204,14 +204,18 @@ pub struct TemplateRef {
     pub blob: Handle,
     pub steps: u32,
     pub tokens: u32,
+    /// Its slabs are stored every this many steps (see [`TemplateInfo`]).
+    pub step_stride: u32,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum DenoiseWork {
     Full,
-    /// A full run that records a template cache of this mode.
+    /// A full run that records a template cache of this mode, its slabs stored every
+    /// `step_stride` steps.
     Capture {
         mode: CacheMode,
+        step_stride: u32,
     },
     /// A mask-aware edit: only `active` tokens are computed.
     Edit {
@@ -340,6 +344,9 @@ pub struct TemplateInfo {
     /// What it caches per block: `kv` or `y`.
     #[serde(default)]
     pub cache_mode: String,
+    /// Its slabs are stored every this many steps (step sharing; 1: every step).
+    #[serde(default = "one")]
+    pub kv_step_stride: u32,
     /// Where it is now: its bytes in each tier of the template cache (0 where it is
     /// not). Filled in when it is described.
     #[serde(default)]
@@ -527,6 +534,10 @@ pub mod groups {
     pub const CACHE: &str = "denoised.cache";
     /// Every worker process's metrics actor (see `crate::metrics`).
     pub const METRICS: &str = "denoised.metrics";
+}
+
+fn one() -> u32 {
+    1
 }
 
 #[cfg(test)]

@@ -15,6 +15,11 @@
 // - attn_simt_{f32,bf16}: one warp per query row, lanes scoring 32 keys at a time;
 //   any even head dim up to 256, f32 math.
 //   The f32 reference path (fixtures) and the fallback for odd shapes or alignment.
+//
+// A K/V slot may be an fp8 template slab (E4M3 bytes, a scale per head of K and of V):
+// the tile loads decode it (to bf16 for the tensor cores, scale applied; to f32 in the
+// SIMT kernel, the scale folded into the score and the probability), so the slab is
+// never expanded in memory.
 #include "common.cuh"
 
 #define NEG_INF __int_as_float(0xff800000)
@@ -51,9 +56,15 @@ DEV void attn_simt(const AttnParams& p) {
         if (r < sq.kv_len) {
             u32 ref = kv[r];
             const AttnSlot& s = slot_of(p, ref);
-            const T* k = (const T*)s.k + ROW_IDX(ref) * s.stride + h * hd;
             float dot = 0.f;
-            for (int c = 0; c < hd; c++) dot += qs[w][c] * to_f32(k[c]);
+            if (s.k_scales) {
+                const unsigned char* k = (const unsigned char*)s.k + ROW_IDX(ref) * s.stride + h * hd;
+                for (int c = 0; c < hd; c++) dot += qs[w][c] * fp8_to_f32(k[c]);
+                dot *= ((const float*)s.k_scales)[h];
+            } else {
+                const T* k = (const T*)s.k + ROW_IDX(ref) * s.stride + h * hd;
+                for (int c = 0; c < hd; c++) dot += qs[w][c] * to_f32(k[c]);
+            }
             sc = dot;
         }
         const float mn = fmaxf(m, warp_max(sc));  // finite: key r0 exists
@@ -68,12 +79,22 @@ DEV void attn_simt(const AttnParams& p) {
         for (int jr = 0; jr < nr; jr++) {
             u32 ref = kv[r0 + jr];
             const AttnSlot& s = slot_of(p, ref);
-            const T* v = (const T*)s.v + ROW_IDX(ref) * s.stride + h * hd;
-            const float pv = ps[w][jr];
+            if (s.v_scales) {
+                const unsigned char* v = (const unsigned char*)s.v + ROW_IDX(ref) * s.stride + h * hd;
+                const float pv = ps[w][jr] * ((const float*)s.v_scales)[h];
 #pragma unroll
-            for (int j = 0; j < MAXJ; j++) {
-                int c = lane + 32 * j;
-                if (c < hd) o[j] += pv * to_f32(v[c]);
+                for (int j = 0; j < MAXJ; j++) {
+                    int c = lane + 32 * j;
+                    if (c < hd) o[j] += pv * fp8_to_f32(v[c]);
+                }
+            } else {
+                const T* v = (const T*)s.v + ROW_IDX(ref) * s.stride + h * hd;
+                const float pv = ps[w][jr];
+#pragma unroll
+                for (int j = 0; j < MAXJ; j++) {
+                    int c = lane + 32 * j;
+                    if (c < hd) o[j] += pv * to_f32(v[c]);
+                }
             }
         }
         __syncwarp();
@@ -91,6 +112,19 @@ extern "C" __global__ void attn_simt_bf16(const AttnParams p) { attn_simt<bf16>(
 EMU_EXPORT(attn_simt_bf16, AttnParams)
 
 DEV u32 ld32(const unsigned short* p) { return *reinterpret_cast<const u32*>(p); }
+
+// Eight fp8 values (bytes 0..7 of `r`), times `s`, as eight bf16 (the layout of one
+// 16-byte bf16 load).
+DEV uint4 fp8x8_to_bf16(uint2 r, float s) {
+    u32 out[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 w = i < 2 ? r.x : r.y, sh = 16 * (i & 1);
+        out[i] = pack_bf16x2(fp8_to_f32((w >> sh) & 0xff) * s, fp8_to_f32((w >> (sh + 8)) & 0xff) * s);
+    }
+    uint4 o = {out[0], out[1], out[2], out[3]};
+    return o;
+}
 
 // Rows of the shared tiles are padded by 8 elements (16 bytes) so that the 8 rows a
 // quad-group reads in one fragment load fall in different banks.
@@ -143,8 +177,15 @@ DEV void attn_mma(const AttnParams& p) {
                 u32 ref = kvrows[j0 + jj];
                 const AttnSlot& s = slot_of(p, ref);
                 long long off = ROW_IDX(ref) * s.stride + h * D + ch * 8;
-                kv = *reinterpret_cast<const uint4*>((const bf16*)s.k + off);
-                vv = *reinterpret_cast<const uint4*>((const bf16*)s.v + off);
+                if (s.k_scales) {
+                    kv = fp8x8_to_bf16(*reinterpret_cast<const uint2*>((const unsigned char*)s.k + off),
+                                       ((const float*)s.k_scales)[h]);
+                    vv = fp8x8_to_bf16(*reinterpret_cast<const uint2*>((const unsigned char*)s.v + off),
+                                       ((const float*)s.v_scales)[h]);
+                } else {
+                    kv = *reinterpret_cast<const uint4*>((const bf16*)s.k + off);
+                    vv = *reinterpret_cast<const uint4*>((const bf16*)s.v + off);
+                }
             }
             *reinterpret_cast<uint4*>(&Ks[jj * KP + ch * 8]) = kv;
             const unsigned short* ve = reinterpret_cast<const unsigned short*>(&vv);

@@ -164,8 +164,17 @@ struct TimestepParams {
 // values `k`/`v` point at column 0 of the head-0 keys/values of that buffer.
 struct AttnSlot {
     u64 k, v;
-    long long stride;  // elements between rows
+    long long stride;     // elements between rows
+    u64 k_scales, v_scales;  // fp8 K/V: f32 scale per head of K and of V; else 0
 };
+
+// FP8 E4M3 (OCP e4m3fn) to float. Template slabs hold finite values only (quantised
+// with saturation), so the NaN code is not handled.
+DEV float fp8_to_f32(u32 b) {
+    u32 e = (b >> 3) & 0xF, m = b & 7;
+    float v = e == 0 ? (float)m * (1.f / 512.f) : __int_as_float(((e + 120) << 23) | (m << 20));
+    return (b & 0x80) ? -v : v;
+}
 struct AttnSeq {
     int q_off, q_len, kv_off, kv_len;  // into q_rows / kv_rows
 };

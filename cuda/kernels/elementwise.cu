@@ -89,6 +89,71 @@ EMU_EXPORT(convert_f32_bf16, EwParams)
 extern "C" __global__ void convert_bf16_f32(const EwParams p) { convert_n<bf16, float>(p); }
 EMU_EXPORT(convert_bf16_f32, EwParams)
 
+// FP8 E4M3 quantisation of a template slab, as `denoised_runtime::fp8::quantize` does it
+// on the host (bit for bit on the bytes when the device divides exactly): a scale per
+// column group, `amax / 448` (1 for a group of zeros), then each value over its
+// group's scale to the nearest E4M3 value, ties to even, saturating at 448.
+// EwParams: x = the slab [rows, cols], y = its bytes, table = the scales,
+// c0 = the group count.
+
+DEV u32 f32_to_fp8(float x) {
+    u32 bits = __float_as_uint(x), sign = (bits >> 24) & 0x80, a = bits & 0x7fffffffu;
+    if (a > 0x7f800000u) return 0x7f;  // NaN
+    float af = __uint_as_float(a);
+    if (af < 1.f / 64.f) {  // multiples of 2^-9, ties to even; 8 is the smallest normal
+        float q = af * 512.f, f = floorf(q), r = q - f;
+        u32 n = (u32)f;
+        if (r > 0.5f || (r == 0.5f && (n & 1))) n++;
+        return sign | n;
+    }
+    int ex = (int)((a >> 23) & 0xff) - 127;
+    u32 keep = (a & 0x7fffffu) >> 20, rem = a & 0xfffffu;
+    if (rem > 0x80000u || (rem == 0x80000u && (keep & 1))) {
+        if (++keep == 8) {
+            keep = 0;
+            ex++;
+        }
+    }
+    int e = ex + 7;
+    if (e > 15 || (e == 15 && keep == 7)) return sign | 0x7e;  // 448
+    return sign | ((u32)e << 3) | keep;
+}
+
+// One block per column group: the group's largest magnitude over every row.
+template <class T>
+DEV void fp8_scales_k(const EwParams& p) {
+    __shared__ float red[32];
+    const T* x = (const T*)p.x;
+    const int g = blockIdx.x, w = p.cols / p.c0;
+    float m = 0.f;
+    for (long long i = threadIdx.x; i < (long long)p.rows * w; i += blockDim.x)
+        m = fmaxf(m, fabsf(to_f32(x[(i / w) * p.cols + g * w + i % w])));
+    m = warp_max(m);
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int i = 1; i < (int)(blockDim.x / 32); i++) m = fmaxf(m, red[i]);
+        ((float*)p.table)[g] = m > 0.f ? m / 448.f : 1.f;
+    }
+}
+
+template <class T>
+DEV void fp8_quantize_k(const EwParams& p) {
+    const T* x = (const T*)p.x;
+    unsigned char* y = (unsigned char*)p.y;
+    const float* scales = (const float*)p.table;
+    const int w = p.cols / p.c0;
+    GRID_STRIDE(i, (long long)p.rows * p.cols) {
+        float inv = 1.f / scales[(i % p.cols) / w];
+        y[i] = (unsigned char)f32_to_fp8(to_f32(x[i]) * inv);
+    }
+}
+
+EW_KERNEL(fp8_scales_f32, fp8_scales_k, float)
+EW_KERNEL(fp8_scales_bf16, fp8_scales_k, bf16)
+EW_KERNEL(fp8_quantize_f32, fp8_quantize_k, float)
+EW_KERNEL(fp8_quantize_bf16, fp8_quantize_k, bf16)
+
 // Sinusoidal timestep/guidance embedding, `cat(cos, sin)` (flip_sin_to_cos as in Flux).
 template <class T>
 DEV void timestep_embed(const TimestepParams& p) {

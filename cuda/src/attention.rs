@@ -25,6 +25,8 @@ struct View {
     addr: u64,
     rows: usize,
     cols: usize,
+    /// An fp8 slab's scales (0 otherwise): its elements are then bytes.
+    fp8_scales: u64,
 }
 
 fn view<E: Exec>(t: &GpuTensor<E>) -> View {
@@ -32,6 +34,7 @@ fn view<E: Exec>(t: &GpuTensor<E>) -> View {
         addr: t.addr(),
         rows: t.rows(),
         cols: t.cols(),
+        fp8_scales: t.fp8_scales(),
     }
 }
 
@@ -54,23 +57,18 @@ struct Slots {
 }
 
 impl Slots {
-    /// The slot of `(k, v, stride)`, added if new; `None` when the call is full.
-    fn get(&mut self, k: u64, v: u64, stride: usize) -> Option<usize> {
-        if let Some(i) = self
-            .slots
-            .iter()
-            .position(|s| s.k == k && s.v == v && s.stride == stride as i64)
-        {
+    /// The slot of `s`, added if new; `None` when the call is full.
+    fn get(&mut self, s: AttnSlot) -> Option<usize> {
+        if let Some(i) = self.slots.iter().position(|x| {
+            (x.k, x.v, x.stride, x.k_scales, x.v_scales)
+                == (s.k, s.v, s.stride, s.k_scales, s.v_scales)
+        }) {
             return Some(i);
         }
         if self.slots.len() == MAX_SLOTS {
             return None;
         }
-        self.slots.push(AttnSlot {
-            k,
-            v,
-            stride: stride as i64,
-        });
+        self.slots.push(s);
         Some(self.slots.len() - 1)
     }
 }
@@ -93,13 +91,14 @@ impl Launch {
         s: &AttnSeq<'_, GpuTensor<E>>,
         q_col: usize,
         width: usize,
+        hd: usize,
         es: u64,
     ) -> Result<bool> {
         let mut slots = Slots {
             slots: std::mem::take(&mut self.slots),
         };
         let saved = (slots.slots.len(), self.q_rows.len(), self.kv_rows.len());
-        let fits = self.describe(&mut slots, bufs, s, q_col, width, es);
+        let fits = self.describe(&mut slots, bufs, s, q_col, width, hd, es);
         if !matches!(fits, Ok(true)) {
             slots.slots.truncate(saved.0);
             self.q_rows.truncate(saved.1);
@@ -109,6 +108,7 @@ impl Launch {
         fits
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn describe<E: Exec>(
         &mut self,
         slots: &mut Slots,
@@ -116,6 +116,7 @@ impl Launch {
         s: &AttnSeq<'_, GpuTensor<E>>,
         q_col: usize,
         width: usize,
+        hd: usize,
         es: u64,
     ) -> Result<bool> {
         let q_off = self.q_rows.len();
@@ -131,8 +132,16 @@ impl Launch {
                     format!("query rows {:?} of {}", span.rows, v.rows),
                 ));
             }
+            if v.fp8_scales != 0 {
+                return Err(Error::shape("attention", "queries in an fp8 slab"));
+            }
             let base = v.addr + q_col as u64 * es;
-            let Some(slot) = slots.get(base, base, v.cols) else {
+            let Some(slot) = slots.get(AttnSlot {
+                k: base,
+                v: base,
+                stride: v.cols as i64,
+                ..Default::default()
+            }) else {
                 return Ok(false);
             };
             self.q_rows
@@ -143,11 +152,33 @@ impl Launch {
             let v = src_view(bufs, &kv.src)?;
             check_cols("key", &v, kv.k_col, width)?;
             check_cols("value", &v, kv.v_col, width)?;
-            let Some(slot) = slots.get(
-                v.addr + kv.k_col as u64 * es,
-                v.addr + kv.v_col as u64 * es,
-                v.cols,
-            ) else {
+            // An fp8 slab's elements are bytes, with a scale per head: the K and V
+            // columns must start at a head, whose scales follow in order.
+            let fp8 = v.fp8_scales != 0;
+            if fp8 && (kv.k_col % hd != 0 || kv.v_col % hd != 0) {
+                return Err(Error::shape(
+                    "attention",
+                    format!(
+                        "fp8 K/V at columns {} and {} of {hd}-wide heads",
+                        kv.k_col, kv.v_col
+                    ),
+                ));
+            }
+            let e = if fp8 { 1 } else { es };
+            let scales = |c: usize| {
+                if fp8 {
+                    v.fp8_scales + (c / hd * 4) as u64
+                } else {
+                    0
+                }
+            };
+            let Some(slot) = slots.get(AttnSlot {
+                k: v.addr + kv.k_col as u64 * e,
+                v: v.addr + kv.v_col as u64 * e,
+                stride: v.cols as i64,
+                k_scales: scales(kv.k_col),
+                v_scales: scales(kv.v_col),
+            }) else {
                 return Ok(false);
             };
             for i in 0..kv.rows.len() {
@@ -212,7 +243,7 @@ pub(crate) fn run<E: Exec>(
     // launches; usually there is one.
     let mut launch = Launch::default();
     for s in seqs {
-        if launch.add(bufs, s, q_col, width, es)? {
+        if launch.add(bufs, s, q_col, width, hd, es)? {
             continue;
         }
         if launch.descs.is_empty() {
@@ -222,7 +253,7 @@ pub(crate) fn run<E: Exec>(
             ));
         }
         self::launch(be, std::mem::take(&mut launch), heads, hd, es)?;
-        if !launch.add(bufs, s, q_col, width, es)? {
+        if !launch.add(bufs, s, q_col, width, hd, es)? {
             return Err(Error::shape(
                 "attention",
                 format!("one sequence reads more than {MAX_SLOTS} distinct buffers"),
@@ -244,10 +275,12 @@ fn launch<E: Exec>(be: &GpuBackend<E>, l: Launch, heads: usize, hd: usize, es: u
         return Ok(());
     }
 
-    // Tensor cores need bf16, a head dim of 64 or 128, and 16-byte aligned rows.
-    let aligned = slots
-        .iter()
-        .all(|s| s.k % 16 == 0 && s.v % 16 == 0 && (s.stride as u64 * es) % 16 == 0);
+    // Tensor cores need bf16, a head dim of 64 or 128, and rows aligned for the tile
+    // loads: 16 bytes of bf16, or 8 bytes of fp8 (decoded to 16 bytes of bf16).
+    let aligned = slots.iter().all(|s| {
+        let (a, e) = if s.k_scales != 0 { (8, 1) } else { (16, es) };
+        s.k % a == 0 && s.v % a == 0 && (s.stride as u64 * e) % a == 0
+    });
     let mma = be.dtype() == Dt::Bf16 && (hd == 64 || hd == 128) && aligned;
     let (tile, name) = match (mma, hd, be.dtype()) {
         (true, 64, _) => (MMA_TILE, "attn_mma_bf16_d64"),

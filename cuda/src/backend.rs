@@ -24,6 +24,10 @@ pub struct GpuTensor<E: Exec> {
     addr: u64,
     shape: Vec<usize>,
     dt: Dt,
+    /// An fp8 template slab (`rows x cols` E4M3 bytes, then a f32 scale per column
+    /// group, the host slab's own layout): the address of its scales. Only attention
+    /// reads such a tensor (as a K/V source); 0 for every other tensor.
+    fp8_scales: u64,
 }
 
 impl<E: Exec> GpuTensor<E> {
@@ -37,7 +41,26 @@ impl<E: Exec> GpuTensor<E> {
             addr,
             shape,
             dt,
+            fp8_scales: 0,
         })
+    }
+
+    /// An fp8 slab of undefined contents: `rows x cols` bytes, then `groups` f32
+    /// scales.
+    pub(crate) fn alloc_fp8(exec: &E, rows: usize, cols: usize, groups: usize) -> Result<Self> {
+        let mem = exec.alloc(rows * cols + 4 * groups).map_err(dev)?;
+        let addr = exec.addr(&mem);
+        Ok(GpuTensor {
+            mem: Arc::new(mem),
+            addr,
+            shape: vec![rows, cols],
+            dt: Dt::Bf16,
+            fp8_scales: addr + (rows * cols) as u64,
+        })
+    }
+    /// The address of an fp8 slab's scales (0 for other tensors).
+    pub(crate) fn fp8_scales(&self) -> u64 {
+        self.fp8_scales
     }
     pub(crate) fn mem(&self) -> &E::Mem {
         &self.mem
@@ -307,6 +330,31 @@ impl<E: Exec> Backend for GpuBackend<E> {
             .upload(&out.mem, 0, &to_bytes(self.dt, t.data()))
             .map_err(dev)?;
         Ok(out)
+    }
+
+    fn upload_fp8(
+        &self,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+        scales: &[f32],
+    ) -> Result<Option<GpuTensor<E>>> {
+        if bytes.len() != rows * cols || scales.is_empty() || cols % scales.len() != 0 {
+            return Err(Error::shape(
+                "upload_fp8",
+                format!(
+                    "{} bytes, {} scales for [{rows}, {cols}]",
+                    bytes.len(),
+                    scales.len()
+                ),
+            ));
+        }
+        let out = GpuTensor::alloc_fp8(&*self.exec, rows, cols, scales.len())?;
+        let mut all = Vec::with_capacity(bytes.len() + 4 * scales.len());
+        all.extend_from_slice(bytes);
+        all.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
+        self.exec.upload(&out.mem, 0, &all).map_err(dev)?;
+        Ok(Some(out))
     }
 
     fn upload_weight(&self, w: &Tensor) -> Result<GpuTensor<E>> {
@@ -730,22 +778,65 @@ impl<E: Exec> Backend for GpuBackend<E> {
         self.host.flush(&self.exec)
     }
 
+    /// Quantised on the device (a block per scale group for the scales, then one pass
+    /// for the bytes), so the copy engine moves a quarter of the f32 bytes and the
+    /// capture never waits on the host.
+    fn store_fp8(&self, t: &GpuTensor<E>, dst: &HostSlice, groups: usize) -> Result<()> {
+        let (rows, cols) = matrix("store_fp8", t)?;
+        if groups == 0 || cols % groups != 0 {
+            return Err(Error::shape(
+                "store_fp8",
+                format!("{cols} columns in {groups} scale groups"),
+            ));
+        }
+        let bytes = rows * cols + 4 * groups;
+        if !dst.writable() || dst.len() != bytes {
+            return Err(Error::Invalid(format!(
+                "storing {bytes} bytes of fp8 into a host slice of {} bytes (writable: {})",
+                dst.len(),
+                dst.writable()
+            )));
+        }
+        let q = GpuTensor::alloc_fp8(&*self.exec, rows, cols, groups)?;
+        let p = EwParams {
+            x: t.addr,
+            y: q.addr,
+            table: q.fp8_scales,
+            rows: rows as i32,
+            cols: cols as i32,
+            c0: groups as i32,
+            ..Default::default()
+        };
+        let per_group = Grid {
+            grid: [groups as u32, 1, 1],
+            block: [128, 1, 1],
+            smem: 0,
+        };
+        self.launch(kernel_name("fp8_scales", t.dt), per_group, &p)?;
+        self.launch(
+            kernel_name("fp8_quantize", t.dt),
+            Grid::linear(rows * cols, 256),
+            &p,
+        )?;
+        self.host.store(&self.exec, q.mem.clone(), 0, dst)
+    }
+
     fn stream_slabs(
         &self,
         src: &HostSlice,
-        dtype: DType,
-        shape: &[usize],
+        slab: &denoised_runtime::SlabShape,
         steps: usize,
         blocks: usize,
         lanes: usize,
     ) -> Result<Option<Box<dyn SlabProvider<GpuTensor<E>>>>> {
-        if dtype != self.storage_dtype() {
+        if slab.dtype != self.storage_dtype() && slab.dtype != DType::F8E4M3 {
             // Streamed slabs are copied as they are: a template of another dtype (one
-            // captured on another kind of device) is made resident instead.
+            // captured on another kind of device) is made resident instead. fp8 slabs
+            // are read as they are by the attention kernel.
             return Ok(None);
         }
         let t =
-            crate::stream::StreamedTemplate::new(self, src.clone(), shape, steps, blocks, lanes)?;
+            crate::stream::StreamedTemplate::new(self, src.clone(), slab, steps, blocks, lanes)?;
         Ok(Some(Box::new(t)))
     }
 

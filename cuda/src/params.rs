@@ -103,6 +103,10 @@ pub struct AttnSlot {
     pub k: u64,
     pub v: u64,
     pub stride: i64,
+    /// fp8 K/V (an fp8 template slab): the per-head scales of the K columns and of
+    /// the V columns (`f32[heads]` each); 0 for K/V in the compute dtype.
+    pub k_scales: u64,
+    pub v_scales: u64,
 }
 
 #[repr(C)]

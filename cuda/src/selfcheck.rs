@@ -14,7 +14,7 @@
 use std::ops::Range;
 
 use denoised_runtime::backend::{AttnSeq, Backend, KvSource, Modulation, QSpan, Rows, Src};
-use denoised_runtime::{CpuBackend, Result, Tensor};
+use denoised_runtime::{CpuBackend, Error, Result, Tensor};
 
 use crate::backend::dev;
 use crate::exec::{Dt, Exec, Grid};
@@ -313,6 +313,30 @@ fn check_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
         &want,
     );
 
+    // An fp8 store (a compressed template's slab): quantised on the device, equal to
+    // the host's quantisation of the same values byte for byte, scales included.
+    let x8 = rng.tensor(&[37, 64], 3.0);
+    let x8g = up(&x8)?;
+    let slab = denoised_runtime::HostSlice::zeroed(37 * 64 + 4 * 8)?;
+    gpu.pin_host(slab.memory())?;
+    gpu.store_fp8(&x8g, &slab, 8)?;
+    gpu.flush_stores()?;
+    let (bytes, scales) = denoised_runtime::fp8::quantize(down(&x8g)?.data(), 64, 8);
+    let mut want = bytes;
+    want.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
+    let differ = slab
+        .bytes()
+        .iter()
+        .zip(&want)
+        .filter(|(a, b)| a != b)
+        .count();
+    out.push(Check::within(
+        format!("store fp8 ({dt:?})"),
+        "bytes differing from the host's",
+        differ as f64,
+        0.0,
+    ));
+
     // attention: head dims 64 and 128 take the tensor-core kernel in bf16; 16 the
     // SIMT one. Queries span two buffers; keys come from both (by range) and from an
     // external "cache" by index, in two sequences of different lengths.
@@ -473,6 +497,43 @@ fn check_attention<E: Exec>(
         &gpu.download(&g1)?,
         &c1,
     );
+
+    // The same with the cache as an fp8 template slab (E4M3, a scale per head's K and
+    // V), which the kernels decode in their tile loads: against the CPU's f32 kernel
+    // on the dequantised values.
+    let (bytes, scales) = denoised_runtime::fp8::quantize(cache.data(), 2 * w, 2 * heads);
+    let c8 = Tensor::new(
+        [150, 2 * w],
+        denoised_runtime::fp8::dequantize(&bytes, 2 * w, &scales),
+    )?;
+    let g8 = gpu
+        .upload_fp8(150, 2 * w, &bytes, &scales)?
+        .ok_or_else(|| Error::Invalid("the device reads no fp8".into()))?;
+    let (mut c0, mut c1) = (t0.clone(), t1.clone());
+    cpu.attention(
+        &mut [&mut c0, &mut c1],
+        0,
+        w,
+        heads,
+        &seqs(&c8, &idx_a, &idx_b, w),
+    )?;
+    let (mut g0, mut g1) = (gpu.upload(&t0)?, gpu.upload(&t1)?);
+    gpu.attention(
+        &mut [&mut g0, &mut g1],
+        0,
+        w,
+        heads,
+        &seqs(&g8, &idx_a, &idx_b, w),
+    )?;
+    for (b, g, c) in [(0, &g0, &c0), (1, &g1, &c1)] {
+        close(
+            out,
+            &format!("{name}, fp8 cache, buffer {b}"),
+            dt,
+            &gpu.download(g)?,
+            c,
+        );
+    }
     Ok(())
 }
 

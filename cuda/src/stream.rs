@@ -26,7 +26,7 @@
 use std::sync::{Arc, Mutex};
 
 use denoised_runtime::backend::check_slab_list;
-use denoised_runtime::{Backend, Error, HostSlice, Result, SlabProvider};
+use denoised_runtime::{Backend, DType, Error, HostSlice, Result, SlabProvider, SlabShape};
 
 use crate::backend::{dev, GpuBackend, GpuTensor};
 use crate::exec::{Exec, Stream};
@@ -66,19 +66,29 @@ struct LaneState<E: Exec> {
 }
 
 impl<E: Exec> StreamedTemplate<E> {
-    /// Streams `steps * blocks` slabs of `shape`, step-major, in the device's storage
-    /// type, from `host` (page-locked here if it is not yet), with `lanes` buffer
-    /// pairs: the most distinct steps of this template one forward may read.
+    /// Streams `steps * blocks` slabs of form `slab`, step-major, from `host`
+    /// (page-locked here if it is not yet), with `lanes` buffer pairs: the most
+    /// distinct steps of this template one forward may read. The slabs are in the
+    /// device's storage type, or fp8 (copied as they are, scales included: the
+    /// attention kernel reads them so).
     pub fn new(
         be: &GpuBackend<E>,
         host: HostSlice,
-        shape: &[usize],
+        slab: &SlabShape,
         steps: usize,
         blocks: usize,
         lanes: usize,
     ) -> Result<Self> {
         let dt = be.dtype();
-        let slab_bytes = shape.iter().product::<usize>() * dt.size();
+        let fp8 = slab.dtype == DType::F8E4M3;
+        let slab_bytes = match fp8 {
+            true => slab.bytes(),
+            false => slab.rows * slab.cols * dt.size(),
+        };
+        let buffer = |exec: &E| match fp8 {
+            true => GpuTensor::alloc_fp8(exec, slab.rows, slab.cols, slab.groups),
+            false => GpuTensor::alloc(exec, vec![slab.rows, slab.cols], dt),
+        };
         if host.len() < slab_bytes * steps * blocks || blocks == 0 || lanes == 0 {
             return Err(Error::Invalid(format!(
                 "a streamed template needs {steps} x {blocks} slabs of {slab_bytes} bytes and at least one lane, got {} bytes",
@@ -90,10 +100,7 @@ impl<E: Exec> StreamedTemplate<E> {
         let lanes = (0..lanes)
             .map(|_| {
                 Ok(Lane {
-                    bufs: [
-                        GpuTensor::alloc(&*exec, shape.to_vec(), dt)?,
-                        GpuTensor::alloc(&*exec, shape.to_vec(), dt)?,
-                    ],
+                    bufs: [buffer(&exec)?, buffer(&exec)?],
                     st: Mutex::new(LaneState {
                         step: None,
                         slabs: Vec::new(),
@@ -379,7 +386,13 @@ mod tests {
             .collect();
         let host = HostSlice::copy_of(&bytes).unwrap();
         let be = GpuBackend::new(Logged::default(), Dt::Bf16);
-        let t = StreamedTemplate::new(&be, host.clone(), &[2, 3], steps, blocks, 1).unwrap();
+        let slab = SlabShape {
+            rows: 2,
+            cols: 3,
+            dtype: DType::BF16,
+            groups: 1,
+        };
+        let t = StreamedTemplate::new(&be, host.clone(), &slab, steps, blocks, 1).unwrap();
         let exec = be.exec().clone();
         let bufs = t.lanes[0].bufs.each_ref().map(|b| b.addr());
         // The log since the last call: `c`/`y` for the compute and copy streams,

@@ -10,6 +10,8 @@
 //! - with a Y-mode template (block outputs cached, inactive K/V recomputed) it holds
 //!   for any pattern of cached and full blocks, resident and streamed, and in a batch
 //!   with KV-mode edits;
+//! - an fp8 template (K/V in E4M3, a scale per head) is read as it is by the attention
+//!   kernel, resident or streamed alike, within a stated bound of the f32 template;
 //! - batch independence: a request's result does not depend on its batch mates;
 //! - an all-active edit equals a plain full run.
 
@@ -52,8 +54,17 @@ fn capture_in(
     s: &FlowMatchEuler,
     cache_mode: CacheMode,
 ) -> (Arc<TemplateCache>, Tensor) {
-    let layout =
-        TemplateLayout::for_model(&m.config, 256, s.steps(), DType::F32).with_mode(cache_mode);
+    capture_as(m, inputs, s, cache_mode, DType::F32)
+}
+
+fn capture_as(
+    m: &FluxTransformer<CpuBackend>,
+    inputs: &DenoiseInputs,
+    s: &FlowMatchEuler,
+    cache_mode: CacheMode,
+    dtype: DType,
+) -> (Arc<TemplateCache>, Tensor) {
+    let layout = TemplateLayout::for_model(&m.config, 256, s.steps(), dtype).with_mode(cache_mode);
     let mode = Mode::Capture(TemplateCache::new(layout).unwrap());
     let job = Job::new(m, inputs, s.clone(), mode).unwrap();
     let (fin, cache) = run_to_end(m, job, &DeviceTemplates::new()).unwrap();
@@ -546,4 +557,98 @@ fn mismatched_templates_are_rejected() {
     assert!(e.contains("4 steps") && e.contains("8"), "{e}");
     let small = TokenMask::full(8, 8);
     assert!(Job::new(&m, &inputs, s4.clone(), edit(&small, &cache)).is_err());
+}
+
+/// An fp8 template: captured (quantised once, as the capture stores each slab), read
+/// by the attention kernel as it is, resident and streamed with identical results, and
+/// close to the f32 template's edit.
+#[test]
+fn fp8_templates_are_read_as_they_are_and_stay_close_to_f32() {
+    let case = RefCase::open("e2e").unwrap();
+    let (m, s, inputs) = (model(), schedule(), e2e_inputs(&case));
+    let (f32_cache, template_final) = capture(&m, &inputs, &s);
+    let (cache, fp8_final) = capture_as(&m, &inputs, &s, CacheMode::Kv, DType::F8E4M3);
+    // The capture itself computes in f32: only what it stores differs, and that is
+    // exactly the f32 template quantised.
+    assert_eq!(fp8_final, template_final);
+    let converted = f32_cache.converted(*cache.layout()).unwrap();
+    assert_eq!(converted.bytes().bytes(), cache.bytes().bytes());
+    let (l, l32) = (cache.layout(), f32_cache.layout());
+    println!(
+        "slab bytes: fp8 {} vs f32 {} ({:.3}x)",
+        l.slab_bytes(),
+        l32.slab_bytes(),
+        l.slab_bytes() as f64 / l32.slab_bytes() as f64
+    );
+    assert!(l.slab_bytes() * 3 < l32.slab_bytes());
+    let all = masks(&case);
+    let resident = slabs(&m, &cache);
+    let mut streamed = DeviceTemplates::new();
+    assert!(streamed.stream(m.backend(), &cache, 2).unwrap());
+    let f32_slabs = slabs(&m, &f32_cache);
+    for (name, mask) in [&all[3], &all[5], &all[2]] {
+        let job = |c: &Arc<TemplateCache>| Job::new(&m, &inputs, s.clone(), edit(mask, c)).unwrap();
+        let a = run(&m, job(&cache), &resident);
+        let b = run(&m, job(&cache), &streamed);
+        let want = run(&m, job(&f32_cache), &f32_slabs);
+        assert_eq!(a, b, "{name}: resident and streamed fp8 differ");
+        let rel = rel_diff(&a, &want);
+        println!("{name}: fp8 vs f32 template, final latent relative diff {rel:.2e}");
+        // Each cached K and V is within 2^-4 of itself, and attention averages the
+        // errors of many of them: measured about 1e-3 here; 1e-2 leaves a margin
+        // while still catching a wrong scale or a misread byte (those give O(1)).
+        assert!(rel <= 1e-2, "{name}: {rel:.2e}");
+        assert!(rel > 0.0, "{name}: fp8 changed nothing");
+    }
+    // The planner prices an fp8 template by its stored bytes.
+    assert!(l.cache_bytes_per_step() * 3 < l32.cache_bytes_per_step());
+}
+
+/// Step sharing: a template storing K/V every second step holds exactly the full
+/// capture's slabs of the steps it stores, and its edits read the nearest stored step
+/// (resident and streamed alike).
+#[test]
+fn step_sharing_stores_every_kth_step_and_reads_the_nearest() {
+    let case = RefCase::open("e2e").unwrap();
+    let (m, s, inputs) = (model(), schedule(), e2e_inputs(&case));
+    let (every, template_final) = capture(&m, &inputs, &s);
+    let layout =
+        TemplateLayout::for_model(&m.config, 256, s.steps(), DType::F32).with_step_stride(2);
+    let job = Job::new(
+        &m,
+        &inputs,
+        s.clone(),
+        Mode::Capture(TemplateCache::new(layout).unwrap()),
+    )
+    .unwrap();
+    let (fin, shared) = run_to_end(&m, job, &DeviceTemplates::new()).unwrap();
+    let shared = Arc::new(shared.unwrap());
+    assert_eq!(fin, template_final);
+    // Converting the full template stores exactly what the capture stored.
+    let converted = every.converted(layout).unwrap();
+    assert_eq!(converted.bytes().bytes(), shared.bytes().bytes());
+    assert_eq!(
+        shared.layout().slab_count() * 2,
+        every.layout().slab_count()
+    );
+    for step in [0, 2] {
+        for b in 0..m.num_blocks() {
+            assert_eq!(shared.slab(step, b).unwrap(), every.slab(step, b).unwrap());
+        }
+    }
+    // Step 1 reads step 2's K/V, step 3 step 2's too (the last stored).
+    assert_eq!(shared.slab(1, 0).unwrap(), every.slab(2, 0).unwrap());
+    assert_eq!(shared.slab(3, 0).unwrap(), every.slab(2, 0).unwrap());
+    let all = masks(&case);
+    let resident = slabs(&m, &shared);
+    let mut streamed = DeviceTemplates::new();
+    assert!(streamed.stream(m.backend(), &shared, 2).unwrap());
+    let job =
+        |c: &Arc<TemplateCache>| Job::new(&m, &inputs, s.clone(), edit(&all[3].1, c)).unwrap();
+    let a = run(&m, job(&shared), &resident);
+    let b = run(&m, job(&shared), &streamed);
+    assert_eq!(a, b);
+    let rel = rel_diff(&a, &template_final);
+    println!("stride 2: edit vs the capture, relative diff {rel:.2e}");
+    assert!(rel > 1e-5, "step sharing changed nothing ({rel:.1e})");
 }

@@ -275,19 +275,42 @@ pub trait Backend: Send + Sync {
     }
 
     /// A provider that streams the slabs of a template out of host memory while the
-    /// model computes: `steps * blocks` slabs of `shape`, step-major, in `dtype`, at
-    /// `src`, with `lanes` pairs of device buffers (the most distinct steps of the
-    /// template one forward reads). `None` where the backend has no such path.
+    /// model computes: `steps * blocks` slabs of form `slab`, step-major, at `src`,
+    /// with `lanes` pairs of device buffers (the most distinct steps of the template
+    /// one forward reads). `None` where the backend has no such path.
     fn stream_slabs(
         &self,
         _src: &HostSlice,
-        _dtype: DType,
-        _shape: &[usize],
+        _slab: &SlabShape,
         _steps: usize,
         _blocks: usize,
         _lanes: usize,
     ) -> Result<Option<Box<dyn SlabProvider<Self::Tensor>>>> {
         Ok(None)
+    }
+
+    /// An fp8 slab (`rows x cols` bytes, a scale per column group) in the form the
+    /// attention kernel reads as a K/V source. `None` where the backend has no fp8
+    /// attention yet.
+    fn upload_fp8(
+        &self,
+        _rows: usize,
+        _cols: usize,
+        _bytes: &[u8],
+        _scales: &[f32],
+    ) -> Result<Option<Self::Tensor>> {
+        Ok(None)
+    }
+
+    /// Stores `t` (`[rows, cols]`) into `dst` as fp8 with a scale per column group:
+    /// the bytes, then the `groups` f32 scales (a compressed template's slab, see
+    /// [`SlabShape`]). The default quantises on the host.
+    fn store_fp8(&self, t: &Self::Tensor, dst: &HostSlice, groups: usize) -> Result<()> {
+        let v = self.download(t)?;
+        let (bytes, scales) = crate::fp8::quantize(v.data(), v.cols(), groups);
+        let mut out = bytes;
+        out.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
+        write_host(dst, &out)
     }
 
     /// Builds a matrix from rows `rows` of column block `cols` of `x` (used to take
@@ -298,6 +321,39 @@ pub trait Backend: Send + Sync {
         rows: Range<usize>,
         cols: Range<usize>,
     ) -> Result<Self::Tensor>;
+}
+
+/// The form of one template slab in host memory: `rows x cols` elements of `dtype`,
+/// then, for fp8, one little-endian f32 scale per column group (`groups`; a slab is
+/// self-contained, so it streams and is checksummed as one piece).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlabShape {
+    pub rows: usize,
+    pub cols: usize,
+    pub dtype: DType,
+    pub groups: usize,
+}
+
+impl SlabShape {
+    /// Bytes of the elements.
+    pub fn data_bytes(&self) -> usize {
+        self.rows * self.cols * self.dtype.size_bytes()
+    }
+    /// Bytes of the whole slab.
+    pub fn bytes(&self) -> usize {
+        self.data_bytes()
+            + match self.dtype {
+                DType::F8E4M3 => 4 * self.groups,
+                _ => 0,
+            }
+    }
+    /// The scales of an fp8 slab's `bytes`.
+    pub fn scales(&self, bytes: &[u8]) -> Vec<f32> {
+        bytes[self.data_bytes()..self.bytes()]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect()
+    }
 }
 
 /// The shape of `parts` stacked along their first dimension, checking that the other

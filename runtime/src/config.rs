@@ -35,6 +35,13 @@ pub struct CacheConfig {
     /// What new templates cache per block unless their request says: `kv` (K and V)
     /// or `y` (block outputs: half the bytes, the K/V of unmasked tokens recomputed).
     pub mode: String,
+    /// Storage dtype of new templates' slabs: empty for the capturing device's own
+    /// (f32 on the CPU, bf16 on a GPU), or `f32`, `bf16`, `fp8` (E4M3 with a scale per
+    /// head's K and V: a quarter of f32, KV mode only).
+    pub kv_dtype: String,
+    /// Step sharing: new templates store K/V every this many steps, and a step reads
+    /// the nearest stored one (1: every step; KV mode only).
+    pub kv_step_stride: u32,
 }
 
 impl Default for CacheConfig {
@@ -43,6 +50,8 @@ impl Default for CacheConfig {
             dir: String::new(),
             disk_bytes: 100 << 30,
             mode: "kv".into(),
+            kv_dtype: String::new(),
+            kv_step_stride: 1,
         }
     }
 }

@@ -12,13 +12,16 @@ pub mod cpu;
 pub mod direct;
 pub mod error;
 pub mod fixtures;
+pub mod fp8;
 pub mod host;
 pub mod shm;
 pub mod stored;
 pub mod tensor;
 pub mod weights;
 
-pub use backend::{AttnSeq, Backend, KvSource, Modulation, QSpan, Rows, SlabProvider, Src};
+pub use backend::{
+    AttnSeq, Backend, KvSource, Modulation, QSpan, Rows, SlabProvider, SlabShape, Src,
+};
 pub use cpu::CpuBackend;
 pub use error::{Error, Result};
 pub use host::{HostMemory, HostSlice, OwnedHost};

@@ -113,7 +113,7 @@ pub(crate) fn to_f32(bytes: &[u8], dtype: DType) -> Vec<f32> {
             .chunks_exact(2)
             .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
             .collect(),
-        DType::U8 => unreachable!("checked by check_float"),
+        DType::U8 | DType::F8E4M3 => unreachable!("checked by check_float"),
     }
 }
 
@@ -131,6 +131,7 @@ pub fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
             .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
             .collect(),
         DType::U8 => panic!("encode: u8 is not a float dtype"),
+        DType::F8E4M3 => panic!("encode: fp8 needs scales (fp8::quantize)"),
     }
 }
 

@@ -3,17 +3,24 @@
 //! It is deliberately plain. Compute is f32 on the CPU (DESIGN.md §Devices); storage
 //! dtypes (bf16, f16) exist only on disk and are converted when weights load. Device
 //! backends keep their own buffer types and convert through `Backend::upload`.
+//!
+//! One exception: a compressed template's K/V slab on the CPU is an fp8 matrix with a
+//! scale per column group ([`Tensor::fp8`]), which the attention kernel reads as it
+//! is (decoding in its tile loads) so that no full-size f32 copy exists. Such a tensor
+//! has a shape and no f32 data; attention is the only op that takes it.
 
 use crate::error::{Error, Result};
 
-/// Storage dtypes a checkpoint may use (compute is always f32 on the host), plus `U8`
-/// for raw bytes (images, encoded files) in shared-memory slices.
+/// Storage dtypes a checkpoint may use (compute is always f32 on the host), `U8` for
+/// raw bytes (images, encoded files) in shared-memory slices, and `F8E4M3` for
+/// compressed template caches ([`crate::fp8`]: scaled per column group).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
     BF16,
     F16,
     U8,
+    F8E4M3,
 }
 
 impl DType {
@@ -21,7 +28,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::BF16 | DType::F16 => 2,
-            DType::U8 => 1,
+            DType::U8 | DType::F8E4M3 => 1,
         }
     }
 }
@@ -30,6 +37,16 @@ impl DType {
 pub struct Tensor {
     shape: Vec<usize>,
     data: Vec<f32>,
+    /// The fp8 form (see the module documentation), with `data` empty.
+    fp8: Option<Box<Fp8Matrix>>,
+}
+
+/// A row-major fp8 matrix whose columns form `scales.len()` equal groups: element
+/// `(r, c)` is `fp8::DECODE[bytes[r * cols + c]] * scales[c / (cols / groups)]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fp8Matrix {
+    pub bytes: Vec<u8>,
+    pub scales: Vec<f32>,
 }
 
 impl Tensor {
@@ -42,7 +59,11 @@ impl Tensor {
                 format!("shape {shape:?} needs {n} elements, got {}", data.len()),
             ));
         }
-        Ok(Tensor { shape, data })
+        Ok(Tensor {
+            shape,
+            data,
+            fp8: None,
+        })
     }
 
     pub fn zeros(shape: impl Into<Vec<usize>>) -> Self {
@@ -51,7 +72,35 @@ impl Tensor {
         Tensor {
             shape,
             data: vec![0.0; n],
+            fp8: None,
         }
+    }
+
+    /// An fp8 matrix `[rows, cols]` of `bytes` with one scale per column group.
+    pub fn fp8(rows: usize, cols: usize, bytes: Vec<u8>, scales: Vec<f32>) -> Result<Self> {
+        if bytes.len() != rows * cols || scales.is_empty() || cols % scales.len() != 0 {
+            return Err(Error::shape(
+                "Tensor::fp8",
+                format!(
+                    "{} bytes and {} scales for [{rows}, {cols}]",
+                    bytes.len(),
+                    scales.len()
+                ),
+            ));
+        }
+        Ok(Tensor {
+            shape: vec![rows, cols],
+            data: vec![],
+            fp8: Some(Box::new(Fp8Matrix { bytes, scales })),
+        })
+    }
+
+    /// The fp8 form, if this is an fp8 matrix.
+    pub fn as_fp8(&self) -> Option<&Fp8Matrix> {
+        self.fp8.as_deref()
+    }
+    pub fn as_fp8_mut(&mut self) -> Option<&mut Fp8Matrix> {
+        self.fp8.as_deref_mut()
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -75,6 +124,9 @@ impl Tensor {
 
     /// Number of rows when viewed as a matrix `[rows, last_dim]`.
     pub fn rows(&self) -> usize {
+        if self.fp8.is_some() {
+            return self.shape[0];
+        }
         self.data.len().checked_div(self.cols()).unwrap_or(0)
     }
     /// The last dimension (1 for a scalar).
@@ -97,6 +149,7 @@ impl Tensor {
         Tensor {
             shape: vec![rows.len(), c],
             data,
+            fp8: None,
         }
     }
 

@@ -16,10 +16,14 @@ use std::time::Instant;
 
 use denoised_cuda::{Dt, Exec, GpuBackend};
 use denoised_models::flux::cost::{flop_bound, forward_flops, StepShape};
-use denoised_models::flux::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
+use denoised_models::flux::edit::{
+    step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode, SlabSource,
+};
 use denoised_models::flux::embed::image_ids;
 use denoised_models::flux::plan::{plan_step, SlabLoad, StepWork};
-use denoised_models::flux::template::{CacheMode, TemplateCache, TemplateLayout};
+use denoised_models::flux::template::{
+    storage_dtype, storage_name, CacheMode, TemplateCache, TemplateLayout,
+};
 use denoised_models::flux::template_file::{self, SlabFile, TemplateMeta};
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::{read_ratio_trace, TokenMask};
@@ -85,9 +89,15 @@ pub struct Args {
     pub disk_dir: PathBuf,
     /// What the template caches, comma-separated: `kv` (K and V per block) and/or `y`
     /// (block outputs: half the bytes, the inactive tokens' K/V recomputed). With
-    /// both, the Y-mode edit is also timed against the KV-mode one (`over_kv`).
+    /// both, the Y-mode edit is also timed against the KV-mode one (`over_baseline`).
     #[arg(long, value_delimiter = ',', default_value = "kv", value_parser = ["kv", "y"])]
     pub cache_mode: Vec<String>,
+    /// Storage dtypes of the template, comma-separated: f32, bf16, fp8 (E4M3 with a
+    /// scale per head's K and V; KV mode only). Default: the device's own (f32 on the
+    /// CPU, bf16 on a GPU). Every template after the first is also timed against the
+    /// first in alternating runs (`over_baseline`).
+    #[arg(long, value_delimiter = ',', value_parser = ["f32", "bf16", "fp8"])]
+    pub cache_dtype: Vec<String>,
 }
 
 fn cache_mode(name: &str) -> CacheMode {
@@ -391,9 +401,8 @@ impl DiskTier {
             .into());
         }
         let l = *file.layout();
-        let shape = [l.tokens, l.slab_width()];
-        let per_step = l.slabs_per_step();
-        let stream = CpuStream::new(Arc::new(file), l.dtype, &shape, l.steps, per_step, lanes)?;
+        let (slab, per_step) = (l.slab_shape(), l.slabs_per_step());
+        let stream = CpuStream::new(Arc::new(file), &slab, l.steps, per_step, lanes)?;
         let mut t = DeviceTemplates::new();
         t.insert_streamed(cache, Box::new(stream), lanes);
         Ok(t)
@@ -481,12 +490,30 @@ where
         return Ok(lines);
     }
 
-    // The template in each cache mode asked for, read from device memory.
+    // The template in each cache mode and dtype asked for, read from device memory.
+    let dtypes = match a.cache_dtype.is_empty() {
+        true => vec![storage],
+        false => a
+            .cache_dtype
+            .iter()
+            .map(|n| storage_dtype(n))
+            .collect::<Result<Vec<_>, _>>()?,
+    };
     let mut templates = vec![];
     for name in &a.cache_mode {
-        let cache = capture(&model, &inputs, &schedule, storage, cache_mode(name))?;
-        let slabs = slabs_for(model.backend(), &cache, Tier::Device, true)?;
-        templates.push((name.as_str(), cache, slabs));
+        for &dt in &dtypes {
+            let label = format!("{name}/{}", storage_name(dt));
+            if let Err(e) = TemplateLayout::for_model(&cfg, l, 1, dt)
+                .with_mode(cache_mode(name))
+                .check()
+            {
+                eprintln!("skipping {label}: {e}");
+                continue;
+            }
+            let cache = capture(&model, &inputs, &schedule, dt, cache_mode(name))?;
+            let slabs = slabs_for(model.backend(), &cache, Tier::Device, true)?;
+            templates.push((label, cache, slabs));
+        }
     }
     let tier = tier_of(&a.cache_tier);
     let profile = match &a.profile {
@@ -539,8 +566,8 @@ where
         } else {
             serde_json::json!(ratios[0])
         };
-        let kv = templates.iter().find(|(n, _, _)| *n == "kv");
-        for (mode_name, cache, slabs) in &templates {
+        let (base_label, base_cache, base_slabs) = &templates[0];
+        for (ti, (label, cache, slabs)) in templates.iter().enumerate() {
             let edits = || edits_of(cache);
             let tm = time_steps(a.iters, edits, |jobs| {
                 step(&model, jobs, slabs, &all_cached)
@@ -558,21 +585,22 @@ where
                 "flop_bound": single_bound.unwrap_or(bound),
                 "fraction_of_bound": speedup / bound,
                 "cache_tier": "memory",
-                "cache_mode": mode_name,
+                "cache": label,
                 "cache_bytes_per_step": lay.cache_bytes_per_step(),
             });
-            // A Y-mode step against the KV-mode one, in alternating runs.
-            if let Some((_, kv_cache, kv_slabs)) = kv.filter(|_| *mode_name == "y") {
-                let (kv_t, _, ratio) = time_paired(
+            // Against the first template, in alternating runs.
+            if ti > 0 {
+                let (base_t, _, ratio) = time_paired(
                     a.iters,
-                    || Ok((edits_of(kv_cache)?, edits()?)),
-                    |(k, _)| step(&model, k, kv_slabs, &all_cached),
-                    |(_, y)| step(&model, y, slabs, &all_cached),
+                    || Ok((edits_of(base_cache)?, edits()?)),
+                    |(b, _)| step(&model, b, base_slabs, &all_cached),
+                    |(_, e)| step(&model, e, slabs, &all_cached),
                 )?;
-                extra["kv_median_s"] = kv_t.median.into();
-                extra["over_kv"] = (ratio - 1.0).into();
-                extra["bytes_vs_kv"] = (lay.cache_bytes_per_step() as f64
-                    / kv_cache.layout().cache_bytes_per_step() as f64)
+                extra["baseline"] = base_label.as_str().into();
+                extra["baseline_median_s"] = base_t.median.into();
+                extra["over_baseline"] = (ratio - 1.0).into();
+                extra["bytes_vs_baseline"] = (lay.cache_bytes_per_step() as f64
+                    / base_cache.layout().cache_bytes_per_step() as f64)
                     .into();
             }
             line(ratio_field.clone(), &tm, flops, extra);
@@ -587,6 +615,26 @@ where
                 mode: lay.mode,
             }];
             let ideal = |jobs: &mut Vec<Job<B::Tensor>>| step(&model, jobs, slabs, &all_cached);
+            // The load alone: one step's slabs brought from the tier to where compute
+            // reads them, with no compute to hide behind.
+            let load_step_s = {
+                let streamed = slabs_for(model.backend(), cache, tier, false)?;
+                let blocks: Vec<usize> = (0..lay.slabs_per_step()).collect();
+                let mut ts = vec![];
+                for _ in 0..=a.iters {
+                    let t0 = Instant::now();
+                    streamed.prepare(cache, 0, &blocks)?;
+                    for &b in &blocks {
+                        streamed.slab(cache, 0, b)?;
+                    }
+                    model.backend().synchronize()?;
+                    streamed.finish();
+                    ts.push(t0.elapsed().as_secs_f64());
+                }
+                ts.remove(0); // warm-up
+                ts.sort_by(|x, y| x.total_cmp(y));
+                ts[ts.len() / 2]
+            };
             for plan in &a.plan {
                 let ((ideal_t, out, ratio), full_blocks, predicted) = match plan.as_str() {
                     "naive" => {
@@ -634,7 +682,8 @@ where
                     flops,
                     serde_json::json!({
                         "cache_tier": a.cache_tier,
-                        "cache_mode": mode_name,
+                        "cache": label,
+                        "load_step_s": load_step_s,
                         "plan": plan,
                         "full_blocks": full_blocks,
                         "predicted_s": predicted,

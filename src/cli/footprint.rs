@@ -2,7 +2,7 @@
 //! from the layout (nothing is allocated). Capacity planning for the cache tiers
 //! starts here.
 
-use denoised_models::flux::template::{CacheMode, TemplateLayout};
+use denoised_models::flux::template::{storage_dtype, CacheMode, TemplateLayout};
 use denoised_models::FluxConfig;
 use denoised_runtime::DType;
 
@@ -28,7 +28,8 @@ pub struct Args {
     /// Denoising steps the template is captured for.
     #[arg(long, default_value_t = 28)]
     pub steps: usize,
-    /// Storage dtype of the cache: f32, bf16 or f16.
+    /// Storage dtype of the cache: f32, bf16 or fp8 (E4M3 with a scale per head's K
+    /// and V; KV mode only).
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
     /// Cache modes to report, comma-separated: `kv` (K and V of every block) and `y`
@@ -40,14 +41,7 @@ pub struct Args {
 const GIB: f64 = (1u64 << 30) as f64;
 
 pub fn run(a: Args) -> CliResult {
-    let dtype = match a.dtype.as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        other => {
-            return Err(format!("unknown --dtype `{other}`: expected f32, bf16 or f16").into())
-        }
-    };
+    let dtype = storage_dtype(&a.dtype).map_err(|e| format!("--dtype: {e}"))?;
     let tok = 2 * a.vae_scale_factor;
     if a.height == 0 || a.width == 0 || a.height % tok != 0 || a.width % tok != 0 {
         return Err(format!(
@@ -71,6 +65,14 @@ pub fn run(a: Args) -> CliResult {
             } else {
                 CacheMode::Kv
             });
+            if let Err(e) = l.check() {
+                eprintln!("{name}, cache mode {mode}, {}: {e}", a.dtype);
+                continue;
+            }
+            let bf16_kv = TemplateLayout {
+                dtype: DType::BF16,
+                ..kv
+            };
             println!(
                 "{}",
                 serde_json::json!({
@@ -82,6 +84,7 @@ pub fn run(a: Args) -> CliResult {
                     "total_bytes": l.total_bytes(), "total_gib": l.total_bytes() as f64 / GIB,
                     "total_gb": l.total_bytes() as f64 / 1e9,
                     "vs_kv": l.total_bytes() as f64 / kv.total_bytes() as f64,
+                    "vs_bf16_kv": l.total_bytes() as f64 / bf16_kv.total_bytes() as f64,
                 })
             );
         }

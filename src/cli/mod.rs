@@ -3,6 +3,7 @@
 mod bench_attn;
 mod bench_overheads;
 mod bench_pipeline;
+mod bench_quality;
 mod bench_serve;
 mod bench_step;
 mod devices;
@@ -53,6 +54,9 @@ pub enum Command {
     Template(TemplateCommand),
     /// Time each stage of a whole edit with seeded components; prints a JSON line.
     BenchPipeline(bench_pipeline::Args),
+    /// What compressed template forms (fp8, step sharing) change in edits against the
+    /// f32 template: latent error and PSNR inside the mask; JSON lines.
+    BenchCacheQuality(bench_quality::Args),
     /// Load-test a running daemon: open-loop Poisson arrivals of edits with mask sizes
     /// from a trace; reports latency percentiles, server stage timings and batch sizes.
     BenchServe(bench_serve::Args),
@@ -99,6 +103,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Edit(a) => edit::run_edit(a),
         Command::Template(TemplateCommand::Capture(a)) => edit::run_capture(a),
         Command::BenchPipeline(a) => bench_pipeline::run(a),
+        Command::BenchCacheQuality(a) => bench_quality::run(a),
         Command::BenchServe(a) => bench_serve::run(a),
         Command::Footprint(a) => footprint::run(a),
         Command::Devices => devices::run(),

@@ -30,7 +30,7 @@ use denoised_models::planner::prefix;
 use denoised_models::profile::{Fit, Profile, FORMAT, VERSION};
 use denoised_models::{FlowMatchEuler, FluxConfig, FluxTransformer};
 use denoised_runtime::direct::DirectFile;
-use denoised_runtime::{Backend, CpuBackend, DType, HostSlice};
+use denoised_runtime::{Backend, CpuBackend, DType, HostSlice, SlabShape};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::bench_step::{capture, grid, random_inputs};
@@ -290,9 +290,14 @@ fn load_host<B: Backend>(be: &B, bytes: usize, dtype: DType) -> CliResult<f64> {
     // one zero page, from cache).
     // SAFETY: this slice is fresh and only this function holds it.
     unsafe { src.bytes_mut() }.fill(1);
-    let shape = [1, bytes / dtype.size_bytes()];
+    let slab = SlabShape {
+        rows: 1,
+        cols: bytes / dtype.size_bytes(),
+        dtype,
+        groups: 1,
+    };
     let stream = be
-        .stream_slabs(&src, dtype, &shape, 1, 1, 1)?
+        .stream_slabs(&src, &slab, 1, 1, 1)?
         .ok_or("this device cannot stream templates")?;
     let once = || -> CliResult<f64> {
         let t0 = Instant::now();

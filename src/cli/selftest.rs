@@ -230,11 +230,12 @@ fn bench_steps(t: Target) -> CliResult<Vec<Check>> {
         profile: None,
         disk_dir: std::env::temp_dir(),
         cache_mode: vec!["kv".into()],
+        cache_dtype: vec![],
     };
     let cfg = FluxConfig::named(config).expect("a known config");
     let lines = match t {
-        Target::Emu => bench_step::measure_gpu(&args, cfg, EmuExec::default())?,
-        Target::Cuda(n) => bench_step::measure_gpu(&args, cfg, cuda(n)?)?,
+        Target::Emu => bench_step::measure_gpu(&args, cfg.clone(), EmuExec::default())?,
+        Target::Cuda(n) => bench_step::measure_gpu(&args, cfg.clone(), cuda(n)?)?,
     };
     let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
     let mut out = Vec::new();
@@ -260,6 +261,36 @@ fn bench_steps(t: Target) -> CliResult<Vec<Check>> {
         out.push(Check::fail(
             "bench-step".into(),
             format!("expected 3 edit measurements, got {}", lines.len()),
+        ));
+    }
+    // Templates streamed from page-locked host memory, bf16 and fp8 K/V: the load of
+    // one step's slabs alone, and the m = 0.2 step that hides it.
+    let streamed = bench_step::Args {
+        mask_ratio: vec![0.2],
+        cache_tier: "host".into(),
+        cache_dtype: vec!["bf16".into(), "fp8".into()],
+        ..args
+    };
+    let lines = match t {
+        Target::Emu => bench_step::measure_gpu(&streamed, cfg, EmuExec::default())?,
+        Target::Cuda(n) => bench_step::measure_gpu(&streamed, cfg, cuda(n)?)?,
+    };
+    let tiered: Vec<&Value> = lines.iter().filter(|v| v["cache_tier"] == "host").collect();
+    for v in &tiered {
+        out.push(info(
+            format!("{config} template streamed from host, {}", v["cache"]),
+            format!(
+                "load {:.2} ms per step; m = 0.2 step {:.1} ms ({:+.1}% over resident)",
+                f(v, "load_step_s") * 1e3,
+                f(v, "median_s") * 1e3,
+                100.0 * f(v, "over_ideal")
+            ),
+        ));
+    }
+    if tiered.len() != 2 {
+        out.push(Check::fail(
+            "bench-step, host tier".into(),
+            format!("expected 2 streamed measurements, got {}", tiered.len()),
         ));
     }
     Ok(out)

@@ -65,6 +65,9 @@ pub struct ServeArgs {
     /// `[cache] mode`: what new templates cache per block, `kv` or `y`.
     #[arg(long, env = "DENOISED_CACHE_MODE")]
     pub cache_mode: Option<String>,
+    /// `[cache] kv_dtype`: storage dtype of new templates (`f32`, `bf16`, `fp8`).
+    #[arg(long, env = "DENOISED_KV_DTYPE")]
+    pub kv_dtype: Option<String>,
 }
 
 impl ServeArgs {
@@ -133,10 +136,28 @@ impl ServeArgs {
         if let Some(m) = &self.cache_mode {
             c.cache.mode = m.clone();
         }
-        c.cache
+        if let Some(d) = &self.kv_dtype {
+            c.cache.kv_dtype = d.clone();
+        }
+        let mode = c
+            .cache
             .mode
             .parse::<denoised_models::planner::CacheMode>()
             .map_err(|e| format!("[cache] mode: {e}"))?;
+        if c.cache.kv_step_stride == 0
+            || (c.cache.kv_step_stride > 1 && mode != denoised_models::planner::CacheMode::Kv)
+        {
+            return Err("[cache] kv_step_stride must be at least 1, and 1 in cache mode y".into());
+        }
+        if !c.cache.kv_dtype.is_empty() {
+            let dt = denoised_models::flux::template::storage_dtype(&c.cache.kv_dtype)
+                .map_err(|e| format!("[cache] kv_dtype: {e}"))?;
+            if dt == denoised_runtime::DType::F8E4M3
+                && mode != denoised_models::planner::CacheMode::Kv
+            {
+                return Err("[cache] kv_dtype = \"fp8\" needs [cache] mode = \"kv\"".into());
+            }
+        }
         denoised_actors::logging::set_format(&c.server.log_format)
             .map_err(|e| format!("[server] {e}"))?;
         if c.workers.preprocess == 0 || c.workers.postprocess == 0 || c.workers.denoise == 0 {

@@ -235,8 +235,8 @@ impl DenoiseState {
             .map_err(|e| WireError::bad_input(e.to_string()))?;
         let work = match &req.work {
             DenoiseWork::Full => Mode::Full,
-            DenoiseWork::Capture { mode } => {
-                let layout = self.capture_layout(n, req.steps, *mode)?;
+            DenoiseWork::Capture { mode, step_stride } => {
+                let layout = self.capture_layout(n, req.steps, *mode, *step_stride)?;
                 let (handle, bytes) = self.shm.alloc_host(layout.total_bytes())?;
                 let cache = TemplateCache::empty_in(layout, bytes)
                     .map_err(|e| WireError::internal(e.to_string()));
@@ -268,10 +268,15 @@ impl DenoiseState {
         tokens: usize,
         steps: u32,
         mode: CacheMode,
+        step_stride: u32,
     ) -> Result<TemplateLayout, WireError> {
         let layout = self
             .layout(tokens, steps, self.template_dtype)
-            .with_mode(mode);
+            .with_mode(mode)
+            .with_step_stride(step_stride as usize);
+        layout
+            .check()
+            .map_err(|e| WireError::bad_input(e.to_string()))?;
         let bytes = layout.total_bytes() as u64;
         let (free, own) = self.shm.room();
         let mb = |b: u64| b as f64 / 1e6;
@@ -327,6 +332,7 @@ impl DenoiseState {
             &self.pipeline.config,
             tokens as usize,
             steps as usize,
+            t.step_stride as usize,
             t.blob.len,
         )
         .ok_or_else(|| {

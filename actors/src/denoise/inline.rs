@@ -85,14 +85,18 @@ pub fn submit(
                         mask: Arc::new(s1.token_mask),
                         cache,
                     },
-                    (DenoiseWork::Capture { mode }, _) => {
+                    (DenoiseWork::Capture { mode, step_stride }, _) => {
                         let layout = TemplateLayout::for_model(
                             &p.config,
                             n,
                             params.steps as usize,
                             template_dtype,
                         )
-                        .with_mode(*mode);
+                        .with_mode(*mode)
+                        .with_step_stride(*step_stride as usize);
+                        layout
+                            .check()
+                            .map_err(|e| WireError::bad_input(e.to_string()))?;
                         Mode::Capture(
                             TemplateCache::new(layout)
                                 .map_err(|e| WireError::internal(e.to_string()))?,

@@ -344,6 +344,8 @@ pub struct TemplateInput {
     pub replace: bool,
     /// What the template caches per block.
     pub cache_mode: CacheMode,
+    /// Its slabs are stored every this many steps (`[cache] kv_step_stride`).
+    pub step_stride: u32,
 }
 
 /// The error of registering an id that is taken.
@@ -584,6 +586,7 @@ async fn edit_once(
                 blob,
                 steps: t.info.steps,
                 tokens: t.info.tokens,
+                step_stride: t.info.kv_step_stride,
             },
         },
         _ => DenoiseWork::Full,
@@ -733,6 +736,7 @@ async fn capture_once(
         let prepared = preprocess(ctx, job, prepare, held).await?;
         let work = DenoiseWork::Capture {
             mode: input.cache_mode,
+            step_stride: input.step_stride,
         };
         let d = denoise(ctx, job, &prepared, params.steps, Vec::new(), work, held).await?;
         let blob = d
@@ -751,6 +755,7 @@ async fn capture_once(
             prepare,
             work: DenoiseWork::Capture {
                 mode: input.cache_mode,
+                step_stride: input.step_stride,
             },
             finish: None,
         };
@@ -777,6 +782,7 @@ async fn capture_once(
         // The cache fills these in.
         kv_dtype: String::new(),
         cache_mode: String::new(),
+        kv_step_stride: input.step_stride,
         tiers: TierBytes::default(),
     };
     let cache = ctx.cache().await?;

@@ -431,6 +431,7 @@ async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult
         max_sequence_length: b.max_sequence_length,
         replace: b.replace,
         cache_mode,
+        step_stride: ctx.config.cache.kv_step_stride,
     };
     let job = ctx.next_job();
     ctx.jobs.create(job, "template", input.steps);

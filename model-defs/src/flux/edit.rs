@@ -375,8 +375,16 @@ impl<B: Backend> ForwardObserver<B::Tensor> for CaptureSink<'_, B> {
     }
     fn block_slab(&mut self, req: usize, block: usize, slab: &B::Tensor) -> Result<()> {
         if let Some(Some((cache, step))) = self.targets.get(req) {
+            let l = cache.layout();
+            if !l.stores(*step) {
+                return Ok(()); // step sharing: another step's slabs stand for this one
+            }
             let dst = cache.slab_slice(*step, block)?;
-            self.backend.store(slab, &dst, cache.layout().dtype)?;
+            match l.dtype {
+                // Quantised once, here, where the capture computed it.
+                DType::F8E4M3 => self.backend.store_fp8(slab, &dst, l.slab_shape().groups)?,
+                dt => self.backend.store(slab, &dst, dt)?,
+            }
         }
         Ok(())
     }

@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use denoised_runtime::{Backend, Error, Result, SlabProvider, Stored};
+use denoised_runtime::{Backend, DType, Error, Result, SlabProvider, Stored};
 
 use super::template::TemplateCache;
 
@@ -98,13 +98,32 @@ impl<T: Send + Sync> DeviceTemplates<T> {
         // Page-locked once, so a device copies every slab from where it lies.
         backend.pin_host(cache.bytes().memory())?;
         let l = cache.layout();
-        let shape = vec![l.tokens, l.slab_width()];
+        let shape = l.slab_shape();
         let mut slabs = Vec::with_capacity(l.slab_count());
-        for s in 0..l.steps {
+        for s in 0..l.stored_steps() {
             for b in 0..l.slabs_per_step() {
-                let bytes = cache.slab_slice(s, b)?;
-                let part = Stored::new("template slab", shape.clone(), l.dtype, bytes.bytes())?;
-                slabs.push(backend.upload_stored(&[part])?);
+                let bytes = cache.slab_slice(s * l.step_stride, b)?;
+                let bytes = bytes.bytes();
+                slabs.push(match l.dtype {
+                    // fp8 stays fp8: the attention kernel reads it as it is.
+                    DType::F8E4M3 => backend
+                        .upload_fp8(
+                            shape.rows,
+                            shape.cols,
+                            &bytes[..shape.data_bytes()],
+                            &shape.scales(bytes),
+                        )?
+                        .ok_or_else(|| {
+                            Error::Invalid(format!(
+                                "{} cannot read fp8 templates yet: capture with [cache] kv_dtype f32 or bf16",
+                                backend.name()
+                            ))
+                        })?,
+                    dt => {
+                        let dims = vec![shape.rows, shape.cols];
+                        backend.upload_stored(&[Stored::new("template slab", dims, dt, bytes)?])?
+                    }
+                });
             }
         }
         self.evict(cache);
@@ -125,9 +144,9 @@ impl<T: Send + Sync> DeviceTemplates<T> {
         }
         let l = cache.layout();
         let slabs = cache.bytes().sub(0, l.latent_offset(0))?;
-        let shape = [l.tokens, l.slab_width()];
         let per_step = l.slabs_per_step();
-        match backend.stream_slabs(&slabs, l.dtype, &shape, l.steps, per_step, lanes)? {
+        let steps = l.stored_steps();
+        match backend.stream_slabs(&slabs, &l.slab_shape(), steps, per_step, lanes)? {
             Some(provider) => {
                 self.insert_streamed(cache, provider, lanes);
                 Ok(true)
@@ -180,7 +199,9 @@ impl<T: Send + Sync> Default for DeviceTemplates<T> {
 impl<T: Send + Sync> SlabSource<T> for DeviceTemplates<T> {
     fn prepare(&self, cache: &TemplateCache, step: usize, slabs: &[usize]) -> Result<()> {
         match self.find(cache) {
-            Some(Form::Streamed { provider, .. }) => provider.prepare(step, slabs),
+            Some(Form::Streamed { provider, .. }) => {
+                provider.prepare(cache.layout().stored(step), slabs)
+            }
             Some(Form::Resident(_)) => Ok(()),
             None => Err(not_here()),
         }
@@ -195,9 +216,11 @@ impl<T: Send + Sync> SlabSource<T> for DeviceTemplates<T> {
                         l.slabs_per_step()
                     )));
                 }
-                Ok(&slabs[step * l.slabs_per_step() + block])
+                Ok(&slabs[l.stored(step) * l.slabs_per_step() + block])
             }
-            Some(Form::Streamed { provider, .. }) => provider.slab(step, block),
+            Some(Form::Streamed { provider, .. }) => {
+                provider.slab(cache.layout().stored(step), block)
+            }
             None => Err(not_here()),
         }
     }

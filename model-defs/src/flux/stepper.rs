@@ -166,14 +166,15 @@ where
     /// evicting the least recently used others until they fit, never one the batch
     /// reads) or streamed with a buffer pair per distinct step.
     fn place_templates(&mut self, ids: &[JobKey]) -> Result<()> {
-        // The batch's templates, each with its distinct steps.
+        // The batch's templates, each with its distinct stored steps (a stream's lanes).
         let mut batch: Vec<(Arc<TemplateCache>, Vec<usize>)> = Vec::new();
         for job in ids.iter().filter_map(|id| self.jobs.get(id)) {
             if let Some(t) = job.template() {
+                let s = t.layout().stored(job.step());
                 match batch.iter_mut().find(|(b, _)| b.key() == t.key()) {
-                    Some((_, steps)) if !steps.contains(&job.step()) => steps.push(job.step()),
+                    Some((_, steps)) if !steps.contains(&s) => steps.push(s),
                     Some(_) => {}
-                    None => batch.push((t.clone(), vec![job.step()])),
+                    None => batch.push((t.clone(), vec![s])),
                 }
             }
         }
@@ -266,8 +267,9 @@ where
             let Some(t) = j.template().filter(|t| !self.templates.is_resident(t)) else {
                 continue;
             };
-            if !streams.contains(&(t.key(), j.step())) {
-                streams.push((t.key(), j.step()));
+            let s = t.layout().stored(j.step());
+            if !streams.contains(&(t.key(), s)) {
+                streams.push((t.key(), s));
                 loads.push(SlabLoad {
                     tier: Tier::Host,
                     bytes: t.layout().slab_bytes(),

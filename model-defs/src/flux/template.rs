@@ -14,8 +14,9 @@
 //!
 //! Then, for every step, the packed latent after that step, `[L, C]`. It is one flat
 //! image in host memory, laid out by [`TemplateLayout`]: slabs step-major, block-minor,
-//! in the storage dtype of the device that captured them (bf16 on a GPU, f32 on the
-//! CPU), then the latents in f32. The same bytes are the shared-memory form the cache
+//! in their storage dtype (by default the capturing device's: bf16 on a GPU, f32 on
+//! the CPU; or fp8 E4M3, a KV-mode slab then ending with one f32 scale per head's K
+//! and per head's V, see `denoised_runtime::fp8`), then the latents in f32. The same bytes are the shared-memory form the cache
 //! process holds (which a GPU worker streams from in place), and the data file of a
 //! template on disk. Cache size is a first-class number (DESIGN.md §Costs): in KV mode
 //! `steps x blocks x L x hidden x 2 x bytes`.
@@ -24,10 +25,34 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use denoised_runtime::backend::write_host;
 use denoised_runtime::stored::encode;
-use denoised_runtime::{DType, Error, HostSlice, Result, Stored, Tensor};
+use denoised_runtime::{fp8, DType, Error, HostSlice, Result, SlabShape, Stored, Tensor};
 
 use super::config::FluxConfig;
 pub use crate::planner::CacheMode;
+
+/// A template slab storage dtype by name: `f32`, `bf16` or `fp8` (E4M3 with a scale per
+/// head's K and V).
+pub fn storage_dtype(name: &str) -> Result<DType> {
+    match name {
+        "f32" => Ok(DType::F32),
+        "bf16" => Ok(DType::BF16),
+        "fp8" => Ok(DType::F8E4M3),
+        other => Err(Error::Invalid(format!(
+            "template storage dtype `{other}`: expected f32, bf16 or fp8"
+        ))),
+    }
+}
+
+/// The name [`storage_dtype`] reads.
+pub fn storage_name(dt: DType) -> &'static str {
+    match dt {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F8E4M3 => "fp8",
+        DType::F16 => "f16",
+        DType::U8 => "u8",
+    }
+}
 
 /// Shapes, mode and dtype of a template cache, and the flat byte layout derived from
 /// them.
@@ -45,6 +70,12 @@ pub struct TemplateLayout {
     pub dtype: DType,
     /// What each slab holds.
     pub mode: CacheMode,
+    /// Attention heads: an fp8 slab has a scale per head's K and per head's V.
+    pub heads: usize,
+    /// Slabs are stored for every `step_stride`-th step only (step sharing, KV mode);
+    /// a step reads the nearest stored one ([`TemplateLayout::stored`]). Latents are
+    /// stored for every step.
+    pub step_stride: usize,
 }
 
 impl TemplateLayout {
@@ -58,6 +89,8 @@ impl TemplateLayout {
             latent_channels: c.out_channels(),
             dtype,
             mode: CacheMode::Kv,
+            heads: c.num_attention_heads,
+            step_stride: 1,
         }
     }
 
@@ -65,16 +98,124 @@ impl TemplateLayout {
         TemplateLayout { mode, ..self }
     }
 
-    /// The layout for `c` of `tokens` x `steps` whose flat image is `bytes` long: its
-    /// storage dtype and mode are the ones whose layout has that size (a template is
-    /// stored in its capturing device's dtype, which only its size tells; the four
-    /// sizes differ for any non-empty template).
-    pub fn infer(c: &FluxConfig, tokens: usize, steps: usize, bytes: u64) -> Option<Self> {
-        [CacheMode::Kv, CacheMode::Y]
+    pub fn with_step_stride(self, step_stride: usize) -> Self {
+        TemplateLayout {
+            step_stride,
+            ..self
+        }
+    }
+
+    /// Steps whose slabs are stored: 0, k, 2k, ... below `steps`.
+    pub fn stored_steps(&self) -> usize {
+        self.steps.div_ceil(self.step_stride.max(1))
+    }
+    /// The stored step (its index among the stored ones) that step `step` reads: the
+    /// nearest one (ties go to the later, less noisy step).
+    pub fn stored(&self, step: usize) -> usize {
+        let k = self.step_stride.max(1);
+        ((step + k / 2) / k).min(self.stored_steps().saturating_sub(1))
+    }
+    /// Whether step `step`'s slabs are stored (what a capture writes).
+    pub fn stores(&self, step: usize) -> bool {
+        step % self.step_stride.max(1) == 0
+    }
+
+    /// The layout for `c` of `tokens` x `steps` with slabs every `step_stride` steps
+    /// whose flat image is `bytes` long: its storage dtype and mode are the ones whose
+    /// layout has that size (only its size tells them; at one stride the sizes differ
+    /// for any non-empty template).
+    pub fn infer(
+        c: &FluxConfig,
+        tokens: usize,
+        steps: usize,
+        step_stride: usize,
+        bytes: u64,
+    ) -> Option<Self> {
+        let kv = Self::for_model(c, tokens, steps, DType::F32).with_step_stride(step_stride);
+        [DType::BF16, DType::F32, DType::F8E4M3]
             .into_iter()
-            .flat_map(|m| [DType::BF16, DType::F32].map(|dt| (m, dt)))
-            .map(|(m, dt)| Self::for_model(c, tokens, steps, dt).with_mode(m))
-            .find(|l| l.total_bytes() as u64 == bytes)
+            .flat_map(|dt| [CacheMode::Kv, CacheMode::Y].map(|m| (m, dt)))
+            .map(|(m, dt)| TemplateLayout { dtype: dt, ..kv }.with_mode(m))
+            .find(|l| l.check().is_ok() && l.total_bytes() as u64 == bytes)
+    }
+
+    /// Whether a template of this layout serves requests of `expected`'s shapes and
+    /// model (its dtype and mode are its own). A file written before the head count
+    /// was recorded (never fp8) has `heads` 0.
+    pub fn fits(&self, expected: &TemplateLayout) -> bool {
+        (
+            self.steps,
+            self.blocks,
+            self.tokens,
+            self.hidden,
+            self.latent_channels,
+        ) == (
+            expected.steps,
+            expected.blocks,
+            expected.tokens,
+            expected.hidden,
+            expected.latent_channels,
+        ) && (self.heads == expected.heads || (self.heads == 0 && self.dtype != DType::F8E4M3))
+    }
+
+    /// Whether the combination is one templates use: f32, bf16 or fp8 slabs, fp8 only
+    /// for K/V (block outputs in fp8 lose too much: their outliers set the scale).
+    pub fn check(&self) -> Result<()> {
+        if self.step_stride == 0 || (self.step_stride > 1 && self.mode != CacheMode::Kv) {
+            return Err(Error::Invalid(format!(
+                "a step stride of {} (step sharing stores K/V every k >= 1 steps, cache mode kv)",
+                self.step_stride
+            )));
+        }
+        match (self.dtype, self.mode) {
+            (DType::F32 | DType::BF16, _) | (DType::F8E4M3, CacheMode::Kv) => Ok(()),
+            (DType::F8E4M3, CacheMode::Y) => Err(Error::Invalid(
+                "fp8 templates cache K/V (cache mode kv), not block outputs".into(),
+            )),
+            (other, _) => Err(Error::Invalid(format!(
+                "templates are stored in f32, bf16 or fp8, not {other:?}"
+            ))),
+        }
+    }
+
+    /// The form of one slab (with its scales in fp8).
+    pub fn slab_shape(&self) -> SlabShape {
+        SlabShape {
+            rows: self.tokens,
+            cols: self.slab_width(),
+            dtype: self.dtype,
+            groups: 2 * self.heads,
+        }
+    }
+
+    /// The stored bytes of a slab of `values` (`[L, slab_width]`, row-major).
+    pub fn encode_slab(&self, values: &[f32]) -> Vec<u8> {
+        match self.dtype {
+            DType::F8E4M3 => {
+                let s = self.slab_shape();
+                let (mut bytes, scales) = fp8::quantize(values, s.cols, s.groups);
+                bytes.extend(scales.iter().flat_map(|v| v.to_le_bytes()));
+                bytes
+            }
+            dt => encode(values, dt),
+        }
+    }
+
+    /// The values of a stored slab.
+    pub fn decode_slab(&self, bytes: &[u8]) -> Result<Vec<f32>> {
+        let s = self.slab_shape();
+        match self.dtype {
+            DType::F8E4M3 => Ok(fp8::dequantize(
+                &bytes[..s.data_bytes()],
+                s.cols,
+                &s.scales(bytes),
+            )),
+            dt => Ok(
+                Stored::new("template slab", vec![s.rows, s.cols], dt, bytes)?
+                    .to_f32()?
+                    .into_data(),
+            ),
+        }
     }
 
     /// Columns of a slab: `[K | V]` or the block output.
@@ -93,23 +234,25 @@ impl TemplateLayout {
     }
     /// Slabs of the whole template.
     pub fn slab_count(&self) -> usize {
-        self.steps * self.slabs_per_step()
+        self.stored_steps() * self.slabs_per_step()
     }
     /// Elements of one `[L, slab_width]` slab.
     pub fn slab_elems(&self) -> usize {
         self.tokens * self.slab_width()
     }
+    /// Stored bytes of one slab (with an fp8 slab's scales).
     pub fn slab_bytes(&self) -> usize {
-        self.slab_elems() * self.dtype.size_bytes()
+        self.slab_shape().bytes()
     }
     /// Bytes of one latent: f32, since the Euler update accumulates in it (a small
     /// share of a template).
     pub fn latent_bytes(&self) -> usize {
         self.tokens * self.latent_channels * 4
     }
-    /// Byte offset of the (step, block) slab in the flat image.
-    pub fn slab_offset(&self, step: usize, block: usize) -> usize {
-        (step * self.slabs_per_step() + block) * self.slab_bytes()
+    /// Byte offset of the slab of block `block` of stored step `stored` (an index
+    /// among the stored steps, [`TemplateLayout::stored`]) in the flat image.
+    pub fn slab_offset(&self, stored: usize, block: usize) -> usize {
+        (stored * self.slabs_per_step() + block) * self.slab_bytes()
     }
     /// Byte offset of the latent after `step`, after all slabs.
     pub fn latent_offset(&self, step: usize) -> usize {
@@ -161,12 +304,7 @@ impl TemplateCache {
                 layout.total_bytes()
             )));
         }
-        if !matches!(layout.dtype, DType::F32 | DType::BF16) {
-            return Err(Error::Invalid(format!(
-                "templates are stored in f32 or bf16, not {:?}",
-                layout.dtype
-            )));
-        }
+        layout.check()?;
         Ok(TemplateCache {
             layout,
             bytes,
@@ -194,7 +332,8 @@ impl TemplateCache {
         &self.bytes
     }
 
-    /// The bytes of the `(step, block)` slab.
+    /// The bytes of the slab of block `block` that step `step` reads (its nearest
+    /// stored step's, with a step stride).
     pub fn slab_slice(&self, step: usize, block: usize) -> Result<HostSlice> {
         let l = &self.layout;
         if step >= l.steps || block >= l.slabs_per_step() {
@@ -204,7 +343,8 @@ impl TemplateCache {
                 l.slabs_per_step()
             )));
         }
-        self.bytes.sub(l.slab_offset(step, block), l.slab_bytes())
+        self.bytes
+            .sub(l.slab_offset(l.stored(step), block), l.slab_bytes())
     }
 
     /// The bytes of the latent after `step`.
@@ -223,13 +363,7 @@ impl TemplateCache {
     pub fn slab(&self, step: usize, block: usize) -> Result<Tensor> {
         let l = &self.layout;
         let b = self.slab_slice(step, block)?;
-        Stored::new(
-            "template slab",
-            vec![l.tokens, l.slab_width()],
-            l.dtype,
-            b.bytes(),
-        )?
-        .to_f32()
+        Tensor::new([l.tokens, l.slab_width()], l.decode_slab(b.bytes())?)
     }
 
     /// The packed latent `[L, C]` after `step`.
@@ -249,18 +383,16 @@ impl TemplateCache {
     /// through `Backend::store`).
     pub fn set_slab(&mut self, step: usize, block: usize, slab: &Tensor) -> Result<()> {
         let l = self.layout;
-        if slab.shape() != [l.tokens, l.slab_width()] {
+        if slab.shape() != [l.tokens, l.slab_width()] || !l.stores(step) {
             return Err(Error::Invalid(format!(
-                "template slab for step {step} block {block}: shape {:?}, expected [{}, {}]",
+                "template slab for step {step} block {block}: shape {:?}, expected [{}, {}], step stride {}",
                 slab.shape(),
                 l.tokens,
-                l.slab_width()
+                l.slab_width(),
+                l.step_stride
             )));
         }
-        write_host(
-            &self.slab_slice(step, block)?,
-            &encode(slab.data(), l.dtype),
-        )
+        write_host(&self.slab_slice(step, block)?, &l.encode_slab(slab.data()))
     }
 
     pub fn set_latent(&mut self, step: usize, latent: &Tensor) -> Result<()> {
@@ -275,6 +407,32 @@ impl TemplateCache {
             &self.latent_slice(step)?,
             &encode(latent.data(), DType::F32),
         )
+    }
+
+    /// This template stored another way (`layout`: another dtype or step stride, the
+    /// same shapes): each stored slab re-encoded from this one's values, the latents
+    /// copied. What a capture into `layout` would have stored, where this template is
+    /// f32 (a capture quantises the f32 K/V it computes; step sharing keeps the slabs
+    /// of the steps it stores).
+    pub fn converted(&self, layout: TemplateLayout) -> Result<TemplateCache> {
+        let l = self.layout;
+        if !layout.fits(&l) || layout.mode != l.mode {
+            return Err(Error::Invalid(
+                "a template converts only to a layout of its own shapes and mode".into(),
+            ));
+        }
+        let mut out = TemplateCache::new(layout)?;
+        for si in 0..layout.stored_steps() {
+            let step = si * layout.step_stride;
+            for b in 0..layout.slabs_per_step() {
+                out.set_slab(step, b, &self.slab(step, b)?)?;
+            }
+        }
+        for s in 0..l.steps {
+            out.set_latent(s, &self.latent(s)?)?;
+        }
+        out.complete = self.complete;
+        Ok(out)
     }
 
     /// Declares the image complete (a capture run has written every part of it).
@@ -322,12 +480,61 @@ mod tests {
             for dt in [DType::F32, DType::BF16] {
                 let l = TemplateLayout::for_model(&c, 16, 3, dt).with_mode(mode);
                 assert_eq!(
-                    TemplateLayout::infer(&c, 16, 3, l.total_bytes() as u64),
+                    TemplateLayout::infer(&c, 16, 3, 1, l.total_bytes() as u64),
                     Some(l)
                 );
             }
         }
-        assert_eq!(TemplateLayout::infer(&c, 16, 3, 12345), None);
+        assert_eq!(TemplateLayout::infer(&c, 16, 3, 1, 12345), None);
+        // fp8 too, and a step stride, given.
+        let l8 = TemplateLayout::for_model(&c, 16, 5, DType::F8E4M3).with_step_stride(2);
+        assert_eq!(
+            TemplateLayout::infer(&c, 16, 5, 2, l8.total_bytes() as u64),
+            Some(l8)
+        );
+    }
+
+    #[test]
+    fn step_sharing_reads_the_nearest_stored_step() {
+        for steps in 1..12 {
+            for k in 1..6 {
+                let l = TemplateLayout::for_model(&FluxConfig::tiny(), 4, steps, DType::F32)
+                    .with_step_stride(k);
+                let stored: Vec<usize> = (0..steps).filter(|s| l.stores(*s)).collect();
+                assert_eq!(stored.len(), l.stored_steps(), "{steps} steps, k {k}");
+                assert_eq!(l.slab_count(), stored.len() * l.blocks);
+                for s in 0..steps {
+                    // Brute force: the nearest stored step, ties to the later one.
+                    let best = stored
+                        .iter()
+                        .enumerate()
+                        .min_by_key(|(_, &t)| (t.abs_diff(s), std::cmp::Reverse(t)))
+                        .map(|(i, _)| i)
+                        .unwrap();
+                    assert_eq!(l.stored(s), best, "{steps} steps, k {k}, step {s}");
+                }
+            }
+        }
+        let l = TemplateLayout::for_model(&FluxConfig::tiny(), 4, 28, DType::BF16);
+        assert_eq!(
+            l.with_step_stride(2).total_bytes() - 28 * l.latent_bytes(),
+            14 * l.blocks * l.slab_bytes()
+        );
+        assert!(l.with_step_stride(0).check().is_err());
+        assert!(l
+            .with_mode(CacheMode::Y)
+            .with_step_stride(2)
+            .check()
+            .is_err());
+        let mut c = TemplateCache::new(l.with_step_stride(2)).unwrap();
+        let z = Tensor::zeros([4, 2 * l.hidden]);
+        assert!(c.set_slab(2, 0, &z).is_ok());
+        assert!(c.set_slab(3, 0, &z).is_err());
+        // Step 1 reads step 2's slab (equally near 0 and 2: the later).
+        assert_eq!(
+            c.slab_slice(1, 0).unwrap().bytes().as_ptr(),
+            c.slab_slice(2, 0).unwrap().bytes().as_ptr()
+        );
     }
 
     #[test]

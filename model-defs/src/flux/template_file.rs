@@ -23,17 +23,16 @@ use std::io::{BufWriter, Read, Write};
 use std::path::Path;
 
 use denoised_runtime::direct::DirectFile;
-use denoised_runtime::stored::encode;
 use denoised_runtime::{DType, Error, HostSlice, Result};
 use serde::{Deserialize, Serialize};
 
-use super::template::{CacheMode, TemplateCache, TemplateLayout};
+use super::template::{storage_dtype, storage_name, CacheMode, TemplateCache, TemplateLayout};
 
 pub const FORMAT: &str = "denoised-template";
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 /// Versions this build reads: 1 had no `kv_dtype` (always f32), 2 one checksum, 3 no
-/// `cache_mode` (always KV).
-const READS: [u32; 4] = [1, 2, 3, 4];
+/// `cache_mode` (always KV), 4 no `heads` (never fp8).
+const READS: [u32; 5] = [1, 2, 3, 4, 5];
 const HEADER: &str = "template.json";
 const DATA: &str = "cache.bin";
 
@@ -67,6 +66,12 @@ struct Header {
     /// `kv` or `y` (version 4).
     #[serde(default = "kv_name")]
     cache_mode: String,
+    /// Attention heads: an fp8 slab's scale groups (version 5; 0 before).
+    #[serde(default)]
+    heads: usize,
+    /// Slabs are stored every this many steps (version 5; 1 before).
+    #[serde(default = "one")]
+    kv_step_stride: usize,
     data_bytes: usize,
     /// Versions 3 and 4: the CRC-32 of each (step, block) slab, step-major, then of the
     /// latents.
@@ -81,18 +86,12 @@ fn f32_name() -> String {
     "f32".into()
 }
 
-fn kv_name() -> String {
-    "kv".into()
+fn one() -> usize {
+    1
 }
 
-fn dtype_name(dt: DType) -> Result<&'static str> {
-    match dt {
-        DType::F32 => Ok("f32"),
-        DType::BF16 => Ok("bf16"),
-        other => Err(Error::Invalid(format!(
-            "templates are stored in f32 or bf16, not {other:?}"
-        ))),
-    }
+fn kv_name() -> String {
+    "kv".into()
 }
 
 fn bad(dir: &Path, reason: impl Into<String>) -> Error {
@@ -114,7 +113,7 @@ fn regions(l: &TemplateLayout) -> impl Iterator<Item = std::ops::Range<usize>> +
 /// Writes `cache` with `meta` to `dir` (created if needed), its slabs in `kv_dtype`
 /// (the cache's own dtype is written as it is; another is converted slab by slab).
 pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta, kv_dtype: DType) -> Result<()> {
-    let kv_name = dtype_name(kv_dtype)?;
+    let kv_name = storage_name(kv_dtype);
     if !cache.is_complete() {
         return Err(Error::Invalid(
             "cannot save an incomplete template cache".into(),
@@ -126,6 +125,7 @@ pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta, kv_dtype: DT
         dtype: kv_dtype,
         ..src
     };
+    l.check()?;
     let data_path = dir.join(DATA);
     let file = std::fs::File::create(&data_path).map_err(|e| Error::io(&data_path, e))?;
     let mut w = BufWriter::new(file);
@@ -135,7 +135,7 @@ pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta, kv_dtype: DT
         let converted;
         let part = if i < l.slab_count() && kv_dtype != src.dtype {
             let (s, b) = (i / l.slabs_per_step(), i % l.slabs_per_step());
-            converted = encode(cache.slab(s, b)?.data(), kv_dtype);
+            converted = l.encode_slab(cache.slab(s * l.step_stride, b)?.data());
             &converted[..]
         } else {
             &bytes[r]
@@ -155,6 +155,8 @@ pub fn save(dir: &Path, cache: &TemplateCache, meta: &TemplateMeta, kv_dtype: DT
         latent_channels: l.latent_channels,
         kv_dtype: kv_name.into(),
         cache_mode: l.mode.name().into(),
+        heads: l.heads,
+        kv_step_stride: l.step_stride,
         data_bytes: l.total_bytes(),
         slab_crc32,
         crc32: None,
@@ -198,16 +200,7 @@ pub fn read_header(dir: &Path) -> Result<FileHeader> {
             ),
         ));
     }
-    let kv_dtype = match h.kv_dtype.as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        other => {
-            return Err(bad(
-                &hp,
-                format!("K/V stored as `{other}`; this build reads f32 and bf16"),
-            ))
-        }
-    };
+    let kv_dtype = storage_dtype(&h.kv_dtype).map_err(|e| bad(&hp, e.to_string()))?;
     let mode: CacheMode = h.cache_mode.parse().map_err(|e: String| bad(&hp, e))?;
     let layout = TemplateLayout {
         steps: h.steps,
@@ -217,9 +210,12 @@ pub fn read_header(dir: &Path) -> Result<FileHeader> {
         latent_channels: h.latent_channels,
         dtype: kv_dtype,
         mode,
+        heads: h.heads,
+        step_stride: h.kv_step_stride,
     };
+    layout.check().map_err(|e| bad(&hp, e.to_string()))?;
     let checks = match h.version {
-        3 | 4 => h.slab_crc32.len() == layout.slab_count() + 1,
+        3.. => h.slab_crc32.len() == layout.slab_count() + 1,
         _ => h.crc32.is_some(),
     };
     if !checks {
@@ -342,7 +338,7 @@ fn check_region(path: &Path, l: &TemplateLayout, i: usize, got: u32, want: u32) 
     }
     let per = l.slabs_per_step();
     let what = if i < l.slab_count() {
-        format!("slab (step {}, block {})", i / per, i % per)
+        format!("slab (step {}, block {})", i / per * l.step_stride, i % per)
     } else {
         "the latents".to_string()
     };
@@ -376,13 +372,7 @@ pub fn load(dir: &Path, model: &str, expected: &TemplateLayout) -> Result<Loaded
             ),
         ));
     }
-    if got
-        != (TemplateLayout {
-            dtype: got.dtype,
-            mode: got.mode,
-            ..*expected
-        })
-    {
+    if !got.fits(expected) {
         return Err(bad(
             dir,
             format!(
@@ -391,6 +381,10 @@ pub fn load(dir: &Path, model: &str, expected: &TemplateLayout) -> Result<Loaded
             ),
         ));
     }
+    let got = TemplateLayout {
+        heads: expected.heads,
+        ..got
+    };
     let image = HostSlice::zeroed(got.total_bytes())?;
     read_into(dir, &h, &image)?;
     Ok(Loaded {
@@ -476,6 +470,31 @@ mod tests {
         let e = load(d16.path(), "m1", &l).err().unwrap().to_string();
         assert!(e.contains("bytes, the header says"), "{e}");
         assert!(save(d16.path(), &c, &meta, DType::F16).is_err());
+    }
+
+    #[test]
+    fn fp8_files_hold_quantised_slabs_with_their_scales() {
+        let (c, meta) = sample();
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), &c, &meta, DType::F8E4M3).unwrap();
+        let l = *c.layout();
+        let back = load(dir.path(), "m1", &l).unwrap();
+        assert_eq!(back.kv_dtype, DType::F8E4M3);
+        let bl = *back.cache.layout();
+        // A quarter of the f32 bytes, plus a scale per (K|V, head) per slab.
+        assert_eq!(bl.slab_bytes(), l.slab_elems() + 8 * l.heads);
+        let v = c.slab(1, 3).unwrap();
+        let (q, scales) = denoised_runtime::fp8::quantize(v.data(), 128, 2 * l.heads);
+        let want = denoised_runtime::fp8::dequantize(&q, 128, &scales);
+        assert_eq!(back.cache.slab(1, 3).unwrap().data(), &want[..]);
+        assert_eq!(back.cache.latent(1).unwrap(), c.latent(1).unwrap());
+        // fp8 block outputs (Y mode) are refused.
+        let y8 = TemplateLayout {
+            mode: CacheMode::Y,
+            ..bl
+        };
+        let e = TemplateCache::new(y8).unwrap_err().to_string();
+        assert!(e.contains("fp8 templates cache K/V"), "{e}");
     }
 
     #[test]

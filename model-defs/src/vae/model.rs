@@ -227,7 +227,7 @@ impl AutoencoderKL {
             .map(|i| Seq {
                 q: vec![(0, i * n..(i + 1) * n)],
                 kv: vec![Kv {
-                    buf,
+                    buf: denoised_runtime::cpu::attention::KvBuf::F32(buf),
                     k_col: c,
                     v_col: 2 * c,
                     rows: Rows::Range(i * n..(i + 1) * n),

@@ -9,6 +9,12 @@
 //! masked-query attention kernel and has the same contract: keys may come from any mix
 //! of sources, which is what mask-aware editing needs, and the output overwrites the
 //! queries in place.
+//!
+//! A cached source may be an fp8 matrix (a compressed template's slab, with a scale per
+//! head's K and V): its tile load decodes the bytes through a 256-entry table into the
+//! packed tile, and the two scales are folded into the products' factors (the score
+//! scale and the `P V` accumulation), so the slab is never expanded and no value is
+//! multiplied by its scale.
 
 use std::ops::Range;
 
@@ -66,8 +72,58 @@ impl Buf {
     }
 }
 
+/// A read-only fp8 matrix: `rows x cols` bytes, with `groups` column groups of
+/// `cols / groups` columns, each with a scale.
+#[derive(Clone, Copy)]
+pub struct Fp8Buf {
+    ptr: *const u8,
+    rows: usize,
+    cols: usize,
+    scales: *const f32,
+    groups: usize,
+}
+// SAFETY: read-only, and the caller keeps the matrix alive for the call.
+unsafe impl Send for Fp8Buf {}
+unsafe impl Sync for Fp8Buf {}
+
+impl Fp8Buf {
+    pub fn new(m: &crate::tensor::Fp8Matrix, cols: usize) -> Self {
+        Fp8Buf {
+            ptr: m.bytes.as_ptr(),
+            rows: m.bytes.len() / cols.max(1),
+            cols,
+            scales: m.scales.as_ptr(),
+            groups: m.scales.len(),
+        }
+    }
+    fn group_width(&self) -> usize {
+        self.cols / self.groups.max(1)
+    }
+    /// The scale of the group holding columns `col..col+len` (one group, validated).
+    fn scale(&self, col: usize) -> f32 {
+        // SAFETY: the group index is below `groups` for validated columns.
+        unsafe { *self.scales.add(col / self.group_width()) }
+    }
+}
+
+/// Where a sequence's keys and values are read from.
+#[derive(Clone, Copy)]
+pub enum KvBuf {
+    F32(Buf),
+    Fp8(Fp8Buf),
+}
+
+impl KvBuf {
+    fn dims(&self) -> (usize, usize) {
+        match self {
+            KvBuf::F32(b) => (b.rows, b.cols),
+            KvBuf::Fp8(b) => (b.rows, b.cols),
+        }
+    }
+}
+
 pub struct Kv<'a> {
-    pub buf: Buf,
+    pub buf: KvBuf,
     pub k_col: usize,
     pub v_col: usize,
     pub rows: Rows<'a>,
@@ -115,29 +171,44 @@ pub fn validate(
             spans.push((*b, r.start, r.end));
         }
         for kv in &s.kv {
-            let b = kv.buf;
+            let (b_rows, b_cols) = kv.buf.dims();
             for col in [kv.k_col, kv.v_col] {
-                if col + width > b.cols {
+                if col + width > b_cols {
                     return Err(format!(
-                        "sequence {si}: kv columns {col}..{} beyond width {}",
+                        "sequence {si}: kv columns {col}..{} beyond width {b_cols}",
                         col + width,
-                        b.cols
                     ));
                 }
-                if bufs.iter().any(|o| o.ptr == b.ptr) && col < q_col + width && q_col < col + width
-                {
-                    return Err(format!("sequence {si}: kv columns {col}.. overlap the query columns {q_col}.. of the same buffer"));
+                match kv.buf {
+                    KvBuf::F32(b) => {
+                        if bufs.iter().any(|o| o.ptr == b.ptr)
+                            && col < q_col + width
+                            && q_col < col + width
+                        {
+                            return Err(format!("sequence {si}: kv columns {col}.. overlap the query columns {q_col}.. of the same buffer"));
+                        }
+                    }
+                    KvBuf::Fp8(b) => {
+                        // Each head's keys (and values) must share one scale.
+                        let (gw, hd) = (b.group_width(), width / heads);
+                        if b.groups == 0 || b.cols % b.groups != 0 || gw % hd != 0 || col % hd != 0
+                        {
+                            return Err(format!(
+                                "sequence {si}: fp8 kv of {} columns in {} scale groups does not align with {heads} heads at column {col}",
+                                b.cols, b.groups
+                            ));
+                        }
+                    }
                 }
             }
             let need = match &kv.rows {
                 Rows::Range(r) => r.end,
                 Rows::Index(i) => i.iter().map(|&x| x as usize + 1).max().unwrap_or(0),
             };
-            if need > b.rows {
+            if need > b_rows {
                 return Err(format!(
-                    "sequence {si}: kv row {} beyond {} rows",
+                    "sequence {si}: kv row {} beyond {b_rows} rows",
                     need - 1,
-                    b.rows
                 ));
             }
         }
@@ -197,6 +268,9 @@ pub fn attention(bufs: &[Buf], q_col: usize, width: usize, heads: usize, seqs: &
 struct Scratch {
     kt: Vec<f32>,
     vt: Vec<f32>,
+    /// An fp8 tile's bytes, gathered before one decode pass over the tile.
+    k8: Vec<u8>,
+    v8: Vec<u8>,
     s: Vec<f32>,
     acc: Vec<f32>,
     m: Vec<f32>,
@@ -208,6 +282,8 @@ impl Scratch {
         Scratch {
             kt: vec![0.0; BK * hd],
             vt: vec![0.0; BK * hd],
+            k8: vec![0; BK * hd],
+            v8: vec![0; BK * hd],
             s: vec![0.0; BQ * BK],
             acc: vec![0.0; QCHUNK * hd],
             m: vec![0.0; QCHUNK],
@@ -237,34 +313,61 @@ fn attend_unit(
         let total = src.rows.len();
         let (kc, vc) = (src.k_col + h * hd, src.v_col + h * hd);
         let mut t0 = 0;
+        // fp8 sources: the scales of this head's K and V, folded into the products.
+        let (k_scale, v_scale) = match &src.buf {
+            KvBuf::F32(_) => (1.0, 1.0),
+            KvBuf::Fp8(b) => (b.scale(kc), b.scale(vc)),
+        };
         while t0 < total {
             let bk = (total - t0).min(BK);
             // Keys and values of this tile: read in place from a range of rows, or
-            // gathered through the index into the packed scratch tiles.
-            let (kp, vp, rs) = match &src.rows {
-                Rows::Range(r) => (
-                    src.buf.row(r.start + t0, kc, hd) as *const f32,
-                    src.buf.row(r.start + t0, vc, hd) as *const f32,
-                    src.buf.cols,
+            // gathered through the index (and, for fp8, decoded) into the packed
+            // scratch tiles.
+            let (kp, vp, rs) = match (&src.buf, &src.rows) {
+                (KvBuf::F32(b), Rows::Range(r)) => (
+                    b.row(r.start + t0, kc, hd) as *const f32,
+                    b.row(r.start + t0, vc, hd) as *const f32,
+                    b.cols,
                 ),
-                Rows::Index(_) => {
+                (KvBuf::F32(b), Rows::Index(_)) => {
                     for j in 0..bk {
                         let r = src.rows.get(t0 + j);
                         // SAFETY: validated rows and columns; K/V columns are never
                         // written during the call.
                         unsafe {
                             std::ptr::copy_nonoverlapping(
-                                src.buf.row(r, kc, hd),
+                                b.row(r, kc, hd),
                                 sc.kt.as_mut_ptr().add(j * hd),
                                 hd,
                             );
                             std::ptr::copy_nonoverlapping(
-                                src.buf.row(r, vc, hd),
+                                b.row(r, vc, hd),
                                 sc.vt.as_mut_ptr().add(j * hd),
                                 hd,
                             );
                         }
                     }
+                    (sc.kt.as_ptr(), sc.vt.as_ptr(), hd)
+                }
+                (KvBuf::Fp8(b), rows) => {
+                    for j in 0..bk {
+                        let r = rows.get(t0 + j);
+                        // SAFETY: validated rows and columns of a live matrix.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                b.ptr.add(r * b.cols + kc),
+                                sc.k8.as_mut_ptr().add(j * hd),
+                                hd,
+                            );
+                            std::ptr::copy_nonoverlapping(
+                                b.ptr.add(r * b.cols + vc),
+                                sc.v8.as_mut_ptr().add(j * hd),
+                                hd,
+                            );
+                        }
+                    }
+                    simd::fp8_decode(&sc.k8[..bk * hd], &mut sc.kt[..bk * hd]);
+                    simd::fp8_decode(&sc.v8[..bk * hd], &mut sc.vt[..bk * hd]);
                     (sc.kt.as_ptr(), sc.vt.as_ptr(), hd)
                 }
             };
@@ -285,7 +388,7 @@ fn attend_unit(
                             bk,
                             (q.row(r, col, hd), q.cols, 1),
                             (kp, 1, rs),
-                            scale,
+                            scale * k_scale,
                             false,
                         );
                     }
@@ -316,7 +419,7 @@ fn attend_unit(
                             hd,
                             (sc.s.as_ptr(), bk, 1),
                             (vp, rs, 1),
-                            1.0,
+                            v_scale,
                             true,
                         );
                     }
@@ -419,7 +522,7 @@ mod tests {
             Seq {
                 q: vec![(0, 0..40)],
                 kv: vec![Kv {
-                    buf: fb,
+                    buf: KvBuf::F32(fb),
                     k_col: width,
                     v_col: 2 * width,
                     rows: Rows::Range(0..40),
@@ -429,13 +532,13 @@ mod tests {
                 q: vec![(0, 40..nq)],
                 kv: vec![
                     Kv {
-                        buf: fb,
+                        buf: KvBuf::F32(fb),
                         k_col: width,
                         v_col: 2 * width,
                         rows: Rows::Range(40..nq),
                     },
                     Kv {
-                        buf: cb,
+                        buf: KvBuf::F32(cb),
                         k_col: 0,
                         v_col: width,
                         rows: Rows::Index(&idx),
@@ -500,19 +603,19 @@ mod tests {
             q: vec![(0, 0..nt), (1, 0..ni)],
             kv: vec![
                 Kv {
-                    buf: tb,
+                    buf: KvBuf::F32(tb),
                     k_col: width,
                     v_col: 2 * width,
                     rows: Rows::Range(0..nt),
                 },
                 Kv {
-                    buf: ib,
+                    buf: KvBuf::F32(ib),
                     k_col: width,
                     v_col: 2 * width,
                     rows: Rows::Range(0..ni),
                 },
                 Kv {
-                    buf: cb,
+                    buf: KvBuf::F32(cb),
                     k_col: 0,
                     v_col: width,
                     rows: Rows::Index(&idx),
@@ -555,7 +658,7 @@ mod tests {
         let b = Buf::new(&mut a, 12);
         let kv = |k_col| {
             vec![Kv {
-                buf: b,
+                buf: KvBuf::F32(b),
                 k_col,
                 v_col: 8,
                 rows: Rows::Range(0..10),
@@ -578,5 +681,88 @@ mod tests {
         assert!(validate(&[b], 0, 4, 2, &[seq(vec![(0, 0..11)], 4)])
             .unwrap_err()
             .contains("beyond"));
+    }
+
+    /// An fp8 cached source (a compressed template slab, scaled per head's K and V):
+    /// equal to the f32 kernel on the dequantised values, and close to the unquantised
+    /// ones.
+    #[test]
+    fn fp8_source_equals_its_dequantised_values() {
+        let (heads, hd) = (4, 16);
+        let width = heads * hd;
+        let nq = 70;
+        let fw = 3 * width;
+        // Per-head magnitudes differ (as real K/V do): one scale per (K|V, head).
+        let mut cache = data(700 * 2 * width, 9);
+        for (i, v) in cache.iter_mut().enumerate() {
+            *v *= [0.05, 1.0, 7.0, 0.4][(i % width) / hd];
+        }
+        let (bytes, scales) = crate::fp8::quantize(&cache, 2 * width, 2 * heads);
+        let deq = crate::fp8::dequantize(&bytes, 2 * width, &scales);
+        let m = crate::tensor::Fp8Matrix { bytes, scales };
+        let idx: Vec<u32> = (0..700u32).filter(|i| i % 4 != 2).collect();
+        let run = |kv: KvBuf| {
+            let mut fused = data(nq * fw, 2);
+            let fb = Buf::new(&mut fused, fw);
+            let seqs = vec![Seq {
+                q: vec![(0, 0..nq)],
+                kv: vec![
+                    Kv {
+                        buf: KvBuf::F32(fb),
+                        k_col: width,
+                        v_col: 2 * width,
+                        rows: Rows::Range(0..nq),
+                    },
+                    Kv {
+                        buf: kv,
+                        k_col: 0,
+                        v_col: width,
+                        rows: Rows::Index(&idx),
+                    },
+                ],
+            }];
+            validate(&[fb], 0, width, heads, &seqs).unwrap();
+            attention(&[fb], 0, width, heads, &seqs);
+            fused
+                .chunks(fw)
+                .flat_map(|r| r[..width].to_vec())
+                .collect::<Vec<f32>>()
+        };
+        let got = run(KvBuf::Fp8(Fp8Buf::new(&m, 2 * width)));
+        let same = run(KvBuf::F32(Buf::external(&deq, 2 * width)));
+        let exact = run(KvBuf::F32(Buf::external(&cache, 2 * width)));
+        let rel = |a: &[f32], b: &[f32]| {
+            let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            a.iter()
+                .zip(b)
+                .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+                / scale
+        };
+        let (d_same, d_exact) = (rel(&got, &same), rel(&got, &exact));
+        println!("fp8 vs dequantised f32: {d_same:.1e}; vs unquantised: {d_exact:.1e}");
+        assert!(d_same <= 1e-5, "{d_same:.2e}");
+        // Each K and V element is within 2^-4 of itself (3 mantissa bits, half a unit),
+        // so the output, a convex combination of V rows, moves by at most 1/16 of the
+        // largest |V| through V, plus what the scores' error moves the weights: 0.1 of
+        // the output scale bounds both here.
+        assert!(d_exact <= 0.1, "{d_exact:.2e}");
+        assert!(d_exact > 0.0);
+        // A scale group must hold whole heads.
+        let bad = crate::tensor::Fp8Matrix {
+            bytes: vec![0; 10 * 2 * width],
+            scales: vec![1.0; 3],
+        };
+        let mut fused = data(4 * fw, 3);
+        let fb = Buf::new(&mut fused, fw);
+        let seqs = vec![Seq {
+            q: vec![(0, 0..4)],
+            kv: vec![Kv {
+                buf: KvBuf::Fp8(Fp8Buf::new(&bad, 2 * width)),
+                k_col: 0,
+                v_col: width,
+                rows: Rows::Range(0..10),
+            }],
+        }];
+        assert!(validate(&[fb], 0, width, heads, &seqs).is_err());
     }
 }

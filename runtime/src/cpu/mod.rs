@@ -101,23 +101,32 @@ impl Backend for CpuBackend {
     type Tensor = Tensor;
     type Weight = CpuWeight;
 
-    /// A loader thread copies each slab into f32 staging one block ahead of compute.
+    /// A loader thread copies each slab into staging one block ahead of compute (f32,
+    /// or fp8 as it is stored).
     fn stream_slabs(
         &self,
         src: &crate::HostSlice,
-        dtype: crate::DType,
-        shape: &[usize],
+        slab: &crate::SlabShape,
         steps: usize,
         blocks: usize,
         lanes: usize,
     ) -> Result<Option<Box<dyn crate::SlabProvider<Tensor>>>> {
-        let slab_bytes = shape.iter().product::<usize>() * dtype.size_bytes();
         let read = stream::HostSlabs {
             src: src.clone(),
-            slab_bytes,
+            slab_bytes: slab.bytes(),
         };
-        let s = stream::CpuStream::new(Arc::new(read), dtype, shape, steps, blocks, lanes)?;
+        let s = stream::CpuStream::new(Arc::new(read), slab, steps, blocks, lanes)?;
         Ok(Some(Box::new(s)))
+    }
+
+    fn upload_fp8(
+        &self,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+        scales: &[f32],
+    ) -> Result<Option<Tensor>> {
+        Tensor::fp8(rows, cols, bytes.to_vec(), scales.to_vec()).map(Some)
     }
 
     fn name(&self) -> String {
@@ -310,12 +319,16 @@ impl Backend for CpuBackend {
             let mut kv = Vec::with_capacity(s.kv.len());
             for src in &s.kv {
                 let buf = match src.src {
-                    Src::Own(i) => *raw.get(i).ok_or_else(|| {
+                    Src::Own(i) => attention::KvBuf::F32(*raw.get(i).ok_or_else(|| {
                         Error::shape("attention", format!("kv buffer {i} of {}", raw.len()))
-                    })?,
-                    Src::Ext(t) => {
-                        attention::Buf::external(t.data(), matrix_dims("attention", t)?.1)
-                    }
+                    })?),
+                    Src::Ext(t) => match t.as_fp8() {
+                        Some(m) => attention::KvBuf::Fp8(attention::Fp8Buf::new(m, t.cols())),
+                        None => attention::KvBuf::F32(attention::Buf::external(
+                            t.data(),
+                            matrix_dims("attention", t)?.1,
+                        )),
+                    },
                 };
                 kv.push(attention::Kv {
                     buf,

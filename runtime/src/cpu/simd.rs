@@ -84,6 +84,23 @@ pub fn gelu_tanh(x: f32) -> f32 {
 }
 
 multiversion! {
+    /// `dst[i] = ` the value of FP8 E4M3 byte `src[i]` (unscaled; the NaN code, which
+    /// template slabs never hold, reads as 480). Branch-free integer arithmetic, so
+    /// the loop vectorises: a normal byte's exponent and mantissa are an f32's shifted
+    /// by 20 bits and rebiased by 120; a subnormal one is its mantissa times 2^-9.
+    pub fn fp8_decode(src: &[u8], dst: &mut [f32]) {
+        for (d, &b) in dst.iter_mut().zip(src) {
+            let b = b as u32;
+            let em = b & 0x7F;
+            let normal = (em << 20) + (120 << 23);
+            let sub = (em as f32 * (1.0 / 512.0)).to_bits();
+            let bits = if em >= 8 { normal } else { sub };
+            *d = f32::from_bits(bits | ((b & 0x80) << 24));
+        }
+    }
+}
+
+multiversion! {
     /// In place: `x = silu(x)`.
     pub fn silu_inplace(x: &mut [f32]) {
         for v in x.iter_mut() {

@@ -22,7 +22,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::backend::{check_slab_list, SlabProvider};
+use crate::backend::{check_slab_list, SlabProvider, SlabShape};
 use crate::error::{Error, Result};
 use crate::host::HostSlice;
 use crate::stored::to_f32;
@@ -108,32 +108,48 @@ pub struct CpuStream {
 unsafe impl Sync for Lane {}
 
 impl CpuStream {
-    /// Streams `steps * blocks` slabs of `shape` stored as `dtype` from `src`.
+    /// Streams `steps * blocks` slabs of form `slab` from `src`.
     pub fn new(
         src: Arc<dyn SlabRead>,
-        dtype: DType,
-        shape: &[usize],
+        slab: &SlabShape,
         steps: usize,
         blocks: usize,
         lanes: usize,
     ) -> Result<Self> {
-        let elems: usize = shape.iter().product();
+        let slab = *slab;
+        // Staging in the form compute reads: f32, or fp8 as stored (the attention
+        // kernel decodes it in its tile loads).
+        let buffer = || -> Result<Tensor> {
+            match slab.dtype {
+                DType::F8E4M3 => Tensor::fp8(
+                    slab.rows,
+                    slab.cols,
+                    vec![0; slab.rows * slab.cols],
+                    vec![1.0; slab.groups],
+                ),
+                _ => Ok(Tensor::zeros([slab.rows, slab.cols])),
+            }
+        };
         let lanes: Arc<Vec<Lane>> = Arc::new(
             (0..lanes.max(1))
-                .map(|_| Lane {
-                    bufs: [(); 2].map(|_| UnsafeCell::new(Tensor::zeros(shape.to_vec()))),
-                    st: Mutex::default(),
-                    ready: Condvar::new(),
+                .map(|_| -> Result<Lane> {
+                    Ok(Lane {
+                        bufs: [UnsafeCell::new(buffer()?), UnsafeCell::new(buffer()?)],
+                        st: Mutex::default(),
+                        ready: Condvar::new(),
+                    })
                 })
-                .collect(),
+                .collect::<Result<_>>()?,
         );
         let (send, recv) = channel::<Load>();
         let ls = lanes.clone();
-        let slab_bytes = elems * dtype.size_bytes();
+        let dtype = slab.dtype;
+        let slab_bytes = slab.bytes();
         let loader = std::thread::Builder::new()
             .name("slab-loader".into())
             .spawn(move || {
                 let mut staging = vec![0u8; if dtype == DType::F32 { 0 } else { slab_bytes }];
+                let slab = slab;
                 for job in recv {
                     let lane = &ls[job.lane];
                     // SAFETY: this buffer is loading (see the `Sync` note above).
@@ -141,7 +157,7 @@ impl CpuStream {
                     let r = read_slab(
                         &*src,
                         job.step * blocks + job.block,
-                        dtype,
+                        &slab,
                         buf,
                         &mut staging,
                     );
@@ -192,14 +208,24 @@ impl CpuStream {
     }
 }
 
-/// Reads slab `index` into `out` as f32.
+/// Reads slab `index` into `out`: f32, or an fp8 matrix as stored.
 fn read_slab(
     src: &dyn SlabRead,
     index: usize,
-    dtype: DType,
+    slab: &SlabShape,
     out: &mut Tensor,
     staging: &mut [u8],
 ) -> Result<()> {
+    let dtype = slab.dtype;
+    if let Some(m) = out.as_fp8_mut() {
+        src.read(index, staging)?;
+        let n = slab.data_bytes();
+        m.bytes.copy_from_slice(&staging[..n]);
+        for (s, b) in m.scales.iter_mut().zip(staging[n..].chunks_exact(4)) {
+            *s = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+        }
+        return Ok(());
+    }
     if dtype == DType::F32 {
         let data = out.data_mut();
         // SAFETY: any bytes are a valid f32 and the slice covers exactly `data`.
@@ -345,6 +371,15 @@ impl Drop for CpuStream {
 mod tests {
     use super::*;
 
+    fn shape(dtype: DType, rows: usize, cols: usize) -> SlabShape {
+        SlabShape {
+            rows,
+            cols,
+            dtype,
+            groups: 1,
+        }
+    }
+
     /// Slabs whose every value is its index, read with a delay (a slow disk); the
     /// indices read are logged.
     struct Numbered {
@@ -378,7 +413,7 @@ mod tests {
     fn streams_every_block_from_any_first_block_and_counts_the_wait() {
         let (steps, blocks) = (3, 5);
         let src = Numbered::new(6, Duration::from_millis(20));
-        let s = CpuStream::new(src, DType::BF16, &[2, 3], steps, blocks, 2).unwrap();
+        let s = CpuStream::new(src, &shape(DType::BF16, 2, 3), steps, blocks, 2).unwrap();
         for (step, first) in [(0, 0), (2, 3), (1, 4)] {
             let list: Vec<usize> = (first..blocks).collect();
             s.prepare(step, &list).unwrap();
@@ -411,7 +446,7 @@ mod tests {
     fn streams_only_the_listed_blocks_two_ahead_at_most() {
         let (steps, blocks) = (2, 8);
         let src = Numbered::new(6, Duration::from_millis(5));
-        let s = CpuStream::new(src.clone(), DType::BF16, &[2, 3], steps, blocks, 1).unwrap();
+        let s = CpuStream::new(src.clone(), &shape(DType::BF16, 2, 3), steps, blocks, 1).unwrap();
         let list = [0, 2, 3, 6];
         // The slabs read since the last call, once `n` were: waiting for the expected
         // reads keeps a busy machine from failing the test, and the pause after them
@@ -486,7 +521,7 @@ mod tests {
                 Err(Error::Invalid(format!("checksum mismatch in slab {index}")))
             }
         }
-        let s = CpuStream::new(Arc::new(Broken), DType::F32, &[1, 2], 1, 3, 1).unwrap();
+        let s = CpuStream::new(Arc::new(Broken), &shape(DType::F32, 1, 2), 1, 3, 1).unwrap();
         s.prepare(0, &[0, 2]).unwrap();
         // Both loads fail; each buffer reports its own slab, and asking again does not
         // hand out the buffer.

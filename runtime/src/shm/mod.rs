@@ -168,6 +168,7 @@ enum DTypeDef {
     BF16,
     F16,
     U8,
+    F8E4M3,
 }
 
 /// A reference to a slice of an arena. Cheap to clone; travels in messages (serde).

@@ -246,6 +246,11 @@ impl ArenaView {
                     .iter()
                     .map(|&b| b as f32)
                     .collect(),
+                // Unscaled elements (scales travel beside fp8 data, never in a view).
+                DType::F8E4M3 => std::slice::from_raw_parts(ptr, numel)
+                    .iter()
+                    .map(|&b| crate::fp8::DECODE[b as usize])
+                    .collect(),
             }
         };
         fence(Ordering::Acquire);
@@ -335,6 +340,12 @@ impl ArenaView {
                     let dst = std::slice::from_raw_parts_mut(ptr, src.len());
                     for (d, &s) in dst.iter_mut().zip(src) {
                         *d = s.round().clamp(0.0, 255.0) as u8;
+                    }
+                }
+                DType::F8E4M3 => {
+                    let dst = std::slice::from_raw_parts_mut(ptr, src.len());
+                    for (d, &s) in dst.iter_mut().zip(src) {
+                        *d = crate::fp8::encode(s);
                     }
                 }
             }

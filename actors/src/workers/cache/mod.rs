@@ -194,7 +194,7 @@ fn not_found(id: &str) -> WireError {
 }
 
 fn dtype_name(l: &TemplateLayout) -> String {
-    format!("{:?}", l.dtype).to_lowercase()
+    denoised_models::flux::template::storage_name(l.dtype).into()
 }
 
 impl CacheState {
@@ -210,9 +210,9 @@ impl CacheState {
         let model = self.model.clone();
         let mut found = disk.scan(|l, info| {
             info.model == fingerprint
-                && *l
-                    == TemplateLayout::for_model(&model, l.tokens, l.steps, l.dtype)
-                        .with_mode(l.mode)
+                && l.fits(&TemplateLayout::for_model(
+                    &model, l.tokens, l.steps, l.dtype,
+                ))
         });
         // Oldest first, so that the use order starts as the registration order.
         found.sort_by(|a, b| a.info.created_unix.total_cmp(&b.info.created_unix));
@@ -260,6 +260,7 @@ impl CacheState {
         TemplateInfo {
             kv_dtype: dtype_name(&e.layout),
             cache_mode: e.layout.mode.name().into(),
+            kv_step_stride: e.layout.step_stride as u32,
             tiers: TierBytes {
                 host: s.host,
                 disk: match s.disk {
@@ -340,6 +341,7 @@ impl CacheState {
                 &self.model,
                 i.tokens as usize,
                 i.steps as usize,
+                i.kv_step_stride as usize,
                 put.blob.len,
             )
             .ok_or_else(|| {
