@@ -25,7 +25,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use denoised_runtime::backend::check_slab_list;
+use denoised_runtime::backend::{check_slab_list, next_slab_position};
 use denoised_runtime::{Backend, DType, Error, HostSlice, Result, SlabProvider, SlabShape};
 
 use crate::backend::{dev, GpuBackend, GpuTensor};
@@ -222,19 +222,7 @@ impl<E: Exec> SlabProvider<GpuTensor<E>> for StreamedTemplate<E> {
             // for the slab.
             return Ok(&lane.bufs[p % 2]);
         }
-        let p = st.at.map_or(0, |a| a + 1);
-        if st.slabs.get(p) != Some(&block) {
-            let why = if st.slabs.binary_search(&block).is_ok() {
-                "asked out of order"
-            } else {
-                "not prepared"
-            };
-            return Err(Error::Invalid(format!(
-                "block {block} of step {step} {why} (prepared {:?}, next {:?})",
-                st.slabs,
-                st.slabs.get(p)
-            )));
-        }
+        let p = next_slab_position(&st.slabs, st.at, step, block)?;
         // Entering position p: the work queued so far includes every read of p-1's
         // slab, so its buffer can take p+1 once that work is done.
         if p + 1 < st.slabs.len() && st.next == p + 1 {

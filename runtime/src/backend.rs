@@ -451,3 +451,26 @@ pub fn check_slab_list(slabs: &[usize], blocks: usize) -> Result<()> {
     }
     Ok(())
 }
+
+/// The list position a provider's `slab(step, block)` enters, given the prepared list
+/// `slabs` and the position compute is at: the next one, which must hold `block`.
+pub fn next_slab_position(
+    slabs: &[usize],
+    at: Option<usize>,
+    step: usize,
+    block: usize,
+) -> Result<usize> {
+    let p = at.map_or(0, |a| a + 1);
+    if slabs.get(p) == Some(&block) {
+        return Ok(p);
+    }
+    let why = if slabs.binary_search(&block).is_ok() {
+        "asked out of order"
+    } else {
+        "not prepared"
+    };
+    Err(crate::Error::Invalid(format!(
+        "block {block} of step {step} {why} (prepared {slabs:?}, next {:?})",
+        slabs.get(p)
+    )))
+}

@@ -33,6 +33,34 @@ pub struct Args {
     pub device: DeviceArgs,
 }
 
+/// A square `n x n` image of random pixels (timing and error figures do not depend on
+/// the content).
+pub(super) fn random_image(n: usize, rng: &mut SplitMix) -> Rgb8 {
+    Rgb8 {
+        width: n,
+        height: n,
+        data: (0..n * n * 3)
+            .map(|_| (rng.next_u64() >> 56) as u8)
+            .collect(),
+    }
+}
+
+/// The pixel mask of an `n x n` image whose `tok`-pixel tokens `tm` marks.
+pub(super) fn pixel_mask(tm: &TokenMask, n: usize, tok: usize) -> Mask {
+    let cols = n / tok;
+    let mut on = vec![false; tm.len()];
+    for &t in tm.active() {
+        on[t as usize] = true;
+    }
+    Mask {
+        width: n,
+        height: n,
+        data: (0..n * n)
+            .map(|i| on[(i / n / tok) * cols + (i % n) / tok])
+            .collect(),
+    }
+}
+
 pub fn run(a: Args) -> CliResult {
     let backend: CpuBackend = a.device.cpu_backend()?;
     let t0 = Instant::now();
@@ -44,28 +72,12 @@ pub fn run(a: Args) -> CliResult {
     let load_s = t0.elapsed().as_secs_f64();
     let n = a.size;
     let mut rng = SplitMix::new(5);
-    let image = Rgb8 {
-        width: n,
-        height: n,
-        data: (0..n * n * 3)
-            .map(|_| (rng.next_u64() >> 56) as u8)
-            .collect(),
-    };
+    let image = random_image(n, &mut rng);
     // An irregular mask covering about 20% of the image, drawn at token resolution.
     let tok = 2 * p.vae_scale_factor();
     let (tr, tc) = (n / tok, n / tok);
     let tm = TokenMask::random_blobs(tr, tc, tr * tc / 5, 11);
-    let mut on = vec![false; tr * tc];
-    for &t in tm.active() {
-        on[t as usize] = true;
-    }
-    let mask = Mask {
-        width: n,
-        height: n,
-        data: (0..n * n)
-            .map(|i| on[(i / n / tok) * tc + (i % n) / tok])
-            .collect(),
-    };
+    let mask = pixel_mask(&tm, n, tok);
     let opts = EditOptions {
         steps: a.steps,
         max_sequence_length: a.max_sequence_length,

@@ -24,6 +24,7 @@ use denoised_models::pipeline::image::{Mask, Rgb8};
 use denoised_models::ModelSource;
 use denoised_runtime::{CpuBackend, DType, Tensor};
 
+use super::bench_pipeline::{pixel_mask, random_image};
 use super::{CliResult, DeviceArgs};
 
 #[derive(clap::Args, Debug)]
@@ -108,13 +109,7 @@ pub fn run(a: Args) -> CliResult {
     }
     let trace = read_ratio_trace(&a.mask_trace)?;
     let mut rng = SplitMix::new(a.seed ^ 0x51a7);
-    let image = Rgb8 {
-        width: n,
-        height: n,
-        data: (0..n * n * 3)
-            .map(|_| (rng.next_u64() >> 56) as u8)
-            .collect(),
-    };
+    let image = random_image(n, &mut rng);
     let opts = EditOptions {
         steps: a.steps,
         max_sequence_length: a.max_sequence_length,
@@ -169,17 +164,7 @@ pub fn run(a: Args) -> CliResult {
         let ratio = trace[rng.next_u64() as usize % trace.len()];
         let count = ((ratio * (rows * cols) as f64).round() as usize).max(1);
         let tm = TokenMask::random_blobs(rows, cols, count, rng.next_u64());
-        let mut on = vec![false; rows * cols];
-        for &t in tm.active() {
-            on[t as usize] = true;
-        }
-        let mask = Mask {
-            width: n,
-            height: n,
-            data: (0..n * n)
-                .map(|i| on[(i / n / tok) * cols + (i % n) / tok])
-                .collect(),
-        };
+        let mask = pixel_mask(&tm, n, tok);
         let prep = p.prepare(
             &image,
             &mask,

@@ -22,7 +22,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::backend::{check_slab_list, SlabProvider, SlabShape};
+use crate::backend::{check_slab_list, next_slab_position, SlabProvider, SlabShape};
 use crate::error::{Error, Result};
 use crate::host::HostSlice;
 use crate::stored::to_f32;
@@ -306,19 +306,7 @@ impl SlabProvider<Tensor> for CpuStream {
             // SAFETY: as below.
             return Ok(unsafe { &*lane.bufs[p % 2].get() });
         }
-        let p = st.at.map_or(0, |a| a + 1);
-        if st.slabs.get(p) != Some(&block) {
-            let why = if st.slabs.binary_search(&block).is_ok() {
-                "asked out of order"
-            } else {
-                "not prepared"
-            };
-            return Err(Error::Invalid(format!(
-                "block {block} of step {step} {why} (prepared {:?}, next {:?})",
-                st.slabs,
-                st.slabs.get(p)
-            )));
-        }
+        let p = next_slab_position(&st.slabs, st.at, step, block)?;
         // Entering position p: compute is done with p-1 (the CPU runs a block to its
         // end before asking for the next), so its buffer takes p+1.
         if p + 1 < st.slabs.len() && st.next == p + 1 {
