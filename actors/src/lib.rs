@@ -17,6 +17,7 @@ pub mod overheads;
 pub mod process;
 pub mod restarts;
 pub mod router;
+pub mod routing;
 pub mod scheduler;
 pub mod stages;
 pub mod supervisor;

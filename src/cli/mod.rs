@@ -13,6 +13,7 @@ mod forward;
 mod profile;
 mod selftest;
 mod serve;
+mod simulate;
 
 use clap::{Parser, Subcommand};
 use denoised_cuda::{DeviceSpec, Resolved};
@@ -57,6 +58,9 @@ pub enum Command {
     /// What compressed template forms (fp8, step sharing) change in edits against the
     /// f32 template: latent error and PSNR inside the mask; JSON lines.
     BenchCacheQuality(bench_quality::Args),
+    /// Simulate a cluster of denoise workers (the real routing policies and batching
+    /// scheduler, step times from a profile); one JSON line per policy.
+    Simulate(simulate::Args),
     /// Load-test a running daemon: open-loop Poisson arrivals of edits with mask sizes
     /// from a trace; reports latency percentiles, server stage timings and batch sizes.
     BenchServe(bench_serve::Args),
@@ -104,6 +108,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Template(TemplateCommand::Capture(a)) => edit::run_capture(a),
         Command::BenchPipeline(a) => bench_pipeline::run(a),
         Command::BenchCacheQuality(a) => bench_quality::run(a),
+        Command::Simulate(a) => simulate::run(a),
         Command::BenchServe(a) => bench_serve::run(a),
         Command::Footprint(a) => footprint::run(a),
         Command::Devices => devices::run(),
