@@ -65,6 +65,10 @@ impl<E: Exec> GpuTensor<E> {
     pub(crate) fn mem(&self) -> &E::Mem {
         &self.mem
     }
+    /// The allocation, shared (with a store in flight, see `crate::host`).
+    pub(crate) fn shared_mem(&self) -> Arc<E::Mem> {
+        self.mem.clone()
+    }
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
@@ -97,7 +101,7 @@ pub struct GpuBackend<E: Exec> {
     /// the same few arrays (text, image, joint rows) to every modulated op of every
     /// block; without this each op would upload its copy again.
     segments: Mutex<Vec<DeviceSegments<E>>>,
-    host: HostIo<E>,
+    pub(crate) host: HostIo<E>,
 }
 
 /// A segment-id array, its device copy and that copy's address.
@@ -200,38 +204,44 @@ impl<E: Exec> GpuBackend<E> {
         self.exec.launch(name, g, p).map_err(dev)
     }
 
-    /// One GEMM over the column block `cols` of `x`, with the bias and GELU epilogues.
+    /// One GEMM over the column block `cols` of `x` and the output features `outs` of
+    /// `w` (all of them, or the row block a Y-mode step recomputes: the weight is
+    /// `[out, in]` row-major, so a block of outputs is read in place at an offset),
+    /// with the bias and GELU epilogues.
     fn gemm(
         &self,
         x: &GpuTensor<E>,
         cols: Range<usize>,
         w: &GpuTensor<E>,
+        outs: Option<Range<usize>>,
         b: Option<&GpuTensor<E>>,
         gelu: bool,
     ) -> Result<GpuTensor<E>> {
         let (n, kx) = matrix("linear", x)?;
         let (m, k) = matrix("linear", w)?;
-        if cols.end > kx || cols.len() != k || b.is_some_and(|b| b.len() != m) {
+        let outs = outs.unwrap_or(0..m);
+        if cols.end > kx || cols.len() != k || outs.end > m || b.is_some_and(|b| b.len() != m) {
             return Err(Error::shape(
                 "linear",
                 format!(
-                    "x {:?} columns {cols:?} against weight {:?}",
+                    "x {:?} columns {cols:?} against outputs {outs:?} of weight {:?}",
                     x.shape, w.shape
                 ),
             ));
         }
-        let out = self.empty(vec![n, m])?;
-        if n > 0 {
+        let out = self.empty(vec![n, outs.len()])?;
+        let sz = self.dt.size() as u64;
+        if n > 0 && !outs.is_empty() {
             self.exec
                 .gemm(&Gemm {
                     dt: self.dt,
                     n,
-                    m,
+                    m: outs.len(),
                     k,
-                    x: x.addr + (cols.start * self.dt.size()) as u64,
+                    x: x.addr + cols.start as u64 * sz,
                     ldx: kx,
-                    w: w.addr,
-                    bias: b.map(|b| b.addr),
+                    w: w.addr + (outs.start * k) as u64 * sz,
+                    bias: b.map(|b| b.addr + outs.start as u64 * sz),
                     gelu,
                     out: out.addr,
                 })
@@ -270,7 +280,7 @@ impl<E: Exec> GpuBackend<E> {
 }
 
 /// `base_f32` / `base_bf16` as a static name (kernel names are fixed strings).
-fn kernel_name(base: &'static str, dt: Dt) -> &'static str {
+pub(crate) fn kernel_name(base: &'static str, dt: Dt) -> &'static str {
     crate::kernels::MODULES
         .iter()
         .flat_map(|m| m.kernels.iter())
@@ -279,7 +289,7 @@ fn kernel_name(base: &'static str, dt: Dt) -> &'static str {
         .unwrap_or_else(|| panic!("no kernel {base}_{}", dt.suffix()))
 }
 
-fn matrix<E: Exec>(op: &'static str, t: &GpuTensor<E>) -> Result<(usize, usize)> {
+pub(crate) fn matrix<E: Exec>(op: &'static str, t: &GpuTensor<E>) -> Result<(usize, usize)> {
     if t.shape.len() != 2 {
         return Err(Error::shape(
             op,
@@ -339,22 +349,7 @@ impl<E: Exec> Backend for GpuBackend<E> {
         bytes: &[u8],
         scales: &[f32],
     ) -> Result<Option<GpuTensor<E>>> {
-        if bytes.len() != rows * cols || scales.is_empty() || cols % scales.len() != 0 {
-            return Err(Error::shape(
-                "upload_fp8",
-                format!(
-                    "{} bytes, {} scales for [{rows}, {cols}]",
-                    bytes.len(),
-                    scales.len()
-                ),
-            ));
-        }
-        let out = GpuTensor::alloc_fp8(&*self.exec, rows, cols, scales.len())?;
-        let mut all = Vec::with_capacity(bytes.len() + 4 * scales.len());
-        all.extend_from_slice(bytes);
-        all.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
-        self.exec.upload(&out.mem, 0, &all).map_err(dev)?;
-        Ok(Some(out))
+        self.upload_fp8_slab(rows, cols, bytes, scales).map(Some)
     }
 
     fn upload_weight(&self, w: &Tensor) -> Result<GpuTensor<E>> {
@@ -408,7 +403,7 @@ impl<E: Exec> Backend for GpuBackend<E> {
         w: &GpuTensor<E>,
         b: Option<&GpuTensor<E>>,
     ) -> Result<GpuTensor<E>> {
-        self.gemm(x, cols, w, b, false)
+        self.gemm(x, cols, w, None, b, false)
     }
 
     fn linear_out(
@@ -418,35 +413,7 @@ impl<E: Exec> Backend for GpuBackend<E> {
         b: Option<&GpuTensor<E>>,
         outs: Range<usize>,
     ) -> Result<GpuTensor<E>> {
-        let (n, k) = matrix("linear_out", x)?;
-        let (m, kw) = matrix("linear_out", w)?;
-        if k != kw || outs.end > m || b.is_some_and(|b| b.len() != m) {
-            return Err(Error::shape(
-                "linear_out",
-                format!("x {:?}, outputs {outs:?} of weight {:?}", x.shape, w.shape),
-            ));
-        }
-        // The weight is `[out, in]` row-major: its output block is a contiguous row
-        // block, so the GEMM reads it in place at an offset.
-        let out = self.empty(vec![n, outs.len()])?;
-        let sz = self.dt.size() as u64;
-        if n > 0 && !outs.is_empty() {
-            self.exec
-                .gemm(&Gemm {
-                    dt: self.dt,
-                    n,
-                    m: outs.len(),
-                    k,
-                    x: x.addr,
-                    ldx: k,
-                    w: w.addr + (outs.start * k) as u64 * sz,
-                    bias: b.map(|b| b.addr + outs.start as u64 * sz),
-                    gelu: false,
-                    out: out.addr,
-                })
-                .map_err(dev)?;
-        }
-        Ok(out)
+        self.gemm(x, 0..x.cols(), w, Some(outs), b, false)
     }
 
     fn linear_gelu(
@@ -456,7 +423,7 @@ impl<E: Exec> Backend for GpuBackend<E> {
         b: Option<&GpuTensor<E>>,
     ) -> Result<GpuTensor<E>> {
         let k = x.cols();
-        self.gemm(x, 0..k, w, b, true)
+        self.gemm(x, 0..k, w, None, b, true)
     }
 
     fn layer_norm_modulate(
@@ -778,47 +745,8 @@ impl<E: Exec> Backend for GpuBackend<E> {
         self.host.flush(&self.exec)
     }
 
-    /// Quantised on the device (a block per scale group for the scales, then one pass
-    /// for the bytes), so the copy engine moves a quarter of the f32 bytes and the
-    /// capture never waits on the host.
     fn store_fp8(&self, t: &GpuTensor<E>, dst: &HostSlice, groups: usize) -> Result<()> {
-        let (rows, cols) = matrix("store_fp8", t)?;
-        if groups == 0 || cols % groups != 0 {
-            return Err(Error::shape(
-                "store_fp8",
-                format!("{cols} columns in {groups} scale groups"),
-            ));
-        }
-        let bytes = rows * cols + 4 * groups;
-        if !dst.writable() || dst.len() != bytes {
-            return Err(Error::Invalid(format!(
-                "storing {bytes} bytes of fp8 into a host slice of {} bytes (writable: {})",
-                dst.len(),
-                dst.writable()
-            )));
-        }
-        let q = GpuTensor::alloc_fp8(&*self.exec, rows, cols, groups)?;
-        let p = EwParams {
-            x: t.addr,
-            y: q.addr,
-            table: q.fp8_scales,
-            rows: rows as i32,
-            cols: cols as i32,
-            c0: groups as i32,
-            ..Default::default()
-        };
-        let per_group = Grid {
-            grid: [groups as u32, 1, 1],
-            block: [128, 1, 1],
-            smem: 0,
-        };
-        self.launch(kernel_name("fp8_scales", t.dt), per_group, &p)?;
-        self.launch(
-            kernel_name("fp8_quantize", t.dt),
-            Grid::linear(rows * cols, 256),
-            &p,
-        )?;
-        self.host.store(&self.exec, q.mem.clone(), 0, dst)
+        self.store_fp8_slab(t, dst, groups)
     }
 
     fn stream_slabs(

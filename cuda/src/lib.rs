@@ -21,6 +21,7 @@ pub mod compile;
 pub mod device;
 pub mod emu;
 pub mod exec;
+mod fp8;
 pub mod gpu;
 mod host;
 pub mod kernels;

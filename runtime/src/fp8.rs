@@ -84,6 +84,24 @@ pub fn encode(x: f32) -> u8 {
     sign | ((e as u8) << 3) | keep as u8
 }
 
+/// Checks the sizes of an fp8 matrix: `bytes` for `rows x cols`, whose columns form
+/// `groups` equal scale groups.
+pub fn check_matrix(
+    op: &'static str,
+    rows: usize,
+    cols: usize,
+    bytes: usize,
+    groups: usize,
+) -> crate::Result<()> {
+    if bytes != rows * cols || groups == 0 || cols % groups != 0 {
+        return Err(crate::Error::shape(
+            op,
+            format!("{bytes} bytes and {groups} scale groups for [{rows}, {cols}]"),
+        ));
+    }
+    Ok(())
+}
+
 /// Quantises a row-major `[rows, cols]` matrix whose columns form `groups` equal
 /// groups, each with its own scale: returns the bytes (row-major, like the input)
 /// and the scales (`amax / 448`, or 1 for a group of zeros). Value `x` of group `g`

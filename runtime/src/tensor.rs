@@ -78,16 +78,7 @@ impl Tensor {
 
     /// An fp8 matrix `[rows, cols]` of `bytes` with one scale per column group.
     pub fn fp8(rows: usize, cols: usize, bytes: Vec<u8>, scales: Vec<f32>) -> Result<Self> {
-        if bytes.len() != rows * cols || scales.is_empty() || cols % scales.len() != 0 {
-            return Err(Error::shape(
-                "Tensor::fp8",
-                format!(
-                    "{} bytes and {} scales for [{rows}, {cols}]",
-                    bytes.len(),
-                    scales.len()
-                ),
-            ));
-        }
+        crate::fp8::check_matrix("Tensor::fp8", rows, cols, bytes.len(), scales.len())?;
         Ok(Tensor {
             shape: vec![rows, cols],
             data: vec![],
