@@ -248,13 +248,7 @@ fn an_edit_of_a_template_on_disk_loads_it_during_preprocessing() {
     kill_cache(&d);
     let (s, v) = edit(&d, "t");
     assert_eq!(s, 200, "{v}");
-    let metrics = d
-        .http
-        .get(format!("{}/metrics", d.url))
-        .send()
-        .unwrap()
-        .text()
-        .unwrap();
+    let metrics = d.metrics();
     // Summed over the series of every worker.
     let value = |name: &str| -> f64 {
         let v: Vec<f64> = metrics

@@ -30,15 +30,6 @@ fn repo(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
 }
 
-fn scrape(d: &Daemon) -> String {
-    d.http
-        .get(format!("{}/metrics", d.url))
-        .send()
-        .unwrap()
-        .text()
-        .unwrap()
-}
-
 fn promtool_check(text: &str) -> Result<(), String> {
     let mut c = Command::new(tool("promtool").unwrap())
         .args(["check", "metrics"])
@@ -71,12 +62,12 @@ fn metrics_under_load_pass_promtool() {
         let load = s.spawn(|| d.bench_serve(&["--rps", "6", "--requests", "30"]));
         let mut scrapes = Vec::new();
         while !load.is_finished() {
-            scrapes.push(scrape(&d));
+            scrapes.push(d.metrics());
             std::thread::sleep(Duration::from_millis(300));
         }
         let report = load.join().unwrap();
         assert_eq!(report["errors"], 0, "{report}");
-        scrapes.push(scrape(&d));
+        scrapes.push(d.metrics());
         scrapes
     });
     println!("{} scrapes under load", scrapes.len());
@@ -107,6 +98,9 @@ fn metrics_under_load_pass_promtool() {
         "denoised_denoise_waiting_requests",
         "denoised_template_cache_hits_total",
         "denoised_process_restarts_total",
+        "denoised_routed_requests_total",
+        "denoised_routing_decision_seconds_bucket",
+        "denoised_routing_wait_seconds_bucket",
         "denoised_build_info",
     ] {
         assert!(last.contains(family), "{family} in\n{last}");

@@ -110,6 +110,7 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
             Ok(Event::Finished { .. }) => finished += 1,
             Ok(Event::Failed { error, .. }) => return Err(error),
             Ok(Event::Cancelled { .. }) => finished += 1,
+            Ok(Event::Submitted { .. }) => {}
             Err(e) => return Err(format!("denoise loop stalled: {e}")),
         }
     }

@@ -64,6 +64,8 @@ pub const EXIT_CANNOT_LOAD: i32 = 78;
 struct Loaded {
     pipeline: Arc<Pipeline>,
     placed: Option<Placed>,
+    /// A denoise worker's planner profile (also the router's model of its steps).
+    profile: Option<denoised_models::profile::Profile>,
 }
 
 fn load(env: &WorkerEnv) -> Result<Loaded, String> {
@@ -75,6 +77,7 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
     );
     let pipeline = FluxFill::load_parts(&source, CpuBackend::new(), parts)
         .map_err(|e| format!("loading model `{source}`: {e}"))?;
+    let mut profile = None;
     let placed = match env.role {
         Role::Denoise => {
             let dt = device::parse_dtype(&env.config.device.dtype)?;
@@ -86,10 +89,10 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
                 resident_template_bytes: env.config.denoise.resident_template_bytes,
             };
             let mut placed = device::place(&source, device, dt, &pipeline, limits)?;
-            placed.stepper.set_profile(device::planner_profile(
-                &env.config.denoise.profile,
-                &placed.stepper.backend(),
-            )?);
+            let p =
+                device::planner_profile(&env.config.denoise.profile, &placed.stepper.backend())?;
+            placed.stepper.set_profile(p.clone());
+            profile = Some(p);
             Some(placed)
         }
         _ => None,
@@ -97,6 +100,7 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
     Ok(Loaded {
         pipeline: Arc::new(pipeline),
         placed,
+        profile,
     })
 }
 
@@ -192,6 +196,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                 .as_ref()
                 .and_then(|l| l.placed.as_ref())
                 .and_then(|p| p.budget.clone()),
+            profile: loaded.as_ref().and_then(|l| l.profile.clone()),
         };
         tracing::info!(
             "{}: {} on {} ({}), {:.1} MB of weights",
@@ -225,6 +230,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                 Some(Loaded {
                     pipeline,
                     placed: Some(placed),
+                    ..
                 }),
             ) => {
                 let d = &env.config.denoise;
@@ -244,9 +250,10 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                         .map_err(|e| format!("[cache] kv_dtype: {e}"))?,
                 };
 
+                let stats = placed.stepper.stats();
                 let metrics = DenoiseMetrics::register(
                     registry.registry(),
-                    placed.stepper.stats(),
+                    stats.clone(),
                     placed.budget.clone(),
                 );
                 Actor::spawn(
@@ -261,6 +268,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                         cache_arena_bytes: env.config.workers.cache_arena_bytes,
                         template_dtype,
                         metrics,
+                        stats,
                     },
                 )
                 .await

@@ -392,6 +392,32 @@ pub struct Progress {
     pub batch: u32,
 }
 
+/// A denoise worker's load, reported to the router after each of its steps and each
+/// change of its requests, so that the router places a request on fresh data without
+/// asking anyone (`crate::routing`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkerLoad {
+    /// Its process name (`denoise0`), which is also its actor's name.
+    pub worker: String,
+    /// `[denoise] max_batch`: the requests (running and waiting) it takes at once.
+    pub max_batch: u32,
+    /// Its requests, running and waiting, with their shapes and the steps they have
+    /// left.
+    pub requests: Vec<LoadEntry>,
+    /// Versions of the templates resident on its device.
+    pub device_templates: Vec<u64>,
+}
+
+/// One request of a [`WorkerLoad`]: the rows it computes per step and its steps left.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LoadEntry {
+    pub job: JobId,
+    pub text: u32,
+    pub active: u32,
+    pub image: u32,
+    pub steps_left: u32,
+}
+
 /// An edit over the internal bus (see the module docs on why bytes travel here).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BusEdit {
@@ -425,16 +451,23 @@ pub struct WorkerInfo {
     pub threads: u32,
     pub components: Vec<denoised_models::pipeline::flux_fill::Component>,
     /// A GPU (or emulated) denoise worker's device memory budget; null elsewhere.
-    /// (No `skip_serializing_if`: cluster messages are bincode, which is positional.)
+    /// (No `skip_serializing_if`: cluster messages are postcard, which is positional.)
     pub device_budget: Option<crate::budget::DeviceBudget>,
+    /// A denoise worker's latency models (its planner's): what the router prices its
+    /// steps with. Null for other roles.
+    pub profile: Option<denoised_models::profile::Profile>,
 }
 
+// A message is short-lived; an announcement (with its profile) is the large one.
+#[allow(clippy::large_enum_variant)]
 #[derive(RactorClusterMessage)]
 pub enum RouterMsg {
     /// A denoise worker reports a request's step.
     Progress(Wire<Progress>),
     /// A worker process says what it loaded.
     Announce(Wire<WorkerInfo>),
+    /// A denoise worker reports its load.
+    Load(Wire<WorkerLoad>),
     /// Echoes its argument: liveness checks and message round-trip measurements.
     #[rpc]
     Ping(Wire<u64>, RpcReplyPort<Res<u64>>),

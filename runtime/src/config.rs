@@ -109,6 +109,9 @@ pub struct ServerConfig {
     /// Log lines as `text`, or `json` (one object per line, for journald and log
     /// shippers).
     pub log_format: String,
+    /// Which denoise worker takes each request (`mask_aware`, `least_requests`,
+    /// `least_tokens`, `round_robin`; see `denoised_actors::routing`).
+    pub routing_policy: String,
 }
 
 impl Default for ServerConfig {
@@ -125,6 +128,7 @@ impl Default for ServerConfig {
             stage_timeout_seconds: 600,
             drain_timeout_seconds: 60,
             log_format: "text".into(),
+            routing_policy: "mask_aware".into(),
         }
     }
 }

@@ -28,6 +28,10 @@ pub struct ServeArgs {
     /// `[server] max_queued_requests`: most requests in flight; beyond it, 429.
     #[arg(long, env = "DENOISED_MAX_QUEUED_REQUESTS")]
     pub max_queued_requests: Option<usize>,
+    /// `[workers] denoise`: denoise workers on the CPU or the emulator (a GPU list
+    /// runs one per GPU).
+    #[arg(long, env = "DENOISED_DENOISE_WORKERS")]
+    pub denoise_workers: Option<usize>,
     /// `[denoise] batching`: continuous or static.
     #[arg(long, env = "DENOISED_BATCHING")]
     pub batching: Option<String>,
@@ -59,6 +63,10 @@ pub struct ServeArgs {
     /// `[server] log_format`: text or json.
     #[arg(long, env = "DENOISED_LOG_FORMAT")]
     pub log_format: Option<String>,
+    /// `[server] routing_policy`: mask_aware, least_requests, least_tokens or
+    /// round_robin.
+    #[arg(long, env = "DENOISED_ROUTING_POLICY")]
+    pub routing_policy: Option<String>,
     /// `[cache] dir`: the template cache's disk tier.
     #[arg(long, env = "DENOISED_CACHE_DIR")]
     pub cache_dir: Option<String>,
@@ -97,6 +105,9 @@ impl ServeArgs {
                 other => return Err(format!("--batching {other}: use continuous or static").into()),
             };
         }
+        if let Some(n) = self.denoise_workers {
+            c.workers.denoise = n;
+        }
         if let Some(d) = self.disaggregate {
             c.denoise.disaggregate = d;
         }
@@ -130,6 +141,13 @@ impl ServeArgs {
         if let Some(f) = &self.log_format {
             c.server.log_format = f.clone();
         }
+        if let Some(p) = &self.routing_policy {
+            c.server.routing_policy = p.clone();
+        }
+        c.server
+            .routing_policy
+            .parse::<denoised_actors::routing::Policy>()
+            .map_err(|e| format!("[server] {e}"))?;
         if let Some(d) = &self.cache_dir {
             c.cache.dir = d.clone();
         }

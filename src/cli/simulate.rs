@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use denoised_actors::routing::sim::{simulate_cluster, Done, SimRequest};
+use denoised_actors::routing::sim::{simulate_cluster, SimRequest};
 use denoised_actors::routing::{Incoming, Policy, ProfileCost, TemplateNeed};
 use denoised_actors::scheduler::BatchConfig;
 use denoised_models::flux::cost::StepShape;
@@ -66,6 +66,11 @@ pub struct Args {
     pub max_batch: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Seconds added to every request's latency for what happens outside the denoise
+    /// workers (preprocessing, postprocessing, HTTP), to compare with end-to-end
+    /// latencies (bench-serve's `preprocess_mean_s + postprocess_mean_s`).
+    #[arg(long, default_value_t = 0.0)]
+    pub overhead_s: f64,
     /// One JSON line per policy (the default prints them too; kept for scripts).
     #[arg(long)]
     pub json: bool,
@@ -135,7 +140,7 @@ pub fn run(a: Args) -> CliResult {
     for p in policies {
         let t0 = std::time::Instant::now();
         let done = simulate_cluster(&reqs, a.workers, batch, p, &cost)?;
-        let mut lat: Vec<f64> = done.iter().map(Done::latency).collect();
+        let mut lat: Vec<f64> = done.iter().map(|d| d.latency() + a.overhead_s).collect();
         lat.sort_by(f64::total_cmp);
         let mut queue: Vec<f64> = done.iter().map(|d| d.admit - d.arrival).collect();
         queue.sort_by(f64::total_cmp);

@@ -161,6 +161,16 @@ impl Daemon {
         (r.status().as_u16(), r.json().unwrap_or(Value::Null))
     }
 
+    /// `GET /metrics`: every process's metrics, in the Prometheus text format.
+    pub fn metrics(&self) -> String {
+        self.http
+            .get(format!("{}/metrics", self.url))
+            .send()
+            .unwrap()
+            .text()
+            .unwrap()
+    }
+
     pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         self.post_raw(path, serde_json::to_vec(body).unwrap())
     }

@@ -16,13 +16,13 @@
 //! and finishes requests itself, as `LoopCommand::Run` work on the loop thread between
 //! steps (see [`super::inline`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::Receiver;
 use denoised_models::flux::edit::{DenoiseInputs, Mode};
-use denoised_models::flux::stepper::Stepper;
+use denoised_models::flux::stepper::{Stepper, StepperStats};
 use denoised_models::flux::template::{CacheMode, TemplateCache, TemplateLayout};
 use denoised_models::mask::TokenMask;
 use denoised_models::FlowMatchEuler;
@@ -38,7 +38,7 @@ use crate::scheduler::BatchConfig;
 use crate::stages::Pipeline;
 use crate::wire::{
     groups, DenoiseMsg, DenoiseReq, DenoiseStats, DenoiseWork, Denoised, ErrorKind, InputHandles,
-    JobId, Progress, Reply, RouterMsg, TemplateRef, Wire, WireError,
+    JobId, LoadEntry, Progress, Reply, RouterMsg, TemplateRef, Wire, WireError, WorkerLoad,
 };
 
 /// Template views a worker keeps (most recently used first): cheap (a view is a
@@ -65,6 +65,8 @@ pub struct DenoiseArgs {
     /// The storage dtype of this worker's templates: its device's.
     pub template_dtype: DType,
     pub metrics: crate::metrics::denoise::DenoiseMetrics,
+    /// The stepper's counters: which templates its device holds, for the load reports.
+    pub stats: Arc<StepperStats>,
 }
 
 /// Captures running in the loop: the arena slice each one writes its template into.
@@ -111,6 +113,8 @@ impl Actor for DenoiseActor {
         let inline: InlineJobs = Arc::new(Mutex::new(HashMap::new()));
         let captures: Captures = Arc::new(Mutex::new(HashMap::new()));
         let events = lp.events().clone();
+        // The name the router knows this worker's actor by.
+        let name = myself.get_name().unwrap_or_default();
         let ctx = EventCtx {
             shm: a.shm.clone(),
             pipeline: a.pipeline.clone(),
@@ -119,6 +123,9 @@ impl Actor for DenoiseActor {
             loop_tx: lp.sender(),
             myself,
             metrics: a.metrics.clone(),
+            name,
+            max_batch: a.sched.max_batch as u32,
+            stats: a.stats,
         };
         std::thread::Builder::new()
             .name("denoise-events".into())
@@ -410,6 +417,36 @@ pub(super) struct EventCtx {
     pub metrics: crate::metrics::denoise::DenoiseMetrics,
     pub loop_tx: super::LoopSender,
     pub myself: ActorRef<DenoiseMsg>,
+    /// For the load reports: this worker's name, batch limit and device templates.
+    pub name: String,
+    pub max_batch: u32,
+    pub stats: Arc<StepperStats>,
+}
+
+/// Tells the router this worker's load (see [`WorkerLoad`]): after every step and
+/// every change of its requests, so the router routes on fresh data.
+fn report_load(
+    ctx: &EventCtx,
+    router: Option<&ractor::ActorCell>,
+    load: &BTreeMap<JobId, LoadEntry>,
+) {
+    let Some(r) = router else {
+        return;
+    };
+    // Keys are versions with the top bit set (see `DenoiseState::template`).
+    let device_templates = lock(&ctx.stats.resident_keys)
+        .iter()
+        .map(|k| k & !(1 << 63))
+        .collect();
+    node::tell(
+        r,
+        RouterMsg::Load(Wire(WorkerLoad {
+            worker: ctx.name.clone(),
+            max_batch: ctx.max_batch,
+            requests: load.values().copied().collect(),
+            device_templates,
+        })),
+    );
 }
 
 /// Per-request statistics the event thread accumulates from step events.
@@ -425,8 +462,25 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
     // Finished results arrive just before the step event that finished them; they are
     // held until that event has been counted.
     let mut ready: Vec<(JobId, Tensor, Option<TemplateCache>)> = Vec::new();
+    // The requests in the loop, as the load reports describe them.
+    let mut load: BTreeMap<JobId, LoadEntry> = BTreeMap::new();
+    let router = || node::members(groups::ROUTER).into_iter().next();
     for ev in events {
         match ev {
+            Event::Submitted { id, shape, steps } => {
+                let n = |x: usize| x as u32;
+                load.insert(
+                    id,
+                    LoadEntry {
+                        job: id,
+                        text: n(shape.text),
+                        active: n(shape.active),
+                        image: n(shape.image),
+                        steps_left: steps,
+                    },
+                );
+                report_load(&ctx, router().as_ref(), &load);
+            }
             Event::Step {
                 batch,
                 seconds,
@@ -451,8 +505,11 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
                 m.batch_tokens.observe(rows as f64);
                 m.running.set(running as i64);
                 m.waiting.set(waiting as i64);
-                let router = node::members(groups::ROUTER);
+                let router = router();
                 for &id in &batch {
+                    if let Some(e) = load.get_mut(&id) {
+                        e.steps_left = e.steps_left.saturating_sub(1);
+                    }
                     let a = acc.entry(id).or_default();
                     if a.steps_done == 0 {
                         a.stats.first_step_unix = now - seconds;
@@ -462,7 +519,7 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
                     a.stats.assembly_max_s = a.stats.assembly_max_s.max(assembly_seconds);
                     a.stats.denoise_s = now - a.stats.first_step_unix;
                     a.stats.finished_unix = now;
-                    if let Some(r) = router.first() {
+                    if let Some(r) = &router {
                         node::tell(
                             r,
                             RouterMsg::Progress(Wire(Progress {
@@ -475,6 +532,7 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
                     }
                 }
                 for (id, latents, cache) in ready.drain(..) {
+                    load.remove(&id);
                     let a = acc.remove(&id).unwrap_or_default();
                     outcome(&ctx, "finished");
                     let worker = crate::logging::worker();
@@ -489,10 +547,13 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
                     );
                     finished(&ctx, id, latents, cache, a.stats);
                 }
+                report_load(&ctx, router.as_ref(), &load);
             }
             Event::Finished { id, latents, cache } => ready.push((id, latents, cache)),
             Event::Failed { id, error } => {
                 acc.remove(&id);
+                load.remove(&id);
+                report_load(&ctx, router().as_ref(), &load);
                 outcome(&ctx, "failed");
                 let worker = crate::logging::worker();
                 tracing::warn!(id = %job_name(id), %worker, "denoise failed: {error}");
@@ -500,6 +561,8 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
             }
             Event::Cancelled { id } => {
                 acc.remove(&id);
+                load.remove(&id);
+                report_load(&ctx, router().as_ref(), &load);
                 outcome(&ctx, "cancelled");
                 failed(
                     &ctx,

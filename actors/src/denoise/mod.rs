@@ -22,6 +22,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
+use denoised_models::flux::cost::StepShape;
 use denoised_models::flux::edit::{DenoiseInputs, Mode};
 use denoised_models::flux::stepper::{StepReport, Stepper};
 use denoised_models::flux::template::TemplateCache;
@@ -66,6 +67,13 @@ impl LoopSender {
 
 #[derive(Debug)]
 pub enum Event {
+    /// A request joined the loop's queue: the rows it computes per step (what the
+    /// worker reports to the router) and its steps.
+    Submitted {
+        id: RequestId,
+        shape: StepShape,
+        steps: u32,
+    },
     /// One batched step ran: its number, the requests in it, and how long it took.
     Step {
         step: u64,
@@ -206,7 +214,8 @@ impl State {
             Mode::Edit { mask, .. } => mask.active().len(),
             _ => r.inputs.tokens(),
         };
-        let mut req = SchedRequest::new(r.id, (r.inputs.txt.rows() + tokens).max(1), steps);
+        let text = r.inputs.txt.rows();
+        let mut req = SchedRequest::new(r.id, (text + tokens).max(1), steps);
         if let Mode::Edit { cache, .. } = &r.work {
             req = req.with_template(TemplateUse {
                 key: cache.key(),
@@ -214,6 +223,16 @@ impl State {
             });
         }
         self.sched.submit(req).map_err(|e| e.to_string())?;
+        let shape = StepShape {
+            text,
+            active: tokens,
+            image: r.inputs.tokens(),
+        };
+        let _ = self.tx.send(Event::Submitted {
+            id: r.id,
+            shape,
+            steps,
+        });
         self.waiting.insert(r.id, r);
         Ok(())
     }

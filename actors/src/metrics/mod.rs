@@ -45,6 +45,8 @@ pub const BATCH_REQUESTS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0,
 pub const BATCH_TOKENS: &[f64] = &[
     64.0, 256.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0, 65536.0,
 ];
+/// A routing decision, seconds: 1 µs to 10 ms (the policies take microseconds).
+pub const DECISION_SECONDS: &[f64] = &[1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 1e-3, 1e-2];
 /// Shares: the mask ratio of an edit (the traces' means are 0.11 and 0.19).
 pub const RATIO: &[f64] = &[0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0];
 

@@ -14,7 +14,7 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
-use super::{LATENCY_SECONDS, RATIO};
+use super::{DECISION_SECONDS, LATENCY_SECONDS, RATIO};
 use crate::supervisor::Status;
 
 pub type RouteStatus = [(&'static str, String); 2];
@@ -32,6 +32,11 @@ pub struct RouterMetrics {
     pub in_flight: Gauge,
     /// How long an edit waited for its template to come from disk after preprocessing.
     pub load_wait: Histogram,
+    /// Routing to denoise workers: the policy's decision time, the wait for a worker
+    /// with room, and the requests each worker was given, by policy.
+    pub route_decision: Histogram,
+    pub route_wait: Histogram,
+    pub routed: Family<[(&'static str, String); 2], Counter>,
 }
 
 impl RouterMetrics {
@@ -48,6 +53,9 @@ impl RouterMetrics {
             mask_ratio: Histogram::new(RATIO.iter().copied()),
             in_flight: Gauge::default(),
             load_wait: latency(),
+            route_decision: Histogram::new(DECISION_SECONDS.iter().copied()),
+            route_wait: latency(),
+            routed: Family::default(),
         };
         r.register(
             "http_requests",
@@ -82,6 +90,23 @@ impl RouterMetrics {
             Unit::Seconds,
             m.load_wait.clone(),
         );
+        r.register_with_unit(
+            "routing_decision",
+            "Time the routing policy took to choose a denoise worker for a request",
+            Unit::Seconds,
+            m.route_decision.clone(),
+        );
+        r.register_with_unit(
+            "routing_wait",
+            "Time a request waited at the router for a denoise worker with room",
+            Unit::Seconds,
+            m.route_wait.clone(),
+        );
+        r.register(
+            "routed_requests",
+            "Requests sent to each denoise worker, by routing policy",
+            m.routed.clone(),
+        );
         r.register(
             "requests_in_flight",
             "Requests admitted and not yet answered",
@@ -101,6 +126,25 @@ impl RouterMetrics {
 }
 
 impl RouterMetrics {
+    /// Records a routing decision: `worker` chosen by `policy` in `decision_s`, after
+    /// `waited` at the router.
+    pub fn observe_route(
+        &self,
+        worker: &str,
+        policy: &str,
+        decision_s: f64,
+        waited: std::time::Duration,
+    ) {
+        self.route_decision.observe(decision_s);
+        self.route_wait.observe(waited.as_secs_f64());
+        self.routed
+            .get_or_create(&[
+                ("denoise_worker", worker.to_string()),
+                ("policy", policy.to_string()),
+            ])
+            .inc();
+    }
+
     /// Records a served edit: the time of each of its stages, and its mask ratio.
     pub fn observe_edit(&self, o: &crate::router::flow::EditOutput) {
         let t = &o.timings;

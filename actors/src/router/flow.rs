@@ -8,283 +8,21 @@
 //! request (`ErrorKind::WorkerLost`), the flow starts over on the surviving or
 //! restarted workers from the bytes it still holds, so a crash loses nothing.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use denoised_models::flux::cost::StepShape;
 use denoised_models::planner::CacheMode;
-use denoised_runtime::config::Config;
 use denoised_runtime::shm::Handle;
 use ractor::ActorCell;
 
-use super::jobs::{Jobs, Status};
+pub use super::ctx::Ctx;
+use super::jobs::Status;
 use crate::denoise::actor::unix_now;
-use crate::node::{self, Shm, WorkerEnv};
+use crate::node::{self, Shm};
 use crate::wire::*;
 
 /// Attempts of a request when workers die under it.
 const ATTEMPTS: usize = 3;
-/// Workers found gone that [`Ctx::ask`] remembers.
-const LOST_KEPT: usize = 64;
-/// How long a request waits for a group to have a live member (a restart).
-const WORKER_WAIT: Duration = Duration::from_secs(60);
-
-/// State shared by the router's request flows.
-pub struct Ctx {
-    pub config: Config,
-    pub shm: Shm,
-    pub jobs: Jobs,
-    /// Fingerprint of the served model (recorded in template descriptions).
-    pub model: String,
-    next_job: AtomicU64,
-    /// Ids an earlier router of this daemon gave out, when this one is a restart: their
-    /// jobs died with it, and `GET /v1/jobs/{id}` says so instead of "unknown".
-    pub lost_jobs: Option<std::ops::Range<JobId>>,
-    /// Requests in flight, bounded by `[server] max_queued_requests`.
-    pub admission: super::admission::Admission,
-    /// The supervisor's status (`crate::supervisor::Status`): slots it gave up on.
-    pub status_file: std::path::PathBuf,
-    /// Workers found gone by a call, newest first (see [`Ctx::ask`]).
-    lost: std::sync::Mutex<std::collections::VecDeque<ractor::ActorId>>,
-    rr: [AtomicUsize; 3],
-    /// What each worker process loaded, as it announced itself (by process name; a
-    /// restarted process replaces its entry).
-    pub processes: std::sync::Mutex<std::collections::BTreeMap<String, WorkerInfo>>,
-    /// The router's metrics, its registry, and the daemon-wide one (the build, every
-    /// process's restarts).
-    pub metrics: crate::metrics::router::RouterMetrics,
-    pub registry: crate::metrics::ProcessRegistry,
-    pub daemon_registry: prometheus_client::registry::Registry,
-}
-
-impl Ctx {
-    /// The router of the daemon `env` describes.
-    pub fn new(env: &WorkerEnv, shm: Shm, jobs: Jobs, model: String) -> Ctx {
-        // Job ids start from the clock (microseconds, shifted), so that ids of a
-        // restarted router do not repeat and those of its predecessors are recognised.
-        let id_at = |unix: f64| ((unix * 1e6) as u64) << 8;
-        let first = id_at(unix_now());
-        // When this router replaces one that died, the ids given out since the daemon
-        // started were its predecessors'.
-        let restart_of = (env.incarnation > 0).then_some(env.started_unix);
-        let config = env.config.clone();
-        let limit = config.server.max_queued_requests;
-        let mut registry = crate::metrics::ProcessRegistry::new(&env.name(), "router");
-        let mut daemon_registry = prometheus_client::registry::Registry::with_prefix("denoised");
-        let metrics = crate::metrics::router::RouterMetrics::register(
-            registry.registry(),
-            &mut daemon_registry,
-            env.status_file.clone(),
-        );
-        Ctx {
-            config,
-            shm,
-            jobs,
-            model,
-            status_file: env.status_file.clone(),
-            lost: Default::default(),
-            next_job: AtomicU64::new(first),
-            lost_jobs: restart_of.map(|t| id_at(t)..first),
-            admission: super::admission::Admission::new(limit),
-            rr: Default::default(),
-            processes: Default::default(),
-            metrics,
-            registry,
-            daemon_registry,
-        }
-    }
-
-    /// Every process's metrics, as one OpenMetrics exposition: the router's own, and
-    /// each worker's, gathered now (a worker that does not answer within `deadline` is
-    /// left out of this scrape).
-    pub async fn scrape(&self, deadline: Duration) -> String {
-        self.metrics
-            .in_flight
-            .set(self.admission.in_flight() as i64);
-        let (_, capacity) = self.shm.room();
-        let mut texts = vec![self.registry.encode(self.shm.used_bytes(), capacity), {
-            let mut t = String::new();
-            let _ =
-                prometheus_client::encoding::text::encode_registry(&mut t, &self.daemon_registry);
-            t
-        }];
-        // Asked at once, so a scrape takes one deadline at most.
-        let mut asks = tokio::task::JoinSet::new();
-        for cell in node::members(crate::wire::groups::METRICS) {
-            asks.spawn(async move {
-                node::ask(&cell, deadline, |p| {
-                    crate::wire::MetricsMsg::Scrape(crate::wire::Wire(()), p)
-                })
-                .await
-            });
-        }
-        while let Some(r) = asks.join_next().await {
-            match r {
-                Ok(Ok(t)) => texts.push(t),
-                Ok(Err(e)) => tracing::debug!("metrics: a worker did not answer the scrape: {e}"),
-                Err(e) => tracing::debug!("metrics: {e}"),
-            }
-        }
-        crate::metrics::merge(texts.iter().map(String::as_str))
-    }
-
-    /// A call to a worker ([`node::ask`]) within `[server] stage_timeout_seconds`. A
-    /// worker found gone is remembered, so that the retry goes to another one even
-    /// before the cluster's membership has caught up with its death.
-    async fn ask<M, T>(
-        &self,
-        cell: &ActorCell,
-        build: impl FnOnce(ractor::RpcReplyPort<Res<T>>) -> M,
-    ) -> Result<T, WireError>
-    where
-        M: ractor::Message,
-        T: Send + 'static,
-    {
-        let timeout = Duration::from_secs(self.config.server.stage_timeout_seconds);
-        let r = node::call(cell, timeout, build).await;
-        // Only the call's own failure blames the worker: an answer saying that
-        // something it read went away (another process restarted) is retried, but
-        // this worker is fine.
-        if r.as_ref().is_err_and(|e| e.kind == ErrorKind::WorkerLost) {
-            let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
-            lost.push_front(cell.get_id());
-            // Process ids are never reused, so a short memory suffices.
-            lost.truncate(LOST_KEPT);
-        }
-        r.and_then(|r| r)
-    }
-
-    /// The live members of `group`, without those found gone.
-    fn members(&self, group: &str) -> Vec<ActorCell> {
-        let lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
-        let mut m = node::members(group);
-        m.retain(|c| !lost.contains(&c.get_id()));
-        m
-    }
-
-    pub fn next_job(&self) -> JobId {
-        self.next_job.fetch_add(1, Ordering::Relaxed)
-    }
-
-    /// Round-robin pick of a live member of `group` (waiting for one while workers
-    /// restart). The mask-aware policy replaces this for denoise workers later.
-    async fn pick(&self, group: &'static str, slot: usize) -> Result<ActorCell, WireError> {
-        let t0 = Instant::now();
-        loop {
-            let mut m = self.members(group);
-            if !m.is_empty() {
-                m.sort_by_key(|c| c.get_id().to_string());
-                let i = self.rr[slot].fetch_add(1, Ordering::Relaxed) % m.len();
-                return Ok(m.swap_remove(i));
-            }
-            self.check_group(group, t0)?;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    async fn cache(&self) -> Result<ActorCell, WireError> {
-        let t0 = Instant::now();
-        loop {
-            if let Some(c) = self.members(groups::CACHE).into_iter().next() {
-                return Ok(c);
-            }
-            self.check_group(groups::CACHE, t0)?;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    /// While `group` has no live member: an error once waiting is pointless, because
-    /// the supervisor gave up every one of its slots (at once, with the reason), or
-    /// after [`WORKER_WAIT`] (a restart taking too long).
-    fn check_group(&self, group: &str, t0: Instant) -> Result<(), WireError> {
-        let role = group.trim_start_matches("denoised.");
-        let slots = match role {
-            "preprocess" => self.config.workers.preprocess,
-            "denoise" => self.config.workers.denoise,
-            "postprocess" => self.config.workers.postprocess,
-            _ => 1,
-        };
-        let failed = crate::supervisor::Status::read(&self.status_file).failed;
-        let reasons: Vec<String> = (0..slots)
-            .filter_map(|i| {
-                let name = format!("{role}{i}");
-                failed.get(&name).map(|why| format!("{name} {why}"))
-            })
-            .collect();
-        if reasons.len() == slots {
-            return Err(WireError::new(
-                ErrorKind::Unavailable,
-                format!("no {role} worker: {}", reasons.join("; ")),
-            ));
-        }
-        if t0.elapsed() > WORKER_WAIT {
-            return Err(WireError::new(
-                ErrorKind::Unavailable,
-                format!("no live {role} worker"),
-            ));
-        }
-        Ok(())
-    }
-
-    pub async fn template(&self, id: &str) -> Result<TemplateEntry, WireError> {
-        let c = self.cache().await?;
-        self.ask(&c, |p| CacheMsg::Get(Wire(id.to_string()), p))
-            .await
-    }
-
-    /// The template an edit reads, pinned until [`Ctx::unpin`].
-    async fn pin_template(&self, id: &str) -> Result<TemplateEntry, WireError> {
-        let c = self.cache().await?;
-        self.ask(&c, |p| CacheMsg::Pin(Wire(id.to_string()), p))
-            .await
-    }
-
-    async fn unpin(&self, t: &TemplateEntry) {
-        if let Ok(c) = self.cache().await {
-            node::tell(&c, CacheMsg::Unpin(Wire(t.version)));
-        }
-    }
-
-    /// The host-tier cache of a pinned template: at once when it is there, else once
-    /// the cache has brought it from disk (a load that started when the edit pinned it,
-    /// so it overlapped preprocessing; what is left of it is waited for here and
-    /// counted in `denoised_template_load_wait_seconds`).
-    async fn template_blob(&self, t: &TemplateEntry) -> Result<Handle, WireError> {
-        if let Some(b) = &t.blob {
-            return Ok(b.clone());
-        }
-        let t0 = Instant::now();
-        let c = self.cache().await?;
-        let version = t.version;
-        let r = self.ask(&c, |p| CacheMsg::Load(Wire(version), p)).await;
-        self.metrics.load_wait.observe(t0.elapsed().as_secs_f64());
-        r
-    }
-
-    pub async fn templates(&self) -> Result<Vec<TemplateInfo>, WireError> {
-        let c = self.cache().await?;
-        self.ask(&c, |p| CacheMsg::List(Wire(()), p)).await
-    }
-
-    pub async fn delete_template(&self, id: &str) -> Result<TemplateInfo, WireError> {
-        let c = self.cache().await?;
-        self.ask(&c, |p| CacheMsg::Delete(Wire(id.to_string()), p))
-            .await
-    }
-
-    /// Whether every group has its configured number of live members.
-    pub fn ready(&self) -> Vec<(&'static str, usize, usize)> {
-        let c = &self.config;
-        [
-            (groups::PREPROCESS, c.workers.preprocess),
-            (groups::DENOISE, c.workers.denoise),
-            (groups::POSTPROCESS, c.workers.postprocess),
-            (groups::CACHE, 1),
-        ]
-        .into_iter()
-        .map(|(g, want)| (g, node::members(g).len(), want))
-        .collect()
-    }
-}
 
 /// Where an edit's image comes from.
 pub enum Source {
@@ -409,7 +147,7 @@ where
     Err(last.unwrap_or_else(|| WireError::internal("no attempt ran")))
 }
 
-async fn check_cancel(ctx: &Ctx, job: JobId) -> Result<(), WireError> {
+pub(super) async fn check_cancel(ctx: &Ctx, job: JobId) -> Result<(), WireError> {
     if ctx.jobs.is_cancelled(job).await {
         return Err(WireError::new(
             ErrorKind::Cancelled,
@@ -452,7 +190,28 @@ async fn denoise(
     held: &mut Held,
 ) -> Result<Denoised, WireError> {
     check_cancel(ctx, job).await?;
-    let den = ctx.pick(groups::DENOISE, 1).await?;
+    let image = (prepared.rows * prepared.cols) as usize;
+    let shape = StepShape {
+        // The conditioning's rows (text tokens; the last dimension is its width).
+        text: {
+            let t = &prepared.inputs.txt;
+            t.numel().unwrap_or(0) / t.shape.last().copied().unwrap_or(1).max(1)
+        },
+        active: match &work {
+            DenoiseWork::Edit { .. } => active.len(),
+            _ => image,
+        },
+        image,
+    };
+    let template = match &work {
+        DenoiseWork::Edit { template } => Some(template),
+        _ => None,
+    };
+    let t_route = Instant::now();
+    let den = ctx.pick_denoise(job, shape, steps, template).await?;
+    // Time waiting here for a worker with room is queueing too.
+    let routed_s = t_route.elapsed().as_secs_f64();
+    let worker = den.get_name().unwrap_or_default();
     ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
     let req = DenoiseReq {
         job,
@@ -463,15 +222,15 @@ async fn denoise(
         active,
         work,
     };
-    let d = ctx
-        .ask(&den, |p| DenoiseMsg::Denoise(Wire(req), p))
-        .await
-        .inspect_err(|e| {
-            if e.kind == ErrorKind::Timeout {
-                // Past its deadline: stop computing it.
-                node::tell(&den, DenoiseMsg::Cancel(Wire(job)));
-            }
-        })?;
+    let d = ctx.ask(&den, |p| DenoiseMsg::Denoise(Wire(req), p)).await;
+    ctx.balancer.settle(&worker, job);
+    let mut d = d.inspect_err(|e| {
+        if e.kind == ErrorKind::Timeout {
+            // Past its deadline: stop computing it.
+            node::tell(&den, DenoiseMsg::Cancel(Wire(job)));
+        }
+    })?;
+    d.stats.queue_s += routed_s;
     let mut handles = vec![d.latents.clone()];
     handles.extend(d.cache.clone());
     held.den.push((den, handles));

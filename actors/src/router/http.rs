@@ -33,14 +33,14 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+    pub(super) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
         ApiError {
             status,
             code,
             message: message.into(),
         }
     }
-    fn bad(message: impl Into<String>) -> Self {
+    pub(super) fn bad(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "bad_request", message)
     }
 }
@@ -83,7 +83,7 @@ impl IntoResponse for ApiError {
     }
 }
 
-type ApiResult<T = Response> = Result<T, ApiError>;
+pub(super) type ApiResult<T = Response> = Result<T, ApiError>;
 
 pub fn app(ctx: Arc<Ctx>) -> Router {
     Router::new()
@@ -101,6 +101,10 @@ pub fn app(ctx: Arc<Ctx>) -> Router {
         )
         .route("/v1/edits", axum::routing::post(create_edit))
         .route("/v1/jobs/{id}", get(get_job).delete(cancel_job))
+        .route(
+            "/admin/routing",
+            get(super::admin::get_routing).put(super::admin::put_routing),
+        )
         .method_not_allowed_fallback(|| async {
             ApiError::new(
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -119,10 +123,20 @@ pub fn app(ctx: Arc<Ctx>) -> Router {
         .with_state(ctx)
 }
 
-/// Bearer-token check for /v1 routes when `[server] api_token` is set.
+/// Bearer-token check for /v1 routes when `[server] api_token` is set, and for /admin
+/// routes always (403 on a daemon without a token: see `super::admin`).
 async fn auth(State(ctx): State<Arc<Ctx>>, req: Request, next: Next) -> Response {
     let token = &ctx.config.server.api_token;
-    if !token.is_empty() && req.uri().path().starts_with("/v1") {
+    let admin = req.uri().path().starts_with("/admin");
+    if admin && token.is_empty() {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "the admin API needs an API token: set [server] api_token (DENOISED_API_TOKEN)",
+        )
+        .into_response();
+    }
+    if !token.is_empty() && (admin || req.uri().path().starts_with("/v1")) {
         let ok = req
             .headers()
             .get(header::AUTHORIZATION)
@@ -264,7 +278,7 @@ async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
 }
 
 /// Reads a request body, mapping the size limit and transport errors to JSON errors.
-async fn body(ctx: &Ctx, req: Request) -> ApiResult<Bytes> {
+pub(super) async fn body(ctx: &Ctx, req: Request) -> ApiResult<Bytes> {
     let limit = ctx.config.server.max_body_bytes;
     if let Some(len) = req
         .headers()
@@ -304,7 +318,7 @@ fn too_large(len: usize, limit: usize) -> ApiError {
     )
 }
 
-fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> ApiResult<T> {
+pub(super) fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> ApiResult<T> {
     serde_json::from_slice(bytes).map_err(|e| ApiError::bad(format!("malformed JSON body: {e}")))
 }
 

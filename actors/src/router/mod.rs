@@ -1,7 +1,10 @@
 //! The router process: the HTTP API, the internal bus endpoint, the job table, and
 //! the flows that take each request through the worker groups.
 
+mod admin;
 pub mod admission;
+pub mod balance;
+pub mod ctx;
 pub mod flow;
 pub mod http;
 pub mod jobs;
@@ -42,9 +45,13 @@ impl Actor for RouterActor {
         match msg {
             RouterMsg::Progress(Wire(p)) => ctx.jobs.progress(p.job, p.step),
             RouterMsg::Announce(Wire(info)) => {
+                if info.role == "denoise" {
+                    ctx.balancer.announce(&info.name, info.profile.clone());
+                }
                 let mut m = ctx.processes.lock().unwrap_or_else(|p| p.into_inner());
                 m.insert(info.name.clone(), info);
             }
+            RouterMsg::Load(Wire(load)) => ctx.balancer.report(load),
             RouterMsg::Ping(Wire(x), reply) => {
                 let _ = reply.send(Wire(Ok(x)));
             }
@@ -109,6 +116,13 @@ impl Actor for RouterActor {
 pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
     let model = env.model_source();
     let fingerprint = model.fingerprint().map_err(|e| e.to_string())?;
+    let flux = model.transformer_config().map_err(|e| e.to_string())?;
+    let policy: crate::routing::Policy = env
+        .config
+        .server
+        .routing_policy
+        .parse()
+        .map_err(|e| format!("[server] {e}"))?;
     let shm = Shm::create(&env)?;
     let server = &env.config.server;
     let jobs = jobs::Jobs::start(
@@ -116,7 +130,8 @@ pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
         server.max_finished_jobs,
     )
     .await?;
-    let ctx = Arc::new(Ctx::new(&env, shm, jobs, fingerprint));
+    let balancer = balance::Balancer::new(flux, policy, env.config.denoise.max_batch);
+    let ctx = Arc::new(Ctx::new(&env, shm, jobs, fingerprint, balancer));
     let _node = node::start_node(&env, env.router_port).await?;
     let (router, _) = Actor::spawn(Some("router".into()), RouterActor, ctx.clone())
         .await

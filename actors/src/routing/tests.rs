@@ -62,24 +62,34 @@ fn incoming(active: usize) -> Incoming {
 }
 
 /// The request's finish time by brute force: every step's batch built from scratch.
-fn brute_finish(w: &WorkerView, req: &Incoming, cost: &dyn StepCost) -> f64 {
-    let mut t = match req.template {
+/// [`estimate`] step by step: each of the request's steps priced with and without it,
+/// and each running request's latency followed on its own.
+fn brute_estimate(w: &WorkerView, req: &Incoming, cost: &dyn StepCost) -> Estimate {
+    let load = match req.template {
         None => 0.0,
         Some(n) if w.device_templates.contains(&n.version) => 0.0,
         Some(n) if w.host_templates.contains(&n.version) => n.host_load_s,
         Some(n) => n.disk_load_s,
     };
+    let mut t = load;
+    // Every running request waits for the load, then pays each shared step's extra.
+    let mut delays = vec![load; w.running.len()];
     for k in 0..req.steps {
-        let mut batch = vec![req.shape];
-        batch.extend(
-            w.running
-                .iter()
-                .filter(|r| r.steps_left > k)
-                .map(|r| r.shape),
-        );
-        t += cost.step_s(&batch);
+        let others: Vec<usize> = (0..w.running.len())
+            .filter(|&i| w.running[i].steps_left > k)
+            .collect();
+        let without: Vec<StepShape> = others.iter().map(|&i| w.running[i].shape).collect();
+        let mut with = vec![req.shape];
+        with.extend(&without);
+        t += cost.step_s(&with);
+        for &i in &others {
+            delays[i] += cost.step_s(&with) - cost.step_s(&without);
+        }
     }
-    t
+    Estimate {
+        finish_s: t,
+        delay_s: delays.iter().sum(),
+    }
 }
 
 #[test]
@@ -111,6 +121,31 @@ fn a_heavy_mask_goes_to_the_idle_worker() {
         Router::new(Policy::LeastRequests).choose(two, &heavy, &COST),
         Some(0)
     );
+}
+
+#[test]
+fn the_delay_to_running_requests_counts() {
+    // Worker 0 runs eight light edits with their whole run ahead; worker 1 one heavy
+    // edit. A heavy newcomer would finish sooner on worker 0 (fewer rows per step), but
+    // would slow eight requests there for 28 steps, against one on worker 1.
+    let ws = vec![
+        worker((0..8).map(|_| running(50, 28)).collect()),
+        worker(vec![running(3500, 28)]),
+    ];
+    let heavy = incoming(3800);
+    let (e0, e1) = (
+        estimate(&ws[0], &heavy, &COST),
+        estimate(&ws[1], &heavy, &COST),
+    );
+    println!("light batch: {e0:?}; heavy one: {e1:?}");
+    assert!(e0.finish_s < e1.finish_s);
+    assert!(e0.cost_s() > e1.cost_s());
+    assert_eq!(
+        Router::new(Policy::MaskAware).choose(&ws, &heavy, &COST),
+        Some(1)
+    );
+    // An idle worker delays nobody.
+    assert_eq!(estimate(&worker(vec![]), &heavy, &COST).delay_s, 0.0);
 }
 
 #[test]
@@ -149,10 +184,17 @@ fn template_locality_is_priced() {
         Some(0)
     );
     let (a, b) = (
-        finish_s(&on_host, &req, &COST),
-        brute_finish(&on_host, &req, &COST),
+        estimate(&on_host, &req, &COST),
+        brute_estimate(&on_host, &req, &COST),
     );
-    assert!((a - b).abs() <= 1e-12 * b, "{a} vs {b}");
+    assert!(
+        (a.finish_s - b.finish_s).abs() <= 1e-12 * b.finish_s,
+        "{a:?} vs {b:?}"
+    );
+    assert!(
+        (a.delay_s - b.delay_s).abs() <= 1e-9 * b.delay_s,
+        "{a:?} vs {b:?}"
+    );
 }
 
 #[test]
@@ -287,16 +329,18 @@ proptest! {
             b.map(|(i, _)| i)
         };
         for w in &ws {
-            let (a, b) = (finish_s(w, &req, &COST), brute_finish(w, &req, &COST));
-            prop_assert!((a - b).abs() <= 1e-9 * b.max(1.0), "{a} vs {b}");
+            let (a, b) = (estimate(w, &req, &COST), brute_estimate(w, &req, &COST));
+            prop_assert!((a.finish_s - b.finish_s).abs() <= 1e-9 * b.finish_s.max(1.0), "{a:?} vs {b:?}");
+            prop_assert!((a.delay_s - b.delay_s).abs() <= 1e-9 * b.delay_s.max(1.0), "{a:?} vs {b:?}");
         }
-        // mask_aware picks a worker with the least finish time (up to rounding: the
+        // mask_aware picks a worker with the least added latency (up to rounding: the
         // two sums add the same step costs in another order).
         let got = Router::new(Policy::MaskAware).choose(&ws, &req, &COST);
-        let want = best(&|w| brute_finish(w, &req, &COST));
+        let key = |w: &WorkerView| brute_estimate(w, &req, &COST).cost_s();
+        let want = best(&key);
         prop_assert_eq!(got.is_some(), want.is_some());
         if let (Some(g), Some(b)) = (got, want) {
-            let (fg, fb) = (brute_finish(&ws[g], &req, &COST), brute_finish(&ws[b], &req, &COST));
+            let (fg, fb) = (key(&ws[g]), key(&ws[b]));
             prop_assert!(fg <= fb * (1.0 + 1e-9), "worker {g} ({fg}) vs {b} ({fb})");
         }
         prop_assert_eq!(

@@ -12,7 +12,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use denoised_runtime::{Backend, Error, Result, Tensor};
@@ -45,6 +45,9 @@ pub struct StepperStats {
     pub streamed_bytes: AtomicU64,
     /// Device memory in use, sampled at most once a second.
     pub device_used_bytes: AtomicU64,
+    /// Keys of the resident templates, most recently used first: what the worker
+    /// tells the router its device holds (written when the set changes).
+    pub resident_keys: Mutex<Vec<u64>>,
 }
 
 /// What a step did beyond advancing its jobs: the plan it followed and what the
@@ -195,12 +198,14 @@ where
             .sum();
         // Least recently used first; the batch's own stay (the scheduler made sure
         // they fit).
+        let mut changed = false;
         while needed + others > self.capacity {
             let Some(i) = self.recent.iter().rposition(|r| !in_batch(r)) else {
                 break;
             };
             let old = self.recent.remove(i).expect("index from rposition");
             others -= size(&old);
+            changed = true;
             self.templates.evict(&old);
             self.stats.evictions.fetch_add(1, Ordering::Relaxed);
         }
@@ -215,6 +220,7 @@ where
                 } else {
                     self.templates.make_resident(be, t)?;
                     self.recent.push_front(t.clone());
+                    changed = true;
                     count(&self.stats.misses, 1);
                     count(&self.stats.loaded_bytes, size(t));
                 }
@@ -229,6 +235,14 @@ where
                     capacity as f64 / 1e9
                 )));
             }
+        }
+        if changed {
+            let keys = self.recent.iter().map(|r| r.key()).collect();
+            *self
+                .stats
+                .resident_keys
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = keys;
         }
         let resident: u64 = self.recent.iter().map(|r| size(r)).sum();
         self.stats
