@@ -161,6 +161,11 @@ fn template_capture_and_mask_aware_edits() {
         log.contains("mask-aware edit:") && log.contains("of 256 tokens active"),
         "{log}"
     );
+    // Which VAE passes ran (the sparse VAE, --sparse-vae auto by default).
+    assert!(
+        log.contains("VAE: encode ") && log.contains("(--sparse-vae auto)"),
+        "{log}"
+    );
     let (img, res) = (png(&input), png(&edited));
     let mask = decode_mask(&std::fs::read(case("e2e_mask.png")).unwrap(), 64, 64, &LIM).unwrap();
     let mut changed_inside = 0;

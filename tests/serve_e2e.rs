@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
-use denoised_models::pipeline::image::Rgb8;
+use denoised_models::pipeline::image::{encode_png, Rgb8};
 use serde_json::{json, Value};
 
 #[test]
@@ -66,6 +66,78 @@ fn template_edit_equals_the_cli_on_the_same_inputs() {
     ]);
     let cli = std::fs::read(&out).unwrap();
     assert_eq!(png(&served), png(&cli), "daemon and CLI images differ");
+}
+
+/// `[pipeline] sparse_vae`: a template edit's VAE passes run sparse against the
+/// workers' traces of the template (recorded on its first edit, then reused), and
+/// the image stays within a few levels of the dense VAE's inside the mask and equal
+/// to it outside (paste-back).
+#[test]
+fn template_edits_run_the_vae_sparse_close_to_dense() {
+    let sparse = Daemon::start(&[]);
+    let dense = Daemon::start(&["--sparse-vae", "off"]);
+    // The fixture image doubled to 128x128: at 64x64 the tiny VAE's receptive field
+    // covers most of the image and `auto` rightly runs dense.
+    let small = png(&unb64(&image_b64()));
+    let mut big = Rgb8 {
+        width: 128,
+        height: 128,
+        data: vec![0; 128 * 128 * 3],
+    };
+    for (i, px) in big.data.chunks_exact_mut(3).enumerate() {
+        let (x, y) = (i % 128 / 2, i / 128 / 2);
+        px.copy_from_slice(&small.data[(y * 64 + x) * 3..][..3]);
+    }
+    let image = b64(&encode_png(&big).unwrap());
+    let template = json!({"image": image, "id": "t", "steps": 3, "seed": 3, "prompt": "a room"});
+    // An 8x8-pixel box: 4 of 1024 tokens.
+    let (x0, y0, side) = (48usize, 40usize, 8usize);
+    let body =
+        json!({"template_id": "t", "boxes": [[x0, y0, side, side]], "prompt": "x", "seed": 4});
+    let passes = |v: &Value| {
+        let t = &v["timings"];
+        (
+            t["vae_encode"].as_str().unwrap().to_string(),
+            t["vae_decode"].as_str().unwrap().to_string(),
+        )
+    };
+    for d in [&sparse, &dense] {
+        let (s, v) = d.post("/v1/templates", &template);
+        assert_eq!(s, 201, "{v}");
+    }
+    let (s, first) = sparse.post("/v1/edits", &body);
+    assert_eq!(s, 200, "{first}");
+    let pair = |a: &str, b: &str| (a.to_string(), b.to_string());
+    assert_eq!(passes(&first), pair("sparse_traced", "sparse_traced"));
+    let (_, second) = sparse.post("/v1/edits", &body);
+    assert_eq!(
+        passes(&second),
+        pair("sparse", "sparse"),
+        "the traces are kept"
+    );
+    let (a, b) = (png(&edit_image(&first)), png(&edit_image(&second)));
+    assert_eq!(a, b, "a recorded trace and a kept one give the same image");
+    let (s, v) = dense.post("/v1/edits", &body);
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(passes(&v), pair("dense", "dense"));
+    let want = png(&edit_image(&v));
+    let mut inside = 0u8;
+    for (i, (p, q)) in a
+        .data
+        .chunks_exact(3)
+        .zip(want.data.chunks_exact(3))
+        .enumerate()
+    {
+        let (x, y) = (i % a.width, i / a.width);
+        let d = p.iter().zip(q).map(|(p, q)| p.abs_diff(*q)).max().unwrap();
+        if (x0..x0 + side).contains(&x) && (y0..y0 + side).contains(&y) {
+            inside = inside.max(d);
+        } else {
+            assert_eq!(d, 0, "pixel ({x}, {y}) outside the mask");
+        }
+    }
+    eprintln!("sparse VAE: max {inside} levels from the dense VAE inside the mask");
+    assert!(inside <= 8, "{inside} levels inside the mask");
 }
 
 #[test]
@@ -318,7 +390,9 @@ fn a_worker_killed_mid_request_loses_nothing() {
 
 #[test]
 fn the_non_disaggregated_baseline_gives_the_same_images() {
-    let a = Daemon::start(&[]);
+    // The baseline runs the VAE dense; so does `a` here, so that the images compare
+    // the batching modes alone.
+    let a = Daemon::start(&["--sparse-vae", "off"]);
     let b = Daemon::start(&["--disaggregate", "false"]);
     let body = json!({"template_id": "t", "mask": mask_b64(), "prompt": "x", "seed": 9});
     let mut imgs = Vec::new();

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use denoised_cuda::DeviceSpec;
 use denoised_models::pipeline::flux_fill::{FluxFill, Parts};
+use denoised_models::pipeline::sparse_vae::SparseVae;
 use denoised_models::vae::VaeHalves;
 use denoised_runtime::CpuBackend;
 use ractor::Actor;
@@ -75,8 +76,10 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
         device,
         role_parts(env.role, env.config.denoise.disaggregate),
     );
-    let pipeline = FluxFill::load_parts(&source, CpuBackend::new(), parts)
+    let mut pipeline = FluxFill::load_parts(&source, CpuBackend::new(), parts)
         .map_err(|e| format!("loading model `{source}`: {e}"))?;
+    let pc = &env.config.pipeline;
+    pipeline.sparse_vae = SparseVae::new(pc.sparse_vae, pc.sparse_vae_trace_bytes as usize);
     let mut profile = None;
     let placed = match env.role {
         Role::Denoise => {

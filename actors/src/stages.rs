@@ -15,6 +15,7 @@ use denoised_models::pipeline::image::{
     decode_image, decode_mask, encode_jpeg, encode_png, from_model_space, Mask, Rgb8,
 };
 use denoised_models::pipeline::paste::paste_back;
+use denoised_models::pipeline::sparse_vae::VaePass;
 use denoised_runtime::CpuBackend;
 
 use crate::wire::{ErrorKind, FinishParams, GenParams, ImageFormat, MaskSpec, WireError};
@@ -46,6 +47,7 @@ pub struct Stage1 {
     pub prepared: Prepared,
     pub token_mask: TokenMask,
     pub seconds: f64,
+    pub vae_pass: VaePass,
 }
 
 /// Maps an engine error on client data to a 4xx-class error.
@@ -197,6 +199,7 @@ pub fn prepare(
     mask: MaskInput<'_>,
     params: &GenParams,
     max_pixels: usize,
+    template_edit: bool,
 ) -> Result<Stage1, WireError> {
     let t0 = Instant::now();
     let mut limits = p.limits;
@@ -216,6 +219,7 @@ pub fn prepare(
         seed: params.seed,
         max_sequence_length: params.max_sequence_length as usize,
         dilation: params.dilation as usize,
+        template_edit,
         ..Default::default()
     };
     let block = 2 * p.vae_scale_factor();
@@ -236,10 +240,13 @@ pub fn prepare(
         prepared,
         token_mask,
         seconds: t0.elapsed().as_secs_f64(),
+        vae_pass: t.vae_encode_pass,
     })
 }
 
-/// VAE decode, paste-back and encoding of a finished latent.
+/// VAE decode, paste-back and encoding of a finished latent. `template` is a template
+/// edit's template final latent (same layout as `latents`): with paste-back, the
+/// decoder may run sparse against its trace.
 pub fn finish(
     p: &Pipeline,
     image: &Rgb8,
@@ -247,21 +254,29 @@ pub fn finish(
     latents: &[f32],
     cols: usize,
     params: &FinishParams,
-) -> Result<Vec<u8>, WireError> {
-    let raw = p
-        .decode_packed(latents, cols, image.width, image.height)
-        .map_err(|e| WireError::internal(e.to_string()))?;
+    template: Option<&[f32]>,
+) -> Result<(Vec<u8>, VaePass), WireError> {
+    let internal = |e: denoised_runtime::Error| WireError::internal(e.to_string());
+    let (raw, pass) = match template.filter(|_| params.paste_back) {
+        Some(tl) => p.decode_edit(latents, tl, cols, mask).map_err(internal)?,
+        None => (
+            p.decode_packed(latents, cols, image.width, image.height)
+                .map_err(internal)?,
+            VaePass::Dense,
+        ),
+    };
     let generated = from_model_space(raw.data(), image.width, image.height);
     let out = if params.paste_back {
         paste_back(image, &generated, mask, params.feather as usize)
     } else {
         generated
     };
-    match params.format {
+    let bytes = match params.format {
         ImageFormat::Png => encode_png(&out),
         ImageFormat::Jpeg => encode_jpeg(&out, 92),
     }
-    .map_err(|e| WireError::internal(e.to_string()))
+    .map_err(internal)?;
+    Ok((bytes, pass))
 }
 
 /// The pixel mask as bytes (0/1) for shared memory, and back.

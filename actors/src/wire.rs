@@ -13,6 +13,7 @@
 //! Replies are `Result<T, WireError>`: a worker turns every failure into a typed error
 //! the router maps to an HTTP status.
 
+use denoised_models::pipeline::sparse_vae::VaePass;
 use denoised_models::planner::CacheMode;
 use denoised_runtime::shm::Handle;
 use ractor::{BytesConvertable, RpcReplyPort};
@@ -138,6 +139,9 @@ pub struct PrepareReq {
     pub mask: MaskSpec,
     pub params: GenParams,
     pub max_pixels: u64,
+    /// A mask-aware edit of a template whose image `image` is: the VAE encoder may
+    /// run sparse against the template's trace.
+    pub template_edit: bool,
 }
 
 /// The conditioning tensors of one request, in the preprocess worker's arena.
@@ -183,6 +187,7 @@ pub struct PreparedRefs {
     pub pixel_ratio: f64,
     pub prompt_truncated: bool,
     pub seconds: f64,
+    pub vae_pass: VaePass,
 }
 
 impl PreparedRefs {
@@ -287,6 +292,9 @@ pub struct FinishReq {
     pub width: u32,
     pub height: u32,
     pub params: FinishParams,
+    /// A template edit's template cache in the cache's arena: its last latent is the
+    /// template's final latent, against whose trace the decoder may run sparse.
+    pub template: Option<Handle>,
 }
 
 /// postprocess → router: the encoded output image in the postprocess worker's arena.
@@ -294,6 +302,7 @@ pub struct FinishReq {
 pub struct Finished {
     pub image: Handle,
     pub seconds: f64,
+    pub vae_pass: VaePass,
 }
 
 /// The non-disaggregated baseline: the denoise process prepares, denoises and finishes

@@ -20,6 +20,56 @@ pub struct Config {
     pub denoise: DenoiseConfig,
     pub cluster: ClusterConfig,
     pub cache: CacheConfig,
+    pub pipeline: PipelineConfig,
+}
+
+/// Whether template edits may run the VAE spatially sparse (`[pipeline] sparse_vae`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SparseVaeSetting {
+    /// Sparse when its MAC estimate says it pays; dense otherwise.
+    #[default]
+    Auto,
+    Off,
+}
+
+impl std::str::FromStr for SparseVaeSetting {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(SparseVaeSetting::Auto),
+            "off" => Ok(SparseVaeSetting::Off),
+            _ => Err(format!("sparse VAE setting {s:?}: expected auto or off")),
+        }
+    }
+}
+
+impl std::fmt::Display for SparseVaeSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SparseVaeSetting::Auto => "auto",
+            SparseVaeSetting::Off => "off",
+        })
+    }
+}
+
+/// `[pipeline]`: the Fill pipeline's stages around the denoise loop.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PipelineConfig {
+    pub sparse_vae: SparseVaeSetting,
+    /// Bytes of template VAE traces each preprocess (encoder) and postprocess
+    /// (decoder) process keeps.
+    pub sparse_vae_trace_bytes: u64,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        PipelineConfig {
+            sparse_vae: SparseVaeSetting::Auto,
+            sparse_vae_trace_bytes: 4 << 30,
+        }
+    }
 }
 
 /// `[cache]`: the template cache's tiers beyond memory.

@@ -31,6 +31,23 @@ pub struct Args {
     pub max_sequence_length: usize,
     #[command(flatten)]
     pub device: DeviceArgs,
+    /// Time the VAE alone, dense against spatially sparse (SIGE), encode and decode
+    /// per mask ratio and mode, instead of the whole edit (CPU only).
+    #[arg(long)]
+    pub sparse_vae: bool,
+    /// With --sparse-vae: token mask ratios, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "0.05,0.1,0.2,0.4")]
+    pub mask_ratio: Vec<f64>,
+    /// With --sparse-vae: modes as REGION/STATS (exact or dilated:N; frozen or
+    /// incremental), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "exact/incremental")]
+    pub sparse_modes: Vec<String>,
+    /// With --sparse-vae: timed runs of each sparse pass (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub iters: usize,
+    /// With --sparse-vae: tile side in pixels.
+    #[arg(long, default_value_t = denoised_models::vae::sparse::DEFAULT_TILE)]
+    pub tile: usize,
 }
 
 /// A square `n x n` image of random pixels (timing and error figures do not depend on
@@ -62,6 +79,9 @@ pub(super) fn pixel_mask(tm: &TokenMask, n: usize, tok: usize) -> Mask {
 }
 
 pub fn run(a: Args) -> CliResult {
+    if a.sparse_vae {
+        return super::bench_sparse_vae::run(&a);
+    }
     let backend: CpuBackend = a.device.cpu_backend()?;
     let t0 = Instant::now();
     let p = match a.pipeline.as_str() {

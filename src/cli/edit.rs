@@ -16,6 +16,7 @@ use denoised_models::flux::template_file::{self, TemplateMeta};
 use denoised_models::mask::TokenMask;
 use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Parts, Timings};
 use denoised_models::pipeline::image::{decode_image, decode_mask, encode_png, Mask};
+use denoised_models::pipeline::sparse_vae::{SparseVae, SparseVaeSetting};
 use denoised_models::{FlowMatchEuler, ModelSource};
 use denoised_runtime::weights::SafetensorsFile;
 use denoised_runtime::{CpuBackend, Tensor};
@@ -68,6 +69,10 @@ pub struct EditArgs {
     /// A captured template directory: compute only the masked tokens.
     #[arg(long)]
     pub template: Option<PathBuf>,
+    /// With --template: run the VAE encoder and decoder only on the tiles the edit
+    /// changes (`auto`, when the MAC estimate says it pays) or always dense (`off`).
+    #[arg(long, env = "DENOISED_SPARSE_VAE", default_value = "auto")]
+    pub sparse_vae: SparseVaeSetting,
     /// Extra ring of computed tokens around the mask (template edits).
     #[arg(long, default_value_t = 0)]
     pub dilation: usize,
@@ -206,7 +211,9 @@ fn report(c: &Common, t: &Timings, what: &str, out: &Path) {
 
 pub fn run_edit(a: EditArgs) -> CliResult {
     let c = &a.common;
-    let (p, mut placed) = load_pipeline(c)?;
+    let (mut p, mut placed) = load_pipeline(c)?;
+    // One edit: the traces it records are used once, so any size is kept.
+    p.sparse_vae = SparseVae::new(a.sparse_vae, usize::MAX);
     let mut t = Timings::default();
     let template = match &a.template {
         Some(dir) => Some((dir.clone(), template_file::read_meta(dir)?)),
@@ -243,6 +250,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
         paste_back: !a.no_paste_back,
         feather: a.feather,
         dilation: a.dilation,
+        template_edit: template.is_some(),
     };
     let noise = a
         .noise
@@ -258,6 +266,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
         );
     }
     let schedule = p.schedule(steps, image.width, image.height)?;
+    let mut template_latent = None;
     let latents = match &template {
         None => denoise(&mut placed, &prepared.inputs, schedule, Mode::Full, &mut t)?.0,
         Some((dir, _)) => {
@@ -286,6 +295,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                 tm.len(),
                 100.0 * tm.pixel_ratio
             );
+            template_latent = Some(loaded.cache.latent(steps - 1)?);
             let mode = Mode::Edit {
                 mask: Arc::new(tm),
                 cache: Arc::new(loaded.cache),
@@ -293,7 +303,15 @@ pub fn run_edit(a: EditArgs) -> CliResult {
             denoise(&mut placed, &prepared.inputs, schedule, mode, &mut t)?.0
         }
     };
-    let out = p.finish(&prepared, &latents, &opts, &mut t)?;
+    let out = p.finish_edit(&prepared, &latents, template_latent.as_ref(), &opts, &mut t)?;
+    if template.is_some() {
+        eprintln!(
+            "VAE: encode {}, decode {} (--sparse-vae {})",
+            serde_json::to_value(t.vae_encode_pass)?,
+            serde_json::to_value(t.vae_decode_pass)?,
+            a.sparse_vae
+        );
+    }
     write_png(&a.out, &out, &mut t)?;
     report(c, &t, "edit", &a.out);
     Ok(())

@@ -5,6 +5,7 @@ mod bench_overheads;
 mod bench_pipeline;
 mod bench_quality;
 mod bench_serve;
+mod bench_sparse_vae;
 mod bench_step;
 mod devices;
 mod edit;

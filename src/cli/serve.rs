@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use denoised_actors::node::Role;
-use denoised_runtime::config::{Batching, Config};
+use denoised_runtime::config::{Batching, Config, SparseVaeSetting};
 
 use super::CliResult;
 
@@ -76,6 +76,10 @@ pub struct ServeArgs {
     /// `[cache] kv_dtype`: storage dtype of new templates (`f32`, `bf16`, `fp8`).
     #[arg(long, env = "DENOISED_KV_DTYPE")]
     pub kv_dtype: Option<String>,
+    /// `[pipeline] sparse_vae`: `auto` (template edits run the VAE sparse when it pays)
+    /// or `off`.
+    #[arg(long, env = "DENOISED_SPARSE_VAE")]
+    pub sparse_vae: Option<SparseVaeSetting>,
 }
 
 impl ServeArgs {
@@ -107,6 +111,9 @@ impl ServeArgs {
         }
         if let Some(n) = self.denoise_workers {
             c.workers.denoise = n;
+        }
+        if let Some(s) = self.sparse_vae {
+            c.pipeline.sparse_vae = s;
         }
         if let Some(d) = self.disaggregate {
             c.denoise.disaggregate = d;

@@ -11,6 +11,7 @@
 use std::time::Instant;
 
 use denoised_models::flux::cost::StepShape;
+use denoised_models::pipeline::sparse_vae::VaePass;
 use denoised_models::planner::CacheMode;
 use denoised_runtime::shm::Handle;
 use ractor::ActorCell;
@@ -55,6 +56,9 @@ pub struct Timings {
     pub denoise_s: f64,
     pub postprocess_s: f64,
     pub total_s: f64,
+    /// Which VAE passes ran (sparse only for template edits, `[pipeline] sparse_vae`).
+    pub vae_encode: VaePass,
+    pub vae_decode: VaePass,
 }
 
 pub struct EditOutput {
@@ -333,6 +337,7 @@ async fn edit_once(
         mask,
         params: params.clone(),
         max_pixels: ctx.config.server.max_pixels as u64,
+        template_edit: template.is_some(),
     };
     // A template edit computes only the active tokens against the template's cache;
     // an inline image is a full, uncached run. The template's cache is asked for only
@@ -387,6 +392,8 @@ async fn edit_once(
                 denoise_s: d.stats.denoise_s,
                 postprocess_s: d.postprocess_s,
                 total_s: 0.0,
+                vae_encode: VaePass::Dense,
+                vae_decode: VaePass::Dense,
             },
             stats: d.stats,
             attempts: 1,
@@ -398,7 +405,8 @@ async fn edit_once(
         Some(_) => prepared.active.clone(),
         None => Vec::new(),
     };
-    let work = work(blob.await?);
+    let blob = blob.await?;
+    let work = work(blob.clone());
     let d = denoise(ctx, job, &prepared, params.steps, active, work, held).await?;
 
     check_cancel(ctx, job).await?;
@@ -412,6 +420,7 @@ async fn edit_once(
         width: prepared.width,
         height: prepared.height,
         params: input.finish.clone(),
+        template: blob,
     };
     let f = ctx
         .ask(&post, |p| PostprocessMsg::Finish(Wire(fin), p))
@@ -438,6 +447,8 @@ async fn edit_once(
             denoise_s: d.stats.denoise_s,
             postprocess_s: f.seconds,
             total_s: 0.0,
+            vae_encode: prepared.vae_pass,
+            vae_decode: f.vae_pass,
         },
         stats: d.stats,
         attempts: 1,
@@ -490,6 +501,7 @@ async fn capture_once(
         mask: MaskSpec::Empty,
         params: params.clone(),
         max_pixels: ctx.config.server.max_pixels as u64,
+        template_edit: false,
     };
     let (blob, width, height, tokens) = if ctx.config.denoise.disaggregate {
         let prepared = preprocess(ctx, job, prepare, held).await?;

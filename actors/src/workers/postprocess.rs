@@ -47,13 +47,31 @@ fn finish_to_shm(p: &Pipeline, shm: &Shm, req: &FinishReq) -> Result<Finished, W
     let (w, h) = (req.width as usize, req.height as usize);
     let image = stages::rgb_from_bytes(shm.read_bytes(&req.image)?, w, h)?;
     let mask = stages::mask_from_bytes(shm.read_bytes(&req.mask)?, w, h)?;
-    // The finished latent is decoded straight out of the denoise worker's arena.
+    // The finished latent is decoded straight out of the denoise worker's arena, and a
+    // template's final latent (the last of its cache) out of the cache's.
     let cols = req.latents.shape.get(1).copied().unwrap_or(0);
-    let bytes = shm.borrow_f32(&req.latents, |l| {
-        stages::finish(p, &image, &mask, l, cols, &req.params)
+    let template = req
+        .template
+        .as_ref()
+        .map(|blob| shm.host_slice(blob))
+        .transpose()?;
+    // A copy (a latent is small next to the decode) in place of an unaligned cast.
+    let final_latent = |latent_bytes: usize| -> Option<Vec<f32>> {
+        let t = template.as_ref()?;
+        let tail = t.bytes().get(t.len().checked_sub(latent_bytes)?..)?;
+        Some(
+            tail.chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        )
+    };
+    let (bytes, vae_pass) = shm.borrow_f32(&req.latents, |l| {
+        let tl = final_latent(std::mem::size_of_val(l));
+        stages::finish(p, &image, &mask, l, cols, &req.params, tl.as_deref())
     })??;
     Ok(Finished {
         image: shm.write_bytes(&bytes)?,
         seconds: t0.elapsed().as_secs_f64(),
+        vae_pass,
     })
 }

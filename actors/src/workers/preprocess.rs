@@ -65,7 +65,14 @@ pub fn prepare_to_shm(
 ) -> Result<PreparedRefs, WireError> {
     let (image, mask_bytes) = read_request(shm, req)?;
     let mask = MaskInput::new(&req.mask, mask_bytes.as_deref());
-    let s1 = stages::prepare(p, &image, mask, &req.params, req.max_pixels as usize)?;
+    let s1 = stages::prepare(
+        p,
+        &image,
+        mask,
+        &req.params,
+        req.max_pixels as usize,
+        req.template_edit,
+    )?;
     let mut written: Vec<Handle> = Vec::new();
     let result = (|| {
         let mut put = |t: &Tensor| -> Result<Handle, WireError> {
@@ -102,6 +109,7 @@ pub fn prepare_to_shm(
             pixel_ratio: tm.pixel_ratio,
             prompt_truncated: s1.prepared.prompt_truncated,
             seconds: s1.seconds,
+            vae_pass: s1.vae_pass,
         })
     })();
     if result.is_err() {

@@ -17,10 +17,12 @@ use super::fill::{
 };
 use super::image::{from_model_space, to_model_space, ImageLimits, Mask, Rgb8};
 use super::paste::paste_back;
+use super::sparse_vae::{SparseVae, VaePass};
 use crate::flux::edit::DenoiseInputs;
 use crate::flux::embed::image_ids;
 use crate::flux::weights::SplitMix;
 use crate::flux::{FluxConfig, FluxTransformer};
+use crate::mask::TokenMask;
 use crate::scheduler::{FlowMatchEuler, SchedulerConfig};
 use crate::source::{ModelSource, BUILTIN_SEED};
 use crate::text::{ClipTextConfig, ClipTextModel, ClipTokenizer, T5Config, T5Encoder, T5Tokenizer};
@@ -40,6 +42,9 @@ pub struct EditOptions {
     pub feather: usize,
     /// Extra ring of active tokens around the mask for mask-aware edits.
     pub dilation: usize,
+    /// A mask-aware edit of a template (whose image is the edit's image): the VAE may
+    /// run sparse against the template's traces (see [`super::sparse_vae`]).
+    pub template_edit: bool,
 }
 
 impl Default for EditOptions {
@@ -52,6 +57,7 @@ impl Default for EditOptions {
             paste_back: true,
             feather: 3,
             dilation: 0,
+            template_edit: false,
         }
     }
 }
@@ -75,6 +81,9 @@ pub struct Timings {
     pub denoise_s: f64,
     pub vae_decode_s: f64,
     pub png_encode_s: f64,
+    /// Which VAE passes ran: dense, or sparse against a template's trace.
+    pub vae_encode_pass: VaePass,
+    pub vae_decode_pass: VaePass,
 }
 
 /// A request after preprocessing: what the denoiser needs, and what postprocessing
@@ -173,6 +182,8 @@ pub struct FluxFill<B: Backend<Tensor = Tensor>> {
     /// Identity of the weights, recorded in template caches.
     pub fingerprint: String,
     pub limits: ImageLimits,
+    /// Sparse VAE passes of template edits, and their traces.
+    pub sparse_vae: SparseVae,
 }
 
 /// Seeded text encoders with the built-in tokenizers.
@@ -348,6 +359,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             scheduler,
             fingerprint,
             limits,
+            sparse_vae: SparseVae::default(),
         })
     }
 
@@ -470,8 +482,17 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
 
         // Masked image -> VAE posterior sample -> normalised, packed latents.
         let t0 = Instant::now();
-        let planar = masked_image(&to_model_space(image), mask);
-        let (mean, logvar) = self.vae.encode(&Tensor::new([1, 3, h, w], planar)?)?;
+        let full = to_model_space(image);
+        let masked = Tensor::new([1, 3, h, w], masked_image(&full, mask))?;
+        let (mean, logvar) = if opts.template_edit {
+            let keep = active_latent_pixels(mask, vsf, opts.dilation)?;
+            let full = Tensor::new([1, 3, h, w], full)?;
+            let (dist, pass) = self.encode_edit(&masked, &full, &keep)?;
+            t.vae_encode_pass = pass;
+            dist
+        } else {
+            self.vae.encode(&masked)?
+        };
         let std = AutoencoderKL::std_from_logvar(&logvar);
         let eps = match &noise.posterior_eps {
             Some(e) if e.len() == mean.len() => e.data().to_vec(),
@@ -561,9 +582,31 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         opts: &EditOptions,
         t: &mut Timings,
     ) -> Result<Rgb8> {
+        self.finish_edit(prepared, latents, None, opts, t)
+    }
+
+    /// [`finish`](Self::finish) of a template edit, whose template's final packed
+    /// latent is `template`: the decoder may run sparse (with paste-back on, since it
+    /// keeps only the masked pixels).
+    pub fn finish_edit(
+        &self,
+        prepared: &Prepared,
+        latents: &Tensor,
+        template: Option<&Tensor>,
+        opts: &EditOptions,
+        t: &mut Timings,
+    ) -> Result<Rgb8> {
         let (w, h) = (prepared.image.width, prepared.image.height);
         let t0 = Instant::now();
-        let raw = self.decode_raw(latents, w, h)?;
+        let raw = match template.filter(|_| opts.paste_back) {
+            Some(tl) => {
+                let (raw, pass) =
+                    self.decode_edit(latents.data(), tl.data(), latents.cols(), &prepared.mask)?;
+                t.vae_decode_pass = pass;
+                raw
+            }
+            None => self.decode_raw(latents, w, h)?,
+        };
         let generated = from_model_space(raw.data(), w, h);
         t.vae_decode_s += t0.elapsed().as_secs_f64();
         Ok(if opts.paste_back {
@@ -572,6 +615,22 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             generated
         })
     }
+}
+
+/// The latent pixels (`[h/f * w/f]`) of the tokens a mask makes active (each token is
+/// 2x2 latent pixels).
+fn active_latent_pixels(mask: &Mask, vsf: usize, dilation: usize) -> Result<Vec<bool>> {
+    let (h, w) = (mask.height, mask.width);
+    let tm = TokenMask::from_pixels(&mask.data, h, w, 2 * vsf, dilation)?;
+    let lw = w / vsf;
+    let mut keep = vec![false; (h / vsf) * lw];
+    for &t in tm.active() {
+        let (r, c) = (t as usize / tm.cols, t as usize % tm.cols);
+        for y in 2 * r..2 * r + 2 {
+            keep[y * lw + 2 * c..y * lw + 2 * c + 2].fill(true);
+        }
+    }
+    Ok(keep)
 }
 
 fn not_loaded(what: &str) -> Error {

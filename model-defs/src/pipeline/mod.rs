@@ -5,3 +5,4 @@ pub mod fill;
 pub mod flux_fill;
 pub mod image;
 pub mod paste;
+pub mod sparse_vae;

@@ -4,6 +4,7 @@
 //! - [`config`]: `vae/config.json`, validated (only the FLUX variant: no quant convs).
 //! - [`weights`]: the parameter set, loaded from diffusers or generated from a seed.
 //! - [`model`]: [`AutoencoderKL`], the encoder and decoder forward passes.
+//! - [`sparse`]: the spatially sparse passes of an edit against a template's trace (SIGE).
 //!
 //! The convolution, GroupNorm and upsampling kernels live in
 //! `denoised_runtime::cpu::conv`; the mid-block attention reuses the runtime's CPU
@@ -11,6 +12,7 @@
 
 pub mod config;
 pub mod model;
+pub mod sparse;
 pub mod weights;
 
 pub use config::VaeConfig;

@@ -136,6 +136,12 @@ impl AutoencoderKL {
         self.head(&x, d)
     }
 
+    /// The posterior `(mean, logvar)` of the encoder's `[B, 2C, h, w]` moments (the
+    /// output of a traced or sparse encoder pass), logvar clamped as in `encode`.
+    pub fn latent_dist(&self, moments: &Tensor) -> Result<(Tensor, Tensor)> {
+        split_moments(moments, self.config.latent_channels)
+    }
+
     /// The pipeline's latent normalisation: `(mean - shift_factor) * scaling_factor`.
     pub fn normalize(&self, latent: &Tensor) -> Tensor {
         let (s, f) = (self.config.shift(), self.config.scale());
@@ -199,6 +205,13 @@ impl AutoencoderKL {
     /// Single-head self-attention over the pixels of each image, plus the residual:
     /// `x + out(softmax(q kᵀ / sqrt(C)) v)` with q, k, v projected from `GN(x)`.
     fn attention(&self, x: &Tensor, a: &Attention) -> Result<Tensor> {
+        self.attention_traced(x, a).map(|(out, _)| out)
+    }
+
+    /// [`attention`](Self::attention), also returning its `[B*N, 3C]` buffer: the
+    /// attention output in the q columns, then every pixel's K and V (what a template
+    /// trace keeps for the sparse VAE).
+    pub(super) fn attention_traced(&self, x: &Tensor, a: &Attention) -> Result<(Tensor, Vec<f32>)> {
         let [b, c, h, w] = dims(x)?;
         let n = h * w;
         let normed = self.norm(x, &a.norm, false)?;
@@ -262,19 +275,19 @@ impl AutoencoderKL {
                 true,
             );
         }
-        Tensor::new(x.shape().to_vec(), out)
+        Ok((Tensor::new(x.shape().to_vec(), out)?, qkv))
     }
 }
 
 /// diffusers `Downsample2D(padding=0)`: pad right and bottom by one, conv 3x3 stride 2.
-const DOWNSAMPLE: Conv2dOpts = Conv2dOpts {
+pub(super) const DOWNSAMPLE: Conv2dOpts = Conv2dOpts {
     stride: 2,
     pad: [0, 1, 0, 1],
     upsample2x: false,
 };
 
 /// diffusers `Upsample2D`: nearest 2x, then conv 3x3 padding 1 (fused into one call).
-const UPSAMPLE: Conv2dOpts = Conv2dOpts {
+pub(super) const UPSAMPLE: Conv2dOpts = Conv2dOpts {
     stride: 1,
     pad: [1; 4],
     upsample2x: true,
@@ -318,7 +331,7 @@ fn check_input(op: &'static str, x: &Tensor, channels: usize, field: &str) -> Re
 }
 
 /// Splits the encoder's `[B, 2C, h, w]` moments into mean and clamped logvar.
-fn split_moments(m: &Tensor, c: usize) -> Result<(Tensor, Tensor)> {
+pub(super) fn split_moments(m: &Tensor, c: usize) -> Result<(Tensor, Tensor)> {
     let [b, c2, h, w] = dims(m)?;
     if c2 != 2 * c {
         return Err(Error::shape(

@@ -349,6 +349,22 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// [`scale_shift`] in place, the same expression (so a sparse layer's fused
+    /// GroupNorm gives the dense one's values to the bit).
+    pub(crate) fn scale_shift_in_place(y: &mut [f32], a: f32, b: f32, silu: bool) {
+        if silu {
+            for y in y.iter_mut() {
+                *y = simd::silu(*y * a + b);
+            }
+        } else {
+            for y in y.iter_mut() {
+                *y = *y * a + b;
+            }
+        }
+    }
+}
+
 /// `GroupNorm(groups, C, eps, affine=True)` on `x: [B, C, ...]` (any spatial rank),
 /// followed by SiLU when `silu` is set (the `norm → act` pair every VAE block uses).
 pub fn group_norm(

@@ -9,6 +9,7 @@ pub mod conv;
 pub mod matmul;
 pub mod norm;
 pub mod simd;
+pub mod sparse_conv;
 pub mod stream;
 
 use rayon::prelude::*;

@@ -1,0 +1,259 @@
+//! The sparse VAE (SIGE, `crate::vae::sparse`) in the Fill pipeline: when an edit's
+//! VAE passes run sparse, and the template traces they read.
+//!
+//! A template edit's masked image differs from the template's image only inside the
+//! mask, and its final latent from the template's only at the active tokens. The
+//! encoder then runs against the trace of the template image's pass and keeps only the
+//! active tokens' latents; the decoder runs against the trace of the template's final
+//! latent and keeps only the masked pixels (paste-back restores the rest).
+//!
+//! Traces live in the process that runs the pass (a preprocess worker holds encoder
+//! traces, a postprocess worker decoder traces), in a least-recently-used cache of
+//! `[pipeline] sparse_vae_trace_bytes`. A worker without the trace records it on the
+//! template's first edit it sees (one dense pass of the template, then the sparse pass
+//! of the edit), so nothing depends on which worker captured the template. Traces are
+//! keyed by the content they trace (the template image's pixels, the final latent's
+//! values), not by a name, so a stale trace can never be read.
+
+use std::collections::VecDeque;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
+
+use denoised_runtime::{Backend, Result, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::fill::unpack_and_denormalize;
+use super::flux_fill::FluxFill;
+use super::image::Mask;
+use crate::vae::sparse::{Half, SparseOpts, StatsMode, VaeTrace};
+
+pub use denoised_runtime::config::SparseVaeSetting;
+
+/// Which pass a request's VAE encode or decode ran, as its timings report it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VaePass {
+    #[default]
+    Dense,
+    /// Sparse against a trace this process held.
+    Sparse,
+    /// Sparse, after recording the template's trace (its first edit in this process).
+    SparseTraced,
+}
+
+/// Sparse runs when its tiles cost at most this share of the dense pass's MACs. On
+/// this CPU (docs/performance.md, `bench-pipeline --sparse-vae`) sparse passes of 0.6
+/// of the MACs take about as long as dense; at 0.4 they are 1.2-1.5x faster.
+pub const SPARSE_MAX_MAC_FRACTION: f64 = 0.5;
+
+/// The sparse VAE's settings in a process, and its traces.
+pub struct SparseVae {
+    pub setting: SparseVaeSetting,
+    /// The encoder's mode: exact regions, frozen statistics. An edit zeroes its masked
+    /// pixels, which moves the first layers' statistics far; recomputed tiles normalised
+    /// with updated statistics then disagree with the template values around them, and
+    /// measured 2-5x the frozen error (docs/performance.md, "Sparse VAE").
+    pub encoder: SparseOpts,
+    /// The decoder's: exact regions, incremental statistics (half the frozen error).
+    pub decoder: SparseOpts,
+    traces: TraceCache,
+}
+
+impl SparseVae {
+    pub fn new(setting: SparseVaeSetting, trace_bytes: usize) -> Self {
+        SparseVae {
+            setting,
+            encoder: SparseOpts {
+                stats: StatsMode::Frozen,
+                ..SparseOpts::default()
+            },
+            decoder: SparseOpts::default(),
+            traces: TraceCache::new(trace_bytes),
+        }
+    }
+
+    /// Bytes of traces held.
+    pub fn trace_bytes(&self) -> usize {
+        self.traces.bytes()
+    }
+}
+
+impl Default for SparseVae {
+    /// Auto, with 4 GiB of traces (one FLUX VAE decoder trace at 512x512 is 2.2 GB).
+    fn default() -> Self {
+        SparseVae::new(SparseVaeSetting::Auto, 4 << 30)
+    }
+}
+
+/// Traces by (content hash, half), least recently used first out.
+struct TraceCache {
+    capacity: usize,
+    lru: Mutex<VecDeque<((u64, Half), Arc<VaeTrace>)>>,
+}
+
+impl TraceCache {
+    fn new(capacity: usize) -> Self {
+        TraceCache {
+            capacity,
+            lru: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<((u64, Half), Arc<VaeTrace>)>> {
+        // Every method leaves the list consistent before it can panic.
+        self.lru.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn bytes(&self) -> usize {
+        self.lock().iter().map(|(_, t)| t.bytes()).sum()
+    }
+
+    /// The trace under `key`, recording it with `make` when it is missing (outside the
+    /// lock: a trace is a whole dense pass). Also says whether it was recorded now.
+    fn get_or_record(
+        &self,
+        key: (u64, Half),
+        make: impl FnOnce() -> Result<VaeTrace>,
+    ) -> Result<(Arc<VaeTrace>, bool)> {
+        {
+            let mut lru = self.lock();
+            if let Some(i) = lru.iter().position(|(k, _)| *k == key) {
+                let e = lru.remove(i).expect("index from position");
+                let t = e.1.clone();
+                lru.push_back(e);
+                return Ok((t, false));
+            }
+        }
+        let t = Arc::new(make()?);
+        let mut lru = self.lock();
+        // A trace larger than the whole cache is used once and not kept.
+        if t.bytes() <= self.capacity {
+            let mut held: usize = lru.iter().map(|(_, t)| t.bytes()).sum();
+            while held + t.bytes() > self.capacity {
+                let Some((_, old)) = lru.pop_front() else {
+                    break;
+                };
+                held -= old.bytes();
+            }
+            lru.push_back((key, t.clone()));
+        }
+        Ok((t, true))
+    }
+}
+
+fn content_hash(shape: &[usize], data: &[f32]) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    shape.hash(&mut h);
+    for v in data {
+        v.to_bits().hash(&mut h);
+    }
+    h.finish()
+}
+
+/// The latent pixels (`[h * w]`, h = 2 * token rows) of the tokens whose packed rows
+/// differ between `a` and `b` (`[L, C]`, `cols` values per token).
+fn changed_tokens(a: &[f32], b: &[f32], cols: usize, rows: usize) -> Vec<bool> {
+    let tcols = a.len() / cols / rows.max(1);
+    let (h, w) = (2 * rows, 2 * tcols);
+    let mut out = vec![false; h * w];
+    for (t, (ra, rb)) in a.chunks_exact(cols).zip(b.chunks_exact(cols)).enumerate() {
+        if ra.iter().zip(rb).any(|(x, y)| x.to_bits() != y.to_bits()) {
+            let (r, c) = (t / tcols, t % tcols);
+            for y in 2 * r..2 * r + 2 {
+                out[y * w + 2 * c..y * w + 2 * c + 2].fill(true);
+            }
+        }
+    }
+    out
+}
+
+impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
+    /// The posterior `(mean, logvar)` of a template edit's masked image (`masked`,
+    /// `[1, 3, H, W]`), whose unmasked image is `full`; only the latent pixels of
+    /// `keep` (the active tokens) are kept when the pass runs sparse.
+    pub(super) fn encode_edit(
+        &self,
+        masked: &Tensor,
+        full: &Tensor,
+        keep: &[bool],
+    ) -> Result<((Tensor, Tensor), VaePass)> {
+        let sv = &self.sparse_vae;
+        if sv.setting == SparseVaeSetting::Off {
+            return Ok((self.vae.encode(masked)?, VaePass::Dense));
+        }
+        let diff: Vec<bool> = pixel_diff(masked, full);
+        let shape = [masked.shape()[1], masked.shape()[2], masked.shape()[3]];
+        let plan = self
+            .vae
+            .plan_sparse(Half::Encoder, shape, &diff, keep, sv.encoder)?;
+        if plan.report.fraction() > SPARSE_MAX_MAC_FRACTION {
+            return Ok((self.vae.encode(masked)?, VaePass::Dense));
+        }
+        let key = (content_hash(full.shape(), full.data()), Half::Encoder);
+        let (trace, recorded) = sv
+            .traces
+            .get_or_record(key, || self.vae.trace_encode(full))?;
+        let moments = self.vae.run_sparse(&plan, masked, &trace)?;
+        let pass = if recorded {
+            VaePass::SparseTraced
+        } else {
+            VaePass::Sparse
+        };
+        Ok((self.vae.latent_dist(&moments)?, pass))
+    }
+
+    /// The raw decoder output `[1, 3, H, W]` of an edit's packed latents (`[L, cols]`)
+    /// whose template's final latent is `template` (same layout): sparse when it pays,
+    /// exact at the `keep` pixels (the mask), the template's decoded pixels elsewhere.
+    pub fn decode_edit(
+        &self,
+        latents: &[f32],
+        template: &[f32],
+        cols: usize,
+        keep: &Mask,
+    ) -> Result<(Tensor, VaePass)> {
+        let (w, h) = (keep.width, keep.height);
+        let sv = &self.sparse_vae;
+        if sv.setting == SparseVaeSetting::Off || template.len() != latents.len() {
+            return Ok((self.decode_packed(latents, cols, w, h)?, VaePass::Dense));
+        }
+        let vsf = self.vae_scale_factor();
+        let (lh, lw) = (h / vsf, w / vsf);
+        let diff = changed_tokens(latents, template, cols, lh / 2);
+        let lc = self.vae.config().latent_channels;
+        let plan =
+            self.vae
+                .plan_sparse(Half::Decoder, [lc, lh, lw], &diff, &keep.data, sv.decoder)?;
+        if plan.report.fraction() > SPARSE_MAX_MAC_FRACTION {
+            return Ok((self.decode_packed(latents, cols, w, h)?, VaePass::Dense));
+        }
+        let cfg = self.vae.config();
+        let unpack = |l: &[f32]| -> Result<Tensor> {
+            let z = unpack_and_denormalize(l, cols, lh, lw, cfg.shift(), cfg.scale())?;
+            Tensor::new([1, lc, lh, lw], z)
+        };
+        let key = (content_hash(&[cols, lh, lw], template), Half::Decoder);
+        let (trace, recorded) = sv
+            .traces
+            .get_or_record(key, || self.vae.trace_decode(&unpack(template)?))?;
+        let out = self.vae.run_sparse(&plan, &unpack(latents)?, &trace)?;
+        let pass = if recorded {
+            VaePass::SparseTraced
+        } else {
+            VaePass::Sparse
+        };
+        Ok((out, pass))
+    }
+}
+
+/// The pixels (`[H * W]`) where `a` and `b` (`[1, C, H, W]`) differ in any channel.
+fn pixel_diff(a: &Tensor, b: &Tensor) -> Vec<bool> {
+    let plane = a.shape()[2] * a.shape()[3];
+    let mut out = vec![false; plane];
+    for (i, (x, y)) in a.data().iter().zip(b.data()).enumerate() {
+        if x.to_bits() != y.to_bits() {
+            out[i % plane] = true;
+        }
+    }
+    out
+}

@@ -1,0 +1,331 @@
+//! Running a [`Program`]: densely while recording a template's trace, or sparsely on
+//! top of one.
+
+use std::borrow::Cow;
+
+use denoised_runtime::backend::Rows;
+use denoised_runtime::cpu::attention::{self, Buf, Kv, KvBuf, Seq};
+use denoised_runtime::cpu::conv::{conv2d, group_norm};
+use denoised_runtime::cpu::matmul::{matmul, MatRef};
+use denoised_runtime::cpu::sparse_conv::{
+    sparse_conv2d, GroupSums, Plane, PreAct, TileData, Tiles,
+};
+use denoised_runtime::{Error, Result, Tensor};
+
+use super::super::config::GN_EPS;
+use super::super::model::AutoencoderKL;
+use super::super::weights::{Attention, Norm};
+use super::program::{Op, Program};
+use super::{SparseOpts, SparseReport, StatsMode, VaeTrace};
+
+/// The dense pass, recording every value, the sums of every GroupNorm's input and the
+/// attention's K and V. The ops are the dense forward's own calls in its order, so the
+/// trace's output is bit for bit what `decode` / `encode` give.
+pub(crate) fn capture(vae: &AutoencoderKL, prog: &Program<'_>, input: &Tensor) -> Result<VaeTrace> {
+    let groups = vae.config().norm_num_groups;
+    let mut values = vec![input.clone()];
+    let mut sums = vec![None];
+    let mut kv = None;
+    for op in &prog.ops {
+        let x = &values[op.input()];
+        let (out, s) = match op {
+            Op::Conv {
+                conv,
+                opts,
+                pre,
+                residual,
+                ..
+            } => {
+                let (h, s) = match pre {
+                    Some((n, silu)) => {
+                        let h = group_norm(x, groups, &n.w, &n.b, GN_EPS, *silu)?;
+                        (Cow::Owned(h), Some(GroupSums::of(x, groups)?))
+                    }
+                    None => (Cow::Borrowed(x), None),
+                };
+                let r = residual.map(|r| &values[r]);
+                (conv2d(&h, &conv.w, Some(&conv.b), *opts, r)?, s)
+            }
+            Op::Attn { attn, .. } => {
+                let (out, qkv) = vae.attention_traced(x, attn)?;
+                let c = x.shape()[1];
+                let rows: Vec<f32> = qkv
+                    .chunks_exact(3 * c)
+                    .flat_map(|r| &r[c..])
+                    .copied()
+                    .collect();
+                kv = Some(Tensor::new([rows.len() / (2 * c), 2 * c], rows)?);
+                (out, Some(GroupSums::of(x, groups)?))
+            }
+        };
+        values.push(out);
+        sums.push(s);
+    }
+    Ok(VaeTrace { values, sums, kv })
+}
+
+/// A value of the sparse pass: the template's, with the tiles the edit recomputed over
+/// it (see `denoised_runtime::cpu::sparse_conv::Plane`).
+struct Value<'a> {
+    base: &'a Tensor,
+    new: Option<TileData>,
+}
+
+impl Value<'_> {
+    fn plane(&self) -> Result<Plane<'_>> {
+        Plane::of(self.base)?.with(self.new.as_ref())
+    }
+}
+
+/// The MACs of the dense pass, of the tiles covering `regions` and of the regions
+/// alone.
+pub(crate) fn report(
+    prog: &Program<'_>,
+    regions: &[Vec<bool>],
+    tile: usize,
+) -> Result<SparseReport> {
+    let mut r = SparseReport::default();
+    for (i, op) in prog.ops.iter().enumerate() {
+        let [co, h, w] = prog.shapes[i + 1];
+        let [ci, ih, iw] = prog.shapes[op.input()];
+        let per_px = match op {
+            Op::Conv { k, .. } => ci * k * k * co,
+            // q, k, v and out projections, q·k and p·v against every pixel.
+            Op::Attn { .. } => 4 * ci * ci + 2 * ci * ih * iw,
+        } as u64;
+        let region = &regions[i + 1];
+        let on = region.iter().filter(|&&b| b).count();
+        r.dense_macs += per_px * (h * w) as u64;
+        r.region_macs += per_px * on as u64;
+        if on > 0 {
+            r.sparse_macs += per_px * Tiles::covering(region, h, w, tile)?.pixels() as u64;
+        }
+    }
+    Ok(r)
+}
+
+/// The sparse pass of `input` against `trace`, recomputing `regions` (from
+/// [`Program::regions`]).
+pub(crate) fn run(
+    prog: &Program<'_>,
+    trace: &VaeTrace,
+    input: &Tensor,
+    regions: &[Vec<bool>],
+    opts: SparseOpts,
+) -> Result<Tensor> {
+    // The input is whole (the edit's own); every later value starts as the template's.
+    let mut values: Vec<Value<'_>> = vec![Value {
+        base: input,
+        new: None,
+    }];
+    let last_read = prog.last_reads();
+    for (i, op) in prog.ops.iter().enumerate() {
+        // Tiles nothing reads any more go (a pass would otherwise hold every layer's).
+        for (v, &last) in last_read.iter().enumerate() {
+            if last == Some(i.wrapping_sub(1)) {
+                values[v].new = None;
+            }
+        }
+        let v = i + 1;
+        let [_, h, w] = prog.shapes[v];
+        let [_, ih, iw] = prog.shapes[op.input()];
+        let base = &trace.values[v];
+        if !regions[v].iter().any(|&b| b) {
+            values.push(Value { base, new: None });
+            continue;
+        }
+        let tiles = Tiles::covering(&regions[v], h, w, opts.tile)?;
+        let x = &values[op.input()];
+        let stats = |norm: &Norm| -> Result<(Vec<f32>, Vec<f32>)> {
+            let mut sums = trace.sums[v].clone().ok_or_else(|| {
+                Error::Invalid(format!("VAE trace: no GroupNorm sums for value {v}"))
+            })?;
+            if let (StatsMode::Incremental, Some(t)) = (opts.stats, &x.new) {
+                sums.update(&trace.values[op.input()], t)?;
+            }
+            Ok(sums.scale_shift(norm.w.data(), norm.b.data(), GN_EPS))
+        };
+        let new = match op {
+            Op::Conv {
+                conv,
+                opts: geo,
+                pre,
+                residual,
+                ..
+            } => {
+                let ss = pre.map(|(n, _)| stats(n)).transpose()?;
+                let pre = pre
+                    .zip(ss.as_ref())
+                    .map(|((_, silu), (scale, shift))| PreAct { scale, shift, silu });
+                let r = residual.map(|r| values[r].plane()).transpose()?;
+                sparse_conv2d(x.plane()?, &conv.w, Some(&conv.b), *geo, pre, r, tiles)?
+            }
+            Op::Attn { attn, .. } => {
+                let (scale, shift) = stats(&attn.norm)?;
+                let kv = trace
+                    .kv
+                    .as_ref()
+                    .ok_or_else(|| Error::Invalid("VAE trace: no attention K/V".into()))?;
+                // Changed statistics move every pixel's K and V: recompute them all (one
+                // GEMM at the smallest level). Frozen ones move only the changed pixels'.
+                let refresh = match (&x.new, opts.stats) {
+                    (None, _) => Vec::new(),
+                    (Some(_), StatsMode::Incremental) => (0..(ih * iw) as u32).collect(),
+                    (Some(t), StatsMode::Frozen) => pixels(&t.tiles),
+                };
+                sparse_attention(x.plane()?, attn, &scale, &shift, kv, &refresh, tiles)?
+            }
+        };
+        values.push(Value {
+            base,
+            new: Some(new),
+        });
+    }
+    Ok(values
+        .last()
+        .expect("the input at least")
+        .plane()?
+        .to_tensor())
+}
+
+/// Row-major pixel indices of the tiles, tile by tile.
+fn pixels(t: &Tiles) -> Vec<u32> {
+    let mut p = Vec::with_capacity(t.pixels());
+    for i in 0..t.active.len() {
+        let (y0, y1, x0, x1) = t.rect(i);
+        for y in y0..y1 {
+            p.extend((x0..x1).map(|x| (y * t.w + x) as u32));
+        }
+    }
+    p
+}
+
+/// The mid-block attention (with its residual) at the pixels of `tiles`, for `x`
+/// (`[1, C, H, W]`): K and V are the template's (`kv`, `[H*W, 2C]`) with the `refresh`
+/// pixels' recomputed from `x`; the GroupNorm is `x * scale + shift`.
+#[allow(clippy::too_many_arguments)]
+pub fn sparse_attention(
+    x: Plane<'_>,
+    a: &Attention,
+    scale: &[f32],
+    shift: &[f32],
+    kv: &Tensor,
+    refresh: &[u32],
+    tiles: Tiles,
+) -> Result<TileData> {
+    let (c, n) = (x.c, x.h * x.w);
+    if kv.shape() != [n, 2 * c] || scale.len() != c || (tiles.h, tiles.w) != (x.h, x.w) {
+        return Err(Error::shape(
+            "vae sparse attention",
+            format!(
+                "x {:?}, cached K/V {:?}, tiles of {}x{}",
+                x.shape(),
+                kv.shape(),
+                tiles.h,
+                tiles.w
+            ),
+        ));
+    }
+    let queries = pixels(&tiles);
+    if let Some(&bad) = refresh.iter().find(|&&p| p as usize >= n) {
+        return Err(Error::shape(
+            "vae sparse attention",
+            format!("pixel {bad} of {n}"),
+        ));
+    }
+    let w = x.w;
+    // GN(x) at the given pixels, as rows [pixels, C].
+    let normed = |px: &[u32]| -> Vec<f32> {
+        let mut r = vec![0.0f32; px.len() * c];
+        for (row, &p) in r.chunks_exact_mut(c).zip(px) {
+            let (y, xx) = (p as usize / w, p as usize % w);
+            for (ch, v) in row.iter_mut().enumerate() {
+                *v = x.get(ch, y, xx) * scale[ch] + shift[ch];
+            }
+        }
+        r
+    };
+    // rows @ qkv_t[:, col..col+width] + bias, into [rows, width].
+    let project = |rows: &[f32], col: usize, width: usize| -> Vec<f32> {
+        let m = rows.len() / c;
+        let mut dst: Vec<f32> = Vec::with_capacity(m * width);
+        for _ in 0..m {
+            dst.extend_from_slice(&a.qkv_b.data()[col..col + width]);
+        }
+        let w = MatRef {
+            data: &a.qkv_t.data()[col..],
+            rs: 3 * c,
+            cs: 1,
+        };
+        matmul(
+            m,
+            width,
+            c,
+            &mut dst,
+            width,
+            MatRef::row_major(rows, c),
+            w,
+            true,
+            true,
+        );
+        dst
+    };
+    let mut kv = kv.data().to_vec();
+    if !refresh.is_empty() {
+        let fresh = project(&normed(refresh), c, 2 * c);
+        for (row, &p) in fresh.chunks_exact(2 * c).zip(refresh) {
+            kv[p as usize * 2 * c..][..2 * c].copy_from_slice(row);
+        }
+    }
+    let mut q = project(&normed(&queries), 0, c);
+    let bufs = [Buf::new(&mut q, c)];
+    let seqs = [Seq {
+        q: vec![(0, 0..queries.len())],
+        kv: vec![Kv {
+            buf: KvBuf::F32(Buf::external(&kv, 2 * c)),
+            k_col: 0,
+            v_col: c,
+            rows: Rows::Range(0..n),
+        }],
+    }];
+    attention::validate(&bufs, 0, c, 1, &seqs)
+        .map_err(|e| Error::shape("vae sparse attention", e))?;
+    attention::attention(&bufs, 0, c, 1, &seqs);
+    // y[p, :] = attn[p, :] @ out_wᵀ + out_b, then out[:, p] = x[:, p] + y[p, :].
+    let mut y: Vec<f32> = Vec::with_capacity(queries.len() * c);
+    for _ in &queries {
+        y.extend_from_slice(a.out_b.data());
+    }
+    let wt = MatRef::transposed(a.out_w.data(), c);
+    matmul(
+        queries.len(),
+        c,
+        c,
+        &mut y,
+        c,
+        MatRef::row_major(&q, c),
+        wt,
+        true,
+        true,
+    );
+    // The queries are the tiles' pixels in tile order, so row j of y is the j-th pixel
+    // of the tiles' blocks.
+    let mut out = TileData::new(tiles, c);
+    let mut j = 0;
+    for i in 0..out.tiles.active.len() {
+        let (y0, y1, x0, x1) = out.tiles.rect(i);
+        let tp = (y1 - y0) * (x1 - x0);
+        let block = out.block_mut(i);
+        for (k, p) in (y0..y1)
+            .flat_map(|yy| (x0..x1).map(move |xx| (yy, xx)))
+            .enumerate()
+        {
+            let row = &y[(j + k) * c..][..c];
+            for (ch, v) in row.iter().enumerate() {
+                block[ch * tp + k] = x.get(ch, p.0, p.1) + v;
+            }
+        }
+        j += tp;
+    }
+    Ok(out)
+}

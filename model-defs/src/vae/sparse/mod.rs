@@ -1,0 +1,311 @@
+//! Spatially sparse VAE (SIGE) for edits of a template.
+//!
+//! A template's capture also records a [`VaeTrace`] of each VAE pass: every
+//! convolution's output (what a sparse layer scatters into), the sums behind every
+//! GroupNorm's statistics, and the mid-block attention's K and V. An edit's pass then
+//! differs from the template's only in a region of each layer; it recomputes those
+//! pixels, tile by tile (`denoised_runtime::cpu::sparse_conv`), and takes the rest from
+//! the trace.
+//!
+//! - **Regions** ([`RegionMode`]): what differs (the input's difference mask grown
+//!   through each layer, or SIGE's fixed dilation), intersected with what the kept
+//!   output reads (the pixel mask for the decoder, the active tokens for the encoder,
+//!   grown back through the layers after it).
+//! - **GroupNorm statistics** ([`StatsMode`]): the template's, as SIGE does, or updated
+//!   from the cached sums with the recomputed tiles' old and new values.
+//!
+//! Neither statistics mode is exact outside a full recompute: once a GroupNorm's
+//! statistics move, every pixel after it moves a little, and the sparse pass keeps the
+//! template's values outside the region. `incremental` is exact for the values the pass
+//! holds; how far both are from the dense VAE is measured (docs/performance.md).
+
+mod exec;
+mod program;
+
+use std::fmt;
+use std::str::FromStr;
+
+use denoised_runtime::cpu::sparse_conv::GroupSums;
+use denoised_runtime::{Error, Result, Tensor};
+
+use super::model::{split_moments, AutoencoderKL};
+use program::Program;
+
+pub use exec::sparse_attention;
+
+/// Which pixels of each layer an edit recomputes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RegionMode {
+    /// Every pixel whose value the edit can change: no cut-off of the receptive field.
+    Exact,
+    /// SIGE's: the difference mask on each layer's plane, dilated by N pixels there.
+    Dilated(usize),
+}
+
+impl FromStr for RegionMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.split_once(':') {
+            None if s == "exact" => Ok(RegionMode::Exact),
+            Some(("dilated", n)) => n
+                .parse()
+                .map(RegionMode::Dilated)
+                .map_err(|_| format!("dilated:{n}: the dilation must be a pixel count")),
+            _ => Err(format!(
+                "sparse VAE region {s:?}: expected exact or dilated:N"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for RegionMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RegionMode::Exact => write!(f, "exact"),
+            RegionMode::Dilated(n) => write!(f, "dilated:{n}"),
+        }
+    }
+}
+
+/// Where a sparse layer's GroupNorm statistics come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatsMode {
+    /// The template's (SIGE).
+    Frozen,
+    /// The template's sums, updated with the recomputed tiles' old and new values.
+    Incremental,
+}
+
+impl FromStr for StatsMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "frozen" => Ok(StatsMode::Frozen),
+            "incremental" => Ok(StatsMode::Incremental),
+            _ => Err(format!(
+                "GroupNorm statistics {s:?}: expected frozen or incremental"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for StatsMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StatsMode::Frozen => "frozen",
+            StatsMode::Incremental => "incremental",
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SparseOpts {
+    pub region: RegionMode,
+    pub stats: StatsMode,
+    /// Tile side in pixels.
+    pub tile: usize,
+}
+
+/// The tile side the CPU GEMM likes: a 16x16 tile is 256 GEMM rows per tile, and
+/// consecutive tiles share one GEMM (see `sparse_conv`), so the tile size mostly
+/// trades wasted pixels at the region's edge against gather overhead.
+pub const DEFAULT_TILE: usize = 16;
+
+impl Default for SparseOpts {
+    fn default() -> Self {
+        SparseOpts {
+            region: RegionMode::Exact,
+            stats: StatsMode::Incremental,
+            tile: DEFAULT_TILE,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SparseReport {
+    /// Multiply-accumulates of the dense pass.
+    pub dense_macs: u64,
+    /// Those of the tiles the sparse pass computed.
+    pub sparse_macs: u64,
+    /// Those of the region's pixels alone: the MAC bound, with no tile waste.
+    pub region_macs: u64,
+}
+
+/// Which half of the VAE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Half {
+    Encoder,
+    Decoder,
+}
+
+/// A template's recorded VAE pass (see the module docs).
+#[derive(Clone, Debug)]
+pub struct VaeTrace {
+    /// Every value of the pass: its input, then each op's output.
+    values: Vec<Tensor>,
+    /// Per value, the sums of the GroupNorm input of the op producing it, if it has one.
+    sums: Vec<Option<GroupSums>>,
+    /// The mid-block attention's `[pixels, K | V]`.
+    kv: Option<Tensor>,
+}
+
+impl VaeTrace {
+    /// The pass's output: the decoded image, or the encoder's moments.
+    pub fn output(&self) -> &Tensor {
+        self.values
+            .last()
+            .expect("a trace holds its input at least")
+    }
+
+    /// Bytes held, as f32 (what the template tiers store scales with the storage dtype).
+    pub fn bytes(&self) -> usize {
+        let t: usize = self.values.iter().chain(&self.kv).map(|t| t.len()).sum();
+        // Sums and sums of squares, f64 per group.
+        let s: usize = self.sums.iter().flatten().map(|s| s.sum.len() * 16).sum();
+        t * 4 + s
+    }
+}
+
+impl AutoencoderKL {
+    /// `encode`, recording the template's trace (`image` is `[1, C, H, W]`).
+    pub fn trace_encode(&self, image: &Tensor) -> Result<VaeTrace> {
+        let prog = Program::new(self, Half::Encoder, one(image, "encode")?)?;
+        exec::capture(self, &prog, image)
+    }
+
+    /// `decode`, recording the template's trace (`z` is `[1, C, h, w]`).
+    pub fn trace_decode(&self, z: &Tensor) -> Result<VaeTrace> {
+        let prog = Program::new(self, Half::Decoder, one(z, "decode")?)?;
+        exec::capture(self, &prog, z)
+    }
+
+    /// The encoder's `(mean, logvar)` for `image`, which differs from the template's
+    /// traced image only at the `diff` pixels (`[H * W]`); exact (see [`RegionMode`])
+    /// only at the latent pixels of `keep` (`[H/f * W/f]`).
+    pub fn encode_sparse(
+        &self,
+        image: &Tensor,
+        template: &VaeTrace,
+        diff: &[bool],
+        keep: &[bool],
+        opts: SparseOpts,
+    ) -> Result<((Tensor, Tensor), SparseReport)> {
+        let plan = self.plan_sparse(Half::Encoder, one(image, "encode")?, diff, keep, opts)?;
+        let m = self.run_sparse(&plan, image, template)?;
+        Ok((
+            split_moments(&m, self.config().latent_channels)?,
+            plan.report,
+        ))
+    }
+
+    /// The decoded image of `z`, which differs from the template's traced latent only at
+    /// the `diff` latent pixels (`[h * w]`); exact only at the `keep` pixels
+    /// (`[H * W]`), the template's decoded image elsewhere.
+    pub fn decode_sparse(
+        &self,
+        z: &Tensor,
+        template: &VaeTrace,
+        diff: &[bool],
+        keep: &[bool],
+        opts: SparseOpts,
+    ) -> Result<(Tensor, SparseReport)> {
+        let plan = self.plan_sparse(Half::Decoder, one(z, "decode")?, diff, keep, opts)?;
+        Ok((self.run_sparse(&plan, z, template)?, plan.report))
+    }
+
+    /// What a sparse pass of `half` on an input of `[C, H, W]` recomputes, and its
+    /// MACs: cheap (no tensor is touched), so a caller can choose dense or sparse from
+    /// it before any trace exists.
+    pub fn plan_sparse(
+        &self,
+        half: Half,
+        input: [usize; 3],
+        diff: &[bool],
+        keep: &[bool],
+        opts: SparseOpts,
+    ) -> Result<SparsePlan> {
+        if opts.tile == 0 {
+            return Err(Error::Invalid("sparse VAE tile size 0".into()));
+        }
+        let prog = Program::new(self, half, input)?;
+        let plane = |v: usize| prog.shapes[v][1] * prog.shapes[v][2];
+        if diff.len() != plane(0) || keep.len() != plane(prog.output()) {
+            return Err(Error::shape(
+                "sparse VAE",
+                format!(
+                    "difference mask of {} and kept region of {} pixels, expected {} and {}",
+                    diff.len(),
+                    keep.len(),
+                    plane(0),
+                    plane(prog.output())
+                ),
+            ));
+        }
+        let regions = prog.regions(diff, keep, opts.region);
+        let report = exec::report(&prog, &regions, opts.tile)?;
+        Ok(SparsePlan {
+            half,
+            input,
+            opts,
+            regions,
+            report,
+        })
+    }
+
+    /// Runs a plan on `input` against the template's trace.
+    pub fn run_sparse(
+        &self,
+        plan: &SparsePlan,
+        input: &Tensor,
+        template: &VaeTrace,
+    ) -> Result<Tensor> {
+        let prog = Program::new(self, plan.half, plan.input)?;
+        if one(input, "sparse VAE")? != plan.input
+            || template.values.len() != prog.shapes.len()
+            || template.values[0].shape()[1..] != plan.input
+        {
+            return Err(Error::shape(
+                "sparse VAE",
+                format!(
+                    "input {:?} and a trace of {} values on {:?} for a {:?} plan of {} values on {:?}",
+                    input.shape(),
+                    template.values.len(),
+                    template.values[0].shape(),
+                    plan.half,
+                    prog.shapes.len(),
+                    plan.input
+                ),
+            ));
+        }
+        exec::run(&prog, template, input, &plan.regions, plan.opts)
+    }
+}
+
+/// A sparse pass's regions and cost (see [`AutoencoderKL::plan_sparse`]).
+pub struct SparsePlan {
+    half: Half,
+    input: [usize; 3],
+    opts: SparseOpts,
+    regions: Vec<Vec<bool>>,
+    pub report: SparseReport,
+}
+
+impl SparseReport {
+    /// The share of the dense pass's MACs the sparse pass computes.
+    pub fn fraction(&self) -> f64 {
+        self.sparse_macs as f64 / self.dense_macs.max(1) as f64
+    }
+}
+
+fn one(x: &Tensor, op: &'static str) -> Result<[usize; 3]> {
+    match *x.shape() {
+        [1, c, h, w] => Ok([c, h, w]),
+        ref s => Err(Error::shape(
+            op,
+            format!("expected one image [1, C, H, W], got {s:?}"),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests;
