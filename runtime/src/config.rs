@@ -67,7 +67,7 @@ impl Default for PipelineConfig {
     fn default() -> Self {
         PipelineConfig {
             sparse_vae: SparseVaeSetting::Auto,
-            sparse_vae_trace_bytes: 4 << 30,
+            sparse_vae_trace_bytes: 8 << 30,
         }
     }
 }

@@ -79,9 +79,10 @@ impl SparseVae {
 }
 
 impl Default for SparseVae {
-    /// Auto, with 4 GiB of traces (one FLUX VAE decoder trace at 512x512 is 2.2 GB).
+    /// Auto, with `[pipeline] sparse_vae_trace_bytes`' default.
     fn default() -> Self {
-        SparseVae::new(SparseVaeSetting::Auto, 4 << 30)
+        let c = denoised_runtime::config::PipelineConfig::default();
+        SparseVae::new(c.sparse_vae, c.sparse_vae_trace_bytes as usize)
     }
 }
 
@@ -109,35 +110,38 @@ impl TraceCache {
     }
 
     /// The trace under `key`, recording it with `make` when it is missing (outside the
-    /// lock: a trace is a whole dense pass). Also says whether it was recorded now.
+    /// lock: a trace is a whole dense pass), and whether it was recorded now. None when
+    /// it is missing and `bytes` (its size) exceed the whole cache: recording a trace
+    /// that cannot be kept costs a dense pass on every edit, so the caller runs dense.
     fn get_or_record(
         &self,
         key: (u64, Half),
+        bytes: usize,
         make: impl FnOnce() -> Result<VaeTrace>,
-    ) -> Result<(Arc<VaeTrace>, bool)> {
+    ) -> Result<Option<(Arc<VaeTrace>, bool)>> {
         {
             let mut lru = self.lock();
             if let Some(i) = lru.iter().position(|(k, _)| *k == key) {
                 let e = lru.remove(i).expect("index from position");
                 let t = e.1.clone();
                 lru.push_back(e);
-                return Ok((t, false));
+                return Ok(Some((t, false)));
             }
+        }
+        if bytes > self.capacity {
+            return Ok(None);
         }
         let t = Arc::new(make()?);
         let mut lru = self.lock();
-        // A trace larger than the whole cache is used once and not kept.
-        if t.bytes() <= self.capacity {
-            let mut held: usize = lru.iter().map(|(_, t)| t.bytes()).sum();
-            while held + t.bytes() > self.capacity {
-                let Some((_, old)) = lru.pop_front() else {
-                    break;
-                };
-                held -= old.bytes();
-            }
-            lru.push_back((key, t.clone()));
+        let mut held: usize = lru.iter().map(|(_, t)| t.bytes()).sum();
+        while held + t.bytes() > self.capacity {
+            let Some((_, old)) = lru.pop_front() else {
+                break;
+            };
+            held -= old.bytes();
         }
-        Ok((t, true))
+        lru.push_back((key, t.clone()));
+        Ok(Some((t, true)))
     }
 }
 
@@ -190,9 +194,12 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             return Ok((self.vae.encode(masked)?, VaePass::Dense));
         }
         let key = (content_hash(full.shape(), full.data()), Half::Encoder);
-        let (trace, recorded) = sv
+        let traced = sv
             .traces
-            .get_or_record(key, || self.vae.trace_encode(full))?;
+            .get_or_record(key, plan.trace_bytes(), || self.vae.trace_encode(full))?;
+        let Some((trace, recorded)) = traced else {
+            return Ok((self.vae.encode(masked)?, VaePass::Dense));
+        };
         let moments = self.vae.run_sparse(&plan, masked, &trace)?;
         let pass = if recorded {
             VaePass::SparseTraced
@@ -233,9 +240,12 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             Tensor::new([1, lc, lh, lw], z)
         };
         let key = (content_hash(&[cols, lh, lw], template), Half::Decoder);
-        let (trace, recorded) = sv
-            .traces
-            .get_or_record(key, || self.vae.trace_decode(&unpack(template)?))?;
+        let traced = sv.traces.get_or_record(key, plan.trace_bytes(), || {
+            self.vae.trace_decode(&unpack(template)?)
+        })?;
+        let Some((trace, recorded)) = traced else {
+            return Ok((self.decode_packed(latents, cols, w, h)?, VaePass::Dense));
+        };
         let out = self.vae.run_sparse(&plan, &unpack(latents)?, &trace)?;
         let pass = if recorded {
             VaePass::SparseTraced
@@ -256,4 +266,57 @@ fn pixel_diff(a: &Tensor, b: &Tensor) -> Vec<bool> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vae::{AutoencoderKL, VaeConfig};
+
+    fn trace(seed: u64) -> VaeTrace {
+        let vae = AutoencoderKL::seeded(VaeConfig::tiny(), 1).unwrap();
+        let z = Tensor::new(
+            [1, 16, 4, 4],
+            (0..256).map(|i| (i as f32 + seed as f32).sin()).collect(),
+        );
+        vae.trace_decode(&z.unwrap()).unwrap()
+    }
+
+    #[test]
+    fn traces_are_kept_least_recently_used_first_out_within_capacity() {
+        let one = trace(0).bytes();
+        let c = TraceCache::new(2 * one);
+        let key = |k| (k, Half::Decoder);
+        let get = |k: u64| {
+            c.get_or_record(key(k), one, || Ok(trace(k)))
+                .unwrap()
+                .unwrap()
+                .1
+        };
+        assert!(get(1) && get(2), "recorded on first use");
+        assert!(!get(1), "kept");
+        assert!(get(3), "recorded; evicts 2, the least recently used");
+        assert!(!get(1) && !get(3) && get(2));
+        assert!(c.bytes() <= 2 * one);
+        // A trace larger than the whole cache is never recorded: the caller runs dense.
+        let big = c.get_or_record(key(9), 3 * one, || panic!("not recorded"));
+        assert!(big.unwrap().is_none());
+    }
+
+    #[test]
+    fn a_plan_knows_its_trace_size_before_the_trace_exists() {
+        let vae = AutoencoderKL::seeded(VaeConfig::tiny(), 1).unwrap();
+        let t = trace(0);
+        let plan = vae
+            .plan_sparse(
+                Half::Decoder,
+                [16, 4, 4],
+                &[true; 16],
+                &[true; 64],
+                SparseOpts::default(),
+            )
+            .unwrap();
+        // The estimate leaves out the GroupNorm sums (16 bytes a group).
+        assert!(plan.trace_bytes() <= t.bytes() && t.bytes() - plan.trace_bytes() < 4096);
+    }
 }

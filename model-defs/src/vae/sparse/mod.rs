@@ -243,12 +243,25 @@ impl AutoencoderKL {
         }
         let regions = prog.regions(diff, keep, opts.region);
         let report = exec::report(&prog, &regions, opts.tile)?;
+        let kv: usize = prog
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                program::Op::Attn { input, .. } => {
+                    let [c, h, w] = prog.shapes[*input];
+                    Some(h * w * 2 * c)
+                }
+                _ => None,
+            })
+            .sum();
+        let values: usize = prog.shapes.iter().map(|[c, h, w]| c * h * w).sum();
         Ok(SparsePlan {
             half,
             input,
             opts,
             regions,
             report,
+            trace_bytes: (values + kv) * 4,
         })
     }
 
@@ -288,6 +301,15 @@ pub struct SparsePlan {
     opts: SparseOpts,
     regions: Vec<Vec<bool>>,
     pub report: SparseReport,
+    trace_bytes: usize,
+}
+
+impl SparsePlan {
+    /// The bytes of the trace this pass reads, but for the GroupNorm sums (a few KB):
+    /// known before the trace is recorded.
+    pub fn trace_bytes(&self) -> usize {
+        self.trace_bytes
+    }
 }
 
 impl SparseReport {
