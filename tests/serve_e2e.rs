@@ -117,6 +117,23 @@ fn template_edits_run_the_vae_sparse_close_to_dense() {
     );
     let (a, b) = (png(&edit_image(&first)), png(&edit_image(&second)));
     assert_eq!(a, b, "a recorded trace and a kept one give the same image");
+    // The passes are counted for operators (denoised_vae_passes_total).
+    let metrics = sparse.metrics();
+    for (half, pass) in [
+        ("encode", "sparse_traced"),
+        ("decode", "sparse"),
+        ("decode", "sparse_traced"),
+    ] {
+        let line = metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("denoised_vae_passes_total{")
+                    && l.contains(&format!("half=\"{half}\""))
+                    && l.contains(&format!("pass=\"{pass}\""))
+            })
+            .unwrap_or_else(|| panic!("no {half}/{pass} count in\n{metrics}"));
+        assert!(line.ends_with(" 1"), "{line}");
+    }
     let (s, v) = dense.post("/v1/edits", &body);
     assert_eq!(s, 200, "{v}");
     assert_eq!(passes(&v), pair("dense", "dense"));

@@ -37,6 +37,8 @@ pub struct RouterMetrics {
     pub route_decision: Histogram,
     pub route_wait: Histogram,
     pub routed: Family<[(&'static str, String); 2], Counter>,
+    /// Served edits' VAE passes, by half and pass (dense, sparse, sparse_traced).
+    pub vae_passes: Family<[(&'static str, &'static str); 2], Counter>,
 }
 
 impl RouterMetrics {
@@ -56,6 +58,7 @@ impl RouterMetrics {
             route_decision: Histogram::new(DECISION_SECONDS.iter().copied()),
             route_wait: latency(),
             routed: Family::default(),
+            vae_passes: Family::default(),
         };
         r.register(
             "http_requests",
@@ -106,6 +109,11 @@ impl RouterMetrics {
             "routed_requests",
             "Requests sent to each denoise worker, by routing policy",
             m.routed.clone(),
+        );
+        r.register(
+            "vae_passes",
+            "VAE passes of served edits, by half (encode, decode) and pass: dense, sparse (against the worker's trace of the template), sparse_traced (after recording that trace)",
+            m.vae_passes.clone(),
         );
         r.register(
             "requests_in_flight",
@@ -159,6 +167,11 @@ impl RouterMetrics {
         }
         if o.tokens > 0 {
             self.mask_ratio.observe(o.active as f64 / o.tokens as f64);
+        }
+        for (half, pass) in [("encode", t.vae_encode), ("decode", t.vae_decode)] {
+            self.vae_passes
+                .get_or_create(&[("half", half), ("pass", pass.as_str())])
+                .inc();
         }
     }
 }

@@ -41,6 +41,17 @@ pub enum VaePass {
     SparseTraced,
 }
 
+impl VaePass {
+    /// The name replies and metrics use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VaePass::Dense => "dense",
+            VaePass::Sparse => "sparse",
+            VaePass::SparseTraced => "sparse_traced",
+        }
+    }
+}
+
 /// Sparse runs when its tiles cost at most this share of the dense pass's MACs. On
 /// this CPU (docs/performance.md, `bench-pipeline --sparse-vae`) sparse passes of 0.6
 /// of the MACs take about as long as dense; at 0.4 they are 1.2-1.5x faster.
