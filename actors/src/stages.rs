@@ -257,14 +257,9 @@ pub fn finish(
     template: Option<&[f32]>,
 ) -> Result<(Vec<u8>, VaePass), WireError> {
     let internal = |e: denoised_runtime::Error| WireError::internal(e.to_string());
-    let (raw, pass) = match template.filter(|_| params.paste_back) {
-        Some(tl) => p.decode_edit(latents, tl, cols, mask).map_err(internal)?,
-        None => (
-            p.decode_packed(latents, cols, image.width, image.height)
-                .map_err(internal)?,
-            VaePass::Dense,
-        ),
-    };
+    let (raw, pass) = p
+        .decode_edit(latents, template, cols, mask, params.paste_back)
+        .map_err(internal)?;
     let generated = from_model_space(raw.data(), image.width, image.height);
     let out = if params.paste_back {
         paste_back(image, &generated, mask, params.feather as usize)

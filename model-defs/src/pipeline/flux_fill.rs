@@ -17,7 +17,7 @@ use super::fill::{
 };
 use super::image::{from_model_space, to_model_space, ImageLimits, Mask, Rgb8};
 use super::paste::paste_back;
-use super::sparse_vae::{SparseVae, VaePass};
+use super::sparse_vae::{token_latent_pixels, SparseVae, VaePass};
 use crate::flux::edit::DenoiseInputs;
 use crate::flux::embed::image_ids;
 use crate::flux::weights::SplitMix;
@@ -598,15 +598,14 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     ) -> Result<Rgb8> {
         let (w, h) = (prepared.image.width, prepared.image.height);
         let t0 = Instant::now();
-        let raw = match template.filter(|_| opts.paste_back) {
-            Some(tl) => {
-                let (raw, pass) =
-                    self.decode_edit(latents.data(), tl.data(), latents.cols(), &prepared.mask)?;
-                t.vae_decode_pass = pass;
-                raw
-            }
-            None => self.decode_raw(latents, w, h)?,
-        };
+        let (raw, pass) = self.decode_edit(
+            latents.data(),
+            template.map(|t| t.data()),
+            latents.cols(),
+            &prepared.mask,
+            opts.paste_back,
+        )?;
+        t.vae_decode_pass = pass;
         let generated = from_model_space(raw.data(), w, h);
         t.vae_decode_s += t0.elapsed().as_secs_f64();
         Ok(if opts.paste_back {
@@ -622,15 +621,8 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
 fn active_latent_pixels(mask: &Mask, vsf: usize, dilation: usize) -> Result<Vec<bool>> {
     let (h, w) = (mask.height, mask.width);
     let tm = TokenMask::from_pixels(&mask.data, h, w, 2 * vsf, dilation)?;
-    let lw = w / vsf;
-    let mut keep = vec![false; (h / vsf) * lw];
-    for &t in tm.active() {
-        let (r, c) = (t as usize / tm.cols, t as usize % tm.cols);
-        for y in 2 * r..2 * r + 2 {
-            keep[y * lw + 2 * c..y * lw + 2 * c + 2].fill(true);
-        }
-    }
-    Ok(keep)
+    let active = tm.active().iter().map(|&t| t as usize);
+    Ok(token_latent_pixels(active, tm.rows, tm.cols))
 }
 
 fn not_loaded(what: &str) -> Error {

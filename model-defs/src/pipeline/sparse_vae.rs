@@ -82,11 +82,6 @@ impl SparseVae {
             traces: TraceCache::new(trace_bytes),
         }
     }
-
-    /// Bytes of traces held.
-    pub fn trace_bytes(&self) -> usize {
-        self.traces.bytes()
-    }
 }
 
 impl Default for SparseVae {
@@ -116,6 +111,7 @@ impl TraceCache {
         self.lru.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    #[cfg(test)]
     fn bytes(&self) -> usize {
         self.lock().iter().map(|(_, t)| t.bytes()).sum()
     }
@@ -165,21 +161,35 @@ fn content_hash(shape: &[usize], data: &[f32]) -> u64 {
     h.finish()
 }
 
-/// The latent pixels (`[h * w]`, h = 2 * token rows) of the tokens whose packed rows
-/// differ between `a` and `b` (`[L, C]`, `cols` values per token).
-fn changed_tokens(a: &[f32], b: &[f32], cols: usize, rows: usize) -> Vec<bool> {
-    let tcols = a.len() / cols / rows.max(1);
-    let (h, w) = (2 * rows, 2 * tcols);
-    let mut out = vec![false; h * w];
-    for (t, (ra, rb)) in a.chunks_exact(cols).zip(b.chunks_exact(cols)).enumerate() {
-        if ra.iter().zip(rb).any(|(x, y)| x.to_bits() != y.to_bits()) {
-            let (r, c) = (t / tcols, t % tcols);
-            for y in 2 * r..2 * r + 2 {
-                out[y * w + 2 * c..y * w + 2 * c + 2].fill(true);
-            }
+/// The latent pixels (`[2 * rows x 2 * cols]`) of `tokens` on a `rows x cols` token
+/// grid: a token packs 2x2 latent pixels.
+pub(super) fn token_latent_pixels(
+    tokens: impl Iterator<Item = usize>,
+    rows: usize,
+    cols: usize,
+) -> Vec<bool> {
+    let w = 2 * cols;
+    let mut out = vec![false; 2 * rows * w];
+    for t in tokens {
+        let (r, c) = (t / cols, t % cols);
+        for y in 2 * r..2 * r + 2 {
+            out[y * w + 2 * c..y * w + 2 * c + 2].fill(true);
         }
     }
     out
+}
+
+/// The latent pixels of the tokens whose packed rows (`cols` values each) differ
+/// between `a` and `b`, on a grid of `rows` token rows.
+fn changed_tokens(a: &[f32], b: &[f32], cols: usize, rows: usize) -> Vec<bool> {
+    let tcols = a.len() / cols / rows.max(1);
+    let changed = a
+        .chunks_exact(cols)
+        .zip(b.chunks_exact(cols))
+        .enumerate()
+        .filter(|(_, (ra, rb))| ra.iter().zip(*rb).any(|(x, y)| x.to_bits() != y.to_bits()))
+        .map(|(t, _)| t);
+    token_latent_pixels(changed, rows, tcols)
 }
 
 impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
@@ -221,27 +231,33 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     }
 
     /// The raw decoder output `[1, 3, H, W]` of an edit's packed latents (`[L, cols]`)
-    /// whose template's final latent is `template` (same layout): sparse when it pays,
-    /// exact at the `keep` pixels (the mask), the template's decoded pixels elsewhere.
+    /// for an image of `mask`'s size. For a template edit (`template`: the template's
+    /// final latent, same layout) with paste-back, sparse when it pays: exact at the
+    /// masked pixels, the template's decoded pixels elsewhere (paste-back restores
+    /// those). Dense otherwise.
     pub fn decode_edit(
         &self,
         latents: &[f32],
-        template: &[f32],
+        template: Option<&[f32]>,
         cols: usize,
-        keep: &Mask,
+        mask: &Mask,
+        paste_back: bool,
     ) -> Result<(Tensor, VaePass)> {
-        let (w, h) = (keep.width, keep.height);
+        let (w, h) = (mask.width, mask.height);
         let sv = &self.sparse_vae;
-        if sv.setting == SparseVaeSetting::Off || template.len() != latents.len() {
+        let template = template.filter(|t| {
+            paste_back && sv.setting == SparseVaeSetting::Auto && t.len() == latents.len()
+        });
+        let Some(template) = template else {
             return Ok((self.decode_packed(latents, cols, w, h)?, VaePass::Dense));
-        }
+        };
         let vsf = self.vae_scale_factor();
         let (lh, lw) = (h / vsf, w / vsf);
         let diff = changed_tokens(latents, template, cols, lh / 2);
         let lc = self.vae.config().latent_channels;
         let plan =
             self.vae
-                .plan_sparse(Half::Decoder, [lc, lh, lw], &diff, &keep.data, sv.decoder)?;
+                .plan_sparse(Half::Decoder, [lc, lh, lw], &diff, &mask.data, sv.decoder)?;
         if plan.report.fraction() > SPARSE_MAX_MAC_FRACTION {
             return Ok((self.decode_packed(latents, cols, w, h)?, VaePass::Dense));
         }

@@ -219,31 +219,56 @@ pub fn conv2d(
             // `xb`) for i < np, j < k; rhs element (j, o) = w[o*k + j] inside the
             // weight; dst element (i, o) = ob[o*p + i] inside this task's columns of
             // `out`, which no other task touches.
-            unsafe {
-                gemm::gemm(
-                    np,
-                    co,
-                    k,
-                    ob,
-                    p as isize,
-                    1,
-                    init,
-                    rhs.0,
-                    rhs.1 as isize,
-                    1,
-                    wdat.as_ptr(),
-                    k as isize,
-                    1,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
+            unsafe { patches_times_weight(np, co, k, ob, p, init, rhs.0, rhs.1, wdat.as_ptr()) };
         });
     Tensor::new(out_shape, out)
+}
+
+/// `dst[i, o] (+)= Σ_j lhs[i, j] · w[o, j]` for `np` pixels `i`, `co` outputs and `kk`
+/// patch rows `j`, with `dst` column-major (pixel `i` of output `o` at
+/// `dst[o*ld_dst + i]`, an NCHW plane), `lhs` column-major (`lhs[j*ld_lhs + i]`, the
+/// im2col layout) and `w` row-major `[co, kk]` (PyTorch's weight layout). The dense and
+/// the sparse (`sparse_conv`) convolutions' one GEMM; `accumulate` adds to `dst`.
+///
+/// # Safety
+/// Every element named above must lie inside its buffer, and no other thread may touch
+/// the `dst` elements while this runs.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn patches_times_weight(
+    np: usize,
+    co: usize,
+    kk: usize,
+    dst: *mut f32,
+    ld_dst: usize,
+    accumulate: bool,
+    lhs: *const f32,
+    ld_lhs: usize,
+    w: *const f32,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        gemm::gemm(
+            np,
+            co,
+            kk,
+            dst,
+            ld_dst as isize,
+            1,
+            accumulate,
+            lhs,
+            ld_lhs as isize,
+            1,
+            w,
+            kk as isize,
+            1,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
 }
 
 /// What [`im2col`] needs to know about one convolution.

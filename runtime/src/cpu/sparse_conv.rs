@@ -33,7 +33,7 @@ pub use plane::{Plane, TileData};
 
 use rayon::prelude::*;
 
-use super::conv::{scale_shift_in_place, Conv2dOpts};
+use super::conv::{patches_times_weight, scale_shift_in_place, Conv2dOpts};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -197,7 +197,7 @@ pub struct GroupSums {
 impl GroupSums {
     /// The sums of `x` (`[1, C, H, W]`) over `groups` groups of channels.
     pub fn of(x: &Tensor, groups: usize) -> Result<GroupSums> {
-        let [_, c, h, w] = dims1("group sums", x)?;
+        let Plane { c, h, w, .. } = Plane::of(x)?;
         if groups == 0 || c % groups != 0 {
             return Err(Error::shape(
                 "group sums",
@@ -225,7 +225,7 @@ impl GroupSums {
     /// Updates the sums with the recomputed tiles of a value (`new`) against the
     /// cached values they replace (`old`, `[1, C, H, W]` of the tiles' plane).
     pub fn update(&mut self, old: &Tensor, new: &TileData) -> Result<()> {
-        let [_, c, h, w] = dims1("group sums", old)?;
+        let Plane { c, h, w, .. } = Plane::of(old)?;
         if (new.c, new.tiles.h, new.tiles.w) != (c, h, w) || c % self.groups != 0 {
             return Err(Error::shape(
                 "group sums",
@@ -294,16 +294,6 @@ fn delta_sums(old: &[f32], new: &[f32]) -> (f64, f64) {
         let (o, n) = (o as f64, n as f64);
         (s + (n - o), q + (n * n - o * o))
     })
-}
-
-fn dims1(op: &'static str, t: &Tensor) -> Result<[usize; 4]> {
-    match *t.shape() {
-        [1, c, h, w] => Ok([1, c, h, w]),
-        ref s => Err(Error::shape(
-            op,
-            format!("expected one image [1, C, H, W], got {s:?}"),
-        )),
-    }
 }
 
 /// `conv2d(pre(x), w, bias) (+ residual)` at the active tiles of `tiles` (over the
@@ -405,28 +395,18 @@ pub fn sparse_conv2d(
                 // SAFETY: lhs (p, j) = col[j*np + p] for p < np, j < kk; rhs (j, o) =
                 // w[o*kk + j]; dst (p, o) = block[o*np + p]: all inside their buffers.
                 unsafe {
-                    gemm::gemm(
+                    patches_times_weight(
                         np,
                         co,
                         kk,
                         block.as_mut_ptr(),
-                        np as isize,
-                        1,
+                        np,
                         true,
                         col.as_ptr(),
-                        np as isize,
-                        1,
+                        np,
                         wdat.as_ptr(),
-                        kk as isize,
-                        1,
-                        1.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
+                    )
+                };
                 block
             },
         )

@@ -16,7 +16,7 @@ use super::super::config::GN_EPS;
 use super::super::model::AutoencoderKL;
 use super::super::weights::{Attention, Norm};
 use super::program::{Op, Program};
-use super::{SparseOpts, SparseReport, StatsMode, VaeTrace};
+use super::{SparseReport, StatsMode, VaeTrace};
 
 /// The dense pass, recording every value, the sums of every GroupNorm's input and the
 /// attention's K and V. The ops are the dense forward's own calls in its order, so the
@@ -77,14 +77,15 @@ impl Value<'_> {
     }
 }
 
-/// The MACs of the dense pass, of the tiles covering `regions` and of the regions
-/// alone.
-pub(crate) fn report(
+/// The tiles covering each value's region (None: the value is the template's), and
+/// the MACs of the dense pass, of those tiles and of the regions alone.
+pub(crate) fn tiles(
     prog: &Program<'_>,
     regions: &[Vec<bool>],
     tile: usize,
-) -> Result<SparseReport> {
+) -> Result<(Vec<Option<Tiles>>, SparseReport)> {
     let mut r = SparseReport::default();
+    let mut tiles = vec![None];
     for (i, op) in prog.ops.iter().enumerate() {
         let [co, h, w] = prog.shapes[i + 1];
         let [ci, ih, iw] = prog.shapes[op.input()];
@@ -97,21 +98,23 @@ pub(crate) fn report(
         let on = region.iter().filter(|&&b| b).count();
         r.dense_macs += per_px * (h * w) as u64;
         r.region_macs += per_px * on as u64;
-        if on > 0 {
-            r.sparse_macs += per_px * Tiles::covering(region, h, w, tile)?.pixels() as u64;
-        }
+        let t = (on > 0)
+            .then(|| Tiles::covering(region, h, w, tile))
+            .transpose()?;
+        r.sparse_macs += per_px * t.as_ref().map_or(0, |t| t.pixels()) as u64;
+        tiles.push(t);
     }
-    Ok(r)
+    Ok((tiles, r))
 }
 
-/// The sparse pass of `input` against `trace`, recomputing `regions` (from
-/// [`Program::regions`]).
+/// The sparse pass of `input` against `trace`, recomputing each value's `tiles` (from
+/// [`tiles`]).
 pub(crate) fn run(
     prog: &Program<'_>,
     trace: &VaeTrace,
     input: &Tensor,
-    regions: &[Vec<bool>],
-    opts: SparseOpts,
+    tiles: &[Option<Tiles>],
+    stats_mode: StatsMode,
 ) -> Result<Tensor> {
     // The input is whole (the edit's own); every later value starts as the template's.
     let mut values: Vec<Value<'_>> = vec![Value {
@@ -127,20 +130,18 @@ pub(crate) fn run(
             }
         }
         let v = i + 1;
-        let [_, h, w] = prog.shapes[v];
         let [_, ih, iw] = prog.shapes[op.input()];
         let base = &trace.values[v];
-        if !regions[v].iter().any(|&b| b) {
+        let Some(tiles) = tiles[v].clone() else {
             values.push(Value { base, new: None });
             continue;
-        }
-        let tiles = Tiles::covering(&regions[v], h, w, opts.tile)?;
+        };
         let x = &values[op.input()];
         let stats = |norm: &Norm| -> Result<(Vec<f32>, Vec<f32>)> {
             let mut sums = trace.sums[v].clone().ok_or_else(|| {
                 Error::Invalid(format!("VAE trace: no GroupNorm sums for value {v}"))
             })?;
-            if let (StatsMode::Incremental, Some(t)) = (opts.stats, &x.new) {
+            if let (StatsMode::Incremental, Some(t)) = (stats_mode, &x.new) {
                 sums.update(&trace.values[op.input()], t)?;
             }
             Ok(sums.scale_shift(norm.w.data(), norm.b.data(), GN_EPS))
@@ -168,7 +169,7 @@ pub(crate) fn run(
                     .ok_or_else(|| Error::Invalid("VAE trace: no attention K/V".into()))?;
                 // Changed statistics move every pixel's K and V: recompute them all (one
                 // GEMM at the smallest level). Frozen ones move only the changed pixels'.
-                let refresh = match (&x.new, opts.stats) {
+                let refresh = match (&x.new, stats_mode) {
                     (None, _) => Vec::new(),
                     (Some(_), StatsMode::Incremental) => (0..(ih * iw) as u32).collect(),
                     (Some(t), StatsMode::Frozen) => pixels(&t.tiles),

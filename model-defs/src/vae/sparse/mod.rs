@@ -25,7 +25,7 @@ mod program;
 use std::fmt;
 use std::str::FromStr;
 
-use denoised_runtime::cpu::sparse_conv::GroupSums;
+use denoised_runtime::cpu::sparse_conv::{GroupSums, Tiles};
 use denoised_runtime::{Error, Result, Tensor};
 
 use super::model::{split_moments, AutoencoderKL};
@@ -242,7 +242,7 @@ impl AutoencoderKL {
             ));
         }
         let regions = prog.regions(diff, keep, opts.region);
-        let report = exec::report(&prog, &regions, opts.tile)?;
+        let (tiles, report) = exec::tiles(&prog, &regions, opts.tile)?;
         let kv: usize = prog
             .ops
             .iter()
@@ -258,8 +258,8 @@ impl AutoencoderKL {
         Ok(SparsePlan {
             half,
             input,
-            opts,
-            regions,
+            stats: opts.stats,
+            tiles,
             report,
             trace_bytes: (values + kv) * 4,
         })
@@ -290,7 +290,7 @@ impl AutoencoderKL {
                 ),
             ));
         }
-        exec::run(&prog, template, input, &plan.regions, plan.opts)
+        exec::run(&prog, template, input, &plan.tiles, plan.stats)
     }
 }
 
@@ -298,8 +298,9 @@ impl AutoencoderKL {
 pub struct SparsePlan {
     half: Half,
     input: [usize; 3],
-    opts: SparseOpts,
-    regions: Vec<Vec<bool>>,
+    stats: StatsMode,
+    /// Per value, the tiles the pass recomputes (None: the template's value as it is).
+    tiles: Vec<Option<Tiles>>,
     pub report: SparseReport,
     trace_bytes: usize,
 }

@@ -61,7 +61,7 @@ fn edited(x: &Tensor, region: &[bool], seed: u64) -> Tensor {
 
 /// The dense pre-activation: `x * scale[c] + shift[c]`, then SiLU.
 fn apply(x: &Tensor, p: PreAct<'_>) -> Tensor {
-    let [_, c, h, w] = dims1("test", x).unwrap();
+    let Plane { c, h, w, .. } = Plane::of(x).unwrap();
     let mut y = x.clone();
     for (i, v) in y.data_mut().iter_mut().enumerate() {
         let ch = i / (h * w) % c;
