@@ -321,6 +321,101 @@ fn template_capture_and_mask_aware_edits() {
     );
 }
 
+/// The fixture image doubled to 128x128 (at 64x64 the tiny VAE's receptive field
+/// covers most of the image and the sparse VAE rightly runs dense).
+fn doubled_input(dir: &Path) -> PathBuf {
+    let small = png(&case("e2e_input.png"));
+    let mut big = Rgb8 {
+        width: 128,
+        height: 128,
+        data: vec![0; 128 * 128 * 3],
+    };
+    for (i, px) in big.data.chunks_exact_mut(3).enumerate() {
+        let (x, y) = (i % 128 / 2, i / 128 / 2);
+        px.copy_from_slice(&small.data[(y * 64 + x) * 3..][..3]);
+    }
+    let path = dir.join("big.png");
+    std::fs::write(&path, encode_png(&big).unwrap()).unwrap();
+    path
+}
+
+/// A capture stores the template's VAE traces (`vae.bin`); an edit's sparse passes
+/// read them (`sparse`) instead of recording them with a dense pass of the template
+/// (`sparse_traced`, what an edit of a template without them does), with the same
+/// image bit for bit.
+#[test]
+fn a_capture_stores_the_vae_traces_that_edits_run_sparse_against() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path().join("tpl");
+    let common = ["--model", "builtin", "--max-sequence-length", "32"];
+    let capture = |sparse: &str| {
+        let mut a = vec!["template", "capture", "--image"];
+        let input = doubled_input(dir.path());
+        let input = s(&input).to_string();
+        a.push(&input);
+        a.extend(["--steps", "3", "--sparse-vae", sparse, "--out", s(&t)]);
+        a.extend(common);
+        ok(&a)
+    };
+    let log = capture("auto");
+    assert!(log.contains("VAE traces: "), "{log}");
+    assert!(t.join("vae.bin").exists());
+    // An 8x8 box: 4 of 1024 tokens.
+    let mut m = Rgb8 {
+        width: 128,
+        height: 128,
+        data: vec![0; 128 * 128 * 3],
+    };
+    for y in 40..48 {
+        m.data[(y * 128 + 48) * 3..(y * 128 + 56) * 3].fill(255);
+    }
+    let mask = dir.path().join("mask.png");
+    std::fs::write(&mask, encode_png(&m).unwrap()).unwrap();
+    let edit = |out: &str| {
+        let out = dir.path().join(out);
+        let mut a = vec![
+            "edit",
+            "--template",
+            s(&t),
+            "--mask",
+            s(&mask),
+            "--seed",
+            "4",
+        ];
+        a.extend(["--prompt", "x", "--out", s(&out)]);
+        a.extend(common);
+        (ok(&a), png(&out))
+    };
+    let (log, stored) = edit("stored.png");
+    assert!(
+        log.contains(r#"VAE: encode "sparse", decode "sparse""#),
+        "{log}"
+    );
+    std::fs::remove_file(t.join("vae.bin")).unwrap();
+    let (log, recorded) = edit("recorded.png");
+    assert!(
+        log.contains(r#"VAE: encode "sparse_traced", decode "sparse_traced""#),
+        "{log}"
+    );
+    let diff: Vec<(usize, u8)> = stored
+        .data
+        .iter()
+        .zip(&recorded.data)
+        .enumerate()
+        .filter(|(_, (a, b))| a != b)
+        .map(|(i, (a, b))| (i / 3, a.abs_diff(*b)))
+        .collect();
+    assert!(
+        diff.is_empty(),
+        "stored and recorded traces give different images at {} values, first {:?}",
+        diff.len(),
+        &diff[..diff.len().min(8)]
+    );
+    // `--sparse-vae off` captures store none.
+    capture("off");
+    assert!(!t.join("vae.bin").exists());
+}
+
 #[test]
 fn bad_inputs_give_clear_errors() {
     let dir = tempfile::tempdir().unwrap();

@@ -5,7 +5,8 @@
 //! recently used templates wait on disk and come back when edited); the disk tier drops
 //! the least recently used beyond its capacity; an edit of a template on disk loads it
 //! while the request is preprocessed; and a Y-mode template (block outputs cached) is
-//! about half the bytes, edits, and survives a restart with its mode.
+//! about half the bytes, edits, and survives a restart with its mode. A template's VAE
+//! traces (the sparse VAE's) are stored, loaded and checked with it.
 
 mod common;
 
@@ -110,6 +111,79 @@ fn templates_survive_a_killed_cache_and_a_damaged_one_is_never_used() {
     assert!(!dir.exists(), "the damaged template stayed on disk");
     // The other template is untouched, and the daemon serves on.
     assert_eq!(edit(&d, "a").0, 200);
+}
+
+/// The sparse VAE's traces are part of the template: stored in both tiers (counted in
+/// its size), loaded back from disk with its cache after a killed cache process, and a
+/// damaged trace on disk is caught like a damaged slab.
+#[test]
+fn vae_traces_are_stored_loaded_and_checked_with_the_template() {
+    let d = Daemon::start(&[]);
+    for id in ["v", "w"] {
+        let body = json!({"image": doubled_image_b64(), "id": id, "steps": 3, "seed": 3});
+        let (s, v) = d.post("/v1/templates", &body);
+        assert_eq!(s, 201, "{v}");
+    }
+    let v = on_disk(&d, "v");
+    on_disk(&d, "w");
+    let (cache, traces) = (
+        v["cache_bytes"].as_u64().unwrap(),
+        v["vae_trace_bytes"].as_u64().unwrap(),
+    );
+    assert!(traces > 0, "{v}");
+    assert_eq!(v["tiers"]["host"].as_u64(), Some(cache + traces), "{v}");
+    let vae_bin = |id: &str| version_dir(&d.cache_dir, id).join("vae.bin");
+    // An 8x8-pixel box of the 128x128 image: the passes run sparse.
+    let edit = |d: &Daemon, id: &str| {
+        d.post(
+            "/v1/edits",
+            &json!({"template_id": id, "boxes": [[48, 40, 8, 8]], "seed": 3}),
+        )
+    };
+    assert_eq!(std::fs::metadata(vae_bin("v")).unwrap().len(), traces);
+    let (s, want) = edit(&d, "v");
+    assert_eq!(s, 200, "{want}");
+    assert_eq!(
+        want["timings"]["vae_decode"], "sparse",
+        "{}",
+        want["timings"]
+    );
+    kill_cache(&d);
+    let (_, v) = info(&d, "v");
+    assert_eq!(v["tiers"]["host"], 0, "{v}");
+    let (s, got) = edit(&d, "v");
+    assert_eq!(s, 200, "{got}");
+    assert_eq!(png(&edit_image(&got)), png(&edit_image(&want)));
+    let (_, v) = info(&d, "v");
+    assert_eq!(
+        v["tiers"]["host"].as_u64(),
+        Some(cache + traces),
+        "loaded back with its traces: {v}"
+    );
+    // One flipped byte in a trace on disk: the template is dropped, never used.
+    kill_cache(&d);
+    let mut bytes = std::fs::read(vae_bin("w")).unwrap();
+    let n = bytes.len();
+    bytes[n - 1000] ^= 0x40;
+    std::fs::write(vae_bin("w"), &bytes).unwrap();
+    let (s, v) = edit(&d, "w");
+    assert_eq!(s, 404, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("damaged"),
+        "{v}"
+    );
+    assert_eq!(edit(&d, "v").0, 200, "the other template serves on");
+
+    // Workers whose shared memory cannot hold a trace (the tiny model's are 24 MB and
+    // 34 MB at 128x128) capture the template without it, and its edits trace it.
+    let (_cfg, small) = Daemon::with_config("[workers]\narena_bytes = 30000000\n");
+    let body = json!({"image": doubled_image_b64(), "id": "v", "steps": 3, "seed": 3});
+    let (s, v) = small.post("/v1/templates", &body);
+    assert_eq!(s, 201, "{v}");
+    assert!(v["vae_trace_bytes"].as_u64().unwrap() < traces, "{v}");
+    let (s, got) = edit(&small, "v");
+    assert_eq!(s, 200, "{got}");
+    assert_eq!(got["timings"]["vae_decode"], "sparse_traced", "{got}");
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
-use denoised_models::pipeline::image::{encode_png, Rgb8};
+use denoised_models::pipeline::image::Rgb8;
 use serde_json::{json, Value};
 
 #[test]
@@ -68,27 +68,16 @@ fn template_edit_equals_the_cli_on_the_same_inputs() {
     assert_eq!(png(&served), png(&cli), "daemon and CLI images differ");
 }
 
-/// `[pipeline] sparse_vae`: a template edit's VAE passes run sparse against the
-/// workers' traces of the template (recorded on its first edit, then reused), and
-/// the image stays within a few levels of the dense VAE's inside the mask and equal
-/// to it outside (paste-back).
+/// `[pipeline] sparse_vae`: the capture stores the template's VAE traces with it (in
+/// the cache's tiers, counted in its size), a template edit's VAE passes run sparse
+/// against them from the first edit on (workers that never saw the template read them
+/// from the cache's memory), and the image stays within a few levels of the dense
+/// VAE's inside the mask and equal to it outside (paste-back).
 #[test]
 fn template_edits_run_the_vae_sparse_close_to_dense() {
     let sparse = Daemon::start(&[]);
     let dense = Daemon::start(&["--sparse-vae", "off"]);
-    // The fixture image doubled to 128x128: at 64x64 the tiny VAE's receptive field
-    // covers most of the image and `auto` rightly runs dense.
-    let small = png(&unb64(&image_b64()));
-    let mut big = Rgb8 {
-        width: 128,
-        height: 128,
-        data: vec![0; 128 * 128 * 3],
-    };
-    for (i, px) in big.data.chunks_exact_mut(3).enumerate() {
-        let (x, y) = (i % 128 / 2, i / 128 / 2);
-        px.copy_from_slice(&small.data[(y * 64 + x) * 3..][..3]);
-    }
-    let image = b64(&encode_png(&big).unwrap());
+    let image = doubled_image_b64();
     let template = json!({"image": image, "id": "t", "steps": 3, "seed": 3, "prompt": "a room"});
     // An 8x8-pixel box: 4 of 1024 tokens.
     let (x0, y0, side) = (48usize, 40usize, 8usize);
@@ -101,29 +90,32 @@ fn template_edits_run_the_vae_sparse_close_to_dense() {
             t["vae_decode"].as_str().unwrap().to_string(),
         )
     };
+    let mut infos = Vec::new();
     for d in [&sparse, &dense] {
         let (s, v) = d.post("/v1/templates", &template);
         assert_eq!(s, 201, "{v}");
+        infos.push(v);
     }
+    let traces = infos[0]["vae_trace_bytes"].as_u64().unwrap();
+    let cache = infos[0]["cache_bytes"].as_u64().unwrap();
+    assert!(traces > 0, "{}", infos[0]);
+    assert_eq!(infos[0]["tiers"]["host"].as_u64(), Some(cache + traces));
+    assert_eq!(infos[1]["vae_trace_bytes"], 0, "sparse_vae off stores none");
     let (s, first) = sparse.post("/v1/edits", &body);
     assert_eq!(s, 200, "{first}");
     let pair = |a: &str, b: &str| (a.to_string(), b.to_string());
-    assert_eq!(passes(&first), pair("sparse_traced", "sparse_traced"));
-    let (_, second) = sparse.post("/v1/edits", &body);
     assert_eq!(
-        passes(&second),
+        passes(&first),
         pair("sparse", "sparse"),
-        "the traces are kept"
+        "the stored traces are read"
     );
+    let (_, second) = sparse.post("/v1/edits", &body);
+    assert_eq!(passes(&second), pair("sparse", "sparse"));
     let (a, b) = (png(&edit_image(&first)), png(&edit_image(&second)));
-    assert_eq!(a, b, "a recorded trace and a kept one give the same image");
+    assert_eq!(a, b, "a stored trace and a kept one give the same image");
     // The passes are counted for operators (denoised_vae_passes_total).
     let metrics = sparse.metrics();
-    for (half, pass) in [
-        ("encode", "sparse_traced"),
-        ("decode", "sparse"),
-        ("decode", "sparse_traced"),
-    ] {
+    for (half, pass) in [("encode", "sparse"), ("decode", "sparse")] {
         let line = metrics
             .lines()
             .find(|l| {
@@ -132,7 +124,7 @@ fn template_edits_run_the_vae_sparse_close_to_dense() {
                     && l.contains(&format!("pass=\"{pass}\""))
             })
             .unwrap_or_else(|| panic!("no {half}/{pass} count in\n{metrics}"));
-        assert!(line.ends_with(" 1"), "{line}");
+        assert!(line.ends_with(" 2"), "{line}");
     }
     let (s, v) = dense.post("/v1/edits", &body);
     assert_eq!(s, 200, "{v}");

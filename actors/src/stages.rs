@@ -16,7 +16,8 @@ use denoised_models::pipeline::image::{
 };
 use denoised_models::pipeline::paste::paste_back;
 use denoised_models::pipeline::sparse_vae::VaePass;
-use denoised_runtime::CpuBackend;
+use denoised_runtime::shm::Handle;
+use denoised_runtime::{CpuBackend, HostSlice};
 
 use crate::wire::{ErrorKind, FinishParams, GenParams, ImageFormat, MaskSpec, WireError};
 
@@ -192,6 +193,33 @@ fn fill_polygon(poly: &[[f32; 2]], width: usize, height: usize, data: &mut [bool
     }
 }
 
+/// What a request's VAE passes do with a template's traces
+/// (`denoised_models::pipeline::sparse_vae`).
+#[derive(Clone, Debug, Default)]
+pub enum TemplateVae {
+    /// Nothing: a dense pass (an inline image, or the inline baseline).
+    #[default]
+    None,
+    /// A template edit: sparse when it pays, against the template's stored traces
+    /// when they are in memory (else the worker's own, or one it records).
+    Edit(Option<HostSlice>),
+    /// A template capture: record the trace and return it, as stored.
+    Capture,
+}
+
+impl TemplateVae {
+    fn options(self, opts: &mut EditOptions) {
+        match self {
+            TemplateVae::None => {}
+            TemplateVae::Edit(traces) => {
+                opts.template_edit = true;
+                opts.vae_traces = traces;
+            }
+            TemplateVae::Capture => opts.record_vae_trace = true,
+        }
+    }
+}
+
 /// Preparation of one request, as `denoised edit` / `template capture` do it.
 pub fn prepare(
     p: &Pipeline,
@@ -199,7 +227,7 @@ pub fn prepare(
     mask: MaskInput<'_>,
     params: &GenParams,
     max_pixels: usize,
-    template_edit: bool,
+    vae: TemplateVae,
 ) -> Result<Stage1, WireError> {
     let t0 = Instant::now();
     let mut limits = p.limits;
@@ -213,15 +241,15 @@ pub fn prepare(
             rasterize(&other, w, h)
         }
     };
-    let opts = EditOptions {
+    let mut opts = EditOptions {
         steps: params.steps as usize,
         guidance: params.guidance,
         seed: params.seed,
         max_sequence_length: params.max_sequence_length as usize,
         dilation: params.dilation as usize,
-        template_edit,
         ..Default::default()
     };
+    vae.options(&mut opts);
     let block = 2 * p.vae_scale_factor();
     let token_mask =
         TokenMask::from_pixels(&mask.data, h, w, block, opts.dilation).map_err(input_error)?;
@@ -244,9 +272,26 @@ pub fn prepare(
     })
 }
 
-/// VAE decode, paste-back and encoding of a finished latent. `template` is a template
-/// edit's template final latent (same layout as `latents`): with paste-back, the
-/// decoder may run sparse against its trace.
+/// A template edit's template, as the decoder reads it.
+pub struct TemplateDecode<'a> {
+    /// The template's final latent (same layout as the edit's).
+    pub latent: &'a [f32],
+    /// Its stored VAE traces, when they are in memory.
+    pub traces: Option<&'a [u8]>,
+}
+
+/// What [`finish`] gives: the encoded image, the decoder's pass, and a capture's
+/// decoder trace as stored.
+pub struct Finish {
+    pub bytes: Vec<u8>,
+    pub pass: VaePass,
+    pub trace: Option<Vec<u8>>,
+}
+
+/// VAE decode, paste-back and encoding of a finished latent. For a template edit
+/// (`template`) with paste-back, the decoder may run sparse against the template's
+/// trace; a capture (`record_trace`) records it.
+#[allow(clippy::too_many_arguments)]
 pub fn finish(
     p: &Pipeline,
     image: &Rgb8,
@@ -254,12 +299,22 @@ pub fn finish(
     latents: &[f32],
     cols: usize,
     params: &FinishParams,
-    template: Option<&[f32]>,
-) -> Result<(Vec<u8>, VaePass), WireError> {
+    template: Option<TemplateDecode<'_>>,
+    record_trace: bool,
+) -> Result<Finish, WireError> {
     let internal = |e: denoised_runtime::Error| WireError::internal(e.to_string());
-    let (raw, pass) = p
-        .decode_edit(latents, template, cols, mask, params.paste_back)
-        .map_err(internal)?;
+    let (raw, pass, trace) = if record_trace {
+        let (raw, trace) = p
+            .decode_recording(latents, cols, image.width, image.height)
+            .map_err(internal)?;
+        (raw, VaePass::Dense, trace)
+    } else {
+        let (latent, traces) = template.map_or((None, None), |t| (Some(t.latent), t.traces));
+        let (raw, pass) = p
+            .decode_edit(latents, latent, cols, mask, params.paste_back, traces)
+            .map_err(internal)?;
+        (raw, pass, None)
+    };
     let generated = from_model_space(raw.data(), image.width, image.height);
     let out = if params.paste_back {
         paste_back(image, &generated, mask, params.feather as usize)
@@ -271,7 +326,22 @@ pub fn finish(
         ImageFormat::Jpeg => encode_jpeg(&out, 92),
     }
     .map_err(internal)?;
-    Ok((bytes, pass))
+    Ok(Finish { bytes, pass, trace })
+}
+
+/// A capture's VAE trace into this worker's arena. Traces are an optimisation: one
+/// that does not fit is left out (the template's edits record it when they need it),
+/// never a failed capture.
+pub fn trace_to_shm(shm: &crate::node::Shm, trace: &[u8], half: &str) -> Option<Handle> {
+    shm.write_bytes(trace)
+        .inspect_err(|e| {
+            tracing::warn!(
+                "the template's VAE {half} trace ({:.0} MB) does not fit this worker's shared memory ({}); it is stored without it: raise [workers] arena_bytes",
+                trace.len() as f64 / 1e6,
+                e.message
+            )
+        })
+        .ok()
 }
 
 /// The pixel mask as bytes (0/1) for shared memory, and back.

@@ -142,6 +142,10 @@ pub struct PrepareReq {
     /// A mask-aware edit of a template whose image `image` is: the VAE encoder may
     /// run sparse against the template's trace.
     pub template_edit: bool,
+    /// That template's stored VAE traces in the cache's arena, when they are there.
+    pub vae_traces: Option<Handle>,
+    /// A template capture: record the encoder's trace ([`PreparedRefs::vae_trace`]).
+    pub record_vae_trace: bool,
 }
 
 /// The conditioning tensors of one request, in the preprocess worker's arena.
@@ -188,6 +192,8 @@ pub struct PreparedRefs {
     pub prompt_truncated: bool,
     pub seconds: f64,
     pub vae_pass: VaePass,
+    /// A capture's encoder trace, as the template stores it.
+    pub vae_trace: Option<Handle>,
 }
 
 impl PreparedRefs {
@@ -195,6 +201,7 @@ impl PreparedRefs {
     pub fn handles(&self) -> Vec<Handle> {
         let mut h = self.inputs.all();
         h.extend([self.image.clone(), self.mask.clone()]);
+        h.extend(self.vae_trace.clone());
         h
     }
 }
@@ -295,6 +302,10 @@ pub struct FinishReq {
     /// A template edit's template cache in the cache's arena: its last latent is the
     /// template's final latent, against whose trace the decoder may run sparse.
     pub template: Option<Handle>,
+    /// That template's stored VAE traces in the cache's arena, when they are there.
+    pub vae_traces: Option<Handle>,
+    /// A template capture: record the decoder's trace ([`Finished::vae_trace`]).
+    pub record_vae_trace: bool,
 }
 
 /// postprocess → router: the encoded output image in the postprocess worker's arena.
@@ -303,6 +314,8 @@ pub struct Finished {
     pub image: Handle,
     pub seconds: f64,
     pub vae_pass: VaePass,
+    /// A capture's decoder trace, as the template stores it.
+    pub vae_trace: Option<Handle>,
 }
 
 /// The non-disaggregated baseline: the denoise process prepares, denoises and finishes
@@ -356,6 +369,10 @@ pub struct TemplateInfo {
     /// Its slabs are stored every this many steps (step sharing; 1: every step).
     #[serde(default = "one")]
     pub kv_step_stride: u32,
+    /// Bytes of its stored VAE traces (the sparse VAE's; 0 when it was captured with
+    /// `[pipeline] sparse_vae = "off"`), beside `cache_bytes`; both count in `tiers`.
+    #[serde(default)]
+    pub vae_trace_bytes: u64,
     /// Where it is now: its bytes in each tier of the template cache (0 where it is
     /// not). Filled in when it is described.
     #[serde(default)]
@@ -375,6 +392,9 @@ pub struct PutTemplate {
     pub info: TemplateInfo,
     pub blob: Handle,
     pub image: Handle,
+    /// Its VAE traces (one record each, `denoised_models::vae::sparse::stored`), which
+    /// the cache stores as one slice.
+    pub vae_traces: Vec<Handle>,
     /// Replace a template of the same id; without it that id is a conflict.
     pub replace: bool,
 }
@@ -388,6 +408,9 @@ pub struct TemplateEntry {
     pub version: u64,
     /// Its cache in the host tier, when it is there (else it is on disk: `Load` it).
     pub blob: Option<Handle>,
+    /// Its VAE traces in the host tier, when it has them and they are there (they
+    /// come and go with `blob`).
+    pub vae_traces: Option<Handle>,
     /// The template's encoded image bytes (always in the host tier: they are small).
     pub image: Handle,
 }
@@ -544,9 +567,9 @@ pub enum CacheMsg {
     /// not wait for it (`Load` does), so the load overlaps the edit's preprocessing.
     #[rpc]
     Pin(Wire<String>, RpcReplyPort<Res<TemplateEntry>>),
-    /// The host-tier cache of a pinned template version, once it is there.
+    /// A pinned template version, once its cache is in the host tier (`blob` set).
     #[rpc]
-    Load(Wire<u64>, RpcReplyPort<Res<Handle>>),
+    Load(Wire<u64>, RpcReplyPort<Res<TemplateEntry>>),
     /// The edit that pinned this template version is done with it.
     Unpin(Wire<u64>),
     /// From the cache process itself: the router was lost, and with it every pin.

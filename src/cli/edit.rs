@@ -15,11 +15,13 @@ use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::template_file::{self, TemplateMeta};
 use denoised_models::mask::TokenMask;
 use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Parts, Timings};
-use denoised_models::pipeline::image::{decode_image, decode_mask, encode_png, Mask};
+use denoised_models::pipeline::image::{
+    decode_image, decode_mask, encode_png, from_model_space, Mask,
+};
 use denoised_models::pipeline::sparse_vae::{SparseVae, SparseVaeSetting};
 use denoised_models::{FlowMatchEuler, ModelSource};
 use denoised_runtime::weights::SafetensorsFile;
-use denoised_runtime::{CpuBackend, Tensor};
+use denoised_runtime::{CpuBackend, HostSlice, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::{CliResult, ModelDeviceArgs};
@@ -106,6 +108,11 @@ pub struct CaptureArgs {
     /// half the bytes; edits recompute the unmasked tokens' K/V each step).
     #[arg(long, default_value = "kv", value_parser = ["kv", "y"])]
     pub cache_mode: String,
+    /// `auto`: also record the VAE encoder's and decoder's traces (`vae.bin`), which
+    /// edits with `--sparse-vae auto` run sparse against; `off`: no traces (edits
+    /// record them when they need them).
+    #[arg(long, env = "DENOISED_SPARSE_VAE", default_value = "auto")]
+    pub sparse_vae: SparseVaeSetting,
 }
 
 fn read(path: &Path) -> CliResult<Vec<u8>> {
@@ -219,6 +226,16 @@ pub fn run_edit(a: EditArgs) -> CliResult {
         Some(dir) => Some((dir.clone(), template_file::read_meta(dir)?)),
         None => None,
     };
+    // The template's stored VAE traces: its sparse passes read them instead of
+    // recording them with a dense pass of the template.
+    let vae_traces = match &template {
+        Some((dir, _)) if a.sparse_vae == SparseVaeSetting::Auto => {
+            template_file::read_vae_traces(dir)?
+                .map(|b| HostSlice::copy_of(&b))
+                .transpose()?
+        }
+        _ => None,
+    };
     let image_path = match (&a.image, &template) {
         (Some(i), _) => i.clone(),
         (None, Some((dir, _))) => dir.join("image.png"),
@@ -251,6 +268,8 @@ pub fn run_edit(a: EditArgs) -> CliResult {
         feather: a.feather,
         dilation: a.dilation,
         template_edit: template.is_some(),
+        vae_traces,
+        record_vae_trace: false,
     };
     let noise = a
         .noise
@@ -330,12 +349,14 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
         height: image.height,
         data: vec![false; image.width * image.height],
     };
+    let record = a.sparse_vae == SparseVaeSetting::Auto;
     let opts = EditOptions {
         steps: c.steps.unwrap_or(28),
         guidance: c.guidance.unwrap_or(30.0),
         seed: c.seed,
         max_sequence_length: c.max_sequence_length,
         paste_back: false,
+        record_vae_trace: record,
         ..Default::default()
     };
     let prepared = p.prepare(&image, &mask, &c.prompt, &opts, &Noise::default(), &mut t)?;
@@ -347,7 +368,26 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
     let mode = Mode::Capture(TemplateCache::new(layout)?);
     let (latents, cache) = denoise(&mut placed, &prepared.inputs, schedule, mode, &mut t)?;
     let cache = cache.ok_or("the capture run returned no template cache")?;
-    let recon = p.finish(&prepared, &latents, &opts, &mut t)?;
+    let (recon, traces) = if record {
+        // The decode recording its trace: the same ops as `finish`'s, bit for bit.
+        let t0 = Instant::now();
+        let (w, h) = (image.width, image.height);
+        let (raw, dec) = p.decode_recording(latents.data(), latents.cols(), w, h)?;
+        t.vae_decode_s += t0.elapsed().as_secs_f64();
+        let traces: Vec<u8> = prepared
+            .vae_trace
+            .iter()
+            .chain(&dec)
+            .flatten()
+            .copied()
+            .collect();
+        (
+            from_model_space(raw.data(), w, h),
+            Some(traces).filter(|t| !t.is_empty()),
+        )
+    } else {
+        (p.finish(&prepared, &latents, &opts, &mut t)?, None)
+    };
     let meta = TemplateMeta {
         model: p.fingerprint.clone(),
         height: image.height,
@@ -358,6 +398,14 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
         prompt: c.prompt.clone(),
     };
     template_file::save(&a.out, &cache, &meta, placed.template_dtype())?;
+    if let Some(traces) = traces {
+        template_file::save_vae_traces(&a.out, &traces)?;
+        eprintln!(
+            "VAE traces: {:.1} MB beside {:.1} MB of template cache",
+            traces.len() as f64 / 1e6,
+            cache.layout().total_bytes() as f64 / 1e6
+        );
+    }
     // Keep the original bytes re-encoded losslessly: edits read the image from here.
     write_png(&a.out.join("image.png"), &image, &mut t)?;
     write_png(&a.out.join("reconstruction.png"), &recon, &mut t)?;

@@ -1,8 +1,11 @@
 //! `denoised footprint`: the template cache size of a model at a resolution, computed
-//! from the layout (nothing is allocated). Capacity planning for the cache tiers
-//! starts here.
+//! from the layout (nothing is allocated), and the size of the VAE traces a template
+//! stores beside it for sparse VAE passes (from the VAE's shapes). Capacity planning
+//! for the cache tiers starts here.
 
 use denoised_models::flux::template::{storage_dtype, CacheMode, TemplateLayout};
+use denoised_models::vae::sparse::Half;
+use denoised_models::vae::{AutoencoderKL, VaeConfig};
 use denoised_models::FluxConfig;
 use denoised_runtime::DType;
 
@@ -51,6 +54,24 @@ pub fn run(a: Args) -> CliResult {
         .into());
     }
     let tokens = (a.height / tok) * (a.width / tok);
+    // The FLUX.1 VAE (the tiny fixture's at its scale factor): traces of the template
+    // image's encode and of its final latent's decode, stored in f32 (the VAE's
+    // compute dtype; `[pipeline] sparse_vae = "off"` stores none).
+    let vae_cfg = [VaeConfig::flux1(), VaeConfig::tiny()]
+        .into_iter()
+        .find(|c| c.vae_scale_factor() == a.vae_scale_factor);
+    let traces = match vae_cfg {
+        Some(c) => {
+            let lc = c.latent_channels;
+            let vae = AutoencoderKL::shapes_only(c)?;
+            let (h, w, f) = (a.height, a.width, a.vae_scale_factor);
+            Some((
+                vae.trace_bytes(Half::Encoder, [3, h, w])?,
+                vae.trace_bytes(Half::Decoder, [lc, h / f, w / f])?,
+            ))
+        }
+        None => None,
+    };
     for name in &a.config {
         let cfg = FluxConfig::named(name).ok_or_else(|| {
             format!(
@@ -85,6 +106,10 @@ pub fn run(a: Args) -> CliResult {
                     "total_gb": l.total_bytes() as f64 / 1e9,
                     "vs_kv": l.total_bytes() as f64 / kv.total_bytes() as f64,
                     "vs_bf16_kv": l.total_bytes() as f64 / bf16_kv.total_bytes() as f64,
+                    "vae_trace_bytes": traces.map(|(e, d)| e + d),
+                    "vae_trace_encoder_bytes": traces.map(|t| t.0),
+                    "vae_trace_decoder_bytes": traces.map(|t| t.1),
+                    "with_vae_traces_gib": traces.map(|(e, d)| (l.total_bytes() as u64 + e + d) as f64 / GIB),
                 })
             );
         }

@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use denoised_models::pipeline::image::{decode_image, ImageLimits, Rgb8};
+use denoised_models::pipeline::image::{decode_image, encode_png, ImageLimits, Rgb8};
 use reqwest::blocking::Client;
 use serde_json::{json, Value};
 
@@ -33,6 +33,22 @@ pub fn unb64(s: &str) -> Vec<u8> {
 
 pub fn image_b64() -> String {
     b64(&std::fs::read(case("e2e_input.png")).unwrap())
+}
+
+/// The fixture image doubled to 128x128, base64 PNG: at 64x64 the tiny VAE's receptive
+/// field covers most of the image and the sparse VAE never pays (no traces are stored).
+pub fn doubled_image_b64() -> String {
+    let small = png(&unb64(&image_b64()));
+    let mut big = Rgb8 {
+        width: 128,
+        height: 128,
+        data: vec![0; 128 * 128 * 3],
+    };
+    for (i, px) in big.data.chunks_exact_mut(3).enumerate() {
+        let (x, y) = (i % 128 / 2, i / 128 / 2);
+        px.copy_from_slice(&small.data[(y * 64 + x) * 3..][..3]);
+    }
+    b64(&encode_png(&big).unwrap())
 }
 
 pub fn mask_b64() -> String {

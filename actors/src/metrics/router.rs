@@ -112,7 +112,7 @@ impl RouterMetrics {
         );
         r.register(
             "vae_passes",
-            "VAE passes of served edits, by half (encode, decode) and pass: dense, sparse (against the worker's trace of the template), sparse_traced (after recording that trace)",
+            "VAE passes of served edits, by half (encode, decode) and pass: dense, sparse (against the template's trace), sparse_traced (after recording that trace with a dense pass)",
             m.vae_passes.clone(),
         );
         r.register(

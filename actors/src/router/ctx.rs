@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use denoised_models::flux::cost::StepShape;
 use denoised_runtime::config::Config;
-use denoised_runtime::shm::Handle;
 use ractor::ActorCell;
 
 use super::flow::check_cancel;
@@ -293,13 +292,16 @@ impl Ctx {
         }
     }
 
-    /// The host-tier cache of a pinned template: at once when it is there, else once
-    /// the cache has brought it from disk (a load that started when the edit pinned it,
-    /// so it overlapped preprocessing; what is left of it is waited for here and
-    /// counted in `denoised_template_load_wait_seconds`).
-    pub(super) async fn template_blob(&self, t: &TemplateEntry) -> Result<Handle, WireError> {
-        if let Some(b) = &t.blob {
-            return Ok(b.clone());
+    /// A pinned template with its cache (and VAE traces) in the host tier: at once
+    /// when they are there, else once the cache has brought them from disk (a load that
+    /// started when the edit pinned it, so it overlapped preprocessing; what is left of
+    /// it is waited for here and counted in `denoised_template_load_wait_seconds`).
+    pub(super) async fn template_loaded(
+        &self,
+        t: &TemplateEntry,
+    ) -> Result<TemplateEntry, WireError> {
+        if t.blob.is_some() {
+            return Ok(t.clone());
         }
         let t0 = Instant::now();
         let c = self.cache().await?;

@@ -11,7 +11,7 @@
 use std::time::Instant;
 
 use denoised_models::flux::cost::StepShape;
-use denoised_models::pipeline::sparse_vae::VaePass;
+use denoised_models::pipeline::sparse_vae::{SparseVaeSetting, VaePass};
 use denoised_models::planner::CacheMode;
 use denoised_runtime::shm::Handle;
 use ractor::ActorCell;
@@ -242,6 +242,27 @@ async fn denoise(
     Ok(d)
 }
 
+/// The postprocess stage on a picked worker; its image (and trace) stay held until
+/// the request ends.
+async fn postprocess(
+    ctx: &Ctx,
+    job: JobId,
+    fin: FinishReq,
+    held: &mut Held,
+) -> Result<Finished, WireError> {
+    check_cancel(ctx, job).await?;
+    ctx.jobs.stage(job, Status::Postprocessing, None);
+    let post = ctx.pick(groups::POSTPROCESS, 2).await?;
+    let f = ctx
+        .ask(&post, |p| PostprocessMsg::Finish(Wire(fin), p))
+        .await?;
+    let mut handles = vec![f.image.clone()];
+    handles.extend(f.vae_trace.clone());
+    held.post.push((post, handles));
+    check_cancel(ctx, job).await?;
+    Ok(f)
+}
+
 /// Runs an edit to its encoded image.
 pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput, WireError> {
     let t0 = Instant::now();
@@ -338,6 +359,8 @@ async fn edit_once(
         params: params.clone(),
         max_pixels: ctx.config.server.max_pixels as u64,
         template_edit: template.is_some(),
+        vae_traces: template.and_then(|t| t.vae_traces.clone()),
+        record_vae_trace: false,
     };
     // A template edit computes only the active tokens against the template's cache;
     // an inline image is a full, uncached run. The template's cache is asked for only
@@ -355,15 +378,15 @@ async fn edit_once(
         },
         _ => DenoiseWork::Full,
     };
-    let blob = async {
+    let loaded = async {
         match template {
-            Some(t) => ctx.template_blob(t).await.map(Some),
+            Some(t) => ctx.template_loaded(t).await.map(Some),
             None => Ok(None),
         }
     };
 
     if !ctx.config.denoise.disaggregate {
-        let work = work(blob.await?);
+        let work = work(loaded.await?.and_then(|t| t.blob));
         let den = ctx.pick(groups::DENOISE, 1).await?;
         ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
         let req = InlineReq {
@@ -405,13 +428,11 @@ async fn edit_once(
         Some(_) => prepared.active.clone(),
         None => Vec::new(),
     };
-    let blob = blob.await?;
+    let loaded = loaded.await?;
+    let blob = loaded.as_ref().and_then(|t| t.blob.clone());
     let work = work(blob.clone());
     let d = denoise(ctx, job, &prepared, params.steps, active, work, held).await?;
 
-    check_cancel(ctx, job).await?;
-    ctx.jobs.stage(job, Status::Postprocessing, None);
-    let post = ctx.pick(groups::POSTPROCESS, 2).await?;
     let fin = FinishReq {
         job,
         latents: d.latents.clone(),
@@ -421,12 +442,10 @@ async fn edit_once(
         height: prepared.height,
         params: input.finish.clone(),
         template: blob,
+        vae_traces: loaded.and_then(|t| t.vae_traces),
+        record_vae_trace: false,
     };
-    let f = ctx
-        .ask(&post, |p| PostprocessMsg::Finish(Wire(fin), p))
-        .await?;
-    held.post.push((post, vec![f.image.clone()]));
-    check_cancel(ctx, job).await?;
+    let f = postprocess(ctx, job, fin, held).await?;
     let bytes = ctx.shm.read_bytes(&f.image)?;
     let tokens = prepared.rows * prepared.cols;
     Ok(EditOutput {
@@ -502,7 +521,13 @@ async fn capture_once(
         params: params.clone(),
         max_pixels: ctx.config.server.max_pixels as u64,
         template_edit: false,
+        // The traces the template's sparse VAE passes read: recorded by the
+        // disaggregated workers (the inline baseline runs the VAE dense).
+        record_vae_trace: ctx.config.pipeline.sparse_vae == SparseVaeSetting::Auto,
+        vae_traces: None,
     };
+    let prepare_records = prepare.record_vae_trace;
+    let mut vae_traces = Vec::new();
     let (blob, width, height, tokens) = if ctx.config.denoise.disaggregate {
         let prepared = preprocess(ctx, job, prepare, held).await?;
         let work = DenoiseWork::Capture {
@@ -513,6 +538,29 @@ async fn capture_once(
         let blob = d
             .cache
             .ok_or_else(|| WireError::internal("capture returned no cache"))?;
+        if prepare_records {
+            // The decoder's trace is the dense decode of the final latent, recorded
+            // (when sparse decodes of the template's edits can pay).
+            let fin = FinishReq {
+                job,
+                latents: d.latents.clone(),
+                image: prepared.image.clone(),
+                mask: prepared.mask.clone(),
+                width: prepared.width,
+                height: prepared.height,
+                params: FinishParams {
+                    paste_back: false,
+                    feather: 0,
+                    format: ImageFormat::Png,
+                },
+                template: None,
+                vae_traces: None,
+                record_vae_trace: true,
+            };
+            let f = postprocess(ctx, job, fin, held).await?;
+            vae_traces.extend(prepared.vae_trace.clone());
+            vae_traces.extend(f.vae_trace);
+        }
         (
             blob,
             prepared.width,
@@ -554,6 +602,7 @@ async fn capture_once(
         kv_dtype: String::new(),
         cache_mode: String::new(),
         kv_step_stride: input.step_stride,
+        vae_trace_bytes: vae_traces.iter().map(|h| h.len).sum(),
         tiers: TierBytes::default(),
     };
     let cache = ctx.cache().await?;
@@ -561,6 +610,7 @@ async fn capture_once(
         info,
         blob,
         image,
+        vae_traces,
         replace: input.replace,
     };
     let entry = ctx.ask(&cache, |p| CacheMsg::Put(Wire(put), p)).await?;

@@ -38,7 +38,9 @@ impl Stage for Postprocess {
     }
 
     fn handles(rep: &Finished) -> Vec<Handle> {
-        vec![rep.image.clone()]
+        let mut h = vec![rep.image.clone()];
+        h.extend(rep.vae_trace.clone());
+        h
     }
 }
 
@@ -65,13 +67,30 @@ fn finish_to_shm(p: &Pipeline, shm: &Shm, req: &FinishReq) -> Result<Finished, W
                 .collect(),
         )
     };
-    let (bytes, vae_pass) = shm.borrow_f32(&req.latents, |l| {
+    // Its stored VAE traces are read in place (the edit pinned the template).
+    let traces = req
+        .vae_traces
+        .as_ref()
+        .map(|h| shm.host_slice(h))
+        .transpose()?;
+    let f = shm.borrow_f32(&req.latents, |l| {
         let tl = final_latent(std::mem::size_of_val(l));
-        stages::finish(p, &image, &mask, l, cols, &req.params, tl.as_deref())
+        let template = tl.as_deref().map(|latent| stages::TemplateDecode {
+            latent,
+            traces: traces.as_ref().map(|t| t.bytes()),
+        });
+        let record = req.record_vae_trace;
+        stages::finish(p, &image, &mask, l, cols, &req.params, template, record)
     })??;
+    let image = shm.write_bytes(&f.bytes)?;
+    let vae_trace = f
+        .trace
+        .as_deref()
+        .and_then(|t| stages::trace_to_shm(shm, t, "decoder"));
     Ok(Finished {
-        image: shm.write_bytes(&bytes)?,
+        image,
         seconds: t0.elapsed().as_secs_f64(),
-        vae_pass,
+        vae_pass: f.pass,
+        vae_trace,
     })
 }

@@ -7,7 +7,7 @@ use denoised_runtime::Tensor;
 
 use super::{ComputeActor, Stage, StageCommand};
 use crate::node::Shm;
-use crate::stages::{self, MaskInput, Pipeline};
+use crate::stages::{self, MaskInput, Pipeline, TemplateVae};
 use crate::wire::{
     InputHandles, MaskSpec, PrepareReq, PreparedRefs, PreprocessMsg, Wire, WireError,
 };
@@ -65,14 +65,19 @@ pub fn prepare_to_shm(
 ) -> Result<PreparedRefs, WireError> {
     let (image, mask_bytes) = read_request(shm, req)?;
     let mask = MaskInput::new(&req.mask, mask_bytes.as_deref());
-    let s1 = stages::prepare(
-        p,
-        &image,
-        mask,
-        &req.params,
-        req.max_pixels as usize,
-        req.template_edit,
-    )?;
+    // The template's traces are read in place from the cache's arena (the edit pinned
+    // the template, so they stay while this runs).
+    let vae = match (req.template_edit, req.record_vae_trace) {
+        (true, _) => TemplateVae::Edit(
+            req.vae_traces
+                .as_ref()
+                .map(|h| shm.host_slice(h))
+                .transpose()?,
+        ),
+        (false, true) => TemplateVae::Capture,
+        (false, false) => TemplateVae::None,
+    };
+    let s1 = stages::prepare(p, &image, mask, &req.params, req.max_pixels as usize, vae)?;
     let mut written: Vec<Handle> = Vec::new();
     let result = (|| {
         let mut put = |t: &Tensor| -> Result<Handle, WireError> {
@@ -96,6 +101,11 @@ pub fn prepare_to_shm(
         written.push(image.clone());
         let mask = shm.write_bytes(&stages::mask_to_bytes(&s1.prepared.mask))?;
         written.push(mask.clone());
+        let vae_trace = s1.prepared.vae_trace.as_deref().and_then(|t| {
+            let h = stages::trace_to_shm(shm, t, "encoder")?;
+            written.push(h.clone());
+            Some(h)
+        });
         let tm = &s1.token_mask;
         Ok(PreparedRefs {
             inputs,
@@ -110,6 +120,7 @@ pub fn prepare_to_shm(
             prompt_truncated: s1.prepared.prompt_truncated,
             seconds: s1.seconds,
             vae_pass: s1.vae_pass,
+            vae_trace,
         })
     })();
     if result.is_err() {

@@ -35,6 +35,9 @@ pub const VERSION: u32 = 5;
 const READS: [u32; 5] = [1, 2, 3, 4, 5];
 const HEADER: &str = "template.json";
 const DATA: &str = "cache.bin";
+/// The template's VAE traces, when it has them (the sparse VAE's; format and checksums
+/// in `crate::vae::sparse::stored`). Optional, so every version above reads without.
+pub const VAE_TRACES: &str = "vae.bin";
 
 /// What a template was captured from; the cache key is (model, resolution, steps,
 /// guidance).
@@ -108,6 +111,23 @@ fn regions(l: &TemplateLayout) -> impl Iterator<Item = std::ops::Range<usize>> +
     (0..l.slab_count())
         .map(move |i| i * slab..(i + 1) * slab)
         .chain(std::iter::once(l.latent_offset(0)..l.total_bytes()))
+}
+
+/// Writes a template's VAE traces (records as `VaeTrace::to_record` makes them) beside
+/// its cache in `dir`.
+pub fn save_vae_traces(dir: &Path, traces: &[u8]) -> Result<()> {
+    let path = dir.join(VAE_TRACES);
+    std::fs::write(&path, traces).map_err(|e| Error::io(&path, e))
+}
+
+/// A template directory's VAE traces, None when it has none.
+pub fn read_vae_traces(dir: &Path) -> Result<Option<Vec<u8>>> {
+    let path = dir.join(VAE_TRACES);
+    match std::fs::read(&path) {
+        Ok(b) => Ok(Some(b)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(&path, e)),
+    }
 }
 
 /// Writes `cache` with `meta` to `dir` (created if needed), its slabs in `kv_dtype`

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use denoised_runtime::{Backend, Error, Result, Tensor};
+use denoised_runtime::{Backend, Error, HostSlice, Result, Tensor};
 
 use super::fill::{
     concat_rows, masked_image, normalize_and_pack, pack_mask, unpack_and_denormalize,
@@ -26,6 +26,7 @@ use crate::mask::TokenMask;
 use crate::scheduler::{FlowMatchEuler, SchedulerConfig};
 use crate::source::{ModelSource, BUILTIN_SEED};
 use crate::text::{ClipTextConfig, ClipTextModel, ClipTokenizer, T5Config, T5Encoder, T5Tokenizer};
+use crate::vae::sparse::Half;
 use crate::vae::{AutoencoderKL, VaeConfig, VaeHalves};
 
 /// Per-request options, with FluxFillPipeline's defaults.
@@ -45,6 +46,10 @@ pub struct EditOptions {
     /// A mask-aware edit of a template (whose image is the edit's image): the VAE may
     /// run sparse against the template's traces (see [`super::sparse_vae`]).
     pub template_edit: bool,
+    /// A template edit's template's stored VAE traces, when it has them in memory.
+    pub vae_traces: Option<HostSlice>,
+    /// A template capture: record the encoder's trace ([`Prepared::vae_trace`]).
+    pub record_vae_trace: bool,
 }
 
 impl Default for EditOptions {
@@ -58,6 +63,8 @@ impl Default for EditOptions {
             feather: 3,
             dilation: 0,
             template_edit: false,
+            vae_traces: None,
+            record_vae_trace: false,
         }
     }
 }
@@ -94,6 +101,8 @@ pub struct Prepared {
     pub mask: Mask,
     /// Whether the prompt was cut to the encoders' maximum length.
     pub prompt_truncated: bool,
+    /// A capture's encoder trace, as stored (`EditOptions::record_vae_trace`).
+    pub vae_trace: Option<Vec<u8>>,
 }
 
 /// The text side of the pipeline: both tokenizers and both encoders.
@@ -484,12 +493,19 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         let t0 = Instant::now();
         let full = to_model_space(image);
         let masked = Tensor::new([1, 3, h, w], masked_image(&full, mask))?;
+        let mut vae_trace = None;
         let (mean, logvar) = if opts.template_edit {
             let keep = active_latent_pixels(mask, vsf, opts.dilation)?;
             let full = Tensor::new([1, 3, h, w], full)?;
-            let (dist, pass) = self.encode_edit(&masked, &full, &keep)?;
+            let stored = opts.vae_traces.as_ref().map(|s| s.bytes());
+            let (dist, pass) = self.encode_edit(&masked, &full, &keep, stored)?;
             t.vae_encode_pass = pass;
             dist
+        } else if opts.record_vae_trace && self.sparse_vae_can_pay(Half::Encoder, w, h)? {
+            // The same ops as `encode`, bit for bit, keeping every value.
+            let trace = self.vae.trace_encode(&masked)?;
+            vae_trace = Some(trace.to_record(Half::Encoder));
+            self.vae.latent_dist(trace.output())?
         } else {
             self.vae.encode(&masked)?
         };
@@ -542,6 +558,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             image: image.clone(),
             mask: mask.clone(),
             prompt_truncated,
+            vae_trace,
         })
     }
 
@@ -604,6 +621,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             latents.cols(),
             &prepared.mask,
             opts.paste_back,
+            opts.vae_traces.as_ref().map(|s| s.bytes()),
         )?;
         t.vae_decode_pass = pass;
         let generated = from_model_space(raw.data(), w, h);

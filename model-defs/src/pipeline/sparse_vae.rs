@@ -7,13 +7,17 @@
 //! active tokens' latents; the decoder runs against the trace of the template's final
 //! latent and keeps only the masked pixels (paste-back restores the rest).
 //!
-//! Traces live in the process that runs the pass (a preprocess worker holds encoder
-//! traces, a postprocess worker decoder traces), in a least-recently-used cache of
-//! `[pipeline] sparse_vae_trace_bytes`. A worker without the trace records it on the
-//! template's first edit it sees (one dense pass of the template, then the sparse pass
-//! of the edit), so nothing depends on which worker captured the template. Traces are
-//! keyed by the content they trace (the template image's pixels, the final latent's
-//! values), not by a name, so a stale trace can never be read.
+//! A template's capture records both traces and stores them with the template (the
+//! cache's host and disk tiers, the template file's `vae.bin`; format in
+//! `crate::vae::sparse::stored`). The process that runs a pass (a preprocess worker the
+//! encoder's, a postprocess worker the decoder's) keeps the traces it reads in a
+//! least-recently-used cache of `[pipeline] sparse_vae_trace_bytes`; one it does not
+//! hold it reads from the template's stored traces, and records (one dense pass of the
+//! template, then the sparse pass of the edit) only when the template has none (captured
+//! with `sparse_vae = "off"`, or its traces not in memory yet). Traces are keyed by the
+//! content they trace (the template image's pixels, the final latent's values), not by
+//! a name, and a stored trace is used only if its input is that content bit for bit, so
+//! a stale trace can never be read.
 
 use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
@@ -25,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use super::fill::unpack_and_denormalize;
 use super::flux_fill::FluxFill;
 use super::image::Mask;
-use crate::vae::sparse::{Half, SparseOpts, StatsMode, VaeTrace};
+use crate::vae::sparse::{read_trace, Half, SparseOpts, StatsMode, VaeTrace};
 
 pub use denoised_runtime::config::SparseVaeSetting;
 
@@ -35,7 +39,7 @@ pub use denoised_runtime::config::SparseVaeSetting;
 pub enum VaePass {
     #[default]
     Dense,
-    /// Sparse against a trace this process held.
+    /// Sparse against a trace this process held or read from the template.
     Sparse,
     /// Sparse, after recording the template's trace (its first edit in this process).
     SparseTraced,
@@ -92,10 +96,13 @@ impl Default for SparseVae {
     }
 }
 
+/// Traces by (content hash, half), least recently used first.
+type Lru = VecDeque<((u64, Half), Arc<VaeTrace>)>;
+
 /// Traces by (content hash, half), least recently used first out.
 struct TraceCache {
     capacity: usize,
-    lru: Mutex<VecDeque<((u64, Half), Arc<VaeTrace>)>>,
+    lru: Mutex<Lru>,
 }
 
 impl TraceCache {
@@ -106,7 +113,7 @@ impl TraceCache {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<((u64, Half), Arc<VaeTrace>)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Lru> {
         // Every method leaves the list consistent before it can panic.
         self.lru.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -116,15 +123,15 @@ impl TraceCache {
         self.lock().iter().map(|(_, t)| t.bytes()).sum()
     }
 
-    /// The trace under `key`, recording it with `make` when it is missing (outside the
-    /// lock: a trace is a whole dense pass), and whether it was recorded now. None when
-    /// it is missing and `bytes` (its size) exceed the whole cache: recording a trace
-    /// that cannot be kept costs a dense pass on every edit, so the caller runs dense.
+    /// The trace under `key`, made with `make` when it is missing (outside the lock: it
+    /// may be a whole dense pass), and whether it was recorded now (`make`'s flag). None
+    /// when it is missing and `bytes` (its size) exceed the whole cache: a trace that
+    /// cannot be kept would be made again for every edit, so the caller runs dense.
     fn get_or_record(
         &self,
         key: (u64, Half),
         bytes: usize,
-        make: impl FnOnce() -> Result<VaeTrace>,
+        make: impl FnOnce() -> Result<(VaeTrace, bool)>,
     ) -> Result<Option<(Arc<VaeTrace>, bool)>> {
         {
             let mut lru = self.lock();
@@ -138,7 +145,8 @@ impl TraceCache {
         if bytes > self.capacity {
             return Ok(None);
         }
-        let t = Arc::new(make()?);
+        let (t, recorded) = make()?;
+        let t = Arc::new(t);
         let mut lru = self.lock();
         let mut held: usize = lru.iter().map(|(_, t)| t.bytes()).sum();
         while held + t.bytes() > self.capacity {
@@ -148,7 +156,45 @@ impl TraceCache {
             held -= old.bytes();
         }
         lru.push_back((key, t.clone()));
-        Ok(Some((t, true)))
+        Ok(Some((t, recorded)))
+    }
+}
+
+/// The trace of `half` in a template's stored traces, if it traces `input` bit for
+/// bit. A damaged or foreign one is logged and not used (the caller records its own).
+fn stored_trace(stored: Option<&[u8]>, half: Half, input: &Tensor) -> Option<VaeTrace> {
+    let t = match read_trace(stored?, half) {
+        Ok(t) => t?,
+        Err(e) => {
+            tracing::warn!("{e}; recording the trace instead");
+            return None;
+        }
+    };
+    let same = t.input().shape() == input.shape()
+        && t.input()
+            .data()
+            .iter()
+            .zip(input.data())
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+    if !same {
+        tracing::warn!(
+            "the template's stored {half:?} trace traces other content; recording the trace instead"
+        );
+        return None;
+    }
+    Some(t)
+}
+
+/// The trace of `half` from the template's stored traces, or recorded with `record`.
+fn stored_or_recorded(
+    stored: Option<&[u8]>,
+    half: Half,
+    input: &Tensor,
+    record: impl FnOnce() -> Result<VaeTrace>,
+) -> Result<(VaeTrace, bool)> {
+    match stored_trace(stored, half, input) {
+        Some(t) => Ok((t, false)),
+        None => Ok((record()?, true)),
     }
 }
 
@@ -195,12 +241,14 @@ fn changed_tokens(a: &[f32], b: &[f32], cols: usize, rows: usize) -> Vec<bool> {
 impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     /// The posterior `(mean, logvar)` of a template edit's masked image (`masked`,
     /// `[1, 3, H, W]`), whose unmasked image is `full`; only the latent pixels of
-    /// `keep` (the active tokens) are kept when the pass runs sparse.
+    /// `keep` (the active tokens) are kept when the pass runs sparse. `stored`: the
+    /// template's stored traces, if it has them.
     pub(super) fn encode_edit(
         &self,
         masked: &Tensor,
         full: &Tensor,
         keep: &[bool],
+        stored: Option<&[u8]>,
     ) -> Result<((Tensor, Tensor), VaePass)> {
         let sv = &self.sparse_vae;
         if sv.setting == SparseVaeSetting::Off {
@@ -215,9 +263,9 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             return Ok((self.vae.encode(masked)?, VaePass::Dense));
         }
         let key = (content_hash(full.shape(), full.data()), Half::Encoder);
-        let traced = sv
-            .traces
-            .get_or_record(key, plan.trace_bytes(), || self.vae.trace_encode(full))?;
+        let traced = sv.traces.get_or_record(key, plan.trace_bytes(), || {
+            stored_or_recorded(stored, Half::Encoder, full, || self.vae.trace_encode(full))
+        })?;
         let Some((trace, recorded)) = traced else {
             return Ok((self.vae.encode(masked)?, VaePass::Dense));
         };
@@ -234,7 +282,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     /// for an image of `mask`'s size. For a template edit (`template`: the template's
     /// final latent, same layout) with paste-back, sparse when it pays: exact at the
     /// masked pixels, the template's decoded pixels elsewhere (paste-back restores
-    /// those). Dense otherwise.
+    /// those). Dense otherwise. `stored`: the template's stored traces, if it has them.
     pub fn decode_edit(
         &self,
         latents: &[f32],
@@ -242,6 +290,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         cols: usize,
         mask: &Mask,
         paste_back: bool,
+        stored: Option<&[u8]>,
     ) -> Result<(Tensor, VaePass)> {
         let (w, h) = (mask.width, mask.height);
         let sv = &self.sparse_vae;
@@ -268,7 +317,8 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         };
         let key = (content_hash(&[cols, lh, lw], template), Half::Decoder);
         let traced = sv.traces.get_or_record(key, plan.trace_bytes(), || {
-            self.vae.trace_decode(&unpack(template)?)
+            let z = unpack(template)?;
+            stored_or_recorded(stored, Half::Decoder, &z, || self.vae.trace_decode(&z))
         })?;
         let Some((trace, recorded)) = traced else {
             return Ok((self.decode_packed(latents, cols, w, h)?, VaePass::Dense));
@@ -280,6 +330,67 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             VaePass::Sparse
         };
         Ok((out, pass))
+    }
+}
+
+impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
+    /// Whether any edit of a `width x height` template can run `half` sparse: the
+    /// smallest edit (one token, in the middle) costs at most
+    /// [`SPARSE_MAX_MAC_FRACTION`] of the dense pass. A capture records only the traces
+    /// that can pay (a small image under a large receptive field never runs sparse).
+    pub fn sparse_vae_can_pay(&self, half: Half, width: usize, height: usize) -> Result<bool> {
+        let sv = &self.sparse_vae;
+        if sv.setting == SparseVaeSetting::Off {
+            return Ok(false);
+        }
+        let vsf = self.vae_scale_factor();
+        let (rows, cols) = (height / vsf / 2, width / vsf / 2);
+        let token = (rows / 2) * cols + cols / 2;
+        let latent = token_latent_pixels(std::iter::once(token), rows, cols);
+        // The token's pixels: its latent pixels, each vsf x vsf.
+        let lw = 2 * cols;
+        let pixels: Vec<bool> = (0..height * width)
+            .map(|i| latent[(i / width / vsf) * lw + (i % width) / vsf])
+            .collect();
+        let lc = self.vae.config().latent_channels;
+        let plan = match half {
+            Half::Encoder => {
+                self.vae
+                    .plan_sparse(half, [3, height, width], &pixels, &latent, sv.encoder)?
+            }
+            Half::Decoder => self.vae.plan_sparse(
+                half,
+                [lc, 2 * rows, 2 * cols],
+                &latent,
+                &pixels,
+                sv.decoder,
+            )?,
+        };
+        Ok(plan.report.fraction() <= SPARSE_MAX_MAC_FRACTION)
+    }
+
+    /// A capture's decode of the template's final latent (packed, `[L, cols]`): the
+    /// decoder output, as [`FluxFill::decode_packed`] gives it, and the stored record of
+    /// its trace (what the template's edits decode against) when sparse decodes of its
+    /// edits can pay.
+    pub fn decode_recording(
+        &self,
+        latents: &[f32],
+        cols: usize,
+        width: usize,
+        height: usize,
+    ) -> Result<(Tensor, Option<Vec<u8>>)> {
+        if !self.sparse_vae_can_pay(Half::Decoder, width, height)? {
+            return Ok((self.decode_packed(latents, cols, width, height)?, None));
+        }
+        let vsf = self.vae_scale_factor();
+        let cfg = self.vae.config();
+        let (lh, lw) = (height / vsf, width / vsf);
+        let z = unpack_and_denormalize(latents, cols, lh, lw, cfg.shift(), cfg.scale())?;
+        let trace = self
+            .vae
+            .trace_decode(&Tensor::new([1, cfg.latent_channels, lh, lw], z)?)?;
+        Ok((trace.output().clone(), Some(trace.to_record(Half::Decoder))))
     }
 }
 
@@ -315,7 +426,7 @@ mod tests {
         let c = TraceCache::new(2 * one);
         let key = |k| (k, Half::Decoder);
         let get = |k: u64| {
-            c.get_or_record(key(k), one, || Ok(trace(k)))
+            c.get_or_record(key(k), one, || Ok((trace(k), true)))
                 .unwrap()
                 .unwrap()
                 .1

@@ -73,6 +73,16 @@ impl AutoencoderKL {
         Ok(AutoencoderKL { config, weights })
     }
 
+    /// A VAE of `config`'s shapes with zero weights: for sizing plans and traces
+    /// (`denoised footprint`), never for images.
+    pub fn shapes_only(config: VaeConfig) -> Result<Self> {
+        config
+            .validate()
+            .map_err(|reason| Error::Invalid(format!("invalid VAE config: {reason}")))?;
+        let weights = VaeWeights::zeros(&config, VaeHalves::BOTH)?;
+        Ok(AutoencoderKL { config, weights })
+    }
+
     pub fn config(&self) -> &VaeConfig {
         &self.config
     }

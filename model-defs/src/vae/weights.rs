@@ -158,7 +158,22 @@ impl Source for SeededVae {
     }
 }
 
+/// All-zero weights: the shapes of a VAE, for sizing (plans, trace footprints); the
+/// zeroed allocations are not touched until something computes with them.
+struct Zeros;
+
+impl Source for Zeros {
+    fn get(&self, _: &str, shape: &[usize]) -> Result<Tensor> {
+        Ok(Tensor::zeros(shape.to_vec()))
+    }
+}
+
 impl VaeWeights {
+    /// Zero weights of `cfg`'s shapes (see [`Zeros`]).
+    pub fn zeros(cfg: &VaeConfig, halves: VaeHalves) -> Result<Self> {
+        Self::build(cfg, &Zeros, halves)
+    }
+
     /// Loads from a diffusers `vae/` directory: every tensor's name and shape is
     /// checked against the config, and tensors the config does not use are rejected.
     pub fn load(cfg: &VaeConfig, dir: &Path, halves: VaeHalves) -> Result<Self> {

@@ -1,8 +1,9 @@
 //! The disk tier of the template cache: one directory per template version under
 //! `[cache] dir/<model fingerprint>/`, named `<id>@<version>`, holding the template file
 //! (`template.json` + `cache.bin`, with a checksum per slab: see
-//! `denoised_models::flux::template_file`), the encoded image (`image.bin`) and the
-//! API description (`info.json`). A version is written to `<id>@<version>.tmp` and
+//! `denoised_models::flux::template_file`), its VAE traces when it has them (`vae.bin`,
+//! a checksum per trace: `denoised_models::vae::sparse::stored`), the encoded image
+//! (`image.bin`) and the API description (`info.json`). A version is written to `<id>@<version>.tmp` and
 //! renamed when complete, so a crash mid-write leaves no half template behind; versions
 //! are unique, so a replacement never overwrites a directory another write may still
 //! be filling. `scan` rebuilds the index after a restart: the newest version of each
@@ -19,6 +20,7 @@ use crate::wire::{TemplateInfo, WireError};
 
 const INFO: &str = "info.json";
 const IMAGE: &str = "image.bin";
+use template_file::VAE_TRACES;
 
 /// A template found on disk at start.
 pub struct Found {
@@ -69,6 +71,7 @@ impl DiskTier {
         info: &TemplateInfo,
         cache: &TemplateCache,
         image: &[u8],
+        vae_traces: Option<&[u8]>,
     ) -> Result<u64, WireError> {
         let dir = self.dir(&info.id, version);
         let tmp = dir.with_extension("tmp");
@@ -86,6 +89,10 @@ impl DiskTier {
             template_file::save(&tmp, cache, &meta, cache.layout().dtype)
                 .map_err(|e| WireError::internal(e.to_string()))?;
             std::fs::write(tmp.join(IMAGE), image).map_err(|e| io(&tmp, e))?;
+            if let Some(t) = vae_traces {
+                template_file::save_vae_traces(&tmp, t)
+                    .map_err(|e| WireError::internal(e.to_string()))?;
+            }
             let stored = Stored {
                 version,
                 info: TemplateInfo {
@@ -109,6 +116,26 @@ impl DiskTier {
         let dir = self.dir(id, version);
         let h = template_file::read_header(&dir).map_err(|e| WireError::internal(e.to_string()))?;
         template_file::read_into(&dir, &h, dst).map_err(|e| WireError::internal(e.to_string()))
+    }
+
+    /// Reads a version's VAE traces into `dst` (their size), checking every trace.
+    pub fn read_traces_into(
+        &self,
+        id: &str,
+        version: u64,
+        dst: &HostSlice,
+    ) -> Result<(), WireError> {
+        let path = self.dir(id, version).join(VAE_TRACES);
+        let mut f = std::fs::File::open(&path).map_err(|e| io(&path, e))?;
+        let len = f.metadata().map_err(|e| io(&path, e))?.len();
+        if len != dst.len() as u64 {
+            return Err(io(&path, format!("{len} bytes, expected {}", dst.len())));
+        }
+        // SAFETY: `dst` was allocated for this read alone.
+        let buf = unsafe { dst.bytes_mut() };
+        std::io::Read::read_exact(&mut f, buf).map_err(|e| io(&path, e))?;
+        denoised_models::vae::sparse::check_traces(buf).map_err(|e| io(&path, e))?;
+        Ok(())
     }
 
     /// Removes a version's directory.

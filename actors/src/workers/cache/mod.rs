@@ -4,7 +4,8 @@
 //!
 //! - **Host**: this process's shared-memory arena (`[workers] cache_arena_bytes`), which
 //!   denoise workers map read-only and stream from (a GPU page-locks it). Every
-//!   template's image bytes live here; its cache (K/V and latents) when it is in use.
+//!   template's image bytes live here; its cache (K/V and latents) and its VAE traces
+//!   (which pre- and postprocess workers read in place) when it is in use.
 //! - **Disk**: `[cache] dir`, up to `[cache] disk_bytes` ([`disk`]). Every new template
 //!   is written through in the background, so a crash of this process loses none: at
 //!   start the index is rebuilt from the directory (templates then load from disk on
@@ -65,6 +66,25 @@ struct Entry {
     image: Handle,
     /// Its cache in the host tier.
     blob: Option<Handle>,
+    /// Its VAE traces in the host tier (`info.vae_trace_bytes` of them): there when
+    /// `blob` is, if it has any.
+    vae_traces: Option<Handle>,
+}
+
+impl Entry {
+    /// Its host-tier slices.
+    fn host_slices(&mut self) -> Vec<Handle> {
+        self.blob
+            .take()
+            .into_iter()
+            .chain(self.vae_traces.take())
+            .collect()
+    }
+
+    /// Bytes of its cache and traces, in the host tier when they are there.
+    fn bytes(&self) -> u64 {
+        self.layout.total_bytes() as u64 + self.info.vae_trace_bytes
+    }
 }
 
 pub struct CacheState {
@@ -78,10 +98,10 @@ pub struct CacheState {
     myself: ActorRef<CacheMsg>,
     /// Registrations whose copy into the host tier is running: who to answer.
     copying: HashMap<u64, (Reply<TemplateEntry>, bool)>,
-    /// Loads from disk running: the slice they fill.
-    loading: HashMap<u64, Handle>,
+    /// Loads from disk running: the slices they fill (cache, traces).
+    loading: HashMap<u64, (Handle, Option<Handle>)>,
     /// Who waits for a version's load.
-    waiting: HashMap<u64, Vec<Reply<Handle>>>,
+    waiting: HashMap<u64, Vec<Reply<TemplateEntry>>>,
     /// Versions dropped because their bytes on disk were damaged, newest first, with
     /// the error their edits get (an edit that pinned one asks for it later).
     damaged: std::collections::VecDeque<(u64, WireError)>,
@@ -239,6 +259,7 @@ impl CacheState {
                     layout: f.layout,
                     image,
                     blob: None,
+                    vae_traces: None,
                 },
             );
         }
@@ -278,6 +299,7 @@ impl CacheState {
             info: self.describe(version),
             version,
             blob: e.blob.clone(),
+            vae_traces: e.vae_traces.clone(),
             image: e.image.clone(),
         }
     }
@@ -320,8 +342,8 @@ impl CacheState {
 
     /// Drops a version's host copy (it stays on disk).
     fn evict_host(&mut self, version: u64) {
-        if let Some(b) = self.entries.get_mut(&version).and_then(|e| e.blob.take()) {
-            self.shm.release(&[b]);
+        if let Some(e) = self.entries.get_mut(&version) {
+            self.shm.release(&e.host_slices());
         }
         if let Some(s) = self.index.get_mut(version) {
             s.host = 0;
@@ -332,7 +354,7 @@ impl CacheState {
     /// Stores a capture: copied into the host tier off the message loop, answered when
     /// that is done, then written to disk in the background.
     fn put(&mut self, put: PutTemplate, reply: Reply<TemplateEntry>) {
-        let r = (|| -> Result<(u64, Handle, HostSlice), WireError> {
+        let r = (|| -> Result<(u64, Handle, HostSlice, Option<HostSlice>), WireError> {
             if !put.replace && self.index.version_of(&put.info.id).is_some() {
                 return Err(crate::router::flow::exists(&put.info.id));
             }
@@ -351,6 +373,25 @@ impl CacheState {
                 ))
             })?;
             let (dst, bytes) = self.alloc(put.blob.len as usize)?;
+            let mut trace_len: u64 = put.vae_traces.iter().map(|h| h.len).sum();
+            // Traces are an optimisation: without room for them the template is stored
+            // without (its edits record them when they need them).
+            let traces = match trace_len {
+                0 => None,
+                n => match self.alloc(n as usize) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        tracing::warn!(
+                            "template cache: `{}` is stored without its VAE traces ({:.0} MB): {}",
+                            put.info.id,
+                            n as f64 / 1e6,
+                            e.message
+                        );
+                        trace_len = 0;
+                        None
+                    }
+                },
+            };
             let image = self
                 .shm
                 .read_bytes(&put.image)
@@ -358,7 +399,9 @@ impl CacheState {
             let image = match image {
                 Ok(h) => h,
                 Err(e) => {
-                    self.shm.release(&[dst]);
+                    let mut held = vec![dst];
+                    held.extend(traces.map(|t| t.0));
+                    self.shm.release(&held);
                     return Err(e);
                 }
             };
@@ -368,16 +411,18 @@ impl CacheState {
                 Entry {
                     info: TemplateInfo {
                         cache_bytes: put.blob.len,
+                        vae_trace_bytes: trace_len,
                         ..put.info.clone()
                     },
                     layout,
                     image,
                     blob: Some(dst),
+                    vae_traces: traces.as_ref().map(|t| t.0.clone()),
                 },
             );
-            Ok((version, put.blob.clone(), bytes))
+            Ok((version, put.blob.clone(), bytes, traces.map(|t| t.1)))
         })();
-        let (version, src, dst) = match r {
+        let (version, src, dst, traces_dst) = match r {
             Ok(x) => x,
             Err(e) => {
                 let _ = reply.send(Wire(Err(e)));
@@ -386,14 +431,29 @@ impl CacheState {
         };
         self.copying.insert(version, (reply, put.replace));
         let (shm, me) = (self.shm.clone(), self.myself.clone());
+        let trace_srcs = put.vae_traces;
         tokio::task::spawn_blocking(move || {
-            let r = shm.host_slice(&src).and_then(|s| {
+            let copy = |src: &Handle, dst: &HostSlice| -> Result<(), WireError> {
+                let s = shm.host_slice(src)?;
                 if s.len() != dst.len() {
                     return Err(WireError::internal("a template changed size in flight"));
                 }
                 // SAFETY: `dst` was allocated for this copy alone; `src` is the
                 // capture's slice, which the router holds until this reply.
                 unsafe { dst.bytes_mut() }.copy_from_slice(s.bytes());
+                Ok(())
+            };
+            let r = copy(&src, &dst).and_then(|()| {
+                // The traces, one after another into one slice.
+                let Some(t) = &traces_dst else { return Ok(()) };
+                let mut at = 0;
+                for h in &trace_srcs {
+                    let part = t
+                        .sub(at, h.len as usize)
+                        .map_err(|e| WireError::internal(e.to_string()))?;
+                    copy(h, &part)?;
+                    at += h.len as usize;
+                }
                 Ok(())
             });
             let _ = me.cast(CacheMsg::Copied(Wire((version, r))));
@@ -412,13 +472,14 @@ impl CacheState {
             _ => Ok(()),
         });
         if let Err(err) = r {
-            let e = self.entries.remove(&version).expect("the entry put made");
-            self.shm
-                .release(&[e.image].into_iter().chain(e.blob).collect::<Vec<_>>());
+            let mut e = self.entries.remove(&version).expect("the entry put made");
+            let mut slices = e.host_slices();
+            slices.push(e.image);
+            self.shm.release(&slices);
             let _ = reply.send(Wire(Err(err)));
             return;
         }
-        let bytes = e.layout.total_bytes() as u64;
+        let bytes = e.bytes();
         let disk = if self.disk.is_some() {
             Disk::Writing
         } else {
@@ -442,6 +503,7 @@ impl CacheState {
         let (Some(blob), image) = (e.blob.clone(), e.image.clone()) else {
             return;
         };
+        let traces = e.vae_traces.clone();
         let (info, layout) = (e.info.clone(), e.layout);
         let (shm, me) = (self.shm.clone(), self.myself.clone());
         tokio::task::spawn_blocking(move || {
@@ -451,7 +513,14 @@ impl CacheState {
                 let cache = TemplateCache::view(layout, bytes)
                     .map_err(|e| WireError::internal(e.to_string()))?;
                 let image = shm.read_bytes(&image)?;
-                disk.write(version, &info, &cache, &image)
+                let traces = traces.map(|t| shm.host_slice(&t)).transpose()?;
+                disk.write(
+                    version,
+                    &info,
+                    &cache,
+                    &image,
+                    traces.as_ref().map(|t| t.bytes()),
+                )
             });
             let _ = me.cast(CacheMsg::Written(Wire((version, r))));
         });
@@ -494,9 +563,10 @@ impl CacheState {
     /// Forgets a version: its slices, its disk directory, its index entry.
     fn drop_version(&mut self, version: u64) {
         let slot = self.index.remove(version);
-        if let Some(e) = self.entries.remove(&version) {
-            self.shm
-                .release(&[e.image].into_iter().chain(e.blob).collect::<Vec<_>>());
+        if let Some(mut e) = self.entries.remove(&version) {
+            let mut slices = e.host_slices();
+            slices.push(e.image.clone());
+            self.shm.release(&slices);
             if let (Some(disk), Some(Disk::Stored(_))) = (&self.disk, slot.map(|s| s.disk)) {
                 disk.remove(&e.info.id, version);
             }
@@ -546,21 +616,38 @@ impl CacheState {
             ));
         };
         let len = self.entries[&version].layout.total_bytes();
+        let trace_len = self.entries[&version].info.vae_trace_bytes as usize;
         let (dst, bytes) = self.alloc(len)?;
-        self.loading.insert(version, dst);
+        let traces = match trace_len {
+            0 => None,
+            n => match self.alloc(n) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    self.shm.release(&[dst]);
+                    return Err(e);
+                }
+            },
+        };
+        self.loading
+            .insert(version, (dst, traces.as_ref().map(|t| t.0.clone())));
         if let Some(s) = self.index.get_mut(version) {
             s.loading = true;
         }
         let id = self.entries[&version].info.id.clone();
         let me = self.myself.clone();
         tokio::task::spawn_blocking(move || {
-            let r = disk.read_into(&id, version, &bytes);
+            let r = disk
+                .read_into(&id, version, &bytes)
+                .and_then(|()| match &traces {
+                    Some((_, t)) => disk.read_traces_into(&id, version, t),
+                    None => Ok(()),
+                });
             let _ = me.cast(CacheMsg::Loaded(Wire((version, r))));
         });
         Ok(())
     }
 
-    fn load(&mut self, version: u64, reply: Reply<Handle>) {
+    fn load(&mut self, version: u64, reply: Reply<TemplateEntry>) {
         let Some(e) = self.entries.get(&version) else {
             let e = match self.damaged.iter().find(|(v, _)| *v == version) {
                 Some((_, e)) => e.clone(),
@@ -569,8 +656,8 @@ impl CacheState {
             let _ = reply.send(Wire(Err(e)));
             return;
         };
-        if let Some(b) = &e.blob {
-            let _ = reply.send(Wire(Ok(b.clone())));
+        if e.blob.is_some() {
+            let _ = reply.send(Wire(Ok(self.entry(version))));
             return;
         }
         match self.start_load(version) {
@@ -582,7 +669,7 @@ impl CacheState {
     }
 
     fn loaded(&mut self, version: u64, r: Result<(), WireError>) {
-        let Some(dst) = self.loading.remove(&version) else {
+        let Some((dst, traces)) = self.loading.remove(&version) else {
             return;
         };
         let waiters = self.waiting.remove(&version).unwrap_or_default();
@@ -591,20 +678,22 @@ impl CacheState {
         }
         let answer = match r {
             Ok(()) => {
-                let bytes = dst.len;
+                let bytes = dst.len + traces.as_ref().map_or(0, |t| t.len);
                 if let Some(e) = self.entries.get_mut(&version) {
-                    e.blob = Some(dst.clone());
+                    e.blob = Some(dst);
+                    e.vae_traces = traces;
                 }
                 if let Some(s) = self.index.get_mut(version) {
                     s.host = bytes;
                 }
                 self.metrics.loaded(HOST, bytes);
-                Ok(dst)
+                Ok(self.entry(version))
             }
             Err(e) => {
                 // A template whose bytes on disk are not what was written is never
                 // used: it is dropped, and its edits fail as if it were unknown.
-                self.shm.release(&[dst]);
+                self.shm
+                    .release(&[dst].into_iter().chain(traces).collect::<Vec<_>>());
                 let id = self.entries[&version].info.id.clone();
                 tracing::error!(
                     "template cache: `{id}` on disk is damaged ({}); it is dropped and must be registered again",

@@ -21,6 +21,7 @@
 
 mod exec;
 mod program;
+mod stored;
 
 use std::fmt;
 use std::str::FromStr;
@@ -32,6 +33,7 @@ use super::model::{split_moments, AutoencoderKL};
 use program::Program;
 
 pub use exec::sparse_attention;
+pub use stored::{check_traces, read_trace};
 
 /// Which pixels of each layer an edit recomputes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,6 +152,11 @@ pub struct VaeTrace {
 }
 
 impl VaeTrace {
+    /// The traced input: the template image, or the template's final latent.
+    pub fn input(&self) -> &Tensor {
+        &self.values[0]
+    }
+
     /// The pass's output: the decoded image, or the encoder's moments.
     pub fn output(&self) -> &Tensor {
         self.values
@@ -243,26 +250,31 @@ impl AutoencoderKL {
         }
         let regions = prog.regions(diff, keep, opts.region);
         let (tiles, report) = exec::tiles(&prog, &regions, opts.tile)?;
-        let kv: usize = prog
-            .ops
-            .iter()
-            .filter_map(|op| match op {
-                program::Op::Attn { input, .. } => {
-                    let [c, h, w] = prog.shapes[*input];
-                    Some(h * w * 2 * c)
-                }
-                _ => None,
-            })
-            .sum();
-        let values: usize = prog.shapes.iter().map(|[c, h, w]| c * h * w).sum();
         Ok(SparsePlan {
             half,
             input,
             stats: opts.stats,
             tiles,
             report,
-            trace_bytes: (values + kv) * 4,
+            trace_bytes: prog.trace_floats() * 4,
         })
+    }
+
+    /// Bytes of the stored trace of `half` for an input of `[C, H, W]` (its payload:
+    /// every value and the attention K/V in f32, the GroupNorm sums in f64; the header
+    /// adds a few KB). Shapes only: a [`AutoencoderKL::shapes_only`] VAE will do.
+    pub fn trace_bytes(&self, half: Half, input: [usize; 3]) -> Result<u64> {
+        let prog = Program::new(self, half, input)?;
+        let groups = self.config().norm_num_groups;
+        let norms = prog
+            .ops
+            .iter()
+            .filter(|op| match op {
+                program::Op::Conv { pre, .. } => pre.is_some(),
+                program::Op::Attn { .. } => true,
+            })
+            .count();
+        Ok(prog.trace_floats() as u64 * 4 + (norms * groups * 16) as u64)
     }
 
     /// Runs a plan on `input` against the template's trace.

@@ -81,6 +81,23 @@ impl<'w> Program<'w> {
         self.ops.len()
     }
 
+    /// The f32 values a trace of this program holds: every value and the attention's
+    /// K and V.
+    pub(crate) fn trace_floats(&self) -> usize {
+        let kv: usize = self
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Attn { input, .. } => {
+                    let [c, h, w] = self.shapes[*input];
+                    Some(h * w * 2 * c)
+                }
+                _ => None,
+            })
+            .sum();
+        kv + self.shapes.iter().map(|[c, h, w]| c * h * w).sum::<usize>()
+    }
+
     /// Per value, the last op that reads it (as input or residual); None for the
     /// output.
     pub(crate) fn last_reads(&self) -> Vec<Option<usize>> {

@@ -1,0 +1,266 @@
+//! A template's VAE traces as bytes: what the template cache keeps in its host and
+//! disk tiers and what a template file holds (`vae.bin`), so that a worker that has
+//! not seen a template reads its trace instead of recording it with a dense pass.
+//!
+//! The bytes are a sequence of records, one per traced half (a template has an
+//! encoder trace and a decoder trace; either may be missing). A record is
+//!
+//! ```text
+//! b"DNVT" | header length u32 LE | header (JSON) | payload
+//! ```
+//!
+//! The header names the half, the storage dtype, every value's `[C, H, W]`, the group
+//! count of every GroupNorm's sums, the attention K/V's shape, the payload's length and
+//! its CRC-32. The payload is every value, then the K/V, in f32 little-endian, then
+//! per GroupNorm its sums and sums of squares in f64.
+//!
+//! **Storage dtype: f32, the VAE's compute dtype.** The pre- and postprocess workers
+//! run the VAE in f32 (on the CPU); a sparse pass reads the template's values exactly
+//! where it recomputes nothing and next to every tile it recomputes, so a bf16 copy
+//! would put a rounding step (up to 2^-9 relative) at every region border. The header
+//! carries the dtype so that bf16 traces of a bf16 VAE (the GPU pipeline) are an
+//! addition, not a format change.
+//!
+//! Reading checks the CRC and every shape against the plan that will read it; a trace
+//! of other content is caught by its caller, which compares the traced input with the
+//! edit's template (`crate::pipeline::sparse_vae`).
+
+use denoised_runtime::cpu::sparse_conv::GroupSums;
+use denoised_runtime::{Error, Result, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::{Half, VaeTrace};
+
+const MAGIC: &[u8; 4] = b"DNVT";
+const F32: &str = "f32";
+
+#[derive(Serialize, Deserialize)]
+struct Header {
+    half: String,
+    dtype: String,
+    /// `[C, H, W]` of every value, input first.
+    values: Vec<[usize; 3]>,
+    /// Per value, `[groups, elements per group]` of the sums of the GroupNorm input of
+    /// the op producing it (None: it has none).
+    sums: Vec<Option<[usize; 2]>>,
+    /// `[pixels, 2C]` of the attention's K | V.
+    kv: Option<[usize; 2]>,
+    payload_bytes: u64,
+    crc32: u32,
+}
+
+fn half_name(h: Half) -> &'static str {
+    match h {
+        Half::Encoder => "encoder",
+        Half::Decoder => "decoder",
+    }
+}
+
+fn bad(why: impl Into<String>) -> Error {
+    Error::Invalid(format!("stored VAE trace: {}", why.into()))
+}
+
+impl VaeTrace {
+    /// This trace of `half` as one record (see the module docs).
+    pub fn to_record(&self, half: Half) -> Vec<u8> {
+        let floats = self.values.iter().chain(&self.kv).map(|t| t.len());
+        let sums_bytes: usize = self.sums.iter().flatten().map(|s| 16 * s.groups).sum();
+        let mut payload = Vec::with_capacity(4 * floats.sum::<usize>() + sums_bytes);
+        for t in self.values.iter().chain(&self.kv) {
+            for v in t.data() {
+                payload.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        for s in self.sums.iter().flatten() {
+            for v in s.sum.iter().chain(&s.sumsq) {
+                payload.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let header = Header {
+            half: half_name(half).into(),
+            dtype: F32.into(),
+            values: self
+                .values
+                .iter()
+                .map(|t| [t.shape()[1], t.shape()[2], t.shape()[3]])
+                .collect(),
+            sums: self
+                .sums
+                .iter()
+                .map(|s| s.as_ref().map(|s| [s.groups, s.count]))
+                .collect(),
+            kv: self.kv.as_ref().map(|t| [t.shape()[0], t.shape()[1]]),
+            payload_bytes: payload.len() as u64,
+            crc32: crc32fast::hash(&payload),
+        };
+        let h = serde_json::to_vec(&header).expect("a header serialises");
+        let mut out = Vec::with_capacity(8 + h.len() + payload.len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&(h.len() as u32).to_le_bytes());
+        out.extend_from_slice(&h);
+        out.extend_from_slice(&payload);
+        out
+    }
+}
+
+/// The records in `bytes`: `(half name, header, payload)`.
+fn records(mut bytes: &[u8]) -> Result<Vec<(Header, &[u8])>> {
+    let mut out = Vec::new();
+    while !bytes.is_empty() {
+        if bytes.len() < 8 || &bytes[..4] != MAGIC {
+            return Err(bad("not a trace record"));
+        }
+        let hl = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes")) as usize;
+        let h: Header = bytes
+            .get(8..8 + hl)
+            .ok_or_else(|| bad("truncated header"))
+            .and_then(|h| serde_json::from_slice(h).map_err(|e| bad(e.to_string())))?;
+        let end = 8 + hl + h.payload_bytes as usize;
+        let payload = bytes.get(8 + hl..end).ok_or_else(|| bad("truncated"))?;
+        bytes = &bytes[end..];
+        out.push((h, payload));
+    }
+    Ok(out)
+}
+
+/// The halves `bytes` holds a trace of, each record's checksum checked (what the
+/// template cache does when it reads traces from disk).
+pub fn check_traces(bytes: &[u8]) -> Result<Vec<Half>> {
+    records(bytes)?
+        .iter()
+        .map(|(h, payload)| {
+            if crc32fast::hash(payload) != h.crc32 {
+                return Err(bad(format!("the {} trace fails its checksum", h.half)));
+            }
+            match h.half.as_str() {
+                "encoder" => Ok(Half::Encoder),
+                "decoder" => Ok(Half::Decoder),
+                o => Err(bad(format!("half {o:?}"))),
+            }
+        })
+        .collect()
+}
+
+/// The trace of `half` in `bytes` (records as [`VaeTrace::to_record`] writes them),
+/// None when there is none; an error when it is damaged.
+pub fn read_trace(bytes: &[u8], half: Half) -> Result<Option<VaeTrace>> {
+    let Some((h, payload)) = records(bytes)?
+        .into_iter()
+        .find(|(h, _)| h.half == half_name(half))
+    else {
+        return Ok(None);
+    };
+    if h.dtype != F32 {
+        return Err(bad(format!("dtype {:?}: this build reads f32", h.dtype)));
+    }
+    if crc32fast::hash(payload) != h.crc32 {
+        return Err(bad(format!("the {} trace fails its checksum", h.half)));
+    }
+    if h.sums.len() != h.values.len() {
+        return Err(bad("sums and values differ in count"));
+    }
+    let floats: usize =
+        h.values.iter().map(|[c, y, x]| c * y * x).sum::<usize>() + h.kv.map_or(0, |[n, c]| n * c);
+    let sums: usize = h.sums.iter().flatten().map(|[g, _]| 16 * g).sum();
+    if payload.len() != 4 * floats + sums {
+        return Err(bad(format!(
+            "{} payload bytes for {floats} values and {sums} bytes of sums",
+            payload.len()
+        )));
+    }
+    let mut at = 0usize;
+    let mut f32s = |n: usize| -> Vec<f32> {
+        let v = payload[at..at + 4 * n]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        at += 4 * n;
+        v
+    };
+    let mut values = Vec::with_capacity(h.values.len());
+    for &[c, y, x] in &h.values {
+        values.push(Tensor::new([1, c, y, x], f32s(c * y * x))?);
+    }
+    let kv = match h.kv {
+        Some([n, c]) => Some(Tensor::new([n, c], f32s(n * c))?),
+        None => None,
+    };
+    let mut f64s = |n: usize| -> Vec<f64> {
+        let v = payload[at..at + 8 * n]
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect();
+        at += 8 * n;
+        v
+    };
+    let mut sums = Vec::with_capacity(h.sums.len());
+    for s in &h.sums {
+        sums.push(s.map(|[groups, count]| GroupSums {
+            groups,
+            count,
+            sum: f64s(groups),
+            sumsq: f64s(groups),
+        }));
+    }
+    Ok(Some(VaeTrace { values, sums, kv }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vae::{AutoencoderKL, VaeConfig};
+
+    fn traces() -> (VaeTrace, VaeTrace) {
+        let vae = AutoencoderKL::seeded(VaeConfig::tiny(), 1).unwrap();
+        let img: Vec<f32> = (0..3 * 16 * 16).map(|i| (i as f32 * 0.37).sin()).collect();
+        let z: Vec<f32> = (0..16 * 8 * 8).map(|i| (i as f32 * 0.11).cos()).collect();
+        (
+            vae.trace_encode(&Tensor::new([1, 3, 16, 16], img).unwrap())
+                .unwrap(),
+            vae.trace_decode(&Tensor::new([1, 16, 8, 8], z).unwrap())
+                .unwrap(),
+        )
+    }
+
+    fn same(a: &VaeTrace, b: &VaeTrace) {
+        let bits = |t: &Tensor| -> (Vec<usize>, Vec<u32>) {
+            (
+                t.shape().to_vec(),
+                t.data().iter().map(|v| v.to_bits()).collect(),
+            )
+        };
+        assert_eq!(a.values.len(), b.values.len());
+        for (x, y) in a.values.iter().zip(&b.values) {
+            assert_eq!(bits(x), bits(y));
+        }
+        assert_eq!(a.kv.as_ref().map(bits), b.kv.as_ref().map(bits));
+        assert_eq!(a.sums, b.sums);
+    }
+
+    #[test]
+    fn a_stored_trace_reads_back_bit_for_bit_and_damage_is_caught() {
+        let (enc, dec) = traces();
+        let bytes = [enc.to_record(Half::Encoder), dec.to_record(Half::Decoder)].concat();
+        assert_eq!(
+            check_traces(&bytes).unwrap(),
+            vec![Half::Encoder, Half::Decoder]
+        );
+        same(&read_trace(&bytes, Half::Encoder).unwrap().unwrap(), &enc);
+        same(&read_trace(&bytes, Half::Decoder).unwrap().unwrap(), &dec);
+        // One half alone: the other is missing, not an error.
+        let only = dec.to_record(Half::Decoder);
+        assert!(read_trace(&only, Half::Encoder).unwrap().is_none());
+        // A flipped payload byte fails the checksum; a cut record is refused.
+        let mut bad = bytes.clone();
+        let n = bad.len();
+        bad[n - 100] ^= 1;
+        let e = read_trace(&bad, Half::Decoder).unwrap_err().to_string();
+        assert!(e.contains("checksum"), "{e}");
+        assert!(check_traces(&bad).is_err());
+        let e = read_trace(&bytes[..n - 1], Half::Encoder)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("truncated"), "{e}");
+        assert!(read_trace(b"PNG\0....", Half::Encoder).is_err());
+    }
+}
