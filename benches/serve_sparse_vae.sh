@@ -23,7 +23,10 @@ out=target/bench-serve
 mkdir -p "$out"
 : >"$out/sparse_vae.jsonl"
 cfg="$out/config.toml"
-printf '[workers]\ncache_arena_bytes = 1610612736\n' >"$cfg"
+# The templates' VAE traces (3.5 GB each at 512x512 for the FLUX.1 VAE) are stored in
+# the cache's memory beside their K/V and pass through the workers' arenas on capture.
+printf '[workers]\ncache_arena_bytes = %s\narena_bytes = %s\n' \
+    "${CACHE_ARENA:-8589934592}" "${ARENA:-2684354560}" >"$cfg"
 
 declare -A url pid
 start() {
