@@ -149,6 +149,54 @@ fn template_edits_run_the_vae_sparse_close_to_dense() {
     assert!(inside <= 8, "{inside} levels inside the mask");
 }
 
+/// `[pipeline] prompt_cache_bytes`: an edit whose prompt the preprocess worker encoded
+/// before skips both text encoders (`timings.prompt_cache = "hit"`) and gives the same
+/// image bit for bit as with the encoders run (a daemon with the cache off); another
+/// prompt misses; lookups are counted.
+#[test]
+fn a_repeated_prompt_skips_the_text_encoders_with_the_same_image() {
+    let cached = Daemon::start(&[]);
+    let (_cfg, uncached) = Daemon::with_config("[pipeline]\nprompt_cache_bytes = 0\n");
+    let body =
+        |prompt: &str| json!({"template_id": "t", "mask": mask_b64(), "prompt": prompt, "seed": 4});
+    let run = |d: &Daemon, prompt: &str| -> (String, Vec<u8>) {
+        let (s, v) = d.post("/v1/edits", &body(prompt));
+        assert_eq!(s, 200, "{v}");
+        let hit = v["timings"]["prompt_cache"].as_str().unwrap().to_string();
+        (hit, png(&edit_image(&v)).data)
+    };
+    for d in [&cached, &uncached] {
+        d.template("t", 3);
+    }
+    let (first, a) = run(&cached, "a red mug");
+    let (second, b) = run(&cached, "a red mug");
+    let (third, _) = run(&cached, "a blue mug");
+    assert_eq!(
+        (first.as_str(), second.as_str(), third.as_str()),
+        ("miss", "hit", "miss")
+    );
+    assert_eq!(a, b, "cached embeddings give the same image");
+    let (off, c) = run(&uncached, "a red mug");
+    let (off2, _) = run(&uncached, "a red mug");
+    assert_eq!(
+        (off.as_str(), off2.as_str()),
+        ("miss", "miss"),
+        "the cache is off"
+    );
+    assert_eq!(a, c, "the encoders' own output gives the same image");
+    let metrics = cached.metrics();
+    for (result, n) in [("hit", 1), ("miss", 2)] {
+        let line = metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("denoised_prompt_cache_lookups_total{")
+                    && l.contains(&format!("result=\"{result}\""))
+            })
+            .unwrap_or_else(|| panic!("no {result} count in\n{metrics}"));
+        assert!(line.ends_with(&format!(" {n}")), "{line}");
+    }
+}
+
 #[test]
 fn twenty_concurrent_edits_each_equal_their_solo_result() {
     let d = Daemon::start(&[]);

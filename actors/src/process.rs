@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use denoised_cuda::DeviceSpec;
 use denoised_models::pipeline::flux_fill::{FluxFill, Parts};
+use denoised_models::pipeline::prompts::PromptCache;
 use denoised_models::pipeline::sparse_vae::SparseVae;
 use denoised_models::vae::VaeHalves;
 use denoised_runtime::CpuBackend;
@@ -80,6 +81,7 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
         .map_err(|e| format!("loading model `{source}`: {e}"))?;
     let pc = &env.config.pipeline;
     pipeline.sparse_vae = SparseVae::new(pc.sparse_vae, pc.sparse_vae_trace_bytes as usize);
+    pipeline.prompts = PromptCache::new(pc.prompt_cache_bytes as usize);
     let mut profile = None;
     let placed = match env.role {
         Role::Denoise => {

@@ -49,6 +49,8 @@ pub struct Stage1 {
     pub token_mask: TokenMask,
     pub seconds: f64,
     pub vae_pass: VaePass,
+    /// The prompt's embeddings came from the prompt cache.
+    pub prompt_cache_hit: bool,
 }
 
 /// Maps an engine error on client data to a 4xx-class error.
@@ -269,6 +271,7 @@ pub fn prepare(
         token_mask,
         seconds: t0.elapsed().as_secs_f64(),
         vae_pass: t.vae_encode_pass,
+        prompt_cache_hit: t.prompt_cache_hit,
     })
 }
 

@@ -192,6 +192,8 @@ pub struct PreparedRefs {
     pub prompt_truncated: bool,
     pub seconds: f64,
     pub vae_pass: VaePass,
+    /// The prompt's embeddings came from the worker's prompt cache.
+    pub prompt_cache_hit: bool,
     /// A capture's encoder trace, as the template stores it.
     pub vae_trace: Option<Handle>,
 }
@@ -339,6 +341,7 @@ pub struct InlineDone {
     pub active: u32,
     pub pixel_ratio: f64,
     pub prompt_truncated: bool,
+    pub prompt_cache_hit: bool,
     pub stats: DenoiseStats,
     pub preprocess_s: f64,
     pub postprocess_s: f64,

@@ -6,6 +6,7 @@
 
 pub mod fixtures;
 pub mod flux;
+pub mod lru;
 pub mod mask;
 pub mod pipeline;
 pub mod planner;

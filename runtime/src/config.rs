@@ -61,6 +61,9 @@ pub struct PipelineConfig {
     /// Bytes of template VAE traces each preprocess (encoder) and postprocess
     /// (decoder) process keeps.
     pub sparse_vae_trace_bytes: u64,
+    /// Bytes of prompt embeddings (T5 and CLIP outputs) each preprocess process keeps:
+    /// a repeated prompt skips both text encoders. 0 turns the cache off.
+    pub prompt_cache_bytes: u64,
 }
 
 impl Default for PipelineConfig {
@@ -68,6 +71,7 @@ impl Default for PipelineConfig {
         PipelineConfig {
             sparse_vae: SparseVaeSetting::Auto,
             sparse_vae_trace_bytes: 8 << 30,
+            prompt_cache_bytes: 1 << 30,
         }
     }
 }

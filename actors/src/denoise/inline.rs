@@ -32,6 +32,7 @@ pub struct InlineJob {
     tokens: u32,
     active: u32,
     pixel_ratio: f64,
+    prompt_cache_hit: bool,
     preprocess_s: f64,
     submitted_unix: f64,
 }
@@ -113,10 +114,10 @@ pub fn submit(
                     schedule: Arc::new(schedule),
                     work,
                 };
-                Ok((r, s1.prepared, active, pixel_ratio))
+                Ok((r, s1.prepared, active, pixel_ratio, s1.prompt_cache_hit))
             });
         match built {
-            Ok((r, prepared, active, pixel_ratio)) => {
+            Ok((r, prepared, active, pixel_ratio, prompt_cache_hit)) => {
                 let job = InlineJob {
                     reply,
                     tokens: prepared.inputs.tokens() as u32,
@@ -124,6 +125,7 @@ pub fn submit(
                     finish: req.finish,
                     active,
                     pixel_ratio,
+                    prompt_cache_hit,
                     preprocess_s: t0.elapsed().as_secs_f64(),
                     submitted_unix: unix_now(),
                 };
@@ -159,6 +161,7 @@ pub(super) fn finish(
             active: job.active,
             pixel_ratio: job.pixel_ratio,
             prompt_truncated: job.prepared.prompt_truncated,
+            prompt_cache_hit: job.prompt_cache_hit,
             stats,
             preprocess_s: job.preprocess_s,
             postprocess_s,

@@ -39,6 +39,8 @@ pub struct RouterMetrics {
     pub routed: Family<[(&'static str, String); 2], Counter>,
     /// Served edits' VAE passes, by half and pass (dense, sparse, sparse_traced).
     pub vae_passes: Family<[(&'static str, &'static str); 2], Counter>,
+    /// Served edits' prompt-cache lookups in the preprocess workers, by result.
+    pub prompt_cache: Family<[(&'static str, &'static str); 1], Counter>,
 }
 
 impl RouterMetrics {
@@ -59,6 +61,7 @@ impl RouterMetrics {
             route_wait: latency(),
             routed: Family::default(),
             vae_passes: Family::default(),
+            prompt_cache: Family::default(),
         };
         r.register(
             "http_requests",
@@ -114,6 +117,11 @@ impl RouterMetrics {
             "vae_passes",
             "VAE passes of served edits, by half (encode, decode) and pass: dense, sparse (against the template's trace), sparse_traced (after recording that trace with a dense pass)",
             m.vae_passes.clone(),
+        );
+        r.register(
+            "prompt_cache_lookups",
+            "Prompt-embedding cache lookups of served edits in the preprocess workers, by result (hit: the text encoders did not run, miss)",
+            m.prompt_cache.clone(),
         );
         r.register(
             "requests_in_flight",
@@ -173,6 +181,9 @@ impl RouterMetrics {
                 .get_or_create(&[("half", half), ("pass", pass.as_str())])
                 .inc();
         }
+        self.prompt_cache
+            .get_or_create(&[("result", t.prompt_cache)])
+            .inc();
     }
 }
 

@@ -59,6 +59,9 @@ pub struct Timings {
     /// Which VAE passes ran (sparse only for template edits, `[pipeline] sparse_vae`).
     pub vae_encode: VaePass,
     pub vae_decode: VaePass,
+    /// `hit` when the prompt's embeddings came from the preprocess worker's prompt
+    /// cache (the text encoders did not run), else `miss`.
+    pub prompt_cache: &'static str,
 }
 
 pub struct EditOutput {
@@ -242,6 +245,14 @@ async fn denoise(
     Ok(d)
 }
 
+fn hit_or_miss(hit: bool) -> &'static str {
+    if hit {
+        "hit"
+    } else {
+        "miss"
+    }
+}
+
 /// The postprocess stage on a picked worker; its image (and trace) stay held until
 /// the request ends.
 async fn postprocess(
@@ -417,6 +428,7 @@ async fn edit_once(
                 total_s: 0.0,
                 vae_encode: VaePass::Dense,
                 vae_decode: VaePass::Dense,
+                prompt_cache: hit_or_miss(d.prompt_cache_hit),
             },
             stats: d.stats,
             attempts: 1,
@@ -468,6 +480,7 @@ async fn edit_once(
             total_s: 0.0,
             vae_encode: prepared.vae_pass,
             vae_decode: f.vae_pass,
+            prompt_cache: hit_or_miss(prepared.prompt_cache_hit),
         },
         stats: d.stats,
         attempts: 1,

@@ -120,6 +120,7 @@ pub fn prepare_to_shm(
             prompt_truncated: s1.prepared.prompt_truncated,
             seconds: s1.seconds,
             vae_pass: s1.vae_pass,
+            prompt_cache_hit: s1.prompt_cache_hit,
             vae_trace,
         })
     })();

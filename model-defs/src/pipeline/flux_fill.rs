@@ -17,6 +17,7 @@ use super::fill::{
 };
 use super::image::{from_model_space, to_model_space, ImageLimits, Mask, Rgb8};
 use super::paste::paste_back;
+use super::prompts::{PromptCache, PromptEmbedding};
 use super::sparse_vae::{token_latent_pixels, SparseVae, VaePass};
 use crate::flux::edit::DenoiseInputs;
 use crate::flux::embed::image_ids;
@@ -88,6 +89,9 @@ pub struct Timings {
     pub denoise_s: f64,
     pub vae_decode_s: f64,
     pub png_encode_s: f64,
+    /// Whether the prompt's embeddings came from the prompt cache (the text encoders
+    /// did not run).
+    pub prompt_cache_hit: bool,
     /// Which VAE passes ran: dense, or sparse against a template's trace.
     pub vae_encode_pass: VaePass,
     pub vae_decode_pass: VaePass,
@@ -193,6 +197,8 @@ pub struct FluxFill<B: Backend<Tensor = Tensor>> {
     pub limits: ImageLimits,
     /// Sparse VAE passes of template edits, and their traces.
     pub sparse_vae: SparseVae,
+    /// Text-encoder outputs of recent prompts.
+    pub prompts: PromptCache,
 }
 
 /// Seeded text encoders with the built-in tokenizers.
@@ -369,6 +375,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             fingerprint,
             limits,
             sparse_vae: SparseVae::default(),
+            prompts: PromptCache::default(),
         })
     }
 
@@ -451,8 +458,15 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         max_sequence_length: usize,
         t: &mut Timings,
     ) -> Result<(Tensor, Vec<f32>, bool)> {
-        let t0 = Instant::now();
         let text = self.text()?;
+        if let Some(e) = self
+            .prompts
+            .get(&self.fingerprint, prompt, max_sequence_length)
+        {
+            t.prompt_cache_hit = true;
+            return Ok((e.embeds.clone(), e.pooled.clone(), e.truncated));
+        }
+        let t0 = Instant::now();
         let clip_ids = text.clip_tokenizer.encode(prompt)?;
         let t5_ids = text.t5_tokenizer.encode(prompt, max_sequence_length)?;
         t.tokenize_s += t0.elapsed().as_secs_f64();
@@ -460,7 +474,15 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         let (_, pooled) = text.clip.forward(&clip_ids.ids)?;
         let embeds = text.t5.forward(&t5_ids.ids)?;
         t.encode_text_s += t1.elapsed().as_secs_f64();
-        Ok((embeds, pooled, clip_ids.truncated() || t5_ids.truncated()))
+        let truncated = clip_ids.truncated() || t5_ids.truncated();
+        let e = PromptEmbedding {
+            embeds: embeds.clone(),
+            pooled: pooled.clone(),
+            truncated,
+        };
+        self.prompts
+            .insert(&self.fingerprint, prompt, max_sequence_length, e);
+        Ok((embeds, pooled, truncated))
     }
 
     /// Preprocessing: text, Fill conditioning from the VAE, and the initial noise.

@@ -5,4 +5,5 @@ pub mod fill;
 pub mod flux_fill;
 pub mod image;
 pub mod paste;
+pub mod prompts;
 pub mod sparse_vae;

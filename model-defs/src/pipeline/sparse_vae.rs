@@ -19,9 +19,8 @@
 //! a name, and a stored trace is used only if its input is that content bit for bit, so
 //! a stale trace can never be read.
 
-use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use denoised_runtime::{Backend, Result, Tensor};
 use serde::{Deserialize, Serialize};
@@ -29,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use super::fill::unpack_and_denormalize;
 use super::flux_fill::FluxFill;
 use super::image::Mask;
+use crate::lru::ByteLru;
 use crate::vae::sparse::{read_trace, Half, SparseOpts, StatsMode, VaeTrace};
 
 pub use denoised_runtime::config::SparseVaeSetting;
@@ -96,31 +96,21 @@ impl Default for SparseVae {
     }
 }
 
-/// Traces by (content hash, half), least recently used first.
-type Lru = VecDeque<((u64, Half), Arc<VaeTrace>)>;
-
-/// Traces by (content hash, half), least recently used first out.
+/// Traces by (content hash, half).
 struct TraceCache {
-    capacity: usize,
-    lru: Mutex<Lru>,
+    lru: ByteLru<(u64, Half), VaeTrace>,
 }
 
 impl TraceCache {
     fn new(capacity: usize) -> Self {
         TraceCache {
-            capacity,
-            lru: Mutex::new(VecDeque::new()),
+            lru: ByteLru::new(capacity),
         }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Lru> {
-        // Every method leaves the list consistent before it can panic.
-        self.lru.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     #[cfg(test)]
     fn bytes(&self) -> usize {
-        self.lock().iter().map(|(_, t)| t.bytes()).sum()
+        self.lru.bytes()
     }
 
     /// The trace under `key`, made with `make` when it is missing (outside the lock: it
@@ -133,29 +123,15 @@ impl TraceCache {
         bytes: usize,
         make: impl FnOnce() -> Result<(VaeTrace, bool)>,
     ) -> Result<Option<(Arc<VaeTrace>, bool)>> {
-        {
-            let mut lru = self.lock();
-            if let Some(i) = lru.iter().position(|(k, _)| *k == key) {
-                let e = lru.remove(i).expect("index from position");
-                let t = e.1.clone();
-                lru.push_back(e);
-                return Ok(Some((t, false)));
-            }
+        if let Some(t) = self.lru.get(&key) {
+            return Ok(Some((t, false)));
         }
-        if bytes > self.capacity {
+        if bytes > self.lru.capacity() {
             return Ok(None);
         }
         let (t, recorded) = make()?;
         let t = Arc::new(t);
-        let mut lru = self.lock();
-        let mut held: usize = lru.iter().map(|(_, t)| t.bytes()).sum();
-        while held + t.bytes() > self.capacity {
-            let Some((_, old)) = lru.pop_front() else {
-                break;
-            };
-            held -= old.bytes();
-        }
-        lru.push_back((key, t.clone()));
+        self.lru.insert(key, t.clone(), t.bytes());
         Ok(Some((t, recorded)))
     }
 }

@@ -134,7 +134,7 @@ pub struct SparseReport {
 }
 
 /// Which half of the VAE.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Half {
     Encoder,
     Decoder,
