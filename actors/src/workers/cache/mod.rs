@@ -618,15 +618,20 @@ impl CacheState {
         let len = self.entries[&version].layout.total_bytes();
         let trace_len = self.entries[&version].info.vae_trace_bytes as usize;
         let (dst, bytes) = self.alloc(len)?;
+        // Without room for its traces the template loads without them (its edits
+        // record them when they need them).
         let traces = match trace_len {
             0 => None,
-            n => match self.alloc(n) {
-                Ok(t) => Some(t),
-                Err(e) => {
-                    self.shm.release(&[dst]);
-                    return Err(e);
-                }
-            },
+            n => self
+                .alloc(n)
+                .inspect_err(|e| {
+                    tracing::warn!(
+                        "template cache: `{}` loads without its VAE traces: {}",
+                        self.entries[&version].info.id,
+                        e.message
+                    )
+                })
+                .ok(),
         };
         self.loading
             .insert(version, (dst, traces.as_ref().map(|t| t.0.clone())));
