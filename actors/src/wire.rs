@@ -139,13 +139,24 @@ pub struct PrepareReq {
     pub mask: MaskSpec,
     pub params: GenParams,
     pub max_pixels: u64,
-    /// A mask-aware edit of a template whose image `image` is: the VAE encoder may
-    /// run sparse against the template's trace.
-    pub template_edit: bool,
-    /// That template's stored VAE traces in the cache's arena, when they are there.
-    pub vae_traces: Option<Handle>,
-    /// A template capture: record the encoder's trace ([`PreparedRefs::vae_trace`]).
-    pub record_vae_trace: bool,
+    /// What the VAE encoder does with a template's traces.
+    pub vae: VaeTraces,
+}
+
+/// What a request's VAE pass does with a template's traces
+/// (`denoised_models::pipeline::sparse_vae`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub enum VaeTraces {
+    /// Nothing: a dense pass (an inline image).
+    #[default]
+    None,
+    /// A mask-aware edit of a template (whose image or final latent the request's
+    /// differ from only at the mask): sparse when it pays, against the template's
+    /// stored traces in the cache's arena when they are there.
+    Edit(Option<Handle>),
+    /// A template capture: record the pass's trace and return it
+    /// ([`PreparedRefs::vae_trace`], [`Finished::vae_trace`]).
+    Capture,
 }
 
 /// The conditioning tensors of one request, in the preprocess worker's arena.
@@ -304,10 +315,9 @@ pub struct FinishReq {
     /// A template edit's template cache in the cache's arena: its last latent is the
     /// template's final latent, against whose trace the decoder may run sparse.
     pub template: Option<Handle>,
-    /// That template's stored VAE traces in the cache's arena, when they are there.
-    pub vae_traces: Option<Handle>,
-    /// A template capture: record the decoder's trace ([`Finished::vae_trace`]).
-    pub record_vae_trace: bool,
+    /// What the VAE decoder does with a template's traces (an edit's also needs
+    /// `template`).
+    pub vae: VaeTraces,
 }
 
 /// postprocess → router: the encoded output image in the postprocess worker's arena.

@@ -369,9 +369,10 @@ async fn edit_once(
         mask,
         params: params.clone(),
         max_pixels: ctx.config.server.max_pixels as u64,
-        template_edit: template.is_some(),
-        vae_traces: template.and_then(|t| t.vae_traces.clone()),
-        record_vae_trace: false,
+        vae: match template {
+            Some(t) => VaeTraces::Edit(t.vae_traces.clone()),
+            None => VaeTraces::None,
+        },
     };
     // A template edit computes only the active tokens against the template's cache;
     // an inline image is a full, uncached run. The template's cache is asked for only
@@ -454,8 +455,10 @@ async fn edit_once(
         height: prepared.height,
         params: input.finish.clone(),
         template: blob,
-        vae_traces: loaded.and_then(|t| t.vae_traces),
-        record_vae_trace: false,
+        vae: match loaded {
+            Some(t) => VaeTraces::Edit(t.vae_traces),
+            None => VaeTraces::None,
+        },
     };
     let f = postprocess(ctx, job, fin, held).await?;
     let bytes = ctx.shm.read_bytes(&f.image)?;
@@ -533,13 +536,14 @@ async fn capture_once(
         mask: MaskSpec::Empty,
         params: params.clone(),
         max_pixels: ctx.config.server.max_pixels as u64,
-        template_edit: false,
         // The traces the template's sparse VAE passes read: recorded by the
         // disaggregated workers (the inline baseline runs the VAE dense).
-        record_vae_trace: ctx.config.pipeline.sparse_vae == SparseVaeSetting::Auto,
-        vae_traces: None,
+        vae: match ctx.config.pipeline.sparse_vae {
+            SparseVaeSetting::Auto => VaeTraces::Capture,
+            SparseVaeSetting::Off => VaeTraces::None,
+        },
     };
-    let prepare_records = prepare.record_vae_trace;
+    let record = matches!(prepare.vae, VaeTraces::Capture);
     let mut vae_traces = Vec::new();
     let (blob, width, height, tokens) = if ctx.config.denoise.disaggregate {
         let prepared = preprocess(ctx, job, prepare, held).await?;
@@ -551,7 +555,7 @@ async fn capture_once(
         let blob = d
             .cache
             .ok_or_else(|| WireError::internal("capture returned no cache"))?;
-        if prepare_records {
+        if record {
             // The decoder's trace is the dense decode of the final latent, recorded
             // (when sparse decodes of the template's edits can pay).
             let fin = FinishReq {
@@ -567,8 +571,7 @@ async fn capture_once(
                     format: ImageFormat::Png,
                 },
                 template: None,
-                vae_traces: None,
-                record_vae_trace: true,
+                vae: VaeTraces::Capture,
             };
             let f = postprocess(ctx, job, fin, held).await?;
             vae_traces.extend(prepared.vae_trace.clone());

@@ -9,7 +9,7 @@ use denoised_runtime::shm::Handle;
 use super::{ComputeActor, Stage, StageCommand};
 use crate::node::Shm;
 use crate::stages::{self, Pipeline};
-use crate::wire::{FinishReq, Finished, PostprocessMsg, Wire, WireError};
+use crate::wire::{FinishReq, Finished, PostprocessMsg, VaeTraces, Wire, WireError};
 
 /// The postprocess group's stage.
 pub struct Postprocess;
@@ -68,18 +68,17 @@ fn finish_to_shm(p: &Pipeline, shm: &Shm, req: &FinishReq) -> Result<Finished, W
         )
     };
     // Its stored VAE traces are read in place (the edit pinned the template).
-    let traces = req
-        .vae_traces
-        .as_ref()
-        .map(|h| shm.host_slice(h))
-        .transpose()?;
+    let traces = match &req.vae {
+        VaeTraces::Edit(Some(h)) => Some(shm.host_slice(h)?),
+        _ => None,
+    };
     let f = shm.borrow_f32(&req.latents, |l| {
         let tl = final_latent(std::mem::size_of_val(l));
         let template = tl.as_deref().map(|latent| stages::TemplateDecode {
             latent,
             traces: traces.as_ref().map(|t| t.bytes()),
         });
-        let record = req.record_vae_trace;
+        let record = matches!(req.vae, VaeTraces::Capture);
         stages::finish(p, &image, &mask, l, cols, &req.params, template, record)
     })??;
     let image = shm.write_bytes(&f.bytes)?;

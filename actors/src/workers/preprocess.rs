@@ -9,7 +9,7 @@ use super::{ComputeActor, Stage, StageCommand};
 use crate::node::Shm;
 use crate::stages::{self, MaskInput, Pipeline, TemplateVae};
 use crate::wire::{
-    InputHandles, MaskSpec, PrepareReq, PreparedRefs, PreprocessMsg, Wire, WireError,
+    InputHandles, MaskSpec, PrepareReq, PreparedRefs, PreprocessMsg, VaeTraces, Wire, WireError,
 };
 
 /// The preprocess group's stage.
@@ -67,15 +67,10 @@ pub fn prepare_to_shm(
     let mask = MaskInput::new(&req.mask, mask_bytes.as_deref());
     // The template's traces are read in place from the cache's arena (the edit pinned
     // the template, so they stay while this runs).
-    let vae = match (req.template_edit, req.record_vae_trace) {
-        (true, _) => TemplateVae::Edit(
-            req.vae_traces
-                .as_ref()
-                .map(|h| shm.host_slice(h))
-                .transpose()?,
-        ),
-        (false, true) => TemplateVae::Capture,
-        (false, false) => TemplateVae::None,
+    let vae = match &req.vae {
+        VaeTraces::Edit(h) => TemplateVae::Edit(h.as_ref().map(|h| shm.host_slice(h)).transpose()?),
+        VaeTraces::Capture => TemplateVae::Capture,
+        VaeTraces::None => TemplateVae::None,
     };
     let s1 = stages::prepare(p, &image, mask, &req.params, req.max_pixels as usize, vae)?;
     let mut written: Vec<Handle> = Vec::new();

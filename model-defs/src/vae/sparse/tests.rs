@@ -134,6 +134,61 @@ fn a_full_mask_with_incremental_statistics_is_the_dense_vae() {
     assert!(d <= 3e-5, "encode: max abs diff {d:.2e}");
 }
 
+/// What `exact` regions guarantee: under the same GroupNorm statistics (the template's:
+/// `frozen`), the sparse pass equals a recompute of every pixel inside the kept region
+/// within 1e-5 relative, for both halves. (Against the dense VAE itself no sparse pass
+/// is exact: the edit moves every GroupNorm's statistics and the attention mixes all
+/// pixels, so every value moves a little; see the module docs.)
+#[test]
+fn exact_regions_equal_a_full_recompute_under_the_same_statistics() {
+    let vae = vae();
+    let opts = SparseOpts {
+        region: RegionMode::Exact,
+        stats: StatsMode::Frozen,
+        tile: 8,
+    };
+    let all = |n| vec![true; n];
+    let (h, w) = (24, 24);
+    let z_old = random([1, 16, h, w], 11);
+    let diff = disk(h, w, 9.0, 14.0, 3.5);
+    let z_new = edited(&z_old, &diff, 12);
+    let keep = program::resample(&diff, h, w, 2 * h, 2 * w);
+    let trace = vae.trace_decode(&z_old).unwrap();
+    let (got, r) = vae
+        .decode_sparse(&z_new, &trace, &diff, &keep, opts)
+        .unwrap();
+    let (want, _) = vae
+        .decode_sparse(&z_new, &trace, &all(h * w), &all(4 * h * w), opts)
+        .unwrap();
+    let (d, m) = diff_in(&got, &want, &keep);
+    eprintln!(
+        "decoder: {d:.2e} of {m:.2}, {:.0}% of the MACs",
+        100.0 * r.fraction()
+    );
+    assert!(d <= 1e-5 * m, "decoder: max abs diff {d:.3e} of {m:.3}");
+    assert!(r.fraction() < 1.0);
+
+    let (h, w) = (48, 48);
+    let i_old = random([1, 3, h, w], 13);
+    let diff = disk(h, w, 20.0, 26.0, 6.0);
+    let i_new = edited(&i_old, &diff, 14);
+    let keep = disk(h / 2, w / 2, 10.0, 13.0, 3.0);
+    let trace = vae.trace_encode(&i_old).unwrap();
+    let ((got, _), r) = vae
+        .encode_sparse(&i_new, &trace, &diff, &keep, opts)
+        .unwrap();
+    let ((want, _), _) = vae
+        .encode_sparse(&i_new, &trace, &all(h * w), &all(h * w / 4), opts)
+        .unwrap();
+    let (d, m) = diff_in(&got, &want, &keep);
+    eprintln!(
+        "encoder: {d:.2e} of {m:.2}, {:.0}% of the MACs",
+        100.0 * r.fraction()
+    );
+    assert!(d <= 1e-5 * m, "encoder: max abs diff {d:.3e} of {m:.3}");
+    assert!(r.fraction() < 1.0);
+}
+
 /// The decoder edit of a latent disk, kept at the disk's pixels: each mode's error
 /// against the dense decoder inside the kept region, relative to the largest value
 /// there. The bounds are the measured errors with headroom: see the module docs for
