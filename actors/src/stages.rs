@@ -280,7 +280,7 @@ pub struct TemplateDecode<'a> {
     /// The template's final latent (same layout as the edit's).
     pub latent: &'a [f32],
     /// Its stored VAE traces, when they are in memory.
-    pub traces: Option<&'a [u8]>,
+    pub traces: Option<&'a HostSlice>,
 }
 
 /// What [`finish`] gives: the encoded image, the decoder's pass, and a capture's

@@ -19,6 +19,7 @@ use denoised_models::pipeline::image::{
     decode_image, decode_mask, encode_png, from_model_space, Mask,
 };
 use denoised_models::pipeline::sparse_vae::{SparseVae, SparseVaeSetting};
+use denoised_models::vae::sparse::check_traces;
 use denoised_models::{FlowMatchEuler, ModelSource};
 use denoised_runtime::weights::SafetensorsFile;
 use denoised_runtime::{CpuBackend, HostSlice, Tensor};
@@ -230,9 +231,14 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     // recording them with a dense pass of the template.
     let vae_traces = match &template {
         Some((dir, _)) if a.sparse_vae == SparseVaeSetting::Auto => {
-            template_file::read_vae_traces(dir)?
-                .map(|b| HostSlice::copy_of(&b))
-                .transpose()?
+            match template_file::read_vae_traces(dir)? {
+                Some(b) => {
+                    // Checked once here: the passes read them in place.
+                    check_traces(&b).map_err(|e| format!("{}: {e}", dir.display()))?;
+                    Some(HostSlice::copy_of(&b)?)
+                }
+                None => None,
+            }
         }
         _ => None,
     };

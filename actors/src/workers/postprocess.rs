@@ -76,7 +76,7 @@ fn finish_to_shm(p: &Pipeline, shm: &Shm, req: &FinishReq) -> Result<Finished, W
         let tl = final_latent(std::mem::size_of_val(l));
         let template = tl.as_deref().map(|latent| stages::TemplateDecode {
             latent,
-            traces: traces.as_ref().map(|t| t.bytes()),
+            traces: traces.as_ref(),
         });
         let record = matches!(req.vae, VaeTraces::Capture);
         stages::finish(p, &image, &mask, l, cols, &req.params, template, record)

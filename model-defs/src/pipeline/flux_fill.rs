@@ -519,7 +519,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         let (mean, logvar) = if opts.template_edit {
             let keep = active_latent_pixels(mask, vsf, opts.dilation)?;
             let full = Tensor::new([1, 3, h, w], full)?;
-            let stored = opts.vae_traces.as_ref().map(|s| s.bytes());
+            let stored = opts.vae_traces.as_ref();
             let (dist, pass) = self.encode_edit(&masked, &full, &keep, stored)?;
             t.vae_encode_pass = pass;
             dist
@@ -527,7 +527,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             // The same ops as `encode`, bit for bit, keeping every value.
             let trace = self.vae.trace_encode(&masked)?;
             vae_trace = Some(trace.to_record(Half::Encoder));
-            self.vae.latent_dist(trace.output())?
+            self.vae.latent_dist(&trace.output().to_tensor())?
         } else {
             self.vae.encode(&masked)?
         };
@@ -643,7 +643,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             latents.cols(),
             &prepared.mask,
             opts.paste_back,
-            opts.vae_traces.as_ref().map(|s| s.bytes()),
+            opts.vae_traces.as_ref(),
         )?;
         t.vae_decode_pass = pass;
         let generated = from_model_space(raw.data(), w, h);

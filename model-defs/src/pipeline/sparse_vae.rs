@@ -10,26 +10,27 @@
 //! A template's capture records both traces and stores them with the template (the
 //! cache's host and disk tiers, the template file's `vae.bin`; format in
 //! `crate::vae::sparse::stored`). The process that runs a pass (a preprocess worker the
-//! encoder's, a postprocess worker the decoder's) keeps the traces it reads in a
-//! least-recently-used cache of `[pipeline] sparse_vae_trace_bytes`; one it does not
-//! hold it reads from the template's stored traces, and records (one dense pass of the
-//! template, then the sparse pass of the edit) only when the template has none (captured
-//! with `sparse_vae = "off"`, or its traces not in memory yet). Traces are keyed by the
-//! content they trace (the template image's pixels, the final latent's values), not by
-//! a name, and a stored trace is used only if its input is that content bit for bit, so
-//! a stale trace can never be read.
+//! encoder's, a postprocess worker the decoder's) reads the template's stored trace in
+//! place from the cache's shared memory (the edit pins the template, so the slice stays
+//! while the pass runs): no copy, whatever its size. Only when the template has none in
+//! memory (captured with `sparse_vae = "off"`, or still loading from disk) does it record
+//! one (one dense pass of the template, then the sparse pass of the edit), kept in a
+//! least-recently-used cache of `[pipeline] sparse_vae_trace_bytes`. Recorded traces are
+//! keyed by the content they trace (the template image's pixels, the final latent's
+//! values), not by a name, and a stored trace is used only if its input is that content
+//! bit for bit, so a stale trace can never be read.
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use denoised_runtime::{Backend, Result, Tensor};
+use denoised_runtime::{Backend, HostSlice, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::fill::unpack_and_denormalize;
 use super::flux_fill::FluxFill;
 use super::image::Mask;
 use crate::lru::ByteLru;
-use crate::vae::sparse::{read_trace, Half, SparseOpts, StatsMode, VaeTrace};
+use crate::vae::sparse::{map_trace, Half, SparseOpts, StatsMode, VaeTrace};
 
 pub use denoised_runtime::config::SparseVaeSetting;
 
@@ -96,7 +97,8 @@ impl Default for SparseVae {
     }
 }
 
-/// Traces by (content hash, half).
+/// The traces this process recorded, by (content hash, half). Stored traces are read
+/// in place from the template's slice and never land here.
 struct TraceCache {
     lru: ByteLru<(u64, Half), VaeTrace>,
 }
@@ -113,33 +115,40 @@ impl TraceCache {
         self.lru.bytes()
     }
 
-    /// The trace under `key`, made with `make` when it is missing (outside the lock: it
-    /// may be a whole dense pass), and whether it was recorded now (`make`'s flag). None
-    /// when it is missing and `bytes` (its size) exceed the whole cache: a trace that
-    /// cannot be kept would be made again for every edit, so the caller runs dense.
-    fn get_or_record(
+    /// The trace a pass of `half` on `input` reads, and the pass it makes: one this
+    /// process recorded before, else the template's stored one (`stored`, read in
+    /// place), else one recorded now with `record` (a dense pass) and kept. None when
+    /// it would have to be recorded and `bytes` (its size) exceed the whole cache: a
+    /// trace that cannot be kept would be recorded again for every edit, so the caller
+    /// runs dense.
+    fn trace_for(
         &self,
         key: (u64, Half),
         bytes: usize,
-        make: impl FnOnce() -> Result<(VaeTrace, bool)>,
-    ) -> Result<Option<(Arc<VaeTrace>, bool)>> {
+        stored: Option<&HostSlice>,
+        input: &Tensor,
+        record: impl FnOnce() -> Result<VaeTrace>,
+    ) -> Result<Option<(Arc<VaeTrace>, VaePass)>> {
         if let Some(t) = self.lru.get(&key) {
-            return Ok(Some((t, false)));
+            return Ok(Some((t, VaePass::Sparse)));
+        }
+        if let Some(t) = stored_trace(stored, key.1, input) {
+            return Ok(Some((Arc::new(t), VaePass::Sparse)));
         }
         if bytes > self.lru.capacity() {
             return Ok(None);
         }
-        let (t, recorded) = make()?;
-        let t = Arc::new(t);
+        let t = Arc::new(record()?);
         self.lru.insert(key, t.clone(), t.bytes());
-        Ok(Some((t, recorded)))
+        Ok(Some((t, VaePass::SparseTraced)))
     }
 }
 
-/// The trace of `half` in a template's stored traces, if it traces `input` bit for
-/// bit. A damaged or foreign one is logged and not used (the caller records its own).
-fn stored_trace(stored: Option<&[u8]>, half: Half, input: &Tensor) -> Option<VaeTrace> {
-    let t = match read_trace(stored?, half) {
+/// The trace of `half` in a template's stored traces, read in place, if it traces
+/// `input` bit for bit. A damaged or foreign one is logged and not used (the caller
+/// records its own).
+fn stored_trace(stored: Option<&HostSlice>, half: Half, input: &Tensor) -> Option<VaeTrace> {
+    let t = match map_trace(stored?, half) {
         Ok(t) => t?,
         Err(e) => {
             tracing::warn!("{e}; recording the trace instead");
@@ -159,19 +168,6 @@ fn stored_trace(stored: Option<&[u8]>, half: Half, input: &Tensor) -> Option<Vae
         return None;
     }
     Some(t)
-}
-
-/// The trace of `half` from the template's stored traces, or recorded with `record`.
-fn stored_or_recorded(
-    stored: Option<&[u8]>,
-    half: Half,
-    input: &Tensor,
-    record: impl FnOnce() -> Result<VaeTrace>,
-) -> Result<(VaeTrace, bool)> {
-    match stored_trace(stored, half, input) {
-        Some(t) => Ok((t, false)),
-        None => Ok((record()?, true)),
-    }
 }
 
 fn content_hash(shape: &[usize], data: &[f32]) -> u64 {
@@ -224,7 +220,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         masked: &Tensor,
         full: &Tensor,
         keep: &[bool],
-        stored: Option<&[u8]>,
+        stored: Option<&HostSlice>,
     ) -> Result<((Tensor, Tensor), VaePass)> {
         let sv = &self.sparse_vae;
         if sv.setting == SparseVaeSetting::Off {
@@ -239,18 +235,15 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             return Ok((self.vae.encode(masked)?, VaePass::Dense));
         }
         let key = (content_hash(full.shape(), full.data()), Half::Encoder);
-        let traced = sv.traces.get_or_record(key, plan.trace_bytes(), || {
-            stored_or_recorded(stored, Half::Encoder, full, || self.vae.trace_encode(full))
-        })?;
-        let Some((trace, recorded)) = traced else {
+        let traced = sv
+            .traces
+            .trace_for(key, plan.trace_bytes(), stored, full, || {
+                self.vae.trace_encode(full)
+            })?;
+        let Some((trace, pass)) = traced else {
             return Ok((self.vae.encode(masked)?, VaePass::Dense));
         };
         let moments = self.vae.run_sparse(&plan, masked, &trace)?;
-        let pass = if recorded {
-            VaePass::SparseTraced
-        } else {
-            VaePass::Sparse
-        };
         Ok((self.vae.latent_dist(&moments)?, pass))
     }
 
@@ -266,7 +259,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         cols: usize,
         mask: &Mask,
         paste_back: bool,
-        stored: Option<&[u8]>,
+        stored: Option<&HostSlice>,
     ) -> Result<(Tensor, VaePass)> {
         let (w, h) = (mask.width, mask.height);
         let sv = &self.sparse_vae;
@@ -292,19 +285,16 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             Tensor::new([1, lc, lh, lw], z)
         };
         let key = (content_hash(&[cols, lh, lw], template), Half::Decoder);
-        let traced = sv.traces.get_or_record(key, plan.trace_bytes(), || {
-            let z = unpack(template)?;
-            stored_or_recorded(stored, Half::Decoder, &z, || self.vae.trace_decode(&z))
-        })?;
-        let Some((trace, recorded)) = traced else {
+        let z = unpack(template)?;
+        let traced = sv
+            .traces
+            .trace_for(key, plan.trace_bytes(), stored, &z, || {
+                self.vae.trace_decode(&z)
+            })?;
+        let Some((trace, pass)) = traced else {
             return Ok((self.decode_packed(latents, cols, w, h)?, VaePass::Dense));
         };
         let out = self.vae.run_sparse(&plan, &unpack(latents)?, &trace)?;
-        let pass = if recorded {
-            VaePass::SparseTraced
-        } else {
-            VaePass::Sparse
-        };
         Ok((out, pass))
     }
 }
@@ -366,7 +356,10 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         let trace = self
             .vae
             .trace_decode(&Tensor::new([1, cfg.latent_channels, lh, lw], z)?)?;
-        Ok((trace.output().clone(), Some(trace.to_record(Half::Decoder))))
+        Ok((
+            trace.output().to_tensor(),
+            Some(trace.to_record(Half::Decoder)),
+        ))
     }
 }
 
@@ -397,24 +390,52 @@ mod tests {
     }
 
     #[test]
-    fn traces_are_kept_least_recently_used_first_out_within_capacity() {
+    fn recorded_traces_are_kept_least_recently_used_first_out_within_capacity() {
         let one = trace(0).bytes();
         let c = TraceCache::new(2 * one);
-        let key = |k| (k, Half::Decoder);
+        let z = Tensor::zeros([1]);
         let get = |k: u64| {
-            c.get_or_record(key(k), one, || Ok((trace(k), true)))
+            let key = (k, Half::Decoder);
+            c.trace_for(key, one, None, &z, || Ok(trace(k)))
                 .unwrap()
                 .unwrap()
                 .1
         };
-        assert!(get(1) && get(2), "recorded on first use");
-        assert!(!get(1), "kept");
-        assert!(get(3), "recorded; evicts 2, the least recently used");
-        assert!(!get(1) && !get(3) && get(2));
+        let (rec, kept) = (VaePass::SparseTraced, VaePass::Sparse);
+        assert!(get(1) == rec && get(2) == rec, "recorded on first use");
+        assert_eq!(get(1), kept);
+        assert_eq!(get(3), rec, "recorded; evicts 2, the least recently used");
+        assert!(get(1) == kept && get(3) == kept && get(2) == rec);
         assert!(c.bytes() <= 2 * one);
         // A trace larger than the whole cache is never recorded: the caller runs dense.
-        let big = c.get_or_record(key(9), 3 * one, || panic!("not recorded"));
+        let big = c.trace_for((9, Half::Decoder), 3 * one, None, &z, || {
+            panic!("not recorded")
+        });
         assert!(big.unwrap().is_none());
+    }
+
+    /// A stored trace is read in place and not kept; one of other content is ignored
+    /// (and the trace recorded).
+    #[test]
+    fn a_stored_trace_is_read_when_it_traces_the_same_content() {
+        let c = TraceCache::new(1 << 30);
+        let t = trace(5);
+        let slice = HostSlice::copy_of(&t.to_record(Half::Decoder)).unwrap();
+        let input = t.input().to_tensor();
+        let (got, pass) = c
+            .trace_for((5, Half::Decoder), 1, Some(&slice), &input, || {
+                panic!("recorded")
+            })
+            .unwrap()
+            .unwrap();
+        assert_eq!(pass, VaePass::Sparse);
+        assert!(got.is_mapped() && c.bytes() == 0, "read in place, not kept");
+        let other = trace(6).input().to_tensor();
+        let (_, pass) = c
+            .trace_for((6, Half::Decoder), 1, Some(&slice), &other, || Ok(trace(6)))
+            .unwrap()
+            .unwrap();
+        assert_eq!(pass, VaePass::SparseTraced);
     }
 
     #[test]

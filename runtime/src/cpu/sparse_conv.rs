@@ -223,15 +223,16 @@ impl GroupSums {
     }
 
     /// Updates the sums with the recomputed tiles of a value (`new`) against the
-    /// cached values they replace (`old`, `[1, C, H, W]` of the tiles' plane).
-    pub fn update(&mut self, old: &Tensor, new: &TileData) -> Result<()> {
-        let Plane { c, h, w, .. } = Plane::of(old)?;
+    /// cached values they replace (`old`, the tiles' plane; its own tiles, if it has
+    /// any, are not read).
+    pub fn update(&mut self, old: Plane<'_>, new: &TileData) -> Result<()> {
+        let Plane { c, h, w, .. } = old;
         if (new.c, new.tiles.h, new.tiles.w) != (c, h, w) || c % self.groups != 0 {
             return Err(Error::shape(
                 "group sums",
                 format!(
                     "old {:?}, tiles of [{}, {}, {}] in {} groups",
-                    old.shape(),
+                    [c, h, w],
                     new.c,
                     new.tiles.h,
                     new.tiles.w,
@@ -240,7 +241,7 @@ impl GroupSums {
             ));
         }
         let cpg = c / self.groups;
-        let od = old.data();
+        let od = old.base;
         let tiles = &new.tiles;
         let deltas: Vec<(f64, f64)> = (0..self.groups)
             .into_par_iter()

@@ -16,7 +16,7 @@ use super::super::config::GN_EPS;
 use super::super::model::AutoencoderKL;
 use super::super::weights::{Attention, Norm};
 use super::program::{Op, Program};
-use super::{SparseReport, StatsMode, VaeTrace};
+use super::{SparseReport, StatsMode, TraceValue, VaeTrace};
 
 /// The dense pass, recording every value, the sums of every GroupNorm's input and the
 /// attention's K and V. The ops are the dense forward's own calls in its order, so the
@@ -61,19 +61,23 @@ pub(crate) fn capture(vae: &AutoencoderKL, prog: &Program<'_>, input: &Tensor) -
         values.push(out);
         sums.push(s);
     }
-    Ok(VaeTrace { values, sums, kv })
+    Ok(VaeTrace {
+        values: values.into_iter().map(TraceValue::from).collect(),
+        sums,
+        kv: kv.map(TraceValue::from),
+    })
 }
 
 /// A value of the sparse pass: the template's, with the tiles the edit recomputed over
 /// it (see `denoised_runtime::cpu::sparse_conv::Plane`).
 struct Value<'a> {
-    base: &'a Tensor,
+    base: Plane<'a>,
     new: Option<TileData>,
 }
 
 impl Value<'_> {
     fn plane(&self) -> Result<Plane<'_>> {
-        Plane::of(self.base)?.with(self.new.as_ref())
+        self.base.with(self.new.as_ref())
     }
 }
 
@@ -118,7 +122,7 @@ pub(crate) fn run(
 ) -> Result<Tensor> {
     // The input is whole (the edit's own); every later value starts as the template's.
     let mut values: Vec<Value<'_>> = vec![Value {
-        base: input,
+        base: Plane::of(input)?,
         new: None,
     }];
     let last_read = prog.last_reads();
@@ -131,7 +135,7 @@ pub(crate) fn run(
         }
         let v = i + 1;
         let [_, ih, iw] = prog.shapes[op.input()];
-        let base = &trace.values[v];
+        let base = trace.values[v].plane()?;
         let Some(tiles) = tiles[v].clone() else {
             values.push(Value { base, new: None });
             continue;
@@ -142,7 +146,7 @@ pub(crate) fn run(
                 Error::Invalid(format!("VAE trace: no GroupNorm sums for value {v}"))
             })?;
             if let (StatsMode::Incremental, Some(t)) = (stats_mode, &x.new) {
-                sums.update(&trace.values[op.input()], t)?;
+                sums.update(trace.values[op.input()].plane()?, t)?;
             }
             Ok(sums.scale_shift(norm.w.data(), norm.b.data(), GN_EPS))
         };
@@ -174,7 +178,7 @@ pub(crate) fn run(
                     (Some(_), StatsMode::Incremental) => (0..(ih * iw) as u32).collect(),
                     (Some(t), StatsMode::Frozen) => pixels(&t.tiles),
                 };
-                sparse_attention(x.plane()?, attn, &scale, &shift, kv, &refresh, tiles)?
+                sparse_attention(x.plane()?, attn, &scale, &shift, kv.data(), &refresh, tiles)?
             }
         };
         values.push(Value {
@@ -210,18 +214,18 @@ pub fn sparse_attention(
     a: &Attention,
     scale: &[f32],
     shift: &[f32],
-    kv: &Tensor,
+    kv: &[f32],
     refresh: &[u32],
     tiles: Tiles,
 ) -> Result<TileData> {
     let (c, n) = (x.c, x.h * x.w);
-    if kv.shape() != [n, 2 * c] || scale.len() != c || (tiles.h, tiles.w) != (x.h, x.w) {
+    if kv.len() != n * 2 * c || scale.len() != c || (tiles.h, tiles.w) != (x.h, x.w) {
         return Err(Error::shape(
             "vae sparse attention",
             format!(
                 "x {:?}, cached K/V {:?}, tiles of {}x{}",
                 x.shape(),
-                kv.shape(),
+                kv.len(),
                 tiles.h,
                 tiles.w
             ),
@@ -271,7 +275,7 @@ pub fn sparse_attention(
         );
         dst
     };
-    let mut kv = kv.data().to_vec();
+    let mut kv = kv.to_vec();
     if !refresh.is_empty() {
         let fresh = project(&normed(refresh), c, 2 * c);
         for (row, &p) in fresh.chunks_exact(2 * c).zip(refresh) {

@@ -22,18 +22,20 @@
 mod exec;
 mod program;
 mod stored;
+mod trace;
 
 use std::fmt;
 use std::str::FromStr;
 
-use denoised_runtime::cpu::sparse_conv::{GroupSums, Tiles};
+use denoised_runtime::cpu::sparse_conv::Tiles;
 use denoised_runtime::{Error, Result, Tensor};
 
 use super::model::{split_moments, AutoencoderKL};
 use program::Program;
 
 pub use exec::sparse_attention;
-pub use stored::{check_traces, read_trace};
+pub use stored::{check_traces, map_trace, read_trace};
+pub use trace::{TraceValue, VaeTrace};
 
 /// Which pixels of each layer an edit recomputes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,39 +140,6 @@ pub struct SparseReport {
 pub enum Half {
     Encoder,
     Decoder,
-}
-
-/// A template's recorded VAE pass (see the module docs).
-#[derive(Clone, Debug)]
-pub struct VaeTrace {
-    /// Every value of the pass: its input, then each op's output.
-    values: Vec<Tensor>,
-    /// Per value, the sums of the GroupNorm input of the op producing it, if it has one.
-    sums: Vec<Option<GroupSums>>,
-    /// The mid-block attention's `[pixels, K | V]`.
-    kv: Option<Tensor>,
-}
-
-impl VaeTrace {
-    /// The traced input: the template image, or the template's final latent.
-    pub fn input(&self) -> &Tensor {
-        &self.values[0]
-    }
-
-    /// The pass's output: the decoded image, or the encoder's moments.
-    pub fn output(&self) -> &Tensor {
-        self.values
-            .last()
-            .expect("a trace holds its input at least")
-    }
-
-    /// Bytes held, as f32 (what the template tiers store scales with the storage dtype).
-    pub fn bytes(&self) -> usize {
-        let t: usize = self.values.iter().chain(&self.kv).map(|t| t.len()).sum();
-        // Sums and sums of squares, f64 per group.
-        let s: usize = self.sums.iter().flatten().map(|s| s.sum.len() * 16).sum();
-        t * 4 + s
-    }
 }
 
 impl AutoencoderKL {

@@ -6,8 +6,11 @@
 //! encoder trace and a decoder trace; either may be missing). A record is
 //!
 //! ```text
-//! b"DNVT" | header length u32 LE | header (JSON) | payload
+//! b"DNVT" | header length u32 LE | header (JSON, space-padded to 8 bytes) | payload
 //! ```
+//!
+//! so that in a record that starts 8-byte aligned (a shared-memory slice, a file read
+//! into memory) every tensor is 4-byte aligned: [`map_trace`] reads them in place.
 //!
 //! The header names the half, the storage dtype, every value's `[C, H, W]`, the group
 //! count of every GroupNorm's sums, the attention K/V's shape, the payload's length and
@@ -26,10 +29,10 @@
 //! edit's template (`crate::pipeline::sparse_vae`).
 
 use denoised_runtime::cpu::sparse_conv::GroupSums;
-use denoised_runtime::{Error, Result, Tensor};
+use denoised_runtime::{Error, HostSlice, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::{Half, VaeTrace};
+use super::{Half, TraceValue, VaeTrace};
 
 const MAGIC: &[u8; 4] = b"DNVT";
 const F32: &str = "f32";
@@ -90,7 +93,9 @@ impl VaeTrace {
             payload_bytes: payload.len() as u64,
             crc32: crc32fast::hash(&payload),
         };
-        let h = serde_json::to_vec(&header).expect("a header serialises");
+        let mut h = serde_json::to_vec(&header).expect("a header serialises");
+        // JSON allows trailing whitespace: pad so the payload starts 8-byte aligned.
+        h.resize(h.len().next_multiple_of(8), b' ');
         let mut out = Vec::with_capacity(8 + h.len() + payload.len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&(h.len() as u32).to_le_bytes());
@@ -159,22 +164,24 @@ fn get_le<T: Le + Default>(b: &[u8]) -> Vec<T> {
     }
 }
 
-/// The records in `bytes`: `(half name, header, payload)`.
-fn records(mut bytes: &[u8]) -> Result<Vec<(Header, &[u8])>> {
+/// The records in `bytes`: `(header, payload, the payload's offset in bytes)`.
+fn records(bytes: &[u8]) -> Result<Vec<(Header, &[u8], usize)>> {
     let mut out = Vec::new();
-    while !bytes.is_empty() {
-        if bytes.len() < 8 || &bytes[..4] != MAGIC {
+    let mut at = 0;
+    while at < bytes.len() {
+        let rest = &bytes[at..];
+        if rest.len() < 8 || &rest[..4] != MAGIC {
             return Err(bad("not a trace record"));
         }
-        let hl = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes")) as usize;
-        let h: Header = bytes
+        let hl = u32::from_le_bytes(rest[4..8].try_into().expect("4 bytes")) as usize;
+        let h: Header = rest
             .get(8..8 + hl)
             .ok_or_else(|| bad("truncated header"))
             .and_then(|h| serde_json::from_slice(h).map_err(|e| bad(e.to_string())))?;
         let end = 8 + hl + h.payload_bytes as usize;
-        let payload = bytes.get(8 + hl..end).ok_or_else(|| bad("truncated"))?;
-        bytes = &bytes[end..];
-        out.push((h, payload));
+        let payload = rest.get(8 + hl..end).ok_or_else(|| bad("truncated"))?;
+        out.push((h, payload, at + 8 + hl));
+        at += end;
     }
     Ok(out)
 }
@@ -184,7 +191,7 @@ fn records(mut bytes: &[u8]) -> Result<Vec<(Header, &[u8])>> {
 pub fn check_traces(bytes: &[u8]) -> Result<Vec<Half>> {
     records(bytes)?
         .iter()
-        .map(|(h, payload)| {
+        .map(|(h, payload, _)| {
             if crc32fast::hash(payload) != h.crc32 {
                 return Err(bad(format!("the {} trace fails its checksum", h.half)));
             }
@@ -197,62 +204,123 @@ pub fn check_traces(bytes: &[u8]) -> Result<Vec<Half>> {
         .collect()
 }
 
-/// The trace of `half` in `bytes` (records as [`VaeTrace::to_record`] writes them),
-/// None when there is none; an error when it is damaged.
-pub fn read_trace(bytes: &[u8], half: Half) -> Result<Option<VaeTrace>> {
-    let Some((h, payload)) = records(bytes)?
+/// The record of `half` in `bytes`, checked against itself (shapes against the
+/// payload's length); the payload's checksum only when `crc` says so.
+fn find(bytes: &[u8], half: Half, crc: bool) -> Result<Option<(Header, &[u8], usize)>> {
+    let Some((h, payload, at)) = records(bytes)?
         .into_iter()
-        .find(|(h, _)| h.half == half_name(half))
+        .find(|(h, _, _)| h.half == half_name(half))
     else {
         return Ok(None);
     };
     if h.dtype != F32 {
         return Err(bad(format!("dtype {:?}: this build reads f32", h.dtype)));
     }
-    if crc32fast::hash(payload) != h.crc32 {
+    if crc && crc32fast::hash(payload) != h.crc32 {
         return Err(bad(format!("the {} trace fails its checksum", h.half)));
     }
     if h.sums.len() != h.values.len() {
         return Err(bad("sums and values differ in count"));
     }
-    let floats: usize =
-        h.values.iter().map(|[c, y, x]| c * y * x).sum::<usize>() + h.kv.map_or(0, |[n, c]| n * c);
+    let floats = h
+        .values
+        .iter()
+        .map(|[c, y, x]| c.checked_mul(*y)?.checked_mul(*x))
+        .chain(h.kv.map(|[n, c]| n.checked_mul(c)))
+        .try_fold(0usize, |a, n| a.checked_add(n?));
     let sums: usize = h.sums.iter().flatten().map(|[g, _]| 16 * g).sum();
-    if payload.len() != 4 * floats + sums {
+    if floats.and_then(|f| f.checked_mul(4)?.checked_add(sums)) != Some(payload.len()) {
         return Err(bad(format!(
-            "{} payload bytes for {floats} values and {sums} bytes of sums",
+            "{} payload bytes do not hold its shapes",
             payload.len()
         )));
     }
+    Ok(Some((h, payload, at)))
+}
+
+/// Reads a record's GroupNorm sums (after its `floats` f32s).
+fn sums_of(h: &Header, payload: &[u8], floats: usize) -> Vec<Option<GroupSums>> {
+    let mut at = 4 * floats;
+    h.sums
+        .iter()
+        .map(|s| {
+            s.map(|[groups, count]| {
+                let mut f64s = || {
+                    let v = get_le(&payload[at..at + 8 * groups]);
+                    at += 8 * groups;
+                    v
+                };
+                let sum = f64s();
+                GroupSums {
+                    groups,
+                    count,
+                    sum,
+                    sumsq: f64s(),
+                }
+            })
+        })
+        .collect()
+}
+
+/// Every tensor's shape in a record, values then the K/V.
+fn shapes(h: &Header) -> Vec<Vec<usize>> {
+    h.values
+        .iter()
+        .map(|&[c, y, x]| vec![1, c, y, x])
+        .chain(h.kv.map(|[n, c]| vec![n, c]))
+        .collect()
+}
+
+fn assemble(h: &Header, mut tensors: Vec<TraceValue>, sums: Vec<Option<GroupSums>>) -> VaeTrace {
+    let kv = h.kv.and_then(|_| tensors.pop());
+    VaeTrace {
+        values: tensors,
+        sums,
+        kv,
+    }
+}
+
+/// The trace of `half` in `bytes` (records as [`VaeTrace::to_record`] writes them),
+/// copied and its checksum checked; None when there is none; an error when it is
+/// damaged.
+pub fn read_trace(bytes: &[u8], half: Half) -> Result<Option<VaeTrace>> {
+    let Some((h, payload, _)) = find(bytes, half, true)? else {
+        return Ok(None);
+    };
     let mut at = 0usize;
-    let mut f32s = |n: usize| -> Vec<f32> {
-        let v = get_le(&payload[at..at + 4 * n]);
+    let mut tensors = Vec::new();
+    for shape in shapes(&h) {
+        let n: usize = shape.iter().product();
+        tensors.push(Tensor::new(shape, get_le(&payload[at..at + 4 * n]))?.into());
         at += 4 * n;
-        v
-    };
-    let mut values = Vec::with_capacity(h.values.len());
-    for &[c, y, x] in &h.values {
-        values.push(Tensor::new([1, c, y, x], f32s(c * y * x))?);
     }
-    let kv = match h.kv {
-        Some([n, c]) => Some(Tensor::new([n, c], f32s(n * c))?),
-        None => None,
+    let sums = sums_of(&h, payload, at / 4);
+    Ok(Some(assemble(&h, tensors, sums)))
+}
+
+/// The trace of `half` in a stored slice, its tensors read in place: no copy of a
+/// multi-GB trace. The slice must outlive every use of the trace (the pinned
+/// template's, for an edit). The checksum is not read here, a pass over every byte:
+/// the cache checks it when it reads the template from disk, and a slice in shared
+/// memory is written only by this daemon's processes. A slice that cannot be read in
+/// place is copied ([`read_trace`]).
+pub fn map_trace(slice: &HostSlice, half: Half) -> Result<Option<VaeTrace>> {
+    let Some((h, payload, offset)) = find(slice.bytes(), half, false)? else {
+        return Ok(None);
     };
-    let mut f64s = |n: usize| -> Vec<f64> {
-        let v = get_le(&payload[at..at + 8 * n]);
-        at += 8 * n;
-        v
-    };
-    let mut sums = Vec::with_capacity(h.sums.len());
-    for s in &h.sums {
-        sums.push(s.map(|[groups, count]| GroupSums {
-            groups,
-            count,
-            sum: f64s(groups),
-            sumsq: f64s(groups),
-        }));
+    let mut at = 0usize;
+    let mut tensors = Vec::new();
+    for shape in shapes(&h) {
+        let n: usize = shape.iter().product();
+        let mem = slice.sub(offset + at, 4 * n)?;
+        match TraceValue::mapped(shape, mem)? {
+            Some(t) => tensors.push(t),
+            None => return read_trace(slice.bytes(), half),
+        }
+        at += 4 * n;
     }
-    Ok(Some(VaeTrace { values, sums, kv }))
+    let sums = sums_of(&h, payload, at / 4);
+    Ok(Some(assemble(&h, tensors, sums)))
 }
 
 #[cfg(test)]
@@ -273,7 +341,7 @@ mod tests {
     }
 
     fn same(a: &VaeTrace, b: &VaeTrace) {
-        let bits = |t: &Tensor| -> (Vec<usize>, Vec<u32>) {
+        let bits = |t: &TraceValue| -> (Vec<usize>, Vec<u32>) {
             (
                 t.shape().to_vec(),
                 t.data().iter().map(|v| v.to_bits()).collect(),
@@ -312,5 +380,23 @@ mod tests {
             .to_string();
         assert!(e.contains("truncated"), "{e}");
         assert!(read_trace(b"PNG\0....", Half::Encoder).is_err());
+    }
+
+    #[test]
+    fn a_stored_trace_in_shared_memory_is_read_in_place() {
+        let (enc, dec) = traces();
+        let bytes = [enc.to_record(Half::Encoder), dec.to_record(Half::Decoder)].concat();
+        let slice = HostSlice::copy_of(&bytes).unwrap();
+        for (half, want) in [(Half::Encoder, &enc), (Half::Decoder, &dec)] {
+            let got = map_trace(&slice, half).unwrap().unwrap();
+            assert!(got.is_mapped(), "{half:?} copied");
+            same(&got, want);
+        }
+        // A slice that is not 4-byte aligned is copied, with the same values.
+        let odd = HostSlice::copy_of(&[&[0u8][..], &bytes].concat()).unwrap();
+        let odd = odd.sub(1, bytes.len()).unwrap();
+        let got = map_trace(&odd, Half::Decoder).unwrap().unwrap();
+        assert!(!got.is_mapped());
+        same(&got, &dec);
     }
 }

@@ -4,7 +4,7 @@
 use super::*;
 use crate::flux::weights::SplitMix;
 use crate::vae::VaeConfig;
-use denoised_runtime::cpu::sparse_conv::{Plane, TileData, Tiles};
+use denoised_runtime::cpu::sparse_conv::{GroupSums, Plane, TileData, Tiles};
 
 fn vae() -> AutoencoderKL {
     AutoencoderKL::seeded(VaeConfig::tiny(), 7).unwrap()
@@ -63,12 +63,15 @@ fn the_trace_is_the_dense_pass_bit_for_bit() {
     let image = random([1, 3, 40, 48], 1);
     let (mean, logvar) = vae.encode(&image).unwrap();
     let t = vae.trace_encode(&image).unwrap();
-    let (tm, tl) = split_moments(t.output(), 16).unwrap();
+    let (tm, tl) = split_moments(&t.output().to_tensor(), 16).unwrap();
     assert_eq!(bits(&tm), bits(&mean));
     assert_eq!(bits(&tl), bits(&logvar));
     let z = random([1, 16, 20, 24], 2);
     let t = vae.trace_decode(&z).unwrap();
-    assert_eq!(bits(t.output()), bits(&vae.decode(&z).unwrap()));
+    assert_eq!(
+        bits(&t.output().to_tensor()),
+        bits(&vae.decode(&z).unwrap())
+    );
     assert!(t.kv.is_some() && t.bytes() > t.output().len() * 4);
 }
 
@@ -91,13 +94,13 @@ fn an_empty_edit_returns_the_templates_outputs_bit_for_bit() {
             let ((m, l), r) = vae
                 .encode_sparse(&image, &te, &[false; 32 * 32], &[true; 16 * 16], opts)
                 .unwrap();
-            let (tm, tl) = split_moments(te.output(), 16).unwrap();
+            let (tm, tl) = split_moments(&te.output().to_tensor(), 16).unwrap();
             assert_eq!((bits(&m), bits(&l)), (bits(&tm), bits(&tl)), "{opts:?}");
             assert_eq!(r.sparse_macs, 0);
             let (img, r) = vae
                 .decode_sparse(&z, &td, &[false; 16 * 16], &[true; 32 * 32], opts)
                 .unwrap();
-            assert_eq!(bits(&img), bits(td.output()), "{opts:?}");
+            assert_eq!(bits(&img), bits(&td.output().to_tensor()), "{opts:?}");
             assert!(r.sparse_macs == 0 && r.dense_macs > 0);
         }
     }
@@ -262,7 +265,7 @@ fn sparse_attention_equals_dense_at_its_queries() {
     let over = TileData::from_tensor(&x_new, Tiles::covering(&region, h, w, 4).unwrap()).unwrap();
     let x = Plane::of(&x_old).unwrap().with(Some(&over)).unwrap();
     let tiles = Tiles::covering(&region, h, w, 1).unwrap();
-    let td = sparse_attention(x, a, &scale, &shift, &kv_old, &all, tiles.clone()).unwrap();
+    let td = sparse_attention(x, a, &scale, &shift, kv_old.data(), &all, tiles.clone()).unwrap();
     let mut got = x_old.clone();
     td.scatter_into(got.data_mut());
     let (d, _) = diff_in(&got, &want, &region);
@@ -272,8 +275,17 @@ fn sparse_attention_equals_dense_at_its_queries() {
     assert_eq!(d, 0.0, "other pixels keep the cached output");
     // Wrong shapes are refused, not read out of bounds.
     let short = Tensor::new([h * w - 1, 2 * c], vec![0.0; (h * w - 1) * 2 * c]).unwrap();
-    assert!(sparse_attention(x, a, &scale, &shift, &short, &all, tiles.clone()).is_err());
-    assert!(sparse_attention(x, a, &scale, &shift, &kv_old, &[(h * w) as u32], tiles).is_err());
+    assert!(sparse_attention(x, a, &scale, &shift, short.data(), &all, tiles.clone()).is_err());
+    assert!(sparse_attention(
+        x,
+        a,
+        &scale,
+        &shift,
+        kv_old.data(),
+        &[(h * w) as u32],
+        tiles
+    )
+    .is_err());
 }
 
 #[test]

@@ -349,8 +349,11 @@ fn group_sums_give_group_norm_and_update_exactly() {
     for tile in [1, 5, 32] {
         let mut inc = GroupSums::of(&x_old, groups).unwrap();
         let tiles = Tiles::covering(&region, h, w, tile).unwrap();
-        inc.update(&x_old, &TileData::from_tensor(&x_new, tiles).unwrap())
-            .unwrap();
+        inc.update(
+            Plane::of(&x_old).unwrap(),
+            &TileData::from_tensor(&x_new, tiles).unwrap(),
+        )
+        .unwrap();
         for g in 0..groups {
             let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1.0);
             assert!(
