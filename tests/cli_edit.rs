@@ -3,6 +3,8 @@
 //! mask-aware edits (paste-back, the identity invariant end to end), and clear errors
 //! with a non-zero exit for bad inputs.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -321,21 +323,10 @@ fn template_capture_and_mask_aware_edits() {
     );
 }
 
-/// The fixture image doubled to 128x128 (at 64x64 the tiny VAE's receptive field
-/// covers most of the image and the sparse VAE rightly runs dense).
+/// The fixture image doubled to 128x128 (see `common::doubled_image_b64`), as a file.
 fn doubled_input(dir: &Path) -> PathBuf {
-    let small = png(&case("e2e_input.png"));
-    let mut big = Rgb8 {
-        width: 128,
-        height: 128,
-        data: vec![0; 128 * 128 * 3],
-    };
-    for (i, px) in big.data.chunks_exact_mut(3).enumerate() {
-        let (x, y) = (i % 128 / 2, i / 128 / 2);
-        px.copy_from_slice(&small.data[(y * 64 + x) * 3..][..3]);
-    }
     let path = dir.join("big.png");
-    std::fs::write(&path, encode_png(&big).unwrap()).unwrap();
+    std::fs::write(&path, common::unb64(&common::doubled_image_b64())).unwrap();
     path
 }
 
