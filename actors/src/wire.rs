@@ -330,6 +330,15 @@ pub struct Finished {
     pub vae_trace: Option<Handle>,
 }
 
+impl Finished {
+    /// The slices of the postprocess worker's arena this reply lends to the router.
+    pub fn handles(&self) -> Vec<Handle> {
+        let mut h = vec![self.image.clone()];
+        h.extend(self.vae_trace.clone());
+        h
+    }
+}
+
 /// The non-disaggregated baseline: the denoise process prepares, denoises and finishes
 /// a request itself, running the CPU stages between steps.
 #[derive(Clone, Debug, Serialize, Deserialize)]

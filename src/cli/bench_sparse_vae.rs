@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::TokenMask;
-use denoised_models::vae::sparse::{RegionMode, SparseOpts, SparseReport, StatsMode};
+use denoised_models::vae::sparse::{kept_error, RegionMode, SparseOpts, SparseReport, StatsMode};
 use denoised_models::vae::{AutoencoderKL, VaeConfig};
 use denoised_runtime::Tensor;
 
@@ -40,20 +40,6 @@ fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
     let t0 = Instant::now();
     let v = f();
     (v, t0.elapsed().as_secs_f64())
-}
-
-/// Max abs difference of `a` and `b` at the `keep` pixels of every channel, and the
-/// max abs value of `b` there.
-fn err_in(a: &Tensor, b: &Tensor, keep: &[bool]) -> (f32, f32) {
-    let plane = keep.len();
-    a.data()
-        .iter()
-        .zip(b.data())
-        .enumerate()
-        .filter(|(i, _)| keep[i % plane])
-        .fold((0.0, 0.0), |(d, m), (_, (x, y))| {
-            (f32::max(d, (x - y).abs()), f32::max(m, y.abs()))
-        })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -128,7 +114,7 @@ fn measure(
                 sparse_s: median(st),
                 speedup: median(pairs),
                 report,
-                err: err_in(&got, &want, keep),
+                err: kept_error(&got, &want, keep),
             }
         })
         .collect())

@@ -267,9 +267,7 @@ async fn postprocess(
     let f = ctx
         .ask(&post, |p| PostprocessMsg::Finish(Wire(fin), p))
         .await?;
-    let mut handles = vec![f.image.clone()];
-    handles.extend(f.vae_trace.clone());
-    held.post.push((post, handles));
+    held.post.push((post, f.handles()));
     check_cancel(ctx, job).await?;
     Ok(f)
 }

@@ -38,9 +38,7 @@ impl Stage for Postprocess {
     }
 
     fn handles(rep: &Finished) -> Vec<Handle> {
-        let mut h = vec![rep.image.clone()];
-        h.extend(rep.vae_trace.clone());
-        h
+        rep.handles()
     }
 }
 

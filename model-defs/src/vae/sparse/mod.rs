@@ -301,6 +301,21 @@ impl SparseReport {
     }
 }
 
+/// Max abs difference of `a` and `b` (`[1, C, H, W]` alike) at the `keep` pixels
+/// (`[H * W]`) of every channel, and the max abs value of `b` there: how the sparse
+/// passes' error against dense is measured (tests, `bench-pipeline --sparse-vae`).
+pub fn kept_error(a: &Tensor, b: &Tensor, keep: &[bool]) -> (f32, f32) {
+    let plane = keep.len();
+    a.data()
+        .iter()
+        .zip(b.data())
+        .enumerate()
+        .filter(|(i, _)| keep[i % plane])
+        .fold((0.0, 0.0), |(d, m), (_, (x, y))| {
+            (f32::max(d, (x - y).abs()), f32::max(m, y.abs()))
+        })
+}
+
 fn one(x: &Tensor, op: &'static str) -> Result<[usize; 3]> {
     match *x.shape() {
         [1, c, h, w] => Ok([c, h, w]),

@@ -39,18 +39,10 @@ fn edited(x: &Tensor, region: &[bool], seed: u64) -> Tensor {
     y
 }
 
-/// Max abs difference at the `keep` pixels (every channel), and the max abs value there.
+/// [`kept_error`], for tensors of one shape.
 fn diff_in(a: &Tensor, b: &Tensor, keep: &[bool]) -> (f32, f32) {
     assert_eq!(a.shape(), b.shape());
-    let plane = keep.len();
-    a.data()
-        .iter()
-        .zip(b.data())
-        .enumerate()
-        .filter(|(i, _)| keep[i % plane])
-        .fold((0.0, 0.0), |(d, m), (_, (x, y))| {
-            (f32::max(d, (x - y).abs()), f32::max(m, y.abs()))
-        })
+    kept_error(a, b, keep)
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {
