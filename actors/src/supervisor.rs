@@ -135,7 +135,14 @@ fn after_exit(w: &mut Worker, how: &str) -> bool {
 
 /// A random hex token (the cluster cookie when the config sets none).
 fn random_token() -> String {
-    let mut b = [0u8; 16];
+    random_bytes::<16>()
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
+}
+
+fn random_bytes<const N: usize>() -> [u8; N] {
+    let mut b = [0u8; N];
     let ok = std::fs::File::open("/dev/urandom")
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
         .is_ok();
@@ -144,13 +151,42 @@ fn random_token() -> String {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default()
             .as_nanos();
-        b = (t ^ (std::process::id() as u128) << 64).to_le_bytes();
+        let seed = (t ^ (std::process::id() as u128) << 64).to_le_bytes();
+        for (i, x) in b.iter_mut().enumerate() {
+            *x = seed[i % seed.len()];
+        }
     }
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    b
 }
 
-fn free_port() -> Result<u16, String> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+/// A port that is free on `ip` now and stays free until a process of ours binds it.
+///
+/// The supervisor picks a port and the router process binds it later (and again
+/// after every restart), so a port the kernel hands out for `bind(:0)` will not do: it
+/// comes from the ephemeral range, where any process's next outgoing connection or
+/// `:0` listener may take it in between ("Address already in use" at the router's
+/// start, seen in CI with several daemons at once). So the pick is a random free port
+/// just below the ephemeral range (`net.ipv4.ip_local_port_range`), which the kernel
+/// never hands out by itself.
+fn free_port(ip: std::net::IpAddr) -> Result<u16, String> {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    // 16384 ports below it, above the privileged ones.
+    let low = ephemeral_low.saturating_sub(16384).max(1024);
+    let span = ephemeral_low.saturating_sub(low);
+    if span > 0 {
+        for _ in 0..64 {
+            let r = u16::from_le_bytes(random_bytes::<2>());
+            let port = low + r % span;
+            if std::net::TcpListener::bind((ip, port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
+    // A system with no room below its ephemeral range: the kernel's pick.
+    let l = std::net::TcpListener::bind((ip, 0)).map_err(|e| e.to_string())?;
     Ok(l.local_addr().map_err(|e| e.to_string())?.port())
 }
 
@@ -165,9 +201,8 @@ fn fixed_port(listen: &str) -> Result<String, String> {
     if addr.port() != 0 {
         return Ok(listen.to_string());
     }
-    let l =
-        std::net::TcpListener::bind(addr).map_err(|e| format!("cannot listen on {listen}: {e}"))?;
-    Ok(l.local_addr().map_err(|e| e.to_string())?.to_string())
+    let port = free_port(addr.ip()).map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    Ok(std::net::SocketAddr::new(addr.ip(), port).to_string())
 }
 
 /// Removes arenas of dead owners in every namespace under `dir`.
@@ -228,7 +263,7 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
         config.cluster.cookie.clone()
     };
     let router_port = match config.cluster.port {
-        0 => free_port()?,
+        0 => free_port(std::net::Ipv4Addr::LOCALHOST.into())?,
         p => p,
     };
     let listen = fixed_port(&listen.unwrap_or_else(|| config.server.listen.clone()))?;
@@ -396,4 +431,31 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
     let _ = shm::cleanup_namespace(&shm_dir, &namespace);
     let _ = std::fs::remove_file(&status_file);
     fatal.map_or(Ok(()), Err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picked_ports_are_free_and_outside_the_ephemeral_range() {
+        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let ip = std::net::Ipv4Addr::LOCALHOST.into();
+        for _ in 0..20 {
+            let p = free_port(ip).unwrap();
+            assert!((1024..low).contains(&p), "{p} not below {low}");
+            // Free: it can be bound now.
+            std::net::TcpListener::bind((ip, p)).unwrap();
+        }
+        let fixed = fixed_port("127.0.0.1:0").unwrap();
+        let port = fixed.rsplit(':').next().unwrap().parse::<u16>().unwrap();
+        assert!((1024..low).contains(&port), "{fixed}");
+        assert_eq!(fixed_port("127.0.0.1:8080").unwrap(), "127.0.0.1:8080");
+    }
 }
