@@ -4,6 +4,7 @@
 #include "../kernels/elementwise.cu"
 #include "../kernels/norm.cu"
 #include "../kernels/attention.cu"
+#include "../kernels/image.cu"
 
 // Runs kernel `name` on the CPU. Returns 0, or -1 when no kernel has that name.
 extern "C" int denoised_emu_launch(const char* name, const unsigned* grid, const unsigned* block,
@@ -24,4 +25,5 @@ extern "C" void denoised_emu_param_sizes(unsigned long* out) {
     out[3] = sizeof(GatherParams);
     out[4] = sizeof(TimestepParams);
     out[5] = sizeof(AttnParams);
+    out[6] = sizeof(ImgParams);
 }

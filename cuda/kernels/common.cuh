@@ -187,5 +187,17 @@ struct AttnParams {
     float scale_log2;     // log2(e) / sqrt(head_dim)
 };
 
+// Image kernels (cuda/kernels/image.cu), on NHWC activations: element (b, y, x, c) of a
+// [B, H, W, C] image is at ((b*H + y)*W + x)*C + c. Which fields a kernel reads is
+// said at the kernel.
+struct ImgParams {
+    u64 x, y, z, wt, bias;
+    int batch, h, w, c;                          // the input image
+    int oh, ow, kh, kw, stride, pad_t, pad_l, up;  // convolution geometry
+    int p0, rows, cols, ld;                      // a block of rows (pixels, scores)
+    int groups, splits, silu;
+    float eps, scale;
+};
+
 #define ROW_SLOT(r) ((r) >> 29)
 #define ROW_IDX(r) ((r) & 0x1fffffffu)

@@ -11,6 +11,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use denoised_runtime::backend::{stacked_shape, AttnSeq, Backend, Modulation};
+use denoised_runtime::Conv2dOpts;
 use denoised_runtime::{DType, Error, HostMemory, HostSlice, Result, SlabProvider, Stored, Tensor};
 
 use crate::exec::{Dt, Exec, Gemm, Grid};
@@ -91,6 +92,18 @@ impl<E: Exec> GpuTensor<E> {
     fn len(&self) -> usize {
         self.shape.iter().product()
     }
+    /// The same memory under another shape of as many elements (image tensors are
+    /// `[B, C, H, W]` to the model and `[B*H*W, C]` matrices to the GEMMs).
+    pub(crate) fn view(&self, shape: Vec<usize>) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), self.len());
+        GpuTensor {
+            mem: self.mem.clone(),
+            addr: self.addr,
+            shape,
+            dt: self.dt,
+            fp8_scales: self.fp8_scales,
+        }
+    }
 }
 
 pub struct GpuBackend<E: Exec> {
@@ -102,6 +115,9 @@ pub struct GpuBackend<E: Exec> {
     /// block; without this each op would upload its copy again.
     segments: Mutex<Vec<DeviceSegments<E>>>,
     pub(crate) host: HostIo<E>,
+    /// Bytes of patch matrix or attention scores one chunk of an image op takes
+    /// (`crate::image`).
+    pub(crate) image_workspace: usize,
 }
 
 /// A segment-id array, its device copy and that copy's address.
@@ -127,7 +143,14 @@ impl<E: Exec> GpuBackend<E> {
             dt,
             segments: Mutex::new(Vec::new()),
             host: HostIo::new(),
+            image_workspace: crate::image::WORKSPACE_BYTES,
         }
+    }
+    /// This backend with image ops chunked to `bytes` of workspace (tests use a few
+    /// KiB to run the many-chunk path on small images).
+    pub fn with_image_workspace(mut self, bytes: usize) -> Self {
+        self.image_workspace = bytes;
+        self
     }
     pub fn exec(&self) -> &Arc<E> {
         &self.exec
@@ -143,7 +166,7 @@ impl<E: Exec> GpuBackend<E> {
         }
     }
 
-    fn empty(&self, shape: Vec<usize>) -> Result<GpuTensor<E>> {
+    pub(crate) fn empty(&self, shape: Vec<usize>) -> Result<GpuTensor<E>> {
         GpuTensor::alloc(&*self.exec, shape, self.dt)
     }
 
@@ -196,7 +219,7 @@ impl<E: Exec> GpuBackend<E> {
         Ok(out)
     }
 
-    fn kernel(&self, base: &'static str) -> &'static str {
+    pub(crate) fn kernel(&self, base: &'static str) -> &'static str {
         kernel_name(base, self.dt)
     }
 
@@ -798,5 +821,52 @@ impl<E: Exec> Backend for GpuBackend<E> {
             &p,
         )?;
         Ok(out)
+    }
+
+    fn upload_image(&self, t: &Tensor) -> Result<GpuTensor<E>> {
+        self.upload_image_rows(t)
+    }
+
+    fn download_image(&self, t: &GpuTensor<E>) -> Result<Tensor> {
+        self.download_image_rows(t)
+    }
+
+    fn upload_conv(&self, w: &Tensor) -> Result<GpuTensor<E>> {
+        self.upload_conv_rows(w)
+    }
+
+    fn conv2d(
+        &self,
+        x: &GpuTensor<E>,
+        w: &GpuTensor<E>,
+        b: &GpuTensor<E>,
+        opts: Conv2dOpts,
+        add: Option<&GpuTensor<E>>,
+    ) -> Result<GpuTensor<E>> {
+        self.conv2d_rows(x, w, b, opts, add)
+    }
+
+    fn group_norm(
+        &self,
+        x: &GpuTensor<E>,
+        groups: usize,
+        weight: &GpuTensor<E>,
+        bias: &GpuTensor<E>,
+        eps: f32,
+        silu: bool,
+    ) -> Result<GpuTensor<E>> {
+        self.group_norm_rows(x, groups, weight, bias, eps, silu)
+    }
+
+    fn image_attention(
+        &self,
+        x: &GpuTensor<E>,
+        normed: &GpuTensor<E>,
+        qkv: &GpuTensor<E>,
+        qkv_b: &GpuTensor<E>,
+        out: &GpuTensor<E>,
+        out_b: &GpuTensor<E>,
+    ) -> Result<GpuTensor<E>> {
+        self.image_attention_rows(x, normed, qkv, qkv_b, out, out_b)
     }
 }

@@ -34,9 +34,9 @@ pub const AVAILABLE: bool = cfg!(denoised_emu);
 
 /// `sizeof` of the C++ parameter structs, in `params.rs` order.
 #[cfg(denoised_emu)]
-pub fn param_sizes() -> [usize; 6] {
-    let mut out = [0 as std::ffi::c_ulong; 6];
-    // SAFETY: writes exactly 6 values.
+pub fn param_sizes() -> [usize; 7] {
+    let mut out = [0 as std::ffi::c_ulong; 7];
+    // SAFETY: writes exactly 7 values.
     unsafe { denoised_emu_param_sizes(out.as_mut_ptr()) };
     out.map(|v| v as usize)
 }

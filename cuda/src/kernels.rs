@@ -59,6 +59,23 @@ pub const MODULES: &[Module] = &[
             "attn_mma_bf16_d128",
         ],
     },
+    Module {
+        name: "image.cu",
+        source: include_str!("../kernels/image.cu"),
+        kernels: &[
+            "im2col_f32",
+            "im2col_bf16",
+            "gn_stats_f32",
+            "gn_stats_bf16",
+            "gn_finalize",
+            "gn_apply_f32",
+            "gn_apply_bf16",
+            "softmax_rows_f32",
+            "softmax_rows_bf16",
+            "transpose_f32",
+            "transpose_bf16",
+        ],
+    },
 ];
 
 impl Module {

@@ -24,6 +24,7 @@ pub mod exec;
 mod fp8;
 pub mod gpu;
 mod host;
+mod image;
 pub mod kernels;
 pub mod params;
 pub mod selfcheck;

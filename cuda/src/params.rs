@@ -22,7 +22,8 @@ params!(
     RmsRopeParams,
     GatherParams,
     TimestepParams,
-    AttnParams
+    AttnParams,
+    ImgParams
 );
 
 #[repr(C)]
@@ -121,6 +122,37 @@ pub struct AttnParams {
     pub heads: i32,
     pub head_dim: i32,
     pub scale_log2: f32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ImgParams {
+    pub x: u64,
+    pub y: u64,
+    pub z: u64,
+    pub wt: u64,
+    pub bias: u64,
+    pub batch: i32,
+    pub h: i32,
+    pub w: i32,
+    pub c: i32,
+    pub oh: i32,
+    pub ow: i32,
+    pub kh: i32,
+    pub kw: i32,
+    pub stride: i32,
+    pub pad_t: i32,
+    pub pad_l: i32,
+    pub up: i32,
+    pub p0: i32,
+    pub rows: i32,
+    pub cols: i32,
+    pub ld: i32,
+    pub groups: i32,
+    pub splits: i32,
+    pub silu: i32,
+    pub eps: f32,
+    pub scale: f32,
 }
 
 /// Packs a row reference: `slot` (0..8) in the top 3 bits, the row below.

@@ -19,6 +19,7 @@ fn param_structs_match_cpp() {
         size_of::<GatherParams>(),
         size_of::<TimestepParams>(),
         size_of::<AttnParams>(),
+        size_of::<ImgParams>(),
     ];
     assert_eq!(rust, denoised_cuda::emu::param_sizes());
 }

@@ -313,6 +313,58 @@ pub trait Backend: Send + Sync {
         write_host(dst, &out)
     }
 
+    // Image ops: the VAE's. An image tensor is `[B, C, H, W]` to `shape`, but its
+    // memory layout is the backend's own (NCHW on the CPU, NHWC on a GPU, where a
+    // convolution is one GEMM over pixel rows), so images enter and leave through
+    // these, and only elementwise ops (`add`, `silu`) mix them with the others.
+
+    /// An NCHW host image as this backend's image tensor.
+    fn upload_image(&self, t: &Tensor) -> Result<Self::Tensor> {
+        self.upload(t)
+    }
+    /// The NCHW host copy of an image tensor.
+    fn download_image(&self, t: &Self::Tensor) -> Result<Tensor> {
+        self.download(t)
+    }
+    /// A convolution weight `[O, I, kh, kw]` in the form [`conv2d`](Self::conv2d)
+    /// reads.
+    fn upload_conv(&self, w: &Tensor) -> Result<Self::Tensor> {
+        self.upload(w)
+    }
+    /// `conv(x, w) + b`, plus `add` (a residual of the output's shape) when given, with
+    /// the stride, padding and fused nearest 2x upsampling of `opts`.
+    fn conv2d(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        b: &Self::Tensor,
+        opts: Conv2dOpts,
+        add: Option<&Self::Tensor>,
+    ) -> Result<Self::Tensor>;
+    /// GroupNorm of each image over `groups` channel groups, with the affine
+    /// `weight`/`bias` `[C]`, then SiLU when `silu`.
+    fn group_norm(
+        &self,
+        x: &Self::Tensor,
+        groups: usize,
+        weight: &Self::Tensor,
+        bias: &Self::Tensor,
+        eps: f32,
+        silu: bool,
+    ) -> Result<Self::Tensor>;
+    /// The VAE mid block's attention: `x + out(softmax(q kᵀ / sqrt(C)) v)` over the
+    /// pixels of each image, one head of width C, with `[q | k | v]` the Linear `qkv`
+    /// (`[3C, C]`) of `normed` (x's GroupNorm) per pixel.
+    fn image_attention(
+        &self,
+        x: &Self::Tensor,
+        normed: &Self::Tensor,
+        qkv: &Self::Weight,
+        qkv_b: &Self::Tensor,
+        out: &Self::Weight,
+        out_b: &Self::Tensor,
+    ) -> Result<Self::Tensor>;
+
     /// Builds a matrix from rows `rows` of column block `cols` of `x` (used to take
     /// K/V out of fused projections for the template cache).
     fn gather_cols(
@@ -321,6 +373,31 @@ pub trait Backend: Send + Sync {
         rows: Range<usize>,
         cols: Range<usize>,
     ) -> Result<Self::Tensor>;
+}
+
+/// Geometry of a 2-D convolution ([`Backend::conv2d`]; the kernel size is the
+/// weight's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2dOpts {
+    /// Stride in both directions (at least 1).
+    pub stride: usize,
+    /// Zero padding `[top, bottom, left, right]`, applied after upsampling.
+    pub pad: [usize; 4],
+    /// Upsample the input 2x (nearest neighbour) before the convolution, as diffusers'
+    /// `Upsample2D` does with `F.interpolate(scale_factor=2, mode="nearest")`.
+    pub upsample2x: bool,
+}
+
+impl Conv2dOpts {
+    /// Stride 1 and symmetric padding `k/2`: output size = input size for odd `k`.
+    pub fn same(k: usize) -> Self {
+        let p = k / 2;
+        Conv2dOpts {
+            stride: 1,
+            pad: [p; 4],
+            upsample2x: false,
+        }
+    }
 }
 
 /// The form of one template slab in host memory: `rows x cols` elements of `dtype`,

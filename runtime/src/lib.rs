@@ -20,7 +20,7 @@ pub mod tensor;
 pub mod weights;
 
 pub use backend::{
-    AttnSeq, Backend, KvSource, Modulation, QSpan, Rows, SlabProvider, SlabShape, Src,
+    AttnSeq, Backend, Conv2dOpts, KvSource, Modulation, QSpan, Rows, SlabProvider, SlabShape, Src,
 };
 pub use cpu::CpuBackend;
 pub use error::{Error, Result};

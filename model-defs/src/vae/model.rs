@@ -9,6 +9,10 @@
 //! attention kernel (one head of width C, no mask) runs on it in place, and the output
 //! projection writes straight back into NCHW on top of the residual.
 //!
+//! The CPU model here is the reference, and the only one with traces and sparse passes
+//! (`super::sparse`); [`super::dense::DenseVae`] runs the same dense forward on any
+//! `Backend` (the GPU's).
+//!
 //! An observer sees the intermediate tensors diffusers' forward hooks see, under the
 //! same names (`encoder.conv_in`, `encoder.down_blocks.{i}`, `encoder.mid_block`,
 //! `encoder`, `decoder.conv_in`, `decoder.mid_block`, `decoder.up_blocks.{i}`), so the
@@ -16,10 +20,9 @@
 
 use std::path::Path;
 
-use denoised_runtime::backend::Rows;
-use denoised_runtime::cpu::attention::{self, Buf, Kv, Seq};
 use denoised_runtime::cpu::conv::{conv2d, group_norm, Conv2dOpts};
-use denoised_runtime::cpu::matmul::{matmul, MatRef};
+use denoised_runtime::cpu::image_attention::image_attention;
+use denoised_runtime::cpu::matmul::MatRef;
 use denoised_runtime::{Error, Result, Tensor};
 
 use super::config::{VaeConfig, GN_EPS, LOGVAR_RANGE};
@@ -222,70 +225,16 @@ impl AutoencoderKL {
     /// attention output in the q columns, then every pixel's K and V (what a template
     /// trace keeps for the sparse VAE).
     pub(super) fn attention_traced(&self, x: &Tensor, a: &Attention) -> Result<(Tensor, Vec<f32>)> {
-        let [b, c, h, w] = dims(x)?;
-        let n = h * w;
         let normed = self.norm(x, &a.norm, false)?;
-        // [B*N, 3C]: each row is one pixel's [q | k | v], starting from the bias.
-        let mut qkv = Vec::with_capacity(b * n * 3 * c);
-        for _ in 0..b * n {
-            qkv.extend_from_slice(a.qkv_b.data());
-        }
-        for i in 0..b {
-            // GN(x)[i] is [C, N]; read as its transpose [N, C] through strides.
-            let xi = &normed.data()[i * c * n..(i + 1) * c * n];
-            matmul(
-                n,
-                3 * c,
-                c,
-                &mut qkv[i * n * 3 * c..(i + 1) * n * 3 * c],
-                3 * c,
-                MatRef::transposed(xi, n),
-                MatRef::row_major(a.qkv_t.data(), 3 * c),
-                true,
-                true,
-            );
-        }
-        let buf = Buf::new(&mut qkv, 3 * c);
-        let seqs: Vec<Seq<'_>> = (0..b)
-            .map(|i| Seq {
-                q: vec![(0, i * n..(i + 1) * n)],
-                kv: vec![Kv {
-                    buf: denoised_runtime::cpu::attention::KvBuf::F32(buf),
-                    k_col: c,
-                    v_col: 2 * c,
-                    rows: Rows::Range(i * n..(i + 1) * n),
-                }],
-            })
-            .collect();
-        attention::validate(&[buf], 0, c, 1, &seqs)
-            .map_err(|e| Error::shape("vae attention", e))?;
-        // The attention output overwrites the q columns in place.
-        attention::attention(&[buf], 0, c, 1, &seqs);
-
-        // out[C, N] = x + b_out + W_out[C, C] @ attnᵀ[C, N], per image.
-        let mut out = x.data().to_vec();
-        for (i, img) in out.chunks_exact_mut(c * n).enumerate() {
-            for (row, bv) in img.chunks_exact_mut(n).zip(a.out_b.data()) {
-                row.iter_mut().for_each(|v| *v += bv);
-            }
-            let attn = &qkv[i * n * 3 * c..(i + 1) * n * 3 * c];
-            matmul(
-                c,
-                n,
-                c,
-                img,
-                n,
-                MatRef::row_major(a.out_w.data(), c),
-                MatRef {
-                    data: attn,
-                    rs: 1,
-                    cs: 3 * c,
-                },
-                true,
-                true,
-            );
-        }
-        Ok((Tensor::new(x.shape().to_vec(), out)?, qkv))
+        let c = a.out_b.len();
+        image_attention(
+            x,
+            &normed,
+            a.qkv_t.data(),
+            a.qkv_b.data(),
+            MatRef::row_major(a.out_w.data(), c),
+            a.out_b.data(),
+        )
     }
 }
 

@@ -24,29 +24,7 @@ use super::simd::{self, multiversion};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-/// Geometry of a [`conv2d`] call.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Conv2dOpts {
-    /// Stride in both directions (at least 1).
-    pub stride: usize,
-    /// Zero padding `[top, bottom, left, right]`, applied after upsampling.
-    pub pad: [usize; 4],
-    /// Upsample the input 2x (nearest neighbour) before the convolution, as diffusers'
-    /// `Upsample2D` does with `F.interpolate(scale_factor=2, mode="nearest")`.
-    pub upsample2x: bool,
-}
-
-impl Conv2dOpts {
-    /// Stride 1 and symmetric padding `k/2`: output size = input size for odd `k`.
-    pub fn same(k: usize) -> Self {
-        let p = k / 2;
-        Conv2dOpts {
-            stride: 1,
-            pad: [p; 4],
-            upsample2x: false,
-        }
-    }
-}
+pub use crate::backend::Conv2dOpts;
 
 /// Elements of the per-band patch matrix to aim for (1 MB of f32: fits in L2 next to
 /// the weight and output tile).

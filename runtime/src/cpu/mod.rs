@@ -6,6 +6,7 @@
 
 pub mod attention;
 pub mod conv;
+pub mod image_attention;
 pub mod matmul;
 pub mod norm;
 pub mod simd;
@@ -17,7 +18,7 @@ use rayon::prelude::*;
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::backend::{AttnSeq, Backend, Modulation, Src};
+use crate::backend::{AttnSeq, Backend, Conv2dOpts, Modulation, Src};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -479,5 +480,43 @@ impl Backend for CpuBackend {
             out.extend_from_slice(&x.row(r)[cols.clone()]);
         }
         Tensor::new([rows.len(), cols.len()], out)
+    }
+
+    fn conv2d(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        opts: Conv2dOpts,
+        add: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        conv::conv2d(x, w, Some(b), opts, add)
+    }
+
+    fn group_norm(
+        &self,
+        x: &Tensor,
+        groups: usize,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f32,
+        silu: bool,
+    ) -> Result<Tensor> {
+        conv::group_norm(x, groups, weight, bias, eps, silu)
+    }
+
+    fn image_attention(
+        &self,
+        x: &Tensor,
+        normed: &Tensor,
+        qkv: &CpuWeight,
+        qkv_b: &Tensor,
+        out: &CpuWeight,
+        out_b: &Tensor,
+    ) -> Result<Tensor> {
+        // `out.t` is `[C_in, C_out]`: its transposed view is the `[C_out, C_in]` matrix.
+        let out_w = matmul::MatRef::transposed(out.t.data(), out.out_features());
+        image_attention::image_attention(x, normed, qkv.t.data(), qkv_b.data(), out_w, out_b.data())
+            .map(|(y, _)| y)
     }
 }

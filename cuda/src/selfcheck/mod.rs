@@ -11,6 +11,8 @@
 //! bf16 for both sides, so what remains is bf16 rounding of outputs and intermediates:
 //! 2^-8 = 3.9e-3 per rounding, a few roundings deep).
 
+mod image;
+
 use std::ops::Range;
 
 use denoised_runtime::backend::{AttnSeq, Backend, KvSource, Modulation, QSpan, Rows, Src};
@@ -94,7 +96,12 @@ pub fn kernels<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
     check_timestep(&mut out, &exec)?;
     check_fused_ln_and_convert(&mut out, &exec)?;
     for dt in [Dt::F32, Dt::Bf16] {
-        check_ops(&mut out, &GpuBackend::new(make()?, dt))?;
+        let gpu = GpuBackend::new(make()?, dt);
+        check_ops(&mut out, &gpu)?;
+        image::check_image_ops(&mut out, &gpu, "")?;
+        // Chunks of a few rows: the patch-matrix and score loops run many times.
+        let small = GpuBackend::new(make()?, dt).with_image_workspace(2048);
+        image::check_image_ops(&mut out, &small, ", chunked")?;
     }
     Ok(out)
 }
