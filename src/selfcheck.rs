@@ -1,5 +1,5 @@
-//! The Flux transformer on the GPU backend against diffusers' reference fixtures, and
-//! the identity invariant on the device, as lists of [`Check`]s (the kernel-level
+//! The Flux transformer and the VAE on the GPU backend against diffusers' reference
+//! fixtures, and the identity invariant on the device, as lists of [`Check`]s (the kernel-level
 //! checks are `denoised_cuda::selfcheck`).
 //!
 //! Tolerances:
@@ -8,6 +8,11 @@
 //!   f32 reference. Weights and every activation are stored in bf16 (8 bits of
 //!   mantissa), through two double and one single block plus the embedders; this is
 //!   the precision diffusers itself runs FLUX at.
+//! - VAE, f32 mode: the fixtures' `strict_atol` (the CPU reference meets it too);
+//!   bf16 mode: max |diff| <= 3% of the output's largest magnitude, the transformer's
+//!   bound: every activation is stored in bf16 (2^-9 relative rounding each) through
+//!   about twenty convolutions and GroupNorms per half, so errors of 1e-2 are expected
+//!   (the emulator measures 0.7-1.4%); a misread patch or a wrong group gives O(1).
 //! - identity invariant (an edit with exactly a capture's inputs, its cached K/V on
 //!   the device, gives the capture's final latent): f32 1e-5 relative, as on the CPU;
 //!   bf16 2e-2 relative.
@@ -27,6 +32,7 @@ use denoised_models::flux::template::{CacheMode, TemplateCache, TemplateLayout};
 use denoised_models::mask::TokenMask;
 use denoised_models::planner::{prefix, Choice};
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
+use denoised_models::vae::{AutoencoderKL, DenseVae};
 use denoised_models::FluxTransformer;
 use denoised_runtime::fixtures::{tiny_model_dir, RefCase, Tier};
 use denoised_runtime::{DType, Error, Result};
@@ -38,6 +44,7 @@ const CASES: [&str; 4] = [
     "transformer_case4_generic_ids",
 ];
 const BF16_REL_TOL: f64 = 3e-2;
+const VAE_BF16_REL_TOL: f64 = 3e-2;
 const IDENTITY_TOL_F32: f64 = 1e-5;
 const IDENTITY_TOL_BF16: f64 = 2e-2;
 /// An fp8 template's edit against its capture: each cached K and V is within 2^-4 of
@@ -74,6 +81,43 @@ pub fn transformer<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> 
                     Check::within(name, "max rel diff", d / scale, BF16_REL_TOL)
                 }
             });
+        }
+    }
+    Ok(out)
+}
+
+/// The dense VAE (both halves) on every reference case, in f32 and bf16. `make`
+/// opens the executor (one per dtype).
+pub fn vae<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
+    let cpu = AutoencoderKL::load(tiny_model_dir().join("vae"))?;
+    let mut out = Vec::new();
+    for dt in [Dt::F32, Dt::Bf16] {
+        let m = DenseVae::new(GpuBackend::new(make()?, dt), &cpu)?;
+        for key in ["vae_case1", "vae_case2"] {
+            let case = RefCase::open(key)?;
+            let (mean, logvar) = m.encode(&case.tensor("image"))?;
+            let decoded = m.decode(&case.tensor("decode_input"))?;
+            for (name, got) in [
+                ("latent_mean", mean),
+                ("latent_logvar", logvar),
+                ("decoded", decoded),
+            ] {
+                let want = case.tensor(name);
+                let d = got.max_abs_diff(&want)? as f64;
+                let label = format!("vae {key} {name} ({dt:?})");
+                out.push(match dt {
+                    Dt::F32 => Check::within(
+                        label,
+                        "max abs diff",
+                        d,
+                        case.atol(name, Tier::Strict) as f64,
+                    ),
+                    Dt::Bf16 => {
+                        let scale = want.data().iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+                        Check::within(label, "max rel diff", d / scale, VAE_BF16_REL_TOL)
+                    }
+                });
+            }
         }
     }
     Ok(out)

@@ -172,3 +172,18 @@ fn emulated_step_workspace_stays_within_the_budget() {
     let e = refusing.step(&[1]).unwrap_err().to_string();
     assert!(e.contains("device budget leaves"), "{e}");
 }
+
+#[test]
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
+fn emulated_gpu_vae_matches_diffusers() {
+    assert_all_pass(&selfcheck::vae(|| Ok(EmuExec::default())).unwrap());
+}
+
+#[test]
+fn gpu_vae_matches_diffusers() {
+    if let Err(e) = CudaExec::new(0) {
+        println!("skipping the GPU run: {e}");
+        return;
+    }
+    assert_all_pass(&selfcheck::vae(cuda0).unwrap());
+}

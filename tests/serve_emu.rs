@@ -181,15 +181,35 @@ fn emu_daemon_equals_the_cli_and_keeps_the_identity_invariant() {
     );
 }
 
+/// Every role that has a device on it (the VAE of the pre- and postprocess workers
+/// follows the denoise worker's device by default) against the all-CPU daemon.
 #[test]
 fn emu_in_f32_equals_the_cpu_daemon_within_one_level() {
     let body = json!({"template_id": "t", "mask": mask_b64(), "prompt": "a cat", "seed": 2});
     let mut imgs = Vec::new();
-    for args in [
-        &["--device", "cpu"][..],
-        &["--device", "emu", "--dtype", "f32"],
+    for (args, device) in [
+        (&["--device", "cpu"][..], "cpu"),
+        (&["--device", "emu", "--dtype", "f32"], "emu"),
     ] {
         let d = Daemon::start(args);
+        let t0 = Instant::now();
+        loop {
+            let (_, ready) = d.get("/readyz");
+            let devices: Vec<(String, String)> = ready["processes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|p| p["role"] != "router" && p["role"] != "cache")
+                .map(|p| (p["role"].to_string(), p["device"].to_string()))
+                .collect();
+            if devices.len() == 3 {
+                let want = format!("\"{device}\"");
+                assert!(devices.iter().all(|(_, d)| *d == want), "{devices:?}");
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "{ready}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
         template(&d, "t", 2);
         imgs.push(png(&edit_image(&edit(&d, body.clone()))));
     }
@@ -206,7 +226,16 @@ fn emu_in_f32_equals_the_cpu_daemon_within_one_level() {
 
 #[test]
 fn twelve_templates_batch_past_eight_on_emu() {
-    let d = Daemon::start(&["--device", "emu"]);
+    // The VAE on the CPU: the emulator's encodes, one preprocess worker's at a time,
+    // would trickle the edits into the denoise worker (this test is about its batch).
+    let d = Daemon::start(&[
+        "--device",
+        "emu",
+        "--preprocess-device",
+        "cpu",
+        "--postprocess-device",
+        "cpu",
+    ]);
     let ids: Vec<String> = (0..12).map(|i| format!("t{i}")).collect();
     for id in &ids {
         template(&d, id, 3);
@@ -295,7 +324,7 @@ fn a_device_too_small_refuses_to_start() {
 }
 
 /// `denoised selftest` as CI can run it: on the emulator, the daemon round trip and
-/// the benchmarks at tiny size (the kernel, transformer and identity parts are the
+/// the benchmarks at tiny size (the kernel, transformer, VAE and identity parts are the
 /// library checks that `cuda/tests/kernels.rs` and `tests/gpu_transformer.rs` run).
 /// A GPU server runs the same command with `--device cuda:0`.
 #[test]

@@ -12,8 +12,9 @@ use crate::budget::{BudgetInputs, DeviceBudget};
 use denoised_models::flux::stepper::{ModelStepper, Stepper};
 use denoised_models::pipeline::flux_fill::{Component, FluxFill, Parts};
 use denoised_models::profile::Profile;
+use denoised_models::vae::{DenseCoder, DenseVae};
 use denoised_models::ModelSource;
-use denoised_runtime::CpuBackend;
+use denoised_runtime::{Backend, CpuBackend};
 
 /// The most text tokens of a request (T5's `max_sequence_length` limit).
 const MAX_TEXT_TOKENS: usize = 512;
@@ -141,6 +142,41 @@ pub fn place(
     }
 }
 
+/// Puts the dense VAE halves `pipeline` holds on `device` (a pre- or postprocess
+/// worker's: its own process and CUDA context), in `dtype`.
+pub fn place_vae(
+    device: DeviceSpec,
+    dtype: Dt,
+    pipeline: &mut FluxFill<CpuBackend>,
+) -> Result<(), String> {
+    let coder: std::sync::Arc<dyn DenseCoder> = match device {
+        DeviceSpec::Emu => {
+            let exec = EmuExec::open().map_err(|e| e.to_string())?;
+            std::sync::Arc::new(vae_on(GpuBackend::new(exec, dtype), pipeline)?)
+        }
+        DeviceSpec::Cuda(n) => {
+            let exec = CudaExec::new(n).map_err(|e| format!("cuda:{n}: {e}"))?;
+            exec.warm_up().map_err(|e| format!("cuda:{n}: {e}"))?;
+            std::sync::Arc::new(vae_on(GpuBackend::new(exec, dtype), pipeline)?)
+        }
+        DeviceSpec::Cpu => return Ok(()),
+        DeviceSpec::Auto => {
+            return Err("device `auto` must be resolved before placing the VAE".into())
+        }
+    };
+    tracing::info!("VAE on {}", coder.device());
+    pipeline.place_vae(coder);
+    Ok(())
+}
+
+fn vae_on<E: Exec + 'static>(
+    backend: GpuBackend<E>,
+    pipeline: &FluxFill<CpuBackend>,
+) -> Result<DenseVae<GpuBackend<E>>, String> {
+    let name = backend.name();
+    DenseVae::new(backend, &pipeline.vae).map_err(|e| format!("loading the VAE on {name}: {e}"))
+}
+
 fn on_gpu<E: Exec + 'static>(
     source: &ModelSource,
     exec: E,
@@ -243,6 +279,10 @@ pub fn components(host: &FluxFill<CpuBackend>, placed: Option<&Placed>) -> Vec<C
 pub struct Placement {
     /// The device of each denoise worker, by index.
     pub denoise: Vec<DeviceSpec>,
+    /// The device of each preprocess worker's VAE encoder, by index.
+    pub preprocess: Vec<DeviceSpec>,
+    /// The device of each postprocess worker's VAE decoder, by index.
+    pub postprocess: Vec<DeviceSpec>,
     /// Threads of each CPU compute process.
     pub threads: usize,
 }
@@ -274,17 +314,61 @@ pub fn place_workers(
             .collect::<Result<_, _>>()?,
     };
     config.workers.denoise = denoise.len();
-    let on_cpu = config.workers.preprocess
-        + config.workers.postprocess
-        + denoise
-            .iter()
-            .filter(|d| !matches!(d, DeviceSpec::Cuda(_)))
-            .count();
+    let w = &config.workers;
+    let preprocess = stage_devices(
+        "preprocess_device",
+        &w.preprocess_device,
+        w.preprocess,
+        &denoise,
+    )?;
+    let postprocess = stage_devices(
+        "postprocess_device",
+        &w.postprocess_device,
+        w.postprocess,
+        &denoise,
+    )?;
+    // The emulator computes on the CPU's cores too.
+    let on_cpu = [&preprocess, &postprocess, &denoise]
+        .iter()
+        .flat_map(|v| v.iter())
+        .filter(|d| !matches!(d, DeviceSpec::Cuda(_)))
+        .count();
     let threads = match config.device.threads {
         0 => cores.div_ceil(on_cpu.max(1)).max(1),
         n => n,
     };
-    Ok(Placement { denoise, threads })
+    Ok(Placement {
+        denoise,
+        preprocess,
+        postprocess,
+        threads,
+    })
+}
+
+/// The devices of `count` pre- or postprocess workers: `auto` follows the denoise
+/// worker of the same index (the last one's, beyond their count); anything else is
+/// one device for all of them.
+fn stage_devices(
+    key: &str,
+    spec: &str,
+    count: usize,
+    denoise: &[DeviceSpec],
+) -> Result<Vec<DeviceSpec>, String> {
+    if spec.trim() == "auto" {
+        return Ok((0..count)
+            .map(|i| denoise[i.min(denoise.len().saturating_sub(1))])
+            .collect());
+    }
+    let parsed: DeviceSpec = spec
+        .parse()
+        .map_err(|e| format!("[workers] {key} = \"{spec}\": {e}"))?;
+    let resolved = denoised_cuda::resolve(parsed).map_err(|e| format!("[workers] {key}: {e}"))?;
+    let one = match resolved {
+        denoised_cuda::Resolved::Cpu => DeviceSpec::Cpu,
+        denoised_cuda::Resolved::Emu => DeviceSpec::Emu,
+        denoised_cuda::Resolved::Cuda(g) => DeviceSpec::Cuda(g.ordinal),
+    };
+    Ok(vec![one; count])
 }
 
 #[cfg(test)]
@@ -308,6 +392,24 @@ mod tests {
         let p = place_workers(&mut c, 2).unwrap();
         assert_eq!(p.denoise, [DeviceSpec::Emu, DeviceSpec::Emu]);
         assert_eq!((c.workers.denoise, p.threads), (2, 1));
+        // The VAE workers follow the denoise worker of their index by default.
+        assert_eq!(
+            (p.preprocess.clone(), p.postprocess.clone()),
+            (vec![DeviceSpec::Emu], vec![DeviceSpec::Emu])
+        );
+        c.workers.preprocess = 3;
+        c.workers.postprocess_device = "cpu".into();
+        let p = place_workers(&mut c, 8).unwrap();
+        assert_eq!(p.preprocess, [DeviceSpec::Emu; 3]);
+        assert_eq!(p.postprocess, [DeviceSpec::Cpu]);
+        assert_eq!(
+            p.threads, 2,
+            "8 cores over 2 + 3 + 1 CPU or emulator processes"
+        );
+        c.workers.preprocess_device = "gpu0".into();
+        let e = place_workers(&mut c, 8).unwrap_err();
+        assert!(e.contains("preprocess_device"), "{e}");
+        c.workers.preprocess_device = "auto".into();
         c.device.dtype = "fp8".into();
         assert!(place_workers(&mut c, 2).unwrap_err().contains("fp8"));
     }

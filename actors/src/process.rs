@@ -82,6 +82,10 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
     let pc = &env.config.pipeline;
     pipeline.sparse_vae = SparseVae::new(pc.sparse_vae, pc.sparse_vae_trace_bytes as usize);
     pipeline.prompts = PromptCache::new(pc.prompt_cache_bytes as usize);
+    if matches!(env.role, Role::Preprocess | Role::Postprocess) && device != DeviceSpec::Cpu {
+        let dt = device::parse_dtype(&env.config.device.dtype)?;
+        device::place_vae(device, dt, &mut pipeline)?;
+    }
     let mut profile = None;
     let placed = match env.role {
         Role::Denoise => {
@@ -180,18 +184,25 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                 }
             }
         };
+        // A pre- or postprocess worker's device is its VAE's (the placement's).
+        let vae_device = (matches!(role, Role::Preprocess | Role::Postprocess)
+            && env.device != "cpu")
+            .then(|| (env.device.clone(), env.config.device.dtype.clone()));
         let info = WorkerInfo {
             name: env.name(),
             role: role.name().into(),
             device: loaded
                 .as_ref()
                 .and_then(|l| l.placed.as_ref())
-                .map_or_else(|| "cpu".into(), |p| p.device.clone()),
+                .map(|p| p.device.clone())
+                .or_else(|| vae_device.as_ref().map(|v| v.0.clone()))
+                .unwrap_or_else(|| "cpu".into()),
             dtype: loaded
                 .as_ref()
                 .and_then(|l| l.placed.as_ref())
-                .map_or("f32", |p| p.dtype)
-                .into(),
+                .map(|p| p.dtype.to_string())
+                .or_else(|| vae_device.as_ref().map(|v| v.1.clone()))
+                .unwrap_or_else(|| "f32".into()),
             threads: env.threads as u32,
             components: loaded
                 .as_ref()

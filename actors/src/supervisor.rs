@@ -291,7 +291,9 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
             shm_dir: shm_dir.clone(),
             device: match role {
                 Role::Denoise => placement.denoise[index].to_string(),
-                _ => "cpu".into(),
+                Role::Preprocess => placement.preprocess[index].to_string(),
+                Role::Postprocess => placement.postprocess[index].to_string(),
+                Role::Router | Role::Cache => "cpu".into(),
             },
             threads: placement.threads,
             incarnation,

@@ -193,6 +193,12 @@ impl Default for ServerConfig {
 pub struct WorkersConfig {
     pub preprocess: usize,
     pub postprocess: usize,
+    /// Where the preprocess workers run the VAE encoder: `auto` (the device of the
+    /// denoise worker with the same index: its GPU, or the emulator, or the CPU),
+    /// `cpu`, `emu` or `cuda:N`. Each device worker has its own process and context.
+    pub preprocess_device: String,
+    /// The same for the postprocess workers' VAE decoder.
+    pub postprocess_device: String,
     /// Denoise workers: one per GPU; on a CPU-only machine, 1.
     pub denoise: usize,
     /// Bytes of the shared-memory arena of the router, preprocess and postprocess
@@ -211,6 +217,8 @@ impl Default for WorkersConfig {
         WorkersConfig {
             preprocess: 1,
             postprocess: 1,
+            preprocess_device: "auto".into(),
+            postprocess_device: "auto".into(),
             denoise: 1,
             arena_bytes: 256 << 20,
             denoise_arena_bytes: 1 << 30,

@@ -32,6 +32,12 @@ pub struct ServeArgs {
     /// runs one per GPU).
     #[arg(long, env = "DENOISED_DENOISE_WORKERS")]
     pub denoise_workers: Option<usize>,
+    /// `[workers] preprocess_device`: where the VAE encoder runs (auto, cpu, emu, cuda:N).
+    #[arg(long, env = "DENOISED_PREPROCESS_DEVICE")]
+    pub preprocess_device: Option<String>,
+    /// `[workers] postprocess_device`: where the VAE decoder runs (auto, cpu, emu, cuda:N).
+    #[arg(long, env = "DENOISED_POSTPROCESS_DEVICE")]
+    pub postprocess_device: Option<String>,
     /// `[denoise] batching`: continuous or static.
     #[arg(long, env = "DENOISED_BATCHING")]
     pub batching: Option<String>,
@@ -111,6 +117,12 @@ impl ServeArgs {
         }
         if let Some(n) = self.denoise_workers {
             c.workers.denoise = n;
+        }
+        if let Some(d) = &self.preprocess_device {
+            c.workers.preprocess_device = d.clone();
+        }
+        if let Some(d) = &self.postprocess_device {
+            c.workers.postprocess_device = d.clone();
         }
         if let Some(s) = self.sparse_vae {
             c.pipeline.sparse_vae = s;

@@ -28,7 +28,7 @@ use crate::scheduler::{FlowMatchEuler, SchedulerConfig};
 use crate::source::{ModelSource, BUILTIN_SEED};
 use crate::text::{ClipTextConfig, ClipTextModel, ClipTokenizer, T5Config, T5Encoder, T5Tokenizer};
 use crate::vae::sparse::Half;
-use crate::vae::{AutoencoderKL, VaeConfig, VaeHalves};
+use crate::vae::{AutoencoderKL, DenseCoder, VaeConfig, VaeHalves};
 
 /// Per-request options, with FluxFillPipeline's defaults.
 #[derive(Clone, Debug)]
@@ -190,6 +190,9 @@ pub struct FluxFill<B: Backend<Tensor = Tensor>> {
     transformer: Option<Arc<FluxTransformer<B>>>,
     /// The VAE's config and the halves this process loaded.
     pub vae: AutoencoderKL,
+    /// The same halves on a device, when the process has one ([`Self::place_vae`]):
+    /// every dense encode and decode runs there.
+    vae_device: Option<Arc<dyn DenseCoder>>,
     text: Option<TextEncoders>,
     pub scheduler: SchedulerConfig,
     /// Identity of the weights, recorded in template caches.
@@ -370,6 +373,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             config,
             transformer,
             vae,
+            vae_device: None,
             text,
             scheduler,
             fingerprint,
@@ -377,6 +381,45 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             sparse_vae: SparseVae::default(),
             prompts: PromptCache::default(),
         })
+    }
+
+    /// Runs every dense VAE pass on `device` from now on (a pre- or postprocess worker
+    /// on a GPU). The sparse passes of template edits are CPU-only so far, and a CPU
+    /// sparse pass does not beat a device's dense one, so with a device they are off
+    /// whatever `sparse_vae` says, and captures record no traces
+    /// ([`Self::sparse_vae_on`]).
+    pub fn place_vae(&mut self, device: Arc<dyn DenseCoder>) {
+        self.vae_device = Some(device);
+    }
+
+    /// Whether template edits may run the VAE sparse: `[pipeline] sparse_vae = "auto"`
+    /// and no device VAE.
+    pub fn sparse_vae_on(&self) -> bool {
+        self.vae_device.is_none()
+            && self.sparse_vae.setting == crate::pipeline::sparse_vae::SparseVaeSetting::Auto
+    }
+
+    /// Where the dense VAE passes run: the device's name, or `cpu`.
+    pub fn vae_device(&self) -> String {
+        self.vae_device
+            .as_ref()
+            .map_or_else(|| "cpu".into(), |d| d.device())
+    }
+
+    /// The dense encode, on the device when there is one.
+    pub(crate) fn vae_encode(&self, image: &Tensor) -> Result<(Tensor, Tensor)> {
+        match &self.vae_device {
+            Some(d) => d.encode(image),
+            None => self.vae.encode(image),
+        }
+    }
+
+    /// The dense decode, on the device when there is one.
+    pub(crate) fn vae_decode(&self, z: &Tensor) -> Result<Tensor> {
+        match &self.vae_device {
+            Some(d) => d.decode(z),
+            None => self.vae.decode(z),
+        }
     }
 
     /// The transformer, or an error naming the role split when this process did not
@@ -529,7 +572,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             vae_trace = Some(trace.to_record(Half::Encoder));
             self.vae.latent_dist(&trace.output().to_tensor())?
         } else {
-            self.vae.encode(&masked)?
+            self.vae_encode(&masked)?
         };
         let std = AutoencoderKL::std_from_logvar(&logvar);
         let eps = match &noise.posterior_eps {
@@ -607,7 +650,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             cfg.shift(),
             cfg.scale(),
         )?;
-        self.vae.decode(&Tensor::new(
+        self.vae_decode(&Tensor::new(
             [1, cfg.latent_channels, height / vsf, width / vsf],
             z,
         )?)

@@ -223,8 +223,8 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         stored: Option<&HostSlice>,
     ) -> Result<((Tensor, Tensor), VaePass)> {
         let sv = &self.sparse_vae;
-        if sv.setting == SparseVaeSetting::Off {
-            return Ok((self.vae.encode(masked)?, VaePass::Dense));
+        if !self.sparse_vae_on() {
+            return Ok((self.vae_encode(masked)?, VaePass::Dense));
         }
         let diff: Vec<bool> = pixel_diff(masked, full);
         let shape = [masked.shape()[1], masked.shape()[2], masked.shape()[3]];
@@ -232,7 +232,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             .vae
             .plan_sparse(Half::Encoder, shape, &diff, keep, sv.encoder)?;
         if plan.report.fraction() > SPARSE_MAX_MAC_FRACTION {
-            return Ok((self.vae.encode(masked)?, VaePass::Dense));
+            return Ok((self.vae_encode(masked)?, VaePass::Dense));
         }
         let key = (content_hash(full.shape(), full.data()), Half::Encoder);
         let traced = sv
@@ -241,7 +241,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 self.vae.trace_encode(full)
             })?;
         let Some((trace, pass)) = traced else {
-            return Ok((self.vae.encode(masked)?, VaePass::Dense));
+            return Ok((self.vae_encode(masked)?, VaePass::Dense));
         };
         let moments = self.vae.run_sparse(&plan, masked, &trace)?;
         Ok((self.vae.latent_dist(&moments)?, pass))
@@ -263,9 +263,8 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     ) -> Result<(Tensor, VaePass)> {
         let (w, h) = (mask.width, mask.height);
         let sv = &self.sparse_vae;
-        let template = template.filter(|t| {
-            paste_back && sv.setting == SparseVaeSetting::Auto && t.len() == latents.len()
-        });
+        let template =
+            template.filter(|t| paste_back && self.sparse_vae_on() && t.len() == latents.len());
         let Some(template) = template else {
             return Ok((self.decode_packed(latents, cols, w, h)?, VaePass::Dense));
         };
@@ -305,10 +304,10 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     /// [`SPARSE_MAX_MAC_FRACTION`] of the dense pass. A capture records only the traces
     /// that can pay (a small image under a large receptive field never runs sparse).
     pub fn sparse_vae_can_pay(&self, half: Half, width: usize, height: usize) -> Result<bool> {
-        let sv = &self.sparse_vae;
-        if sv.setting == SparseVaeSetting::Off {
+        if !self.sparse_vae_on() {
             return Ok(false);
         }
+        let sv = &self.sparse_vae;
         let vsf = self.vae_scale_factor();
         let (rows, cols) = (height / vsf / 2, width / vsf / 2);
         let token = (rows / 2) * cols + cols / 2;

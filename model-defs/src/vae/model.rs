@@ -267,7 +267,12 @@ fn dims(x: &Tensor) -> Result<[usize; 4]> {
 }
 
 /// Checks a model input's rank and channel count, and that it is finite-sized.
-fn check_input(op: &'static str, x: &Tensor, channels: usize, field: &str) -> Result<()> {
+pub(super) fn check_input(
+    op: &'static str,
+    x: &Tensor,
+    channels: usize,
+    field: &str,
+) -> Result<()> {
     let [b, c, h, w] = dims(x).map_err(|_| {
         Error::shape(
             op,
