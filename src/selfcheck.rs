@@ -13,6 +13,8 @@
 //!   bound: every activation is stored in bf16 (2^-9 relative rounding each) through
 //!   about twenty convolutions and GroupNorms per half, so errors of 1e-2 are expected
 //!   (the emulator measures 0.7-1.4%); a misread patch or a wrong group gives O(1).
+//! - text encoders (CLIP, T5): as the VAE, strict atol in f32 and 3% in bf16 (every
+//!   activation stored in bf16 through 2-24 pre-norm blocks).
 //! - identity invariant (an edit with exactly a capture's inputs, its cached K/V on
 //!   the device, gives the capture's final latent): f32 1e-5 relative, as on the CPU;
 //!   bf16 2e-2 relative.
@@ -32,6 +34,8 @@ use denoised_models::flux::template::{CacheMode, TemplateCache, TemplateLayout};
 use denoised_models::mask::TokenMask;
 use denoised_models::planner::{prefix, Choice};
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
+use denoised_models::text::device::{ClipOn, T5On};
+use denoised_models::text::{ClipTextModel, T5Encoder};
 use denoised_models::vae::{AutoencoderKL, DenseVae};
 use denoised_models::FluxTransformer;
 use denoised_runtime::fixtures::{tiny_model_dir, RefCase, Tier};
@@ -44,6 +48,7 @@ const CASES: [&str; 4] = [
     "transformer_case4_generic_ids",
 ];
 const BF16_REL_TOL: f64 = 3e-2;
+/// The VAE's and the text encoders' bf16 bound (see the module comment).
 const VAE_BF16_REL_TOL: f64 = 3e-2;
 const IDENTITY_TOL_F32: f64 = 1e-5;
 const IDENTITY_TOL_BF16: f64 = 2e-2;
@@ -92,7 +97,7 @@ pub fn vae<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
     let cpu = AutoencoderKL::load(tiny_model_dir().join("vae"))?;
     let mut out = Vec::new();
     for dt in [Dt::F32, Dt::Bf16] {
-        let m = DenseVae::new(GpuBackend::new(make()?, dt), &cpu)?;
+        let m = DenseVae::new(Arc::new(GpuBackend::new(make()?, dt)), &cpu)?;
         for key in ["vae_case1", "vae_case2"] {
             let case = RefCase::open(key)?;
             let (mean, logvar) = m.encode(&case.tensor("image"))?;
@@ -103,24 +108,84 @@ pub fn vae<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
                 ("decoded", decoded),
             ] {
                 let want = case.tensor(name);
-                let d = got.max_abs_diff(&want)? as f64;
                 let label = format!("vae {key} {name} ({dt:?})");
-                out.push(match dt {
-                    Dt::F32 => Check::within(
-                        label,
-                        "max abs diff",
-                        d,
-                        case.atol(name, Tier::Strict) as f64,
-                    ),
-                    Dt::Bf16 => {
-                        let scale = want.data().iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
-                        Check::within(label, "max rel diff", d / scale, VAE_BF16_REL_TOL)
-                    }
-                });
+                out.push(compare(
+                    &label,
+                    dt,
+                    &got,
+                    &want,
+                    case.atol(name, Tier::Strict),
+                ));
             }
         }
     }
     Ok(out)
+}
+
+/// CLIP and T5 on every prompt of the reference case, in f32 and bf16, at the VAE's
+/// bounds (strict atol in f32; 3% of the largest magnitude in bf16). `make` opens the
+/// executor (one per dtype).
+pub fn text_encoders<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
+    let dir = tiny_model_dir();
+    let clip = Arc::new(ClipTextModel::load(dir.join("text_encoder"))?);
+    let t5 = Arc::new(T5Encoder::load(dir.join("text_encoder_2"))?);
+    let case = RefCase::open("text_encoders")?;
+    let ids = |name: &str| case.file().tensor_i64(name);
+    let (clip_ids, t5_ids) = (ids("clip_input_ids")?, ids("t5_input_ids")?);
+    let prompts = case.tensor("clip_pooled").shape()[0];
+    let mut out = Vec::new();
+    for dt in [Dt::F32, Dt::Bf16] {
+        let backend = Arc::new(GpuBackend::new(make()?, dt));
+        let c = ClipOn::new(backend.clone(), clip.clone())?;
+        let t = T5On::new(backend, t5.clone())?;
+        let (mut hidden, mut pooled, mut t5_hidden) = (Vec::new(), Vec::new(), Vec::new());
+        for row in clip_ids.chunks_exact(clip_ids.len() / prompts) {
+            let (h, p) = c.forward(row)?;
+            hidden.extend_from_slice(h.data());
+            pooled.extend_from_slice(&p);
+        }
+        for row in t5_ids.chunks_exact(t5_ids.len() / prompts) {
+            t5_hidden.extend_from_slice(t.forward(row)?.data());
+        }
+        for (name, got) in [
+            ("clip_last_hidden_state", hidden),
+            ("clip_pooled", pooled),
+            ("t5_last_hidden_state", t5_hidden),
+        ] {
+            let want = case.tensor(name);
+            let got = denoised_runtime::Tensor::new(want.shape().to_vec(), got)?;
+            out.push(compare(
+                &format!("{name} ({dt:?})"),
+                dt,
+                &got,
+                &want,
+                case.atol(name, Tier::Strict),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// `got` against `want`: max abs diff within `atol` in f32, max diff within
+/// [`VAE_BF16_REL_TOL`] of the largest magnitude in bf16.
+fn compare(
+    name: &str,
+    dt: Dt,
+    got: &denoised_runtime::Tensor,
+    want: &denoised_runtime::Tensor,
+    atol: f32,
+) -> Check {
+    let d = match got.max_abs_diff(want) {
+        Ok(d) => d as f64,
+        Err(e) => return Check::fail(name.into(), e.to_string()),
+    };
+    match dt {
+        Dt::F32 => Check::within(name.into(), "max abs diff", d, atol as f64),
+        Dt::Bf16 => {
+            let scale = want.data().iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+            Check::within(name.into(), "max rel diff", d / scale, VAE_BF16_REL_TOL)
+        }
+    }
 }
 
 /// The diffusers end-to-end case's denoiser inputs (256 image tokens).

@@ -187,3 +187,18 @@ fn gpu_vae_matches_diffusers() {
     }
     assert_all_pass(&selfcheck::vae(cuda0).unwrap());
 }
+
+#[test]
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
+fn emulated_gpu_text_encoders_match_transformers() {
+    assert_all_pass(&selfcheck::text_encoders(|| Ok(EmuExec::default())).unwrap());
+}
+
+#[test]
+fn gpu_text_encoders_match_transformers() {
+    if let Err(e) = CudaExec::new(0) {
+        println!("skipping the GPU run: {e}");
+        return;
+    }
+    assert_all_pass(&selfcheck::text_encoders(cuda0).unwrap());
+}

@@ -12,9 +12,11 @@ use crate::budget::{BudgetInputs, DeviceBudget};
 use denoised_models::flux::stepper::{ModelStepper, Stepper};
 use denoised_models::pipeline::flux_fill::{Component, FluxFill, Parts};
 use denoised_models::profile::Profile;
-use denoised_models::vae::{DenseCoder, DenseVae};
+use denoised_models::text::device::{ClipOn, T5On, TextOn};
+use denoised_models::vae::DenseVae;
 use denoised_models::ModelSource;
 use denoised_runtime::{Backend, CpuBackend};
+use std::sync::Arc;
 
 /// The most text tokens of a request (T5's `max_sequence_length` limit).
 const MAX_TEXT_TOKENS: usize = 512;
@@ -142,39 +144,48 @@ pub fn place(
     }
 }
 
-/// Puts the dense VAE halves `pipeline` holds on `device` (a pre- or postprocess
-/// worker's: its own process and CUDA context), in `dtype`.
-pub fn place_vae(
+/// Puts what a pre- or postprocess worker's `pipeline` computes on `device` (the
+/// worker's own process and CUDA context), in `dtype`: the VAE halves it holds, and the
+/// text encoders if it holds them, on one backend.
+pub fn place_stages(
     device: DeviceSpec,
     dtype: Dt,
     pipeline: &mut FluxFill<CpuBackend>,
 ) -> Result<(), String> {
-    let coder: std::sync::Arc<dyn DenseCoder> = match device {
+    match device {
         DeviceSpec::Emu => {
             let exec = EmuExec::open().map_err(|e| e.to_string())?;
-            std::sync::Arc::new(vae_on(GpuBackend::new(exec, dtype), pipeline)?)
+            stages_on(Arc::new(GpuBackend::new(exec, dtype)), pipeline)
         }
         DeviceSpec::Cuda(n) => {
             let exec = CudaExec::new(n).map_err(|e| format!("cuda:{n}: {e}"))?;
             exec.warm_up().map_err(|e| format!("cuda:{n}: {e}"))?;
-            std::sync::Arc::new(vae_on(GpuBackend::new(exec, dtype), pipeline)?)
+            stages_on(Arc::new(GpuBackend::new(exec, dtype)), pipeline)
         }
-        DeviceSpec::Cpu => return Ok(()),
-        DeviceSpec::Auto => {
-            return Err("device `auto` must be resolved before placing the VAE".into())
-        }
-    };
-    tracing::info!("VAE on {}", coder.device());
-    pipeline.place_vae(coder);
-    Ok(())
+        DeviceSpec::Cpu => Ok(()),
+        DeviceSpec::Auto => Err("device `auto` must be resolved before placing a model".into()),
+    }
 }
 
-fn vae_on<E: Exec + 'static>(
-    backend: GpuBackend<E>,
-    pipeline: &FluxFill<CpuBackend>,
-) -> Result<DenseVae<GpuBackend<E>>, String> {
+fn stages_on<E: Exec + 'static>(
+    backend: Arc<GpuBackend<E>>,
+    pipeline: &mut FluxFill<CpuBackend>,
+) -> Result<(), String> {
     let name = backend.name();
-    DenseVae::new(backend, &pipeline.vae).map_err(|e| format!("loading the VAE on {name}: {e}"))
+    let err = |what: &str, e: denoised_runtime::Error| format!("loading {what} on {name}: {e}");
+    let vae = DenseVae::new(backend.clone(), &pipeline.vae).map_err(|e| err("the VAE", e))?;
+    pipeline.place_vae(Arc::new(vae));
+    let mut placed = vec!["VAE"];
+    if let Ok(t) = pipeline.text() {
+        let text = TextOn {
+            clip: ClipOn::new(backend.clone(), t.clip.clone()).map_err(|e| err("CLIP", e))?,
+            t5: T5On::new(backend, t.t5.clone()).map_err(|e| err("T5", e))?,
+        };
+        pipeline.place_text(Arc::new(text));
+        placed.extend(["CLIP", "T5"]);
+    }
+    tracing::info!("{} on {name}", placed.join(", "));
+    Ok(())
 }
 
 fn on_gpu<E: Exec + 'static>(

@@ -84,7 +84,7 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
     pipeline.prompts = PromptCache::new(pc.prompt_cache_bytes as usize);
     if matches!(env.role, Role::Preprocess | Role::Postprocess) && device != DeviceSpec::Cpu {
         let dt = device::parse_dtype(&env.config.device.dtype)?;
-        device::place_vae(device, dt, &mut pipeline)?;
+        device::place_stages(device, dt, &mut pipeline)?;
     }
     let mut profile = None;
     let placed = match env.role {

@@ -196,6 +196,7 @@ struct ImgParams {
     int oh, ow, kh, kw, stride, pad_t, pad_l, up;  // convolution geometry
     int p0, rows, cols, ld;                      // a block of rows (pixels, scores)
     int groups, splits, silu;
+    int causal, ldy;                             // softmax_rows, copy2d
     float eps, scale;
 };
 

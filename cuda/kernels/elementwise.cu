@@ -69,6 +69,28 @@ DEV void convert_n(const EwParams& p) {
     GRID_STRIDE(i, p.n) { y[i] = from_f32<D>(to_f32(x[i])); }
 }
 
+// T5's gated-GELU: y[r, c] = gelu_tanh(x[r, c]) * x[r, cols + c] over [rows, cols],
+// x being [rows, 2*cols] (`wi_0 | wi_1`, fused).
+template <class T>
+DEV void gated_gelu_rows(const EwParams& p) {
+    const T* x = (const T*)p.x;
+    T* y = (T*)p.y;
+    GRID_STRIDE(i, (long long)p.rows * p.cols) {
+        long long r = i / p.cols, c = i % p.cols;
+        const T* xr = x + r * 2 * p.cols;
+        y[i] = from_f32<T>(gelu_tanh_f(to_f32(xr[c])) * to_f32(xr[p.cols + c]));
+    }
+}
+// CLIP's quick_gelu in place: x * sigmoid(1.702 x), n elements.
+template <class T>
+DEV void quick_gelu_n(const EwParams& p) {
+    T* x = (T*)p.x;
+    GRID_STRIDE(i, p.n) {
+        float v = to_f32(x[i]);
+        x[i] = from_f32<T>(v * (1.0f / (1.0f + __expf(-1.702f * v))));
+    }
+}
+
 #define EW_KERNEL(name, impl, T)                                   \
     extern "C" __global__ void name(const EwParams p) { impl<T>(p); } \
     EMU_EXPORT(name, EwParams)
@@ -83,6 +105,10 @@ EW_KERNEL(gated_residual_f32, gated_residual_rows, float)
 EW_KERNEL(gated_residual_bf16, gated_residual_rows, bf16)
 EW_KERNEL(axpy_cols_f32, axpy_cols_k, float)
 EW_KERNEL(axpy_cols_bf16, axpy_cols_k, bf16)
+EW_KERNEL(gated_gelu_f32, gated_gelu_rows, float)
+EW_KERNEL(gated_gelu_bf16, gated_gelu_rows, bf16)
+EW_KERNEL(quick_gelu_f32, quick_gelu_n, float)
+EW_KERNEL(quick_gelu_bf16, quick_gelu_n, bf16)
 
 extern "C" __global__ void convert_f32_bf16(const EwParams p) { convert_n<float, bf16>(p); }
 EMU_EXPORT(convert_f32_bf16, EwParams)

@@ -1,5 +1,6 @@
 // Image kernels: the VAE's convolutions, GroupNorm and mid-block attention on NHWC
-// activations (see ImgParams in common.cuh). With pixels as rows, a convolution is
+// activations (see ImgParams in common.cuh), and the row softmax and block copies of
+// the dense attentions (the VAE's, and the text encoders'). With pixels as rows, a convolution is
 // one GEMM over a patch matrix and a 1x1 convolution is a Linear; these kernels build
 // the patch matrices, normalise, and do the attention's softmax and transposes. The
 // GEMMs are the executor's (cuBLASLt on a GPU). CPU references:
@@ -141,8 +142,10 @@ EMU_EXPORT(gn_apply_f32, ImgParams)
 extern "C" __global__ void gn_apply_bf16(const ImgParams p) { gn_apply<bf16>(p); }
 EMU_EXPORT(gn_apply_bf16, ImgParams)
 
-// Softmax of each of `rows` rows of x [rows, cols] in place, of the scores times
-// p.scale, in f32: one warp per row (a row is a query's scores over every key).
+// Softmax of each of `rows` rows of x [rows, cols] in place, in f32, of the scores
+// times p.scale plus, when p.bias is set, an additive bias of the same shape
+// (T5's position bias, in the tensor dtype). With p.causal, row r sees columns 0 ..=
+// p0 + r only (CLIP) and the rest become 0. One warp per row (a query's scores).
 template <class T>
 DEV void softmax_rows(const ImgParams& p) {
     int warps = blockDim.x / 32;
@@ -150,13 +153,18 @@ DEV void softmax_rows(const ImgParams& p) {
     int lane = threadIdx.x % 32;
     if (r >= p.rows) return;  // whole warp; only warp reductions follow
     T* x = (T*)p.x + r * p.cols;
+    const T* bias = p.bias ? (const T*)p.bias + r * p.cols : (const T*)0;
+    const int n = p.causal ? (int)(p.p0 + r + 1 < p.cols ? p.p0 + r + 1 : p.cols) : p.cols;
     float m = -3.4e38f;
-    for (int c = lane; c < p.cols; c += 32) m = fmaxf(m, to_f32(x[c]) * p.scale);
+    for (int c = lane; c < n; c += 32) m = fmaxf(m, to_f32(x[c]) * p.scale + (bias ? to_f32(bias[c]) : 0.f));
     m = warp_max(m);
     float sum = 0.f;
-    for (int c = lane; c < p.cols; c += 32) sum += __expf(to_f32(x[c]) * p.scale - m);
+    for (int c = lane; c < n; c += 32) sum += __expf(to_f32(x[c]) * p.scale + (bias ? to_f32(bias[c]) : 0.f) - m);
     const float inv = 1.0f / warp_sum(sum);
-    for (int c = lane; c < p.cols; c += 32) x[c] = from_f32<T>(__expf(to_f32(x[c]) * p.scale - m) * inv);
+    for (int c = lane; c < p.cols; c += 32) {
+        float v = c < n ? __expf(to_f32(x[c]) * p.scale + (bias ? to_f32(bias[c]) : 0.f) - m) * inv : 0.f;
+        x[c] = from_f32<T>(v);
+    }
 }
 extern "C" __global__ void softmax_rows_f32(const ImgParams p) { softmax_rows<float>(p); }
 EMU_EXPORT(softmax_rows_f32, ImgParams)
@@ -178,3 +186,19 @@ extern "C" __global__ void transpose_f32(const ImgParams p) { transpose<float>(p
 EMU_EXPORT(transpose_f32, ImgParams)
 extern "C" __global__ void transpose_bf16(const ImgParams p) { transpose<bf16>(p); }
 EMU_EXPORT(transpose_bf16, ImgParams)
+
+// y[r * ldy + c] = x[r * ld + c] for r < rows, c < cols: a column block of one
+// row-major matrix into another's (addresses already offset to the blocks).
+template <class T>
+DEV void copy2d(const ImgParams& p) {
+    const T* x = (const T*)p.x;
+    T* y = (T*)p.y;
+    IMG_STRIDE(i, (long long)p.rows * p.cols) {
+        long long r = i / p.cols, c = i % p.cols;
+        y[r * p.ldy + c] = x[r * p.ld + c];
+    }
+}
+extern "C" __global__ void copy2d_f32(const ImgParams p) { copy2d<float>(p); }
+EMU_EXPORT(copy2d_f32, ImgParams)
+extern "C" __global__ void copy2d_bf16(const ImgParams p) { copy2d<bf16>(p); }
+EMU_EXPORT(copy2d_bf16, ImgParams)

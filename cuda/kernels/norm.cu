@@ -106,3 +106,42 @@ extern "C" __global__ void gather_f32(const GatherParams p) { gather<float>(p); 
 EMU_EXPORT(gather_f32, GatherParams)
 extern "C" __global__ void gather_bf16(const GatherParams p) { gather<bf16>(p); }
 EMU_EXPORT(gather_bf16, GatherParams)
+
+// The text encoders' row norms, one warp per row, f32 math, LnModParams with `scale`
+// and `shift` as [width] vectors (no segments): LayerNorm with affine weight and bias
+// (CLIP), and RMSNorm with weight, `w * x / sqrt(mean(x^2) + eps)` (T5).
+template <class T, bool RMS>
+DEV void row_norm(const LnModParams& p) {
+    int warps = blockDim.x / 32;
+    int r = blockIdx.x * warps + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (r >= p.rows) return;
+    const T* x = (const T*)p.x + (long long)r * p.width;
+    T* out = (T*)p.out + (long long)r * p.width;
+    const T* w = (const T*)p.scale;
+    const T* b = (const T*)p.shift;
+    float mean = 0.f;
+    if (!RMS) {
+        float sum = 0.f;
+        for (int c = lane; c < p.width; c += 32) sum += to_f32(x[c]);
+        mean = warp_sum(sum) / p.width;
+    }
+    float sq = 0.f;
+    for (int c = lane; c < p.width; c += 32) {
+        float d = to_f32(x[c]) - mean;
+        sq += d * d;
+    }
+    float rstd = rsqrtf(warp_sum(sq) / p.width + p.eps);
+    for (int c = lane; c < p.width; c += 32) {
+        float v = (to_f32(x[c]) - mean) * rstd * to_f32(w[c]);
+        out[c] = from_f32<T>(RMS ? v : v + to_f32(b[c]));
+    }
+}
+extern "C" __global__ void ln_affine_f32(const LnModParams p) { row_norm<float, false>(p); }
+EMU_EXPORT(ln_affine_f32, LnModParams)
+extern "C" __global__ void ln_affine_bf16(const LnModParams p) { row_norm<bf16, false>(p); }
+EMU_EXPORT(ln_affine_bf16, LnModParams)
+extern "C" __global__ void rms_norm_f32(const LnModParams p) { row_norm<float, true>(p); }
+EMU_EXPORT(rms_norm_f32, LnModParams)
+extern "C" __global__ void rms_norm_bf16(const LnModParams p) { row_norm<bf16, true>(p); }
+EMU_EXPORT(rms_norm_bf16, LnModParams)

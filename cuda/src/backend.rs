@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use denoised_runtime::backend::{stacked_shape, AttnSeq, Backend, Modulation};
-use denoised_runtime::Conv2dOpts;
+use denoised_runtime::{Conv2dOpts, TextMask};
 use denoised_runtime::{DType, Error, HostMemory, HostSlice, Result, SlabProvider, Stored, Tensor};
 
 use crate::exec::{Dt, Exec, Gemm, Grid};
@@ -868,5 +868,38 @@ impl<E: Exec> Backend for GpuBackend<E> {
         out_b: &GpuTensor<E>,
     ) -> Result<GpuTensor<E>> {
         self.image_attention_rows(x, normed, qkv, qkv_b, out, out_b)
+    }
+
+    fn layer_norm_affine(
+        &self,
+        x: &GpuTensor<E>,
+        weight: &GpuTensor<E>,
+        bias: &GpuTensor<E>,
+        eps: f64,
+    ) -> Result<GpuTensor<E>> {
+        self.row_norm(x, weight, Some(bias), eps)
+    }
+
+    fn rms_norm(&self, x: &GpuTensor<E>, weight: &GpuTensor<E>, eps: f64) -> Result<GpuTensor<E>> {
+        self.row_norm(x, weight, None, eps)
+    }
+
+    fn gated_gelu(&self, x: &GpuTensor<E>) -> Result<GpuTensor<E>> {
+        self.gated_gelu_rows(x)
+    }
+
+    fn quick_gelu(&self, x: &mut GpuTensor<E>) -> Result<()> {
+        self.quick_gelu_n(x)
+    }
+
+    fn text_attention(
+        &self,
+        qkv: &GpuTensor<E>,
+        heads: usize,
+        head_dim: usize,
+        scale: f32,
+        mask: TextMask<'_, GpuTensor<E>>,
+    ) -> Result<GpuTensor<E>> {
+        self.text_attention_heads(qkv, heads, head_dim, scale, mask)
     }
 }

@@ -151,6 +151,8 @@ pub struct ImgParams {
     pub groups: i32,
     pub splits: i32,
     pub silu: i32,
+    pub causal: i32,
+    pub ldy: i32,
     pub eps: f32,
     pub scale: f32,
 }

@@ -311,7 +311,11 @@ fn timing_512() {
 fn dense_vae_on_the_cpu_backend_is_the_reference_model() {
     use denoised_models::vae::DenseVae;
     let vae = model();
-    let dense = DenseVae::new(denoised_runtime::CpuBackend::new(), &vae).unwrap();
+    let dense = DenseVae::new(
+        std::sync::Arc::new(denoised_runtime::CpuBackend::new()),
+        &vae,
+    )
+    .unwrap();
     for key in ["vae_case1", "vae_case2"] {
         let case = RefCase::open(key).unwrap();
         let (image, z) = (case.tensor("image"), case.tensor("decode_input"));

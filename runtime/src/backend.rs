@@ -365,6 +365,35 @@ pub trait Backend: Send + Sync {
         out_b: &Self::Tensor,
     ) -> Result<Self::Tensor>;
 
+    // Text-encoder ops (T5, CLIP): the rows of a matrix are the tokens of one prompt.
+
+    /// LayerNorm of each row with affine `weight` and `bias` `[width]` (CLIP).
+    fn layer_norm_affine(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Tensor,
+        bias: &Self::Tensor,
+        eps: f64,
+    ) -> Result<Self::Tensor>;
+    /// RMSNorm of each row with `weight` `[width]`: `w * x / sqrt(mean(x²) + eps)` (T5).
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f64) -> Result<Self::Tensor>;
+    /// T5's gated-GELU of the fused `[rows, 2f]` `wi_0 | wi_1` output: `gelu_tanh(left) *
+    /// right`, `[rows, f]`.
+    fn gated_gelu(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+    /// CLIP's quick_gelu, `x * sigmoid(1.702 x)`, in place.
+    fn quick_gelu(&self, x: &mut Self::Tensor) -> Result<()>;
+    /// `softmax(scale · q kᵀ + mask) v` per head over one sequence, from the fused
+    /// `[len, 3 * heads * head_dim]` `q | k | v` rows; `[len, heads * head_dim]`, heads
+    /// side by side.
+    fn text_attention(
+        &self,
+        qkv: &Self::Tensor,
+        heads: usize,
+        head_dim: usize,
+        scale: f32,
+        mask: TextMask<'_, Self::Tensor>,
+    ) -> Result<Self::Tensor>;
+
     /// Builds a matrix from rows `rows` of column block `cols` of `x` (used to take
     /// K/V out of fused projections for the template cache).
     fn gather_cols(
@@ -373,6 +402,15 @@ pub trait Backend: Send + Sync {
         rows: Range<usize>,
         cols: Range<usize>,
     ) -> Result<Self::Tensor>;
+}
+
+/// How a text encoder's attention scores are adjusted before the softmax.
+#[derive(Clone, Copy, Debug)]
+pub enum TextMask<'a, T> {
+    /// CLIP: token i sees tokens 0..=i.
+    Causal,
+    /// T5: an additive `[heads * len, len]` bias (its relative position bias).
+    Bias(&'a T),
 }
 
 /// Geometry of a 2-D convolution ([`Backend::conv2d`]; the kernel size is the

@@ -21,6 +21,7 @@ pub mod weights;
 
 pub use backend::{
     AttnSeq, Backend, Conv2dOpts, KvSource, Modulation, QSpan, Rows, SlabProvider, SlabShape, Src,
+    TextMask,
 };
 pub use cpu::CpuBackend;
 pub use error::{Error, Result};

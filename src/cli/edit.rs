@@ -151,9 +151,10 @@ fn load_pipeline(c: &Common) -> CliResult<(FluxFill<CpuBackend>, Placed)> {
     let placed = device::place(&c.model, device, c.device.dtype()?, &p, limits)?;
     if device != DeviceSpec::Cpu {
         eprintln!("transformer on {} ({})", placed.device, placed.dtype);
-        // The VAE too, as the daemon's pre- and postprocess workers place it by default.
-        device::place_vae(device, c.device.dtype()?, &mut p)?;
-        eprintln!("VAE on {}", p.vae_device());
+        // The VAE and the text encoders too, as the daemon's pre- and postprocess
+        // workers place them by default.
+        device::place_stages(device, c.device.dtype()?, &mut p)?;
+        eprintln!("VAE, CLIP and T5 on {}", p.vae_device());
     }
     Ok((p, placed))
 }

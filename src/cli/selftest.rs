@@ -4,6 +4,7 @@
 //! - `kernels`: every kernel against the CPU backend, f32 and bf16;
 //! - `transformer`: the transformer against diffusers' fixtures, f32 and bf16;
 //! - `vae`: the VAE's dense encode and decode against diffusers' fixtures, f32 and bf16;
+//! - `text`: CLIP and T5 against transformers' fixtures, f32 and bf16;
 //! - `identity`: the identity invariant with the template resident and streamed;
 //! - `daemon`: a real `denoised serve` on the device, over HTTP: a template, an edit
 //!   whose pixels outside the mask are untouched, and the identity invariant through
@@ -12,7 +13,7 @@
 //!   text tokens), full and mask-aware at m = 0.1, 0.2, 0.4 (seeded weights);
 //! - `bench-attn`: the masked-query attention op at FLUX.1's shape.
 //!
-//! The first four are the library checks the test suite runs on the emulator
+//! The first five are the library checks the test suite runs on the emulator
 //! (`denoised_cuda::selfcheck`, `denoised::selfcheck`), so a GPU is held to exactly
 //! what CI holds the emulator to. `--device emu` runs everything on the emulator,
 //! with the benchmarks at the tiny model's size (their timings mean nothing there):
@@ -39,16 +40,18 @@ pub enum Part {
     Kernels,
     Transformer,
     Vae,
+    Text,
     Identity,
     Daemon,
     BenchStep,
     BenchAttn,
 }
 
-const ALL: [Part; 7] = [
+const ALL: [Part; 8] = [
     Part::Kernels,
     Part::Transformer,
     Part::Vae,
+    Part::Text,
     Part::Identity,
     Part::Daemon,
     Part::BenchStep,
@@ -194,6 +197,8 @@ fn run_part(part: Part, target: Target) -> CliResult<Vec<Check>> {
         (Part::Transformer, Target::Cuda(n)) => model_checks::transformer(|| cuda(n))?,
         (Part::Vae, Target::Emu) => model_checks::vae(emu)?,
         (Part::Vae, Target::Cuda(n)) => model_checks::vae(|| cuda(n))?,
+        (Part::Text, Target::Emu) => model_checks::text_encoders(emu)?,
+        (Part::Text, Target::Cuda(n)) => model_checks::text_encoders(|| cuda(n))?,
         (Part::Identity, Target::Emu) => model_checks::identity(emu)?,
         (Part::Identity, Target::Cuda(n)) => model_checks::identity(|| cuda(n))?,
         (Part::Daemon, t) => daemon(t)?,

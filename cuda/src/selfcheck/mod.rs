@@ -12,6 +12,7 @@
 //! 2^-8 = 3.9e-3 per rounding, a few roundings deep).
 
 mod image;
+mod text;
 
 use std::ops::Range;
 
@@ -99,6 +100,7 @@ pub fn kernels<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
         let gpu = GpuBackend::new(make()?, dt);
         check_ops(&mut out, &gpu)?;
         image::check_image_ops(&mut out, &gpu, "")?;
+        text::check_text_ops(&mut out, &gpu)?;
         // Chunks of a few rows: the patch-matrix and score loops run many times.
         let small = GpuBackend::new(make()?, dt).with_image_workspace(2048);
         image::check_image_ops(&mut out, &small, ", chunked")?;

@@ -26,6 +26,7 @@ use crate::flux::{FluxConfig, FluxTransformer};
 use crate::mask::TokenMask;
 use crate::scheduler::{FlowMatchEuler, SchedulerConfig};
 use crate::source::{ModelSource, BUILTIN_SEED};
+use crate::text::device::PromptEncoder;
 use crate::text::{ClipTextConfig, ClipTextModel, ClipTokenizer, T5Config, T5Encoder, T5Tokenizer};
 use crate::vae::sparse::Half;
 use crate::vae::{AutoencoderKL, DenseCoder, VaeConfig, VaeHalves};
@@ -112,9 +113,11 @@ pub struct Prepared {
 /// The text side of the pipeline: both tokenizers and both encoders.
 pub struct TextEncoders {
     pub clip_tokenizer: ClipTokenizer,
-    pub clip: ClipTextModel,
+    /// Shared with a device copy's model ([`FluxFill::place_text`] keeps the
+    /// embeddings on the host).
+    pub clip: Arc<ClipTextModel>,
     pub t5_tokenizer: T5Tokenizer,
-    pub t5: T5Encoder,
+    pub t5: Arc<T5Encoder>,
 }
 
 /// Which components a process loads. Each serving role loads only what it computes
@@ -193,6 +196,8 @@ pub struct FluxFill<B: Backend<Tensor = Tensor>> {
     /// The same halves on a device, when the process has one ([`Self::place_vae`]):
     /// every dense encode and decode runs there.
     vae_device: Option<Arc<dyn DenseCoder>>,
+    /// Both text encoders on a device, when the process has one ([`Self::place_text`]).
+    text_device: Option<Arc<dyn PromptEncoder>>,
     text: Option<TextEncoders>,
     pub scheduler: SchedulerConfig,
     /// Identity of the weights, recorded in template caches.
@@ -213,9 +218,9 @@ fn seeded_text(clip: ClipTextConfig, t5: T5Config, seed: u64) -> Result<TextEnco
             CLIP_MERGES,
             Some(CLIP_TOKENIZER_CONFIG),
         )?,
-        clip: ClipTextModel::seeded(clip, seed ^ 2)?,
+        clip: Arc::new(ClipTextModel::seeded(clip, seed ^ 2)?),
         t5_tokenizer: T5Tokenizer::from_parts(T5_TOKENIZER, Some(T5_TOKENIZER_CONFIG))?,
-        t5: T5Encoder::seeded(t5, seed ^ 3)?,
+        t5: Arc::new(T5Encoder::seeded(t5, seed ^ 3)?),
     })
 }
 
@@ -298,9 +303,9 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 let text = if parts.text {
                     Some(TextEncoders {
                         clip_tokenizer: ClipTokenizer::from_dir(d.join("tokenizer"))?,
-                        clip: ClipTextModel::load(d.join("text_encoder"))?,
+                        clip: Arc::new(ClipTextModel::load(d.join("text_encoder"))?),
                         t5_tokenizer: T5Tokenizer::from_dir(d.join("tokenizer_2"))?,
-                        t5: T5Encoder::load(d.join("text_encoder_2"))?,
+                        t5: Arc::new(T5Encoder::load(d.join("text_encoder_2"))?),
                     })
                 } else {
                     None
@@ -374,6 +379,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             transformer,
             vae,
             vae_device: None,
+            text_device: None,
             text,
             scheduler,
             fingerprint,
@@ -390,6 +396,11 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     /// ([`Self::sparse_vae_on`]).
     pub fn place_vae(&mut self, device: Arc<dyn DenseCoder>) {
         self.vae_device = Some(device);
+    }
+
+    /// Runs both text encoders on `device` from now on (a preprocess worker on a GPU).
+    pub fn place_text(&mut self, device: Arc<dyn PromptEncoder>) {
+        self.text_device = Some(device);
     }
 
     /// Whether template edits may run the VAE sparse: `[pipeline] sparse_vae = "auto"`
@@ -514,8 +525,13 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         let t5_ids = text.t5_tokenizer.encode(prompt, max_sequence_length)?;
         t.tokenize_s += t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let (_, pooled) = text.clip.forward(&clip_ids.ids)?;
-        let embeds = text.t5.forward(&t5_ids.ids)?;
+        let (pooled, embeds) = match &self.text_device {
+            Some(d) => (d.clip(&clip_ids.ids)?.1, d.t5(&t5_ids.ids)?),
+            None => (
+                text.clip.forward(&clip_ids.ids)?.1,
+                text.t5.forward(&t5_ids.ids)?,
+            ),
+        };
         t.encode_text_s += t1.elapsed().as_secs_f64();
         let truncated = clip_ids.truncated() || t5_ids.truncated();
         let e = PromptEmbedding {

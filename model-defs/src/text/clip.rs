@@ -13,6 +13,8 @@ use std::path::Path;
 use denoised_runtime::{Error, Result, Tensor, WeightStore};
 use serde::{Deserialize, Serialize};
 
+use denoised_runtime::cpu::text::quick_gelu;
+
 use super::ops::{
     attention, embed, layer_norm, load_tensor, load_vec, read_json, Linear, Mask, Qkv,
 };
@@ -132,28 +134,28 @@ impl ClipTextConfig {
     }
 }
 
-struct ClipLayer {
-    ln1_w: Vec<f32>,
-    ln1_b: Vec<f32>,
+pub(super) struct ClipLayer {
+    pub(super) ln1_w: Vec<f32>,
+    pub(super) ln1_b: Vec<f32>,
     /// `q_proj|k_proj|v_proj` fused: `[3d, d]`.
-    qkv: Linear,
-    out: Linear,
-    ln2_w: Vec<f32>,
-    ln2_b: Vec<f32>,
-    fc1: Linear,
-    fc2: Linear,
+    pub(super) qkv: Linear,
+    pub(super) out: Linear,
+    pub(super) ln2_w: Vec<f32>,
+    pub(super) ln2_b: Vec<f32>,
+    pub(super) fc1: Linear,
+    pub(super) fc2: Linear,
 }
 
 /// `CLIPTextModel` with float32 CPU weights.
 pub struct ClipTextModel {
-    config: ClipTextConfig,
-    token_embedding: Tensor,
-    position_embedding: Tensor,
-    layers: Vec<ClipLayer>,
-    final_w: Vec<f32>,
-    final_b: Vec<f32>,
+    pub(super) config: ClipTextConfig,
+    pub(super) token_embedding: Tensor,
+    pub(super) position_embedding: Tensor,
+    pub(super) layers: Vec<ClipLayer>,
+    pub(super) final_w: Vec<f32>,
+    pub(super) final_b: Vec<f32>,
     /// Bytes of the weights held (f32, on the host).
-    weight_bytes: u64,
+    pub(super) weight_bytes: u64,
 }
 
 /// Checkpoints name parameters `text_model.…` (every published CLIP, and FLUX);
@@ -324,9 +326,7 @@ impl ClipTextModel {
 
             let h = layer_norm(&x, d, &l.ln2_w, &l.ln2_b, c.layer_norm_eps);
             let mut f = l.fc1.forward(&h);
-            // quick_gelu, written as transformers does: x * sigmoid(1.702 * x).
-            f.iter_mut()
-                .for_each(|v| *v *= 1.0 / (1.0 + (-1.702f32 * *v).exp()));
+            f.iter_mut().for_each(|v| *v = quick_gelu(*v));
             add_into(&mut x, &l.fc2.forward(&f));
         }
         let x = layer_norm(&x, d, &self.final_w, &self.final_b, c.layer_norm_eps);

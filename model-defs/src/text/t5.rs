@@ -14,6 +14,8 @@ use std::path::Path;
 use denoised_runtime::{Error, Result, Tensor, WeightStore};
 use serde::{Deserialize, Serialize};
 
+use denoised_runtime::cpu::text::gelu_new;
+
 use super::ops::{attention, embed, load_tensor, load_vec, read_json, rms_norm, Linear, Mask, Qkv};
 use crate::flux::weights::{Counting, Seeded, Source};
 
@@ -171,27 +173,27 @@ impl T5Config {
     }
 }
 
-struct T5Block {
-    attn_norm: Vec<f32>,
+pub(super) struct T5Block {
+    pub(super) attn_norm: Vec<f32>,
     /// `q|k|v` fused: `[3*inner, d_model]`, no bias.
-    qkv: Linear,
-    o: Linear,
-    ff_norm: Vec<f32>,
+    pub(super) qkv: Linear,
+    pub(super) o: Linear,
+    pub(super) ff_norm: Vec<f32>,
     /// `wi_0|wi_1` fused: `[2*d_ff, d_model]`.
-    wi: Linear,
-    wo: Linear,
+    pub(super) wi: Linear,
+    pub(super) wo: Linear,
 }
 
 /// `T5EncoderModel` (v1.1) with float32 CPU weights.
 pub struct T5Encoder {
-    config: T5Config,
-    embedding: Tensor,
+    pub(super) config: T5Config,
+    pub(super) embedding: Tensor,
     /// `[num_buckets, num_heads]`, from block 0.
-    relative_bias: Tensor,
-    blocks: Vec<T5Block>,
-    final_norm: Vec<f32>,
+    pub(super) relative_bias: Tensor,
+    pub(super) blocks: Vec<T5Block>,
+    pub(super) final_norm: Vec<f32>,
     /// Bytes of the weights held (f32, on the host).
-    weight_bytes: u64,
+    pub(super) weight_bytes: u64,
 }
 
 const SHARED: &str = "shared.weight";
@@ -357,14 +359,6 @@ impl T5Encoder {
         let x = rms_norm(&x, d, &self.final_norm, eps);
         Tensor::new([len, d], x)
     }
-}
-
-/// transformers' `NewGELUActivation`: `0.5 x (1 + tanh(sqrt(2/π)(x + 0.044715 x³)))`,
-/// evaluated in f64 and rounded once.
-fn gelu_new(x: f32) -> f32 {
-    let x = x as f64;
-    let c = (2.0 / std::f64::consts::PI).sqrt();
-    (0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())) as f32
 }
 
 fn add_into(x: &mut [f32], y: &[f32]) {

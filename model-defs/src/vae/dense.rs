@@ -7,6 +7,8 @@
 //! model stays the reference and keeps what only it has: observers, traces and the
 //! sparse passes of an edit.
 
+use std::sync::Arc;
+
 use denoised_runtime::{Backend, Conv2dOpts, Error, Result, Tensor};
 
 use super::config::{VaeConfig, GN_EPS};
@@ -58,7 +60,8 @@ struct Coder<T, W> {
 
 /// The VAE's halves on a backend (either may be absent, as in [`VaeWeights`]).
 pub struct DenseVae<B: Backend> {
-    backend: B,
+    /// Shared with the other models of the process on the same device.
+    backend: Arc<B>,
     config: VaeConfig,
     encoder: Option<Coder<B::Tensor, B::Weight>>,
     decoder: Option<Coder<B::Tensor, B::Weight>>,
@@ -66,9 +69,9 @@ pub struct DenseVae<B: Backend> {
 
 impl<B: Backend> DenseVae<B> {
     /// Uploads the halves `vae` holds to `backend`.
-    pub fn new(backend: B, vae: &AutoencoderKL) -> Result<Self> {
+    pub fn new(backend: Arc<B>, vae: &AutoencoderKL) -> Result<Self> {
         let w: &VaeWeights = vae.weights();
-        let up = Uploader { b: &backend };
+        let up = Uploader { b: &*backend };
         let encoder = w.encoder.as_ref().map(|c| up.coder(c)).transpose()?;
         let decoder = w.decoder.as_ref().map(|c| up.coder(c)).transpose()?;
         Ok(DenseVae {

@@ -12,13 +12,14 @@ pub mod norm;
 pub mod simd;
 pub mod sparse_conv;
 pub mod stream;
+pub mod text;
 
 use rayon::prelude::*;
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::backend::{AttnSeq, Backend, Conv2dOpts, Modulation, Src};
+use crate::backend::{AttnSeq, Backend, Conv2dOpts, Modulation, Src, TextMask};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -518,5 +519,101 @@ impl Backend for CpuBackend {
         let out_w = matmul::MatRef::transposed(out.t.data(), out.out_features());
         image_attention::image_attention(x, normed, qkv.t.data(), qkv_b.data(), out_w, out_b.data())
             .map(|(y, _)| y)
+    }
+
+    fn layer_norm_affine(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f64,
+    ) -> Result<Tensor> {
+        let (_, d) = matrix_dims("layer_norm_affine", x)?;
+        check_vec("layer_norm_affine", d, &[weight, bias])?;
+        Tensor::new(
+            x.shape().to_vec(),
+            text::layer_norm(x.data(), d, weight.data(), bias.data(), eps),
+        )
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+        let (_, d) = matrix_dims("rms_norm", x)?;
+        check_vec("rms_norm", d, &[weight])?;
+        Tensor::new(
+            x.shape().to_vec(),
+            text::rms_norm(x.data(), d, weight.data(), eps),
+        )
+    }
+
+    fn gated_gelu(&self, x: &Tensor) -> Result<Tensor> {
+        let (rows, w2) = matrix_dims("gated_gelu", x)?;
+        if w2 % 2 != 0 {
+            return Err(Error::shape("gated_gelu", format!("odd width {w2}")));
+        }
+        let f = w2 / 2;
+        let mut out = Vec::with_capacity(rows * f);
+        for r in x.data().chunks_exact(w2) {
+            let (gate, lin) = r.split_at(f);
+            out.extend(gate.iter().zip(lin).map(|(&g, &l)| text::gelu_new(g) * l));
+        }
+        Tensor::new([rows, f], out)
+    }
+
+    fn quick_gelu(&self, x: &mut Tensor) -> Result<()> {
+        x.data_mut()
+            .iter_mut()
+            .for_each(|v| *v = text::quick_gelu(*v));
+        Ok(())
+    }
+
+    fn text_attention(
+        &self,
+        qkv: &Tensor,
+        heads: usize,
+        head_dim: usize,
+        scale: f32,
+        mask: TextMask<'_, Tensor>,
+    ) -> Result<Tensor> {
+        let (len, w) = matrix_dims("text_attention", qkv)?;
+        let inner = heads * head_dim;
+        let bias_ok = match mask {
+            TextMask::Bias(b) => b.shape() == [heads * len, len],
+            TextMask::Causal => true,
+        };
+        if w != 3 * inner || !bias_ok {
+            return Err(Error::shape(
+                "text_attention",
+                format!(
+                    "q|k|v {:?} for {heads} heads of {head_dim}, or a bias of another shape",
+                    qkv.shape()
+                ),
+            ));
+        }
+        let x = text::Qkv {
+            data: qkv.data(),
+            rs: w,
+            q: 0,
+            k: inner,
+            v: 2 * inner,
+        };
+        let mask = match mask {
+            TextMask::Causal => text::Mask::Causal,
+            TextMask::Bias(b) => text::Mask::Bias(b.data()),
+        };
+        Tensor::new(
+            [len, inner],
+            text::attention(x, len, heads, head_dim, scale, mask),
+        )
+    }
+}
+
+/// Each of `vs` is a `[d]` vector.
+fn check_vec(op: &'static str, d: usize, vs: &[&Tensor]) -> Result<()> {
+    match vs.iter().find(|v| v.shape() != [d]) {
+        Some(v) => Err(Error::shape(
+            op,
+            format!("a [{d}] vector, got {:?}", v.shape()),
+        )),
+        None => Ok(()),
     }
 }
