@@ -76,17 +76,33 @@ const PROMPT: &str = "a blue ceramic teapot on a wooden table";
 
 #[test]
 fn edit_matches_diffusers_through_the_cli() {
+    // On the CPU, and with every model (CLIP, T5, VAE, transformer) on the emulated GPU
+    // backend in f32.
+    for device in [
+        &["--device", "cpu"][..],
+        &["--device", "emu", "--dtype", "f32"],
+    ] {
+        edit_matches_diffusers_on(device);
+    }
+}
+
+fn edit_matches_diffusers_on(device: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.png");
     let model = fixtures().join("flux-fill-tiny");
-    ok(&[
+    let (image, mask, noise) = (
+        case("e2e_input.png"),
+        case("e2e_mask.png"),
+        case("e2e.safetensors"),
+    );
+    let mut args = vec![
         "edit",
         "--model",
         s(&model),
         "--image",
-        s(&case("e2e_input.png")),
+        s(&image),
         "--mask",
-        s(&case("e2e_mask.png")),
+        s(&mask),
         "--prompt",
         PROMPT,
         "--steps",
@@ -96,15 +112,17 @@ fn edit_matches_diffusers_through_the_cli() {
         "--max-sequence-length",
         "32",
         "--noise",
-        s(&case("e2e.safetensors")),
+        s(&noise),
         "--no-paste-back",
         "--out",
         s(&out),
-    ]);
+    ];
+    args.extend_from_slice(device);
+    ok(&args);
     let (got, want) = (png(&out), png(&case("e2e_output.png")));
     let (worst, off) = got.level_diff(&want);
     println!(
-        "CLI vs diffusers: max level diff {worst}, {off} of {} values differ",
+        "CLI {device:?} vs diffusers: max level diff {worst}, {off} of {} values differ",
         got.data.len()
     );
     assert!(worst <= 1, "max level diff {worst}");
