@@ -508,3 +508,37 @@ fn bad_inputs_give_clear_errors() {
     assert!(success, "{stderr}");
     assert!(png(&out).width == 64);
 }
+
+/// `bench-pipeline --device` times every stage wherever the models are placed: on the
+/// CPU and with every model on the emulated GPU backend (whose timings mean nothing;
+/// this checks that each stage ran there and was timed).
+#[test]
+fn bench_pipeline_times_every_stage_on_any_device() {
+    for (device, dtype) in [("cpu", "f32"), ("emu", "bf16")] {
+        let (success, stdout, stderr) = denoised(&[
+            "bench-pipeline",
+            "--device",
+            device,
+            "--dtype",
+            dtype,
+            "--size",
+            "64",
+            "--steps",
+            "2",
+            "--max-sequence-length",
+            "32",
+        ]);
+        assert!(success, "{stderr}");
+        let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        assert_eq!(
+            (v["device"].as_str(), v["dtype"].as_str()),
+            (Some(device), Some(dtype)),
+            "{v}"
+        );
+        for stage in ["encode_text_s", "vae_encode_s", "denoise_s", "vae_decode_s"] {
+            let secs = v[stage].as_f64().unwrap_or(0.0);
+            assert!(secs > 0.0, "{stage} in {v}");
+        }
+        println!("{device}: {v}");
+    }
+}

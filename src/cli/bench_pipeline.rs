@@ -1,18 +1,21 @@
 //! `denoised bench-pipeline`: per-stage timings of a whole edit (tokenize, encode text,
 //! VAE encode, denoise, VAE decode, PNG encode) with seeded components, on a random
-//! image and an irregular mask. One JSON line.
+//! image and an irregular mask, on any device. One JSON line.
 
 use std::time::Instant;
 
-use denoised_models::flux::edit::{run_to_end, DeviceTemplates, Job, Mode};
+use std::sync::Arc;
+
+use denoised_actors::device::{self, StepLimits};
+use denoised_models::flux::edit::Mode;
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::TokenMask;
-use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Timings};
+use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Parts, Timings};
 use denoised_models::pipeline::image::{encode_png, Mask, Rgb8};
 use denoised_models::ModelSource;
 use denoised_runtime::CpuBackend;
 
-use super::{CliResult, DeviceArgs};
+use super::{CliResult, ModelDeviceArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -29,8 +32,10 @@ pub struct Args {
     /// T5 sequence length.
     #[arg(long, default_value_t = 512)]
     pub max_sequence_length: usize,
+    /// Where every model runs (`--device cuda:0` puts CLIP, T5, the VAE and the
+    /// transformer on the GPU, as a daemon's workers place them), in `--dtype`.
     #[command(flatten)]
-    pub device: DeviceArgs,
+    pub device: ModelDeviceArgs,
     /// Time the VAE alone, dense against spatially sparse (SIGE), encode and decode
     /// per mask ratio and mode, instead of the whole edit (CPU only).
     #[arg(long)]
@@ -82,15 +87,27 @@ pub fn run(a: Args) -> CliResult {
     if a.sparse_vae {
         return super::bench_sparse_vae::run(&a);
     }
-    let backend: CpuBackend = a.device.cpu_backend()?;
-    let t0 = Instant::now();
-    let p = match a.pipeline.as_str() {
-        "builtin" => FluxFill::load(&ModelSource::Builtin, backend)?,
-        "flux-small" => FluxFill::seeded_small(backend, 0)?,
+    let source = match a.pipeline.as_str() {
+        "builtin" => ModelSource::Builtin,
+        "flux-small" => ModelSource::BuiltinSmall,
         other => return Err(format!("unknown --pipeline `{other}`: builtin or flux-small").into()),
     };
-    let load_s = t0.elapsed().as_secs_f64();
+    let (spec, dt) = (a.device.spec()?, a.device.dtype()?);
     let n = a.size;
+    let t0 = Instant::now();
+    let parts = device::host_parts(spec, Parts::ALL);
+    let mut p = FluxFill::load_parts(&source, CpuBackend::new(), parts)?;
+    p.limits.max_pixels = p.limits.max_pixels.max(n * n);
+    let limits = StepLimits {
+        max_batch: 1,
+        token_budget: 1,
+        max_pixels: n * n,
+        host_template_bytes: u64::MAX,
+        resident_template_bytes: 0,
+    };
+    let mut placed = device::place(&source, spec, dt, &p, limits)?;
+    device::place_stages(spec, dt, &mut p)?;
+    let load_s = t0.elapsed().as_secs_f64();
     let mut rng = SplitMix::new(5);
     let image = random_image(n, &mut rng);
     // An irregular mask covering about 20% of the image, drawn at token resolution.
@@ -114,9 +131,12 @@ pub fn run(a: Args) -> CliResult {
     )?;
     let schedule = p.schedule(a.steps, n, n)?;
     let d0 = Instant::now();
-    let model = p.transformer()?;
-    let job = Job::new(model, &prep.inputs, schedule, Mode::Full)?;
-    let (latents, _) = run_to_end(model, job, &DeviceTemplates::new())?;
+    let st = &mut placed.stepper;
+    st.admit(0, &prep.inputs, Arc::new(schedule), Mode::Full)?;
+    while !st.done(0) {
+        st.step(&[0])?;
+    }
+    let (latents, _) = st.finish(0)?;
     t.denoise_s = d0.elapsed().as_secs_f64();
     let out = p.finish(&prep, &latents, &opts, &mut t)?;
     let e0 = Instant::now();
@@ -125,6 +145,8 @@ pub fn run(a: Args) -> CliResult {
     let mut v = serde_json::to_value(&t)?;
     if let Some(o) = v.as_object_mut() {
         o.insert("pipeline".into(), a.pipeline.clone().into());
+        o.insert("device".into(), placed.device.clone().into());
+        o.insert("dtype".into(), placed.dtype.into());
         o.insert("size".into(), n.into());
         o.insert("image_tokens".into(), (tr * tc).into());
         o.insert("steps".into(), a.steps.into());
