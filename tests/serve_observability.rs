@@ -136,11 +136,10 @@ impl Prometheus {
             .replace("evaluation_interval: 15s", "evaluation_interval: 1s");
         std::fs::write(dir.path().join("prometheus.yml"), config).unwrap();
         std::fs::copy(repo("deploy/alerts.yml"), dir.path().join("alerts.yml")).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        // A port outside the ephemeral range, which no outgoing connection can take
+        // before Prometheus binds it.
+        let port =
+            denoised_actors::supervisor::free_port(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
         let child = Command::new(tool("prometheus").unwrap())
             .arg(format!(
                 "--config.file={}",

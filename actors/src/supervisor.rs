@@ -167,8 +167,9 @@ fn random_bytes<const N: usize>() -> [u8; N] {
 /// `:0` listener may take it in between ("Address already in use" at the router's
 /// start, seen in CI with several daemons at once). So the pick is a random free port
 /// just below the ephemeral range (`net.ipv4.ip_local_port_range`), which the kernel
-/// never hands out by itself.
-fn free_port(ip: std::net::IpAddr) -> Result<u16, String> {
+/// never hands out by itself. (Also for tests that start other servers beside a
+/// daemon, e.g. a Prometheus.)
+pub fn free_port(ip: std::net::IpAddr) -> Result<u16, String> {
     let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
