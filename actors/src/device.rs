@@ -6,7 +6,7 @@
 //! device in `[device] dtype`, bf16 by default; on the CPU it computes in f32 and
 //! shares the weights with the CPU stages of the same process.
 
-use denoised_cuda::{CudaExec, DeviceSpec, Dt, EmuExec, Exec, GpuBackend};
+use denoised_cuda::{CudaExec, DeviceSpec, Dt, EmuExec, Exec, GpuBackend, Priority};
 
 use crate::budget::{BudgetInputs, DeviceBudget};
 use denoised_models::flux::stepper::{ModelStepper, Stepper};
@@ -158,7 +158,7 @@ pub fn place_stages(
             stages_on(Arc::new(GpuBackend::new(exec, dtype)), pipeline)
         }
         DeviceSpec::Cuda(n) => {
-            let exec = CudaExec::new(n).map_err(|e| format!("cuda:{n}: {e}"))?;
+            let exec = CudaExec::open(n, Priority::Low).map_err(|e| format!("cuda:{n}: {e}"))?;
             exec.warm_up().map_err(|e| format!("cuda:{n}: {e}"))?;
             stages_on(Arc::new(GpuBackend::new(exec, dtype)), pipeline)
         }

@@ -123,9 +123,27 @@ impl Drop for Blas {
     }
 }
 
+/// The priority of an executor's compute stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Priority {
+    /// The denoise loop.
+    High,
+    /// Pre- and postprocessing (text encoders, VAE) beside it.
+    Low,
+}
+
 impl CudaExec {
-    /// Opens device `ordinal`: context, streams, pool, staging, cuBLASLt.
+    /// Opens device `ordinal`: context, streams, pool, staging, cuBLASLt. Its compute
+    /// stream has the device's highest priority: the denoise loop's.
     pub fn new(ordinal: usize) -> Result<CudaExec> {
+        Self::open(ordinal, Priority::High)
+    }
+
+    /// [`new`](Self::new) with the compute stream at `priority`: the pre- and
+    /// postprocess workers open their device at [`Priority::Low`], so that where
+    /// their work and the denoise loop's meet in one scheduler (one process, or
+    /// processes sharing an MPS server) the denoise loop's kernels go first.
+    pub fn open(ordinal: usize, priority: Priority) -> Result<CudaExec> {
         let info = probe()?
             .into_iter()
             .find(|g| g.ordinal == ordinal)
@@ -151,7 +169,18 @@ impl CudaExec {
         let ctx = CudaContext::new(ordinal).map_err(drv("cuCtxCreate"))?;
         // SAFETY: called before any allocation; we order work ourselves (module docs).
         unsafe { ctx.disable_event_tracking() };
-        let compute = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+        // Lower numbers are higher priorities: (least, greatest) = (0, -5) on recent GPUs.
+        // The range is the current context's.
+        ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let (least, greatest) = cudarc::driver::result::stream::get_priority_range()
+            .map_err(drv("cuCtxGetStreamPriorityRange"))?;
+        let level = match priority {
+            Priority::High => greatest,
+            Priority::Low => least,
+        };
+        let compute = ctx
+            .new_stream_with_priority(level)
+            .map_err(drv("cuStreamCreateWithPriority"))?;
         let copy = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
         // Keep freed pool memory for reuse instead of returning it at every sync.
         // SAFETY: plain driver calls on this context's device.

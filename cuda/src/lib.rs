@@ -37,5 +37,5 @@ pub use device::{
 };
 pub use emu::EmuExec;
 pub use exec::{Dt, Exec, MemInfo};
-pub use gpu::CudaExec;
+pub use gpu::{CudaExec, Priority};
 pub use stream::StreamedTemplate;
