@@ -202,3 +202,36 @@ fn gpu_text_encoders_match_transformers() {
     }
     assert_all_pass(&selfcheck::text_encoders(cuda0).unwrap());
 }
+
+/// The VAE workspace that a denoise worker's budget sets aside for the pre- and
+/// postprocess workers on its GPU (`stage_memory::vae_workspace`) bounds what the
+/// dense VAE really allocates: the emulated device's peak over its weights, encoding
+/// and decoding a 96x128 image of the tiny VAE in bf16 (a 2048x2048 default image is
+/// too slow for the emulator; the bound's terms scale with the pixels either way).
+#[test]
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
+fn emulated_vae_workspace_stays_within_the_stage_bound() {
+    use denoised_models::pipeline::stage_memory::vae_workspace;
+    use denoised_models::vae::{AutoencoderKL, DenseVae};
+    use denoised_runtime::Tensor;
+    let cpu = AutoencoderKL::load(tiny_model_dir().join("vae")).unwrap();
+    let exec = EmuExec::with_capacity(u64::MAX);
+    let vae = DenseVae::new(Arc::new(GpuBackend::new(exec.clone(), Dt::Bf16)), &cpu).unwrap();
+    let (h, w) = (96, 128);
+    let (enc_bound, dec_bound) = vae_workspace(cpu.config(), h * w, 2);
+    let image = Tensor::new([1, 3, h, w], vec![0.25; 3 * h * w]).unwrap();
+    exec.reset_peak();
+    let base = exec.in_use_bytes();
+    vae.encode(&image).unwrap();
+    let enc = exec.peak_bytes() - base;
+    let f = cpu.config().vae_scale_factor();
+    let z = Tensor::new([1, 16, h / f, w / f], vec![0.1; 16 * h * w / (f * f)]).unwrap();
+    exec.reset_peak();
+    vae.decode(&z).unwrap();
+    let dec = exec.peak_bytes() - base;
+    println!(
+        "VAE workspace at {h}x{w}: encode {enc} of {enc_bound} bytes, decode {dec} of {dec_bound}"
+    );
+    assert!(enc <= enc_bound, "encode peak {enc} > bound {enc_bound}");
+    assert!(dec <= dec_bound, "decode peak {dec} > bound {dec_bound}");
+}

@@ -288,12 +288,25 @@ fn a_killed_emu_denoise_worker_loses_nothing() {
 /// figures, and the daemon refuses to start instead of restarting it forever.
 #[test]
 fn a_device_too_small_refuses_to_start() {
+    // Room for the built-in model's weights (1 MB in bf16), not for a step.
+    refuses_to_start("3000000", &["of workspace", "max_batch 16"]);
+    // Room for the denoise worker alone (the streaming test below runs on 8 GB), not
+    // for the VAE and text encoders of the pre- and postprocess workers beside it at
+    // the default max_pixels (2048x2048).
+    refuses_to_start(
+        "8000000000",
+        &["the pre- and postprocess workers on this device need"],
+    );
+}
+
+/// Starts a daemon on an emulated device of `bytes`, which must refuse to start and
+/// say the figures in `want`.
+fn refuses_to_start(bytes: &str, want: &[&str]) {
     let cache = cache_dir();
     let mut child = Command::new(env!("CARGO_BIN_EXE_denoised"))
         .args(["serve", "--listen", "127.0.0.1:0", "--device", "emu"])
         .env("DENOISED_CACHE_DIR", cache.path())
-        // Room for the built-in model's weights (1 MB in bf16), not for a step.
-        .env("DENOISED_EMU_MEMORY", "3000000")
+        .env("DENOISED_EMU_MEMORY", bytes)
         .env("DENOISED_LOG", "warn")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
@@ -313,13 +326,14 @@ fn a_device_too_small_refuses_to_start() {
     let mut err = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
     assert!(!status.success(), "{err}");
-    for want in [
+    for w in [
         "the device is too small for this configuration",
-        "of workspace",
-        "max_batch 16",
         "not starting",
-    ] {
-        assert!(err.contains(want), "`{want}` in {err}");
+    ]
+    .iter()
+    .chain(want)
+    {
+        assert!(err.contains(w), "`{w}` in {err}");
     }
 }
 
@@ -399,8 +413,18 @@ fn a_template_larger_than_the_device_budget_is_streamed() {
     p.write(&profile).unwrap();
     let profile = profile.to_str().unwrap();
     let big = BIG.to_string();
+    // The VAE and text encoders on the CPU: this device is sized for the denoise
+    // worker alone (see `a_device_too_small_refuses_to_start` for the stages).
+    let args = [
+        "--device",
+        "emu",
+        "--preprocess-device",
+        "cpu",
+        "--postprocess-device",
+        "cpu",
+    ];
     let d = Daemon::start_with_env(
-        &["--device", "emu"],
+        &args,
         &[("DENOISED_EMU_MEMORY", &big), ("DENOISED_PROFILE", profile)],
     );
     template(&d, "t", 2);
@@ -418,7 +442,7 @@ fn a_template_larger_than_the_device_budget_is_streamed() {
     let total = ((kv_bytes / 2 + loaded + fixed) as f64 / 0.95) as u64;
     let small = total.to_string();
     let d = Daemon::start_with_env(
-        &["--device", "emu"],
+        &args,
         &[
             ("DENOISED_EMU_MEMORY", &small),
             ("DENOISED_PROFILE", profile),

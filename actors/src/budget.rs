@@ -60,6 +60,10 @@ pub struct BudgetInputs {
     pub request_bytes: u64,
     /// Bytes of one (step, block) K/V slab of the largest template.
     pub slab_bytes: u64,
+    /// Device bytes of the pre- and postprocess workers that share this device (their
+    /// models and workspace, `stage_memory`): set aside before templates, because they
+    /// may load after this budget is computed.
+    pub stage_bytes: u64,
 }
 
 /// The budget, as logged at start and shown in `/readyz`.
@@ -75,6 +79,9 @@ pub struct DeviceBudget {
     #[serde(default)]
     pub slab_buffer_bytes: u64,
     pub reserve_bytes: u64,
+    /// The pre- and postprocess workers on this device.
+    #[serde(default)]
+    pub stage_bytes: u64,
     /// Device memory for resident templates.
     pub template_bytes: u64,
 }
@@ -97,15 +104,17 @@ impl DeviceBudget {
         let requests = i.request_bytes * i.max_batch as u64;
         let slabs = 2 * i.slab_bytes * i.max_batch as u64;
         let reserve = i.total / 20;
-        let need = workspace + requests + slabs + reserve;
+        let need = workspace + requests + slabs + reserve + i.stage_bytes;
         if need > i.free {
             return Err(format!(
                 "the device is too small for this configuration: {} total, {} \
                  free after {} of weights; a step of max_batch {} / token_budget {} \
                  (and the largest request, {} rows attending over {} tokens) needs {} \
                  of workspace, {} for the requests, {} of slab buffers and a {} \
-                 reserve. Lower [denoise] max_batch or \
-                 token_budget, [server] max_pixels, or use dtype = \"bf16\"",
+                 reserve, and the pre- and postprocess workers on this device need {}. \
+                 Lower [denoise] max_batch or token_budget, [server] max_pixels, use \
+                 dtype = \"bf16\", or put [workers] preprocess_device / \
+                 postprocess_device elsewhere",
                 human(i.total),
                 human(i.free),
                 human(i.weights),
@@ -117,6 +126,7 @@ impl DeviceBudget {
                 human(requests),
                 human(slabs),
                 human(reserve),
+                human(i.stage_bytes),
             ));
         }
         Ok(DeviceBudget {
@@ -126,6 +136,7 @@ impl DeviceBudget {
             requests_bytes: requests,
             slab_buffer_bytes: slabs,
             reserve_bytes: reserve,
+            stage_bytes: i.stage_bytes,
             template_bytes: i.free - need,
         })
     }
@@ -134,13 +145,14 @@ impl DeviceBudget {
     pub fn describe(&self) -> String {
         format!(
             "{} total: weights {}, step workspace {}, requests {}, slab buffers {}, \
-             reserve {}, templates {}",
+             reserve {}, pre/postprocess workers {}, templates {}",
             human(self.total_bytes),
             human(self.weights_bytes),
             human(self.workspace_bytes),
             human(self.requests_bytes),
             human(self.slab_buffer_bytes),
             human(self.reserve_bytes),
+            human(self.stage_bytes),
             human(self.template_bytes)
         )
     }
@@ -172,6 +184,7 @@ mod tests {
             largest_context: 512 + 16384,
             request_bytes: 100_000_000,
             slab_bytes: 16384 * 6144 * 2,
+            stage_bytes: 0,
         }
     }
 
@@ -192,6 +205,22 @@ mod tests {
                 - b.reserve_bytes
         );
         assert!(b.describe().contains("templates"));
+        // The pre- and postprocess workers on the device come out of the templates.
+        let with = DeviceBudget::compute(&BudgetInputs {
+            stage_bytes: 12_000_000_000,
+            ..inputs(56_000_000_000)
+        })
+        .unwrap();
+        assert_eq!(with.template_bytes, b.template_bytes - 12_000_000_000);
+        let e = DeviceBudget::compute(&BudgetInputs {
+            stage_bytes: 50_000_000_000,
+            ..inputs(56_000_000_000)
+        })
+        .unwrap_err();
+        assert!(
+            e.contains("pre- and postprocess workers on this device need 50.00 GB"),
+            "{e}"
+        );
     }
 
     #[test]

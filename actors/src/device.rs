@@ -11,6 +11,7 @@ use denoised_cuda::{CudaExec, DeviceSpec, Dt, EmuExec, Exec, GpuBackend, Priorit
 use crate::budget::{BudgetInputs, DeviceBudget};
 use denoised_models::flux::stepper::{ModelStepper, Stepper};
 use denoised_models::pipeline::flux_fill::{Component, FluxFill, Parts};
+use denoised_models::pipeline::stage_memory::stage_memory;
 use denoised_models::profile::Profile;
 use denoised_models::text::device::{ClipOn, T5On, TextOn};
 use denoised_models::vae::DenseVae;
@@ -33,6 +34,16 @@ pub struct StepLimits {
     pub host_template_bytes: u64,
     /// `[denoise] resident_template_bytes`: a cap on resident templates (0: none).
     pub resident_template_bytes: u64,
+    /// Pre- and postprocess workers computing on the same device (the daemon's
+    /// placement; a command that places its stages beside the transformer: one each).
+    pub stages_on_device: StagesOnDevice,
+}
+
+/// How many pre- and postprocess workers share a denoise worker's device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StagesOnDevice {
+    pub preprocess: usize,
+    pub postprocess: usize,
 }
 
 impl StepLimits {
@@ -188,6 +199,21 @@ fn stages_on<E: Exec + 'static>(
     Ok(())
 }
 
+/// Device bytes of `on`'s pre- and postprocess workers for `source`'s models.
+fn stage_bytes(
+    source: &ModelSource,
+    on: StagesOnDevice,
+    max_pixels: usize,
+    dt: Dt,
+) -> Result<u64, String> {
+    if on == StagesOnDevice::default() {
+        return Ok(0);
+    }
+    let m = stage_memory(source, max_pixels, dt.size())
+        .map_err(|e| format!("sizing the pre- and postprocess stages of `{source}`: {e}"))?;
+    Ok(on.preprocess as u64 * m.preprocess + on.postprocess as u64 * m.postprocess)
+}
+
 fn on_gpu<E: Exec + 'static>(
     source: &ModelSource,
     exec: E,
@@ -226,6 +252,7 @@ fn on_gpu<E: Exec + 'static>(
         largest_context: largest,
         request_bytes: (request_elems * dt.size()) as u64,
         slab_bytes: (image_tokens * 2 * c.hidden() * dt.size()) as u64,
+        stage_bytes: stage_bytes(source, limits.stages_on_device, limits.max_pixels, dt)?,
     })
     .map_err(|e| format!("{device}: {e}"))?;
     tracing::info!("device memory budget on {device}: {}", budget.describe());
@@ -354,6 +381,21 @@ pub fn place_workers(
         postprocess,
         threads,
     })
+}
+
+impl Placement {
+    /// The pre- and postprocess workers on denoise worker `index`'s device (none on
+    /// the CPU, whose memory is not budgeted this way).
+    pub fn stages_on(&self, index: usize) -> StagesOnDevice {
+        let d = self.denoise[index];
+        if d == DeviceSpec::Cpu {
+            return StagesOnDevice::default();
+        }
+        StagesOnDevice {
+            preprocess: self.preprocess.iter().filter(|&&p| p == d).count(),
+            postprocess: self.postprocess.iter().filter(|&&p| p == d).count(),
+        }
+    }
 }
 
 /// The devices of `count` pre- or postprocess workers: `auto` follows the denoise

@@ -110,6 +110,10 @@ pub struct WorkerEnv {
     /// router for `/readyz`).
     #[serde(default)]
     pub status_file: PathBuf,
+    /// A denoise worker's: the pre- and postprocess workers placed on its device,
+    /// which its memory budget sets aside.
+    #[serde(default)]
+    pub stages_on_device: crate::device::StagesOnDevice,
 }
 
 impl WorkerEnv {

@@ -96,6 +96,7 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
                 max_pixels: env.config.server.max_pixels,
                 host_template_bytes: env.config.workers.cache_arena_bytes,
                 resident_template_bytes: env.config.denoise.resident_template_bytes,
+                stages_on_device: env.stages_on_device,
             };
             let mut placed = device::place(&source, device, dt, &pipeline, limits)?;
             let p =

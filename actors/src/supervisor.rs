@@ -300,6 +300,10 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
             incarnation,
             started_unix,
             status_file: status_file.clone(),
+            stages_on_device: match role {
+                Role::Denoise => placement.stages_on(index),
+                _ => Default::default(),
+            },
         };
         let mut cmd = Command::new(&exe);
         cmd.args([

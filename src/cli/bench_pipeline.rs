@@ -7,6 +7,7 @@ use std::time::Instant;
 use std::sync::Arc;
 
 use denoised_actors::device::{self, StepLimits};
+use denoised_cuda::DeviceSpec;
 use denoised_models::flux::edit::Mode;
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::TokenMask;
@@ -104,6 +105,10 @@ pub fn run(a: Args) -> CliResult {
         max_pixels: n * n,
         host_template_bytes: u64::MAX,
         resident_template_bytes: 0,
+        stages_on_device: device::StagesOnDevice {
+            preprocess: (spec != DeviceSpec::Cpu) as usize,
+            postprocess: (spec != DeviceSpec::Cpu) as usize,
+        },
     };
     let mut placed = device::place(&source, spec, dt, &p, limits)?;
     device::place_stages(spec, dt, &mut p)?;

@@ -147,6 +147,11 @@ fn load_pipeline(c: &Common) -> CliResult<(FluxFill<CpuBackend>, Placed)> {
         max_pixels: c.max_pixels,
         host_template_bytes: u64::MAX,
         resident_template_bytes: 0,
+        // The stages go to the same device below.
+        stages_on_device: device::StagesOnDevice {
+            preprocess: (device != DeviceSpec::Cpu) as usize,
+            postprocess: (device != DeviceSpec::Cpu) as usize,
+        },
     };
     let placed = device::place(&c.model, device, c.device.dtype()?, &p, limits)?;
     if device != DeviceSpec::Cpu {

@@ -237,6 +237,32 @@ fn small_t5() -> T5Config {
     }
 }
 
+/// The text encoders' configs of `source`, without their weights.
+pub(crate) fn text_configs(source: &ModelSource) -> Result<(ClipTextConfig, T5Config)> {
+    let parse =
+        |what: &str, e: serde_json::Error| Error::Invalid(format!("built-in {what} config: {e}"));
+    Ok(match source {
+        ModelSource::Builtin => (
+            serde_json::from_str(builtin_files::CLIP_CONFIG).map_err(|e| parse("CLIP", e))?,
+            serde_json::from_str(builtin_files::T5_CONFIG).map_err(|e| parse("T5", e))?,
+        ),
+        ModelSource::BuiltinSmall => (ClipTextConfig::clip_l(), small_t5()),
+        ModelSource::Dir(d) => (
+            ClipTextConfig::from_file(d.join("text_encoder/config.json"))?,
+            T5Config::from_file(d.join("text_encoder_2/config.json"))?,
+        ),
+    })
+}
+
+/// The VAE's config of `source`, without its weights.
+pub(crate) fn vae_config(source: &ModelSource) -> Result<VaeConfig> {
+    match source {
+        ModelSource::Builtin => Ok(VaeConfig::tiny()),
+        ModelSource::BuiltinSmall => Ok(VaeConfig::flux1()),
+        ModelSource::Dir(d) => VaeConfig::from_file(d.join("vae/config.json")),
+    }
+}
+
 /// Files of the built-in model that cannot be generated from a seed: the configs and
 /// the two tokenizers of the reference fixture model (trained on a small corpus; 400 KB).
 mod builtin_files {
@@ -276,13 +302,8 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         let fingerprint = source.fingerprint()?;
         let (vae, text, scheduler) = match source {
             ModelSource::Builtin => {
-                use builtin_files::*;
-                let parse = |what: &str, e: serde_json::Error| {
-                    Error::Invalid(format!("built-in {what} config: {e}"))
-                };
                 let text = if parts.text {
-                    let clip = serde_json::from_str(CLIP_CONFIG).map_err(|e| parse("CLIP", e))?;
-                    let t5 = serde_json::from_str(T5_CONFIG).map_err(|e| parse("T5", e))?;
+                    let (clip, t5) = text_configs(source)?;
                     Some(seeded_text(clip, t5, seed)?)
                 } else {
                     None

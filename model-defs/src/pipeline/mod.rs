@@ -7,3 +7,4 @@ pub mod image;
 pub mod paste;
 pub mod prompts;
 pub mod sparse_vae;
+pub mod stage_memory;
