@@ -129,10 +129,24 @@ impl Daemon {
                 }
             }
         });
-        let url = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("the daemon did not print its address");
-        let d = Daemon {
+        // A daemon that exits at start (a refused configuration) fails the test at
+        // once instead of after the whole wait.
+        let t0 = Instant::now();
+        let url = loop {
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(url) => break url,
+                Err(_) => {
+                    if let Some(status) = child.try_wait().unwrap() {
+                        panic!("the daemon exited before listening ({status}); see its log above");
+                    }
+                    assert!(
+                        t0.elapsed() < Duration::from_secs(60),
+                        "the daemon did not print its address"
+                    );
+                }
+            }
+        };
+        let mut d = Daemon {
             child,
             url,
             cache_dir: dir,
@@ -144,6 +158,9 @@ impl Daemon {
         };
         let t0 = Instant::now();
         while d.get("/readyz").0 != 200 {
+            if let Some(status) = d.child.try_wait().unwrap() {
+                panic!("the daemon exited before it was ready ({status}); see its log above");
+            }
             assert!(t0.elapsed() < Duration::from_secs(60), "never ready");
             std::thread::sleep(Duration::from_millis(50));
         }
