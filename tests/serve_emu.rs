@@ -228,14 +228,7 @@ fn emu_in_f32_equals_the_cpu_daemon_within_one_level() {
 fn twelve_templates_batch_past_eight_on_emu() {
     // The VAE on the CPU: the emulator's encodes, one preprocess worker's at a time,
     // would trickle the edits into the denoise worker (this test is about its batch).
-    let d = Daemon::start(&[
-        "--device",
-        "emu",
-        "--preprocess-device",
-        "cpu",
-        "--postprocess-device",
-        "cpu",
-    ]);
+    let d = Daemon::start(&EMU_DENOISE_ONLY);
     let ids: Vec<String> = (0..12).map(|i| format!("t{i}")).collect();
     for id in &ids {
         template(&d, id, 3);
@@ -415,14 +408,7 @@ fn a_template_larger_than_the_device_budget_is_streamed() {
     let big = BIG.to_string();
     // The VAE and text encoders on the CPU: this device is sized for the denoise
     // worker alone (see `a_device_too_small_refuses_to_start` for the stages).
-    let args = [
-        "--device",
-        "emu",
-        "--preprocess-device",
-        "cpu",
-        "--postprocess-device",
-        "cpu",
-    ];
+    let args = EMU_DENOISE_ONLY;
     let d = Daemon::start_with_env(
         &args,
         &[("DENOISED_EMU_MEMORY", &big), ("DENOISED_PROFILE", profile)],

@@ -245,14 +245,7 @@ fn a_real_prometheus_answers_every_dashboard_query() {
     };
     // The denoise worker on the emulator (its device metrics), the VAE on the CPU: the
     // emulator's VAE passes would leave too few edits in the few seconds of traffic.
-    let d = Daemon::start(&[
-        "--device",
-        "emu",
-        "--preprocess-device",
-        "cpu",
-        "--postprocess-device",
-        "cpu",
-    ]);
+    let d = Daemon::start(&EMU_DENOISE_ONLY);
     let target = d.url.trim_start_matches("http://").to_string();
     let prom = Prometheus::start(&target);
     let body = json!({"template_id": "t", "mask": mask_b64(), "max_sequence_length": 16});

@@ -66,6 +66,18 @@ pub struct Daemon {
     _cache_dir: Option<tempfile::TempDir>,
 }
 
+/// `serve` arguments for the denoise worker on the emulator with the pre- and
+/// postprocess models on the CPU: for tests about the denoise worker, which the
+/// emulator's (slow) VAE and text encoders would only slow down.
+pub const EMU_DENOISE_ONLY: [&str; 6] = [
+    "--device",
+    "emu",
+    "--preprocess-device",
+    "cpu",
+    "--postprocess-device",
+    "cpu",
+];
+
 /// A fresh directory for a daemon's disk tier, removed with the guard.
 pub fn cache_dir() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
