@@ -17,94 +17,9 @@ use denoised_runtime::{DType, Error, HostMemory, HostSlice, Result, SlabProvider
 use crate::exec::{Dt, Exec, Gemm, Grid};
 use crate::host::HostIo;
 use crate::params::*;
+pub use crate::tensor::GpuTensor;
+use crate::tensor::{from_bytes, to_bytes};
 use crate::CudaError;
-
-pub struct GpuTensor<E: Exec> {
-    /// Shared only with stores in flight (see `crate::host`).
-    mem: Arc<E::Mem>,
-    addr: u64,
-    shape: Vec<usize>,
-    dt: Dt,
-    /// An fp8 template slab (`rows x cols` E4M3 bytes, then a f32 scale per column
-    /// group, the host slab's own layout): the address of its scales. Only attention
-    /// reads such a tensor (as a K/V source); 0 for every other tensor.
-    fp8_scales: u64,
-}
-
-impl<E: Exec> GpuTensor<E> {
-    /// A tensor of undefined contents.
-    pub(crate) fn alloc(exec: &E, shape: Vec<usize>, dt: Dt) -> Result<Self> {
-        let n: usize = shape.iter().product();
-        let mem = exec.alloc(n * dt.size()).map_err(dev)?;
-        let addr = exec.addr(&mem);
-        Ok(GpuTensor {
-            mem: Arc::new(mem),
-            addr,
-            shape,
-            dt,
-            fp8_scales: 0,
-        })
-    }
-
-    /// An fp8 slab of undefined contents: `rows x cols` bytes, then `groups` f32
-    /// scales.
-    pub(crate) fn alloc_fp8(exec: &E, rows: usize, cols: usize, groups: usize) -> Result<Self> {
-        let mem = exec.alloc(rows * cols + 4 * groups).map_err(dev)?;
-        let addr = exec.addr(&mem);
-        Ok(GpuTensor {
-            mem: Arc::new(mem),
-            addr,
-            shape: vec![rows, cols],
-            dt: Dt::Bf16,
-            fp8_scales: addr + (rows * cols) as u64,
-        })
-    }
-    /// The address of an fp8 slab's scales (0 for other tensors).
-    pub(crate) fn fp8_scales(&self) -> u64 {
-        self.fp8_scales
-    }
-    pub(crate) fn mem(&self) -> &E::Mem {
-        &self.mem
-    }
-    /// The allocation, shared (with a store in flight, see `crate::host`).
-    pub(crate) fn shared_mem(&self) -> Arc<E::Mem> {
-        self.mem.clone()
-    }
-    pub fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    pub fn dtype(&self) -> Dt {
-        self.dt
-    }
-    pub(crate) fn addr(&self) -> u64 {
-        self.addr
-    }
-    pub(crate) fn rows(&self) -> usize {
-        if self.shape.len() <= 1 {
-            1
-        } else {
-            self.shape[..self.shape.len() - 1].iter().product()
-        }
-    }
-    pub(crate) fn cols(&self) -> usize {
-        self.shape.last().copied().unwrap_or(1)
-    }
-    fn len(&self) -> usize {
-        self.shape.iter().product()
-    }
-    /// The same memory under another shape of as many elements (image tensors are
-    /// `[B, C, H, W]` to the model and `[B*H*W, C]` matrices to the GEMMs).
-    pub(crate) fn view(&self, shape: Vec<usize>) -> Self {
-        debug_assert_eq!(shape.iter().product::<usize>(), self.len());
-        GpuTensor {
-            mem: self.mem.clone(),
-            addr: self.addr,
-            shape,
-            dt: self.dt,
-            fp8_scales: self.fp8_scales,
-        }
-    }
-}
 
 pub struct GpuBackend<E: Exec> {
     /// Shared with the template streams, which queue loads on the same device.
@@ -320,29 +235,6 @@ pub(crate) fn matrix<E: Exec>(op: &'static str, t: &GpuTensor<E>) -> Result<(usi
         ));
     }
     Ok((t.shape[0], t.shape[1]))
-}
-
-pub(crate) fn to_bytes(dt: Dt, data: &[f32]) -> Vec<u8> {
-    match dt {
-        Dt::F32 => data.iter().flat_map(|v| v.to_ne_bytes()).collect(),
-        Dt::Bf16 => data
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_ne_bytes())
-            .collect(),
-    }
-}
-
-fn from_bytes(dt: Dt, bytes: &[u8]) -> Vec<f32> {
-    match dt {
-        Dt::F32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
-            .collect(),
-        Dt::Bf16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_bits(u16::from_ne_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-    }
 }
 
 impl<E: Exec> Backend for GpuBackend<E> {

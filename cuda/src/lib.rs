@@ -29,6 +29,7 @@ pub mod kernels;
 pub mod params;
 pub mod selfcheck;
 pub mod stream;
+mod tensor;
 mod text;
 
 pub use backend::{GpuBackend, GpuTensor};

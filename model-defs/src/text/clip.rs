@@ -294,9 +294,9 @@ impl ClipTextModel {
         best
     }
 
-    /// Runs one prompt. Returns `last_hidden_state [len, hidden]` (after
-    /// `final_layer_norm`) and `pooler_output [hidden]`.
-    pub fn forward(&self, ids: &[i64]) -> Result<(Tensor, Vec<f32>)> {
+    /// Token plus position embeddings of `ids`, `[len, hidden]` (an error for a length
+    /// the model does not take): the input of the first layer, on any backend.
+    pub(super) fn input_embeddings(&self, ids: &[i64]) -> Result<Vec<f32>> {
         let c = &self.config;
         let (d, len) = (c.hidden_size, ids.len());
         if len == 0 || len > c.max_position_embeddings {
@@ -308,6 +308,15 @@ impl ClipTextModel {
         let mut x = embed(&self.token_embedding, ids, "CLIP text encoder")?;
         let pos = &self.position_embedding.data()[..len * d];
         x.iter_mut().zip(pos).for_each(|(v, p)| *v += p);
+        Ok(x)
+    }
+
+    /// Runs one prompt. Returns `last_hidden_state [len, hidden]` (after
+    /// `final_layer_norm`) and `pooler_output [hidden]`.
+    pub fn forward(&self, ids: &[i64]) -> Result<(Tensor, Vec<f32>)> {
+        let c = &self.config;
+        let (d, len) = (c.hidden_size, ids.len());
+        let mut x = self.input_embeddings(ids)?;
 
         let (heads, hd) = (c.num_attention_heads, c.head_dim());
         let scale = (hd as f32).powf(-0.5);

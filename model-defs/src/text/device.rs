@@ -9,10 +9,10 @@
 
 use std::sync::Arc;
 
-use denoised_runtime::{Backend, Error, Result, Tensor, TextMask};
+use denoised_runtime::{Backend, Result, Tensor, TextMask};
 
 use super::clip::ClipTextModel;
-use super::ops::{embed, Linear};
+use super::ops::Linear;
 use super::t5::T5Encoder;
 
 struct Lin<B: Backend> {
@@ -85,13 +85,7 @@ impl<B: Backend> T5On<B> {
     pub fn forward(&self, ids: &[i64]) -> Result<Tensor> {
         let (be, c) = (&*self.backend, self.cpu.config());
         let (d, len) = (c.d_model, ids.len());
-        if len == 0 {
-            return Err(Error::Invalid("T5 encoder: no tokens given".into()));
-        }
-        let mut x = be.upload(&Tensor::new(
-            [len, d],
-            embed(&self.cpu.embedding, ids, "T5 encoder")?,
-        )?)?;
+        let mut x = be.upload(&Tensor::new([len, d], self.cpu.input_embeddings(ids)?)?)?;
         let bias = be.upload(&Tensor::new(
             [c.num_heads * len, len],
             self.cpu.position_bias(len),
@@ -163,16 +157,7 @@ impl<B: Backend> ClipOn<B> {
     pub fn forward(&self, ids: &[i64]) -> Result<(Tensor, Vec<f32>)> {
         let (be, c) = (&*self.backend, self.cpu.config());
         let (d, len) = (c.hidden_size, ids.len());
-        if len == 0 || len > c.max_position_embeddings {
-            return Err(Error::Invalid(format!(
-                "CLIP text encoder: {len} tokens given; it takes 1 to {} (max_position_embeddings)",
-                c.max_position_embeddings
-            )));
-        }
-        let mut e = embed(&self.cpu.token_embedding, ids, "CLIP text encoder")?;
-        let pos = &self.cpu.position_embedding.data()[..len * d];
-        e.iter_mut().zip(pos).for_each(|(v, p)| *v += p);
-        let mut x = be.upload(&Tensor::new([len, d], e)?)?;
+        let mut x = be.upload(&Tensor::new([len, d], self.cpu.input_embeddings(ids)?)?)?;
         let (heads, hd) = (c.num_attention_heads, c.head_dim());
         let scale = (hd as f32).powf(-0.5);
         let eps = c.layer_norm_eps;

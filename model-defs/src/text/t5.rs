@@ -320,14 +320,20 @@ impl T5Encoder {
         out
     }
 
+    /// Token embeddings of `ids`, `[len, d_model]` (an error for no tokens): the input
+    /// of the first block, on any backend.
+    pub(super) fn input_embeddings(&self, ids: &[i64]) -> Result<Vec<f32>> {
+        if ids.is_empty() {
+            return Err(Error::Invalid("T5 encoder: no tokens given".into()));
+        }
+        embed(&self.embedding, ids, "T5 encoder")
+    }
+
     /// Runs one (already padded) prompt: `last_hidden_state [len, d_model]`.
     pub fn forward(&self, ids: &[i64]) -> Result<Tensor> {
         let c = &self.config;
         let (d, len, inner) = (c.d_model, ids.len(), c.inner_dim());
-        if len == 0 {
-            return Err(Error::Invalid("T5 encoder: no tokens given".into()));
-        }
-        let mut x = embed(&self.embedding, ids, "T5 encoder")?;
+        let mut x = self.input_embeddings(ids)?;
         let bias = self.position_bias(len);
         let eps = c.layer_norm_epsilon;
         for b in &self.blocks {

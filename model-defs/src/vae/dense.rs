@@ -9,10 +9,10 @@
 
 use std::sync::Arc;
 
-use denoised_runtime::{Backend, Conv2dOpts, Error, Result, Tensor};
+use denoised_runtime::{Backend, Conv2dOpts, Result, Tensor};
 
 use super::config::{VaeConfig, GN_EPS};
-use super::model::{check_input, split_moments, DOWNSAMPLE, UPSAMPLE};
+use super::model::{check_input, missing, split_moments, DOWNSAMPLE, UPSAMPLE};
 use super::weights::{self, VaeWeights};
 use super::AutoencoderKL;
 
@@ -208,10 +208,6 @@ impl<B: Backend> DenseCoder for DenseVae<B> {
     fn device(&self) -> String {
         self.backend.name()
     }
-}
-
-fn missing(half: &str) -> Error {
-    Error::Invalid(format!("the VAE {half} is not loaded on this backend"))
 }
 
 struct Uploader<'a, B: Backend> {

@@ -37,7 +37,7 @@ pub struct AutoencoderKL {
 }
 
 /// The error of a call into a half this process did not load (a worker of another role).
-fn missing(half: &str) -> Error {
+pub(super) fn missing(half: &str) -> Error {
     Error::Invalid(format!(
         "the VAE {half} is not loaded in this process (each worker loads only its role's components)"
     ))

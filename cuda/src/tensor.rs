@@ -1,0 +1,120 @@
+//! [`GpuTensor`]: a tensor in device memory, the [`crate::GpuBackend`]'s buffer type.
+
+use std::sync::Arc;
+
+use denoised_runtime::Result;
+
+use crate::backend::dev;
+use crate::exec::{Dt, Exec};
+
+pub struct GpuTensor<E: Exec> {
+    /// Shared only with stores in flight (see `crate::host`).
+    pub(crate) mem: Arc<E::Mem>,
+    pub(crate) addr: u64,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) dt: Dt,
+    /// An fp8 template slab (`rows x cols` E4M3 bytes, then a f32 scale per column
+    /// group, the host slab's own layout): the address of its scales. Only attention
+    /// reads such a tensor (as a K/V source); 0 for every other tensor.
+    pub(crate) fp8_scales: u64,
+}
+
+impl<E: Exec> GpuTensor<E> {
+    /// A tensor of undefined contents.
+    pub(crate) fn alloc(exec: &E, shape: Vec<usize>, dt: Dt) -> Result<Self> {
+        let n: usize = shape.iter().product();
+        let mem = exec.alloc(n * dt.size()).map_err(dev)?;
+        let addr = exec.addr(&mem);
+        Ok(GpuTensor {
+            mem: Arc::new(mem),
+            addr,
+            shape,
+            dt,
+            fp8_scales: 0,
+        })
+    }
+
+    /// An fp8 slab of undefined contents: `rows x cols` bytes, then `groups` f32
+    /// scales.
+    pub(crate) fn alloc_fp8(exec: &E, rows: usize, cols: usize, groups: usize) -> Result<Self> {
+        let mem = exec.alloc(rows * cols + 4 * groups).map_err(dev)?;
+        let addr = exec.addr(&mem);
+        Ok(GpuTensor {
+            mem: Arc::new(mem),
+            addr,
+            shape: vec![rows, cols],
+            dt: Dt::Bf16,
+            fp8_scales: addr + (rows * cols) as u64,
+        })
+    }
+    /// The address of an fp8 slab's scales (0 for other tensors).
+    pub(crate) fn fp8_scales(&self) -> u64 {
+        self.fp8_scales
+    }
+    pub(crate) fn mem(&self) -> &E::Mem {
+        &self.mem
+    }
+    /// The allocation, shared (with a store in flight, see `crate::host`).
+    pub(crate) fn shared_mem(&self) -> Arc<E::Mem> {
+        self.mem.clone()
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn dtype(&self) -> Dt {
+        self.dt
+    }
+    pub(crate) fn addr(&self) -> u64 {
+        self.addr
+    }
+    pub(crate) fn rows(&self) -> usize {
+        if self.shape.len() <= 1 {
+            1
+        } else {
+            self.shape[..self.shape.len() - 1].iter().product()
+        }
+    }
+    pub(crate) fn cols(&self) -> usize {
+        self.shape.last().copied().unwrap_or(1)
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// The same memory under another shape of as many elements (image tensors are
+    /// `[B, C, H, W]` to the model and `[B*H*W, C]` matrices to the GEMMs).
+    pub(crate) fn view(&self, shape: Vec<usize>) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), self.len());
+        GpuTensor {
+            mem: self.mem.clone(),
+            addr: self.addr,
+            shape,
+            dt: self.dt,
+            fp8_scales: self.fp8_scales,
+        }
+    }
+}
+
+/// Host f32 values as the bytes of a device tensor of `dt`.
+pub(crate) fn to_bytes(dt: Dt, data: &[f32]) -> Vec<u8> {
+    match dt {
+        Dt::F32 => data.iter().flat_map(|v| v.to_ne_bytes()).collect(),
+        Dt::Bf16 => data
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_ne_bytes())
+            .collect(),
+    }
+}
+
+/// The bytes of a device tensor of `dt` as host f32 values.
+pub(crate) fn from_bytes(dt: Dt, bytes: &[u8]) -> Vec<f32> {
+    match dt {
+        Dt::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+            .collect(),
+        Dt::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_bits(u16::from_ne_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+    }
+}
