@@ -96,8 +96,22 @@ pub fn transformer<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> 
 pub fn vae<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
     let cpu = AutoencoderKL::load(tiny_model_dir().join("vae"))?;
     let mut out = Vec::new();
-    for dt in [Dt::F32, Dt::Bf16] {
-        let m = DenseVae::new(Arc::new(GpuBackend::new(make()?, dt)), &cpu)?;
+    // Where the executor has a convolution library (cuDNN), both convolution paths.
+    let paths: &[bool] = if make()?.conv_library().is_some() {
+        &[false, true]
+    } else {
+        &[false]
+    };
+    for (dt, &im2col_only) in [Dt::F32, Dt::Bf16]
+        .iter()
+        .flat_map(|d| paths.iter().map(move |p| (*d, p)))
+    {
+        let mut gpu = GpuBackend::new(make()?, dt);
+        if im2col_only {
+            gpu = gpu.im2col_only();
+        }
+        let path = if im2col_only { " [im2col]" } else { "" };
+        let m = DenseVae::new(Arc::new(gpu), &cpu)?;
         for key in ["vae_case1", "vae_case2"] {
             let case = RefCase::open(key)?;
             let (mean, logvar) = m.encode(&case.tensor("image"))?;
@@ -108,7 +122,7 @@ pub fn vae<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
                 ("decoded", decoded),
             ] {
                 let want = case.tensor(name);
-                let label = format!("vae {key} {name} ({dt:?})");
+                let label = format!("vae {key} {name} ({dt:?}){path}");
                 out.push(compare(
                     &label,
                     dt,

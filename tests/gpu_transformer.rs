@@ -176,7 +176,19 @@ fn emulated_step_workspace_stays_within_the_budget() {
 #[test]
 #[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
 fn emulated_gpu_vae_matches_diffusers() {
-    assert_all_pass(&selfcheck::vae(|| Ok(EmuExec::default())).unwrap());
+    // With the stand-in convolution library, so the VAE runs both convolution paths:
+    // the library's (as with cuDNN on a GPU) and im2col + GEMM.
+    let exec = EmuExec::default().with_conv_library();
+    let checks = selfcheck::vae(|| Ok(exec.clone())).unwrap();
+    assert!(
+        checks.iter().any(|c| c.name.ends_with("[im2col]")),
+        "one path only"
+    );
+    assert!(
+        exec.library_convs() > 0,
+        "no convolution went to the library"
+    );
+    assert_all_pass(&checks);
 }
 
 #[test]
@@ -201,6 +213,21 @@ fn gpu_text_encoders_match_transformers() {
         return;
     }
     assert_all_pass(&selfcheck::text_encoders(cuda0).unwrap());
+}
+
+/// The stage memory budget (model-defs, which does not depend on the CUDA crate) uses
+/// the image-op chunk and the cuDNN workspace cap of the GPU backend: one value each.
+#[test]
+fn stage_budget_uses_the_backends_workspace_constants() {
+    use denoised_models::pipeline::stage_memory::{CONV_LIBRARY_BYTES, IMAGE_CHUNK_BYTES};
+    assert_eq!(
+        IMAGE_CHUNK_BYTES,
+        denoised_cuda::IMAGE_WORKSPACE_BYTES as u64
+    );
+    assert_eq!(
+        CONV_LIBRARY_BYTES,
+        denoised_cuda::CUDNN_WORKSPACE_BYTES as u64
+    );
 }
 
 /// The VAE workspace that a denoise worker's budget sets aside for the pre- and

@@ -183,6 +183,9 @@ fn stages_on<E: Exec + 'static>(
     pipeline: &mut FluxFill<CpuBackend>,
 ) -> Result<(), String> {
     let name = backend.name();
+    // Opens cuDNN now where it is present (not at the first request) and says which
+    // convolution path the VAE takes.
+    tracing::info!("VAE convolutions on {name}: {}", backend.conv_path());
     let err = |what: &str, e: denoised_runtime::Error| format!("loading {what} on {name}: {e}");
     let vae = DenseVae::new(backend.clone(), &pipeline.vae).map_err(|e| err("the VAE", e))?;
     pipeline.place_vae(Arc::new(vae));

@@ -114,7 +114,7 @@ DEV void mma_16816(float d[4], const u32 a[4], const u32 b[2]) {
 struct EwParams {
     u64 x;      // in/out
     u64 y;      // second operand (add, gated residual) or output (silu, convert)
-    u64 table;  // gated residual: modulation table, already offset to its chunk
+    u64 table;  // gated residual: modulation table, already offset to its chunk; bias_rows: the bias
     u64 seg;    // gated residual: const u32* segment per row
     int rows, cols;         // matrix shape of x (and y)
     int c0, c1;             // column range

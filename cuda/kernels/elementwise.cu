@@ -36,6 +36,19 @@ DEV void add_n(const EwParams& p) {
     const T* y = (const T*)p.y;
     GRID_STRIDE(i, p.n) { x[i] = from_f32<T>(to_f32(x[i]) + to_f32(y[i])); }
 }
+// x[r, c] += bias[c] (+ y[r, c] when y is given) over a [rows, cols] matrix: the
+// epilogue of a library convolution (cuDNN writes the bare convolution), one rounding.
+template <class T>
+DEV void bias_rows_k(const EwParams& p) {
+    T* x = (T*)p.x;
+    const T* bias = (const T*)p.table;
+    const T* y = (const T*)p.y;
+    GRID_STRIDE(i, (long long)p.rows * p.cols) {
+        float v = to_f32(x[i]) + to_f32(bias[i % p.cols]);
+        if (y) v += to_f32(y[i]);
+        x[i] = from_f32<T>(v);
+    }
+}
 // x[r, c] += table[seg[r], c] * y[r, c] over a [rows, cols] matrix
 template <class T>
 DEV void gated_residual_rows(const EwParams& p) {
@@ -101,6 +114,8 @@ EW_KERNEL(silu_f32, silu_n, float)
 EW_KERNEL(silu_bf16, silu_n, bf16)
 EW_KERNEL(add_f32, add_n, float)
 EW_KERNEL(add_bf16, add_n, bf16)
+EW_KERNEL(bias_rows_f32, bias_rows_k, float)
+EW_KERNEL(bias_rows_bf16, bias_rows_k, bf16)
 EW_KERNEL(gated_residual_f32, gated_residual_rows, float)
 EW_KERNEL(gated_residual_bf16, gated_residual_rows, bf16)
 EW_KERNEL(axpy_cols_f32, axpy_cols_k, float)

@@ -33,6 +33,9 @@ pub struct GpuBackend<E: Exec> {
     /// Bytes of patch matrix or attention scores one chunk of an image op takes
     /// (`crate::image`).
     pub(crate) image_workspace: usize,
+    /// Whether convolutions may go to the executor's library (cuDNN); off, every
+    /// convolution runs as im2col + GEMM (the self-test checks both paths).
+    pub(crate) conv_library: bool,
 }
 
 /// A segment-id array, its device copy and that copy's address.
@@ -59,6 +62,7 @@ impl<E: Exec> GpuBackend<E> {
             segments: Mutex::new(Vec::new()),
             host: HostIo::new(),
             image_workspace: crate::image::WORKSPACE_BYTES,
+            conv_library: true,
         }
     }
     /// This backend with image ops chunked to `bytes` of workspace (tests use a few
@@ -66,6 +70,21 @@ impl<E: Exec> GpuBackend<E> {
     pub fn with_image_workspace(mut self, bytes: usize) -> Self {
         self.image_workspace = bytes;
         self
+    }
+    /// This backend with every convolution on its own im2col + GEMM path, even where
+    /// the executor has a convolution library.
+    pub fn im2col_only(mut self) -> Self {
+        self.conv_library = false;
+        self
+    }
+    /// Which path this backend's convolutions take, in words (logs, the self-test).
+    pub fn conv_path(&self) -> String {
+        match self.exec.conv_library().filter(|_| self.conv_library) {
+            Some(lib) => {
+                format!("{lib} (symmetric padding), im2col + GEMM (upsample, asymmetric padding)")
+            }
+            None => "im2col + GEMM".into(),
+        }
     }
     pub fn exec(&self) -> &Arc<E> {
         &self.exec

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::exec::{Dt, Exec, Gemm, Grid, MemInfo, Result};
+use crate::exec::{Conv, Dt, Exec, Gemm, Grid, MemInfo, Result};
 use crate::params::KernelParams;
 use crate::CudaError;
 
@@ -48,6 +48,9 @@ pub fn param_sizes() -> [usize; 7] {
 #[derive(Clone)]
 pub struct EmuExec {
     usage: Arc<Usage>,
+    /// Whether [`Exec::conv`] runs (a host convolution standing in for cuDNN); off by
+    /// default, so the backend's im2col path is what the emulator exercises.
+    conv_library: bool,
 }
 
 struct Usage {
@@ -56,6 +59,8 @@ struct Usage {
     peak: AtomicU64,
     /// Host bytes registered for asynchronous copies, as a GPU would page-lock them.
     pinned: AtomicU64,
+    /// Convolutions run by the stand-in library ([`EmuExec::with_conv_library`]).
+    library_convs: AtomicU64,
 }
 
 impl Default for EmuExec {
@@ -101,8 +106,18 @@ impl EmuExec {
                 in_use: AtomicU64::new(0),
                 peak: AtomicU64::new(0),
                 pinned: AtomicU64::new(0),
+                library_convs: AtomicU64::new(0),
             }),
+            conv_library: false,
         }
+    }
+
+    /// This emulator with a host convolution standing in for cuDNN behind
+    /// [`Exec::conv`]: what tests use to run the backend's library path (the shapes it
+    /// sends, the bias and residual epilogue, the fallback for the rest) without a GPU.
+    pub fn with_conv_library(mut self) -> Self {
+        self.conv_library = true;
+        self
     }
 
     /// Bytes allocated now.
@@ -118,6 +133,11 @@ impl EmuExec {
     /// Host bytes registered now (`Exec::register`): what a GPU would have page-locked.
     pub fn pinned_bytes(&self) -> u64 {
         self.usage.pinned.load(Ordering::Relaxed)
+    }
+
+    /// How many convolutions the stand-in library has run.
+    pub fn library_convs(&self) -> u64 {
+        self.usage.library_convs.load(Ordering::Relaxed)
     }
 
     /// Starts a new peak from what is allocated now.
@@ -166,6 +186,16 @@ fn load(dt: Dt, base: u64, i: usize) -> f32 {
         match dt {
             Dt::F32 => *(base as *const f32).add(i),
             Dt::Bf16 => half::bf16::from_bits(*(base as *const u16).add(i)).to_f32(),
+        }
+    }
+}
+
+fn store(dt: Dt, base: u64, i: usize, v: f32) {
+    // SAFETY: callers index inside allocations described by a checked Gemm or Conv.
+    unsafe {
+        match dt {
+            Dt::F32 => *(base as *mut f32).add(i) = v,
+            Dt::Bf16 => *(base as *mut u16).add(i) = half::bf16::from_f32(v).to_bits(),
         }
     }
 }
@@ -261,7 +291,6 @@ impl Exec for EmuExec {
         Ok(())
     }
     fn gemm(&self, g: &Gemm) -> Result<()> {
-        let out = g.out as usize;
         let rows: Vec<Vec<f32>> = (0..g.n)
             .into_par_iter()
             .map(|r| {
@@ -286,17 +315,53 @@ impl Exec for EmuExec {
             .collect();
         for (r, row) in rows.iter().enumerate() {
             for (c, &v) in row.iter().enumerate() {
-                let i = r * g.m + c;
-                // SAFETY: out holds n*m elements of dt (checked by the backend).
-                unsafe {
-                    match g.dt {
-                        Dt::F32 => *(out as *mut f32).add(i) = v,
-                        Dt::Bf16 => *(out as *mut u16).add(i) = half::bf16::from_f32(v).to_bits(),
-                    }
-                }
+                store(g.dt, g.out, r * g.m + c, v);
             }
         }
         Ok(())
+    }
+    fn conv_library(&self) -> Option<String> {
+        self.conv_library
+            .then(|| "the emulator's host convolution (standing in for cuDNN)".into())
+    }
+    fn conv(&self, c: &Conv) -> Result<bool> {
+        if !self.conv_library {
+            return Ok(false);
+        }
+        self.usage.library_convs.fetch_add(1, Ordering::Relaxed);
+        let (oh, ow) = c.out_hw();
+        let pixels: Vec<Vec<f32>> = (0..c.n * oh * ow)
+            .into_par_iter()
+            .map(|p| {
+                let (b, y, x) = (p / (oh * ow), p / ow % oh, p % ow);
+                (0..c.o)
+                    .map(|o| {
+                        let mut acc = 0f32;
+                        for i in 0..c.kh {
+                            for j in 0..c.kw {
+                                let yy = (y * c.stride + i) as isize - c.pad[0] as isize;
+                                let xx = (x * c.stride + j) as isize - c.pad[1] as isize;
+                                if yy < 0 || xx < 0 || yy >= c.h as isize || xx >= c.w as isize {
+                                    continue;
+                                }
+                                let px = ((b * c.h + yy as usize) * c.w + xx as usize) * c.c;
+                                let wk = ((o * c.kh + i) * c.kw + j) * c.c;
+                                for ch in 0..c.c {
+                                    acc += load(c.dt, c.x, px + ch) * load(c.dt, c.weight, wk + ch);
+                                }
+                            }
+                        }
+                        acc
+                    })
+                    .collect()
+            })
+            .collect();
+        for (p, row) in pixels.iter().enumerate() {
+            for (o, &v) in row.iter().enumerate() {
+                store(c.dt, c.out, p * c.o + o, v);
+            }
+        }
+        Ok(true)
     }
     fn synchronize(&self) -> Result<()> {
         Ok(())

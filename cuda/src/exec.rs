@@ -74,6 +74,38 @@ pub struct Gemm {
     pub out: u64,
 }
 
+/// A 2-D convolution for a vendor library (cuDNN), without bias: input `x` `[n, h, w, c]`
+/// (NHWC), weight `[o, kh, kw, c]`, symmetric zero padding `pad = [rows, cols]`, output
+/// `[n, oh, ow, o]`, all of type `dt`, f32 accumulation. The backend adds the bias and
+/// any residual after it (one elementwise pass); shapes the library form cannot say
+/// (FLUX's asymmetric padding, a fused upsample) never reach it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Conv {
+    pub dt: Dt,
+    pub n: usize,
+    pub h: usize,
+    pub w: usize,
+    pub c: usize,
+    pub o: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: usize,
+    pub pad: [usize; 2],
+    pub x: u64,
+    pub weight: u64,
+    pub out: u64,
+}
+
+impl Conv {
+    /// Output rows and columns.
+    pub fn out_hw(&self) -> (usize, usize) {
+        (
+            (self.h + 2 * self.pad[0] - self.kh) / self.stride + 1,
+            (self.w + 2 * self.pad[1] - self.kw) / self.stride + 1,
+        )
+    }
+}
+
 /// The executor's two queues: kernels and GEMMs run in order on `Compute`; cache loads
 /// run on `Copy`, ordered against compute only through events.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,6 +138,17 @@ pub trait Exec: Send + Sync + 'static {
     /// Launches kernel `name` (see `kernels::MODULES`) with one parameter struct.
     fn launch<P: KernelParams>(&self, name: &'static str, g: Grid, params: &P) -> Result<()>;
     fn gemm(&self, g: &Gemm) -> Result<()>;
+    /// The convolution library [`conv`](Self::conv) runs on, if this executor has one
+    /// (for logs and the self-test: docs/gpu.md says which path ran).
+    fn conv_library(&self) -> Option<String> {
+        None
+    }
+    /// Runs `c` with the convolution library. `Ok(false)` when there is none, or it has
+    /// no algorithm for this shape within its workspace: the backend then runs its own
+    /// im2col + GEMM path, which every executor has.
+    fn conv(&self, _c: &Conv) -> Result<bool> {
+        Ok(false)
+    }
     /// Waits for all queued work.
     fn synchronize(&self) -> Result<()>;
 

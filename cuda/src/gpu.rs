@@ -20,7 +20,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublaslt::{result as lt, sys as ltsys};
 use cudarc::driver::{
@@ -30,8 +30,9 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use crate::compile;
+use crate::cudnn::{self, Cudnn};
 use crate::device::{probe, GpuInfo};
-use crate::exec::{Dt, Exec, Gemm, Grid, MemInfo, Result, Stream};
+use crate::exec::{Conv, Dt, Exec, Gemm, Grid, MemInfo, Result, Stream};
 use crate::kernels;
 use crate::params::KernelParams;
 use crate::CudaError;
@@ -64,6 +65,9 @@ pub struct CudaExec {
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     staging: Mutex<PinnedHostSlice<u8>>,
     blas: Mutex<Blas>,
+    /// cuDNN, opened at the first convolution; `None` where it is absent or failed
+    /// to open (the backend's im2col path runs then).
+    cudnn: OnceLock<Option<Mutex<Cudnn>>>,
 }
 
 struct Blas {
@@ -219,7 +223,41 @@ impl CudaExec {
                 workspace,
                 plans: HashMap::new(),
             }),
+            cudnn: OnceLock::new(),
         })
+    }
+
+    fn cudnn(&self) -> Option<&Mutex<Cudnn>> {
+        self.cudnn
+            .get_or_init(|| {
+                if !cudnn::wanted_and_present() {
+                    return None;
+                }
+                let opened = self
+                    .ctx
+                    .bind_to_thread()
+                    .map_err(drv("cuCtxSetCurrent"))
+                    .and_then(|_| {
+                        // A library missing a symbol panics in cudarc: no cuDNN, then.
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            Cudnn::new(&self.compute)
+                        }))
+                        .unwrap_or_else(|_| {
+                            Err(CudaError::Driver("libcudnn lacks a function".into()))
+                        })
+                    });
+                match opened {
+                    Ok(d) => {
+                        tracing::info!("convolutions run on {}", d.describe());
+                        Some(Mutex::new(d))
+                    }
+                    Err(e) => {
+                        tracing::warn!("cuDNN is installed but did not open ({e}); convolutions run on im2col + cuBLASLt");
+                        None
+                    }
+                }
+            })
+            .as_ref()
     }
 
     pub fn info(&self) -> &GpuInfo {
@@ -515,6 +553,18 @@ impl Exec for CudaExec {
             )
             .map_err(blas("cublasLtMatmul"))
         }
+    }
+
+    fn conv_library(&self) -> Option<String> {
+        self.cudnn().map(|d| d.lock().unwrap().describe())
+    }
+
+    fn conv(&self, c: &Conv) -> Result<bool> {
+        let Some(d) = self.cudnn() else {
+            return Ok(false);
+        };
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        d.lock().unwrap().run(&self.compute, c)
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -4,16 +4,18 @@
 //! An image tensor is `[B, C, H, W]` to the model and `[B*H*W, C]` in memory: every
 //! pixel is a row, so a convolution is one GEMM over a patch matrix with the bias in
 //! its epilogue, a 1x1 convolution is a Linear, and the attention's projections are
-//! Linears over pixel rows. This is the im2col + cuBLASLt path the issue names as the
-//! fallback where cuDNN is absent; it is the only path so far (docs/gpu.md). Patch
-//! matrices and attention scores are built a bounded chunk of rows at a time, so their
-//! workspace stays under [`WORKSPACE_BYTES`] (by default) at any resolution.
+//! Linears over pixel rows. Convolutions with symmetric padding and no fused upsample go
+//! to the executor's convolution library when it has one (cuDNN on a GPU, see
+//! `cudnn.rs`), with bias and residual added in one pass after; the rest, and every
+//! convolution where there is no library (the emulator), run as im2col + GEMM.
+//! Patch matrices and attention scores are built a bounded chunk of rows at a time, so
+//! their workspace stays under [`WORKSPACE_BYTES`] (by default) at any resolution.
 
 use denoised_runtime::{Conv2dOpts, Error, Result, Tensor};
 
 use crate::backend::{dev, matrix, GpuBackend, GpuTensor};
-use crate::exec::{Exec, Gemm, Grid};
-use crate::params::ImgParams;
+use crate::exec::{Conv, Exec, Gemm, Grid};
+use crate::params::{EwParams, ImgParams};
 
 /// The most bytes of patch matrix or attention scores one chunk of rows takes, by
 /// default.
@@ -123,6 +125,36 @@ impl<E: Exec> GpuBackend<E> {
                     OP,
                     format!("residual {:?} for an output {:?}", a.shape(), out.shape()),
                 ));
+            }
+        }
+        if self.conv_library && pt == pb && pl == pr && !opts.upsample2x {
+            let conv = Conv {
+                dt: self.dtype(),
+                n,
+                h,
+                w: wd,
+                c,
+                o,
+                kh,
+                kw,
+                stride: opts.stride,
+                pad: [pt, pl],
+                x: x.addr(),
+                weight: w.addr(),
+                out: out.addr(),
+            };
+            if self.exec().conv(&conv).map_err(dev)? {
+                // The library writes the bare convolution; bias and residual in one pass.
+                let p = EwParams {
+                    x: out.addr(),
+                    y: add.map_or(0, |a| a.addr()),
+                    table: b.addr(),
+                    rows: i32_of(OP, n * oh * ow)?,
+                    cols: o as i32,
+                    ..Default::default()
+                };
+                self.launch(self.kernel("bias_rows"), Grid::linear(out.len(), BLOCK), &p)?;
+                return Ok(out);
             }
         }
         let pixels = n * oh * ow;

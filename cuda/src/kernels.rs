@@ -23,6 +23,8 @@ pub const MODULES: &[Module] = &[
             "silu_bf16",
             "add_f32",
             "add_bf16",
+            "bias_rows_f32",
+            "bias_rows_bf16",
             "gated_residual_f32",
             "gated_residual_bf16",
             "axpy_cols_f32",

@@ -18,6 +18,7 @@
 mod attention;
 pub mod backend;
 pub mod compile;
+mod cudnn;
 pub mod device;
 pub mod emu;
 pub mod exec;
@@ -33,10 +34,12 @@ mod tensor;
 mod text;
 
 pub use backend::{GpuBackend, GpuTensor};
+pub use cudnn::WORKSPACE_CAP as CUDNN_WORKSPACE_BYTES;
 pub use device::{
     parse_list, probe, resolve, resolve_list, CudaError, DeviceSpec, GpuInfo, Resolved,
 };
 pub use emu::EmuExec;
 pub use exec::{Dt, Exec, MemInfo};
 pub use gpu::{CudaExec, Priority};
+pub use image::WORKSPACE_BYTES as IMAGE_WORKSPACE_BYTES;
 pub use stream::StreamedTemplate;

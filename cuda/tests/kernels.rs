@@ -27,11 +27,18 @@ fn param_structs_match_cpp() {
 #[test]
 #[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
 fn emulated_kernels_match_cpu() {
-    let checks = kernels(|| Ok(EmuExec::default())).unwrap();
+    // With the stand-in convolution library, so that the backend's library path (what
+    // cuDNN runs on a GPU: the shapes it is given, the bias and residual pass after)
+    // and its im2col path (the chunked run) are both checked.
+    let exec = EmuExec::default().with_conv_library();
+    let checks = kernels(|| Ok(exec.clone())).unwrap();
     // 18 op checks per dtype, the fused LayerNorm (2) and the timestep embedding: a
     // check that stops running shows here.
     assert!(checks.len() >= 39, "only {} checks ran", checks.len());
     assert_all_pass(&checks);
+    // Per dtype: 3 of the 5 geometries are the library's, each with and without a
+    // residual; the VAE's upsample and asymmetric convolutions fell back.
+    assert_eq!(exec.library_convs(), 2 * 3 * 2);
 }
 
 #[test]

@@ -119,6 +119,11 @@ pub fn run(a: Args) -> CliResult {
         }
     };
     println!("denoised selftest on {device}");
+    let convs = match target {
+        Target::Emu => "im2col + GEMM (the emulator has no cuDNN)".to_string(),
+        Target::Cuda(n) => GpuBackend::new(cuda(n)?, Dt::F32).conv_path(),
+    };
+    println!("VAE convolutions: {convs}");
     // In a fixed order: cheap correctness first, so a broken device fails fast.
     let parts: Vec<Part> = ALL
         .into_iter()
@@ -162,6 +167,7 @@ pub fn run(a: Args) -> CliResult {
     if let Some(path) = &a.json {
         let report = json!({
             "device": device,
+            "vae_convolutions": convs,
             "seconds": seconds,
             "parts": sections.iter().map(|s| json!({
                 "part": format!("{:?}", s.part),

@@ -39,7 +39,7 @@ fn image_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
         &x,
     );
 
-    let geometries: [(&str, usize, Conv2dOpts); 4] = [
+    let geometries: [(&str, usize, Conv2dOpts); 5] = [
         ("conv 3x3 stride 1", 3, Conv2dOpts::same(3)),
         (
             "conv 3x3 stride 2, pad (0,1,0,1)",
@@ -60,8 +60,26 @@ fn image_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
             },
         ),
         ("conv 1x1", 1, Conv2dOpts::same(1)),
+        // Not a FLUX shape: a stride the library path is given.
+        (
+            "conv 3x3 stride 2, pad 1",
+            3,
+            Conv2dOpts {
+                stride: 2,
+                pad: [1; 4],
+                upsample2x: false,
+            },
+        ),
     ];
+    let library = gpu.conv_library && gpu.exec().conv_library().is_some();
     for (name, k, opts) in geometries {
+        let [pt, pb, pl, pr] = opts.pad;
+        let path = if library && pt == pb && pl == pr && !opts.upsample2x {
+            "library"
+        } else {
+            "im2col"
+        };
+        let name = &format!("{name} [{path}]");
         let w = rng.tensor(&[10, 12, k, k], 0.3);
         let b = rng.tensor(&[10], 0.5);
         let want = cpu.conv2d(&x, &w, &b, opts, None)?;

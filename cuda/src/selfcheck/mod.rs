@@ -99,10 +99,14 @@ pub fn kernels<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
     for dt in [Dt::F32, Dt::Bf16] {
         let gpu = GpuBackend::new(make()?, dt);
         check_ops(&mut out, &gpu)?;
+        // Convolutions on the executor's library where it has one (cuDNN), ...
         image::check_image_ops(&mut out, &gpu, "")?;
         text::check_text_ops(&mut out, &gpu)?;
-        // Chunks of a few rows: the patch-matrix and score loops run many times.
-        let small = GpuBackend::new(make()?, dt).with_image_workspace(2048);
+        // ... and on im2col + GEMM in chunks of a few rows: the patch-matrix and
+        // score loops run many times.
+        let small = GpuBackend::new(make()?, dt)
+            .with_image_workspace(2048)
+            .im2col_only();
         image::check_image_ops(&mut out, &small, ", chunked")?;
     }
     Ok(out)
