@@ -44,9 +44,9 @@ pub struct Args {
     /// With --sparse-vae: token mask ratios, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "0.05,0.1,0.2,0.4")]
     pub mask_ratio: Vec<f64>,
-    /// With --sparse-vae: modes as REGION/STATS (exact or dilated:N; frozen or
+    /// With --sparse-vae: modes as REGION/STATS (exact, local or dilated:N; frozen or
     /// incremental), comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "exact/incremental")]
+    #[arg(long, value_delimiter = ',', default_value = "local/incremental")]
     pub sparse_modes: Vec<String>,
     /// With --sparse-vae: timed runs of each sparse pass (the median is reported).
     #[arg(long, default_value_t = 3)]

@@ -9,7 +9,9 @@
 //! ratio runs the dense pass on the same input: its time (the median over the ratios
 //! is reported as `dense_s`) and its output, against which the sparse error is measured
 //! inside the kept region. The MAC bound is the dense time scaled by the MACs of the
-//! region's pixels alone (no tile waste, no gather or scatter).
+//! region's pixels alone (no tile waste, no gather or scatter). A `crop:HALO` mode runs
+//! the dense decoder on the masked pixels' window grown by HALO latent pixels
+//! (crop-with-halo; decoder only), its MACs the window's share.
 //!
 //! Seeded weights make the errors regression guards, not image-quality figures.
 
@@ -17,6 +19,7 @@ use std::time::Instant;
 
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::TokenMask;
+use denoised_models::vae::crop::Window;
 use denoised_models::vae::sparse::{kept_error, RegionMode, SparseOpts, SparseReport, StatsMode};
 use denoised_models::vae::{AutoencoderKL, VaeConfig};
 use denoised_runtime::Tensor;
@@ -24,16 +27,43 @@ use denoised_runtime::Tensor;
 use super::bench_pipeline::{pixel_mask, Args};
 use super::CliResult;
 
-/// `REGION/STATS`, e.g. `exact/incremental` or `dilated:2/frozen`.
-fn parse_mode(s: &str, tile: usize) -> CliResult<SparseOpts> {
-    let (r, st) = s.split_once('/').ok_or_else(|| {
-        format!("--sparse-modes {s:?}: expected REGION/STATS, e.g. exact/incremental")
-    })?;
-    Ok(SparseOpts {
+/// A way to run an edit's VAE pass other than dense.
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    Sparse(SparseOpts),
+    /// The decoder on the kept pixels' window, grown by this many latent pixels.
+    Crop(usize),
+}
+
+/// `REGION/STATS[/crop]`, e.g. `local/incremental` or `dilated:2/frozen/crop`, or
+/// `crop:HALO` (the plain crop).
+fn parse_mode(s: &str, tile: usize) -> CliResult<Mode> {
+    if let Some(h) = s.strip_prefix("crop:") {
+        let halo = h
+            .parse()
+            .map_err(|_| format!("--sparse-modes {s:?}: crop:HALO takes latent pixels"))?;
+        return Ok(Mode::Crop(halo));
+    }
+    let bad = || {
+        format!(
+            "--sparse-modes {s:?}: expected REGION/STATS[/crop] (e.g. local/incremental) or crop:HALO"
+        )
+    };
+    let mut parts = s.split('/');
+    let (Some(r), Some(st)) = (parts.next(), parts.next()) else {
+        return Err(bad().into());
+    };
+    let crop = match parts.next() {
+        None => false,
+        Some("crop") => true,
+        Some(_) => return Err(bad().into()),
+    };
+    Ok(Mode::Sparse(SparseOpts {
         region: r.parse::<RegionMode>()?,
         stats: st.parse::<StatsMode>()?,
         tile,
-    })
+        crop,
+    }))
 }
 
 fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
@@ -63,7 +93,7 @@ fn masks(n: usize, f: usize, ratio: f64, seed: u64) -> (Vec<bool>, Vec<bool>) {
 struct Point {
     half: &'static str,
     ratio: f64,
-    mode: SparseOpts,
+    mode: Mode,
     dense_s: f64,
     sparse_s: f64,
     /// Median over the iterations of dense time / sparse time, each pair run back to
@@ -78,10 +108,10 @@ struct Point {
 fn measure(
     half: &'static str,
     ratio: f64,
-    modes: &[SparseOpts],
+    modes: &[Mode],
     iters: usize,
     dense: impl Fn() -> CliResult<Tensor>,
-    sparse: impl Fn(SparseOpts) -> CliResult<(Tensor, SparseReport)>,
+    sparse: impl Fn(Mode) -> CliResult<(Tensor, SparseReport)>,
     keep: &[bool],
 ) -> CliResult<Vec<Point>> {
     let mut dense_t = Vec::new();
@@ -149,6 +179,11 @@ pub(super) fn run(a: &Args) -> CliResult {
     let image = random([1, 3, n, n])?;
     let z = random([1, 16, ln, ln])?;
     let mut points = Vec::new();
+    let encoder_modes: Vec<Mode> = modes
+        .iter()
+        .copied()
+        .filter(|m| matches!(m, Mode::Sparse(_)))
+        .collect();
 
     let (trace, capture_s) = timed(|| vae.trace_encode(&image));
     let trace = trace?;
@@ -168,10 +203,13 @@ pub(super) fn run(a: &Args) -> CliResult {
         points.extend(measure(
             "encoder",
             ratio,
-            &modes,
+            &encoder_modes,
             a.iters,
             || Ok(vae.encode(&edited)?.0),
             |m| {
+                let Mode::Sparse(m) = m else {
+                    unreachable!("crop modes are the decoder's")
+                };
                 let ((mean, _), r) = vae.encode_sparse(&edited, &trace, &pix, &lat, m)?;
                 Ok((mean, r))
             },
@@ -202,7 +240,21 @@ pub(super) fn run(a: &Args) -> CliResult {
             &modes,
             a.iters,
             || Ok(vae.decode(&edited)?),
-            |m| Ok(vae.decode_sparse(&edited, &trace, &lat, &pix, m)?),
+            |m| match m {
+                Mode::Sparse(m) => Ok(vae.decode_sparse(&edited, &trace, &lat, &pix, m)?),
+                Mode::Crop(halo) => {
+                    let win = Window::covering(&pix, ln, ln, f, halo).ok_or("an empty mask")?;
+                    let out = win.place(&vae.decode(&win.crop(&edited)?)?, n, n, f)?;
+                    // MACs in units of latent pixels: the window's, at no waste.
+                    let px = ((win.y1 - win.y0) * (win.x1 - win.x0)) as u64;
+                    let report = SparseReport {
+                        dense_macs: (ln * ln) as u64,
+                        sparse_macs: px,
+                        region_macs: px,
+                    };
+                    Ok((out, report))
+                }
+            },
             &pix,
         )?);
     }
@@ -212,7 +264,16 @@ pub(super) fn run(a: &Args) -> CliResult {
         let bound_s = p.dense_s * r.region_macs as f64 / r.dense_macs as f64;
         let mut line = serde_json::json!({
             "half": p.half, "size": n, "mask_ratio": p.ratio,
-            "region": p.mode.region.to_string(), "stats": p.mode.stats.to_string(), "tile": p.mode.tile,
+            "mode": match p.mode {
+                Mode::Sparse(m) => format!(
+                    "{}/{}{} tile {}",
+                    m.region,
+                    m.stats,
+                    if m.crop { "/crop" } else { "" },
+                    m.tile
+                ),
+                Mode::Crop(halo) => format!("crop:{halo}"),
+            },
             "dense_s": p.dense_s, "sparse_s": p.sparse_s, "speedup": p.speedup,
             "tile_mac_fraction": r.sparse_macs as f64 / r.dense_macs as f64,
             "region_mac_fraction": r.region_macs as f64 / r.dense_macs as f64,

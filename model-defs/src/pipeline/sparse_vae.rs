@@ -65,12 +65,12 @@ pub const SPARSE_MAX_MAC_FRACTION: f64 = 0.5;
 /// The sparse VAE's settings in a process, and its traces.
 pub struct SparseVae {
     pub setting: SparseVaeSetting,
-    /// The encoder's mode: exact regions, frozen statistics. An edit zeroes its masked
+    /// The encoder's mode: local regions, frozen statistics. An edit zeroes its masked
     /// pixels, which moves the first layers' statistics far; recomputed tiles normalised
     /// with updated statistics then disagree with the template values around them, and
     /// measured 2-5x the frozen error (docs/performance.md, "Sparse VAE").
     pub encoder: SparseOpts,
-    /// The decoder's: exact regions, incremental statistics (half the frozen error).
+    /// The decoder's: local regions, incremental statistics (half the frozen error).
     pub decoder: SparseOpts,
     traces: TraceCache,
 }

@@ -12,6 +12,7 @@
 //! attention kernel.
 
 pub mod config;
+pub mod crop;
 pub mod dense;
 pub mod model;
 pub mod sparse;

@@ -81,12 +81,14 @@ impl Value<'_> {
     }
 }
 
-/// The tiles covering each value's region (None: the value is the template's), and
-/// the MACs of the dense pass, of those tiles and of the regions alone.
+/// The tiles covering each value's region (or, with `crop`, its bounding box; None:
+/// the value is the template's), and the MACs of the dense pass, of those tiles and of
+/// the regions alone.
 pub(crate) fn tiles(
     prog: &Program<'_>,
     regions: &[Vec<bool>],
     tile: usize,
+    crop: bool,
 ) -> Result<(Vec<Option<Tiles>>, SparseReport)> {
     let mut r = SparseReport::default();
     let mut tiles = vec![None];
@@ -102,13 +104,47 @@ pub(crate) fn tiles(
         let on = region.iter().filter(|&&b| b).count();
         r.dense_macs += per_px * (h * w) as u64;
         r.region_macs += per_px * on as u64;
+        let boxed;
+        let covered = if crop {
+            boxed = bounding_box(region, w);
+            &boxed
+        } else {
+            region
+        };
         let t = (on > 0)
-            .then(|| Tiles::covering(region, h, w, tile))
+            .then(|| Tiles::covering(covered, h, w, level_tile(tile, h, w)))
             .transpose()?;
         r.sparse_macs += per_px * t.as_ref().map_or(0, |t| t.pixels()) as u64;
         tiles.push(t);
     }
     Ok((tiles, r))
+}
+
+/// The tile side on an `h x w` plane: `tile`, halved on planes narrower than 16 tiles.
+/// On the deep, small planes a region grown by the receptive field is a thin ring that
+/// large tiles overshoot (the tiles' MACs were 1.5-1.8x the region's at 512x512 and
+/// m <= 0.1); smaller tiles cost more per MAC (gather halo, shorter GEMMs), which the
+/// large planes, where most MACs are, would not repay. Measured at 512x512 (bench-pipeline
+/// --sparse-vae, docs/performance.md): 0.49-0.61 of the MAC bound against 0.42-0.58 with
+/// one tile size.
+fn level_tile(tile: usize, h: usize, w: usize) -> usize {
+    if h.min(w) < 16 * tile {
+        (tile / 2).max(1)
+    } else {
+        tile
+    }
+}
+
+/// The bounding box of a plane's set pixels (`w` per row), as a plane.
+fn bounding_box(region: &[bool], w: usize) -> Vec<bool> {
+    let (mut y0, mut y1, mut x0, mut x1) = (usize::MAX, 0, usize::MAX, 0);
+    for (i, _) in region.iter().enumerate().filter(|(_, &b)| b) {
+        let (y, x) = (i / w, i % w);
+        (y0, y1, x0, x1) = (y0.min(y), y1.max(y + 1), x0.min(x), x1.max(x + 1));
+    }
+    (0..region.len())
+        .map(|i| (y0..y1).contains(&(i / w)) && (x0..x1).contains(&(i % w)))
+        .collect()
 }
 
 /// The sparse pass of `input` against `trace`, recomputing each value's `tiles` (from

@@ -14,10 +14,12 @@
 //! - **GroupNorm statistics** ([`StatsMode`]): the template's, as SIGE does, or updated
 //!   from the cached sums with the recomputed tiles' old and new values.
 //!
-//! Neither statistics mode is exact outside a full recompute: once a GroupNorm's
-//! statistics move, every pixel after it moves a little, and the sparse pass keeps the
-//! template's values outside the region. `incremental` is exact for the values the pass
-//! holds; how far both are from the dense VAE is measured (docs/performance.md).
+//! Once a GroupNorm's statistics move, every pixel after it moves a little. `exact`
+//! regions follow that (everything after the first such GroupNorm is recomputed, so
+//! `exact` + `incremental` is the dense VAE, at about its cost); `local` regions and
+//! SIGE's dilation keep the template's values outside the region, which is where
+//! their savings come from. How far each is from dense is measured
+//! (docs/performance.md); the serving default is `local`.
 
 mod exec;
 mod program;
@@ -40,8 +42,15 @@ pub use trace::{TraceValue, VaeTrace};
 /// Which pixels of each layer an edit recomputes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RegionMode {
-    /// Every pixel whose value the edit can change: no cut-off of the receptive field.
+    /// Every pixel whose value the edit can change: no cut-off of any receptive field.
+    /// With `incremental` statistics a GroupNorm's is the whole image, so this
+    /// recomputes nearly everything and equals the dense VAE: the reference the cheaper
+    /// modes are measured against, never picked for speed.
     Exact,
+    /// The convolutions' receptive fields (and the attention's, the whole image), a
+    /// GroupNorm counted as pixelwise: what the edit moves beyond that is only the
+    /// statistics' small global shift. The same as `Exact` under `frozen` statistics.
+    Local,
     /// SIGE's: the difference mask on each layer's plane, dilated by N pixels there.
     Dilated(usize),
 }
@@ -51,12 +60,13 @@ impl FromStr for RegionMode {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s.split_once(':') {
             None if s == "exact" => Ok(RegionMode::Exact),
+            None if s == "local" => Ok(RegionMode::Local),
             Some(("dilated", n)) => n
                 .parse()
                 .map(RegionMode::Dilated)
                 .map_err(|_| format!("dilated:{n}: the dilation must be a pixel count")),
             _ => Err(format!(
-                "sparse VAE region {s:?}: expected exact or dilated:N"
+                "sparse VAE region {s:?}: expected exact, local or dilated:N"
             )),
         }
     }
@@ -66,6 +76,7 @@ impl fmt::Display for RegionMode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             RegionMode::Exact => write!(f, "exact"),
+            RegionMode::Local => write!(f, "local"),
             RegionMode::Dilated(n) => write!(f, "dilated:{n}"),
         }
     }
@@ -106,8 +117,16 @@ impl fmt::Display for StatsMode {
 pub struct SparseOpts {
     pub region: RegionMode,
     pub stats: StatsMode,
-    /// Tile side in pixels.
+    /// Tile side in pixels on the large planes (half of it on planes narrower than 16
+    /// tiles).
     pub tile: usize,
+    /// Crop-with-halo: each layer computes its region's bounding box (the kept
+    /// pixels' box grown by the receptive-field halo) as one rectangle of tiles, with
+    /// the template's trace outside it as for any sparse pass. More MACs than the
+    /// region's own tiles, in fewer and larger GEMMs. (A plain crop, the dense decoder
+    /// on the window alone, takes its GroupNorm statistics and attention from the
+    /// window: measured 10-38 levels off inside the mask; docs/performance.md.)
+    pub crop: bool,
 }
 
 /// The tile side the CPU GEMM likes: a 16x16 tile is 256 GEMM rows per tile, and
@@ -118,9 +137,10 @@ pub const DEFAULT_TILE: usize = 16;
 impl Default for SparseOpts {
     fn default() -> Self {
         SparseOpts {
-            region: RegionMode::Exact,
+            region: RegionMode::Local,
             stats: StatsMode::Incremental,
             tile: DEFAULT_TILE,
+            crop: false,
         }
     }
 }
@@ -217,8 +237,8 @@ impl AutoencoderKL {
                 ),
             ));
         }
-        let regions = prog.regions(diff, keep, opts.region);
-        let (tiles, report) = exec::tiles(&prog, &regions, opts.tile)?;
+        let regions = prog.regions(diff, keep, opts.region, opts.stats);
+        let (tiles, report) = exec::tiles(&prog, &regions, opts.tile, opts.crop)?;
         Ok(SparsePlan {
             half,
             input,

@@ -17,7 +17,7 @@ use denoised_runtime::{Error, Result};
 
 use super::super::model::{AutoencoderKL, DOWNSAMPLE, UPSAMPLE};
 use super::super::weights::{Attention, Coder, Conv, Norm, Resnet};
-use super::{Half, RegionMode};
+use super::{Half, RegionMode, StatsMode};
 
 pub(crate) enum Op<'w> {
     /// `conv(pre(x)) + bias (+ residual)`, where `pre` is a GroupNorm (with SiLU when
@@ -180,16 +180,30 @@ impl<'w> Program<'w> {
     /// template (forward, from `diff` over the input plane) and that the output's
     /// `keep` region depends on (backward). Plane-shaped, row-major.
     ///
-    /// - `Exact` grows the difference through each layer's receptive field; the
-    ///   attention mixes every pixel, so after it everything differs.
+    /// - `Exact` grows the difference through each layer's whole receptive field: the
+    ///   attention mixes every pixel, and with `incremental` statistics so does a
+    ///   GroupNorm (once its statistics move, all its outputs do; and they read all
+    ///   its inputs), so after the first one nearly everything is recomputed. Under
+    ///   `frozen` statistics a GroupNorm is pixelwise, as in `Local`.
+    /// - `Local` grows the difference through the convolutions and the attention only,
+    ///   a GroupNorm counted as pixelwise even where its statistics are updated: the
+    ///   statistics' small global shift is left out beyond the region.
     /// - `Dilated(n)` is SIGE's fixed region: the difference mask resampled to each
     ///   value's plane and dilated by `n` pixels there; the attention's output differs
     ///   only where its input does (its other queries keep their cached output).
-    pub(crate) fn regions(&self, diff: &[bool], keep: &[bool], mode: RegionMode) -> Vec<Vec<bool>> {
+    pub(crate) fn regions(
+        &self,
+        diff: &[bool],
+        keep: &[bool],
+        mode: RegionMode,
+        stats: StatsMode,
+    ) -> Vec<Vec<bool>> {
         let plane = |v: usize| {
             let [_, h, w] = self.shapes[v];
             (h, w)
         };
+        let global_norms = mode == RegionMode::Exact && stats == StatsMode::Incremental;
+        let any = |r: &[bool]| r.iter().any(|&b| b);
         let n = self.shapes.len();
         let mut fwd: Vec<Vec<bool>> = Vec::with_capacity(n);
         fwd.push(diff.to_vec());
@@ -201,25 +215,28 @@ impl<'w> Program<'w> {
                     dilate(&resample(diff, ih, iw, h, w), h, w, d)
                 }
                 (
-                    RegionMode::Exact,
+                    _,
                     Op::Conv {
                         k,
                         opts,
                         input,
+                        pre,
                         residual,
                         ..
                     },
                 ) => {
                     let (ih, iw) = plane(*input);
-                    let (mut f, _, _) = grow(&fwd[*input], ih, iw, *k, *opts);
+                    let mut f = if global_norms && pre.is_some() && any(&fwd[*input]) {
+                        vec![true; h * w]
+                    } else {
+                        grow(&fwd[*input], ih, iw, *k, *opts).0
+                    };
                     if let Some(r) = residual {
                         or(&mut f, &fwd[*r]);
                     }
                     f
                 }
-                (RegionMode::Exact, Op::Attn { input, .. }) => {
-                    vec![fwd[*input].iter().any(|&b| b); h * w]
-                }
+                (_, Op::Attn { input, .. }) => vec![any(&fwd[*input]); h * w],
             };
             fwd.push(f);
         }
@@ -237,10 +254,15 @@ impl<'w> Program<'w> {
                     k,
                     opts,
                     input,
+                    pre,
                     residual,
                     ..
                 } => {
                     let (ih, iw) = plane(*input);
+                    if global_norms && pre.is_some() && any(&out) {
+                        // The statistics read every input pixel.
+                        back[*input].fill(true);
+                    }
                     let need = grow_back(&out, ih, iw, *k, *opts);
                     or(&mut back[*input], &need);
                     if let Some(r) = residual {
@@ -248,9 +270,9 @@ impl<'w> Program<'w> {
                     }
                 }
                 Op::Attn { input, .. } => {
-                    // Exact: a query reads every key; SIGE's approximation takes the
-                    // keys of pixels outside the region from the template.
-                    if mode == RegionMode::Exact && out.iter().any(|&b| b) {
+                    // Exact and local: a query reads every key; SIGE's approximation
+                    // takes the keys of pixels outside the region from the template.
+                    if !matches!(mode, RegionMode::Dilated(_)) && any(&out) {
                         back[*input].fill(true);
                     }
                     or(&mut back[*input], &out);
