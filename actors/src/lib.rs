@@ -5,6 +5,7 @@
 //! `denoised-models`); see DESIGN.md §"Processes and actors". Its first pieces land
 //! with the serving work.
 
+pub mod approx;
 pub mod budget;
 pub mod denoise;
 pub mod device;

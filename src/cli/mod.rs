@@ -1,5 +1,6 @@
 //! Command-line interface: one module per subcommand, shared options here.
 
+mod bench_approx;
 mod bench_attn;
 mod bench_overheads;
 mod bench_pipeline;
@@ -59,6 +60,9 @@ pub enum Command {
     /// What compressed template forms (fp8, step sharing) change in edits against the
     /// f32 template: latent error and PSNR inside the mask; JSON lines.
     BenchCacheQuality(bench_quality::Args),
+    /// The approximate cache's eviction policies on a synthetic text-to-image prompt
+    /// trace at equal capacity: hit rate per K and steps saved; one JSON line each.
+    BenchApproxCache(bench_approx::Args),
     /// Simulate a cluster of denoise workers (the real routing policies and batching
     /// scheduler, step times from a profile); one JSON line per policy.
     Simulate(simulate::Args),
@@ -109,6 +113,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Template(TemplateCommand::Capture(a)) => edit::run_capture(a),
         Command::BenchPipeline(a) => bench_pipeline::run(a),
         Command::BenchCacheQuality(a) => bench_quality::run(a),
+        Command::BenchApproxCache(a) => bench_approx::run(a),
         Command::Simulate(a) => simulate::run(a),
         Command::BenchServe(a) => bench_serve::run(a),
         Command::Footprint(a) => footprint::run(a),

@@ -167,6 +167,26 @@ multiversion! {
 }
 
 multiversion! {
+    /// `x · y` over the shorter length, in 16 lanes (a summation order of its own).
+    pub fn dot(x: &[f32], y: &[f32]) -> f32 {
+        let mut acc = [0f32; 16];
+        let (xc, yc) = (x.chunks_exact(16), y.chunks_exact(16));
+        let tail: f32 = xc
+            .remainder()
+            .iter()
+            .zip(yc.remainder())
+            .map(|(a, b)| a * b)
+            .sum();
+        for (a, b) in xc.zip(yc) {
+            for i in 0..16 {
+                acc[i] += a[i] * b[i];
+            }
+        }
+        acc.iter().sum::<f32>() + tail
+    }
+}
+
+multiversion! {
     /// `y *= a`.
     pub fn scale(y: &mut [f32], a: f32) {
         for y in y.iter_mut() {
@@ -192,6 +212,16 @@ mod tests {
         assert!(worst < 3e-7, "relative error {worst}");
         assert!(exp(-200.0) < 1e-37);
         assert!(exp(0.0) == 1.0);
+    }
+
+    #[test]
+    fn dot_matches_f64_over_every_tail_length() {
+        for n in [0, 1, 15, 16, 17, 100, 768] {
+            let x: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect();
+            let y: Vec<f32> = (0..n).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.3).collect();
+            let want: f64 = x.iter().zip(&y).map(|(a, b)| *a as f64 * *b as f64).sum();
+            assert!((dot(&x, &y) as f64 - want).abs() < 1e-4, "n = {n}");
+        }
     }
 
     #[test]
