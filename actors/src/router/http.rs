@@ -27,9 +27,9 @@ const OPENAPI: &str = include_str!("../../../docs/openapi.json");
 
 /// A JSON error response.
 pub struct ApiError {
-    status: StatusCode,
-    code: &'static str,
-    message: String,
+    pub(super) status: StatusCode,
+    pub(super) code: &'static str,
+    pub(super) message: String,
 }
 
 impl ApiError {
@@ -66,7 +66,7 @@ impl From<WireError> for ApiError {
 
 /// An error response's class, for the metrics (see [`observe`]).
 #[derive(Clone, Copy)]
-struct ErrorClass(&'static str);
+pub(super) struct ErrorClass(pub(super) &'static str);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
@@ -100,6 +100,10 @@ pub fn app(ctx: Arc<Ctx>) -> Router {
             get(get_template).delete(delete_template),
         )
         .route("/v1/edits", axum::routing::post(create_edit))
+        .route(
+            "/v1/images/edits",
+            axum::routing::post(super::openai::images_edits),
+        )
         .route("/v1/jobs/{id}", get(get_job).delete(cancel_job))
         .route(
             "/admin/routing",
@@ -223,7 +227,7 @@ async fn metrics(State(ctx): State<Arc<Ctx>>, req: Request) -> Response {
 
 /// Runs a request's flow on its own task, inside its span (so every log line of it
 /// names the request), and sets the request id header on what `respond` makes of it.
-fn spawn_request<T: Send + 'static>(
+pub(super) fn spawn_request<T: Send + 'static>(
     job: u64,
     run: impl std::future::Future<Output = Result<T, WireError>> + Send + 'static,
 ) -> tokio::task::JoinHandle<Result<T, WireError>> {
@@ -232,7 +236,7 @@ fn spawn_request<T: Send + 'static>(
     tokio::spawn(run.instrument(tracing::info_span!("request", id = %job_name(job), %worker)))
 }
 
-fn with_id(job: u64, mut r: Response) -> Response {
+pub(super) fn with_id(job: u64, mut r: Response) -> Response {
     if let Ok(v) = header::HeaderValue::from_str(&job_name(job)) {
         r.headers_mut().insert(REQUEST_ID, v);
     }
@@ -330,11 +334,11 @@ fn b64(field: &str, s: &str) -> ApiResult<Vec<u8>> {
         .map_err(|e| ApiError::bad(format!("{field}: invalid base64: {e}")))
 }
 
-fn encode_b64(b: &[u8]) -> String {
+pub(super) fn encode_b64(b: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(b)
 }
 
-fn check_steps(ctx: &Ctx, steps: Option<u32>) -> ApiResult<()> {
+pub(super) fn check_steps(ctx: &Ctx, steps: Option<u32>) -> ApiResult<()> {
     let max = ctx.config.server.max_steps as u32;
     match steps {
         Some(s) if s == 0 || s > max => {
@@ -344,7 +348,7 @@ fn check_steps(ctx: &Ctx, steps: Option<u32>) -> ApiResult<()> {
     }
 }
 
-fn check_guidance(g: Option<f32>) -> ApiResult<()> {
+pub(super) fn check_guidance(g: Option<f32>) -> ApiResult<()> {
     match g {
         Some(g) if !(g.is_finite() && (0.0..=100.0).contains(&g)) => {
             Err(ApiError::bad(format!("guidance {g} out of range 0..=100")))
@@ -353,7 +357,7 @@ fn check_guidance(g: Option<f32>) -> ApiResult<()> {
     }
 }
 
-fn check_seq_len(n: u32) -> ApiResult<()> {
+pub(super) fn check_seq_len(n: u32) -> ApiResult<()> {
     if n == 0 || n > 512 {
         return Err(ApiError::bad(format!(
             "max_sequence_length {n} out of range 1..=512"
@@ -471,12 +475,17 @@ async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult
     }
 }
 
-async fn multipart_template(ctx: &Ctx, req: Request) -> ApiResult<(Vec<u8>, TemplateBody)> {
+/// A multipart body's parts: those named in `files` as bytes, the others as text, in
+/// order. Size and transport errors get the API's JSON errors.
+pub(super) async fn read_multipart(
+    ctx: &Ctx,
+    req: Request,
+    files: &[&str],
+) -> ApiResult<(Vec<(String, Vec<u8>)>, Vec<(String, String)>)> {
     let mut mp = Multipart::from_request(req, &())
         .await
         .map_err(|e| ApiError::bad(format!("multipart: {}", e.body_text())))?;
-    let mut image = None;
-    let mut fields = serde_json::Map::new();
+    let (mut bin, mut text) = (Vec::new(), Vec::new());
     let limit = ctx.config.server.max_body_bytes;
     while let Some(field) = mp
         .next_field()
@@ -491,11 +500,19 @@ async fn multipart_template(ctx: &Ctx, req: Request) -> ApiResult<(Vec<u8>, Temp
                 ApiError::bad(format!("multipart field `{name}`: {e}"))
             }
         })?;
-        if name == "image" {
-            image = Some(data.to_vec());
-            continue;
+        if files.contains(&name.as_str()) {
+            bin.push((name, data.to_vec()));
+        } else {
+            text.push((name, String::from_utf8_lossy(&data).to_string()));
         }
-        let text = String::from_utf8_lossy(&data).to_string();
+    }
+    Ok((bin, text))
+}
+
+async fn multipart_template(ctx: &Ctx, req: Request) -> ApiResult<(Vec<u8>, TemplateBody)> {
+    let (bin, text) = read_multipart(ctx, req, &["image"]).await?;
+    let mut fields = serde_json::Map::new();
+    for (name, text) in text {
         let v = match name.as_str() {
             "prompt" | "id" | "cache_mode" => Value::String(text),
             "async" | "replace" => Value::Bool(text == "true" || text == "1"),
@@ -503,7 +520,11 @@ async fn multipart_template(ctx: &Ctx, req: Request) -> ApiResult<(Vec<u8>, Temp
         };
         fields.insert(name, v);
     }
-    let image = image.ok_or_else(|| ApiError::bad("multipart: no `image` part"))?;
+    let image = bin
+        .into_iter()
+        .next()
+        .map(|(_, b)| b)
+        .ok_or_else(|| ApiError::bad("multipart: no `image` part"))?;
     fields.insert("image".into(), Value::String(String::new()));
     let b: TemplateBody = serde_json::from_value(Value::Object(fields))
         .map_err(|e| ApiError::bad(format!("multipart fields: {e}")))?;
@@ -513,7 +534,7 @@ async fn multipart_template(ctx: &Ctx, req: Request) -> ApiResult<(Vec<u8>, Temp
 /// Awaits a request's task. Requests run on their own task so that a client that
 /// disconnects does not cancel the flow half-way (which would strand its job and its
 /// shared-memory slices); the flow finishes and cleans up either way.
-async fn joined<T>(task: tokio::task::JoinHandle<Result<T, WireError>>) -> ApiResult<T> {
+pub(super) async fn joined<T>(task: tokio::task::JoinHandle<Result<T, WireError>>) -> ApiResult<T> {
     match task.await {
         Ok(r) => r.map_err(ApiError::from),
         Err(e) => Err(ApiError::from(WireError::internal(format!(

@@ -8,6 +8,7 @@ pub mod ctx;
 pub mod flow;
 pub mod http;
 pub mod jobs;
+mod openai;
 mod watchdog;
 
 use std::sync::Arc;

@@ -161,6 +161,46 @@ pub fn decode_mask(
     })
 }
 
+/// The mask of an image in OpenAI's convention (the Images API's edits): its fully
+/// transparent pixels (alpha 0) are the area to edit. `bytes` is a PNG with an alpha
+/// channel, of `width x height` (the image itself, when the request has no mask).
+pub fn decode_alpha_mask(
+    bytes: &[u8],
+    width: usize,
+    height: usize,
+    limits: &ImageLimits,
+) -> Result<Mask> {
+    let img = decode(bytes, "mask", limits)?;
+    let (w, h) = (img.width() as usize, img.height() as usize);
+    if (w, h) != (width, height) {
+        return Err(Error::Invalid(format!(
+            "mask is {w}x{h} but the image is {width}x{height}"
+        )));
+    }
+    if !img.color().has_alpha() {
+        return Err(Error::Invalid(
+            "the mask has no alpha channel: its fully transparent pixels mark the area to edit (a PNG with transparency)".into(),
+        ));
+    }
+    let data: Vec<bool> = img.into_rgba8().pixels().map(|p| p.0[3] == 0).collect();
+    Ok(Mask {
+        width,
+        height,
+        data,
+    })
+}
+
+/// A mask as the 8-bit grey PNG the native API takes (white = repaint).
+pub fn encode_mask_png(mask: &Mask) -> Result<Vec<u8>> {
+    let px = mask.data.iter().map(|&m| if m { 255 } else { 0 }).collect();
+    let buf = image::GrayImage::from_raw(mask.width as u32, mask.height as u32, px)
+        .ok_or_else(|| Error::Invalid("mask buffer does not match its size".into()))?;
+    let mut out = Vec::new();
+    buf.write_to(&mut Cursor::new(&mut out), ImageFormat::Png)
+        .map_err(|e| Error::Invalid(format!("PNG encode: {e}")))?;
+    Ok(out)
+}
+
 /// PIL's RGB -> L conversion (ITU-R 601-2 luma in 16-bit fixed point).
 pub fn pil_luma(r: u8, g: u8, b: u8) -> u8 {
     ((r as u32 * 19595 + g as u32 * 38470 + b as u32 * 7471 + 0x8000) >> 16) as u8
@@ -245,6 +285,41 @@ mod tests {
         assert_eq!(pil_luma(0, 255, 0), 150);
         assert_eq!(pil_luma(0, 0, 255), 29);
         assert_eq!(pil_luma(128, 128, 128), 128);
+    }
+
+    #[test]
+    fn openai_masks_edit_the_transparent_pixels() {
+        let (w, h) = (8, 4);
+        let rgba = image::RgbaImage::from_fn(w, h, |x, y| {
+            image::Rgba([
+                200,
+                10,
+                10,
+                if x >= 4 && y < 2 {
+                    0
+                } else {
+                    (x * 30 + 1) as u8
+                },
+            ])
+        });
+        let m = decode_alpha_mask(&png(DynamicImage::ImageRgba8(rgba)), 8, 4, &LIM).unwrap();
+        let want: Vec<bool> = (0..h)
+            .flat_map(|y| (0..w).map(move |x| x >= 4 && y < 2))
+            .collect();
+        assert_eq!(
+            m.data, want,
+            "alpha 0 is the edit area; any other alpha is kept"
+        );
+        // As the native API's mask, it reads back the same.
+        let back = decode_mask(&encode_mask_png(&m).unwrap(), 8, 4, &LIM).unwrap();
+        assert_eq!(back, m);
+        // A mask without alpha says what it lacks; a wrong size is refused.
+        let grey = png(DynamicImage::ImageLuma8(image::GrayImage::new(8, 4)));
+        let e = decode_alpha_mask(&grey, 8, 4, &LIM)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no alpha channel"), "{e}");
+        assert!(decode_alpha_mask(&grey, 4, 4, &LIM).is_err());
     }
 
     #[test]

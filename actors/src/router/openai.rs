@@ -1,0 +1,224 @@
+//! The OpenAI-compatible Images API: `POST /v1/images/edits`, so that clients written
+//! for OpenAI (the official `openai` package included) edit images here unchanged.
+//!
+//! It maps onto the native edit flow (`/v1/edits`):
+//! - multipart `image` (or `image[]`, one image), `mask`, `prompt`, `n` (1-10: that
+//!   many edits, seeds `seed`, `seed + 1`, ...), `size` (`auto`, or the image's own
+//!   size: images are edited at their size, never resized), `response_format`
+//!   (`b64_json`; `url` is refused: nothing here hosts files), `model` (one model is
+//!   served: any name is accepted and the reply names the served model);
+//! - the mask in OpenAI's convention: its fully transparent pixels (alpha 0) are the
+//!   area to edit; without a mask, the image's own transparency is the mask;
+//! - extensions as extra form fields: `seed`, `steps`, `guidance`,
+//!   `max_sequence_length`, and `template_id` (a mask-aware edit of that template:
+//!   the template's image is the source, and the uploaded image only carries the mask
+//!   when there is no `mask`);
+//! - errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`.
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use denoised_models::pipeline::image::{
+    decode_alpha_mask, decode_image, encode_mask_png, ImageLimits,
+};
+use serde_json::{json, Value};
+
+use super::flow::{self, Ctx, EditInput, MaskIn, Source};
+use super::http::{
+    check_guidance, check_seq_len, check_steps, encode_b64, joined, read_multipart, spawn_request,
+    ApiError, ApiResult, ErrorClass,
+};
+use super::jobs::job_name;
+use crate::wire::{FinishParams, ImageFormat, WireError};
+
+/// The most images one request asks for (OpenAI's limit).
+const MAX_N: u32 = 10;
+
+/// An error in OpenAI's shape (their clients parse `error.message`).
+fn openai_error(e: ApiError) -> Response {
+    let kind = if e.status.is_server_error() {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
+    let body =
+        json!({"error": {"message": e.message, "type": kind, "param": null, "code": e.code}});
+    let mut r = (e.status, Json(body)).into_response();
+    r.extensions_mut().insert(ErrorClass(e.code));
+    r
+}
+
+pub(super) async fn images_edits(State(ctx): State<Arc<Ctx>>, req: Request) -> Response {
+    edits(ctx, req).await.unwrap_or_else(openai_error)
+}
+
+/// The request's form, parsed and checked.
+struct Form {
+    image: Vec<u8>,
+    mask: Option<Vec<u8>>,
+    prompt: String,
+    n: u32,
+    size: Option<(usize, usize)>,
+    seed: u64,
+    steps: Option<u32>,
+    guidance: Option<f32>,
+    max_sequence_length: u32,
+    template_id: Option<String>,
+}
+
+fn number<T: std::str::FromStr>(name: &str, v: &str) -> ApiResult<T> {
+    v.trim()
+        .parse()
+        .map_err(|_| ApiError::bad(format!("`{name}`: {v:?} is not a number")))
+}
+
+async fn form(ctx: &Ctx, req: Request) -> ApiResult<Form> {
+    let (bin, text) = read_multipart(ctx, req, &["image", "image[]", "mask"]).await?;
+    let mut images = bin
+        .iter()
+        .filter(|(n, _)| n != "mask")
+        .map(|(_, b)| b.clone());
+    let image = images
+        .next()
+        .ok_or_else(|| ApiError::bad("`image`: the image to edit is required"))?;
+    if images.next().is_some() {
+        return Err(ApiError::bad("`image`: one image per request"));
+    }
+    let mut f = Form {
+        image,
+        mask: bin.into_iter().find(|(n, _)| n == "mask").map(|(_, b)| b),
+        prompt: String::new(),
+        n: 1,
+        size: None,
+        seed: 0,
+        steps: None,
+        guidance: None,
+        max_sequence_length: 512,
+        template_id: None,
+    };
+    let mut prompt = None;
+    for (name, v) in text {
+        match name.as_str() {
+            "prompt" => prompt = Some(v),
+            "n" => f.n = number("n", &v)?,
+            "size" if v == "auto" => {}
+            "size" => {
+                let (w, h) = v
+                    .split_once('x')
+                    .ok_or_else(|| ApiError::bad(format!("`size`: {v:?} is not WIDTHxHEIGHT")))?;
+                f.size = Some((number("size", w)?, number("size", h)?));
+            }
+            "response_format" if v == "b64_json" => {}
+            "response_format" => {
+                return Err(ApiError::bad(format!(
+                    "`response_format`: {v:?} is not supported; images come back as b64_json"
+                )))
+            }
+            "seed" => f.seed = number("seed", &v)?,
+            "steps" => f.steps = Some(number("steps", &v)?),
+            "guidance" => f.guidance = Some(number("guidance", &v)?),
+            "max_sequence_length" => f.max_sequence_length = number("max_sequence_length", &v)?,
+            "template_id" => f.template_id = Some(v),
+            // `model` (one model is served), `user`, and OpenAI's rendering options
+            // (quality, background, ...) that have no meaning here.
+            _ => {}
+        }
+    }
+    f.prompt = prompt.ok_or_else(|| ApiError::bad("`prompt` is required"))?;
+    if f.n == 0 || f.n > MAX_N {
+        return Err(ApiError::bad(format!("`n` must be 1 to {MAX_N}")));
+    }
+    Ok(f)
+}
+
+async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
+    let permit = ctx.admission.try_admit()?;
+    let f = form(&ctx, req).await?;
+    check_steps(&ctx, f.steps)?;
+    check_guidance(f.guidance)?;
+    check_seq_len(f.max_sequence_length)?;
+    // Decoding is CPU work: off the async threads.
+    let limits = ImageLimits {
+        max_pixels: ctx.config.server.max_pixels,
+        multiple_of: 1,
+    };
+    let (image, mask_png, (w, h)) = {
+        let (image, mask, size) = (f.image, f.mask, f.size);
+        tokio::task::spawn_blocking(move || -> ApiResult<_> {
+            let bad = |e: denoised_runtime::Error| ApiError::bad(e.to_string());
+            let img = decode_image(&image, &limits).map_err(bad)?;
+            let (w, h) = (img.width, img.height);
+            if let Some((sw, sh)) = size.filter(|&s| s != (w, h)) {
+                return Err(ApiError::bad(format!(
+                    "`size` {sw}x{sh} differs from the image's {w}x{h}: images are edited at their own size (or use \"auto\")"
+                )));
+            }
+            let m = decode_alpha_mask(mask.as_deref().unwrap_or(&image), w, h, &limits)
+                .map_err(|e| match mask {
+                    Some(_) => bad(e),
+                    None => ApiError::bad(format!(
+                        "no `mask`, and the image cannot serve as one: {e}"
+                    )),
+                })?;
+            Ok((image, encode_mask_png(&m).map_err(bad)?, (w, h)))
+        })
+        .await
+        .map_err(|e| ApiError::from(WireError::internal(format!("decode task: {e}"))))??
+    };
+    let mut tasks = Vec::new();
+    for i in 0..f.n {
+        let input = EditInput {
+            source: match &f.template_id {
+                Some(t) => Source::Template(t.clone()),
+                None => Source::Image(image.clone()),
+            },
+            mask: MaskIn::Image(mask_png.clone()),
+            steps: f.steps,
+            guidance: f.guidance,
+            prompt: f.prompt.clone(),
+            seed: f.seed.wrapping_add(i as u64),
+            dilation: 0,
+            max_sequence_length: f.max_sequence_length,
+            finish: FinishParams {
+                paste_back: true,
+                feather: 3,
+                format: ImageFormat::Png,
+            },
+        };
+        let job = ctx.next_job();
+        ctx.jobs.create(job, "edit", input.steps.unwrap_or(0));
+        let c = ctx.clone();
+        tasks.push(spawn_request(job, async move {
+            let r = flow::edit(&c, job, &input).await;
+            let kept = r
+                .as_ref()
+                .map(|o| super::http::edit_json(job, o, ImageFormat::Png, false));
+            c.jobs.finish(job, kept.map_err(Clone::clone));
+            r.map(|o| (job, o))
+        }));
+    }
+    let mut data = Vec::new();
+    for t in tasks {
+        let (job, o) = joined(t).await?;
+        data.push(json!({
+            "b64_json": encode_b64(&o.image),
+            "id": job_name(job),
+            "timings": o.timings,
+        }));
+    }
+    drop(permit);
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let body: Value = json!({
+        "created": created,
+        "data": data,
+        "model": ctx.model,
+        "output_format": "png",
+        "size": format!("{w}x{h}"),
+    });
+    Ok((StatusCode::OK, Json(body)).into_response())
+}

@@ -1,0 +1,115 @@
+//! The official `openai` Python client (PyPI) against the real daemon: it edits an
+//! image with a transparent-area mask through `POST /v1/images/edits`, and the pixels
+//! outside the mask come back untouched. `.ci/run` installs the client into
+//! `target/pyclient` and sets `DENOISED_PYCLIENT`; where it is missing the test says so
+//! and skips.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+use image::{Rgba, RgbaImage};
+
+/// `python3` with the client importable, or why not.
+fn python() -> Result<Command, String> {
+    let path = std::env::var("DENOISED_PYCLIENT").unwrap_or_default();
+    let cmd = || {
+        let mut c = Command::new("python3");
+        if !path.is_empty() {
+            c.env("PYTHONPATH", &path);
+        }
+        c
+    };
+    match cmd().args(["-c", "import openai"]).output() {
+        Ok(o) if o.status.success() => Ok(cmd()),
+        Ok(o) => Err(format!(
+            "the openai package is not importable (DENOISED_PYCLIENT={path:?}): {}",
+            String::from_utf8_lossy(&o.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        )),
+        Err(e) => Err(format!("no python3: {e}")),
+    }
+}
+
+#[test]
+fn the_openai_client_edits_an_image_with_a_transparent_mask() {
+    let mut py = match python() {
+        Ok(c) => c,
+        Err(why) => {
+            println!("skipping: {why}");
+            return;
+        }
+    };
+    let d = Daemon::start(&[]);
+    let input = png(&std::fs::read(case("e2e_input.png")).unwrap());
+    let (w, h) = (input.width as u32, input.height as u32);
+    // The area to edit: a transparent rectangle; the rest opaque.
+    let edit = |x: u32, y: u32| (16..40).contains(&x) && (20..44).contains(&y);
+    let px = |x: u32, y: u32| {
+        let i = 3 * (y * w + x) as usize;
+        [input.data[i], input.data[i + 1], input.data[i + 2]]
+    };
+    let image = RgbaImage::from_fn(w, h, |x, y| {
+        let [r, g, b] = px(x, y);
+        Rgba([r, g, b, 255])
+    });
+    let mask = RgbaImage::from_fn(w, h, |x, y| {
+        Rgba([0, 0, 0, if edit(x, y) { 0 } else { 255 }])
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let (ip, mp, out) = (
+        dir.path().join("image.png"),
+        dir.path().join("mask.png"),
+        dir.path().join("out"),
+    );
+    image.save(&ip).unwrap();
+    mask.save(&mp).unwrap();
+    let o = py
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/openai_client.py"
+        ))
+        .args([
+            &d.url,
+            ip.to_str().unwrap(),
+            mp.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "the client failed:\n{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let model = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    assert!(
+        !model.is_empty() && model != "any-name",
+        "the reply names the served model: {model:?}"
+    );
+    let mut outputs = Vec::new();
+    for i in 0..2 {
+        let got = png(&std::fs::read(dir.path().join(format!("out.{i}.png"))).unwrap());
+        assert_eq!((got.width, got.height), (input.width, input.height));
+        let (mut outside_changed, mut inside_changed) = (0, 0);
+        for y in 0..h {
+            for x in 0..w {
+                let i = 3 * (y * w + x) as usize;
+                let same = got.data[i..i + 3] == px(x, y);
+                match (edit(x, y), same) {
+                    (false, false) => outside_changed += 1,
+                    (true, false) => inside_changed += 1,
+                    _ => {}
+                }
+            }
+        }
+        assert_eq!(outside_changed, 0, "pixels outside the mask changed");
+        assert!(inside_changed > 0, "nothing was edited");
+        outputs.push(got.data);
+    }
+    assert_ne!(outputs[0], outputs[1], "n = 2 gives two seeds");
+}
