@@ -2,7 +2,7 @@
 //!
 //! cuDNN is loaded dynamically (cudarc's `cudnn` feature with `dynamic-loading`), on
 //! the first convolution, and only if `libcudnn.so.9` (or an unversioned
-//! `libcudnn.so`) can be opened: the CUDA toolkit's, or `pip install nvidia-cudnn-cu12`
+//! `libcudnn.so`) can be opened: the CUDA toolkit's, or `pip install nvidia-cudnn-cu13`
 //! with its `lib/` on `LD_LIBRARY_PATH`. Where it is absent, or `DENOISED_CUDNN=0`, or
 //! it has no algorithm for a shape within [`WORKSPACE_CAP`], the backend's own
 //! im2col + cuBLASLt path runs instead; the result is the same up to summation order.
@@ -259,7 +259,7 @@ impl Cudnn {
         let (alpha, beta) = (1f32, 0f32);
         // SAFETY: the pointers come from live allocations the backend sized for these
         // shapes; the workspace holds at least `plan.workspace` bytes.
-        unsafe {
+        let launched = unsafe {
             dnn::convolution_forward(
                 self.handle,
                 &alpha as *const f32 as *const c_void,
@@ -275,7 +275,13 @@ impl Cudnn {
                 plan.y,
                 c.out as *mut c_void,
             )
-            .map_err(err("cudnnConvolutionForward"))?;
+        };
+        // A refusal at launch (a shape the heuristic offered but the engine rejects)
+        // leaves the output unwritten: this shape goes to the fallback from now on.
+        if let Err(e) = launched {
+            tracing::warn!("cuDNN refused a convolution {c:?} ({e:?}); it runs on im2col + GEMM");
+            self.plans.insert(key, None);
+            return Ok(false);
         }
         Ok(true)
     }

@@ -4,7 +4,8 @@
 //! Every error is JSON, `{"error": {"code", "message"}}`, with the matching status:
 //! bad input 400, unknown template or job 404, cancelled 409, too large 413, workers
 //! not up 503. Bodies are read as bytes and parsed here, so that even a malformed body
-//! or one over the size limit gets that shape.
+//! or one over the size limit gets that shape. (The OpenAI-compatible routes answer in
+//! OpenAI's error shape instead: `super::openai`.)
 
 use std::sync::Arc;
 
@@ -236,7 +237,7 @@ pub(super) fn spawn_request<T: Send + 'static>(
     tokio::spawn(run.instrument(tracing::info_span!("request", id = %job_name(job), %worker)))
 }
 
-pub(super) fn with_id(job: u64, mut r: Response) -> Response {
+fn with_id(job: u64, mut r: Response) -> Response {
     if let Ok(v) = header::HeaderValue::from_str(&job_name(job)) {
         r.headers_mut().insert(REQUEST_ID, v);
     }

@@ -130,13 +130,13 @@ pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<Rgb8> {
     })
 }
 
-/// Decodes a mask image and binarises it; it must be `width x height`.
-pub fn decode_mask(
+/// A mask image, which must be `width x height`.
+fn decode_mask_image(
     bytes: &[u8],
     width: usize,
     height: usize,
     limits: &ImageLimits,
-) -> Result<Mask> {
+) -> Result<DynamicImage> {
     let img = decode(bytes, "mask", limits)?;
     let (w, h) = (img.width() as usize, img.height() as usize);
     if (w, h) != (width, height) {
@@ -144,6 +144,17 @@ pub fn decode_mask(
             "mask is {w}x{h} but the image is {width}x{height}"
         )));
     }
+    Ok(img)
+}
+
+/// Decodes a mask image and binarises it; it must be `width x height`.
+pub fn decode_mask(
+    bytes: &[u8],
+    width: usize,
+    height: usize,
+    limits: &ImageLimits,
+) -> Result<Mask> {
+    let img = decode_mask_image(bytes, width, height, limits)?;
     let lum: Vec<u8> = match img {
         DynamicImage::ImageLuma8(g) => g.into_raw(),
         DynamicImage::ImageLumaA8(g) => g.into_raw().chunks_exact(2).map(|p| p[0]).collect(),
@@ -170,13 +181,7 @@ pub fn decode_alpha_mask(
     height: usize,
     limits: &ImageLimits,
 ) -> Result<Mask> {
-    let img = decode(bytes, "mask", limits)?;
-    let (w, h) = (img.width() as usize, img.height() as usize);
-    if (w, h) != (width, height) {
-        return Err(Error::Invalid(format!(
-            "mask is {w}x{h} but the image is {width}x{height}"
-        )));
-    }
+    let img = decode_mask_image(bytes, width, height, limits)?;
     if !img.color().has_alpha() {
         return Err(Error::Invalid(
             "the mask has no alpha channel: its fully transparent pixels mark the area to edit (a PNG with transparency)".into(),
