@@ -39,9 +39,40 @@ pub struct Args {
     pub drift_every: usize,
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
+    /// Instead of the policy study: time one lookup's exact scan with this many
+    /// prompts indexed (comma-separated), at CLIP-L's 768 dimensions.
+    #[arg(long, value_delimiter = ',')]
+    pub index_sizes: Vec<usize>,
+}
+
+/// Mean time of a lookup (the exact cosine scan) over `n` indexed prompts.
+fn time_scan(n: usize, dim: usize) -> f64 {
+    let spec = TraceSpec {
+        requests: n + 200,
+        families: n.max(1),
+        dim,
+        ..TraceSpec::default()
+    };
+    let trace = generate(&spec);
+    let mut cache = ApproxCache::new(u64::MAX, Policy::Lru, Thresholds::default(), &STORE_FRACTIONS);
+    for (i, r) in trace[..n].iter().enumerate() {
+        cache.insert(ExactKey(0), i as u64, &r.embedding, 28, 1);
+    }
+    let t0 = std::time::Instant::now();
+    for r in &trace[n..] {
+        std::hint::black_box(cache.lookup(ExactKey(0), u64::MAX, &r.embedding, 28, false));
+    }
+    t0.elapsed().as_secs_f64() / (trace.len() - n) as f64
 }
 
 pub fn run(a: Args) -> CliResult {
+    if !a.index_sizes.is_empty() {
+        for &n in &a.index_sizes {
+            let s = time_scan(n, 768);
+            println!("{}", serde_json::json!({"prompts": n, "dim": 768, "lookup_ms": s * 1e3}));
+        }
+        return Ok(());
+    }
     let spec = TraceSpec {
         requests: a.requests,
         families: a.families,
