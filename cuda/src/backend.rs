@@ -71,21 +71,6 @@ impl<E: Exec> GpuBackend<E> {
         self.image_workspace = bytes;
         self
     }
-    /// This backend with every convolution on its own im2col + GEMM path, even where
-    /// the executor has a convolution library.
-    pub fn im2col_only(mut self) -> Self {
-        self.conv_library = false;
-        self
-    }
-    /// Which path this backend's convolutions take, in words (logs, the self-test).
-    pub fn conv_path(&self) -> String {
-        match self.exec.conv_library().filter(|_| self.conv_library) {
-            Some(lib) => {
-                format!("{lib} (symmetric padding), im2col + GEMM (upsample, asymmetric padding)")
-            }
-            None => "im2col + GEMM".into(),
-        }
-    }
     pub fn exec(&self) -> &Arc<E> {
         &self.exec
     }

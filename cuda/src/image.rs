@@ -63,6 +63,22 @@ fn relayout(x: &[f32], [b, c, h, w]: [usize; 4], to_rows: bool) -> Vec<f32> {
 }
 
 impl<E: Exec> GpuBackend<E> {
+    /// This backend with every convolution on its own im2col + GEMM path, even where
+    /// the executor has a convolution library.
+    pub fn im2col_only(mut self) -> Self {
+        self.conv_library = false;
+        self
+    }
+    /// Which path this backend's convolutions take, in words (logs, the self-test).
+    pub fn conv_path(&self) -> String {
+        match self.exec().conv_library().filter(|_| self.conv_library) {
+            Some(lib) => {
+                format!("{lib} (symmetric padding), im2col + GEMM (upsample, asymmetric padding)")
+            }
+            None => "im2col + GEMM".into(),
+        }
+    }
+
     pub(crate) fn upload_image_rows(&self, t: &Tensor) -> Result<GpuTensor<E>> {
         let [b, c, h, w] = dims4("upload_image", "an image", t.shape())?;
         let rows = Tensor::new([b * h * w, c], relayout(t.data(), [b, c, h, w], true))?;

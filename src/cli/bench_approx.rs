@@ -54,7 +54,12 @@ fn time_scan(n: usize, dim: usize) -> f64 {
         ..TraceSpec::default()
     };
     let trace = generate(&spec);
-    let mut cache = ApproxCache::new(u64::MAX, Policy::Lru, Thresholds::default(), &STORE_FRACTIONS);
+    let mut cache = ApproxCache::new(
+        u64::MAX,
+        Policy::Lru,
+        Thresholds::default(),
+        &STORE_FRACTIONS,
+    );
     for (i, r) in trace[..n].iter().enumerate() {
         cache.insert(ExactKey(0), i as u64, &r.embedding, 28, 1);
     }
@@ -69,7 +74,10 @@ pub fn run(a: Args) -> CliResult {
     if !a.index_sizes.is_empty() {
         for &n in &a.index_sizes {
             let s = time_scan(n, 768);
-            println!("{}", serde_json::json!({"prompts": n, "dim": 768, "lookup_ms": s * 1e3}));
+            println!(
+                "{}",
+                serde_json::json!({"prompts": n, "dim": 768, "lookup_ms": s * 1e3})
+            );
         }
         return Ok(());
     }
