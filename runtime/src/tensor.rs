@@ -113,12 +113,14 @@ impl Tensor {
         self.data.is_empty()
     }
 
-    /// Number of rows when viewed as a matrix `[rows, last_dim]`.
+    /// Number of rows when viewed as a matrix `[rows, last_dim]`: the product of the
+    /// leading dimensions, also for a zero-width matrix (text-to-image's empty
+    /// conditioning is `[L, 0]`).
     pub fn rows(&self) -> usize {
-        if self.fp8.is_some() {
-            return self.shape[0];
+        match self.shape.split_last() {
+            Some((_, lead)) => lead.iter().product(),
+            None => 1,
         }
-        self.data.len().checked_div(self.cols()).unwrap_or(0)
     }
     /// The last dimension (1 for a scalar).
     pub fn cols(&self) -> usize {
@@ -177,5 +179,17 @@ impl Tensor {
                     m.max(d)
                 }
             }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_the_leading_dimensions_even_at_zero_width() {
+        assert_eq!(Tensor::new([3, 0], vec![]).unwrap().rows(), 3);
+        assert_eq!(Tensor::new([2, 3, 4], vec![0.0; 24]).unwrap().rows(), 6);
+        assert_eq!(Tensor::new([0, 5], vec![]).unwrap().rows(), 0);
     }
 }

@@ -1,0 +1,101 @@
+//! The text-to-image denoising loop (FluxPipeline: latents alone, no Fill conditioning)
+//! against diffusers' fixtures for the tiny dev and schnell configs
+//! (tests/fixtures/gen_t2i_fixtures.py): the same engine, transformer and scheduler as
+//! the Fill path, every step's latents, the decoded image and its PNG.
+//!
+//! Tolerances: latents within 1e-5 of their largest magnitude (measured 2e-6 / 3e-6 of ~6
+//! after 6 / 4 steps; the transformer tests' strict tier is 2e-5 absolute per forward),
+//! the float image within 1e-4, the 8-bit image within 1 level.
+
+use denoised_models::flux::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
+use denoised_models::flux::FluxTransformer;
+use denoised_models::pipeline::flux_fill::{FluxFill, Timings};
+use denoised_models::pipeline::image::{decode_image, from_model_space};
+use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
+use denoised_models::ModelSource;
+use denoised_runtime::fixtures::{fixtures_dir, tiny_model_dir, RefCase};
+use denoised_runtime::weights::SafetensorsFile;
+use denoised_runtime::{CpuBackend, Tensor};
+
+fn max_abs(a: &[f32], b: &[f32]) -> (f32, f32) {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).fold((0.0, 0.0), |(d, m), (x, y)| {
+        (f32::max(d, (x - y).abs()), f32::max(m, y.abs()))
+    })
+}
+
+#[test]
+fn text_to_image_loop_matches_diffusers_flux_pipeline() {
+    let cases: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixtures_dir().join("cases/t2i_cases.json")).unwrap(),
+    )
+    .unwrap();
+    // The t2i pipelines share the Fill fixture's text encoders, tokenizers and VAE.
+    let fill = FluxFill::load(&ModelSource::Dir(tiny_model_dir()), CpuBackend::new()).unwrap();
+    // The 16x16 token grid's position ids and the text's (zeros), as the Fill case has them.
+    let e2e = RefCase::open("e2e").unwrap();
+    let prompt = cases["prompts"]["a"].as_str().unwrap();
+    for variant in ["dev", "schnell"] {
+        let case = &cases["cases"][format!("t2i_{variant}")];
+        let params = &case["params"];
+        let steps = params["num_inference_steps"].as_u64().unwrap() as usize;
+        let guidance = params["guidance_scale"].as_f64().unwrap() as f32;
+        let seq = params["max_sequence_length"].as_u64().unwrap() as usize;
+        let dir = fixtures_dir().join(case["model_dir"].as_str().unwrap());
+        let m = FluxTransformer::load(CpuBackend::new(), dir.join("transformer")).unwrap();
+        assert_eq!(m.config.guidance_embeds, variant == "dev");
+        let sc = SchedulerConfig::from_file(dir.join("scheduler/scheduler_config.json")).unwrap();
+        let schedule = FlowMatchEuler::new(&sc, steps, 256).unwrap();
+        let f = SafetensorsFile::open(
+            fixtures_dir()
+                .join("cases")
+                .join(case["file"].as_str().unwrap()),
+        )
+        .unwrap();
+        let want = |name: &str| f.tensor_f32(name).unwrap();
+        let (txt, pooled, _) = fill
+            .encode_prompt(prompt, seq, &mut Timings::default())
+            .unwrap();
+        let inputs = DenoiseInputs {
+            latents: Tensor::new([256, 64], want("initial_latents").into_data()).unwrap(),
+            // FluxPipeline conditions on nothing but the text.
+            cond: Tensor::new([256, 0], vec![]).unwrap(),
+            img_ids: e2e.tensor("img_ids"),
+            txt,
+            txt_ids: e2e.tensor("txt_ids"),
+            pooled,
+            guidance,
+        };
+        let mut job = Job::new(&m, &inputs, schedule, Mode::Full).unwrap();
+        let all = want("step_latents");
+        let per = 256 * 64;
+        for i in 0..steps {
+            step_batch_with(
+                &m,
+                &mut [&mut job],
+                &DeviceTemplates::new(),
+                &denoised_models::planner::prefix(m.num_blocks(), 0),
+            )
+            .unwrap();
+            let got = job.computed_latents(&m).unwrap();
+            let (d, mx) = max_abs(got.data(), &all.data()[i * per..(i + 1) * per]);
+            println!("{variant} step {i}: max abs diff {d:.2e} of {mx:.2}");
+            assert!(d <= 1e-5 * mx, "{variant} step {i}: {d:.2e} of {mx:.2}");
+        }
+        let latents = job.finish(&m).unwrap().0;
+        let raw = fill.decode_raw(&latents, 64, 64).unwrap();
+        let n = 64 * 64;
+        let np: Vec<f32> = (0..n)
+            .flat_map(|i| (0..3).map(move |c| (i, c)))
+            .map(|(i, c)| (raw.data()[c * n + i] * 0.5 + 0.5).clamp(0.0, 1.0))
+            .collect();
+        let (d, _) = max_abs(&np, want("output").data());
+        println!("{variant} image: max abs diff {d:.2e}");
+        assert!(d <= 1e-4, "{variant} image: {d:.2e}");
+        let png =
+            std::fs::read(fixtures_dir().join(format!("cases/t2i_{variant}_output.png"))).unwrap();
+        let (worst, _) = from_model_space(raw.data(), 64, 64)
+            .level_diff(&decode_image(&png, &fill.limits).unwrap());
+        assert!(worst <= 1, "{variant} PNG levels differ by {worst}");
+    }
+}
