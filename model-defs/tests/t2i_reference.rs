@@ -1,11 +1,14 @@
 //! The text-to-image denoising loop (FluxPipeline: latents alone, no Fill conditioning)
 //! against diffusers' fixtures for the tiny dev and schnell configs
 //! (tests/fixtures/gen_t2i_fixtures.py): the same engine, transformer and scheduler as
-//! the Fill path, every step's latents, the decoded image and its PNG.
+//! the Fill path, every step's latents, the decoded image and its PNG; and the resume
+//! fixture: another prompt continued from the first one's state after step K.
 //!
 //! Tolerances: latents within 1e-5 of their largest magnitude (measured 2e-6 / 3e-6 of ~6
 //! after 6 / 4 steps; the transformer tests' strict tier is 2e-5 absolute per forward),
 //! the float image within 1e-4, the 8-bit image within 1 level.
+
+use std::sync::Arc;
 
 use denoised_models::flux::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
 use denoised_models::flux::FluxTransformer;
@@ -97,5 +100,54 @@ fn text_to_image_loop_matches_diffusers_flux_pipeline() {
         let (worst, _) = from_model_space(raw.data(), 64, 64)
             .level_diff(&decode_image(&png, &fill.limits).unwrap());
         assert!(worst <= 1, "{variant} PNG levels differ by {worst}");
+
+        // The resume fixture: prompt B from prompt A's state after step k, on the rest of
+        // the same schedule (what an approximate-cache hit at k computes).
+        let k = case["resume"]["k"].as_u64().unwrap() as usize;
+        let prompt_b = cases["prompts"]["b"].as_str().unwrap();
+        let (txt, pooled, _) = fill
+            .encode_prompt(prompt_b, seq, &mut Timings::default())
+            .unwrap();
+        let resumed = DenoiseInputs {
+            latents: Tensor::new([256, 64], want("resume_from").into_data()).unwrap(),
+            txt,
+            pooled,
+            ..inputs
+        };
+        let schedule = Arc::new(FlowMatchEuler::new(&sc, steps, 256).unwrap());
+        let past_the_end = Job::new(&m, &resumed, schedule.clone(), Mode::Full).unwrap();
+        assert!(
+            past_the_end.starting_at(steps).is_err(),
+            "a resume leaves a step"
+        );
+        let mut job = Job::new(&m, &resumed, schedule, Mode::Full)
+            .unwrap()
+            .starting_at(k)
+            .unwrap();
+        let tail = want("resume_step_latents");
+        for i in k..steps {
+            step_batch_with(
+                &m,
+                &mut [&mut job],
+                &DeviceTemplates::new(),
+                &denoised_models::planner::prefix(m.num_blocks(), 0),
+            )
+            .unwrap();
+            let got = job.computed_latents(&m).unwrap();
+            let j = i - k;
+            let (d, mx) = max_abs(got.data(), &tail.data()[j * per..(j + 1) * per]);
+            println!("{variant} resumed at {k}, step {i}: max abs diff {d:.2e} of {mx:.2}");
+            assert!(
+                d <= 1e-5 * mx,
+                "{variant} resumed step {i}: {d:.2e} of {mx:.2}"
+            );
+        }
+        assert!(job.done());
+        let raw = fill.decode_raw(&job.finish(&m).unwrap().0, 64, 64).unwrap();
+        let name = format!("cases/t2i_{variant}_resume_output.png");
+        let png = std::fs::read(fixtures_dir().join(name)).unwrap();
+        let (worst, _) = from_model_space(raw.data(), 64, 64)
+            .level_diff(&decode_image(&png, &fill.limits).unwrap());
+        assert!(worst <= 1, "{variant} resumed PNG levels differ by {worst}");
     }
 }

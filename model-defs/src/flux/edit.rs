@@ -187,6 +187,19 @@ impl<T> Job<T> {
         })
     }
 
+    /// This full job resumed after step `k` of its schedule: its latents are a state
+    /// after `k` steps (an approximate-cache hit, text-to-image), and it runs the
+    /// schedule's remaining sigmas. Only full runs (captures and edits need every step).
+    pub fn starting_at(mut self, k: usize) -> Result<Self> {
+        if !matches!(self.mode, Mode::Full) || self.step != 0 || k >= self.schedule.steps() {
+            return Err(Error::Invalid(format!(
+                "a job resumes at a step before its last ({} steps), once, and only a full run: step {k}",
+                self.schedule.steps()
+            )));
+        }
+        self.step = k;
+        Ok(self)
+    }
     pub fn step(&self) -> usize {
         self.step
     }
