@@ -27,6 +27,48 @@ fn max_abs(a: &[f32], b: &[f32]) -> (f32, f32) {
     })
 }
 
+/// Runs `job` to its end, checking the latents after each remaining step against the
+/// rows of `want` (`[S', 1, 256, 64]`, the first for the job's current step); returns
+/// the final packed latents.
+fn run_checked(
+    m: &FluxTransformer<CpuBackend>,
+    mut job: Job<Tensor>,
+    want: &Tensor,
+    label: &str,
+) -> Tensor {
+    let per = 256 * 64;
+    let first = job.step();
+    while !job.done() {
+        let i = job.step();
+        step_batch_with(
+            m,
+            &mut [&mut job],
+            &DeviceTemplates::new(),
+            &denoised_models::planner::prefix(m.num_blocks(), 0),
+        )
+        .unwrap();
+        let got = job.computed_latents(m).unwrap();
+        let j = i - first;
+        let (d, mx) = max_abs(got.data(), &want.data()[j * per..(j + 1) * per]);
+        println!("{label} step {i}: max abs diff {d:.2e} of {mx:.2}");
+        assert!(d <= 1e-5 * mx, "{label} step {i}: {d:.2e} of {mx:.2}");
+    }
+    assert_eq!(
+        (job.step() - first) * per,
+        want.len(),
+        "{label}: every step checked"
+    );
+    job.finish(m).unwrap().0
+}
+
+/// The decoder output of `latents` as 8-bit pixels, within 1 level of the fixture PNG.
+fn check_png(fill: &FluxFill<CpuBackend>, raw: &Tensor, png: &str, label: &str) {
+    let png = std::fs::read(fixtures_dir().join("cases").join(png)).unwrap();
+    let (worst, _) =
+        from_model_space(raw.data(), 64, 64).level_diff(&decode_image(&png, &fill.limits).unwrap());
+    assert!(worst <= 1, "{label} PNG levels differ by {worst}");
+}
+
 #[test]
 fn text_to_image_loop_matches_diffusers_flux_pipeline() {
     let cases: serde_json::Value = serde_json::from_slice(
@@ -69,23 +111,8 @@ fn text_to_image_loop_matches_diffusers_flux_pipeline() {
             pooled,
             guidance,
         };
-        let mut job = Job::new(&m, &inputs, schedule, Mode::Full).unwrap();
-        let all = want("step_latents");
-        let per = 256 * 64;
-        for i in 0..steps {
-            step_batch_with(
-                &m,
-                &mut [&mut job],
-                &DeviceTemplates::new(),
-                &denoised_models::planner::prefix(m.num_blocks(), 0),
-            )
-            .unwrap();
-            let got = job.computed_latents(&m).unwrap();
-            let (d, mx) = max_abs(got.data(), &all.data()[i * per..(i + 1) * per]);
-            println!("{variant} step {i}: max abs diff {d:.2e} of {mx:.2}");
-            assert!(d <= 1e-5 * mx, "{variant} step {i}: {d:.2e} of {mx:.2}");
-        }
-        let latents = job.finish(&m).unwrap().0;
+        let job = Job::new(&m, &inputs, schedule, Mode::Full).unwrap();
+        let latents = run_checked(&m, job, &want("step_latents"), variant);
         let raw = fill.decode_raw(&latents, 64, 64).unwrap();
         let n = 64 * 64;
         let np: Vec<f32> = (0..n)
@@ -95,11 +122,7 @@ fn text_to_image_loop_matches_diffusers_flux_pipeline() {
         let (d, _) = max_abs(&np, want("output").data());
         println!("{variant} image: max abs diff {d:.2e}");
         assert!(d <= 1e-4, "{variant} image: {d:.2e}");
-        let png =
-            std::fs::read(fixtures_dir().join(format!("cases/t2i_{variant}_output.png"))).unwrap();
-        let (worst, _) = from_model_space(raw.data(), 64, 64)
-            .level_diff(&decode_image(&png, &fill.limits).unwrap());
-        assert!(worst <= 1, "{variant} PNG levels differ by {worst}");
+        check_png(&fill, &raw, &format!("t2i_{variant}_output.png"), variant);
 
         // The resume fixture: prompt B from prompt A's state after step k, on the rest of
         // the same schedule (what an approximate-cache hit at k computes).
@@ -120,34 +143,18 @@ fn text_to_image_loop_matches_diffusers_flux_pipeline() {
             past_the_end.starting_at(steps).is_err(),
             "a resume leaves a step"
         );
-        let mut job = Job::new(&m, &resumed, schedule, Mode::Full)
+        let job = Job::new(&m, &resumed, schedule, Mode::Full)
             .unwrap()
             .starting_at(k)
             .unwrap();
-        let tail = want("resume_step_latents");
-        for i in k..steps {
-            step_batch_with(
-                &m,
-                &mut [&mut job],
-                &DeviceTemplates::new(),
-                &denoised_models::planner::prefix(m.num_blocks(), 0),
-            )
-            .unwrap();
-            let got = job.computed_latents(&m).unwrap();
-            let j = i - k;
-            let (d, mx) = max_abs(got.data(), &tail.data()[j * per..(j + 1) * per]);
-            println!("{variant} resumed at {k}, step {i}: max abs diff {d:.2e} of {mx:.2}");
-            assert!(
-                d <= 1e-5 * mx,
-                "{variant} resumed step {i}: {d:.2e} of {mx:.2}"
-            );
-        }
-        assert!(job.done());
-        let raw = fill.decode_raw(&job.finish(&m).unwrap().0, 64, 64).unwrap();
-        let name = format!("cases/t2i_{variant}_resume_output.png");
-        let png = std::fs::read(fixtures_dir().join(name)).unwrap();
-        let (worst, _) = from_model_space(raw.data(), 64, 64)
-            .level_diff(&decode_image(&png, &fill.limits).unwrap());
-        assert!(worst <= 1, "{variant} resumed PNG levels differ by {worst}");
+        let label = format!("{variant} resumed at {k}");
+        let latents = run_checked(&m, job, &want("resume_step_latents"), &label);
+        let raw = fill.decode_raw(&latents, 64, 64).unwrap();
+        check_png(
+            &fill,
+            &raw,
+            &format!("t2i_{variant}_resume_output.png"),
+            &label,
+        );
     }
 }
