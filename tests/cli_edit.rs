@@ -1,5 +1,6 @@
-//! `denoised edit` and `denoised template capture` as a user runs them: real processes,
-//! real files. Covers equality with diffusers through the CLI, template capture and
+//! `denoised edit`, `denoised template capture` and `denoised generate` as a user runs
+//! them: real processes, real files. Covers equality with diffusers through the CLI
+//! (FluxFillPipeline and FluxPipeline), template capture and
 //! mask-aware edits (paste-back, the identity invariant end to end), and clear errors
 //! with a non-zero exit for bad inputs.
 
@@ -126,6 +127,107 @@ fn edit_matches_diffusers_on(device: &[&str]) {
         got.data.len()
     );
     assert!(worst <= 1, "max level diff {worst}");
+}
+
+#[test]
+fn generate_matches_diffusers_flux_pipeline_through_the_cli() {
+    // FLUX.1-dev and -schnell layouts (tests/fixtures/gen_t2i_fixtures.py), on the CPU
+    // and with every model on the emulated GPU backend in f32.
+    let cases: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(case("t2i_cases.json")).unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for variant in ["dev", "schnell"] {
+        let c = &cases["cases"][format!("t2i_{variant}")];
+        let p = &c["params"];
+        let model = fixtures().join(c["model_dir"].as_str().unwrap());
+        let noise = case(c["file"].as_str().unwrap());
+        let (steps, guidance, seq) = (
+            p["num_inference_steps"].to_string(),
+            p["guidance_scale"].to_string(),
+            p["max_sequence_length"].to_string(),
+        );
+        for device in [
+            &["--device", "cpu"][..],
+            &["--device", "emu", "--dtype", "f32"],
+        ] {
+            let out = dir.path().join(format!("{variant}.png"));
+            let mut args = vec![
+                "generate",
+                "--model",
+                s(&model),
+                "--prompt",
+                // The case names its prompt by key.
+                cases["prompts"][p["prompt"].as_str().unwrap()]
+                    .as_str()
+                    .unwrap(),
+                "--steps",
+                &steps,
+                "--guidance",
+                &guidance,
+                "--max-sequence-length",
+                &seq,
+                "--height",
+                "64",
+                "--width",
+                "64",
+                "--noise",
+                s(&noise),
+                "--out",
+                s(&out),
+            ];
+            args.extend_from_slice(device);
+            ok(&args);
+            let want = png(&case(&format!("t2i_{variant}_output.png")));
+            let (worst, off) = png(&out).level_diff(&want);
+            println!(
+                "generate {variant} {device:?} vs diffusers: max level diff {worst}, {off} values differ"
+            );
+            assert!(worst <= 1, "{variant} {device:?}: max level diff {worst}");
+        }
+    }
+    // Each pipeline refuses the other's requests, saying what to serve instead.
+    let out = dir.path().join("x.png");
+    fails(
+        &[
+            "generate",
+            "--model",
+            "builtin",
+            "--prompt",
+            "a",
+            "--out",
+            s(&out),
+        ],
+        "does not generate from a prompt alone",
+    );
+    let img = solid_png(dir.path(), "i.png", 64, 64, 128);
+    fails(
+        &[
+            "edit",
+            "--model",
+            "builtin:t2i",
+            "--image",
+            s(&img),
+            "--mask",
+            s(&img),
+            "--out",
+            s(&out),
+        ],
+        "does not edit them",
+    );
+    fails(
+        &[
+            "generate",
+            "--prompt",
+            "a",
+            "--height",
+            "63",
+            "--width",
+            "64",
+            "--out",
+            s(&out),
+        ],
+        "not a multiple of",
+    );
 }
 
 #[test]

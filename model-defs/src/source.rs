@@ -20,6 +20,11 @@ pub enum ModelSource {
     /// transformer, FLUX.1's VAE, CLIP-L, a T5 of width 768); see
     /// `FluxFill::seeded_small`. For serving benchmarks without model files.
     BuiltinSmall,
+    /// `builtin:t2i`: the built-in tiny model as a text-to-image (FLUX.1-dev layout:
+    /// 64 input channels, guidance embedding) pipeline, same encoders and VAE.
+    BuiltinT2i,
+    /// `builtin:flux-small-t2i`: `builtin:flux-small` as a text-to-image pipeline.
+    BuiltinSmallT2i,
     /// A diffusers pipeline directory (with `transformer/`) or a transformer
     /// directory itself.
     Dir(PathBuf),
@@ -32,6 +37,10 @@ impl FromStr for ModelSource {
             ModelSource::Builtin
         } else if s == "builtin:flux-small" {
             ModelSource::BuiltinSmall
+        } else if s == "builtin:t2i" {
+            ModelSource::BuiltinT2i
+        } else if s == "builtin:flux-small-t2i" {
+            ModelSource::BuiltinSmallT2i
         } else {
             ModelSource::Dir(PathBuf::from(s))
         })
@@ -43,6 +52,8 @@ impl std::fmt::Display for ModelSource {
         match self {
             ModelSource::Builtin => write!(f, "builtin"),
             ModelSource::BuiltinSmall => write!(f, "builtin:flux-small"),
+            ModelSource::BuiltinT2i => write!(f, "builtin:t2i"),
+            ModelSource::BuiltinSmallT2i => write!(f, "builtin:flux-small-t2i"),
             ModelSource::Dir(p) => write!(f, "{}", p.display()),
         }
     }
@@ -73,6 +84,17 @@ pub fn transformer_dir(dir: &Path) -> Result<PathBuf> {
 }
 
 impl ModelSource {
+    /// Whether it is one of the seeded models at benchmark scale (`flux-small`), whose
+    /// encoders and VAE are CLIP-L, a T5 of width 768 and FLUX.1's VAE; the tiny
+    /// built-ins take the fixture model's. `None` for a directory.
+    pub fn builtin_small(&self) -> Option<bool> {
+        match self {
+            ModelSource::Builtin | ModelSource::BuiltinT2i => Some(false),
+            ModelSource::BuiltinSmall | ModelSource::BuiltinSmallT2i => Some(true),
+            ModelSource::Dir(_) => None,
+        }
+    }
+
     /// A short identity of the model's weights, recorded in template caches so that a
     /// cache is never used with a model it was not captured by. For a directory it
     /// hashes the transformer's config, and each weight file's size, header and first
@@ -81,6 +103,10 @@ impl ModelSource {
         match self {
             ModelSource::Builtin => Ok(format!("builtin-flux-tiny-{BUILTIN_SEED:016x}")),
             ModelSource::BuiltinSmall => Ok(format!("seeded-flux-small-{BUILTIN_SEED:016x}")),
+            ModelSource::BuiltinT2i => Ok(format!("builtin-flux-tiny-t2i-{BUILTIN_SEED:016x}")),
+            ModelSource::BuiltinSmallT2i => {
+                Ok(format!("seeded-flux-small-t2i-{BUILTIN_SEED:016x}"))
+            }
             ModelSource::Dir(d) => {
                 let t = transformer_dir(d)?;
                 let mut h = crc32fast::Hasher::new();
@@ -123,19 +149,16 @@ impl ModelSource {
         match self {
             ModelSource::Builtin => Ok(FluxConfig::tiny()),
             ModelSource::BuiltinSmall => Ok(FluxConfig::small()),
+            ModelSource::BuiltinT2i => Ok(FluxConfig::tiny().text_to_image()),
+            ModelSource::BuiltinSmallT2i => Ok(FluxConfig::small().text_to_image()),
             ModelSource::Dir(d) => FluxConfig::from_file(transformer_dir(d)?.join("config.json")),
         }
     }
 
     pub fn load_transformer<B: Backend>(&self, backend: B) -> Result<FluxTransformer<B>> {
         match self {
-            ModelSource::Builtin => {
-                FluxTransformer::seeded(backend, FluxConfig::tiny(), BUILTIN_SEED)
-            }
-            ModelSource::BuiltinSmall => {
-                FluxTransformer::seeded(backend, FluxConfig::small(), BUILTIN_SEED)
-            }
             ModelSource::Dir(d) => FluxTransformer::load(backend, transformer_dir(d)?),
+            _ => FluxTransformer::seeded(backend, self.transformer_config()?, BUILTIN_SEED),
         }
     }
 }

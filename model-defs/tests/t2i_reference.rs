@@ -12,11 +12,12 @@ use std::sync::Arc;
 
 use denoised_models::flux::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
 use denoised_models::flux::FluxTransformer;
-use denoised_models::pipeline::flux_fill::{FluxFill, Timings};
+use denoised_models::pipeline::flux_fill::{FluxFill, PipelineKind, Timings};
+use denoised_models::pipeline::generate::GenerateOptions;
 use denoised_models::pipeline::image::{decode_image, from_model_space};
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
 use denoised_models::ModelSource;
-use denoised_runtime::fixtures::{fixtures_dir, tiny_model_dir, RefCase};
+use denoised_runtime::fixtures::fixtures_dir;
 use denoised_runtime::weights::SafetensorsFile;
 use denoised_runtime::{CpuBackend, Tensor};
 
@@ -75,10 +76,6 @@ fn text_to_image_loop_matches_diffusers_flux_pipeline() {
         &std::fs::read(fixtures_dir().join("cases/t2i_cases.json")).unwrap(),
     )
     .unwrap();
-    // The t2i pipelines share the Fill fixture's text encoders, tokenizers and VAE.
-    let fill = FluxFill::load(&ModelSource::Dir(tiny_model_dir()), CpuBackend::new()).unwrap();
-    // The 16x16 token grid's position ids and the text's (zeros), as the Fill case has them.
-    let e2e = RefCase::open("e2e").unwrap();
     let prompt = cases["prompts"]["a"].as_str().unwrap();
     for variant in ["dev", "schnell"] {
         let case = &cases["cases"][format!("t2i_{variant}")];
@@ -87,7 +84,13 @@ fn text_to_image_loop_matches_diffusers_flux_pipeline() {
         let guidance = params["guidance_scale"].as_f64().unwrap() as f32;
         let seq = params["max_sequence_length"].as_u64().unwrap() as usize;
         let dir = fixtures_dir().join(case["model_dir"].as_str().unwrap());
-        let m = FluxTransformer::load(CpuBackend::new(), dir.join("transformer")).unwrap();
+        // The pipeline directory as FluxPipeline saved it: its kind is read from the
+        // transformer's channels; its encoders, tokenizers and VAE are the Fill
+        // fixture's.
+        let fill = FluxFill::load(&ModelSource::Dir(dir.clone()), CpuBackend::new()).unwrap();
+        assert_eq!(fill.kind, PipelineKind::TextToImage);
+        let m = fill.shared_transformer().unwrap();
+        let m = &*m;
         assert_eq!(m.config.guidance_embeds, variant == "dev");
         let sc = SchedulerConfig::from_file(dir.join("scheduler/scheduler_config.json")).unwrap();
         let schedule = FlowMatchEuler::new(&sc, steps, 256).unwrap();
@@ -98,21 +101,26 @@ fn text_to_image_loop_matches_diffusers_flux_pipeline() {
         )
         .unwrap();
         let want = |name: &str| f.tensor_f32(name).unwrap();
-        let (txt, pooled, _) = fill
-            .encode_prompt(prompt, seq, &mut Timings::default())
-            .unwrap();
-        let inputs = DenoiseInputs {
-            latents: Tensor::new([256, 64], want("initial_latents").into_data()).unwrap(),
-            // FluxPipeline conditions on nothing but the text.
-            cond: Tensor::new([256, 0], vec![]).unwrap(),
-            img_ids: e2e.tensor("img_ids"),
-            txt,
-            txt_ids: e2e.tensor("txt_ids"),
-            pooled,
+        let opts = GenerateOptions {
+            steps,
             guidance,
+            seed: 0,
+            max_sequence_length: seq,
+            width: 64,
+            height: 64,
         };
-        let job = Job::new(&m, &inputs, schedule, Mode::Full).unwrap();
-        let latents = run_checked(&m, job, &want("step_latents"), variant);
+        let inputs = fill
+            .prepare_generate(
+                prompt,
+                &opts,
+                Some(&want("initial_latents")),
+                &mut Timings::default(),
+            )
+            .unwrap()
+            .inputs;
+        assert_eq!(inputs.cond.shape(), &[256, 0], "no Fill conditioning");
+        let job = Job::new(m, &inputs, schedule, Mode::Full).unwrap();
+        let latents = run_checked(m, job, &want("step_latents"), variant);
         let raw = fill.decode_raw(&latents, 64, 64).unwrap();
         let n = 64 * 64;
         let np: Vec<f32> = (0..n)
@@ -138,17 +146,17 @@ fn text_to_image_loop_matches_diffusers_flux_pipeline() {
             ..inputs
         };
         let schedule = Arc::new(FlowMatchEuler::new(&sc, steps, 256).unwrap());
-        let past_the_end = Job::new(&m, &resumed, schedule.clone(), Mode::Full).unwrap();
+        let past_the_end = Job::new(m, &resumed, schedule.clone(), Mode::Full).unwrap();
         assert!(
             past_the_end.starting_at(steps).is_err(),
             "a resume leaves a step"
         );
-        let job = Job::new(&m, &resumed, schedule, Mode::Full)
+        let job = Job::new(m, &resumed, schedule, Mode::Full)
             .unwrap()
             .starting_at(k)
             .unwrap();
         let label = format!("{variant} resumed at {k}");
-        let latents = run_checked(&m, job, &want("resume_step_latents"), &label);
+        let latents = run_checked(m, job, &want("resume_step_latents"), &label);
         let raw = fill.decode_raw(&latents, 64, 64).unwrap();
         check_png(
             &fill,

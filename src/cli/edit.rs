@@ -135,16 +135,20 @@ fn progress(steps: usize) -> ProgressBar {
 
 /// The CPU stages on the host, and the transformer on the chosen device, placed the
 /// way a denoise worker of the daemon places it (so both compute alike).
-fn load_pipeline(c: &Common) -> CliResult<(FluxFill<CpuBackend>, Placed)> {
-    let device = c.device.spec()?;
+pub(super) fn load_pipeline(
+    model: &ModelSource,
+    dev: &ModelDeviceArgs,
+    max_pixels: usize,
+) -> CliResult<(FluxFill<CpuBackend>, Placed)> {
+    let device = dev.spec()?;
     let parts = device::host_parts(device, Parts::ALL);
-    let mut p = FluxFill::load_parts(&c.model, CpuBackend::new(), parts)?;
-    p.limits.max_pixels = c.max_pixels;
+    let mut p = FluxFill::load_parts(model, CpuBackend::new(), parts)?;
+    p.limits.max_pixels = max_pixels;
     // One request at a time: the budget only has to hold the largest one.
     let limits = device::StepLimits {
         max_batch: 1,
         token_budget: 1,
-        max_pixels: c.max_pixels,
+        max_pixels,
         host_template_bytes: u64::MAX,
         resident_template_bytes: 0,
         // The stages go to the same device below.
@@ -153,18 +157,18 @@ fn load_pipeline(c: &Common) -> CliResult<(FluxFill<CpuBackend>, Placed)> {
             postprocess: (device != DeviceSpec::Cpu) as usize,
         },
     };
-    let placed = device::place(&c.model, device, c.device.dtype()?, &p, limits)?;
+    let placed = device::place(model, device, dev.dtype()?, &p, limits)?;
     if device != DeviceSpec::Cpu {
         eprintln!("transformer on {} ({})", placed.device, placed.dtype);
         // The VAE and the text encoders too, as the daemon's pre- and postprocess
         // workers place them by default.
-        device::place_stages(device, c.device.dtype()?, &mut p)?;
+        device::place_stages(device, dev.dtype()?, &mut p)?;
         eprintln!("VAE, CLIP and T5 on {}", p.vae_device());
     }
     Ok((p, placed))
 }
 
-fn read_noise(path: &Path) -> CliResult<Noise> {
+pub(super) fn read_noise(path: &Path) -> CliResult<Noise> {
     let f = SafetensorsFile::open(path)?;
     let get = |n: &str| -> CliResult<Option<Tensor>> {
         Ok(if f.contains(n) {
@@ -185,7 +189,7 @@ fn read_noise(path: &Path) -> CliResult<Noise> {
 
 /// Runs a request to the end on the placed model with a progress bar: its final
 /// latent and, for a capture, its template.
-fn denoise(
+pub(super) fn denoise(
     placed: &mut Placed,
     inputs: &DenoiseInputs,
     schedule: FlowMatchEuler,
@@ -207,7 +211,7 @@ fn denoise(
     Ok(out)
 }
 
-fn write_png(
+pub(super) fn write_png(
     path: &Path,
     img: &denoised_models::pipeline::image::Rgb8,
     t: &mut Timings,
@@ -219,16 +223,16 @@ fn write_png(
     Ok(())
 }
 
-fn report(c: &Common, t: &Timings, what: &str, out: &Path) {
+pub(super) fn report(timings: bool, t: &Timings, what: &str, out: &Path) {
     eprintln!("{what}: wrote {}", out.display());
-    if c.timings {
+    if timings {
         println!("{}", serde_json::to_string(t).unwrap_or_default());
     }
 }
 
 pub fn run_edit(a: EditArgs) -> CliResult {
     let c = &a.common;
-    let (mut p, mut placed) = load_pipeline(c)?;
+    let (mut p, mut placed) = load_pipeline(&c.model, &c.device, c.max_pixels)?;
     // One edit: the traces it records are used once, so any size is kept.
     p.sparse_vae = SparseVae::new(a.sparse_vae, usize::MAX);
     let mut t = Timings::default();
@@ -347,13 +351,13 @@ pub fn run_edit(a: EditArgs) -> CliResult {
         );
     }
     write_png(&a.out, &out, &mut t)?;
-    report(c, &t, "edit", &a.out);
+    report(c.timings, &t, "edit", &a.out);
     Ok(())
 }
 
 pub fn run_capture(a: CaptureArgs) -> CliResult {
     let c = &a.common;
-    let (p, mut placed) = load_pipeline(c)?;
+    let (p, mut placed) = load_pipeline(&c.model, &c.device, c.max_pixels)?;
     let mut t = Timings::default();
     let bytes = read(&a.image)?;
     let image =
@@ -424,6 +428,6 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
     // Keep the original bytes re-encoded losslessly: edits read the image from here.
     write_png(&a.out.join("image.png"), &image, &mut t)?;
     write_png(&a.out.join("reconstruction.png"), &recon, &mut t)?;
-    report(c, &t, "template", &a.out);
+    report(c.timings, &t, "template", &a.out);
     Ok(())
 }

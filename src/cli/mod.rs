@@ -12,6 +12,7 @@ mod devices;
 mod edit;
 mod footprint;
 mod forward;
+mod generate;
 mod profile;
 mod selftest;
 mod serve;
@@ -52,6 +53,9 @@ pub enum Command {
     /// Edit an image: inpaint the masked region from a prompt (FLUX.1 Fill). With
     /// --template, only the masked tokens are computed.
     Edit(edit::EditArgs),
+    /// Generate an image from a prompt (FLUX.1-dev or -schnell, as diffusers'
+    /// FluxPipeline).
+    Generate(generate::GenerateArgs),
     /// Template management.
     #[command(subcommand)]
     Template(TemplateCommand),
@@ -110,6 +114,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Profile(a) => profile::run(a),
         Command::BenchAttn(a) => bench_attn::run(a),
         Command::Edit(a) => edit::run_edit(a),
+        Command::Generate(a) => generate::run(a),
         Command::Template(TemplateCommand::Capture(a)) => edit::run_capture(a),
         Command::BenchPipeline(a) => bench_pipeline::run(a),
         Command::BenchCacheQuality(a) => bench_quality::run(a),

@@ -146,6 +146,15 @@ impl FluxConfig {
         }
     }
 
+    /// The same transformer as a text-to-image model (FluxPipeline): its input is the
+    /// packed latents alone, as FLUX.1-dev's (`in_channels` 64 for 16 latent channels).
+    pub fn text_to_image(self) -> Self {
+        FluxConfig {
+            in_channels: self.out_channels(),
+            ..self
+        }
+    }
+
     /// `flux-small`: a scaled-down Fill model for CPU benchmarks (hidden 768, 12 heads
     /// of 64, 4 double and 8 single blocks).
     pub fn small() -> Self {

@@ -186,7 +186,36 @@ pub struct Component {
     pub weight_bytes: u64,
 }
 
+/// Which diffusers pipeline a checkpoint is for, from its transformer's input
+/// channels: FluxFillPipeline conditions each token on the masked image and the mask
+/// (`2 * 4c + 4 f^2` inputs), FluxPipeline only on the noisy latents (`4c`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum PipelineKind {
+    /// FLUX.1 Fill: edits (image, mask, prompt) and template captures.
+    Fill,
+    /// FLUX.1-dev or -schnell: text-to-image generations.
+    TextToImage,
+}
+
+impl PipelineKind {
+    /// What a request of another kind is told.
+    pub fn require(self, want: PipelineKind) -> Result<()> {
+        match (self, want) {
+            (a, b) if a == b => Ok(()),
+            (PipelineKind::TextToImage, _) => Err(Error::Invalid(
+                "the loaded model is a text-to-image model (FluxPipeline): it generates images from prompts and does not edit them; serve a FLUX.1 Fill checkpoint for edits".into(),
+            )),
+            (PipelineKind::Fill, _) => Err(Error::Invalid(
+                "the loaded model is a FLUX.1 Fill model: it edits images and does not generate from a prompt alone; serve a FLUX.1-dev or -schnell checkpoint for generations".into(),
+            )),
+        }
+    }
+}
+
 pub struct FluxFill<B: Backend<Tensor = Tensor>> {
+    /// Fill or text-to-image (one type serves both: they share every component and
+    /// every stage but the conditioning).
+    pub kind: PipelineKind,
     /// The transformer's config: always loaded (a small JSON), because layouts,
     /// schedules and the checks of the other components need it.
     pub config: FluxConfig,
@@ -242,14 +271,14 @@ pub(crate) fn text_configs(source: &ModelSource) -> Result<(ClipTextConfig, T5Co
     let parse =
         |what: &str, e: serde_json::Error| Error::Invalid(format!("built-in {what} config: {e}"));
     Ok(match source {
-        ModelSource::Builtin => (
-            serde_json::from_str(builtin_files::CLIP_CONFIG).map_err(|e| parse("CLIP", e))?,
-            serde_json::from_str(builtin_files::T5_CONFIG).map_err(|e| parse("T5", e))?,
-        ),
-        ModelSource::BuiltinSmall => (ClipTextConfig::clip_l(), small_t5()),
         ModelSource::Dir(d) => (
             ClipTextConfig::from_file(d.join("text_encoder/config.json"))?,
             T5Config::from_file(d.join("text_encoder_2/config.json"))?,
+        ),
+        _ if source.builtin_small() == Some(true) => (ClipTextConfig::clip_l(), small_t5()),
+        _ => (
+            serde_json::from_str(builtin_files::CLIP_CONFIG).map_err(|e| parse("CLIP", e))?,
+            serde_json::from_str(builtin_files::T5_CONFIG).map_err(|e| parse("T5", e))?,
         ),
     })
 }
@@ -257,9 +286,9 @@ pub(crate) fn text_configs(source: &ModelSource) -> Result<(ClipTextConfig, T5Co
 /// The VAE's config of `source`, without its weights.
 pub(crate) fn vae_config(source: &ModelSource) -> Result<VaeConfig> {
     match source {
-        ModelSource::Builtin => Ok(VaeConfig::tiny()),
-        ModelSource::BuiltinSmall => Ok(VaeConfig::flux1()),
         ModelSource::Dir(d) => VaeConfig::from_file(d.join("vae/config.json")),
+        _ if source.builtin_small() == Some(true) => Ok(VaeConfig::flux1()),
+        _ => Ok(VaeConfig::tiny()),
     }
 }
 
@@ -301,25 +330,6 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         };
         let fingerprint = source.fingerprint()?;
         let (vae, text, scheduler) = match source {
-            ModelSource::Builtin => {
-                let text = if parts.text {
-                    let (clip, t5) = text_configs(source)?;
-                    Some(seeded_text(clip, t5, seed)?)
-                } else {
-                    None
-                };
-                let vae = AutoencoderKL::seeded_halves(VaeConfig::tiny(), seed ^ 1, parts.vae)?;
-                (vae, text, SchedulerConfig::default())
-            }
-            ModelSource::BuiltinSmall => {
-                let text = if parts.text {
-                    Some(seeded_text(ClipTextConfig::clip_l(), small_t5(), seed)?)
-                } else {
-                    None
-                };
-                let vae = AutoencoderKL::seeded_halves(VaeConfig::flux1(), seed ^ 1, parts.vae)?;
-                (vae, text, SchedulerConfig::default())
-            }
             ModelSource::Dir(d) => {
                 let text = if parts.text {
                     Some(TextEncoders {
@@ -336,6 +346,16 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                     text,
                     SchedulerConfig::from_file(d.join("scheduler/scheduler_config.json"))?,
                 )
+            }
+            builtin => {
+                let text = if parts.text {
+                    let (clip, t5) = text_configs(builtin)?;
+                    Some(seeded_text(clip, t5, seed)?)
+                } else {
+                    None
+                };
+                let vae = AutoencoderKL::seeded_halves(vae_config(builtin)?, seed ^ 1, parts.vae)?;
+                (vae, text, SchedulerConfig::default())
             }
         };
         Self::assemble(config, transformer, vae, text, scheduler, fingerprint)
@@ -368,16 +388,18 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         fingerprint: String,
     ) -> Result<Self> {
         let vsf = vae.config().vae_scale_factor();
-        let expected_in = 2 * 4 * vae.config().latent_channels + 4 * vsf * vsf;
+        let packed = 4 * vae.config().latent_channels;
+        let fill_in = 2 * packed + 4 * vsf * vsf;
         let c = &config;
-        if c.in_channels != expected_in || c.out_channels() != 4 * vae.config().latent_channels {
-            return Err(Error::Invalid(format!(
-                "transformer has {} input / {} output channels, a Fill model with this VAE needs {expected_in} / {} (is this a FLUX.1 Fill checkpoint?)",
-                c.in_channels,
-                c.out_channels(),
-                4 * vae.config().latent_channels
-            )));
-        }
+        let kind = match (c.in_channels, c.out_channels()) {
+            (i, o) if i == fill_in && o == packed => PipelineKind::Fill,
+            (i, o) if i == packed && o == packed => PipelineKind::TextToImage,
+            (i, o) => {
+                return Err(Error::Invalid(format!(
+                    "transformer has {i} input / {o} output channels; with this VAE a FLUX.1 Fill model needs {fill_in} / {packed} and a text-to-image model (FLUX.1-dev or -schnell) {packed} / {packed}"
+                )))
+            }
+        };
         if let Some(t) = &text {
             if t.t5.config().d_model != c.joint_attention_dim
                 || t.clip.config().hidden_size != c.pooled_projection_dim
@@ -396,6 +418,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             multiple_of: 2 * vsf,
         };
         Ok(FluxFill {
+            kind,
             config,
             transformer,
             vae,
@@ -575,6 +598,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         noise: &Noise,
         t: &mut Timings,
     ) -> Result<Prepared> {
+        self.kind.require(PipelineKind::Fill)?;
         if (mask.width, mask.height) != (image.width, image.height) {
             return Err(Error::Invalid(format!(
                 "mask is {}x{} but the image is {}x{}",

@@ -98,7 +98,7 @@ fn decode(bytes: &[u8], what: &str, limits: &ImageLimits) -> Result<DynamicImage
         .map_err(|e| Error::Invalid(format!("{what}: corrupt or truncated image: {e}")))
 }
 
-fn check_size(what: &str, w: usize, h: usize, limits: &ImageLimits) -> Result<()> {
+pub(crate) fn check_size(what: &str, w: usize, h: usize, limits: &ImageLimits) -> Result<()> {
     if w == 0 || h == 0 {
         return Err(Error::Invalid(format!(
             "{what}: zero-sized image ({w}x{h})"

@@ -3,6 +3,7 @@
 
 pub mod fill;
 pub mod flux_fill;
+pub mod generate;
 pub mod image;
 pub mod paste;
 pub mod prompts;

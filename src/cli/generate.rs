@@ -1,0 +1,97 @@
+//! `denoised generate`: FluxPipeline text-to-image (FLUX.1-dev, FLUX.1-schnell) from the
+//! command line, in one process, with the daemon's stages and denoise loop.
+
+use std::path::PathBuf;
+
+use denoised_models::flux::edit::Mode;
+use denoised_models::pipeline::flux_fill::{EditOptions, Timings};
+use denoised_models::pipeline::generate::GenerateOptions;
+use denoised_models::ModelSource;
+
+use super::edit::{denoise, load_pipeline, read_noise, report, write_png};
+use super::{CliResult, ModelDeviceArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct GenerateArgs {
+    /// Model: a diffusers FLUX.1-dev or -schnell directory (FluxPipeline), or
+    /// `builtin:t2i` / `builtin:flux-small-t2i` (seeded, no files).
+    #[arg(long, env = "DENOISED_MODEL", default_value = "builtin:t2i")]
+    pub model: ModelSource,
+    /// The prompt. Longer prompts are truncated to the encoders' maximum length, as
+    /// diffusers does (with a warning).
+    #[arg(long)]
+    pub prompt: String,
+    /// Denoising steps (FLUX.1-schnell is distilled for 4).
+    #[arg(long, default_value_t = 28)]
+    pub steps: usize,
+    /// Embedded guidance scale (FLUX.1-dev; schnell has no guidance embedding and
+    /// ignores it).
+    #[arg(long, default_value_t = 3.5)]
+    pub guidance: f32,
+    /// Seed of the initial noise.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Image height in pixels [default: 128 x the VAE's scale factor, as diffusers:
+    /// 1024 for FLUX.1].
+    #[arg(long)]
+    pub height: Option<usize>,
+    /// Image width in pixels [default: as the height's].
+    #[arg(long)]
+    pub width: Option<usize>,
+    /// T5 sequence length.
+    #[arg(long, default_value_t = 512)]
+    pub max_sequence_length: usize,
+    /// Safetensors with `initial_latents` (packed noise, `[1, N, 64]` as diffusers'
+    /// `latents`), to reproduce a diffusers run exactly.
+    #[arg(long)]
+    pub noise: Option<PathBuf>,
+    /// Largest accepted image, in pixels (width x height).
+    #[arg(long, env = "DENOISED_MAX_PIXELS", default_value_t = 2048 * 2048)]
+    pub max_pixels: usize,
+    /// Print per-stage timings as one JSON line on stdout.
+    #[arg(long)]
+    pub timings: bool,
+    #[command(flatten)]
+    pub device: ModelDeviceArgs,
+    /// Output PNG.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+pub fn run(a: GenerateArgs) -> CliResult {
+    let (p, mut placed) = load_pipeline(&a.model, &a.device, a.max_pixels)?;
+    let side = p.default_side();
+    let opts = GenerateOptions {
+        steps: a.steps,
+        guidance: a.guidance,
+        seed: a.seed,
+        max_sequence_length: a.max_sequence_length,
+        width: a.width.unwrap_or(side),
+        height: a.height.unwrap_or(side),
+    };
+    let noise = a.noise.as_deref().map(read_noise).transpose()?;
+    let mut t = Timings::default();
+    let prepared = p.prepare_generate(
+        &a.prompt,
+        &opts,
+        noise.as_ref().and_then(|n| n.initial_latents.as_ref()),
+        &mut t,
+    )?;
+    if prepared.prompt_truncated {
+        tracing::warn!(
+            "the prompt is longer than the text encoders take (77 CLIP tokens, {} T5 tokens) and was truncated, as diffusers does",
+            a.max_sequence_length
+        );
+    }
+    let schedule = p.schedule(opts.steps, opts.width, opts.height)?;
+    let latents = denoise(&mut placed, &prepared.inputs, schedule, Mode::Full, &mut t)?.0;
+    // The whole image is generated: nothing to paste back.
+    let finish = EditOptions {
+        paste_back: false,
+        ..Default::default()
+    };
+    let out = p.finish(&prepared, &latents, &finish, &mut t)?;
+    write_png(&a.out, &out, &mut t)?;
+    report(a.timings, &t, "generate", &a.out);
+    Ok(())
+}
