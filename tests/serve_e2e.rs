@@ -424,6 +424,13 @@ fn bad_requests_get_json_errors_and_the_daemon_keeps_serving() {
             .unwrap_or_else(|| panic!("{what}: not a JSON error: {v}"));
         assert!(msg.contains(needle), "{what}: `{msg}` lacks `{needle}`");
     }
+    // A Fill model serves no generations, and says what to serve instead.
+    let (s, v) = d.post("/v1/generations", &json!({"prompt": "a fox"}));
+    assert_eq!(s, 400, "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("does not generate from a prompt alone"));
     assert_eq!(d.get("/v1/templates/nope").0, 404);
     assert_eq!(d.delete("/v1/templates/nope").0, 404);
     let (s, v) = d.post(

@@ -91,6 +91,8 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
             inputs: Arc::new(inputs),
             schedule: Arc::new(schedule),
             work: Mode::Full,
+            start_at: 0,
+            store_at: Vec::new(),
         });
     }
     let mut times = Vec::new();
@@ -110,7 +112,7 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
             Ok(Event::Finished { .. }) => finished += 1,
             Ok(Event::Failed { error, .. }) => return Err(error),
             Ok(Event::Cancelled { .. }) => finished += 1,
-            Ok(Event::Submitted { .. }) => {}
+            Ok(Event::Submitted { .. } | Event::Stored { .. }) => {}
             Err(e) => return Err(format!("denoise loop stalled: {e}")),
         }
     }

@@ -294,13 +294,21 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
             (Role::Cache, _) => {
                 let metrics = CacheMetrics::register(registry.registry());
                 let source = env.model_source();
+                let model = source.transformer_config().map_err(|e| e.to_string())?;
+                // Noise states are a text-to-image model's (its transformer reads the
+                // packed latents alone).
+                let noise = match model.in_channels == model.out_channels() {
+                    true => crate::approx::from_config(&env.config.approx_cache)?,
+                    false => None,
+                };
                 let args = CacheArgs {
                     shm: shm.clone(),
                     metrics,
-                    model: source.transformer_config().map_err(|e| e.to_string())?,
+                    model,
                     fingerprint: source.fingerprint().map_err(|e| e.to_string())?,
                     dir: env.config.cache.resolved_dir(),
                     disk_bytes: env.config.cache.disk_bytes,
+                    noise,
                 };
                 Actor::spawn(name, CacheActor, args)
                     .await

@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use denoised_models::mask::TokenMask;
 use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Prepared, Timings};
+use denoised_models::pipeline::generate::GenerateOptions;
 use denoised_models::pipeline::image::{
     decode_image, decode_mask, encode_jpeg, encode_png, from_model_space, Mask, Rgb8,
 };
@@ -271,6 +272,50 @@ pub fn prepare(
         token_mask,
         seconds: t0.elapsed().as_secs_f64(),
         vae_pass: t.vae_encode_pass,
+        prompt_cache_hit: t.prompt_cache_hit,
+    })
+}
+
+/// Preparation of a generation, as `denoised generate` does it: its token mask is the
+/// whole image.
+pub fn prepare_generate(
+    p: &Pipeline,
+    params: &GenParams,
+    width: u32,
+    height: u32,
+    max_pixels: usize,
+) -> Result<Stage1, WireError> {
+    let t0 = Instant::now();
+    let (w, h) = (width as usize, height as usize);
+    if w * h > max_pixels {
+        return Err(WireError::new(
+            ErrorKind::TooLarge,
+            format!(
+                "{w}x{h} = {} pixels exceeds the limit of {max_pixels}",
+                w * h
+            ),
+        ));
+    }
+    let opts = GenerateOptions {
+        steps: params.steps as usize,
+        guidance: params.guidance,
+        seed: params.seed,
+        max_sequence_length: params.max_sequence_length as usize,
+        width: w,
+        height: h,
+    };
+    let mut t = Timings::default();
+    let prepared = p
+        .prepare_generate(&params.prompt, &opts, None, &mut t)
+        .map_err(input_error)?;
+    let (rows, cols) = p.tokens(w, h);
+    let token_mask =
+        TokenMask::from_tokens(rows, cols, &vec![true; rows * cols]).map_err(input_error)?;
+    Ok(Stage1 {
+        prepared,
+        token_mask,
+        seconds: t0.elapsed().as_secs_f64(),
+        vae_pass: VaePass::Dense,
         prompt_cache_hit: t.prompt_cache_hit,
     })
 }

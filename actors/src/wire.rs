@@ -130,17 +130,31 @@ pub struct GenParams {
     pub dilation: u32,
 }
 
-/// router → preprocess: decode, mask, text, VAE encode, noise.
+/// router → preprocess: decode, mask, text, VAE encode, noise (an edit or a capture);
+/// text and noise (a generation).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PrepareReq {
     pub job: JobId,
-    /// Encoded image bytes (the request's image or the template's).
-    pub image: Handle,
-    pub mask: MaskSpec,
+    pub input: PrepareInput,
     pub params: GenParams,
     pub max_pixels: u64,
-    /// What the VAE encoder does with a template's traces.
-    pub vae: VaeTraces,
+}
+
+/// What a request prepares from besides its prompt.
+// A message, built once and serialized: boxing the larger variant would save nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum PrepareInput {
+    /// An edit or a template capture (FLUX.1 Fill).
+    Edit {
+        /// Encoded image bytes (the request's image or the template's).
+        image: Handle,
+        mask: MaskSpec,
+        /// What the VAE encoder does with a template's traces.
+        vae: VaeTraces,
+    },
+    /// A text-to-image generation of this size (FLUX.1-dev / -schnell).
+    Generate { width: u32, height: u32 },
 }
 
 /// What a request's VAE pass does with a template's traces
@@ -236,6 +250,13 @@ pub struct TemplateRef {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum DenoiseWork {
     Full,
+    /// A text-to-image generation: it starts after step `start_at` (an approximate-cache
+    /// hit, whose state is its `latents`; 0 for a miss) and returns its latents after
+    /// each step of `store_at` ([`Denoised::states`]) for the cache.
+    Generate {
+        start_at: u32,
+        store_at: Vec<u32>,
+    },
     /// A full run that records a template cache of this mode, its slabs stored every
     /// `step_stride` steps.
     Capture {
@@ -284,7 +305,20 @@ pub struct Denoised {
     pub latents: Handle,
     /// For a capture: the template cache, flat, in the denoise worker's arena.
     pub cache: Option<Handle>,
+    /// For a generation with `store_at`: the packed latents after each of those steps,
+    /// in the denoise worker's arena.
+    pub states: Vec<(u32, Handle)>,
     pub stats: DenoiseStats,
+}
+
+impl Denoised {
+    /// The slices of the denoise worker's arena this reply lends to the router.
+    pub fn handles(&self) -> Vec<Handle> {
+        let mut h = vec![self.latents.clone()];
+        h.extend(self.cache.clone());
+        h.extend(self.states.iter().map(|(_, s)| s.clone()));
+        h
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -594,6 +628,16 @@ pub enum CacheMsg {
     Load(Wire<u64>, RpcReplyPort<Res<TemplateEntry>>),
     /// The edit that pinned this template version is done with it.
     Unpin(Wire<u64>),
+    /// A generation's nearest cached noise state (the approximate cache), pinned until
+    /// the matching `ApproxUnpin` when there is one.
+    #[rpc]
+    ApproxLookup(Wire<ApproxQuery>, RpcReplyPort<Res<Option<ApproxHit>>>),
+    /// The generation that pinned this state (`ApproxHit::pin`) has read it.
+    ApproxUnpin(Wire<u64>),
+    /// A missed generation's states, to copy into the cache (the reply: how many it
+    /// kept). The router holds the slices until the reply.
+    #[rpc]
+    ApproxPut(Wire<ApproxPut>, RpcReplyPort<Res<u32>>),
     /// From the cache process itself: the router was lost, and with it every pin.
     RouterLost(Wire<()>),
     /// From the cache's own tasks (copies and disk I/O run off the message loop): a
@@ -603,6 +647,38 @@ pub enum CacheMsg {
     Loaded(Wire<(u64, Result<(), WireError>)>),
     /// A version was written to disk (its bytes there), or could not be.
     Written(Wire<(u64, Result<u64, WireError>)>),
+}
+
+/// What the approximate cache matches a generation by.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ApproxQuery {
+    /// The hash of the fields a state must share exactly (model, size, steps, guidance,
+    /// scheduler, adapters).
+    pub key: u64,
+    /// The prompt text's hash (an `exact` lookup takes only this prompt).
+    pub text: u64,
+    /// The prompt's CLIP pooled embedding.
+    pub embedding: Vec<f32>,
+    pub steps: u32,
+    pub exact: bool,
+}
+
+/// A lookup's answer: start after step `k` from `state` (packed latents in the cache's
+/// arena), pinned as `pin`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ApproxHit {
+    pub k: u32,
+    pub similarity: f32,
+    pub state: Handle,
+    pub pin: u64,
+}
+
+/// A missed generation's states: its lookup fields and the packed latents after each
+/// stored step, in the denoise worker's arena.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ApproxPut {
+    pub query: ApproxQuery,
+    pub states: Vec<(u32, Handle)>,
 }
 
 #[derive(RactorClusterMessage)]

@@ -21,6 +21,38 @@ pub struct Config {
     pub cluster: ClusterConfig,
     pub cache: CacheConfig,
     pub pipeline: PipelineConfig,
+    pub approx_cache: ApproxCacheConfig,
+}
+
+/// `[approx_cache]`: reuse of text-to-image noise states across similar prompts
+/// (NIRVANA; DESIGN.md §"Approximate caching").
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApproxCacheConfig {
+    /// Bytes of noise states the cache process keeps in its arena (0: off).
+    pub host_bytes: u64,
+    /// Eviction: `gdsf` (decayed frequency x K/N x observed hit rate at K, with
+    /// inflation), `lcbfu` (the paper's frequency x K), `lru`, `lfu`.
+    pub policy: String,
+    /// `[similarity, fraction of the steps skipped]` rows; a match above a row's
+    /// similarity skips that fraction (the first row it exceeds, highest first).
+    pub thresholds: Vec<(f32, f64)>,
+}
+
+impl Default for ApproxCacheConfig {
+    fn default() -> Self {
+        ApproxCacheConfig {
+            host_bytes: 1 << 30,
+            policy: "gdsf".into(),
+            thresholds: vec![
+                (0.95, 0.5),
+                (0.90, 0.4),
+                (0.85, 0.3),
+                (0.75, 0.2),
+                (0.65, 0.1),
+            ],
+        }
+    }
 }
 
 /// Whether template edits may run the VAE spatially sparse (`[pipeline] sparse_vae`).

@@ -167,6 +167,8 @@ impl ServeArgs {
             .routing_policy
             .parse::<denoised_actors::routing::Policy>()
             .map_err(|e| format!("[server] {e}"))?;
+        denoised_actors::approx::from_config(&c.approx_cache)
+            .map_err(|e| format!("[approx_cache] {e}"))?;
         if let Some(d) = &self.cache_dir {
             c.cache.dir = d.clone();
         }

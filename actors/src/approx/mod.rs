@@ -29,6 +29,17 @@ use denoised_runtime::cpu::simd;
 use policy::{score, Counters};
 pub use policy::{Policy, HALF_LIFE_LOOKUPS};
 
+/// The cache `[approx_cache]` describes (policy and thresholds checked; `None`
+/// when its memory is 0).
+pub fn from_config(
+    c: &denoised_runtime::config::ApproxCacheConfig,
+) -> Result<Option<ApproxCache>, String> {
+    let policy: Policy = c.policy.parse()?;
+    let thresholds = Thresholds::new(c.thresholds.clone())?;
+    Ok((c.host_bytes > 0)
+        .then(|| ApproxCache::new(c.host_bytes, policy, thresholds, &STORE_FRACTIONS)))
+}
+
 /// The fields a cached state and a request must share exactly, hashed by the caller.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ExactKey(pub u64);
@@ -339,19 +350,30 @@ impl ApproxCache {
         if self.policy == Policy::Gdsf {
             self.inflation = self.inflation.max(s);
         }
-        let p = self.prompts.get_mut(&id).expect("the victim's prompt");
-        let (_, bytes) = p.states.remove(&k).expect("the victim's state");
+        self.remove(id, k);
+        Some(Evicted { prompt: id, k })
+    }
+
+    /// Drops `prompt`'s state after step `k` (one the caller could not store); the
+    /// prompt leaves the index with its last state. Whether it was there.
+    pub fn remove(&mut self, prompt: PromptId, k: usize) -> bool {
+        let Some(p) = self.prompts.get_mut(&prompt) else {
+            return false;
+        };
+        let Some((_, bytes)) = p.states.remove(&k) else {
+            return false;
+        };
         self.used -= bytes;
         if p.states.is_empty() {
             let key = p.key;
-            self.prompts.remove(&id);
+            self.prompts.remove(&prompt);
             let ids = self.by_key.get_mut(&key).expect("indexed under its key");
-            ids.retain(|&x| x != id);
+            ids.retain(|&x| x != prompt);
             if ids.is_empty() {
                 self.by_key.remove(&key);
             }
         }
-        Some(Evicted { prompt: id, k })
+        true
     }
 
     /// Every state's counters, for the policy study and tests.

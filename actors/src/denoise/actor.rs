@@ -206,9 +206,7 @@ impl Actor for DenoiseActor {
                     if epoch != node::router_epoch() {
                         // For a router that is gone: nobody would release the result.
                         if let Ok(d) = &result {
-                            let mut h = vec![d.latents.clone()];
-                            h.extend(d.cache.clone());
-                            st.shm.release(&h);
+                            st.shm.release(&d.handles());
                         }
                         return Ok(());
                     }
@@ -240,8 +238,17 @@ impl DenoiseState {
         let n = (req.rows * req.cols) as usize;
         let schedule = FlowMatchEuler::new(&self.pipeline.scheduler, req.steps as usize, n)
             .map_err(|e| WireError::bad_input(e.to_string()))?;
+        let (mut start_at, mut store_at) = (0, Vec::new());
         let work = match &req.work {
             DenoiseWork::Full => Mode::Full,
+            DenoiseWork::Generate {
+                start_at: k,
+                store_at: ks,
+            } => {
+                start_at = *k as usize;
+                store_at = ks.iter().map(|&k| k as usize).collect();
+                Mode::Full
+            }
             DenoiseWork::Capture { mode, step_stride } => {
                 let layout = self.capture_layout(n, req.steps, *mode, *step_stride)?;
                 let (handle, bytes) = self.shm.alloc_host(layout.total_bytes())?;
@@ -264,6 +271,8 @@ impl DenoiseState {
             inputs: Arc::new(inputs),
             schedule: Arc::new(schedule),
             work,
+            start_at,
+            store_at,
         })
     }
 
@@ -462,6 +471,17 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
     // Finished results arrive just before the step event that finished them; they are
     // held until that event has been counted.
     let mut ready: Vec<(JobId, Tensor, Option<TemplateCache>)> = Vec::new();
+    // Generations' stored states, written to the arena as they come.
+    let mut stored: HashMap<JobId, Vec<(u32, Handle)>> = HashMap::new();
+    let drop_stored = |stored: &mut HashMap<JobId, Vec<(u32, Handle)>>, id: JobId| {
+        let handles: Vec<Handle> = stored
+            .remove(&id)
+            .into_iter()
+            .flatten()
+            .map(|s| s.1)
+            .collect();
+        ctx.shm.release(&handles);
+    };
     // The requests in the loop, as the load reports describe them.
     let mut load: BTreeMap<JobId, LoadEntry> = BTreeMap::new();
     let router = || node::members(groups::ROUTER).into_iter().next();
@@ -545,12 +565,19 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
                         a.stats.batch_sizes.iter().sum::<u32>() as f64
                             / a.stats.batch_sizes.len().max(1) as f64
                     );
-                    finished(&ctx, id, latents, cache, a.stats);
+                    let states = stored.remove(&id).unwrap_or_default();
+                    finished(&ctx, id, latents, cache, states, a.stats);
                 }
                 report_load(&ctx, router.as_ref(), &load);
             }
             Event::Finished { id, latents, cache } => ready.push((id, latents, cache)),
+            Event::Stored { id, k, latents } => match ctx.shm.write_tensor(&latents) {
+                Ok(h) => stored.entry(id).or_default().push((k as u32, h)),
+                // The arena is full: the state is not cached, the request goes on.
+                Err(e) => tracing::warn!(id = %job_name(id), "state after step {k} not kept: {e}"),
+            },
             Event::Failed { id, error } => {
+                drop_stored(&mut stored, id);
                 acc.remove(&id);
                 load.remove(&id);
                 report_load(&ctx, router().as_ref(), &load);
@@ -560,6 +587,7 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
                 failed(&ctx, id, WireError::internal(error));
             }
             Event::Cancelled { id } => {
+                drop_stored(&mut stored, id);
                 acc.remove(&id);
                 load.remove(&id);
                 report_load(&ctx, router().as_ref(), &load);
@@ -597,6 +625,7 @@ fn finished(
     id: JobId,
     latents: Tensor,
     cache: Option<TemplateCache>,
+    states: Vec<(u32, Handle)>,
     stats: DenoiseStats,
 ) {
     // A capture wrote its template into its arena slice; one made elsewhere (the
@@ -621,10 +650,13 @@ fn finished(
         Ok(latents) => Ok(Denoised {
             latents,
             cache,
+            states,
             stats,
         }),
         Err(e) => {
-            ctx.shm.release(&cache.into_iter().collect::<Vec<_>>());
+            let mut h: Vec<Handle> = cache.into_iter().collect();
+            h.extend(states.into_iter().map(|s| s.1));
+            ctx.shm.release(&h);
             Err(e)
         }
     };

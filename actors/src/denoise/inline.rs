@@ -20,7 +20,8 @@ use super::{DenoiseRequest, LoopCommand, LoopSender};
 use crate::node::Shm;
 use crate::stages::{self, MaskInput, Pipeline};
 use crate::wire::{
-    DenoiseStats, DenoiseWork, FinishParams, InlineDone, InlineReq, JobId, Reply, Wire, WireError,
+    DenoiseStats, DenoiseWork, FinishParams, InlineDone, InlineReq, JobId, PrepareInput, Reply,
+    Wire, WireError,
 };
 use crate::workers::preprocess::read_request;
 
@@ -62,17 +63,25 @@ pub fn submit(
     reply: Reply<InlineDone>,
 ) {
     let (loop_tx, template_dtype) = (&ctx.loop_tx, ctx.template_dtype);
-    let (image, mask_bytes) = match read_request(&ctx.shm, &req.prepare) {
+    let PrepareInput::Edit { image, mask, .. } = &req.prepare.input else {
+        let e = WireError::bad_input(
+            "generations run on the disaggregated workers only ([denoise] disaggregate = true)",
+        );
+        let _ = reply.send(Wire(Err(e)));
+        return;
+    };
+    let (image, mask_bytes) = match read_request(&ctx.shm, image, mask) {
         Ok(r) => r,
         Err(e) => {
             let _ = reply.send(Wire(Err(e)));
             return;
         }
     };
+    let mask = mask.clone();
     let (tx, p, jobs) = (loop_tx.clone(), ctx.pipeline.clone(), ctx.jobs.clone());
     loop_tx.send(LoopCommand::Run(Box::new(move || {
         let t0 = Instant::now();
-        let mask = MaskInput::new(&req.prepare.mask, mask_bytes.as_deref());
+        let mask = MaskInput::new(&mask, mask_bytes.as_deref());
         let params = &req.prepare.params;
         // The baseline runs the VAE dense ([pipeline] sparse_vae is the disaggregated
         // workers').
@@ -113,6 +122,8 @@ pub fn submit(
                     inputs: Arc::new(s1.prepared.inputs.clone()),
                     schedule: Arc::new(schedule),
                     work,
+                    start_at: 0,
+                    store_at: Vec::new(),
                 };
                 Ok((r, s1.prepared, active, pixel_ratio, s1.prompt_cache_hit))
             });

@@ -41,6 +41,12 @@ pub struct DenoiseRequest {
     pub inputs: Arc<DenoiseInputs>,
     pub schedule: Arc<FlowMatchEuler>,
     pub work: Mode,
+    /// A full run that starts after this step of its schedule (an approximate-cache
+    /// hit: its latents are the state after it); 0 for the whole schedule.
+    pub start_at: usize,
+    /// Steps after which its latents go out ([`Event::Stored`]): a generation that
+    /// missed the approximate cache.
+    pub store_at: Vec<usize>,
 }
 
 pub enum LoopCommand {
@@ -98,6 +104,13 @@ pub enum Event {
         id: RequestId,
         latents: Tensor,
         cache: Option<TemplateCache>,
+    },
+    /// A request's packed latents after step `k` (one of its `store_at`), sent before
+    /// the step's own event.
+    Stored {
+        id: RequestId,
+        k: usize,
+        latents: Tensor,
     },
     /// A request could not be run; the message says why.
     Failed {
@@ -182,6 +195,8 @@ struct State {
     sched: BatchScheduler,
     /// Submitted requests waiting for admission, with their host inputs.
     waiting: HashMap<RequestId, DenoiseRequest>,
+    /// The `store_at` of running requests that have one.
+    stores: HashMap<RequestId, Vec<usize>>,
     tx: Sender<Event>,
 }
 
@@ -194,6 +209,7 @@ impl State {
             LoopCommand::Cancel(id) => {
                 if self.sched.cancel(id) {
                     self.waiting.remove(&id);
+                    self.stores.remove(&id);
                     model.remove(id);
                     let _ = self.tx.send(Event::Cancelled { id });
                 }
@@ -209,7 +225,8 @@ impl State {
     }
 
     fn submit(&mut self, r: DenoiseRequest, model: &dyn Stepper) -> Result<(), String> {
-        let steps = r.schedule.steps() as u32;
+        // The scheduler counts the steps the request will run.
+        let steps = r.schedule.steps().saturating_sub(r.start_at) as u32;
         let tokens = match &r.work {
             Mode::Edit { mask, .. } => mask.active().len(),
             _ => r.inputs.tokens(),
@@ -245,7 +262,16 @@ impl State {
             let Some(r) = self.waiting.remove(&id) else {
                 continue;
             };
-            if let Err(e) = model.admit(id, &r.inputs, r.schedule, r.work) {
+            let admitted = model
+                .admit(id, &r.inputs, r.schedule, r.work)
+                .and_then(|_| match r.start_at {
+                    0 => Ok(()),
+                    k => model.skip_to(id, k),
+                });
+            if admitted.is_ok() && !r.store_at.is_empty() {
+                self.stores.insert(id, r.store_at);
+            }
+            if let Err(e) = admitted {
                 if model.is_fatal(&e) {
                     device_fault(&e);
                 }
@@ -271,6 +297,7 @@ fn run(
     let mut st = State {
         sched,
         waiting: HashMap::new(),
+        stores: HashMap::new(),
         tx,
     };
     loop {
@@ -319,16 +346,21 @@ fn run(
             Err(e) => {
                 for (id, error) in isolate(&mut *model, &ids, &before, e) {
                     st.sched.cancel(id);
+                    st.stores.remove(&id);
                     model.remove(id);
                     let _ = st.tx.send(Event::Failed { id, error });
                 }
                 StepReport::default()
             }
         };
+        if !st.stores.is_empty() {
+            store_states(&mut st, &*model, &ids);
+        }
         let finished = st.sched.complete_step(&plan);
         // Finished results go out first, so whoever sees a step's event has already been
         // sent everything that step produced. Each result is downloaded here, once.
         for id in finished {
+            st.stores.remove(&id);
             let event = match model.finish(id) {
                 Ok((latents, cache)) => Event::Finished { id, latents, cache },
                 Err(e) => {
@@ -354,6 +386,35 @@ fn run(
             waiting: st.sched.num_waiting(),
             report,
         });
+    }
+}
+
+/// Sends the latents of the requests of a step that has just reached one of their
+/// `store_at` steps. A download that fails loses only that state (the request goes on;
+/// a device fault ends the process).
+fn store_states(st: &mut State, model: &dyn Stepper, ids: &[RequestId]) {
+    for id in ids {
+        let (Some(ks), Some(k)) = (st.stores.get(id), model.position(*id)) else {
+            continue;
+        };
+        if !ks.contains(&k) {
+            continue;
+        }
+        match model.latents(*id) {
+            Ok(latents) => {
+                let _ = st.tx.send(Event::Stored {
+                    id: *id,
+                    k,
+                    latents,
+                });
+            }
+            Err(e) => {
+                if model.is_fatal(&e) {
+                    device_fault(&e);
+                }
+                tracing::warn!("request {id:x}: its state after step {k} is not stored: {e}");
+            }
+        }
     }
 }
 

@@ -111,6 +111,8 @@ fn full(id: u64, seed: u64, steps: usize) -> DenoiseRequest {
         inputs: inputs(seed),
         schedule: schedule(steps),
         work: Mode::Full,
+        start_at: 0,
+        store_at: Vec::new(),
     }
 }
 
@@ -200,6 +202,8 @@ fn cancel_and_bad_requests_do_not_stop_the_loop() {
             mask: Arc::new(TokenMask::full(SIDE, SIDE)),
             cache: Arc::new(complete(layout)),
         },
+        start_at: 0,
+        store_at: Vec::new(),
     };
     lp.submit(bad);
     lp.submit(full(3, 3, 2));
@@ -245,6 +249,8 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
         inputs: inp.clone(),
         schedule: s.clone(),
         work: Mode::Capture(TemplateCache::new(layout).unwrap()),
+        start_at: 0,
+        store_at: Vec::new(),
     });
     let (fin, cache) = loop {
         if let Event::Finished { latents, cache, .. } = next(&lp) {
@@ -258,6 +264,8 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
         inputs: inp,
         schedule: s,
         work: Mode::Edit { mask, cache },
+        start_at: 0,
+        store_at: Vec::new(),
     });
     let edited = loop {
         if let Event::Finished { latents, .. } = next(&lp) {
@@ -284,6 +292,8 @@ fn a_request_whose_step_fails_does_not_fail_its_batch_mates() {
             mask: Arc::new(TokenMask::random_blobs(SIDE, SIDE, 9, 1)),
             cache: Arc::new(complete(layout)),
         },
+        start_at: 0,
+        store_at: Vec::new(),
     };
     lp.submit(full(1, 1, 3));
     lp.submit(bad);

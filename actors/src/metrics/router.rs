@@ -41,6 +41,12 @@ pub struct RouterMetrics {
     pub vae_passes: Family<[(&'static str, &'static str); 2], Counter>,
     /// Served edits' prompt-cache lookups in the preprocess workers, by result.
     pub prompt_cache: Family<[(&'static str, &'static str); 1], Counter>,
+    /// Of served generations, by stage (as `stage` for edits).
+    pub generation_stage: Family<Label, Histogram>,
+    /// Served generations' approximate-cache lookups, by result (hit, miss, off), and
+    /// the denoising steps the hits skipped.
+    pub approx_lookups: Family<[(&'static str, &'static str); 1], Counter>,
+    pub approx_skipped: Counter,
 }
 
 impl RouterMetrics {
@@ -62,6 +68,9 @@ impl RouterMetrics {
             routed: Family::default(),
             vae_passes: Family::default(),
             prompt_cache: Family::default(),
+            generation_stage: Family::new_with_constructor(latency),
+            approx_lookups: Family::default(),
+            approx_skipped: Counter::default(),
         };
         r.register(
             "http_requests",
@@ -122,6 +131,22 @@ impl RouterMetrics {
             "prompt_cache_lookups",
             "Prompt-embedding cache lookups of served edits in the preprocess workers, by result (hit: the text encoders did not run, miss)",
             m.prompt_cache.clone(),
+        );
+        r.register_with_unit(
+            "generation_stage_duration",
+            "Time of each stage of a served text-to-image generation: queue, preprocess, denoise, postprocess, total",
+            Unit::Seconds,
+            m.generation_stage.clone(),
+        );
+        r.register(
+            "approx_cache_lookups",
+            "Approximate-cache lookups of served generations, by result (hit: it started from a cached noise state, miss, off: the request opted out)",
+            m.approx_lookups.clone(),
+        );
+        r.register(
+            "approx_cache_skipped_steps",
+            "Denoising steps that approximate-cache hits skipped",
+            m.approx_skipped.clone(),
         );
         r.register(
             "requests_in_flight",
@@ -184,6 +209,33 @@ impl RouterMetrics {
         self.prompt_cache
             .get_or_create(&[("result", t.prompt_cache)])
             .inc();
+    }
+}
+
+impl RouterMetrics {
+    /// Records a served generation: its stages and what the approximate cache did.
+    pub fn observe_generation(&self, o: &crate::router::generate::GenerateOutput) {
+        let t = &o.timings;
+        for (stage, s) in [
+            ("queue", t.queue_s),
+            ("preprocess", t.preprocess_s),
+            ("denoise", t.denoise_s),
+            ("postprocess", t.postprocess_s),
+            ("total", t.total_s),
+        ] {
+            self.generation_stage
+                .get_or_create(&[("stage", stage)])
+                .observe(s);
+        }
+        let result = match (&o.approx, o.approx_used) {
+            (a, _) if a.hit => "hit",
+            (_, true) => "miss",
+            (_, false) => "off",
+        };
+        self.approx_lookups
+            .get_or_create(&[("result", result)])
+            .inc();
+        self.approx_skipped.inc_by(o.approx.k as u64);
     }
 }
 

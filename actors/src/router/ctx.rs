@@ -48,6 +48,9 @@ pub struct Ctx {
     pub daemon_registry: prometheus_client::registry::Registry,
     /// The denoise workers' loads and the routing policy.
     pub balancer: super::balance::Balancer,
+    /// A text-to-image model's facts (`None`: a Fill model, which serves no
+    /// generations).
+    pub generation: Option<super::generate::GenerationModel>,
 }
 
 impl Ctx {
@@ -91,6 +94,7 @@ impl Ctx {
             registry,
             daemon_registry,
             balancer,
+            generation: None,
         }
     }
 

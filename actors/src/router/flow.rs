@@ -105,15 +105,15 @@ pub fn exists(id: &str) -> WireError {
 
 /// Handles a request holds, by owner; released when the request is done.
 #[derive(Default)]
-struct Held {
-    own: Vec<Handle>,
-    pre: Vec<(ActorCell, Vec<Handle>)>,
-    den: Vec<(ActorCell, Vec<Handle>)>,
-    post: Vec<(ActorCell, Vec<Handle>)>,
+pub(super) struct Held {
+    pub own: Vec<Handle>,
+    pub pre: Vec<(ActorCell, Vec<Handle>)>,
+    pub den: Vec<(ActorCell, Vec<Handle>)>,
+    pub post: Vec<(ActorCell, Vec<Handle>)>,
 }
 
 impl Held {
-    fn release(self, shm: &Shm) {
+    pub fn release(self, shm: &Shm) {
         shm.release(&self.own);
         for (c, h) in self.pre {
             node::tell(&c, PreprocessMsg::Release(Wire(h)));
@@ -128,7 +128,7 @@ impl Held {
 }
 
 /// Runs `attempt` until it succeeds or fails for a reason other than a lost worker.
-async fn with_retries<T, F, Fut>(
+pub(super) async fn with_retries<T, F, Fut>(
     ctx: &Ctx,
     job: JobId,
     mut attempt: F,
@@ -166,7 +166,7 @@ pub(super) async fn check_cancel(ctx: &Ctx, job: JobId) -> Result<(), WireError>
 
 /// The preprocess stage on a picked worker; its tensors stay held until the request
 /// ends.
-async fn preprocess(
+pub(super) async fn preprocess(
     ctx: &Ctx,
     job: JobId,
     prepare: PrepareReq,
@@ -187,7 +187,7 @@ async fn preprocess(
 
 /// The denoise stage on a picked worker: the request joins its running batch. The
 /// final latent (and a capture's cache) stay held until the request ends.
-async fn denoise(
+pub(super) async fn denoise(
     ctx: &Ctx,
     job: JobId,
     prepared: &PreparedRefs,
@@ -214,8 +214,13 @@ async fn denoise(
         DenoiseWork::Edit { template } => Some(template),
         _ => None,
     };
+    // A generation that starts from a cached state runs only the rest of its steps.
+    let run_steps = match &work {
+        DenoiseWork::Generate { start_at, .. } => steps.saturating_sub(*start_at),
+        _ => steps,
+    };
     let t_route = Instant::now();
-    let den = ctx.pick_denoise(job, shape, steps, template).await?;
+    let den = ctx.pick_denoise(job, shape, run_steps, template).await?;
     // Time waiting here for a worker with room is queueing too.
     let routed_s = t_route.elapsed().as_secs_f64();
     let worker = den.get_name().unwrap_or_default();
@@ -238,14 +243,12 @@ async fn denoise(
         }
     })?;
     d.stats.queue_s += routed_s;
-    let mut handles = vec![d.latents.clone()];
-    handles.extend(d.cache.clone());
-    held.den.push((den, handles));
+    held.den.push((den, d.handles()));
     check_cancel(ctx, job).await?;
     Ok(d)
 }
 
-fn hit_or_miss(hit: bool) -> &'static str {
+pub(super) fn hit_or_miss(hit: bool) -> &'static str {
     if hit {
         "hit"
     } else {
@@ -255,7 +258,7 @@ fn hit_or_miss(hit: bool) -> &'static str {
 
 /// The postprocess stage on a picked worker; its image (and trace) stay held until
 /// the request ends.
-async fn postprocess(
+pub(super) async fn postprocess(
     ctx: &Ctx,
     job: JobId,
     fin: FinishReq,
@@ -363,14 +366,16 @@ async fn edit_once(
     };
     let prepare = PrepareReq {
         job,
-        image,
-        mask,
+        input: PrepareInput::Edit {
+            image,
+            mask,
+            vae: match template {
+                Some(t) => VaeTraces::Edit(t.vae_traces.clone()),
+                None => VaeTraces::None,
+            },
+        },
         params: params.clone(),
         max_pixels: ctx.config.server.max_pixels as u64,
-        vae: match template {
-            Some(t) => VaeTraces::Edit(t.vae_traces.clone()),
-            None => VaeTraces::None,
-        },
     };
     // A template edit computes only the active tokens against the template's cache;
     // an inline image is a full, uncached run. The template's cache is asked for only
@@ -528,20 +533,22 @@ async fn capture_once(
 ) -> Result<TemplateInfo, WireError> {
     let image = ctx.shm.write_bytes(&input.image)?;
     held.own.push(image.clone());
+    // The traces the template's sparse VAE passes read: recorded by the
+    // disaggregated workers (the inline baseline runs the VAE dense).
+    let record = ctx.config.pipeline.sparse_vae == SparseVaeSetting::Auto;
     let prepare = PrepareReq {
         job,
-        image: image.clone(),
-        mask: MaskSpec::Empty,
+        input: PrepareInput::Edit {
+            image: image.clone(),
+            mask: MaskSpec::Empty,
+            vae: match record {
+                true => VaeTraces::Capture,
+                false => VaeTraces::None,
+            },
+        },
         params: params.clone(),
         max_pixels: ctx.config.server.max_pixels as u64,
-        // The traces the template's sparse VAE passes read: recorded by the
-        // disaggregated workers (the inline baseline runs the VAE dense).
-        vae: match ctx.config.pipeline.sparse_vae {
-            SparseVaeSetting::Auto => VaeTraces::Capture,
-            SparseVaeSetting::Off => VaeTraces::None,
-        },
     };
-    let record = matches!(prepare.vae, VaeTraces::Capture);
     let mut vae_traces = Vec::new();
     let (blob, width, height, tokens) = if ctx.config.denoise.disaggregate {
         let prepared = preprocess(ctx, job, prepare, held).await?;

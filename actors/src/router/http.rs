@@ -102,6 +102,14 @@ pub fn app(ctx: Arc<Ctx>) -> Router {
         )
         .route("/v1/edits", axum::routing::post(create_edit))
         .route(
+            "/v1/generations",
+            axum::routing::post(super::generations::create_generation),
+        )
+        .route(
+            "/v1/images/generations",
+            axum::routing::post(super::generations::images_generations),
+        )
+        .route(
             "/v1/images/edits",
             axum::routing::post(super::openai::images_edits),
         )
@@ -237,7 +245,7 @@ pub(super) fn spawn_request<T: Send + 'static>(
     tokio::spawn(run.instrument(tracing::info_span!("request", id = %job_name(job), %worker)))
 }
 
-fn with_id(job: u64, mut r: Response) -> Response {
+pub(super) fn with_id(job: u64, mut r: Response) -> Response {
     if let Ok(v) = header::HeaderValue::from_str(&job_name(job)) {
         r.headers_mut().insert(REQUEST_ID, v);
     }
@@ -544,7 +552,7 @@ pub(super) async fn joined<T>(task: tokio::task::JoinHandle<Result<T, WireError>
     }
 }
 
-fn accepted(job: u64) -> Response {
+pub(super) fn accepted(job: u64) -> Response {
     let id = job_name(job);
     let r = (
         StatusCode::ACCEPTED,

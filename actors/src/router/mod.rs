@@ -6,6 +6,8 @@ pub mod admission;
 pub mod balance;
 pub mod ctx;
 pub mod flow;
+pub mod generate;
+mod generations;
 pub mod http;
 pub mod jobs;
 mod openai;
@@ -131,8 +133,24 @@ pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
         server.max_finished_jobs,
     )
     .await?;
+    let text_to_image = flux.in_channels == flux.out_channels();
     let balancer = balance::Balancer::new(flux, policy, env.config.denoise.max_batch);
-    let ctx = Arc::new(Ctx::new(&env, shm, jobs, fingerprint, balancer));
+    let mut ctx = Ctx::new(&env, shm, jobs, fingerprint, balancer);
+    // A text-to-image model (its transformer reads the packed latents alone) serves
+    // generations.
+    if text_to_image {
+        let vsf = denoised_models::pipeline::flux_fill::vae_config(&model)
+            .map_err(|e| e.to_string())?
+            .vae_scale_factor() as u32;
+        let scheduler = denoised_models::pipeline::flux_fill::scheduler_config(&model)
+            .map_err(|e| e.to_string())?;
+        ctx.generation = Some(generate::GenerationModel {
+            default_side: 128 * vsf,
+            multiple_of: 2 * vsf,
+            scheduler: format!("{scheduler:?}"),
+        });
+    }
+    let ctx = Arc::new(ctx);
     let _node = node::start_node(&env, env.router_port).await?;
     let (router, _) = Actor::spawn(Some("router".into()), RouterActor, ctx.clone())
         .await

@@ -35,10 +35,10 @@ use super::jobs::job_name;
 use crate::wire::{FinishParams, ImageFormat, WireError};
 
 /// The most images one request asks for (OpenAI's limit).
-const MAX_N: u32 = 10;
+pub(super) const MAX_N: u32 = 10;
 
 /// An error in OpenAI's shape (their clients parse `error.message`).
-fn openai_error(e: ApiError) -> Response {
+pub(super) fn openai_error(e: ApiError) -> Response {
     let kind = if e.status.is_server_error() {
         "server_error"
     } else {

@@ -1,5 +1,6 @@
 //! The preprocess actor: decode the image and mask, build the token mask, encode the
-//! prompt, VAE-encode the masked image and draw the noise; the tensors go into this
+//! prompt, VAE-encode the masked image and draw the noise (a generation: encode the
+//! prompt and draw the noise); the tensors go into this
 //! process's arena and only their handles go back to the router.
 
 use denoised_runtime::shm::Handle;
@@ -9,7 +10,8 @@ use super::{ComputeActor, Stage, StageCommand};
 use crate::node::Shm;
 use crate::stages::{self, MaskInput, Pipeline, TemplateVae};
 use crate::wire::{
-    InputHandles, MaskSpec, PrepareReq, PreparedRefs, PreprocessMsg, VaeTraces, Wire, WireError,
+    InputHandles, MaskSpec, PrepareInput, PrepareReq, PreparedRefs, PreprocessMsg, VaeTraces, Wire,
+    WireError,
 };
 
 /// The preprocess group's stage.
@@ -43,14 +45,15 @@ impl Stage for Preprocess {
     }
 }
 
-/// The encoded image and (for an image mask) mask bytes of a request, read out of the
+/// The encoded image and (for an image mask) mask bytes of an edit, read out of the
 /// router's arena.
 pub(crate) fn read_request(
     shm: &Shm,
-    req: &PrepareReq,
+    image: &Handle,
+    mask: &MaskSpec,
 ) -> Result<(Vec<u8>, Option<Vec<u8>>), WireError> {
-    let image = shm.read_bytes(&req.image)?;
-    let mask = match &req.mask {
+    let image = shm.read_bytes(image)?;
+    let mask = match mask {
         MaskSpec::Image(h) => Some(shm.read_bytes(h)?),
         _ => None,
     };
@@ -63,16 +66,26 @@ pub fn prepare_to_shm(
     shm: &Shm,
     req: &PrepareReq,
 ) -> Result<PreparedRefs, WireError> {
-    let (image, mask_bytes) = read_request(shm, req)?;
-    let mask = MaskInput::new(&req.mask, mask_bytes.as_deref());
-    // The template's traces are read in place from the cache's arena (the edit pinned
-    // the template, so they stay while this runs).
-    let vae = match &req.vae {
-        VaeTraces::Edit(h) => TemplateVae::Edit(h.as_ref().map(|h| shm.host_slice(h)).transpose()?),
-        VaeTraces::Capture => TemplateVae::Capture,
-        VaeTraces::None => TemplateVae::None,
+    let max_pixels = req.max_pixels as usize;
+    let s1 = match &req.input {
+        PrepareInput::Edit { image, mask, vae } => {
+            let (image, mask_bytes) = read_request(shm, image, mask)?;
+            let mask = MaskInput::new(mask, mask_bytes.as_deref());
+            // The template's traces are read in place from the cache's arena (the edit
+            // pinned the template, so they stay while this runs).
+            let vae = match vae {
+                VaeTraces::Edit(h) => {
+                    TemplateVae::Edit(h.as_ref().map(|h| shm.host_slice(h)).transpose()?)
+                }
+                VaeTraces::Capture => TemplateVae::Capture,
+                VaeTraces::None => TemplateVae::None,
+            };
+            stages::prepare(p, &image, mask, &req.params, max_pixels, vae)?
+        }
+        PrepareInput::Generate { width, height } => {
+            stages::prepare_generate(p, &req.params, *width, *height, max_pixels)?
+        }
     };
-    let s1 = stages::prepare(p, &image, mask, &req.params, req.max_pixels as usize, vae)?;
     let mut written: Vec<Handle> = Vec::new();
     let result = (|| {
         let mut put = |t: &Tensor| -> Result<Handle, WireError> {

@@ -84,6 +84,11 @@ pub trait Stepper: Send {
     fn done(&self, id: JobKey) -> bool;
     /// Takes a finished job out: its final latent, and for a capture the template.
     fn finish(&mut self, id: JobKey) -> Result<(Tensor, Option<TemplateCache>)>;
+    /// Moves a just-admitted full run to after step `k` (its latents being a state
+    /// after `k`: an approximate-cache hit, see `Job::starting_at`).
+    fn skip_to(&mut self, id: JobKey, k: usize) -> Result<()>;
+    /// A job's packed latents now, downloaded (the approximate cache's stores).
+    fn latents(&self, id: JobKey) -> Result<Tensor>;
     /// Drops a job (cancelled or failed).
     fn remove(&mut self, id: JobKey);
     /// The backend's name, for logs.
@@ -99,6 +104,10 @@ pub trait Stepper: Send {
     fn stats(&self) -> Arc<StepperStats>;
     /// Plans with `profile`'s latency models from now on.
     fn set_profile(&mut self, profile: Profile);
+}
+
+fn no_job(id: JobKey) -> Error {
+    Error::Invalid(format!("no job {id:x}"))
 }
 
 /// The [`Stepper`] of any backend.
@@ -364,13 +373,23 @@ where
     }
 
     fn finish(&mut self, id: JobKey) -> Result<(Tensor, Option<TemplateCache>)> {
-        let job = self
-            .jobs
-            .remove(&id)
-            .ok_or_else(|| Error::Invalid(format!("no job {id:x}")))?;
+        let job = self.jobs.remove(&id).ok_or_else(|| no_job(id))?;
         let out = job.finish(&self.model);
         self.drop_unused_streams();
         out
+    }
+
+    fn skip_to(&mut self, id: JobKey, k: usize) -> Result<()> {
+        let job = self.jobs.remove(&id).ok_or_else(|| no_job(id))?;
+        self.jobs.insert(id, job.starting_at(k)?);
+        Ok(())
+    }
+
+    fn latents(&self, id: JobKey) -> Result<Tensor> {
+        self.jobs
+            .get(&id)
+            .ok_or_else(|| no_job(id))?
+            .computed_latents(&self.model)
     }
 
     fn remove(&mut self, id: JobKey) {

@@ -283,8 +283,18 @@ pub(crate) fn text_configs(source: &ModelSource) -> Result<(ClipTextConfig, T5Co
     })
 }
 
+/// The scheduler's config of `source`.
+pub fn scheduler_config(source: &ModelSource) -> Result<SchedulerConfig> {
+    match source {
+        ModelSource::Dir(d) => {
+            SchedulerConfig::from_file(d.join("scheduler/scheduler_config.json"))
+        }
+        _ => Ok(SchedulerConfig::default()),
+    }
+}
+
 /// The VAE's config of `source`, without its weights.
-pub(crate) fn vae_config(source: &ModelSource) -> Result<VaeConfig> {
+pub fn vae_config(source: &ModelSource) -> Result<VaeConfig> {
     match source {
         ModelSource::Dir(d) => VaeConfig::from_file(d.join("vae/config.json")),
         _ if source.builtin_small() == Some(true) => Ok(VaeConfig::flux1()),
@@ -344,7 +354,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 (
                     AutoencoderKL::load_halves(d.join("vae"), parts.vae)?,
                     text,
-                    SchedulerConfig::from_file(d.join("scheduler/scheduler_config.json"))?,
+                    scheduler_config(source)?,
                 )
             }
             builtin => {

@@ -27,6 +27,7 @@
 
 pub mod disk;
 pub mod index;
+pub mod noise;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -57,6 +58,9 @@ pub struct CacheArgs {
     /// `[cache] dir` resolved, and `[cache] disk_bytes` (0: no disk tier).
     pub dir: std::path::PathBuf,
     pub disk_bytes: u64,
+    /// The approximate cache of text-to-image noise states (`None`: off, or a Fill
+    /// model).
+    pub noise: Option<crate::approx::ApproxCache>,
 }
 
 /// What the cache keeps of a version besides its place in the index.
@@ -106,6 +110,7 @@ pub struct CacheState {
     /// the error their edits get (an edit that pinned one asks for it later).
     damaged: std::collections::VecDeque<(u64, WireError)>,
     next_version: u64,
+    noise: Option<noise::NoiseStates>,
 }
 
 /// Damaged versions remembered (more than edits can have pinned at once).
@@ -142,6 +147,7 @@ impl Actor for CacheActor {
             waiting: HashMap::new(),
             damaged: Default::default(),
             next_version: now,
+            noise: a.noise.map(noise::NoiseStates::new),
         };
         st.rebuild(&a.fingerprint);
         Ok(st)
@@ -195,7 +201,26 @@ impl Actor for CacheActor {
                 }
                 st.collect_unreachable();
             }
+            CacheMsg::ApproxLookup(Wire(q), reply) => {
+                let hit = st.noise.as_mut().and_then(|n| n.lookup(&q));
+                let _ = reply.send(Wire(Ok(hit)));
+            }
+            CacheMsg::ApproxUnpin(Wire(pin)) => {
+                if let Some(n) = &mut st.noise {
+                    n.unpin(&st.shm, pin);
+                }
+            }
+            CacheMsg::ApproxPut(Wire(put), reply) => {
+                let r = match &mut st.noise {
+                    Some(n) => n.put(&st.shm, &put),
+                    None => Ok(0),
+                };
+                let _ = reply.send(Wire(r));
+            }
             CacheMsg::RouterLost(_) => {
+                if let Some(n) = &mut st.noise {
+                    n.unpin_all(&st.shm);
+                }
                 let versions: Vec<u64> = st.index.versions().map(|(v, _)| v).collect();
                 for v in versions {
                     if let Some(s) = st.index.get_mut(v) {

@@ -1,0 +1,263 @@
+//! The life of a text-to-image generation (a FLUX.1-dev or -schnell model): preprocess
+//! (prompt, noise) → approximate-cache lookup → denoise worker → postprocess → client,
+//! with the flow's retries and handle bookkeeping ([`super::flow`]).
+//!
+//! The approximate cache (NIRVANA; `crate::approx`, its states in the cache process):
+//! after preprocessing, the prompt's CLIP pooled embedding is looked up among cached
+//! prompts with the same exact fields. A hit's job starts after step K from the cached
+//! state, with the rest of its own schedule, in the continuous batch like any other; a
+//! miss runs in full and hands its latents after the stored steps to the cache.
+
+use std::hash::{Hash, Hasher};
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::flow::{
+    denoise, hit_or_miss, postprocess, preprocess, with_retries, Ctx, Held, Timings,
+};
+use crate::approx::{store_steps, STORE_FRACTIONS};
+use crate::node;
+use crate::wire::*;
+
+/// What a generation does with the approximate cache (`approx_cache` in a request).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ApproxMode {
+    /// Start from the nearest similar prompt's state when there is one (the default).
+    #[default]
+    Auto,
+    /// Neither read nor fill the cache.
+    Off,
+    /// Only a state of this very prompt (same text), so that with the same seed the
+    /// image is the uncached one, bit for bit; a miss fills the cache.
+    Exact,
+}
+
+/// The model facts generations need (the router loads no weights).
+#[derive(Clone, Debug)]
+pub struct GenerationModel {
+    /// FluxPipeline's default side (`128 * vae_scale_factor`) and the side's multiple.
+    pub default_side: u32,
+    pub multiple_of: u32,
+    /// The scheduler's config, hashed into the approximate cache's exact key.
+    pub scheduler: String,
+}
+
+pub struct GenerateInput {
+    pub prompt: String,
+    pub steps: Option<u32>,
+    pub guidance: Option<f32>,
+    pub seed: u64,
+    pub width: Option<u32>,
+    pub height: Option<u32>,
+    pub max_sequence_length: u32,
+    pub approx: ApproxMode,
+    pub format: ImageFormat,
+}
+
+/// What the approximate cache did for a request (the reply's `approx_cache`).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ApproxOutcome {
+    pub hit: bool,
+    /// The steps skipped (0 on a miss).
+    pub k: u32,
+    /// The matched prompt's cosine similarity (a hit only).
+    pub similarity: Option<f32>,
+}
+
+pub struct GenerateOutput {
+    pub image: Vec<u8>,
+    pub width: u32,
+    pub height: u32,
+    pub steps: u32,
+    pub prompt_truncated: bool,
+    pub timings: Timings,
+    pub stats: DenoiseStats,
+    pub attempts: usize,
+    pub approx: ApproxOutcome,
+    /// Whether the approximate cache was asked (not opted out).
+    pub approx_used: bool,
+}
+
+fn hash(parts: impl Hash) -> u64 {
+    // SipHash with fixed keys: the same value in every process of one binary (the
+    // cache process and the router may restart apart).
+    let mut h = std::hash::DefaultHasher::new();
+    parts.hash(&mut h);
+    h.finish()
+}
+
+/// Runs a generation to its encoded image.
+pub async fn generate(
+    ctx: &Ctx,
+    job: JobId,
+    input: &GenerateInput,
+) -> Result<GenerateOutput, WireError> {
+    let t0 = Instant::now();
+    let model = ctx.generation.as_ref().ok_or_else(|| {
+        WireError::bad_input(
+            "the loaded model is a FLUX.1 Fill model: it edits images and does not generate from a prompt alone; serve a FLUX.1-dev or -schnell checkpoint for generations",
+        )
+    })?;
+    if !ctx.config.denoise.disaggregate {
+        return Err(WireError::bad_input(
+            "generations run on the disaggregated workers only ([denoise] disaggregate = true)",
+        ));
+    }
+    let side = model.default_side;
+    let (width, height) = (input.width.unwrap_or(side), input.height.unwrap_or(side));
+    let m = model.multiple_of.max(1);
+    if width == 0 || height == 0 || width % m != 0 || height % m != 0 {
+        return Err(WireError::bad_input(format!(
+            "size {width}x{height}: both sides must be positive multiples of {m} pixels (the model's token size)"
+        )));
+    }
+    let params = GenParams {
+        prompt: input.prompt.clone(),
+        steps: input.steps.unwrap_or(28),
+        guidance: input.guidance.unwrap_or(3.5),
+        seed: input.seed,
+        max_sequence_length: input.max_sequence_length,
+        dilation: 0,
+    };
+    ctx.jobs.steps(job, params.steps);
+    // The fields a state must share with the request exactly (adapters join them
+    // once there are any).
+    let key = hash((
+        &ctx.model,
+        &model.scheduler,
+        width,
+        height,
+        params.steps,
+        params.guidance.to_bits(),
+        params.max_sequence_length,
+    ));
+    let (mut out, attempts) = with_retries(ctx, job, |_| async {
+        let mut held = Held::default();
+        let r = generate_once(ctx, job, input, &params, (width, height, key), &mut held).await;
+        held.release(&ctx.shm);
+        r
+    })
+    .await?;
+    out.attempts = attempts;
+    out.timings.total_s = t0.elapsed().as_secs_f64();
+    ctx.metrics.observe_generation(&out);
+    Ok(out)
+}
+
+async fn generate_once(
+    ctx: &Ctx,
+    job: JobId,
+    input: &GenerateInput,
+    params: &GenParams,
+    (width, height, key): (u32, u32, u64),
+    held: &mut Held,
+) -> Result<GenerateOutput, WireError> {
+    let prepare = PrepareReq {
+        job,
+        input: PrepareInput::Generate { width, height },
+        params: params.clone(),
+        max_pixels: ctx.config.server.max_pixels as u64,
+    };
+    let mut prepared = preprocess(ctx, job, prepare, held).await?;
+    let steps = params.steps;
+    let query = match input.approx {
+        ApproxMode::Off => None,
+        mode => Some(ApproxQuery {
+            key,
+            text: hash((&params.prompt, params.max_sequence_length)),
+            embedding: ctx.shm.read_tensor(&prepared.inputs.pooled)?.into_data(),
+            steps,
+            exact: mode == ApproxMode::Exact,
+        }),
+    };
+    let cache = match &query {
+        Some(_) => Some(ctx.cache().await?),
+        None => None,
+    };
+    let hit = match (&query, &cache) {
+        (Some(q), Some(c)) => {
+            let q = q.clone();
+            ctx.ask(c, |p| CacheMsg::ApproxLookup(Wire(q), p)).await?
+        }
+        _ => None,
+    };
+    let work = match (&hit, &query) {
+        (Some(h), _) => {
+            // The job's latents are the cached state, read in place in the cache's
+            // arena.
+            prepared.inputs.latents = h.state.clone();
+            DenoiseWork::Generate {
+                start_at: h.k,
+                store_at: Vec::new(),
+            }
+        }
+        (None, Some(_)) => DenoiseWork::Generate {
+            start_at: 0,
+            store_at: store_steps(steps as usize, &STORE_FRACTIONS)
+                .into_iter()
+                .map(|k| k as u32)
+                .collect(),
+        },
+        (None, None) => DenoiseWork::Full,
+    };
+    let d = denoise(ctx, job, &prepared, steps, Vec::new(), work, held).await;
+    if let (Some(h), Some(c)) = (&hit, &cache) {
+        // The denoise worker read the state when the request arrived.
+        node::tell(c, CacheMsg::ApproxUnpin(Wire(h.pin)));
+    }
+    let d = d?;
+    if let (Some(q), Some(c), false) = (query, &cache, d.states.is_empty()) {
+        let put = ApproxPut {
+            query: q,
+            states: d.states.clone(),
+        };
+        // Waited for: the states are the denoise worker's slices, which this request
+        // releases when it ends. A put that fails costs only the cache entry.
+        if let Err(e) = ctx.ask(c, |p| CacheMsg::ApproxPut(Wire(put), p)).await {
+            tracing::warn!("approximate cache: states not stored: {e}");
+        }
+    }
+    let fin = FinishReq {
+        job,
+        latents: d.latents.clone(),
+        image: prepared.image.clone(),
+        mask: prepared.mask.clone(),
+        width: prepared.width,
+        height: prepared.height,
+        params: FinishParams {
+            paste_back: false,
+            feather: 0,
+            format: input.format,
+        },
+        template: None,
+        vae: VaeTraces::None,
+    };
+    let f = postprocess(ctx, job, fin, held).await?;
+    Ok(GenerateOutput {
+        image: ctx.shm.read_bytes(&f.image)?,
+        width: prepared.width,
+        height: prepared.height,
+        steps,
+        prompt_truncated: prepared.prompt_truncated,
+        timings: Timings {
+            queue_s: d.stats.queue_s,
+            preprocess_s: prepared.seconds,
+            denoise_s: d.stats.denoise_s,
+            postprocess_s: f.seconds,
+            total_s: 0.0,
+            vae_encode: prepared.vae_pass,
+            vae_decode: f.vae_pass,
+            prompt_cache: hit_or_miss(prepared.prompt_cache_hit),
+        },
+        stats: d.stats,
+        attempts: 1,
+        approx: ApproxOutcome {
+            hit: hit.is_some(),
+            k: hit.as_ref().map_or(0, |h| h.k),
+            similarity: hit.as_ref().map(|h| h.similarity),
+        },
+        approx_used: cache.is_some(),
+    })
+}
