@@ -1,6 +1,7 @@
 //! The official `openai` Python client (PyPI) against the real daemon: it edits an
 //! image with a transparent-area mask through `POST /v1/images/edits`, and the pixels
-//! outside the mask come back untouched. `.ci/run` installs the client into
+//! outside the mask come back untouched; it generates images from a prompt through
+//! `POST /v1/images/generations` on a text-to-image model. `.ci/run` installs the client into
 //! `target/pyclient` and sets `DENOISED_PYCLIENT`; where it is missing the test says so
 //! and skips.
 
@@ -73,6 +74,7 @@ fn the_openai_client_edits_an_image_with_a_transparent_mask() {
             "/tests/openai_client.py"
         ))
         .args([
+            "edit",
             &d.url,
             ip.to_str().unwrap(),
             mp.to_str().unwrap(),
@@ -112,4 +114,51 @@ fn the_openai_client_edits_an_image_with_a_transparent_mask() {
         outputs.push(got.data);
     }
     assert_ne!(outputs[0], outputs[1], "n = 2 gives two seeds");
+}
+
+#[test]
+fn the_openai_client_generates_images() {
+    let mut py = match python() {
+        Ok(c) => c,
+        Err(why) => {
+            println!("skipping: {why}");
+            return;
+        }
+    };
+    let d = Daemon::start(&["--model", "builtin:t2i"]);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("gen");
+    let o = py
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/openai_client.py"
+        ))
+        .args(["generate", &d.url, out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        o.status.success(),
+        "the client failed:\n{stdout}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 4, "{stdout}");
+    let model = lines[3];
+    assert!(!model.is_empty() && model != "any-name", "{model:?}");
+    let images: Vec<Vec<u8>> = (0..3)
+        .map(|i| {
+            let img = png(&std::fs::read(dir.path().join(format!("gen.{i}.png"))).unwrap());
+            assert_eq!((img.width, img.height), (64, 64));
+            img.data
+        })
+        .collect();
+    assert_ne!(images[0], images[1], "n = 2 gives two seeds");
+    // The repeat hit the first image's noise states and gives its image.
+    let approx: Vec<serde_json::Value> = lines[..3]
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(approx[2]["hit"], true, "{stdout}");
+    assert_eq!(images[2], images[0], "a hit of the same prompt and seed");
 }

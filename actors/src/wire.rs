@@ -655,7 +655,7 @@ pub struct ApproxQuery {
     /// The hash of the fields a state must share exactly (model, size, steps, guidance,
     /// scheduler, adapters).
     pub key: u64,
-    /// The prompt text's hash (an `exact` lookup takes only this prompt).
+    /// The hash of the prompt and the seed (an `exact` lookup takes only this one).
     pub text: u64,
     /// The prompt's CLIP pooled embedding.
     pub embedding: Vec<f32>,

@@ -137,7 +137,7 @@ pub struct Evicted {
 
 struct Prompt {
     key: ExactKey,
-    /// The prompt text's hash: `exact` lookups take only this prompt.
+    /// The caller's hash of what an `exact` lookup matches (the router's: prompt and seed).
     text: u64,
     /// Unit length.
     embedding: Vec<f32>,

@@ -218,6 +218,7 @@ fn cancel_and_bad_requests_do_not_stop_the_loop() {
                 Event::Failed { id, error } => format!("failed {id}: {error}"),
                 Event::Finished { id, .. } => format!("finished {id}"),
                 Event::Step { batch, .. } => format!("step {batch:?}"),
+                Event::Stored { id, k, .. } => format!("stored {id} after {k}"),
                 Event::Submitted { .. } => unreachable!("next() skips them"),
             });
             if last {
@@ -324,4 +325,98 @@ fn a_request_whose_step_fails_does_not_fail_its_batch_mates() {
     let rel = done[&1].max_abs_diff(&solo).unwrap()
         / solo.data().iter().fold(0.0f32, |a, v| a.max(v.abs()));
     assert!(rel <= 1e-6, "{rel:e}");
+}
+
+/// The approximate cache's identity through the loop: a full run stores its latents
+/// after every step; the same request resumed from each of those states ends
+/// bit-identical to the full run when it runs alone, as the full run did (a batch
+/// changes the rows' reduction blocking, so batched runs equal solo ones within the
+/// batching tolerance instead, as every request does).
+#[test]
+fn a_run_resumed_from_any_stored_state_ends_bit_identical() {
+    const STEPS: usize = 5;
+    let lp = DenoiseLoop::spawn(
+        Box::new(ModelStepper::unbounded(model(), 4)),
+        BatchConfig::default(),
+        LoopOptions::default(),
+    )
+    .unwrap();
+    let (inp, s) = (inputs(4), schedule(STEPS));
+    let request = |id: u64, inputs: Arc<DenoiseInputs>, start_at: usize| DenoiseRequest {
+        id,
+        inputs,
+        schedule: s.clone(),
+        work: Mode::Full,
+        start_at,
+        store_at: if id == 1 {
+            (1..STEPS).collect()
+        } else {
+            Vec::new()
+        },
+    };
+    let resumed = |state: &Tensor| {
+        Arc::new(DenoiseInputs {
+            latents: state.clone(),
+            ..(*inp).clone()
+        })
+    };
+    // Runs until `n` requests finished: their latents and steps run, by id.
+    let finish = |n: usize| {
+        let mut out = std::collections::HashMap::new();
+        let mut steps_run = std::collections::HashMap::new();
+        let mut states = Vec::new();
+        // A step's results come before its own event: end on that event.
+        let mut stepped = false;
+        while out.len() < n || !stepped {
+            let ev = next(&lp);
+            stepped = matches!(ev, Event::Step { .. });
+            match ev {
+                Event::Step { batch, .. } => {
+                    for id in batch {
+                        *steps_run.entry(id).or_insert(0) += 1;
+                    }
+                }
+                Event::Stored { id, k, latents } => {
+                    assert_eq!(id, 1, "only the request with store_at stores");
+                    states.push((k, latents));
+                }
+                Event::Finished { id, latents, .. } => {
+                    out.insert(id, latents);
+                }
+                Event::Failed { error, .. } => panic!("{error}"),
+                _ => {}
+            }
+        }
+        (out, steps_run, states)
+    };
+    lp.submit(request(1, inp.clone(), 0));
+    let (out, _, states) = finish(1);
+    let full = out[&1].clone();
+    let ks: Vec<usize> = states.iter().map(|s| s.0).collect();
+    assert_eq!(
+        ks,
+        (1..STEPS).collect::<Vec<_>>(),
+        "one state after each stored step"
+    );
+    for (k, state) in &states {
+        let id = 10 + *k as u64;
+        lp.submit(request(id, resumed(state), *k));
+        let (out, steps_run, _) = finish(1);
+        assert_eq!(steps_run[&id], STEPS - k, "runs only the steps after {k}");
+        assert!(
+            out[&id].data() == full.data(),
+            "resumed after step {k}: not bit-identical"
+        );
+    }
+    // All at once, beside another request: one continuous batch.
+    lp.submit(request(100, inputs(5), 0));
+    for (k, state) in &states {
+        lp.submit(request(20 + *k as u64, resumed(state), *k));
+    }
+    let (out, _, _) = finish(states.len() + 1);
+    let peak = full.data().iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    for (k, _) in &states {
+        let rel = out[&(20 + *k as u64)].max_abs_diff(&full).unwrap() / peak;
+        assert!(rel <= 1e-6, "resumed after {k} in a batch: {rel:e}");
+    }
 }

@@ -29,8 +29,8 @@ pub enum ApproxMode {
     Auto,
     /// Neither read nor fill the cache.
     Off,
-    /// Only a state of this very prompt (same text), so that with the same seed the
-    /// image is the uncached one, bit for bit; a miss fills the cache.
+    /// Only a state of this very prompt and seed, so that the image is the uncached
+    /// one, bit for bit; a miss fills the cache.
     Exact,
 }
 
@@ -166,7 +166,8 @@ async fn generate_once(
         ApproxMode::Off => None,
         mode => Some(ApproxQuery {
             key,
-            text: hash((&params.prompt, params.max_sequence_length)),
+            // An `exact` lookup matches this: the same prompt from the same noise.
+            text: hash((&params.prompt, params.max_sequence_length, params.seed)),
             embedding: ctx.shm.read_tensor(&prepared.inputs.pooled)?.into_data(),
             steps,
             exact: mode == ApproxMode::Exact,
