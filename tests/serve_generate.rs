@@ -147,3 +147,39 @@ fn generations_equal_the_cli_and_reuse_cached_noise_states() {
         "{v}"
     );
 }
+
+#[test]
+fn noise_states_move_to_disk_and_hit_from_there() {
+    // Room in memory for one generation's states (3 of 64 KiB at 64x64, 6 steps): the
+    // next miss moves the first one's to disk, and its repeat hits from there.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(
+        &cfg,
+        "[approx_cache]\nhost_bytes = 196608\ndisk_bytes = 10000000\n",
+    )
+    .unwrap();
+    let model = dev_model();
+    let d = Daemon::start(&["--model", &model, "--config", cfg.to_str().unwrap()]);
+    let files = || -> usize {
+        std::fs::read_dir(d.cache_dir.join("noise"))
+            .map(|r| r.count())
+            .unwrap_or(0)
+    };
+    let first = generate(&d, "a lighthouse at dusk", 1, "exact", 64);
+    assert_eq!(files(), 0, "the first generation's states fit in memory");
+    generate(&d, "an orchard in spring", 2, "exact", 64);
+    assert_eq!(files(), 3, "the first generation's states moved to disk");
+    let again = generate(&d, "a lighthouse at dusk", 1, "exact", 64);
+    assert_eq!(
+        approx(&again),
+        (true, STEPS as u64 / 2),
+        "{}",
+        again["approx_cache"]
+    );
+    assert_eq!(
+        image(&again),
+        image(&first),
+        "the state read back from disk"
+    );
+}

@@ -36,13 +36,19 @@ pub fn worker() -> &'static str {
 
 /// `DENOISED_LOG`, default `info`. ractor_cluster logs every connection and, when a
 /// peer process stops, errors about its sessions; those stay quiet unless the filter
-/// names ractor explicitly.
+/// names ractor explicitly. hnsw_rs logs each graph's parameters at info: warnings only,
+/// unless named.
 fn filter() -> EnvFilter {
     let spec = std::env::var("DENOISED_LOG").unwrap_or_else(|_| "info".into());
     let spec = if spec.contains("ractor") {
         spec
     } else {
         format!("{spec},ractor=error,ractor_cluster=off")
+    };
+    let spec = if spec.contains("hnsw_rs") {
+        spec
+    } else {
+        format!("{spec},hnsw_rs=warn")
     };
     EnvFilter::try_new(&spec).unwrap_or_else(|_| EnvFilter::new("info"))
 }

@@ -301,6 +301,16 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                     true => crate::approx::from_config(&env.config.approx_cache)?,
                     false => None,
                 };
+                let a = &env.config.approx_cache;
+                let noise = noise.map(|index| {
+                    let disk = (a.disk_bytes > 0)
+                        .then(|| (env.config.cache.resolved_dir().join("noise"), a.disk_bytes));
+                    let tiers = crate::workers::cache::noise::Tiers {
+                        host_bytes: a.host_bytes,
+                        disk,
+                    };
+                    (index, tiers)
+                });
                 let args = CacheArgs {
                     shm: shm.clone(),
                     metrics,

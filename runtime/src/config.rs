@@ -31,6 +31,8 @@ pub struct Config {
 pub struct ApproxCacheConfig {
     /// Bytes of noise states the cache process keeps in its arena (0: off).
     pub host_bytes: u64,
+    /// Bytes of noise states beyond those, in `noise/` under `[cache] dir` (0: none).
+    pub disk_bytes: u64,
     /// Eviction: `gdsf` (decayed frequency x K/N x observed hit rate at K, with
     /// inflation), `lcbfu` (the paper's frequency x K), `lru`, `lfu`.
     pub policy: String,
@@ -43,6 +45,7 @@ impl Default for ApproxCacheConfig {
     fn default() -> Self {
         ApproxCacheConfig {
             host_bytes: 1 << 30,
+            disk_bytes: 16 << 30,
             policy: "gdsf".into(),
             thresholds: vec![
                 (0.95, 0.5),

@@ -39,16 +39,22 @@ pub struct Args {
     pub drift_every: usize,
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
-    /// Instead of the policy study: time one lookup's exact scan with this many
-    /// prompts indexed (comma-separated), at CLIP-L's 768 dimensions.
+    /// Instead of the policy study: with this many prompts indexed (comma-separated),
+    /// at CLIP-L's 768 dimensions, time one lookup through the cache (the exact scan
+    /// below `ANN_FROM` prompts, the HNSW graph above), and compare the exact scan with
+    /// the graph alone: its build time per prompt, search time and recall@1.
     #[arg(long, value_delimiter = ',')]
     pub index_sizes: Vec<usize>,
 }
 
-/// Mean time of a lookup (the exact cosine scan) over `n` indexed prompts.
-fn time_scan(n: usize, dim: usize) -> f64 {
+/// One lookup through the cache with `n` prompts indexed, and the exact scan against
+/// the HNSW graph over the same prompts, as a JSON value.
+fn time_index(n: usize, dim: usize) -> serde_json::Value {
+    use denoised_actors::approx::ann::{Ann, ANN_FROM};
+    use std::time::Instant;
+    let queries = 200;
     let spec = TraceSpec {
-        requests: n + 200,
+        requests: n + queries,
         families: n.max(1),
         dim,
         ..TraceSpec::default()
@@ -63,21 +69,64 @@ fn time_scan(n: usize, dim: usize) -> f64 {
     for (i, r) in trace[..n].iter().enumerate() {
         cache.insert(ExactKey(0), i as u64, &r.embedding, 28, 1);
     }
-    let t0 = std::time::Instant::now();
-    for r in &trace[n..] {
+    let qs = &trace[n..];
+    let t0 = Instant::now();
+    for r in qs {
         std::hint::black_box(cache.lookup(ExactKey(0), u64::MAX, &r.embedding, 28, false));
     }
-    t0.elapsed().as_secs_f64() / (trace.len() - n) as f64
+    let lookup = t0.elapsed().as_secs_f64() / queries as f64;
+    // The components alone: unit vectors, exact scan against the graph.
+    let unit = |v: &[f32]| {
+        let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        v.iter().map(|x| x / n).collect::<Vec<f32>>()
+    };
+    let points: Vec<Vec<f32>> = trace[..n].iter().map(|r| unit(&r.embedding)).collect();
+    let exact = |q: &[f32]| {
+        (0..n)
+            .map(|i| (i, denoised_runtime::cpu::simd::dot(&points[i], q)))
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+    };
+    let k_of = |s: Option<(usize, f32)>| s.and_then(|s| Thresholds::default().skip_for(s.1, 28));
+    let t0 = Instant::now();
+    let ann = Ann::build(points.iter().enumerate().map(|(i, p)| (i as u64, &p[..])));
+    let build = t0.elapsed().as_secs_f64() / n.max(1) as f64;
+    let (mut scan_s, mut ann_s, mut agree, mut same_k, mut loss) = (0.0, 0.0, 0, 0, 0f32);
+    for r in qs {
+        let q = unit(&r.embedding);
+        let t0 = Instant::now();
+        let want = std::hint::black_box(exact(&q));
+        scan_s += t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
+        let c = ann.candidates(&q, |_| true);
+        // Scored exactly, as the cache does.
+        let got = c
+            .iter()
+            .map(|&i| {
+                (
+                    i as usize,
+                    denoised_runtime::cpu::simd::dot(&points[i as usize], &q),
+                )
+            })
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        ann_s += t0.elapsed().as_secs_f64();
+        agree += (got.map(|g| g.0) == want.map(|w| w.0)) as usize;
+        same_k += (k_of(got) == k_of(want)) as usize;
+        loss = loss.max(want.map_or(0.0, |w| w.1) - got.map_or(0.0, |g| g.1));
+    }
+    let per = |s: f64| s / queries as f64 * 1e3;
+    serde_json::json!({
+        "prompts": n, "dim": dim, "index": if n >= ANN_FROM { "hnsw" } else { "scan" },
+        "lookup_ms": lookup * 1e3, "scan_ms": per(scan_s), "hnsw_ms": per(ann_s),
+        "hnsw_recall_at_1": agree as f64 / queries as f64,
+        "hnsw_same_k": same_k as f64 / queries as f64, "hnsw_max_similarity_loss": loss,
+        "hnsw_build_ms_per_prompt": build * 1e3,
+    })
 }
 
 pub fn run(a: Args) -> CliResult {
     if !a.index_sizes.is_empty() {
         for &n in &a.index_sizes {
-            let s = time_scan(n, 768);
-            println!(
-                "{}",
-                serde_json::json!({"prompts": n, "dim": 768, "lookup_ms": s * 1e3})
-            );
+            println!("{}", time_index(n, 768));
         }
         return Ok(());
     }

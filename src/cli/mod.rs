@@ -2,6 +2,7 @@
 
 mod bench_approx;
 mod bench_attn;
+mod bench_generate;
 mod bench_overheads;
 mod bench_pipeline;
 mod bench_quality;
@@ -67,6 +68,10 @@ pub enum Command {
     /// The approximate cache's eviction policies on a synthetic text-to-image prompt
     /// trace at equal capacity: hit rate per K and steps saved; one JSON line each.
     BenchApproxCache(bench_approx::Args),
+    /// What an approximate-cache hit saves end to end against a running daemon serving
+    /// a text-to-image model: a miss then a hit of the same prompt, per round; the hit's
+    /// latency against the (N - K) / N bound; one JSON line.
+    BenchGenerate(bench_generate::Args),
     /// Simulate a cluster of denoise workers (the real routing policies and batching
     /// scheduler, step times from a profile); one JSON line per policy.
     Simulate(simulate::Args),
@@ -119,6 +124,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::BenchPipeline(a) => bench_pipeline::run(a),
         Command::BenchCacheQuality(a) => bench_quality::run(a),
         Command::BenchApproxCache(a) => bench_approx::run(a),
+        Command::BenchGenerate(a) => bench_generate::run(a),
         Command::Simulate(a) => simulate::run(a),
         Command::BenchServe(a) => bench_serve::run(a),
         Command::Footprint(a) => footprint::run(a),

@@ -14,11 +14,12 @@
 //!   nearest prompt's similarity ([`Thresholds`]) and takes the largest state it still
 //!   has at or below K (evicted states leave holes).
 //! - **Index.** An exact scan of the prompts with the same exact key (unit vectors,
-//!   one SIMD dot product each): at 768 dimensions a scan of 10,000 prompts is a few
-//!   milliseconds on one core, against seconds of denoising saved per hit.
+//!   one SIMD dot product each), and above [`ann::ANN_FROM`] prompts under a key an HNSW
+//!   graph ([`ann`]) whose candidates are then scored exactly.
 //! - **Eviction** by [`Policy`] within a byte capacity; a prompt whose states are all
 //!   evicted leaves the index.
 
+pub mod ann;
 pub mod policy;
 pub mod trace;
 
@@ -30,14 +31,17 @@ use policy::{score, Counters};
 pub use policy::{Policy, HALF_LIFE_LOOKUPS};
 
 /// The cache `[approx_cache]` describes (policy and thresholds checked; `None`
-/// when its memory is 0).
+/// when its memory is 0). Its capacity is both tiers', host and disk.
 pub fn from_config(
     c: &denoised_runtime::config::ApproxCacheConfig,
 ) -> Result<Option<ApproxCache>, String> {
     let policy: Policy = c.policy.parse()?;
     let thresholds = Thresholds::new(c.thresholds.clone())?;
-    Ok((c.host_bytes > 0)
-        .then(|| ApproxCache::new(c.host_bytes, policy, thresholds, &STORE_FRACTIONS)))
+    let capacity = c.host_bytes.saturating_add(c.disk_bytes);
+    Ok(
+        (c.host_bytes > 0)
+            .then(|| ApproxCache::new(capacity, policy, thresholds, &STORE_FRACTIONS)),
+    )
 }
 
 /// The fields a cached state and a request must share exactly, hashed by the caller.
@@ -157,6 +161,9 @@ pub struct ApproxCache {
     inflation: f64,
     prompts: HashMap<PromptId, Prompt>,
     by_key: HashMap<ExactKey, Vec<PromptId>>,
+    /// The graphs of the keys with many prompts, from `ann_from` prompts.
+    ann: HashMap<ExactKey, ann::Ann>,
+    ann_from: usize,
     /// Hits served by states at each K, in fiftieths of the steps (the paper's scale).
     hits_at: BTreeMap<usize, u64>,
     next: PromptId,
@@ -187,9 +194,23 @@ impl ApproxCache {
             inflation: 0.0,
             prompts: HashMap::new(),
             by_key: HashMap::new(),
+            ann: HashMap::new(),
+            ann_from: ann::ANN_FROM,
             hits_at: BTreeMap::new(),
             next: 1,
         }
+    }
+
+    /// The same cache with the graph index from `prompts` prompts under a key (tests
+    /// and benches; serving uses [`ann::ANN_FROM`]).
+    pub fn with_ann_from(mut self, prompts: usize) -> Self {
+        self.ann_from = prompts.max(1);
+        self
+    }
+
+    /// Whether lookups under `key` use the graph.
+    pub fn uses_graph(&self, key: ExactKey) -> bool {
+        self.ann.contains_key(&key)
     }
 
     /// Bytes of the states held.
@@ -219,6 +240,19 @@ impl ApproxCache {
         text: Option<u64>,
     ) -> Option<(PromptId, f32)> {
         let q = unit(embedding);
+        let score = |id: &PromptId| {
+            let p = &self.prompts[id];
+            (p.embedding.len() == q.len()).then(|| (*id, simd::dot(&p.embedding, &q)))
+        };
+        let best =
+            |a: &(PromptId, f32), b: &(PromptId, f32)| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0));
+        if let (Some(ann), None) = (self.ann.get(&key), text) {
+            return ann
+                .candidates(&q, |id| self.prompts.contains_key(&id))
+                .iter()
+                .filter_map(score)
+                .max_by(best);
+        }
         self.by_key
             .get(&key)?
             .iter()
@@ -227,9 +261,9 @@ impl ApproxCache {
                 if text.is_some_and(|t| t != p.text) || p.embedding.len() != q.len() {
                     return None;
                 }
-                Some((*id, simd::dot(&p.embedding, &q)))
+                score(id)
             })
-            .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
+            .max_by(best)
     }
 
     /// A request of `steps` steps under `key`: the state to start from, if any. `exact`
@@ -328,8 +362,29 @@ impl ApproxCache {
             },
         );
         self.by_key.entry(key).or_default().push(id);
+        self.index(key, id);
         self.used += need;
         (Some(id), evicted)
+    }
+
+    /// Adds a new prompt to its key's graph, building it when the key reaches
+    /// `ann_from` prompts and rebuilding it when its evicted prompts outnumber the
+    /// live ones.
+    fn index(&mut self, key: ExactKey, id: PromptId) {
+        let ids = &self.by_key[&key];
+        let rebuild = match self.ann.get_mut(&key) {
+            Some(a) if !a.stale(ids.len()) => {
+                a.insert(id, &self.prompts[&id].embedding);
+                false
+            }
+            Some(_) => true,
+            None => ids.len() >= self.ann_from,
+        };
+        if rebuild {
+            let prompts = &self.prompts;
+            let graph = ann::Ann::build(ids.iter().map(|i| (*i, &prompts[i].embedding[..])));
+            self.ann.insert(key, graph);
+        }
     }
 
     /// The state with the lowest score goes (ties: the least recently touched, then the
@@ -369,6 +424,10 @@ impl ApproxCache {
             self.prompts.remove(&prompt);
             let ids = self.by_key.get_mut(&key).expect("indexed under its key");
             ids.retain(|&x| x != prompt);
+            // Well below the graph's threshold the scan is the index again.
+            if ids.len() < self.ann_from / 2 {
+                self.ann.remove(&key);
+            }
             if ids.is_empty() {
                 self.by_key.remove(&key);
             }

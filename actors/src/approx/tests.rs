@@ -274,3 +274,58 @@ fn lcbfu_evicts_new_states_first_and_gdsf_does_not() {
         }
     }
 }
+
+/// Above its threshold a key's lookups go through the HNSW graph: against the exact
+/// scan over the live prompts (brute force), the prompt it picks gives the same K
+/// nearly always and never loses much similarity, and it never picks an evicted
+/// prompt (evictions leave dead nodes in the graph, filtered out, until a rebuild).
+#[test]
+fn the_graph_index_agrees_with_the_exact_scan() {
+    use super::trace::{generate, TraceSpec};
+    let spec = TraceSpec {
+        requests: 1600,
+        families: 400,
+        dim: 64,
+        ..TraceSpec::default()
+    };
+    let trace = generate(&spec);
+    let (key, steps) = (ExactKey(1), 28);
+    // Room for 300 prompts of 5 states: evictions start after 300 misses, and the graph
+    // (from 100 prompts) is rebuilt as the dead pile up.
+    let mut cache = ApproxCache::new(1500, Policy::Lru, Thresholds::default(), &STORE_FRACTIONS)
+        .with_ann_from(100);
+    let t = Thresholds::default();
+    let (mut compared, mut same_k, mut worst) = (0, 0, 0f32);
+    for (i, r) in trace.iter().enumerate() {
+        if cache.uses_graph(key) {
+            let q = unit(&r.embedding);
+            let brute = cache.by_key[&key]
+                .iter()
+                .map(|id| (*id, simd::dot(&cache.prompts[id].embedding, &q)))
+                .max_by(|a, b| a.1.total_cmp(&b.1))
+                .unwrap();
+            let (id, s) = cache
+                .nearest(key, &r.embedding, None)
+                .expect("a live prompt");
+            assert!(cache.prompts.contains_key(&id), "an evicted prompt");
+            assert!((s - simd::dot(&cache.prompts[&id].embedding, &q)).abs() < 1e-6);
+            compared += 1;
+            same_k += (t.skip_for(s, steps) == t.skip_for(brute.1, steps)) as usize;
+            worst = worst.max(brute.1 - s);
+        }
+        if cache
+            .lookup(key, i as u64, &r.embedding, steps, false)
+            .is_none()
+        {
+            cache.insert(key, i as u64, &r.embedding, steps, 1);
+        }
+        assert!(cache.used() <= cache.capacity());
+    }
+    let agree = same_k as f64 / compared as f64;
+    println!(
+        "graph vs scan: {compared} lookups, same K {agree:.3}, worst similarity loss {worst:.4}"
+    );
+    assert!(compared > 1000, "the graph served {compared} lookups");
+    assert!(agree >= 0.95, "same K in {agree:.3} of lookups");
+    assert!(worst < 0.1, "similarity lost: {worst}");
+}

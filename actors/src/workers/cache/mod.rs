@@ -58,9 +58,9 @@ pub struct CacheArgs {
     /// `[cache] dir` resolved, and `[cache] disk_bytes` (0: no disk tier).
     pub dir: std::path::PathBuf,
     pub disk_bytes: u64,
-    /// The approximate cache of text-to-image noise states (`None`: off, or a Fill
-    /// model).
-    pub noise: Option<crate::approx::ApproxCache>,
+    /// The approximate cache of text-to-image noise states and its tiers (`None`: off,
+    /// or a Fill model).
+    pub noise: Option<(crate::approx::ApproxCache, noise::Tiers)>,
 }
 
 /// What the cache keeps of a version besides its place in the index.
@@ -147,7 +147,9 @@ impl Actor for CacheActor {
             waiting: HashMap::new(),
             damaged: Default::default(),
             next_version: now,
-            noise: a.noise.map(noise::NoiseStates::new),
+            noise: a
+                .noise
+                .map(|(index, tiers)| noise::NoiseStates::new(index, tiers)),
         };
         st.rebuild(&a.fingerprint);
         Ok(st)
@@ -202,7 +204,7 @@ impl Actor for CacheActor {
                 st.collect_unreachable();
             }
             CacheMsg::ApproxLookup(Wire(q), reply) => {
-                let hit = st.noise.as_mut().and_then(|n| n.lookup(&q));
+                let hit = st.noise.as_mut().and_then(|n| n.lookup(&st.shm, &q));
                 let _ = reply.send(Wire(Ok(hit)));
             }
             CacheMsg::ApproxUnpin(Wire(pin)) => {
