@@ -333,6 +333,17 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     pub fn load_parts(source: &ModelSource, backend: B, parts: Parts) -> Result<Self> {
         let seed = BUILTIN_SEED;
         let config = source.transformer_config()?;
+        // A text-to-image pipeline encodes no image: its preprocessing is text and noise.
+        let parts = match config.in_channels == config.out_channels() {
+            true => Parts {
+                vae: VaeHalves {
+                    encoder: false,
+                    ..parts.vae
+                },
+                ..parts
+            },
+            false => parts,
+        };
         let transformer = if parts.transformer {
             Some(Arc::new(source.load_transformer(backend)?))
         } else {
