@@ -321,7 +321,9 @@ impl Denoised {
     }
 }
 
+/// An output image's encoding (`"png"` / `"jpeg"` in the HTTP API's JSON).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ImageFormat {
     #[default]
     Png,

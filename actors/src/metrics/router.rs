@@ -189,15 +189,7 @@ impl RouterMetrics {
     /// Records a served edit: the time of each of its stages, and its mask ratio.
     pub fn observe_edit(&self, o: &crate::router::flow::EditOutput) {
         let t = &o.timings;
-        for (stage, s) in [
-            ("queue", t.queue_s),
-            ("preprocess", t.preprocess_s),
-            ("denoise", t.denoise_s),
-            ("postprocess", t.postprocess_s),
-            ("total", t.total_s),
-        ] {
-            self.stage.get_or_create(&[("stage", stage)]).observe(s);
-        }
+        observe_stages(&self.stage, t);
         if o.tokens > 0 {
             self.mask_ratio.observe(o.active as f64 / o.tokens as f64);
         }
@@ -215,18 +207,7 @@ impl RouterMetrics {
 impl RouterMetrics {
     /// Records a served generation: its stages and what the approximate cache did.
     pub fn observe_generation(&self, o: &crate::router::generate::GenerateOutput) {
-        let t = &o.timings;
-        for (stage, s) in [
-            ("queue", t.queue_s),
-            ("preprocess", t.preprocess_s),
-            ("denoise", t.denoise_s),
-            ("postprocess", t.postprocess_s),
-            ("total", t.total_s),
-        ] {
-            self.generation_stage
-                .get_or_create(&[("stage", stage)])
-                .observe(s);
-        }
+        observe_stages(&self.generation_stage, &o.timings);
         let result = match (&o.approx, o.approx_used) {
             (a, _) if a.hit => "hit",
             (_, true) => "miss",
@@ -236,6 +217,19 @@ impl RouterMetrics {
             .get_or_create(&[("result", result)])
             .inc();
         self.approx_skipped.inc_by(o.approx.k as u64);
+    }
+}
+
+/// Each stage's time of a served request into `family`, by stage.
+fn observe_stages(family: &Family<Label, Histogram>, t: &crate::router::flow::Timings) {
+    for (stage, s) in [
+        ("queue", t.queue_s),
+        ("preprocess", t.preprocess_s),
+        ("denoise", t.denoise_s),
+        ("postprocess", t.postprocess_s),
+        ("total", t.total_s),
+    ] {
+        family.get_or_create(&[("stage", stage)]).observe(s);
     }
 }
 

@@ -248,7 +248,23 @@ pub(super) async fn denoise(
     Ok(d)
 }
 
-pub(super) fn hit_or_miss(hit: bool) -> &'static str {
+impl Timings {
+    /// A disaggregated request's stage timings (`total_s` is set by the caller).
+    pub(super) fn of_stages(prepared: &PreparedRefs, d: &Denoised, f: &Finished) -> Self {
+        Timings {
+            queue_s: d.stats.queue_s,
+            preprocess_s: prepared.seconds,
+            denoise_s: d.stats.denoise_s,
+            postprocess_s: f.seconds,
+            total_s: 0.0,
+            vae_encode: prepared.vae_pass,
+            vae_decode: f.vae_pass,
+            prompt_cache: hit_or_miss(prepared.prompt_cache_hit),
+        }
+    }
+}
+
+fn hit_or_miss(hit: bool) -> &'static str {
     if hit {
         "hit"
     } else {
@@ -478,16 +494,7 @@ async fn edit_once(
         },
         pixel_ratio: prepared.pixel_ratio,
         prompt_truncated: prepared.prompt_truncated,
-        timings: Timings {
-            queue_s: d.stats.queue_s,
-            preprocess_s: prepared.seconds,
-            denoise_s: d.stats.denoise_s,
-            postprocess_s: f.seconds,
-            total_s: 0.0,
-            vae_encode: prepared.vae_pass,
-            vae_decode: f.vae_pass,
-            prompt_cache: hit_or_miss(prepared.prompt_cache_hit),
-        },
+        timings: Timings::of_stages(&prepared, &d, &f),
         stats: d.stats,
         attempts: 1,
     })

@@ -13,9 +13,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::flow::{
-    denoise, hit_or_miss, postprocess, preprocess, with_retries, Ctx, Held, Timings,
-};
+use super::flow::{denoise, postprocess, preprocess, with_retries, Ctx, Held, Timings};
 use crate::approx::{store_steps, STORE_FRACTIONS};
 use crate::node;
 use crate::wire::*;
@@ -242,16 +240,7 @@ async fn generate_once(
         height: prepared.height,
         steps,
         prompt_truncated: prepared.prompt_truncated,
-        timings: Timings {
-            queue_s: d.stats.queue_s,
-            preprocess_s: prepared.seconds,
-            denoise_s: d.stats.denoise_s,
-            postprocess_s: f.seconds,
-            total_s: 0.0,
-            vae_encode: prepared.vae_pass,
-            vae_decode: f.vae_pass,
-            prompt_cache: hit_or_miss(prepared.prompt_cache_hit),
-        },
+        timings: Timings::of_stages(&prepared, &d, &f),
         stats: d.stats,
         attempts: 1,
         approx: ApproxOutcome {

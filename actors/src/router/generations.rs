@@ -22,24 +22,12 @@ use serde_json::{json, Value};
 use super::flow::Ctx;
 use super::generate::{self, ApproxMode, GenerateInput, GenerateOutput};
 use super::http::{
-    accepted, body, check_guidance, check_seq_len, check_steps, encode_b64, joined, parse,
-    spawn_request, with_id, ApiError, ApiResult,
+    accepted, body, check_guidance, check_seq_len, check_steps, default_seq_len, encode_b64,
+    joined, parse, spawn_request, with_id, ApiError, ApiResult,
 };
 use super::jobs::job_name;
 use super::openai::{openai_error, MAX_N};
 use crate::wire::ImageFormat;
-
-fn default_seq_len() -> u32 {
-    512
-}
-
-#[derive(Deserialize, Default, Clone, Copy)]
-#[serde(rename_all = "lowercase")]
-enum Format {
-    #[default]
-    Png,
-    Jpeg,
-}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -54,7 +42,7 @@ struct GenerationBody {
     #[serde(default = "default_seq_len")]
     max_sequence_length: u32,
     #[serde(default)]
-    format: Format,
+    format: ImageFormat,
     #[serde(default)]
     approx_cache: ApproxMode,
     #[serde(default, rename = "async")]
@@ -76,7 +64,7 @@ pub fn generation_json(
 ) -> Value {
     let mut v = json!({
         "id": job_name(job),
-        "format": match format { ImageFormat::Png => "png", ImageFormat::Jpeg => "jpeg" },
+        "format": format,
         "width": o.width,
         "height": o.height,
         "steps": o.steps,
@@ -122,10 +110,7 @@ pub(super) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request)
     let permit = ctx.admission.try_admit()?;
     let b: GenerationBody = parse(&body(&ctx, req).await?)?;
     check(&ctx, b.steps, b.guidance, b.max_sequence_length)?;
-    let format = match b.format {
-        Format::Png => ImageFormat::Png,
-        Format::Jpeg => ImageFormat::Jpeg,
-    };
+    let format = b.format;
     let input = GenerateInput {
         prompt: b.prompt,
         steps: b.steps,

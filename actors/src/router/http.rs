@@ -375,7 +375,7 @@ pub(super) fn check_seq_len(n: u32) -> ApiResult<()> {
     Ok(())
 }
 
-fn default_seq_len() -> u32 {
+pub(super) fn default_seq_len() -> u32 {
     512
 }
 
@@ -599,7 +599,7 @@ struct EditBody {
     #[serde(default = "default_feather")]
     feather: u32,
     #[serde(default)]
-    format: Format,
+    format: ImageFormat,
     #[serde(default, rename = "async")]
     run_async: bool,
 }
@@ -609,14 +609,6 @@ fn yes() -> bool {
 }
 fn default_feather() -> u32 {
     3
-}
-
-#[derive(Deserialize, Default, Clone, Copy)]
-#[serde(rename_all = "lowercase")]
-enum Format {
-    #[default]
-    Png,
-    Jpeg,
 }
 
 fn edit_input(b: EditBody) -> ApiResult<(EditInput, bool)> {
@@ -660,10 +652,7 @@ fn edit_input(b: EditBody) -> ApiResult<(EditInput, bool)> {
         finish: FinishParams {
             paste_back: b.paste_back,
             feather: b.feather,
-            format: match b.format {
-                Format::Png => ImageFormat::Png,
-                Format::Jpeg => ImageFormat::Jpeg,
-            },
+            format: b.format,
         },
     };
     Ok((input, b.run_async))
@@ -680,7 +669,7 @@ pub fn edit_json(job: u64, o: &EditOutput, format: ImageFormat, with_image: bool
     };
     let mut v = json!({
         "id": job_name(job),
-        "format": match format { ImageFormat::Png => "png", ImageFormat::Jpeg => "jpeg" },
+        "format": format,
         "width": o.width,
         "height": o.height,
         "tokens": o.tokens,
