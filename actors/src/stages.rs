@@ -315,7 +315,7 @@ pub fn prepare_generate(
         prepared,
         token_mask,
         seconds: t0.elapsed().as_secs_f64(),
-        vae_pass: VaePass::Dense,
+        vae_pass: VaePass::None,
         prompt_cache_hit: t.prompt_cache_hit,
     })
 }

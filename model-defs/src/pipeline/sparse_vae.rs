@@ -44,6 +44,8 @@ pub enum VaePass {
     Sparse,
     /// Sparse, after recording the template's trace (its first edit in this process).
     SparseTraced,
+    /// No pass: a generation encodes no image.
+    None,
 }
 
 impl VaePass {
@@ -53,6 +55,7 @@ impl VaePass {
             VaePass::Dense => "dense",
             VaePass::Sparse => "sparse",
             VaePass::SparseTraced => "sparse_traced",
+            VaePass::None => "none",
         }
     }
 }
