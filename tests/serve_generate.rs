@@ -133,6 +133,29 @@ fn generations_equal_the_cli_and_reuse_cached_noise_states() {
     let stages = "denoised_generation_stage_duration_seconds_count";
     assert_eq!(count(stages, "stage=\"total\""), 6.0);
 
+    // The cache only saves work: with the cache process killed, a generation runs in
+    // full (and gives the uncached image), and once it is back the cache refills.
+    let pid = d.worker_pid("cache");
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let v = generate(&d, prompt, 5, "exact", 64);
+    assert_eq!(approx(&v), (false, 0));
+    assert_eq!(image(&v), image(&off));
+    let t0 = std::time::Instant::now();
+    while d.worker_pid_opt("cache").is_none_or(|p| p == pid) || d.get("/readyz").0 != 200 {
+        assert!(
+            t0.elapsed().as_secs() < 60,
+            "the cache process was not restarted"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    generate(&d, prompt, 5, "exact", 64);
+    let v = generate(&d, prompt, 5, "exact", 64);
+    assert_eq!(
+        approx(&v),
+        (true, STEPS as u64 / 2),
+        "the restarted cache refills"
+    );
+
     // A text-to-image model edits nothing, and says what to serve instead.
     let (s, v) = d.post(
         "/v1/edits",

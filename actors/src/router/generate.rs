@@ -171,14 +171,20 @@ async fn generate_once(
             exact: mode == ApproxMode::Exact,
         }),
     };
-    let cache = match &query {
-        Some(_) => Some(ctx.cache().await?),
-        None => None,
-    };
+    // The cache only saves work: a generation neither waits for it (a cache process
+    // restarting) nor fails with it (it then runs in full).
+    let cache = query
+        .as_ref()
+        .and_then(|_| ctx.members(groups::CACHE).into_iter().next());
     let hit = match (&query, &cache) {
         (Some(q), Some(c)) => {
             let q = q.clone();
-            ctx.ask(c, |p| CacheMsg::ApproxLookup(Wire(q), p)).await?
+            ctx.ask(c, |p| CacheMsg::ApproxLookup(Wire(q), p))
+                .await
+                .unwrap_or_else(|e| {
+                    tracing::warn!("approximate cache: lookup failed, running in full: {e}");
+                    None
+                })
         }
         _ => None,
     };
