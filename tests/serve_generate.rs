@@ -206,3 +206,29 @@ fn noise_states_move_to_disk_and_hit_from_there() {
         "the state read back from disk"
     );
 }
+
+#[test]
+fn generations_and_cache_hits_on_the_emulated_gpu() {
+    // The denoise worker on the GPU backend (the emulator, bf16 as on a GPU): a miss
+    // downloads its states from the device mid-run, a hit uploads one and starts at K.
+    let mut args = vec!["--model", "builtin:t2i"];
+    args.extend(EMU_DENOISE_ONLY);
+    let d = Daemon::start(&args);
+    let prompt = "a red fox in the snow";
+    let off = generate(&d, prompt, 3, "off", 32);
+    let miss = generate(&d, prompt, 3, "exact", 32);
+    assert_eq!(approx(&miss), (false, 0));
+    let hit = generate(&d, prompt, 3, "exact", 32);
+    assert_eq!(
+        approx(&hit),
+        (true, STEPS as u64 / 2),
+        "{}",
+        hit["approx_cache"]
+    );
+    assert_eq!(image(&miss), image(&off));
+    assert_eq!(
+        image(&hit),
+        image(&off),
+        "a hit on the device is the uncached image"
+    );
+}
