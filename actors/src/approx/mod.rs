@@ -21,6 +21,7 @@
 
 pub mod ann;
 pub mod policy;
+mod rows;
 pub mod trace;
 
 use std::collections::{BTreeMap, HashMap};
@@ -143,8 +144,6 @@ struct Prompt {
     key: ExactKey,
     /// The caller's hash of what an `exact` lookup matches (the router's: prompt and seed).
     text: u64,
-    /// Unit length.
-    embedding: Vec<f32>,
     states: BTreeMap<usize, (Counters, u64)>,
 }
 
@@ -160,7 +159,8 @@ pub struct ApproxCache {
     /// GDSF's inflation: the score of the last state evicted.
     inflation: f64,
     prompts: HashMap<PromptId, Prompt>,
-    by_key: HashMap<ExactKey, Vec<PromptId>>,
+    /// Each key's prompts and their unit embeddings.
+    by_key: HashMap<ExactKey, rows::Rows>,
     /// The graphs of the keys with many prompts, from `ann_from` prompts.
     ann: HashMap<ExactKey, ann::Ann>,
     ann_from: usize,
@@ -240,30 +240,29 @@ impl ApproxCache {
         text: Option<u64>,
     ) -> Option<(PromptId, f32)> {
         let q = unit(embedding);
-        let score = |id: &PromptId| {
-            let p = &self.prompts[id];
-            (p.embedding.len() == q.len()).then(|| (*id, simd::dot(&p.embedding, &q)))
-        };
+        let rows = self.by_key.get(&key)?;
+        if rows.dim() != q.len() {
+            return None;
+        }
         let best =
             |a: &(PromptId, f32), b: &(PromptId, f32)| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0));
-        if let (Some(ann), None) = (self.ann.get(&key), text) {
-            return ann
-                .candidates(&q, |id| self.prompts.contains_key(&id))
-                .iter()
+        let score = |id: PromptId| Some((id, simd::dot(rows.get(id)?, &q)));
+        match (self.ann.get(&key), text) {
+            (Some(ann), None) => ann
+                .candidates(&q, |id| rows.get(id).is_some())
+                .into_iter()
                 .filter_map(score)
-                .max_by(best);
+                .max_by(best),
+            (_, Some(t)) => rows
+                .iter()
+                .filter(|(id, _)| self.prompts[id].text == t)
+                .map(|(id, e)| (id, simd::dot(e, &q)))
+                .max_by(best),
+            (None, None) => rows
+                .iter()
+                .map(|(id, e)| (id, simd::dot(e, &q)))
+                .max_by(best),
         }
-        self.by_key
-            .get(&key)?
-            .iter()
-            .filter_map(|id| {
-                let p = &self.prompts[id];
-                if text.is_some_and(|t| t != p.text) || p.embedding.len() != q.len() {
-                    return None;
-                }
-                score(id)
-            })
-            .max_by(best)
     }
 
     /// A request of `steps` steps under `key`: the state to start from, if any. `exact`
@@ -352,16 +351,15 @@ impl ApproxCache {
             .iter()
             .map(|&k| (k, (Counters { k, ..c }, state_bytes)))
             .collect();
-        self.prompts.insert(
-            id,
-            Prompt {
-                key,
-                text,
-                embedding: unit(embedding),
-                states,
-            },
-        );
-        self.by_key.entry(key).or_default().push(id);
+        let rows = self.by_key.entry(key).or_default();
+        if !rows.push(id, &unit(embedding)) {
+            // Another width under the same key: a caller's bug; not indexed.
+            if rows.is_empty() {
+                self.by_key.remove(&key);
+            }
+            return (None, evicted);
+        }
+        self.prompts.insert(id, Prompt { key, text, states });
         self.index(key, id);
         self.used += need;
         (Some(id), evicted)
@@ -371,19 +369,17 @@ impl ApproxCache {
     /// `ann_from` prompts and rebuilding it when its evicted prompts outnumber the
     /// live ones.
     fn index(&mut self, key: ExactKey, id: PromptId) {
-        let ids = &self.by_key[&key];
+        let rows = &self.by_key[&key];
         let rebuild = match self.ann.get_mut(&key) {
-            Some(a) if !a.stale(ids.len()) => {
-                a.insert(id, &self.prompts[&id].embedding);
+            Some(a) if !a.stale(rows.len()) => {
+                a.insert(id, rows.get(id).expect("just pushed"));
                 false
             }
             Some(_) => true,
-            None => ids.len() >= self.ann_from,
+            None => rows.len() >= self.ann_from,
         };
         if rebuild {
-            let prompts = &self.prompts;
-            let graph = ann::Ann::build(ids.iter().map(|i| (*i, &prompts[i].embedding[..])));
-            self.ann.insert(key, graph);
+            self.ann.insert(key, ann::Ann::build(rows.iter()));
         }
     }
 
@@ -422,13 +418,13 @@ impl ApproxCache {
         if p.states.is_empty() {
             let key = p.key;
             self.prompts.remove(&prompt);
-            let ids = self.by_key.get_mut(&key).expect("indexed under its key");
-            ids.retain(|&x| x != prompt);
+            let rows = self.by_key.get_mut(&key).expect("indexed under its key");
+            rows.remove(prompt);
             // Well below the graph's threshold the scan is the index again.
-            if ids.len() < self.ann_from / 2 {
+            if rows.len() < self.ann_from / 2 {
                 self.ann.remove(&key);
             }
-            if ids.is_empty() {
+            if rows.is_empty() {
                 self.by_key.remove(&key);
             }
         }
