@@ -338,6 +338,18 @@ pub struct FinishParams {
     pub format: ImageFormat,
 }
 
+impl FinishParams {
+    /// The decoded image as it is, nothing pasted back (a generation, a capture's
+    /// reconstruction).
+    pub fn whole_image(format: ImageFormat) -> Self {
+        FinishParams {
+            paste_back: false,
+            feather: 0,
+            format,
+        }
+    }
+}
+
 /// router → postprocess.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct FinishReq {

@@ -354,7 +354,7 @@ fn run(
             }
         };
         if !st.stores.is_empty() {
-            store_states(&mut st, &*model, &ids);
+            store_states(&st, &*model, &ids);
         }
         let finished = st.sched.complete_step(&plan);
         // Finished results go out first, so whoever sees a step's event has already been
@@ -392,7 +392,7 @@ fn run(
 /// Sends the latents of the requests of a step that has just reached one of their
 /// `store_at` steps. A download that fails loses only that state (the request goes on;
 /// a device fault ends the process).
-fn store_states(st: &mut State, model: &dyn Stepper, ids: &[RequestId]) {
+fn store_states(st: &State, model: &dyn Stepper, ids: &[RequestId]) {
     for id in ids {
         let (Some(ks), Some(k)) = (st.stores.get(id), model.position(*id)) else {
             continue;

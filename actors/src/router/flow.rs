@@ -272,6 +272,28 @@ fn hit_or_miss(hit: bool) -> &'static str {
     }
 }
 
+/// The postprocess request of a denoised request: its final latent and its prepared
+/// image and mask, with no template (callers set `template` and `vae` where they have
+/// them).
+pub(super) fn finish_req(
+    job: JobId,
+    prepared: &PreparedRefs,
+    d: &Denoised,
+    params: FinishParams,
+) -> FinishReq {
+    FinishReq {
+        job,
+        latents: d.latents.clone(),
+        image: prepared.image.clone(),
+        mask: prepared.mask.clone(),
+        width: prepared.width,
+        height: prepared.height,
+        params,
+        template: None,
+        vae: VaeTraces::None,
+    }
+}
+
 /// The postprocess stage on a picked worker; its image (and trace) stay held until
 /// the request ends.
 pub(super) async fn postprocess(
@@ -466,18 +488,12 @@ async fn edit_once(
     let d = denoise(ctx, job, &prepared, params.steps, active, work, held).await?;
 
     let fin = FinishReq {
-        job,
-        latents: d.latents.clone(),
-        image: prepared.image.clone(),
-        mask: prepared.mask.clone(),
-        width: prepared.width,
-        height: prepared.height,
-        params: input.finish.clone(),
         template: blob,
         vae: match loaded {
             Some(t) => VaeTraces::Edit(t.vae_traces),
             None => VaeTraces::None,
         },
+        ..finish_req(job, &prepared, &d, input.finish.clone())
     };
     let f = postprocess(ctx, job, fin, held).await?;
     let bytes = ctx.shm.read_bytes(&f.image)?;
@@ -566,24 +582,19 @@ async fn capture_once(
         let d = denoise(ctx, job, &prepared, params.steps, Vec::new(), work, held).await?;
         let blob = d
             .cache
+            .clone()
             .ok_or_else(|| WireError::internal("capture returned no cache"))?;
         if record {
             // The decoder's trace is the dense decode of the final latent, recorded
             // (when sparse decodes of the template's edits can pay).
             let fin = FinishReq {
-                job,
-                latents: d.latents.clone(),
-                image: prepared.image.clone(),
-                mask: prepared.mask.clone(),
-                width: prepared.width,
-                height: prepared.height,
-                params: FinishParams {
-                    paste_back: false,
-                    feather: 0,
-                    format: ImageFormat::Png,
-                },
-                template: None,
                 vae: VaeTraces::Capture,
+                ..finish_req(
+                    job,
+                    &prepared,
+                    &d,
+                    FinishParams::whole_image(ImageFormat::Png),
+                )
             };
             let f = postprocess(ctx, job, fin, held).await?;
             vae_traces.extend(prepared.vae_trace.clone());

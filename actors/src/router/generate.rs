@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::flow::{denoise, postprocess, preprocess, with_retries, Ctx, Held, Timings};
+use super::flow::{denoise, finish_req, postprocess, preprocess, with_retries, Ctx, Held, Timings};
 use crate::approx::{store_steps, STORE_FRACTIONS};
 use crate::node;
 use crate::wire::*;
@@ -224,21 +224,8 @@ async fn generate_once(
             tracing::warn!("approximate cache: states not stored: {e}");
         }
     }
-    let fin = FinishReq {
-        job,
-        latents: d.latents.clone(),
-        image: prepared.image.clone(),
-        mask: prepared.mask.clone(),
-        width: prepared.width,
-        height: prepared.height,
-        params: FinishParams {
-            paste_back: false,
-            feather: 0,
-            format: input.format,
-        },
-        template: None,
-        vae: VaeTraces::None,
-    };
+    // The whole image is generated: nothing to paste back.
+    let fin = finish_req(job, &prepared, &d, FinishParams::whole_image(input.format));
     let f = postprocess(ctx, job, fin, held).await?;
     Ok(GenerateOutput {
         image: ctx.shm.read_bytes(&f.image)?,
