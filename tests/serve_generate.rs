@@ -38,6 +38,28 @@ fn approx(v: &Value) -> (bool, u64) {
     (a["hit"].as_bool().unwrap(), a["k"].as_u64().unwrap())
 }
 
+/// An `exact` generation of `prompt` and `seed` misses and stores its states (its image
+/// the uncached one, `off`); the same again hits at the deepest K its similarity (1)
+/// allows, half the steps, and gives the uncached image bit for bit. The hit's reply.
+fn exact_miss_then_hit(d: &Daemon, prompt: &str, seed: u64, side: u32, off: &Value) -> Value {
+    let miss = generate(d, prompt, seed, "exact", side);
+    assert_eq!(approx(&miss), (false, 0));
+    assert_eq!(image(&miss), image(off));
+    let hit = generate(d, prompt, seed, "exact", side);
+    assert_eq!(
+        approx(&hit),
+        (true, STEPS as u64 / 2),
+        "{}",
+        hit["approx_cache"]
+    );
+    assert_eq!(
+        image(&hit),
+        image(off),
+        "a hit at K reproduces the uncached image bit for bit"
+    );
+    hit
+}
+
 #[test]
 fn generations_equal_the_cli_and_reuse_cached_noise_states() {
     let model = dev_model();
@@ -72,22 +94,8 @@ fn generations_equal_the_cli_and_reuse_cached_noise_states() {
     // An opt-out stored nothing; the first `exact` request misses and stores its
     // states (after steps 1, 2, 3 of 6); the same prompt and seed then hits at the
     // deepest K its similarity (1) allows, 3 of 6, and gives the uncached image.
-    let miss = generate(&d, prompt, 5, "exact", 64);
-    assert_eq!(approx(&miss), (false, 0));
-    assert_eq!(image(&miss), image(&off));
-    let hit = generate(&d, prompt, 5, "exact", 64);
-    assert_eq!(
-        approx(&hit),
-        (true, STEPS as u64 / 2),
-        "{}",
-        hit["approx_cache"]
-    );
+    let hit = exact_miss_then_hit(&d, prompt, 5, 64, &off);
     assert_eq!(hit["approx_cache"]["similarity"].as_f64().unwrap(), 1.0);
-    assert_eq!(
-        image(&hit),
-        image(&off),
-        "a hit at K reproduces the uncached image bit for bit"
-    );
     assert_eq!(
         hit["batch"]["sizes"].as_array().unwrap().len(),
         3,
@@ -216,19 +224,5 @@ fn generations_and_cache_hits_on_the_emulated_gpu() {
     let d = Daemon::start(&args);
     let prompt = "a red fox in the snow";
     let off = generate(&d, prompt, 3, "off", 32);
-    let miss = generate(&d, prompt, 3, "exact", 32);
-    assert_eq!(approx(&miss), (false, 0));
-    let hit = generate(&d, prompt, 3, "exact", 32);
-    assert_eq!(
-        approx(&hit),
-        (true, STEPS as u64 / 2),
-        "{}",
-        hit["approx_cache"]
-    );
-    assert_eq!(image(&miss), image(&off));
-    assert_eq!(
-        image(&hit),
-        image(&off),
-        "a hit on the device is the uncached image"
-    );
+    exact_miss_then_hit(&d, prompt, 3, 32, &off);
 }
