@@ -378,3 +378,117 @@ pub fn identity<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
     }
     Ok(out)
 }
+
+/// LoRAs on the device (DESIGN.md §Adapters), in f32 and bf16, on the tiny FLUX.1-dev
+/// transformer with the fixture LoRAs (tests/fixtures/loras): unmerged in a batch that
+/// mixes sets (the base, `style` 0.8, `style` 0.7 + `detail` 1.3), and merged, each
+/// against the CPU backend's unmerged run of the same request. Bounds: the identity
+/// check's (f32 1e-5 relative, bf16 2e-2 relative to the largest latent).
+pub fn lora<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
+    use denoised_models::flux::adapters::LoraUse;
+    use denoised_models::flux::lora::LoraFile;
+    use denoised_models::flux::weights::SplitMix;
+    use denoised_runtime::{Backend, CpuBackend, Tensor};
+
+    let fx = denoised_runtime::fixtures::fixtures_dir();
+    let dir = fx.join("flux-dev-tiny/transformer");
+    let cases =
+        denoised_runtime::weights::SafetensorsFile::open(fx.join("cases/lora_dev.safetensors"))?;
+    let latents = cases.tensor_f32("initial_latents")?.reshape([256, 64])?;
+    // Seeded text conditioning: the check is of the transformer, not the encoders.
+    let mut rng = SplitMix::new(31);
+    let mut randn = |n: usize| (0..n).map(|_| rng.normal()).collect::<Vec<f32>>();
+    let ids: Vec<f32> = (0..256)
+        .flat_map(|i| [0.0, (i / 16) as f32, (i % 16) as f32])
+        .collect();
+    let inputs = DenoiseInputs {
+        latents,
+        cond: Tensor::zeros([256, 0]),
+        img_ids: Tensor::new([256, 3], ids)?,
+        txt: Tensor::new([32, 32], randn(32 * 32))?,
+        txt_ids: Tensor::zeros([32, 3]),
+        pooled: randn(32),
+        guidance: 3.5,
+    };
+    let s = Arc::new(FlowMatchEuler::new(&SchedulerConfig::default(), 3, 256)?);
+
+    // Runs the sets in one batch on `m` (ids from `register`), returning final latents.
+    fn run_sets<B: Backend>(
+        m: &FluxTransformer<B>,
+        inputs: &DenoiseInputs,
+        s: &Arc<FlowMatchEuler>,
+        sets: &[Vec<LoraUse>],
+    ) -> Result<Vec<denoised_runtime::Tensor>> {
+        let mut jobs = sets
+            .iter()
+            .map(|set| {
+                let mut j = Job::new(m, inputs, s.clone(), Mode::Full)?;
+                j.set_loras(set.clone());
+                Ok(j)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let plan = prefix(m.num_blocks(), 0);
+        while !jobs[0].done() {
+            let mut refs: Vec<&mut Job<B::Tensor>> = jobs.iter_mut().collect();
+            step_batch_with(m, &mut refs, &DeviceTemplates::new(), &plan)?;
+        }
+        jobs.into_iter().map(|j| Ok(j.finish(m)?.0)).collect()
+    }
+    fn sets<B: Backend>(m: &FluxTransformer<B>, files: &[LoraFile]) -> Result<Vec<Vec<LoraUse>>> {
+        let (a, b) = (m.add_lora(&files[0])?, m.add_lora(&files[1])?);
+        let u = |id, scale| LoraUse { id, scale };
+        Ok(vec![vec![], vec![u(a, 0.8)], vec![u(a, 0.7), u(b, 1.3)]])
+    }
+    const NAMES: [&str; 3] = ["base", "style 0.8", "style 0.7 + detail 1.3"];
+
+    let cpu = FluxTransformer::load(CpuBackend::new(), &dir)?;
+    let files = ["style", "detail"]
+        .map(|n| LoraFile::open(fx.join("loras").join(n), &cpu.config))
+        .into_iter()
+        .collect::<Result<Vec<_>>>()?;
+    let want = run_sets(&cpu, &inputs, &s, &sets(&cpu, &files)?)?;
+    let mut out = Vec::new();
+    for (dt, tol) in [(Dt::F32, IDENTITY_TOL_F32), (Dt::Bf16, IDENTITY_TOL_BF16)] {
+        let m = FluxTransformer::load(GpuBackend::new(make()?, dt), &dir)?;
+        let got = run_sets(&m, &inputs, &s, &sets(&m, &files)?)?;
+        let mut check = |what: String, got: &Tensor, want: &Tensor| -> Result<()> {
+            let scale = want.data().iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = got.max_abs_diff(want)? / scale;
+            out.push(Check::within(what, "rel diff", d as f64, tol));
+            Ok(())
+        };
+        for ((name, g), w) in NAMES.iter().zip(&got).zip(&want) {
+            check(
+                format!("LoRA unmerged in a mixed batch, {name} ({dt:?})"),
+                g,
+                w,
+            )?;
+        }
+        let base = run_sets(&m, &inputs, &s, &[vec![]])?.remove(0);
+        for (i, set) in [
+            vec![(&files[0], 0.8)],
+            vec![(&files[0], 0.7), (&files[1], 1.3)],
+        ]
+        .iter()
+        .enumerate()
+        {
+            m.merge_loras(set)?;
+            let merged = run_sets(&m, &inputs, &s, &[vec![]])?.remove(0);
+            check(
+                format!("LoRA merged, {} ({dt:?})", NAMES[i + 1]),
+                &merged,
+                &want[i + 1],
+            )?;
+        }
+        m.unmerge()?;
+        let again = run_sets(&m, &inputs, &s, &[vec![]])?.remove(0);
+        let d = again.max_abs_diff(&base)?;
+        out.push(Check::within(
+            format!("LoRA merged then unmerged: the base, bit for bit ({dt:?})"),
+            "max abs diff",
+            d as f64,
+            0.0,
+        ));
+    }
+    Ok(out)
+}

@@ -35,6 +35,12 @@ fn emulated_gpu_identity_invariant() {
 }
 
 #[test]
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
+fn emulated_gpu_loras_match_the_cpu() {
+    assert_all_pass(&selfcheck::lora(|| Ok(EmuExec::default())).unwrap());
+}
+
+#[test]
 fn gpu_identity_invariant() {
     if let Err(e) = CudaExec::new(0) {
         println!("skipping the GPU run: {e}");

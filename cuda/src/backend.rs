@@ -624,6 +624,52 @@ impl<E: Exec> Backend for GpuBackend<E> {
         )
     }
 
+    fn add_block(
+        &self,
+        y: &mut GpuTensor<E>,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        d: &GpuTensor<E>,
+        alpha: f32,
+    ) -> Result<()> {
+        let (n, width) = matrix("add_block", y)?;
+        let (dn, dw) = matrix("add_block", d)?;
+        if rows.end > n || cols.end > width || dn != rows.len() || dw != cols.len() {
+            return Err(Error::shape(
+                "add_block",
+                format!(
+                    "rows {rows:?}, columns {cols:?} of {:?} += {:?}",
+                    y.shape, d.shape
+                ),
+            ));
+        }
+        if rows.is_empty() || cols.is_empty() {
+            return Ok(());
+        }
+        // The axpy_cols kernel over the row window: its matrix starts at row
+        // `rows.start` of `y`.
+        let p = EwParams {
+            x: y.addr + (rows.start * width * self.dt.size()) as u64,
+            y: d.addr,
+            rows: rows.len() as i32,
+            cols: width as i32,
+            c0: cols.start as i32,
+            c1: cols.end as i32,
+            alpha,
+            ..Default::default()
+        };
+        self.launch(
+            self.kernel("axpy_cols"),
+            Grid::linear(rows.len() * cols.len(), 256),
+            &p,
+        )
+    }
+
+    fn download_weight(&self, w: &GpuTensor<E>) -> Result<Tensor> {
+        // Weights stay in PyTorch's [out, in] layout on the device (see upload_weight).
+        self.download(w)
+    }
+
     fn memory_in_use(&self) -> Option<u64> {
         self.exec
             .memory()

@@ -252,6 +252,22 @@ pub trait Backend: Send + Sync {
         alpha: f32,
     ) -> Result<()>;
 
+    /// `y[rows, cols] += alpha * d`, `d` being `[rows.len(), cols.len()]`: how one
+    /// request's LoRA delta lands on its rows of a batch's Linear output (unmerged
+    /// adapters, DESIGN.md §Adapters).
+    fn add_block(
+        &self,
+        y: &mut Self::Tensor,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        d: &Self::Tensor,
+        alpha: f32,
+    ) -> Result<()>;
+
+    /// The host copy of a Linear weight in PyTorch layout `[out, in]`: how a merged
+    /// adapter's restore is checked bit for bit against the base.
+    fn download_weight(&self, w: &Self::Weight) -> Result<Tensor>;
+
     /// Makes `mem` a source and target of asynchronous copies: a GPU page-locks the
     /// whole region once (later calls for it do nothing), so template slabs stream
     /// from it and captures store into it at link speed with no staging copy. Host

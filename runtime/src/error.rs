@@ -40,6 +40,8 @@ pub enum Error {
     UnsupportedDType { name: String, dtype: String },
     #[error("{dir}: unexpected tensors not used by this model config: {names}")]
     UnexpectedTensors { dir: PathBuf, names: String },
+    #[error("{path}: not a usable LoRA: {reason}")]
+    BadAdapter { path: PathBuf, reason: String },
     #[error("shape error in {op}: {reason}")]
     Shape { op: &'static str, reason: String },
     #[error("{0}")]

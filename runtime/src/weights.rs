@@ -69,6 +69,12 @@ impl SafetensorsFile {
         &self.path
     }
 
+    /// A value of the file's `__metadata__` header (e.g. a LoRA's
+    /// `lora_adapter_metadata`).
+    pub fn metadata_value(&self, key: &str) -> Option<&str> {
+        self.meta.metadata().as_ref()?.get(key).map(String::as_str)
+    }
+
     pub fn names(&self) -> Vec<String> {
         self.meta.offset_keys()
     }

@@ -42,17 +42,19 @@ pub enum Part {
     Vae,
     Text,
     Identity,
+    Lora,
     Daemon,
     BenchStep,
     BenchAttn,
 }
 
-const ALL: [Part; 8] = [
+const ALL: [Part; 9] = [
     Part::Kernels,
     Part::Transformer,
     Part::Vae,
     Part::Text,
     Part::Identity,
+    Part::Lora,
     Part::Daemon,
     Part::BenchStep,
     Part::BenchAttn,
@@ -207,6 +209,8 @@ fn run_part(part: Part, target: Target) -> CliResult<Vec<Check>> {
         (Part::Text, Target::Cuda(n)) => model_checks::text_encoders(|| cuda(n))?,
         (Part::Identity, Target::Emu) => model_checks::identity(emu)?,
         (Part::Identity, Target::Cuda(n)) => model_checks::identity(|| cuda(n))?,
+        (Part::Lora, Target::Emu) => model_checks::lora(emu)?,
+        (Part::Lora, Target::Cuda(n)) => model_checks::lora(|| cuda(n))?,
         (Part::Daemon, t) => daemon(t)?,
         (Part::BenchStep, t) => bench_steps(t)?,
         (Part::BenchAttn, t) => bench_attention(t)?,

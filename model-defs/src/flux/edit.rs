@@ -29,6 +29,7 @@ use std::sync::Arc;
 
 use denoised_runtime::{Backend, DType, Error, Result, Tensor};
 
+use super::adapters::LoraUse;
 use super::cost::StepShape;
 use super::model::{BlockCache, FluxTransformer, ForwardObserver};
 use super::request::{RequestTensors, RestRows, StepRequest};
@@ -90,6 +91,8 @@ pub struct Job<T> {
     rest: Option<RestRows<T>>,
     tokens: usize,
     latent_channels: usize,
+    /// The unmerged LoRAs its next steps run with.
+    loras: Vec<LoraUse>,
 }
 
 impl<T> Job<T> {
@@ -184,7 +187,18 @@ impl<T> Job<T> {
             rest: None,
             tokens: l,
             latent_channels: c,
+            loras: vec![],
         })
+    }
+
+    /// Sets the unmerged LoRAs of its steps from the next one on (registered on the
+    /// model that steps it): at admission, or at a step boundary when an adapter it
+    /// waited for has loaded (bounded asynchronous loading).
+    pub fn set_loras(&mut self, loras: Vec<LoraUse>) {
+        self.loras = loras;
+    }
+    pub fn loras(&self) -> &[LoraUse] {
+        &self.loras
     }
 
     /// This full job resumed after step `k` of its schedule: its latents are a state
@@ -452,6 +466,7 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
                 guidance: j.guidance,
                 cache: kv.as_ref().map(|k| k as &dyn BlockCache<B::Tensor>),
                 rest: j.rest.as_ref().filter(|_| rest),
+                loras: &j.loras,
             }
         })
         .collect();

@@ -130,7 +130,9 @@ impl<'a, T> Inactive<'a, T> {
 
     /// `[K | V]` of the rows at a cached block: LayerNorm with the block's first
     /// modulation chunks (`table`, shift then scale), the K|V output columns `kv` of
-    /// the block's fused projection `(w, b)`, then the K norm and RoPE on the K half.
+    /// the block's fused projection `(w, b)` plus what `lora(out, input)` adds (the
+    /// requests' LoRA deltas), then the K norm and RoPE on the K half.
+    #[allow(clippy::too_many_arguments)]
     pub fn kv<B: Backend<Tensor = T>>(
         &self,
         be: &B,
@@ -139,6 +141,7 @@ impl<'a, T> Inactive<'a, T> {
         b: Option<&T>,
         kv: Range<usize>,
         k_norm: &T,
+        lora: &dyn Fn(&mut T, &T) -> Result<()>,
     ) -> Result<T> {
         let x = self
             .x
@@ -152,6 +155,7 @@ impl<'a, T> Inactive<'a, T> {
         };
         let n = be.layer_norm_modulate(x, super::model::NORM_EPS, modl(0), modl(1))?;
         let mut out = be.linear_out(&n, w, b, kv)?;
+        lora(&mut out, &n)?;
         be.rms_norm_rope(
             &mut out,
             0..d,

@@ -6,11 +6,13 @@
 //! - [`model`]: the forward pass over a packed batch of requests.
 //! - [`edit`]: jobs and the batched step; [`slabs`]: where edits read cached slabs from.
 
+pub mod adapters;
 pub mod config;
 pub mod cost;
 pub mod edit;
 pub mod embed;
 mod inactive;
+pub mod lora;
 pub mod model;
 mod packing;
 pub mod plan;

@@ -14,10 +14,12 @@
 
 use std::ops::Range;
 use std::path::Path;
+use std::sync::{Mutex, RwLock};
 
 use denoised_runtime::backend::Modulation;
 use denoised_runtime::{AttnSeq, Backend, Error, KvSource, QSpan, Result, Rows, Src, Tensor};
 
+use super::adapters::{Registry, StepLoras};
 use super::config::FluxConfig;
 use super::embed;
 use super::inactive::{y_cache, Inactive};
@@ -25,7 +27,7 @@ use super::packing::{pack_text, PhaseInputs};
 use super::request::check_shape;
 pub use super::request::{RequestTensors, RestRows, StepRequest};
 use super::template::CacheMode;
-use super::weights::{FluxWeights, Linear};
+use super::weights::{DoubleLinear, FluxWeights, Linear, Seeded, SingleLinear, Site, Source};
 use crate::planner::{valid, Choice};
 
 pub(super) const NORM_EPS: f32 = 1e-6;
@@ -135,7 +137,14 @@ impl FluxInputs {
 pub struct FluxTransformer<B: Backend> {
     pub config: FluxConfig,
     backend: B,
-    w: FluxWeights<B>,
+    /// Written only to merge or unmerge LoRAs (between steps); every forward reads.
+    pub(super) w: RwLock<FluxWeights<B>>,
+    /// Where the weights came from, kept to restore merged sites bit for bit: the
+    /// mapped checkpoint (no memory beyond the page cache) or the seed.
+    pub(super) pristine: Box<dyn Source + Send + Sync>,
+    pub(super) loras: Registry<B>,
+    /// The sites a merged LoRA set has patched.
+    pub(super) merged: Mutex<Vec<Site>>,
     time_freqs: Vec<f32>,
 }
 
@@ -148,15 +157,17 @@ impl<B: Backend> FluxTransformer<B> {
     pub fn load(backend: B, dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref();
         let config = FluxConfig::from_file(dir.join("config.json"))?;
-        let w = FluxWeights::load(&backend, &config, dir)?;
-        Ok(Self::from_parts(backend, config, w))
+        let store = FluxWeights::<B>::open(&config, dir)?;
+        let w = FluxWeights::build(&backend, &config, &store)?;
+        Ok(Self::from_parts(backend, config, w, Box::new(store)))
     }
 
     /// Seeded random weights for `config`.
     pub fn seeded(backend: B, config: FluxConfig, seed: u64) -> Result<Self> {
         config.validate().map_err(Error::Invalid)?;
-        let w = FluxWeights::seeded(&backend, &config, seed)?;
-        Ok(Self::from_parts(backend, config, w))
+        let src = Seeded { seed };
+        let w = FluxWeights::build(&backend, &config, &src)?;
+        Ok(Self::from_parts(backend, config, w, Box::new(src)))
     }
 
     /// Parameters (elements) of the weights, as the checkpoint stores them.
@@ -167,11 +178,19 @@ impl<B: Backend> FluxTransformer<B> {
             .sum()
     }
 
-    fn from_parts(backend: B, config: FluxConfig, w: FluxWeights<B>) -> Self {
+    fn from_parts(
+        backend: B,
+        config: FluxConfig,
+        w: FluxWeights<B>,
+        pristine: Box<dyn Source + Send + Sync>,
+    ) -> Self {
         FluxTransformer {
             config,
             backend,
-            w,
+            w: RwLock::new(w),
+            pristine,
+            loras: Registry::default(),
+            merged: Mutex::new(vec![]),
             time_freqs: embed::time_proj_freqs(),
         }
     }
@@ -330,6 +349,7 @@ impl<B: Backend> FluxTransformer<B> {
                 guidance: r.guidance,
                 cache: r.cache,
                 rest: None,
+                loras: &[],
             })
             .collect();
         let v = self.forward_step(&steps, &vec![Choice::Cached; self.num_blocks()], obs)?;
@@ -360,6 +380,11 @@ impl<B: Backend> FluxTransformer<B> {
         let be = &self.backend;
         let d = c.hidden();
         let heads = c.num_attention_heads;
+        let w = self.w.read().map_err(|_| {
+            Error::Invalid("the weights were poisoned by a panic while merging".into())
+        })?;
+        // Each request's unmerged LoRAs (None, and nothing added, when none has any).
+        let lo = StepLoras::resolve(&self.loras, reqs)?;
         if reqs.is_empty() {
             return Ok(Velocity {
                 packed: be.upload(&Tensor::zeros([0, c.out_channels()]))?,
@@ -405,15 +430,23 @@ impl<B: Backend> FluxTransformer<B> {
         let ts: Vec<f32> = reqs.iter().map(|r| r.timestep * 1000.0).collect();
         let t_proj = Tensor::new([nb, 256], embed::sinusoid(&ts, &self.time_freqs))?;
         self.emit(obs, "timestep_proj", &be.upload(&t_proj)?)?;
-        let mut temb = self.mlp2(&be.upload(&t_proj)?, &self.w.time_1, &self.w.time_2)?;
-        if let Some((g1, g2)) = &self.w.guidance {
+        // The conditioning rows: one per request.
+        let per_req = |r: usize| Some(r..r + 1);
+        let mut temb = self.mlp2(
+            &lo,
+            &be.upload(&t_proj)?,
+            (Site::Time1, &w.time_1),
+            (Site::Time2, &w.time_2),
+        )?;
+        if let Some((g1, g2)) = &w.guidance {
             let gs: Vec<f32> = reqs.iter().map(|r| r.guidance * 1000.0).collect();
             let g_proj = be.upload(&Tensor::new(
                 [nb, 256],
                 embed::sinusoid(&gs, &self.time_freqs),
             )?)?;
             self.emit(obs, "guidance_proj", &g_proj)?;
-            be.add(&mut temb, &self.mlp2(&g_proj, g1, g2)?)?;
+            let g = self.mlp2(&lo, &g_proj, (Site::Guidance1, g1), (Site::Guidance2, g2))?;
+            be.add(&mut temb, &g)?;
         }
         let pooled: Vec<f32> = reqs
             .iter()
@@ -422,22 +455,40 @@ impl<B: Backend> FluxTransformer<B> {
         let pooled = be.upload(&Tensor::new([nb, c.pooled_projection_dim], pooled)?)?;
         be.add(
             &mut temb,
-            &self.mlp2(&pooled, &self.w.text_1, &self.w.text_2)?,
+            &self.mlp2(
+                &lo,
+                &pooled,
+                (Site::Text1, &w.text_1),
+                (Site::Text2, &w.text_2),
+            )?,
         )?;
         self.emit(obs, "temb", &temb)?;
         let temb_act = be.silu(&temb)?;
 
         let img_in = phase.img.take().expect("packed with the image input");
-        let mut x = self.linear(img_in.get(), &self.w.x_embedder)?;
+        let mut x = self.linear(img_in.get(), &w.x_embedder)?;
+        let lay = &phase.layout;
+        let img_rows = |r: usize| Some(lay.img[r].clone());
+        let txt_rows = |r: usize| Some(lay.txt[r].clone());
+        self.lora(&lo, Site::XEmbedder, &mut x, img_in.get(), None, &img_rows)?;
         drop(img_in);
-        let mut ctx = self.linear(text.txt.get(), &self.w.context_embedder)?;
+        let mut ctx = self.linear(text.txt.get(), &w.context_embedder)?;
+        self.lora(
+            &lo,
+            Site::ContextEmbedder,
+            &mut ctx,
+            text.txt.get(),
+            None,
+            &txt_rows,
+        )?;
         self.emit(obs, "x_embedder", &x)?;
         self.emit(obs, "context_embedder", &ctx)?;
 
         // ---- double-stream blocks ------------------------------------------------
         // Fused projections give [q | k | v] per stream; attention reads both streams
         // in place and writes its output over q, which the output projections read.
-        for (bi, blk) in self.w.double.iter().enumerate() {
+        for (bi, blk) in w.double.iter().enumerate() {
+            let site = |k| Site::Double(bi, k);
             let full = plan[bi] == Choice::Full;
             if in_full && !full {
                 if let Some(s) = &mut side {
@@ -454,13 +505,26 @@ impl<B: Backend> FluxTransformer<B> {
             }
             let lay = &phase.layout;
             let rope_img = (phase.rope_img.0.get(), phase.rope_img.1.get());
-            let m_img = self.linear(&temb_act, &blk.norm1)?;
-            let m_txt = self.linear(&temb_act, &blk.norm1_context)?;
+            let img_rows = |r: usize| Some(lay.img[r].clone());
+            let txt_rows = |r: usize| Some(lay.txt[r].clone());
+            let mut m_img = self.linear(&temb_act, &blk.norm1)?;
+            self.lora(
+                &lo,
+                site(DoubleLinear::Norm1),
+                &mut m_img,
+                &temb_act,
+                None,
+                &per_req,
+            )?;
+            let mut m_txt = self.linear(&temb_act, &blk.norm1_context)?;
+            let s_nc = site(DoubleLinear::Norm1Context);
+            self.lora(&lo, s_nc, &mut m_txt, &temb_act, None, &per_req)?;
             // The inactive rows' K/V at a cached block of a Y-mode template.
             let side_kv = match &side {
                 Some(s) if !in_full => {
                     let (w, b) = (&blk.qkv.w, blk.qkv.b.as_ref());
-                    Some(s.kv(be, &m_img, w, b, d..3 * d, &blk.norm_k)?)
+                    let lora = self.side_lora(&lo, site(DoubleLinear::Qkv), s, d..3 * d);
+                    Some(s.kv(be, &m_img, w, b, d..3 * d, &blk.norm_k, &lora)?)
                 }
                 _ => None,
             };
@@ -477,7 +541,23 @@ impl<B: Backend> FluxTransformer<B> {
                 modl(&m_txt, 1, &lay.txt_seg),
             )?;
             let mut qkv_i = self.linear(&nx, &blk.qkv)?;
+            self.lora(
+                &lo,
+                site(DoubleLinear::Qkv),
+                &mut qkv_i,
+                &nx,
+                None,
+                &img_rows,
+            )?;
             let mut qkv_t = self.linear(&nc, &blk.add_qkv)?;
+            self.lora(
+                &lo,
+                site(DoubleLinear::AddQkv),
+                &mut qkv_t,
+                &nc,
+                None,
+                &txt_rows,
+            )?;
             drop((nx, nc));
             be.rms_norm_rope(&mut qkv_i, 0..d, &blk.norm_q, NORM_EPS, Some(rope_img))?;
             be.rms_norm_rope(&mut qkv_i, d..2 * d, &blk.norm_k, NORM_EPS, Some(rope_img))?;
@@ -525,9 +605,13 @@ impl<B: Backend> FluxTransformer<B> {
             be.attention(&mut [&mut qkv_t, &mut qkv_i], 0, d, heads, &seqs)?;
             drop(seqs);
             drop(side_kv);
-            let a_img = be.linear_cols(&qkv_i, 0..d, &blk.to_out.w, blk.to_out.b.as_ref())?;
-            let a_txt =
+            let mut a_img = be.linear_cols(&qkv_i, 0..d, &blk.to_out.w, blk.to_out.b.as_ref())?;
+            let s_out = site(DoubleLinear::ToOut);
+            self.lora(&lo, s_out, &mut a_img, &qkv_i, Some(0..d), &img_rows)?;
+            let mut a_txt =
                 be.linear_cols(&qkv_t, 0..d, &blk.to_add_out.w, blk.to_add_out.b.as_ref())?;
+            let s_out = site(DoubleLinear::ToAddOut);
+            self.lora(&lo, s_out, &mut a_txt, &qkv_t, Some(0..d), &txt_rows)?;
             drop((qkv_i, qkv_t));
             let p = format!("double_block.{bi}");
             self.emit(obs, &format!("{p}.attn.hidden_states"), &a_img)?;
@@ -541,7 +625,13 @@ impl<B: Backend> FluxTransformer<B> {
                 modl(&m_img, 3, &lay.img_seg),
                 modl(&m_img, 4, &lay.img_seg),
             )?;
-            let ff = self.ff(&nx, &blk.ff_in, &blk.ff_out)?;
+            let ff = self.ff(
+                &lo,
+                &nx,
+                (site(DoubleLinear::FfIn), &blk.ff_in),
+                (site(DoubleLinear::FfOut), &blk.ff_out),
+                &img_rows,
+            )?;
             self.emit(obs, &format!("{p}.ff"), &ff)?;
             be.gated_residual(&mut x, &ff, modl(&m_img, 5, &lay.img_seg))?;
             let nc = be.layer_norm_modulate(
@@ -550,7 +640,13 @@ impl<B: Backend> FluxTransformer<B> {
                 modl(&m_txt, 3, &lay.txt_seg),
                 modl(&m_txt, 4, &lay.txt_seg),
             )?;
-            let ffc = self.ff(&nc, &blk.ff_context_in, &blk.ff_context_out)?;
+            let ffc = self.ff(
+                &lo,
+                &nc,
+                (site(DoubleLinear::FfContextIn), &blk.ff_context_in),
+                (site(DoubleLinear::FfContextOut), &blk.ff_context_out),
+                &txt_rows,
+            )?;
             self.emit(obs, &format!("{p}.ff_context"), &ffc)?;
             be.gated_residual(&mut ctx, &ffc, modl(&m_txt, 5, &lay.txt_seg))?;
             self.emit(obs, &format!("{p}.encoder_hidden_states"), &ctx)?;
@@ -571,8 +667,9 @@ impl<B: Backend> FluxTransformer<B> {
         let mut h = be.gather_rows(&[&ctx, &x], &phase.layout.joint_index)?;
         drop((x, ctx));
         let nd = c.num_layers;
-        for (si, blk) in self.w.single.iter().enumerate() {
+        for (si, blk) in w.single.iter().enumerate() {
             let bi = nd + si;
+            let site = |k| Site::Single(si, k);
             let full = plan[bi] == Choice::Full;
             if in_full && !full {
                 if let Some(s) = &mut side {
@@ -590,11 +687,21 @@ impl<B: Backend> FluxTransformer<B> {
             let lay = &phase.layout;
             let n_joint = lay.joint_seg.len();
             let rope_joint = (phase.rope_joint.0.get(), phase.rope_joint.1.get());
-            let m = self.linear(&temb_act, &blk.norm)?;
+            let joint_rows = |r: usize| Some(lay.joint[r].clone());
+            let mut m = self.linear(&temb_act, &blk.norm)?;
+            self.lora(
+                &lo,
+                site(SingleLinear::Norm),
+                &mut m,
+                &temb_act,
+                None,
+                &per_req,
+            )?;
             let side_kv = match &side {
                 Some(s) if !in_full => {
                     let (w, b) = (&blk.qkv_mlp.w, blk.qkv_mlp.b.as_ref());
-                    Some(s.kv(be, &m, w, b, 0..2 * d, &blk.norm_k)?)
+                    let lora = self.side_lora(&lo, site(SingleLinear::QkvMlp), s, 0..2 * d);
+                    Some(s.kv(be, &m, w, b, 0..2 * d, &blk.norm_k, &lora)?)
                 }
                 _ => None,
             };
@@ -605,6 +712,14 @@ impl<B: Backend> FluxTransformer<B> {
                 modl(&m, 1, &lay.joint_seg),
             )?;
             let mut f = self.linear(&n, &blk.qkv_mlp)?;
+            self.lora(
+                &lo,
+                site(SingleLinear::QkvMlp),
+                &mut f,
+                &n,
+                None,
+                &joint_rows,
+            )?;
             drop(n);
             let p = format!("single_block.{si}");
             if obs.wants_hidden() {
@@ -653,7 +768,10 @@ impl<B: Backend> FluxTransformer<B> {
                 );
             }
             be.gelu_tanh(&mut f, 3 * d..7 * d)?;
-            let out = be.linear_cols(&f, 2 * d..7 * d, &blk.proj_out.w, blk.proj_out.b.as_ref())?;
+            let mut out =
+                be.linear_cols(&f, 2 * d..7 * d, &blk.proj_out.w, blk.proj_out.b.as_ref())?;
+            let s_out = site(SingleLinear::ProjOut);
+            self.lora(&lo, s_out, &mut out, &f, Some(2 * d..7 * d), &joint_rows)?;
             drop(f);
             be.gated_residual(&mut h, &out, modl(&m, 2, &lay.joint_seg))?;
             self.emit_rows(
@@ -681,7 +799,8 @@ impl<B: Backend> FluxTransformer<B> {
         }
         let lay = &phase.layout;
         let x = be.gather_rows(&[&h], &lay.img_in_joint)?;
-        let m = self.linear(&temb_act, &self.w.norm_out)?;
+        let mut m = self.linear(&temb_act, &w.norm_out)?;
+        self.lora(&lo, Site::NormOut, &mut m, &temb_act, None, &per_req)?;
         // AdaLayerNormContinuous chunks are (scale, shift): reversed from adaLN-Zero.
         let nx = be.layer_norm_modulate(
             &x,
@@ -690,8 +809,11 @@ impl<B: Backend> FluxTransformer<B> {
             modl(&m, 0, &lay.img_seg),
         )?;
         self.emit(obs, "norm_out", &nx)?;
+        let mut packed = self.linear(&nx, &w.proj_out)?;
+        let img_rows = |r: usize| Some(lay.img[r].clone());
+        self.lora(&lo, Site::ProjOut, &mut packed, &nx, None, &img_rows)?;
         Ok(Velocity {
-            packed: self.linear(&nx, &self.w.proj_out)?,
+            packed,
             rows: lay.img.clone(),
         })
     }
@@ -751,16 +873,93 @@ impl<B: Backend> FluxTransformer<B> {
         Ok(AttnSeq { q, kv })
     }
 
-    /// Linear → SiLU → Linear (the timestep, guidance and text embedders).
-    fn mlp2(&self, x: &B::Tensor, l1: &Linear<B>, l2: &Linear<B>) -> Result<B::Tensor> {
-        let h = self.backend.silu(&self.linear(x, l1)?)?;
-        self.linear(&h, l2)
+    /// Adds the step's LoRA deltas at `site` to `y`, the site's Linear over `x` (or its
+    /// column block `x_cols`), request `r` owning rows `rows(r)` of both.
+    fn lora(
+        &self,
+        lo: &Option<StepLoras<B>>,
+        site: Site,
+        y: &mut B::Tensor,
+        x: &B::Tensor,
+        x_cols: Option<Range<usize>>,
+        rows: &dyn Fn(usize) -> Option<Range<usize>>,
+    ) -> Result<()> {
+        let Some(lo) = lo else { return Ok(()) };
+        let be = &self.backend;
+        let cols = x_cols.unwrap_or(0..be.shape(x).last().copied().unwrap_or(0));
+        let outs = 0..be.shape(y).last().copied().unwrap_or(0);
+        lo.apply(be, site.index(&self.config), y, x, cols, rows, outs)
     }
 
-    /// FeedForward: Linear → GELU(tanh) → Linear.
-    fn ff(&self, x: &B::Tensor, l1: &Linear<B>, l2: &Linear<B>) -> Result<B::Tensor> {
-        let h = self.backend.linear_gelu(x, &l1.w, l1.b.as_ref())?;
-        self.linear(&h, l2)
+    /// The LoRA deltas of a Y-mode template's inactive rows at a cached block: the
+    /// output features `outs` (K and V) of `site` over the batch's inactive rows
+    /// (`side.rows[r]` for request `r`).
+    fn side_lora<'s>(
+        &'s self,
+        lo: &'s Option<StepLoras<B>>,
+        site: Site,
+        side: &'s Inactive<'_, B::Tensor>,
+        outs: Range<usize>,
+    ) -> impl Fn(&mut B::Tensor, &B::Tensor) -> Result<()> + 's {
+        move |y, x| {
+            let Some(lo) = lo else { return Ok(()) };
+            let be = &self.backend;
+            let cols = 0..be.shape(x).last().copied().unwrap_or(0);
+            let rows = |r: usize| side.rows.get(r).cloned().flatten();
+            lo.apply(
+                be,
+                site.index(&self.config),
+                y,
+                x,
+                cols,
+                &rows,
+                outs.clone(),
+            )
+        }
+    }
+
+    /// Linear → SiLU → Linear (the timestep, guidance and text embedders), over one
+    /// row per request.
+    fn mlp2(
+        &self,
+        lo: &Option<StepLoras<B>>,
+        x: &B::Tensor,
+        (s1, l1): (Site, &Linear<B>),
+        (s2, l2): (Site, &Linear<B>),
+    ) -> Result<B::Tensor> {
+        let per_req = |r: usize| Some(r..r + 1);
+        let mut h = self.linear(x, l1)?;
+        self.lora(lo, s1, &mut h, x, None, &per_req)?;
+        let h1 = self.backend.silu(&h)?;
+        let mut y = self.linear(&h1, l2)?;
+        self.lora(lo, s2, &mut y, &h1, None, &per_req)?;
+        Ok(y)
+    }
+
+    /// FeedForward: Linear → GELU(tanh) → Linear. A LoRA on the first Linear adds to
+    /// its pre-activation, so the fused GEMM+GELU is used only when none does.
+    fn ff(
+        &self,
+        lo: &Option<StepLoras<B>>,
+        x: &B::Tensor,
+        (s1, l1): (Site, &Linear<B>),
+        (s2, l2): (Site, &Linear<B>),
+        rows: &dyn Fn(usize) -> Option<Range<usize>>,
+    ) -> Result<B::Tensor> {
+        let be = &self.backend;
+        let h = match lo {
+            Some(l) if l.touches(s1.index(&self.config)) => {
+                let mut h = self.linear(x, l1)?;
+                self.lora(lo, s1, &mut h, x, None, rows)?;
+                let width = be.shape(&h).last().copied().unwrap_or(0);
+                be.gelu_tanh(&mut h, 0..width)?;
+                h
+            }
+            _ => be.linear_gelu(x, &l1.w, l1.b.as_ref())?,
+        };
+        let mut y = self.linear(&h, l2)?;
+        self.lora(lo, s2, &mut y, &h, None, rows)?;
+        Ok(y)
     }
 }
 

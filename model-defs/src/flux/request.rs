@@ -10,6 +10,7 @@
 
 use denoised_runtime::{Backend, Error, Result, Tensor};
 
+use super::adapters::LoraUse;
 use super::config::FluxConfig;
 use super::embed;
 use super::model::BlockCache;
@@ -143,6 +144,8 @@ pub struct StepRequest<'a, T> {
     /// An edit's inactive rows: for the full blocks of a plan, and always for a Y-mode
     /// template (their K/V are recomputed from them).
     pub rest: Option<&'a RestRows<T>>,
+    /// The unmerged LoRAs it runs with at this step (registered on the model).
+    pub loras: &'a [LoraUse],
 }
 
 pub(super) fn check_shape(what: &str, t: &Tensor, expected: &[usize]) -> Result<()> {

@@ -66,73 +66,217 @@ pub struct FluxWeights<B: Backend> {
     pub proj_out: Linear<B>,
 }
 
+/// One Linear of the forward: a checkpoint Linear, or the projections a fused layer
+/// stacks. The unit that adapters patch (DESIGN.md §Adapters).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Site {
+    XEmbedder,
+    ContextEmbedder,
+    Time1,
+    Time2,
+    Guidance1,
+    Guidance2,
+    Text1,
+    Text2,
+    NormOut,
+    ProjOut,
+    Double(usize, DoubleLinear),
+    Single(usize, SingleLinear),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DoubleLinear {
+    Norm1,
+    Norm1Context,
+    Qkv,
+    AddQkv,
+    ToOut,
+    ToAddOut,
+    FfIn,
+    FfOut,
+    FfContextIn,
+    FfContextOut,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SingleLinear {
+    Norm,
+    QkvMlp,
+    ProjOut,
+}
+
+const EMBED_SITES: [Site; 10] = [
+    Site::XEmbedder,
+    Site::ContextEmbedder,
+    Site::Time1,
+    Site::Time2,
+    Site::Guidance1,
+    Site::Guidance2,
+    Site::Text1,
+    Site::Text2,
+    Site::NormOut,
+    Site::ProjOut,
+];
+const DOUBLE_SITES: [DoubleLinear; 10] = [
+    DoubleLinear::Norm1,
+    DoubleLinear::Norm1Context,
+    DoubleLinear::Qkv,
+    DoubleLinear::AddQkv,
+    DoubleLinear::ToOut,
+    DoubleLinear::ToAddOut,
+    DoubleLinear::FfIn,
+    DoubleLinear::FfOut,
+    DoubleLinear::FfContextIn,
+    DoubleLinear::FfContextOut,
+];
+const SINGLE_SITES: [SingleLinear; 3] = [
+    SingleLinear::Norm,
+    SingleLinear::QkvMlp,
+    SingleLinear::ProjOut,
+];
+
+/// A site's checkpoint Linears, stacked in this order along the output (diffusers
+/// names without `.weight`, and their output features), and its input features.
+pub struct SiteSpec {
+    pub parts: Vec<(String, usize)>,
+    pub input: usize,
+}
+
+impl SiteSpec {
+    pub fn out(&self) -> usize {
+        self.parts.iter().map(|p| p.1).sum()
+    }
+}
+
+impl Site {
+    /// Every site of a model of config `c`, in [`Site::index`] order.
+    pub fn all(c: &FluxConfig) -> Vec<Site> {
+        let mut v: Vec<Site> = EMBED_SITES
+            .iter()
+            .copied()
+            .filter(|s| c.guidance_embeds || !matches!(s, Site::Guidance1 | Site::Guidance2))
+            .collect();
+        for i in 0..c.num_layers {
+            v.extend(DOUBLE_SITES.iter().map(|&k| Site::Double(i, k)));
+        }
+        for i in 0..c.num_single_layers {
+            v.extend(SINGLE_SITES.iter().map(|&k| Site::Single(i, k)));
+        }
+        v
+    }
+
+    /// A dense index over [`Site::all`] of any config (guidance sites keep theirs).
+    pub fn index(self, c: &FluxConfig) -> usize {
+        let e = EMBED_SITES.len();
+        match self {
+            Site::Double(i, k) => e + i * DOUBLE_SITES.len() + k as usize,
+            Site::Single(i, k) => {
+                e + c.num_layers * DOUBLE_SITES.len() + i * SINGLE_SITES.len() + k as usize
+            }
+            s => EMBED_SITES
+                .iter()
+                .position(|&x| x == s)
+                .expect("an embed site"),
+        }
+    }
+
+    /// The size of the [`Site::index`] space.
+    pub fn count(c: &FluxConfig) -> usize {
+        EMBED_SITES.len()
+            + c.num_layers * DOUBLE_SITES.len()
+            + c.num_single_layers * SINGLE_SITES.len()
+    }
+
+    pub fn spec(self, c: &FluxConfig) -> SiteSpec {
+        let d = c.hidden();
+        let one = |n: &str, o: usize, i: usize| SiteSpec {
+            parts: vec![(n.to_string(), o)],
+            input: i,
+        };
+        let tte = "time_text_embed";
+        match self {
+            Site::XEmbedder => one("x_embedder", d, c.in_channels),
+            Site::ContextEmbedder => one("context_embedder", d, c.joint_attention_dim),
+            Site::Time1 => one(
+                &format!("{tte}.timestep_embedder.linear_1"),
+                d,
+                TIME_PROJ_DIM,
+            ),
+            Site::Time2 => one(&format!("{tte}.timestep_embedder.linear_2"), d, d),
+            Site::Guidance1 => one(
+                &format!("{tte}.guidance_embedder.linear_1"),
+                d,
+                TIME_PROJ_DIM,
+            ),
+            Site::Guidance2 => one(&format!("{tte}.guidance_embedder.linear_2"), d, d),
+            Site::Text1 => one(
+                &format!("{tte}.text_embedder.linear_1"),
+                d,
+                c.pooled_projection_dim,
+            ),
+            Site::Text2 => one(&format!("{tte}.text_embedder.linear_2"), d, d),
+            Site::NormOut => one("norm_out.linear", 2 * d, d),
+            Site::ProjOut => one(
+                "proj_out",
+                c.patch_size * c.patch_size * c.out_channels(),
+                d,
+            ),
+            Site::Double(i, k) => {
+                let p = format!("transformer_blocks.{i}");
+                let a = format!("{p}.attn");
+                let parts = |names: &[&str]| SiteSpec {
+                    parts: names.iter().map(|n| (format!("{a}.{n}"), d)).collect(),
+                    input: d,
+                };
+                match k {
+                    DoubleLinear::Norm1 => one(&format!("{p}.norm1.linear"), 6 * d, d),
+                    DoubleLinear::Norm1Context => {
+                        one(&format!("{p}.norm1_context.linear"), 6 * d, d)
+                    }
+                    DoubleLinear::Qkv => parts(&["to_q", "to_k", "to_v"]),
+                    DoubleLinear::AddQkv => parts(&["add_q_proj", "add_k_proj", "add_v_proj"]),
+                    DoubleLinear::ToOut => one(&format!("{a}.to_out.0"), d, d),
+                    DoubleLinear::ToAddOut => one(&format!("{a}.to_add_out"), d, d),
+                    DoubleLinear::FfIn => one(&format!("{p}.ff.net.0.proj"), 4 * d, d),
+                    DoubleLinear::FfOut => one(&format!("{p}.ff.net.2"), d, 4 * d),
+                    DoubleLinear::FfContextIn => {
+                        one(&format!("{p}.ff_context.net.0.proj"), 4 * d, d)
+                    }
+                    DoubleLinear::FfContextOut => one(&format!("{p}.ff_context.net.2"), d, 4 * d),
+                }
+            }
+            Site::Single(i, k) => {
+                let p = format!("single_transformer_blocks.{i}");
+                match k {
+                    SingleLinear::Norm => one(&format!("{p}.norm.linear"), 3 * d, d),
+                    // See `SingleBlock::qkv_mlp` for the order.
+                    SingleLinear::QkvMlp => SiteSpec {
+                        parts: vec![
+                            (format!("{p}.attn.to_k"), d),
+                            (format!("{p}.attn.to_v"), d),
+                            (format!("{p}.attn.to_q"), d),
+                            (format!("{p}.proj_mlp"), 4 * d),
+                        ],
+                        input: d,
+                    },
+                    SingleLinear::ProjOut => one(&format!("{p}.proj_out"), d, 5 * d),
+                }
+            }
+        }
+    }
+}
+
 /// Every parameter of the model: diffusers name and shape.
 pub fn param_specs(c: &FluxConfig) -> Vec<(String, Vec<usize>)> {
-    let d = c.hidden();
     let hd = c.attention_head_dim;
     let mut v: Vec<(String, Vec<usize>)> = Vec::new();
-    let mut lin = |name: &str, o: usize, i: usize| {
-        v.push((format!("{name}.weight"), vec![o, i]));
-        v.push((format!("{name}.bias"), vec![o]));
-    };
-    lin("x_embedder", d, c.in_channels);
-    lin("context_embedder", d, c.joint_attention_dim);
-    lin(
-        "time_text_embed.timestep_embedder.linear_1",
-        d,
-        TIME_PROJ_DIM,
-    );
-    lin("time_text_embed.timestep_embedder.linear_2", d, d);
-    if c.guidance_embeds {
-        lin(
-            "time_text_embed.guidance_embedder.linear_1",
-            d,
-            TIME_PROJ_DIM,
-        );
-        lin("time_text_embed.guidance_embedder.linear_2", d, d);
-    }
-    lin(
-        "time_text_embed.text_embedder.linear_1",
-        d,
-        c.pooled_projection_dim,
-    );
-    lin("time_text_embed.text_embedder.linear_2", d, d);
-    for i in 0..c.num_layers {
-        let p = format!("transformer_blocks.{i}");
-        lin(&format!("{p}.norm1.linear"), 6 * d, d);
-        lin(&format!("{p}.norm1_context.linear"), 6 * d, d);
-        for n in [
-            "to_q",
-            "to_k",
-            "to_v",
-            "add_q_proj",
-            "add_k_proj",
-            "add_v_proj",
-            "to_out.0",
-            "to_add_out",
-        ] {
-            lin(&format!("{p}.attn.{n}"), d, d);
+    for site in Site::all(c) {
+        let spec = site.spec(c);
+        for (name, o) in spec.parts {
+            v.push((format!("{name}.weight"), vec![o, spec.input]));
+            v.push((format!("{name}.bias"), vec![o]));
         }
-        lin(&format!("{p}.ff.net.0.proj"), 4 * d, d);
-        lin(&format!("{p}.ff.net.2"), d, 4 * d);
-        lin(&format!("{p}.ff_context.net.0.proj"), 4 * d, d);
-        lin(&format!("{p}.ff_context.net.2"), d, 4 * d);
     }
-    for i in 0..c.num_single_layers {
-        let p = format!("single_transformer_blocks.{i}");
-        lin(&format!("{p}.norm.linear"), 3 * d, d);
-        for n in ["to_q", "to_k", "to_v"] {
-            lin(&format!("{p}.attn.{n}"), d, d);
-        }
-        lin(&format!("{p}.proj_mlp"), 4 * d, d);
-        lin(&format!("{p}.proj_out"), d, 5 * d);
-    }
-    lin("norm_out.linear", 2 * d, d);
-    lin(
-        "proj_out",
-        c.patch_size * c.patch_size * c.out_channels(),
-        d,
-    );
     for i in 0..c.num_layers {
         for n in ["norm_q", "norm_k", "norm_added_q", "norm_added_k"] {
             v.push((format!("transformer_blocks.{i}.attn.{n}.weight"), vec![hd]));
@@ -287,134 +431,148 @@ impl SplitMix {
 }
 
 impl<B: Backend> FluxWeights<B> {
-    /// Loads from a diffusers `transformer/` directory, checking every tensor.
-    pub fn load(backend: &B, cfg: &FluxConfig, dir: &Path) -> Result<Self> {
+    /// Opens a diffusers `transformer/` directory, checking that it holds exactly the
+    /// tensors of `cfg`'s model.
+    pub fn open(cfg: &FluxConfig, dir: &Path) -> Result<WeightStore> {
         let store = WeightStore::open(dir, "diffusion_pytorch_model")?;
         let specs = param_specs(cfg);
         store.check_all_used(specs.iter().map(|(n, _)| n.as_str()))?;
-        Self::build(backend, cfg, &store)
+        Ok(store)
     }
 
-    /// Seeded random weights (the built-in model, benchmarks).
-    pub fn seeded(backend: &B, cfg: &FluxConfig, seed: u64) -> Result<Self> {
-        Self::build(backend, cfg, &Seeded { seed })
-    }
-
-    fn build(backend: &B, c: &FluxConfig, src: &dyn Source) -> Result<Self> {
-        let d = c.hidden();
+    /// Uploads every weight of `c`'s model from `src` (an opened directory, or
+    /// [`Seeded`] for the built-in model and benchmarks).
+    pub fn build(backend: &B, c: &FluxConfig, src: &dyn Source) -> Result<Self> {
         let hd = c.attention_head_dim;
-        // Every tensor goes to the backend in its stored dtype (see
-        // `Backend::upload_stored`): a bf16 checkpoint reaches a bf16 device without
-        // an f32 host copy.
-        // Several names stack Linears that read the same input into one
-        // `[sum(out), in]` Linear (the fused projections).
-        let lin_parts = |names: &[(&str, usize)], i: usize| -> Result<Linear<B>> {
-            let (mut w, mut b) = (Vec::new(), Vec::new());
-            for &(n, o) in names {
-                w.push(src.stored(&format!("{n}.weight"), &[o, i])?);
-                b.push(src.stored(&format!("{n}.bias"), &[o])?);
-            }
-            Ok(Linear {
-                w: backend.upload_weight_stored(&w)?,
-                b: Some(backend.upload_stored(&b)?),
-            })
-        };
-        let lin = |name: &str, o: usize, i: usize| lin_parts(&[(name, o)], i);
+        let lin = |site: Site| upload_site(backend, c, src, site);
         let vecw = |name: &str| -> Result<B::Tensor> {
             backend.upload_stored(&[src.stored(name, &[hd])?])
         };
-
         let mut double = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
-            let p = format!("transformer_blocks.{i}");
-            let a = format!("{p}.attn");
+            let a = format!("transformer_blocks.{i}.attn");
+            let s = |k| lin(Site::Double(i, k));
             double.push(DoubleBlock {
-                norm1: lin(&format!("{p}.norm1.linear"), 6 * d, d)?,
-                norm1_context: lin(&format!("{p}.norm1_context.linear"), 6 * d, d)?,
-                qkv: lin_parts(
-                    &[
-                        (&format!("{a}.to_q"), d),
-                        (&format!("{a}.to_k"), d),
-                        (&format!("{a}.to_v"), d),
-                    ],
-                    d,
-                )?,
-                add_qkv: lin_parts(
-                    &[
-                        (&format!("{a}.add_q_proj"), d),
-                        (&format!("{a}.add_k_proj"), d),
-                        (&format!("{a}.add_v_proj"), d),
-                    ],
-                    d,
-                )?,
+                norm1: s(DoubleLinear::Norm1)?,
+                norm1_context: s(DoubleLinear::Norm1Context)?,
+                qkv: s(DoubleLinear::Qkv)?,
+                add_qkv: s(DoubleLinear::AddQkv)?,
                 norm_q: vecw(&format!("{a}.norm_q.weight"))?,
                 norm_k: vecw(&format!("{a}.norm_k.weight"))?,
                 norm_added_q: vecw(&format!("{a}.norm_added_q.weight"))?,
                 norm_added_k: vecw(&format!("{a}.norm_added_k.weight"))?,
-                to_out: lin(&format!("{a}.to_out.0"), d, d)?,
-                to_add_out: lin(&format!("{a}.to_add_out"), d, d)?,
-                ff_in: lin(&format!("{p}.ff.net.0.proj"), 4 * d, d)?,
-                ff_out: lin(&format!("{p}.ff.net.2"), d, 4 * d)?,
-                ff_context_in: lin(&format!("{p}.ff_context.net.0.proj"), 4 * d, d)?,
-                ff_context_out: lin(&format!("{p}.ff_context.net.2"), d, 4 * d)?,
+                to_out: s(DoubleLinear::ToOut)?,
+                to_add_out: s(DoubleLinear::ToAddOut)?,
+                ff_in: s(DoubleLinear::FfIn)?,
+                ff_out: s(DoubleLinear::FfOut)?,
+                ff_context_in: s(DoubleLinear::FfContextIn)?,
+                ff_context_out: s(DoubleLinear::FfContextOut)?,
             });
         }
         let mut single = Vec::with_capacity(c.num_single_layers);
         for i in 0..c.num_single_layers {
-            let p = format!("single_transformer_blocks.{i}");
-            let a = format!("{p}.attn");
+            let a = format!("single_transformer_blocks.{i}.attn");
+            let s = |k| lin(Site::Single(i, k));
             single.push(SingleBlock {
-                norm: lin(&format!("{p}.norm.linear"), 3 * d, d)?,
-                qkv_mlp: lin_parts(
-                    &[
-                        (&format!("{a}.to_k"), d),
-                        (&format!("{a}.to_v"), d),
-                        (&format!("{a}.to_q"), d),
-                        (&format!("{p}.proj_mlp"), 4 * d),
-                    ],
-                    d,
-                )?,
+                norm: s(SingleLinear::Norm)?,
+                qkv_mlp: s(SingleLinear::QkvMlp)?,
                 norm_q: vecw(&format!("{a}.norm_q.weight"))?,
                 norm_k: vecw(&format!("{a}.norm_k.weight"))?,
-                proj_out: lin(&format!("{p}.proj_out"), d, 5 * d)?,
+                proj_out: s(SingleLinear::ProjOut)?,
             });
         }
-        let tte = "time_text_embed";
         Ok(FluxWeights {
-            x_embedder: lin("x_embedder", d, c.in_channels)?,
-            context_embedder: lin("context_embedder", d, c.joint_attention_dim)?,
-            time_1: lin(
-                &format!("{tte}.timestep_embedder.linear_1"),
-                d,
-                TIME_PROJ_DIM,
-            )?,
-            time_2: lin(&format!("{tte}.timestep_embedder.linear_2"), d, d)?,
+            x_embedder: lin(Site::XEmbedder)?,
+            context_embedder: lin(Site::ContextEmbedder)?,
+            time_1: lin(Site::Time1)?,
+            time_2: lin(Site::Time2)?,
             guidance: if c.guidance_embeds {
-                Some((
-                    lin(
-                        &format!("{tte}.guidance_embedder.linear_1"),
-                        d,
-                        TIME_PROJ_DIM,
-                    )?,
-                    lin(&format!("{tte}.guidance_embedder.linear_2"), d, d)?,
-                ))
+                Some((lin(Site::Guidance1)?, lin(Site::Guidance2)?))
             } else {
                 None
             },
-            text_1: lin(
-                &format!("{tte}.text_embedder.linear_1"),
-                d,
-                c.pooled_projection_dim,
-            )?,
-            text_2: lin(&format!("{tte}.text_embedder.linear_2"), d, d)?,
+            text_1: lin(Site::Text1)?,
+            text_2: lin(Site::Text2)?,
             double,
             single,
-            norm_out: lin("norm_out.linear", 2 * d, d)?,
-            proj_out: lin(
-                "proj_out",
-                c.patch_size * c.patch_size * c.out_channels(),
-                d,
-            )?,
+            norm_out: lin(Site::NormOut)?,
+            proj_out: lin(Site::ProjOut)?,
         })
     }
+
+    /// The Linear of `site` (`None` for a guidance site of a model without one).
+    pub fn site_mut(&mut self, site: Site) -> Option<&mut Linear<B>> {
+        Some(match site {
+            Site::XEmbedder => &mut self.x_embedder,
+            Site::ContextEmbedder => &mut self.context_embedder,
+            Site::Time1 => &mut self.time_1,
+            Site::Time2 => &mut self.time_2,
+            Site::Guidance1 => &mut self.guidance.as_mut()?.0,
+            Site::Guidance2 => &mut self.guidance.as_mut()?.1,
+            Site::Text1 => &mut self.text_1,
+            Site::Text2 => &mut self.text_2,
+            Site::NormOut => &mut self.norm_out,
+            Site::ProjOut => &mut self.proj_out,
+            Site::Double(i, k) => {
+                let b = self.double.get_mut(i)?;
+                match k {
+                    DoubleLinear::Norm1 => &mut b.norm1,
+                    DoubleLinear::Norm1Context => &mut b.norm1_context,
+                    DoubleLinear::Qkv => &mut b.qkv,
+                    DoubleLinear::AddQkv => &mut b.add_qkv,
+                    DoubleLinear::ToOut => &mut b.to_out,
+                    DoubleLinear::ToAddOut => &mut b.to_add_out,
+                    DoubleLinear::FfIn => &mut b.ff_in,
+                    DoubleLinear::FfOut => &mut b.ff_out,
+                    DoubleLinear::FfContextIn => &mut b.ff_context_in,
+                    DoubleLinear::FfContextOut => &mut b.ff_context_out,
+                }
+            }
+            Site::Single(i, k) => {
+                let b = self.single.get_mut(i)?;
+                match k {
+                    SingleLinear::Norm => &mut b.norm,
+                    SingleLinear::QkvMlp => &mut b.qkv_mlp,
+                    SingleLinear::ProjOut => &mut b.proj_out,
+                }
+            }
+        })
+    }
+}
+
+/// Uploads the Linear of `site` from `src`: every part in its stored dtype (see
+/// `Backend::upload_stored`), so a bf16 checkpoint reaches a bf16 device without an
+/// f32 host copy, and an adapter's restore repeats the load bit for bit.
+pub(crate) fn upload_site<B: Backend>(
+    backend: &B,
+    c: &FluxConfig,
+    src: &dyn Source,
+    site: Site,
+) -> Result<Linear<B>> {
+    let spec = site.spec(c);
+    let b: Vec<Stored<'_>> = spec
+        .parts
+        .iter()
+        .map(|(n, o)| src.stored(&format!("{n}.bias"), &[*o]))
+        .collect::<Result<_>>()?;
+    Ok(Linear {
+        w: upload_site_weight(backend, c, src, site)?,
+        b: Some(backend.upload_stored(&b)?),
+    })
+}
+
+/// The weight of `site` from `src`, as [`upload_site`] uploads it.
+pub(crate) fn upload_site_weight<B: Backend>(
+    backend: &B,
+    c: &FluxConfig,
+    src: &dyn Source,
+    site: Site,
+) -> Result<B::Weight> {
+    let spec = site.spec(c);
+    let w: Vec<Stored<'_>> = spec
+        .parts
+        .iter()
+        .map(|(n, o)| src.stored(&format!("{n}.weight"), &[*o, spec.input]))
+        .collect::<Result<_>>()?;
+    backend.upload_weight_stored(&w)
 }

@@ -468,6 +468,47 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn add_block(
+        &self,
+        y: &mut Tensor,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        d: &Tensor,
+        alpha: f32,
+    ) -> Result<()> {
+        let (n, width) = matrix_dims("add_block", y)?;
+        let (dn, dw) = matrix_dims("add_block", d)?;
+        if rows.end > n || cols.end > width || dn != rows.len() || dw != cols.len() {
+            return Err(Error::shape(
+                "add_block",
+                format!(
+                    "rows {rows:?}, columns {cols:?} of {:?} += {:?}",
+                    y.shape(),
+                    d.shape()
+                ),
+            ));
+        }
+        let yd = y.data_mut();
+        for (i, r) in rows.enumerate() {
+            let dst = &mut yd[r * width + cols.start..r * width + cols.end];
+            for (o, s) in dst.iter_mut().zip(d.row(i)) {
+                *o += alpha * s;
+            }
+        }
+        Ok(())
+    }
+
+    fn download_weight(&self, w: &CpuWeight) -> Result<Tensor> {
+        let (k, o) = (w.t.shape()[0], w.t.shape()[1]);
+        let mut out = vec![0.0; o * k];
+        for (j, row) in w.t.data().chunks_exact(o.max(1)).enumerate() {
+            for (i, v) in row.iter().enumerate() {
+                out[i * k + j] = *v;
+            }
+        }
+        Tensor::new([o, k], out)
+    }
+
     fn gather_cols(&self, x: &Tensor, rows: Range<usize>, cols: Range<usize>) -> Result<Tensor> {
         let (n, width) = matrix_dims("gather_cols", x)?;
         if rows.end > n || cols.end > width {
