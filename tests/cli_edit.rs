@@ -644,3 +644,168 @@ fn bench_pipeline_times_every_stage_on_any_device() {
         println!("{device}: {v}");
     }
 }
+
+#[test]
+fn loras_through_the_cli() {
+    // diffusers' fused run of two LoRAs (tests/fixtures/gen_lora_fixtures.py), merged
+    // and unmerged, on the CPU and unmerged on the emulated GPU backend in f32.
+    let meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(case("lora_cases.json")).unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixtures().join(meta["model_dir"].as_str().unwrap());
+    let loras = fixtures().join("loras");
+    let style = format!("{}:0.7", s(&loras.join("style")));
+    let detail = format!(
+        "{}:1.3",
+        s(&loras.join("detail/pytorch_lora_weights.safetensors"))
+    );
+    let want = png(&case("lora_dev_mix_output.png"));
+    let noise = case("lora_dev.safetensors");
+    for (mode, device) in [
+        ("merged", &["--device", "cpu"][..]),
+        ("unmerged", &["--device", "cpu"]),
+        ("unmerged", &["--device", "emu", "--dtype", "f32"]),
+    ] {
+        let out = dir.path().join(format!("{mode}.png"));
+        let mut args = vec![
+            "generate",
+            "--model",
+            s(&model),
+            "--prompt",
+            meta["prompt"].as_str().unwrap(),
+            "--steps",
+            "6",
+            "--guidance",
+            "3.5",
+            "--max-sequence-length",
+            "32",
+            "--height",
+            "64",
+            "--width",
+            "64",
+            "--noise",
+            s(&noise),
+            "--lora",
+            &style,
+            "--lora",
+            &detail,
+            "--lora-mode",
+            mode,
+            "--out",
+            s(&out),
+        ];
+        args.extend_from_slice(device);
+        let log = ok(&args);
+        assert!(
+            log.contains(&format!(
+                "LoRA: 2 {}",
+                if mode == "merged" {
+                    "merged"
+                } else {
+                    "uploaded"
+                }
+            )),
+            "{log}"
+        );
+        let (worst, off) = png(&out).level_diff(&want);
+        println!(
+            "LoRA {mode} {device:?} vs diffusers: max level diff {worst}, {off} values differ"
+        );
+        assert!(worst <= 1, "{mode} {device:?}: max level diff {worst}");
+    }
+
+    // A template captured with a LoRA serves only edits with the same LoRA set. The
+    // attention-only `detail` LoRA fits the built-in Fill model's attention; `style`
+    // adapts the embedders of a 64-channel model, which the Fill model's are not.
+    let t = dir.path().join("tpl");
+    let input = case("e2e_input.png");
+    let common = |v: &mut Vec<String>| {
+        for a in [
+            "--model",
+            "builtin",
+            "--steps",
+            "3",
+            "--max-sequence-length",
+            "32",
+        ] {
+            v.push(a.into());
+        }
+    };
+    let detail_half = format!("{}:0.5", s(&loras.join("detail")));
+    let mut capture: Vec<String> = vec!["template".into(), "capture".into()];
+    common(&mut capture);
+    capture
+        .extend(["--image", s(&input), "--out", s(&t), "--lora", &detail_half].map(String::from));
+    ok(&capture.iter().map(String::as_str).collect::<Vec<_>>());
+    let edited = dir.path().join("edited.png");
+    let mut edit: Vec<String> = vec!["edit".into()];
+    common(&mut edit);
+    edit.extend(
+        [
+            "--template",
+            s(&t),
+            "--mask",
+            s(&case("e2e_mask.png")),
+            "--out",
+            s(&edited),
+        ]
+        .map(String::from),
+    );
+    let args = |extra: &[&str]| -> Vec<String> {
+        edit.iter()
+            .cloned()
+            .chain(extra.iter().map(|s| s.to_string()))
+            .collect()
+    };
+    let plain = args(&[]);
+    fails(
+        &plain.iter().map(String::as_str).collect::<Vec<_>>(),
+        "the template was captured with LoRAs lora-",
+    );
+    let other = args(&["--lora", &format!("{}:0.6", s(&loras.join("detail")))]);
+    fails(
+        &other.iter().map(String::as_str).collect::<Vec<_>>(),
+        "this edit runs with LoRAs",
+    );
+    for mode in ["merged", "unmerged"] {
+        let same = args(&["--lora", &detail_half, "--lora-mode", mode]);
+        let log = ok(&same.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(log.contains("mask-aware edit:"), "{log}");
+    }
+    let out = dir.path().join("x.png");
+    fails(
+        &[
+            "generate",
+            "--model",
+            "builtin:t2i",
+            "--prompt",
+            "a",
+            "--steps",
+            "1",
+            "--lora",
+            &format!("{}:x", s(&loras.join("style"))),
+            "--out",
+            s(&out),
+        ],
+        "No such file",
+    );
+    let mut bad: Vec<String> = vec!["edit".into()];
+    common(&mut bad);
+    bad.extend(
+        [
+            "--image",
+            s(&input),
+            "--mask",
+            s(&case("e2e_mask.png")),
+            "--out",
+            s(&out),
+            "--lora",
+            s(&loras.join("style")),
+        ]
+        .map(String::from),
+    );
+    fails(
+        &bad.iter().map(String::as_str).collect::<Vec<_>>(),
+        "do not fit",
+    );
+}

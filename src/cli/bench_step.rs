@@ -380,6 +380,7 @@ impl DiskTier {
             guidance: 0.0,
             seed: 0,
             prompt: String::new(),
+            adapters: String::new(),
         };
         template_file::save(&path, cache, &meta, l.dtype)?;
         Ok(DiskTier { _dir: dir, path })

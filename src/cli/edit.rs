@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use denoised_actors::device::{self, Placed};
 use denoised_cuda::DeviceSpec;
+use denoised_models::flux::adapters::LoraUse;
 use denoised_models::flux::edit::{DenoiseInputs, Mode};
 use denoised_models::flux::stepper::JobKey;
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
@@ -25,6 +26,7 @@ use denoised_runtime::weights::SafetensorsFile;
 use denoised_runtime::{CpuBackend, HostSlice, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use super::adapters::LoraArgs;
 use super::{CliResult, ModelDeviceArgs};
 
 /// Options shared by edits and captures.
@@ -57,6 +59,8 @@ pub struct Common {
     pub timings: bool,
     #[command(flatten)]
     pub device: ModelDeviceArgs,
+    #[command(flatten)]
+    pub lora: LoraArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -189,11 +193,13 @@ pub(super) fn read_noise(path: &Path) -> CliResult<Noise> {
 
 /// Runs a request to the end on the placed model with a progress bar: its final
 /// latent and, for a capture, its template.
+/// `loras`: the unmerged LoRAs it runs with (uploaded by `LoraArgs::apply`).
 pub(super) fn denoise(
     placed: &mut Placed,
     inputs: &DenoiseInputs,
     schedule: FlowMatchEuler,
     mode: Mode,
+    loras: &[LoraUse],
     t: &mut Timings,
 ) -> CliResult<(Tensor, Option<TemplateCache>)> {
     const ONE: JobKey = 0;
@@ -201,6 +207,7 @@ pub(super) fn denoise(
     let t0 = Instant::now();
     let st = &mut placed.stepper;
     st.admit(ONE, inputs, Arc::new(schedule), mode)?;
+    st.set_loras(ONE, loras.to_vec())?;
     while !st.done(ONE) {
         st.step(&[ONE])?;
         pb.inc(1);
@@ -233,6 +240,7 @@ pub(super) fn report(timings: bool, t: &Timings, what: &str, out: &Path) {
 pub fn run_edit(a: EditArgs) -> CliResult {
     let c = &a.common;
     let (mut p, mut placed) = load_pipeline(&c.model, &c.device, c.max_pixels)?;
+    let lora = c.lora.apply(&mut placed, &p.config)?;
     // One edit: the traces it records are used once, so any size is kept.
     p.sparse_vae = SparseVae::new(a.sparse_vae, usize::MAX);
     let mut t = Timings::default();
@@ -274,6 +282,21 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                     return Err(format!("{flag} {} differs from the template's {have}: a template serves only the steps and guidance it was captured with", given.unwrap_or_default()).into());
                 }
             }
+            if m.adapters != lora.key {
+                let say = |k: &str| {
+                    if k.is_empty() {
+                        "no LoRA".to_string()
+                    } else {
+                        format!("LoRAs {k}")
+                    }
+                };
+                return Err(format!(
+                    "the template was captured with {} and this edit runs with {}: a template serves only the adapter set it was captured with",
+                    say(&m.adapters),
+                    say(&lora.key)
+                )
+                .into());
+            }
             (m.steps, m.guidance)
         }
         None => (c.steps.unwrap_or(28), c.guidance.unwrap_or(30.0)),
@@ -306,7 +329,18 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     let schedule = p.schedule(steps, image.width, image.height)?;
     let mut template_latent = None;
     let latents = match &template {
-        None => denoise(&mut placed, &prepared.inputs, schedule, Mode::Full, &mut t)?.0,
+        None => {
+            let mode = Mode::Full;
+            denoise(
+                &mut placed,
+                &prepared.inputs,
+                schedule,
+                mode,
+                &lora.uses,
+                &mut t,
+            )?
+            .0
+        }
         Some((dir, _)) => {
             let (rows, cols) = p.tokens(image.width, image.height);
             let layout =
@@ -338,7 +372,15 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                 mask: Arc::new(tm),
                 cache: Arc::new(loaded.cache),
             };
-            denoise(&mut placed, &prepared.inputs, schedule, mode, &mut t)?.0
+            denoise(
+                &mut placed,
+                &prepared.inputs,
+                schedule,
+                mode,
+                &lora.uses,
+                &mut t,
+            )?
+            .0
         }
     };
     let out = p.finish_edit(&prepared, &latents, template_latent.as_ref(), &opts, &mut t)?;
@@ -358,6 +400,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
 pub fn run_capture(a: CaptureArgs) -> CliResult {
     let c = &a.common;
     let (p, mut placed) = load_pipeline(&c.model, &c.device, c.max_pixels)?;
+    let lora = c.lora.apply(&mut placed, &p.config)?;
     let mut t = Timings::default();
     let bytes = read(&a.image)?;
     let image =
@@ -385,7 +428,14 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
         TemplateLayout::for_model(&p.config, rows * cols, opts.steps, placed.template_dtype())
             .with_mode(a.cache_mode.parse()?);
     let mode = Mode::Capture(TemplateCache::new(layout)?);
-    let (latents, cache) = denoise(&mut placed, &prepared.inputs, schedule, mode, &mut t)?;
+    let (latents, cache) = denoise(
+        &mut placed,
+        &prepared.inputs,
+        schedule,
+        mode,
+        &lora.uses,
+        &mut t,
+    )?;
     let cache = cache.ok_or("the capture run returned no template cache")?;
     let (recon, traces) = if record {
         // The decode recording its trace: the same ops as `finish`'s, bit for bit.
@@ -415,6 +465,7 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
         guidance: opts.guidance,
         seed: c.seed,
         prompt: c.prompt.clone(),
+        adapters: lora.key.clone(),
     };
     template_file::save(&a.out, &cache, &meta, placed.template_dtype())?;
     if let Some(traces) = traces {

@@ -8,6 +8,7 @@ use denoised_models::pipeline::flux_fill::{EditOptions, Timings};
 use denoised_models::pipeline::generate::GenerateOptions;
 use denoised_models::ModelSource;
 
+use super::adapters::LoraArgs;
 use super::edit::{denoise, load_pipeline, read_noise, report, write_png};
 use super::{CliResult, ModelDeviceArgs};
 
@@ -53,6 +54,8 @@ pub struct GenerateArgs {
     pub timings: bool,
     #[command(flatten)]
     pub device: ModelDeviceArgs,
+    #[command(flatten)]
+    pub lora: LoraArgs,
     /// Output PNG.
     #[arg(long)]
     pub out: PathBuf,
@@ -60,6 +63,7 @@ pub struct GenerateArgs {
 
 pub fn run(a: GenerateArgs) -> CliResult {
     let (p, mut placed) = load_pipeline(&a.model, &a.device, a.max_pixels)?;
+    let lora = a.lora.apply(&mut placed, &p.config)?;
     let side = p.default_side();
     let opts = GenerateOptions {
         steps: a.steps,
@@ -84,7 +88,16 @@ pub fn run(a: GenerateArgs) -> CliResult {
         );
     }
     let schedule = p.schedule(opts.steps, opts.width, opts.height)?;
-    let latents = denoise(&mut placed, &prepared.inputs, schedule, Mode::Full, &mut t)?.0;
+    let mode = Mode::Full;
+    let latents = denoise(
+        &mut placed,
+        &prepared.inputs,
+        schedule,
+        mode,
+        &lora.uses,
+        &mut t,
+    )?
+    .0;
     // The whole image is generated: nothing to paste back.
     let finish = EditOptions {
         paste_back: false,

@@ -1,5 +1,6 @@
 //! Command-line interface: one module per subcommand, shared options here.
 
+mod adapters;
 mod bench_approx;
 mod bench_attn;
 mod bench_generate;

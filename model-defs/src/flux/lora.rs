@@ -57,6 +57,9 @@ pub struct LoraFile {
     pub path: PathBuf,
     /// Ordered by site, then rows.
     pub modules: Vec<LoraModule>,
+    /// Identity of its contents (names, factors and scales): what template keys record
+    /// of an adapter, so a file renamed is the same adapter and one retrained is not.
+    pub fingerprint: String,
 }
 
 impl LoraFile {
@@ -155,9 +158,21 @@ impl LoraFile {
             return Err(bad("no transformer LoRA tensors".into()));
         }
         modules.sort_by_key(|m| (m.site.index(cfg), m.rows.start));
+        let mut h = crc32fast::Hasher::new();
+        for m in &modules {
+            h.update(m.name.as_bytes());
+            h.update(&m.scale.to_le_bytes());
+            for t in [&m.down, &m.up] {
+                for v in t.data() {
+                    h.update(&v.to_le_bytes());
+                }
+            }
+        }
+        let params: usize = modules.iter().map(|m| m.down.len() + m.up.len()).sum();
         Ok(LoraFile {
             path: file,
             modules,
+            fingerprint: format!("lora-{:08x}-{params}", h.finalize()),
         })
     }
 
@@ -173,6 +188,15 @@ impl LoraFile {
     pub fn rank(&self) -> usize {
         self.modules.iter().map(LoraModule::rank).max().unwrap_or(0)
     }
+}
+
+/// The key of a LoRA set with its scales, in order (e.g. `lora-1a2b3c4d-5120*0.8`):
+/// what a template captured with it records, and an edit must match. Empty for none.
+pub fn set_key<'a>(set: impl IntoIterator<Item = (&'a LoraFile, f32)>) -> String {
+    set.into_iter()
+        .map(|(f, s)| format!("{}*{s}", f.fingerprint))
+        .collect::<Vec<_>>()
+        .join("+")
 }
 
 /// Every checkpoint Linear of `cfg`'s model by diffusers module name: its site, its

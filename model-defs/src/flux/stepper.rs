@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use denoised_runtime::{Backend, Error, Result, Tensor};
 
+use super::adapters::{LoraId, LoraUse};
 use super::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
+use super::lora::LoraFile;
 use super::plan::{plan_step, SlabLoad, StepWork};
 use super::template::{CacheMode, TemplateCache};
 use super::FluxTransformer;
@@ -104,6 +106,15 @@ pub trait Stepper: Send {
     fn stats(&self) -> Arc<StepperStats>;
     /// Plans with `profile`'s latency models from now on.
     fn set_profile(&mut self, profile: Profile);
+    /// Uploads a LoRA for the unmerged path (see `FluxTransformer::add_lora`).
+    fn add_lora(&mut self, file: &LoraFile) -> Result<LoraId>;
+    /// Drops an uploaded LoRA; false if it was not loaded.
+    fn remove_lora(&mut self, id: LoraId) -> Result<bool>;
+    /// Merges a LoRA set into the weights, restoring the previous set first (an
+    /// empty set restores the base); returns the sites patched.
+    fn merge_loras(&mut self, loras: &[(&LoraFile, f32)]) -> Result<usize>;
+    /// The unmerged LoRAs an admitted job runs with from its next step.
+    fn set_loras(&mut self, id: JobKey, loras: Vec<LoraUse>) -> Result<()>;
 }
 
 fn no_job(id: JobKey) -> Error {
@@ -414,6 +425,26 @@ where
     }
     fn set_profile(&mut self, profile: Profile) {
         self.profile = profile;
+    }
+
+    fn add_lora(&mut self, file: &LoraFile) -> Result<LoraId> {
+        self.model.add_lora(file)
+    }
+
+    fn remove_lora(&mut self, id: LoraId) -> Result<bool> {
+        self.model.remove_lora(id)
+    }
+
+    fn merge_loras(&mut self, loras: &[(&LoraFile, f32)]) -> Result<usize> {
+        self.model.merge_loras(loras)
+    }
+
+    fn set_loras(&mut self, id: JobKey, loras: Vec<LoraUse>) -> Result<()> {
+        self.jobs
+            .get_mut(&id)
+            .ok_or_else(|| no_job(id))?
+            .set_loras(loras);
+        Ok(())
     }
 }
 

@@ -51,6 +51,10 @@ pub struct TemplateMeta {
     pub guidance: f32,
     pub seed: u64,
     pub prompt: String,
+    /// The LoRA set it was captured with (`lora::set_key`); empty for none. An edit
+    /// must run with the same set: the cached activations are the adapted model's.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub adapters: String,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -443,6 +447,7 @@ mod tests {
             guidance: 30.0,
             seed: 1,
             prompt: "".into(),
+            adapters: String::new(),
         };
         (c, meta)
     }
