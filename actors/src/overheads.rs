@@ -93,6 +93,7 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
             work: Mode::Full,
             start_at: 0,
             store_at: Vec::new(),
+            loras: vec![],
         });
     }
     let mut times = Vec::new();
@@ -112,7 +113,12 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
             Ok(Event::Finished { .. }) => finished += 1,
             Ok(Event::Failed { error, .. }) => return Err(error),
             Ok(Event::Cancelled { .. }) => finished += 1,
-            Ok(Event::Submitted { .. } | Event::Stored { .. }) => {}
+            Ok(
+                Event::Submitted { .. }
+                | Event::Stored { .. }
+                | Event::LoraApplied { .. }
+                | Event::LoraLoaded { .. },
+            ) => {}
             Err(e) => return Err(format!("denoise loop stalled: {e}")),
         }
     }

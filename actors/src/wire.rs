@@ -296,6 +296,10 @@ pub struct DenoiseStats {
     /// Wall-clock (Unix) seconds of its first and last step, for cross-request ordering.
     pub first_step_unix: f64,
     pub finished_unix: f64,
+    /// The step of its schedule from which its LoRAs applied (bounded asynchronous
+    /// loading); None without LoRAs.
+    #[serde(default)]
+    pub loras_applied_at: Option<u32>,
 }
 
 /// denoise → router.

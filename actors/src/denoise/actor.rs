@@ -273,6 +273,7 @@ impl DenoiseState {
             work,
             start_at,
             store_at,
+            loras: vec![],
         })
     }
 
@@ -571,6 +572,17 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
                 report_load(&ctx, router.as_ref(), &load);
             }
             Event::Finished { id, latents, cache } => ready.push((id, latents, cache)),
+            Event::LoraApplied { id, step } => {
+                acc.entry(id).or_default().stats.loras_applied_at = Some(step as u32);
+            }
+            Event::LoraLoaded {
+                name,
+                seconds,
+                error,
+            } => match error {
+                None => tracing::info!(lora = %name, seconds, "LoRA loaded"),
+                Some(e) => tracing::warn!(lora = %name, seconds, "LoRA not loaded: {e}"),
+            },
             Event::Stored { id, k, latents } => match ctx.shm.write_tensor(&latents) {
                 Ok(h) => stored.entry(id).or_default().push((k as u32, h)),
                 // The arena is full: the state is not cached, the request goes on.

@@ -124,6 +124,7 @@ pub fn submit(
                     work,
                     start_at: 0,
                     store_at: Vec::new(),
+                    loras: vec![],
                 };
                 Ok((r, s1.prepared, active, pixel_ratio, s1.prompt_cache_hit))
             });

@@ -30,6 +30,9 @@ use denoised_models::FlowMatchEuler;
 use denoised_runtime::Tensor;
 
 use crate::scheduler::{BatchConfig, BatchScheduler, RequestId, SchedRequest, TemplateUse};
+use adapters::LoopAdapters;
+pub use adapters::{AdapterOptions, LoraRequest};
+use denoised_models::flux::lora::LoraFile;
 
 /// Exit status of a denoise worker whose device failed (EX_SOFTWARE).
 pub const EXIT_DEVICE_FAULT: i32 = 70;
@@ -47,6 +50,8 @@ pub struct DenoiseRequest {
     /// Steps after which its latents go out ([`Event::Stored`]): a generation that
     /// missed the approximate cache.
     pub store_at: Vec<usize>,
+    /// Its LoRAs, loaded while it starts on the base weights ([`adapters`]).
+    pub loras: Vec<LoraRequest>,
 }
 
 pub enum LoopCommand {
@@ -58,6 +63,12 @@ pub enum LoopCommand {
     /// server would. It may send further commands (e.g. the `Submit` of what it
     /// prepared) through a [`LoopSender`]; they are taken in the same drain.
     Run(Box<dyn FnOnce() + Send>),
+    /// The loader read a LoRA (or could not): it goes to the device at this boundary.
+    LoraLoaded {
+        name: String,
+        result: Result<Arc<LoraFile>, String>,
+        seconds: f64,
+    },
     Shutdown,
 }
 
@@ -120,6 +131,17 @@ pub enum Event {
     Cancelled {
         id: RequestId,
     },
+    /// A request's LoRAs apply from this step of its schedule on.
+    LoraApplied {
+        id: RequestId,
+        step: usize,
+    },
+    /// The loader finished reading a LoRA (`error` if it could not), in `seconds`.
+    LoraLoaded {
+        name: String,
+        seconds: f64,
+        error: Option<String>,
+    },
 }
 
 /// Handle to a running loop: a command sender and an event receiver. Dropping it
@@ -140,6 +162,8 @@ pub struct LoopOptions {
     /// Fault injection (`DENOISED_FAULT`, see [`crate::fault`]): the loop thread panics
     /// before the step with this number.
     pub panic_at_step: Option<u64>,
+    /// LoRAs: requests naming some are refused without.
+    pub adapters: Option<AdapterOptions>,
 }
 
 impl DenoiseLoop {
@@ -152,9 +176,13 @@ impl DenoiseLoop {
         let sched = BatchScheduler::new(config).map_err(|e| e.to_string())?;
         let (commands, rx) = unbounded();
         let (tx, events) = unbounded();
+        let adapters = match &options.adapters {
+            Some(o) => Some(LoopAdapters::new(o, LoopSender(commands.clone()))?),
+            None => None,
+        };
         let thread = std::thread::Builder::new()
             .name("denoise-loop".into())
-            .spawn(move || run(stepper, sched, rx, tx, options))
+            .spawn(move || run(stepper, sched, adapters, rx, tx, options))
             .map_err(|e| format!("cannot start the denoise thread: {e}"))?;
         Ok(DenoiseLoop {
             commands,
@@ -197,6 +225,7 @@ struct State {
     waiting: HashMap<RequestId, DenoiseRequest>,
     /// The `store_at` of running requests that have one.
     stores: HashMap<RequestId, Vec<usize>>,
+    adapters: Option<LoopAdapters>,
     tx: Sender<Event>,
 }
 
@@ -208,10 +237,29 @@ impl State {
             LoopCommand::Run(f) => f(),
             LoopCommand::Cancel(id) => {
                 if self.sched.cancel(id) {
-                    self.waiting.remove(&id);
-                    self.stores.remove(&id);
-                    model.remove(id);
+                    self.forget(id, model);
                     let _ = self.tx.send(Event::Cancelled { id });
+                }
+            }
+            LoopCommand::LoraLoaded {
+                name,
+                result,
+                seconds,
+            } => {
+                let error = result.as_ref().err().cloned();
+                let _ = self.tx.send(Event::LoraLoaded {
+                    name: name.clone(),
+                    seconds,
+                    error,
+                });
+                let failed = match &mut self.adapters {
+                    Some(a) => a.loaded(name, result, model),
+                    None => vec![],
+                };
+                for (id, error) in failed {
+                    self.sched.cancel(id);
+                    self.forget(id, model);
+                    let _ = self.tx.send(Event::Failed { id, error });
                 }
             }
             LoopCommand::Submit(r) => {
@@ -224,7 +272,20 @@ impl State {
         true
     }
 
-    fn submit(&mut self, r: DenoiseRequest, model: &dyn Stepper) -> Result<(), String> {
+    /// Drops what the loop keeps of a request that left (cancelled or failed).
+    fn forget(&mut self, id: RequestId, model: &mut dyn Stepper) {
+        self.waiting.remove(&id);
+        self.stores.remove(&id);
+        model.remove(id);
+        if let Some(a) = &mut self.adapters {
+            a.leave(id, model);
+        }
+    }
+
+    fn submit(&mut self, mut r: DenoiseRequest, model: &dyn Stepper) -> Result<(), String> {
+        if !r.loras.is_empty() && self.adapters.is_none() {
+            return Err("this denoise worker serves no LoRAs".into());
+        }
         // The scheduler counts the steps the request will run.
         let steps = r.schedule.steps().saturating_sub(r.start_at) as u32;
         let tokens = match &r.work {
@@ -250,6 +311,9 @@ impl State {
             shape,
             steps,
         });
+        if let Some(a) = &mut self.adapters {
+            a.submit(r.id, std::mem::take(&mut r.loras));
+        }
         self.waiting.insert(r.id, r);
         Ok(())
     }
@@ -276,6 +340,9 @@ impl State {
                     device_fault(&e);
                 }
                 self.sched.cancel(id);
+                if let Some(a) = &mut self.adapters {
+                    a.leave(id, model);
+                }
                 failed.push(id);
                 let _ = self.tx.send(Event::Failed {
                     id,
@@ -290,6 +357,7 @@ impl State {
 fn run(
     mut model: Box<dyn Stepper>,
     sched: BatchScheduler,
+    adapters: Option<LoopAdapters>,
     rx: Receiver<LoopCommand>,
     tx: Sender<Event>,
     options: LoopOptions,
@@ -298,6 +366,7 @@ fn run(
         sched,
         waiting: HashMap::new(),
         stores: HashMap::new(),
+        adapters,
         tx,
     };
     loop {
@@ -323,14 +392,34 @@ fn run(
             }
         }
         let t0 = Instant::now();
-        let plan = st.sched.plan();
+        let mut plan = st.sched.plan();
+        let mut dropped = Vec::new();
+        loop {
+            dropped.extend(st.admit(plan.admitted(), &mut *model));
+            // LoRAs that have landed apply now; a request at its K without them waits.
+            let changed = match &mut st.adapters {
+                Some(a) => a.gate(&mut st.sched, &mut *model, &st.tx),
+                None => false,
+            };
+            if !changed {
+                break;
+            }
+            plan = st.sched.plan();
+        }
         if plan.is_empty() {
+            if !st.sched.is_idle() {
+                // All that runs waits for a LoRA: sleep until the loader's result (or
+                // any command) arrives.
+                let Ok(cmd) = rx.recv() else { return };
+                if !st.apply(cmd, &mut *model) {
+                    return;
+                }
+            }
             continue;
         }
         if options.panic_at_step == Some(plan.step()) {
             panic!("fault injection: panic at step {}", plan.step());
         }
-        let dropped = st.admit(plan.admitted(), &mut *model);
         let ids: Vec<RequestId> = plan
             .ids()
             .iter()
@@ -346,8 +435,7 @@ fn run(
             Err(e) => {
                 for (id, error) in isolate(&mut *model, &ids, &before, e) {
                     st.sched.cancel(id);
-                    st.stores.remove(&id);
-                    model.remove(id);
+                    st.forget(id, &mut *model);
                     let _ = st.tx.send(Event::Failed { id, error });
                 }
                 StepReport::default()
@@ -361,6 +449,9 @@ fn run(
         // sent everything that step produced. Each result is downloaded here, once.
         for id in finished {
             st.stores.remove(&id);
+            if let Some(a) = &mut st.adapters {
+                a.leave(id, &mut *model);
+            }
             let event = match model.finish(id) {
                 Ok((latents, cache)) => Event::Finished { id, latents, cache },
                 Err(e) => {
@@ -464,7 +555,10 @@ fn device_fault(e: &denoised_runtime::Error) -> ! {
 }
 
 #[cfg(test)]
+mod lora_tests;
+#[cfg(test)]
 mod tests;
 
 pub mod actor;
+pub mod adapters;
 pub mod inline;

@@ -21,7 +21,7 @@ use crate::scheduler::Batching;
 
 const SIDE: usize = 8; // 8x8 tokens
 
-fn model() -> Arc<FluxTransformer<CpuBackend>> {
+pub(super) fn model() -> Arc<FluxTransformer<CpuBackend>> {
     Arc::new(
         ModelSource::Builtin
             .load_transformer(CpuBackend::new())
@@ -29,7 +29,7 @@ fn model() -> Arc<FluxTransformer<CpuBackend>> {
     )
 }
 
-fn inputs(seed: u64) -> Arc<DenoiseInputs> {
+pub(super) fn inputs(seed: u64) -> Arc<DenoiseInputs> {
     let c = FluxConfig::tiny();
     let l = SIDE * SIDE;
     let mut rng = SplitMix::new(seed);
@@ -53,7 +53,7 @@ fn complete(layout: TemplateLayout) -> TemplateCache {
     t
 }
 
-fn schedule(steps: usize) -> Arc<FlowMatchEuler> {
+pub(super) fn schedule(steps: usize) -> Arc<FlowMatchEuler> {
     Arc::new(FlowMatchEuler::new(&Default::default(), steps, SIDE * SIDE).unwrap())
 }
 
@@ -64,7 +64,7 @@ fn solo(seed: u64, steps: usize) -> Tensor {
     run_to_end(&m, job, &DeviceTemplates::new()).unwrap().0
 }
 
-fn gated(mode: Batching) -> (DenoiseLoop, Sender<()>) {
+pub(super) fn gated(mode: Batching) -> (DenoiseLoop, Sender<()>) {
     gated_with(mode, u64::MAX)
 }
 
@@ -92,7 +92,7 @@ fn gated_with(mode: Batching, template_bytes: u64) -> (DenoiseLoop, Sender<()>) 
 
 /// The loop's next event but `Submitted` (each test checks what ran; the worker's load
 /// reports, which read `Submitted`, are tested with the router).
-fn next(lp: &DenoiseLoop) -> Event {
+pub(super) fn next(lp: &DenoiseLoop) -> Event {
     loop {
         match lp
             .events()
@@ -105,7 +105,7 @@ fn next(lp: &DenoiseLoop) -> Event {
     }
 }
 
-fn full(id: u64, seed: u64, steps: usize) -> DenoiseRequest {
+pub(super) fn full(id: u64, seed: u64, steps: usize) -> DenoiseRequest {
     DenoiseRequest {
         id,
         inputs: inputs(seed),
@@ -113,6 +113,7 @@ fn full(id: u64, seed: u64, steps: usize) -> DenoiseRequest {
         work: Mode::Full,
         start_at: 0,
         store_at: Vec::new(),
+        loras: vec![],
     }
 }
 
@@ -204,6 +205,7 @@ fn cancel_and_bad_requests_do_not_stop_the_loop() {
         },
         start_at: 0,
         store_at: Vec::new(),
+        loras: vec![],
     };
     lp.submit(bad);
     lp.submit(full(3, 3, 2));
@@ -220,6 +222,9 @@ fn cancel_and_bad_requests_do_not_stop_the_loop() {
                 Event::Step { batch, .. } => format!("step {batch:?}"),
                 Event::Stored { id, k, .. } => format!("stored {id} after {k}"),
                 Event::Submitted { .. } => unreachable!("next() skips them"),
+                ev @ (Event::LoraApplied { .. } | Event::LoraLoaded { .. }) => {
+                    unreachable!("no request names a LoRA: {ev:?}")
+                }
             });
             if last {
                 break;
@@ -252,6 +257,7 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
         work: Mode::Capture(TemplateCache::new(layout).unwrap()),
         start_at: 0,
         store_at: Vec::new(),
+        loras: vec![],
     });
     let (fin, cache) = loop {
         if let Event::Finished { latents, cache, .. } = next(&lp) {
@@ -267,6 +273,7 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
         work: Mode::Edit { mask, cache },
         start_at: 0,
         store_at: Vec::new(),
+        loras: vec![],
     });
     let edited = loop {
         if let Event::Finished { latents, .. } = next(&lp) {
@@ -295,6 +302,7 @@ fn a_request_whose_step_fails_does_not_fail_its_batch_mates() {
         },
         start_at: 0,
         store_at: Vec::new(),
+        loras: vec![],
     };
     lp.submit(full(1, 1, 3));
     lp.submit(bad);
@@ -353,6 +361,7 @@ fn a_run_resumed_from_any_stored_state_ends_bit_identical() {
         } else {
             Vec::new()
         },
+        loras: vec![],
     };
     let resumed = |state: &Tensor| {
         Arc::new(DenoiseInputs {

@@ -41,6 +41,11 @@
 //!   left for them by the budget computed at start. A template shared by several
 //!   requests counts once. A request whose template alone exceeds it is refused at
 //!   submission with the figures: it could never run without an out-of-memory error.
+//! * **A held request pauses in place.** [`BatchScheduler::hold`] leaves a running
+//!   request out of the plans (it keeps its place, rows and template, since its state
+//!   stays on the device) until [`BatchScheduler::release`]: how a request waits at step
+//!   K for a LoRA that is still loading (bounded asynchronous loading, DESIGN.md
+//!   §Adapters). The others go on.
 //! * **`Batching::Static`** (a baseline for measured comparisons): admission happens only
 //!   when nothing is running; it then takes as many waiting requests as fit (same FIFO
 //!   rule), and no request joins until the whole batch has finished.
@@ -249,6 +254,8 @@ pub struct StepPlan {
     /// Admission tickets below this one are in the plan (every request running when the
     /// plan was made); later admissions are not.
     ticket_end: u64,
+    /// Running requests held when the plan was made: not in it, not advanced.
+    held: Vec<RequestId>,
 }
 
 impl StepPlan {
@@ -299,6 +306,8 @@ pub struct BatchScheduler {
     live: HashSet<RequestId>,
     next_ticket: u64,
     step: u64,
+    /// Running requests paused by [`hold`](Self::hold).
+    held: HashSet<RequestId>,
 }
 
 impl BatchScheduler {
@@ -316,6 +325,7 @@ impl BatchScheduler {
             live: HashSet::new(),
             next_ticket: 0,
             step: 0,
+            held: HashSet::new(),
         })
     }
 
@@ -355,6 +365,7 @@ impl BatchScheduler {
         if !self.live.remove(&id) {
             return false;
         }
+        self.held.remove(&id);
         if let Some(i) = self.running.iter().position(|r| r.id == id) {
             let r = self.running.remove(i);
             self.tickets.remove(i);
@@ -373,13 +384,50 @@ impl BatchScheduler {
     pub fn plan(&mut self) -> StepPlan {
         let before = self.running.len();
         self.admit();
+        let held: Vec<RequestId> = match self.held.is_empty() {
+            true => vec![],
+            false => self
+                .running
+                .iter()
+                .map(|r| r.id)
+                .filter(|id| self.held.contains(id))
+                .collect(),
+        };
+        let rows = self.running_rows
+            - self
+                .running
+                .iter()
+                .filter(|r| held.contains(&r.id))
+                .map(|r| r.rows_per_step)
+                .sum::<usize>();
         StepPlan {
-            ids: self.running.iter().map(|r| r.id).collect(),
+            ids: self
+                .running
+                .iter()
+                .map(|r| r.id)
+                .filter(|id| !held.contains(id))
+                .collect(),
             admitted: self.running.len() - before,
-            rows: self.running_rows,
+            rows,
             step: self.step,
             ticket_end: self.next_ticket,
+            held,
         }
+    }
+
+    /// Pauses a running request (see the module's policy); false if it is not running.
+    pub fn hold(&mut self, id: RequestId) -> bool {
+        self.running.iter().any(|r| r.id == id) && self.held.insert(id)
+    }
+
+    /// Resumes a held request from the next plan; false if it was not held.
+    pub fn release(&mut self, id: RequestId) -> bool {
+        self.held.remove(&id)
+    }
+
+    /// Whether a request is held.
+    pub fn is_held(&self, id: RequestId) -> bool {
+        self.held.contains(&id)
     }
 
     fn admit(&mut self) {
@@ -426,7 +474,7 @@ impl BatchScheduler {
         for i in 0..self.running.len() {
             let mut r = self.running[i];
             let ticket = self.tickets[i];
-            if ticket < plan.ticket_end {
+            if ticket < plan.ticket_end && !plan.held.contains(&r.id) {
                 r.steps_done += 1;
                 if r.is_finished() {
                     finished.push(r.id);

@@ -1,7 +1,7 @@
 //! Property tests of the batch scheduler against a brute-force reference that plans
 //! by scanning every request ever submitted.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use proptest::prelude::*;
 
@@ -30,6 +30,8 @@ struct Reference {
     config: BatchConfig,
     reqs: Vec<RefReq>,
     admissions: usize,
+    /// Held running requests, by submission index.
+    held: HashSet<usize>,
 }
 
 impl Reference {
@@ -81,8 +83,23 @@ impl Reference {
         match self.live(id) {
             Some(i) => {
                 self.reqs[i].state = RefState::Cancelled;
+                self.held.remove(&i);
                 true
             }
+            None => false,
+        }
+    }
+
+    fn hold(&mut self, id: RequestId) -> bool {
+        match self.live(id) {
+            Some(i) if self.reqs[i].state == RefState::Running => self.held.insert(i),
+            _ => false,
+        }
+    }
+
+    fn release(&mut self, id: RequestId) -> bool {
+        match self.live(id) {
+            Some(i) => self.held.remove(&i),
             None => false,
         }
     }
@@ -120,6 +137,7 @@ impl Reference {
         let ids = self
             .in_state(RefState::Running)
             .iter()
+            .filter(|r| !self.held.contains(&r.sub))
             .map(|r| r.req.id)
             .collect();
         (ids, admitted)
@@ -177,6 +195,8 @@ enum Op {
     Step,
     /// Plan, cancel a request while the step "runs", then complete.
     CancelDuringStep(u8),
+    Hold(u8),
+    Release(u8),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -186,6 +206,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..24).prop_map(Op::Cancel),
         5 => Just(Op::Step),
         1 => (0u8..24).prop_map(Op::CancelDuringStep),
+        1 => (0u8..24).prop_map(Op::Hold),
+        1 => (0u8..24).prop_map(Op::Release),
     ]
 }
 
@@ -221,6 +243,7 @@ impl Harness {
                 config,
                 reqs: Vec::new(),
                 admissions: 0,
+                held: HashSet::new(),
             },
             executed: HashMap::new(),
             initial_done: HashMap::new(),
@@ -246,9 +269,46 @@ impl Harness {
         Ok(())
     }
 
+    fn hold(&mut self, id: RequestId, on: bool) -> Result<(), TestCaseError> {
+        if on {
+            prop_assert_eq!(self.s.hold(id), self.r.hold(id));
+        } else {
+            prop_assert_eq!(self.s.release(id), self.r.release(id));
+        }
+        prop_assert_eq!(
+            self.s.is_held(id),
+            on && self.s.running().iter().any(|r| r.id == id)
+        );
+        Ok(())
+    }
+
     fn step(&mut self, cancel: Option<RequestId>) -> Result<(), TestCaseError> {
         let c = self.r.config;
-        let prev_running: Vec<RequestId> = self.s.running().iter().map(|r| r.id).collect();
+        let held: Vec<RequestId> = self
+            .s
+            .running()
+            .iter()
+            .map(|r| r.id)
+            .filter(|&id| self.s.is_held(id))
+            .collect();
+        let prev_running: Vec<RequestId> = self
+            .s
+            .running()
+            .iter()
+            .map(|r| r.id)
+            .filter(|id| !held.contains(id))
+            .collect();
+        let held_done: Vec<u32> = held
+            .iter()
+            .map(|id| {
+                self.s
+                    .running()
+                    .iter()
+                    .find(|r| r.id == *id)
+                    .unwrap()
+                    .steps_done
+            })
+            .collect();
         let waiting_before: Vec<RequestId> = self.s.waiting().map(|r| r.id).collect();
 
         let plan = self.s.plan();
@@ -256,13 +316,21 @@ impl Harness {
         prop_assert_eq!(plan.ids(), &ref_ids[..]);
         prop_assert_eq!(plan.admitted(), &ref_admitted[..]);
 
-        // Limits.
+        // Limits: held requests keep their rows and templates but are not planned.
         prop_assert!(plan.len() <= c.max_batch);
         let rows: usize = self.s.running().iter().map(|r| r.rows_per_step).sum();
-        prop_assert_eq!(plan.rows(), rows);
+        let held_rows: usize = self
+            .s
+            .running()
+            .iter()
+            .filter(|r| held.contains(&r.id))
+            .map(|r| r.rows_per_step)
+            .sum();
+        prop_assert_eq!(plan.rows(), rows - held_rows);
         prop_assert_eq!(self.s.running_rows(), rows);
+        prop_assert!(plan.ids().iter().all(|id| !held.contains(id)));
         prop_assert!(
-            rows <= c.token_budget || plan.len() == 1,
+            rows <= c.token_budget || self.s.running().len() == 1,
             "rows {} over budget",
             rows
         );
@@ -285,14 +353,14 @@ impl Harness {
             if let Some(head) = self.s.waiting().next() {
                 let with: Vec<SchedRequest> = running.iter().copied().chain([*head]).collect();
                 prop_assert!(
-                    plan.len() == c.max_batch
+                    self.s.running().len() == c.max_batch
                         || rows + head.rows_per_step > c.token_budget
                         || distinct_template_bytes(&with) > c.template_bytes
                 );
             }
         }
-        // An empty plan only when nothing is waiting.
-        if plan.is_empty() {
+        // An empty plan only when nothing is waiting (or all that runs is held).
+        if plan.is_empty() && held.is_empty() {
             prop_assert_eq!(self.s.num_waiting(), 0);
         }
 
@@ -311,6 +379,12 @@ impl Harness {
         }
         let fin = self.s.complete_step(&plan);
         prop_assert_eq!(&fin, &self.r.complete(&subs));
+        // Held requests did not advance.
+        for (id, done) in held.iter().zip(held_done) {
+            if let Some(r) = self.s.running().iter().find(|r| r.id == *id) {
+                prop_assert_eq!(r.steps_done, done, "held request {} advanced", id);
+            }
+        }
         for id in &fin {
             prop_assert!(!self.s.contains(*id));
         }
@@ -319,6 +393,10 @@ impl Harness {
 
     /// Steps until idle: nothing starves, and each request ran exactly its steps.
     fn drain(&mut self) -> Result<(), TestCaseError> {
+        let held: Vec<RequestId> = self.s.running().iter().map(|r| r.id).collect();
+        for id in held {
+            self.hold(id, false)?;
+        }
         let bound: u32 = self.r.reqs.iter().map(|r| r.req.steps_left()).sum::<u32>() + 1;
         let mut n = 0;
         while !self.s.is_idle() {
@@ -355,6 +433,8 @@ proptest! {
                 Op::Cancel(id) => h.cancel(id as RequestId)?,
                 Op::Step => h.step(None)?,
                 Op::CancelDuringStep(id) => h.step(Some(id as RequestId))?,
+                Op::Hold(id) => h.hold(id as RequestId, true)?,
+                Op::Release(id) => h.hold(id as RequestId, false)?,
             }
         }
         h.drain()?;
