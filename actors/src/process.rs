@@ -13,6 +13,7 @@ use denoised_runtime::CpuBackend;
 use ractor::Actor;
 
 use crate::denoise::actor::{DenoiseActor, DenoiseArgs};
+use crate::denoise::AdapterOptions;
 use crate::device::{self, Placed};
 use crate::metrics::actor::MetricsActor;
 use crate::metrics::cache::CacheMetrics;
@@ -268,6 +269,13 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                 };
 
                 let stats = placed.stepper.stats();
+                let ad = &env.config.adapters;
+                let adapters = AdapterOptions {
+                    config: pipeline.config.clone(),
+                    slots: ad.device_slots,
+                    throttle_bytes_per_s: (ad.throttle_mib_per_s > 0.0)
+                        .then(|| ad.throttle_mib_per_s * (1u64 << 20) as f64),
+                };
                 let metrics = DenoiseMetrics::register(
                     registry.registry(),
                     stats.clone(),
@@ -286,6 +294,8 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                         template_dtype,
                         metrics,
                         stats,
+                        adapters,
+                        adapters_dir: ad.resolved_dir(&env.config.cache),
                     },
                 )
                 .await

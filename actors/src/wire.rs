@@ -269,6 +269,17 @@ pub enum DenoiseWork {
     },
 }
 
+/// One LoRA of a request, as the router resolved it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WireLora {
+    /// The adapter's name under `[adapters] dir`.
+    pub name: String,
+    /// As the request gave it (f32 on the device).
+    pub scale: f64,
+    /// K of bounded asynchronous loading (0: before the first step).
+    pub patch_by: u32,
+}
+
 /// router → denoise.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct DenoiseReq {
@@ -280,6 +291,9 @@ pub struct DenoiseReq {
     pub cols: u32,
     pub active: Vec<u32>,
     pub work: DenoiseWork,
+    /// Its LoRAs.
+    #[serde(default)]
+    pub loras: Vec<WireLora>,
 }
 
 /// What a request saw in the denoise loop.
@@ -451,6 +465,9 @@ pub struct TemplateInfo {
     /// not). Filled in when it is described.
     #[serde(default)]
     pub tiers: TierBytes,
+    /// The LoRAs it was captured with; its edits run with them.
+    #[serde(default)]
+    pub loras: Vec<WireLora>,
 }
 
 /// A template's footprint in each tier of the template cache.

@@ -22,6 +22,58 @@ pub struct Config {
     pub cache: CacheConfig,
     pub pipeline: PipelineConfig,
     pub approx_cache: ApproxCacheConfig,
+    pub adapters: AdaptersConfig,
+}
+
+/// `[adapters]`: LoRAs of the transformer (DESIGN.md §Adapters).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdaptersConfig {
+    /// Where adapters live, one per name: `NAME.safetensors` or a directory `NAME/`
+    /// holding `pytorch_lora_weights.safetensors`. Uploads are written here. Empty:
+    /// `adapters` beside the template cache's directory (`[cache] dir`'s default
+    /// parent).
+    pub dir: String,
+    /// K of bounded asynchronous loading: a request starts on the base weights while
+    /// its LoRAs load and runs no step from this one on without them (it waits). 0 is
+    /// synchronous loading. An adapter's own `denoised profile-lora` result (its
+    /// `bal.json`) overrides it for the model it was profiled on.
+    pub patch_by_step: u32,
+    /// LoRAs a request may name.
+    pub max_per_request: usize,
+    /// Idle LoRAs each denoise worker keeps on its device (least recently used out).
+    pub device_slots: usize,
+    /// The loader's read bandwidth in MiB/s (0: unthrottled): how a shared disk or a
+    /// network volume is modelled, and the benchmark's throttled load.
+    pub throttle_mib_per_s: f64,
+    /// Largest upload (`POST /v1/adapters`), bytes.
+    pub max_upload_bytes: u64,
+}
+
+impl Default for AdaptersConfig {
+    fn default() -> Self {
+        AdaptersConfig {
+            dir: String::new(),
+            patch_by_step: 4,
+            max_per_request: 4,
+            device_slots: 16,
+            throttle_mib_per_s: 0.0,
+            max_upload_bytes: 2 << 30,
+        }
+    }
+}
+
+impl AdaptersConfig {
+    /// The adapters' directory, resolved (see [`AdaptersConfig::dir`]).
+    pub fn resolved_dir(&self, cache: &CacheConfig) -> std::path::PathBuf {
+        if !self.dir.is_empty() {
+            return self.dir.clone().into();
+        }
+        let templates = cache.resolved_dir();
+        templates
+            .parent()
+            .map_or_else(|| templates.join("adapters"), |p| p.join("adapters"))
+    }
 }
 
 /// `[approx_cache]`: reuse of text-to-image noise states across similar prompts

@@ -76,6 +76,12 @@ pub struct ServeArgs {
     /// `[cache] dir`: the template cache's disk tier.
     #[arg(long, env = "DENOISED_CACHE_DIR")]
     pub cache_dir: Option<String>,
+    /// `[adapters] dir`: where the served LoRAs are (and uploads go).
+    #[arg(long, env = "DENOISED_ADAPTERS_DIR")]
+    pub adapters_dir: Option<String>,
+    /// `[adapters] patch_by_step`: K of bounded asynchronous LoRA loading.
+    #[arg(long, env = "DENOISED_LORA_PATCH_BY_STEP")]
+    pub lora_patch_by_step: Option<u32>,
     /// `[cache] mode`: what new templates cache per block, `kv` or `y`.
     #[arg(long, env = "DENOISED_CACHE_MODE")]
     pub cache_mode: Option<String>,
@@ -171,6 +177,12 @@ impl ServeArgs {
             .map_err(|e| format!("[approx_cache] {e}"))?;
         if let Some(d) = &self.cache_dir {
             c.cache.dir = d.clone();
+        }
+        if let Some(d) = &self.adapters_dir {
+            c.adapters.dir = d.clone();
+        }
+        if let Some(k) = self.lora_patch_by_step {
+            c.adapters.patch_by_step = k;
         }
         if let Some(m) = &self.cache_mode {
             c.cache.mode = m.clone();

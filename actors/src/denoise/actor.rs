@@ -17,6 +17,7 @@
 //! steps (see [`super::inline`]).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -30,6 +31,7 @@ use denoised_runtime::shm::Handle;
 use denoised_runtime::{DType, Tensor};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
+use super::adapters::{adapter_path, AdapterOptions, LoraRequest};
 use super::inline::{self, InlineCtx, InlineJobs};
 use super::{DenoiseLoop, DenoiseRequest, Event, LoopOptions};
 use crate::node::{self, Shm};
@@ -67,6 +69,9 @@ pub struct DenoiseArgs {
     pub metrics: crate::metrics::denoise::DenoiseMetrics,
     /// The stepper's counters: which templates its device holds, for the load reports.
     pub stats: Arc<StepperStats>,
+    /// How the loop serves LoRAs, and the directory requests name them in.
+    pub adapters: AdapterOptions,
+    pub adapters_dir: PathBuf,
 }
 
 /// Captures running in the loop: the arena slice each one writes its template into.
@@ -86,6 +91,7 @@ pub struct DenoiseState {
     template_dtype: DType,
     /// Cancels of requests not (yet) here, newest first.
     cancelled: VecDeque<JobId>,
+    adapters_dir: PathBuf,
 }
 
 pub fn unix_now() -> f64 {
@@ -107,6 +113,7 @@ impl Actor for DenoiseActor {
     ) -> Result<Self::State, ActorProcessingErr> {
         let options = LoopOptions {
             panic_at_step: a.faults.panic_at_step,
+            adapters: Some(a.adapters),
             ..LoopOptions::default()
         };
         let lp = DenoiseLoop::spawn(a.stepper, a.sched, options)?;
@@ -148,6 +155,7 @@ impl Actor for DenoiseActor {
             cache_arena_bytes: a.cache_arena_bytes,
             template_dtype: a.template_dtype,
             cancelled: VecDeque::new(),
+            adapters_dir: a.adapters_dir,
         })
     }
 
@@ -273,7 +281,19 @@ impl DenoiseState {
             work,
             start_at,
             store_at,
-            loras: vec![],
+            loras: req
+                .loras
+                .iter()
+                .map(|l| {
+                    Ok(LoraRequest {
+                        path: adapter_path(&self.adapters_dir, &l.name)
+                            .map_err(WireError::bad_input)?,
+                        name: l.name.clone(),
+                        scale: l.scale as f32,
+                        patch_by: l.patch_by as usize,
+                    })
+                })
+                .collect::<Result<_, WireError>>()?,
         })
     }
 

@@ -27,6 +27,44 @@ use denoised_models::FluxConfig;
 use super::{Event, LoopCommand, LoopSender};
 use crate::scheduler::{BatchScheduler, RequestId};
 
+/// The file or directory of adapter `name` under `dir`: `NAME.safetensors`, or a
+/// directory `NAME/` (holding `pytorch_lora_weights.safetensors`). Names are plain
+/// (letters, digits, `.`, `_`, `-`; not starting with `.`), so a request can name
+/// nothing outside `dir`.
+pub fn adapter_path(dir: &std::path::Path, name: &str) -> Result<PathBuf, String> {
+    check_name(name)?;
+    let file = dir.join(format!("{name}.safetensors"));
+    if file.is_file() {
+        return Ok(file);
+    }
+    let d = dir.join(name);
+    if d.is_dir() {
+        return Ok(d);
+    }
+    Err(format!(
+        "no adapter `{name}` (looked for {} and {}/)",
+        file.display(),
+        d.display()
+    ))
+}
+
+/// Checks an adapter name (see [`adapter_path`]).
+pub fn check_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "adapter name {name:?}: 1-128 letters, digits, '.', '_' or '-', not starting with '.'"
+        ))
+    }
+}
+
 /// One LoRA of a request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoraRequest {

@@ -51,6 +51,8 @@ pub struct Ctx {
     /// A text-to-image model's facts (`None`: a Fill model, which serves no
     /// generations).
     pub generation: Option<super::generate::GenerationModel>,
+    /// Where the served LoRAs are (`None`: none are served).
+    pub adapters: Option<super::adapters::AdapterDir>,
 }
 
 impl Ctx {
@@ -95,6 +97,7 @@ impl Ctx {
             daemon_registry,
             balancer,
             generation: None,
+            adapters: None,
         }
     }
 

@@ -47,6 +47,8 @@ pub struct EditInput {
     pub dilation: u32,
     pub max_sequence_length: u32,
     pub finish: FinishParams,
+    /// Its LoRAs (resolved); a template edit runs with its template's instead.
+    pub loras: Vec<WireLora>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -75,6 +77,8 @@ pub struct EditOutput {
     pub timings: Timings,
     pub stats: DenoiseStats,
     pub attempts: usize,
+    /// The LoRAs it ran with, and the step they applied from.
+    pub loras: Vec<super::adapters::LoraApplied>,
 }
 
 pub struct TemplateInput {
@@ -91,6 +95,8 @@ pub struct TemplateInput {
     pub cache_mode: CacheMode,
     /// Its slabs are stored every this many steps (`[cache] kv_step_stride`).
     pub step_stride: u32,
+    /// The LoRAs it is captured with (every edit of it runs with them).
+    pub loras: Vec<WireLora>,
 }
 
 /// The error of registering an id that is taken.
@@ -194,6 +200,7 @@ pub(super) async fn denoise(
     steps: u32,
     active: Vec<u32>,
     work: DenoiseWork,
+    loras: Vec<WireLora>,
     held: &mut Held,
 ) -> Result<Denoised, WireError> {
     check_cancel(ctx, job).await?;
@@ -233,6 +240,7 @@ pub(super) async fn denoise(
         cols: prepared.cols,
         active,
         work,
+        loras,
     };
     let d = ctx.ask(&den, |p| DenoiseMsg::Denoise(Wire(req), p)).await;
     ctx.balancer.settle(&worker, job);
@@ -349,6 +357,19 @@ async fn edit_pinned(
                 return Err(WireError::bad_input(format!(
                     "template `{}` was captured with steps {} and guidance {}; an edit of it must use the same",
                     i.id, i.steps, i.guidance
+                )));
+            }
+            let same = input.loras.len() == i.loras.len()
+                && input
+                    .loras
+                    .iter()
+                    .zip(&i.loras)
+                    .all(|(a, b)| a.name == b.name && a.scale == b.scale);
+            if !input.loras.is_empty() && !same {
+                return Err(WireError::bad_input(format!(
+                    "template `{}` was captured with LoRAs [{}]; an edit of it runs with those (omit `loras`)",
+                    i.id,
+                    super::adapters::set_key(&i.loras)
                 )));
             }
             (i.steps, i.guidance)
@@ -474,6 +495,7 @@ async fn edit_once(
             },
             stats: d.stats,
             attempts: 1,
+            loras: vec![],
         });
     }
 
@@ -485,7 +507,19 @@ async fn edit_once(
     let loaded = loaded.await?;
     let blob = loaded.as_ref().and_then(|t| t.blob.clone());
     let work = work(blob.clone());
-    let d = denoise(ctx, job, &prepared, params.steps, active, work, held).await?;
+    // A template edit runs with its template's LoRAs (captured with them at every step).
+    let loras = template.map_or_else(|| input.loras.clone(), |t| t.info.loras.clone());
+    let d = denoise(
+        ctx,
+        job,
+        &prepared,
+        params.steps,
+        active,
+        work,
+        loras.clone(),
+        held,
+    )
+    .await?;
 
     let fin = FinishReq {
         template: blob,
@@ -511,6 +545,7 @@ async fn edit_once(
         pixel_ratio: prepared.pixel_ratio,
         prompt_truncated: prepared.prompt_truncated,
         timings: Timings::of_stages(&prepared, &d, &f),
+        loras: super::adapters::applied(&loras, d.stats.loras_applied_at),
         stats: d.stats,
         attempts: 1,
     })
@@ -579,7 +614,18 @@ async fn capture_once(
             mode: input.cache_mode,
             step_stride: input.step_stride,
         };
-        let d = denoise(ctx, job, &prepared, params.steps, Vec::new(), work, held).await?;
+        let loras = input.loras.clone();
+        let d = denoise(
+            ctx,
+            job,
+            &prepared,
+            params.steps,
+            Vec::new(),
+            work,
+            loras,
+            held,
+        )
+        .await?;
         let blob = d
             .cache
             .clone()
@@ -643,6 +689,7 @@ async fn capture_once(
         kv_step_stride: input.step_stride,
         vae_trace_bytes: vae_traces.iter().map(|h| h.len).sum(),
         tiers: TierBytes::default(),
+        loras: input.loras.clone(),
     };
     let cache = ctx.cache().await?;
     let put = PutTemplate {

@@ -52,6 +52,7 @@ pub struct GenerateInput {
     pub max_sequence_length: u32,
     pub approx: ApproxMode,
     pub format: ImageFormat,
+    pub loras: Vec<WireLora>,
 }
 
 /// What the approximate cache did for a request (the reply's `approx_cache`).
@@ -76,6 +77,8 @@ pub struct GenerateOutput {
     pub approx: ApproxOutcome,
     /// Whether the approximate cache was asked (not opted out).
     pub approx_used: bool,
+    /// Its LoRAs and the step they applied from.
+    pub loras: Vec<super::adapters::LoraApplied>,
 }
 
 fn hash(parts: impl Hash) -> u64 {
@@ -120,8 +123,8 @@ pub async fn generate(
         dilation: 0,
     };
     ctx.jobs.steps(job, params.steps);
-    // The fields a state must share with the request exactly (adapters join them
-    // once there are any).
+    // The fields a state must share with the request exactly: a state is the adapted
+    // model's, so the LoRA set too.
     let key = hash((
         &ctx.model,
         &model.scheduler,
@@ -130,6 +133,7 @@ pub async fn generate(
         params.steps,
         params.guidance.to_bits(),
         params.max_sequence_length,
+        super::adapters::set_key(&input.loras),
     ));
     let (mut out, attempts) = with_retries(ctx, job, |_| async {
         let mut held = Held::default();
@@ -207,7 +211,8 @@ async fn generate_once(
         },
         (None, None) => DenoiseWork::Full,
     };
-    let d = denoise(ctx, job, &prepared, steps, Vec::new(), work, held).await;
+    let loras = input.loras.clone();
+    let d = denoise(ctx, job, &prepared, steps, Vec::new(), work, loras, held).await;
     if let (Some(h), Some(c)) = (&hit, &cache) {
         // The denoise worker read the state when the request arrived.
         node::tell(c, CacheMsg::ApproxUnpin(Wire(h.pin)));
@@ -234,6 +239,7 @@ async fn generate_once(
         steps,
         prompt_truncated: prepared.prompt_truncated,
         timings: Timings::of_stages(&prepared, &d, &f),
+        loras: super::adapters::applied(&input.loras, d.stats.loras_applied_at),
         stats: d.stats,
         attempts: 1,
         approx: ApproxOutcome {

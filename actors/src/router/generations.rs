@@ -19,6 +19,7 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::adapters::{resolve, LoraRef};
 use super::flow::Ctx;
 use super::generate::{self, ApproxMode, GenerateInput, GenerateOutput};
 use super::http::{
@@ -47,6 +48,8 @@ struct GenerationBody {
     approx_cache: ApproxMode,
     #[serde(default, rename = "async")]
     run_async: bool,
+    #[serde(default)]
+    loras: Vec<LoraRef>,
 }
 
 fn check(ctx: &Ctx, steps: Option<u32>, guidance: Option<f32>, seq: u32) -> ApiResult<()> {
@@ -72,6 +75,7 @@ pub fn generation_json(
         "attempts": o.attempts,
         "approx_cache": o.approx,
         "timings": o.timings,
+        "loras": o.loras,
         "batch": {"sizes": o.stats.batch_sizes},
         "first_step_unix": o.stats.first_step_unix,
         "finished_unix": o.stats.finished_unix,
@@ -121,6 +125,7 @@ pub(super) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request)
         max_sequence_length: b.max_sequence_length,
         approx: b.approx_cache,
         format,
+        loras: resolve(&ctx, &b.loras, false)?,
     };
     // A synchronous client gets the image in its response; the job table keeps only
     // the description then.
@@ -158,6 +163,8 @@ struct ImagesBody {
     max_sequence_length: u32,
     #[serde(default)]
     approx_cache: ApproxMode,
+    #[serde(default)]
+    loras: Vec<LoraRef>,
     // `model` (one model is served), `user`, and OpenAI's rendering options (quality,
     // style, background, ...) that have no meaning here are accepted and ignored.
 }
@@ -200,6 +207,7 @@ async fn images(ctx: Arc<Ctx>, req: Request) -> ApiResult {
     }
     check(&ctx, b.steps, b.guidance, b.max_sequence_length)?;
     let wh = b.size.as_deref().map(size).transpose()?.flatten();
+    let loras = resolve(&ctx, &b.loras, false)?;
     let tasks: Vec<_> = (0..b.n)
         .map(|i| {
             let input = GenerateInput {
@@ -212,6 +220,7 @@ async fn images(ctx: Arc<Ctx>, req: Request) -> ApiResult {
                 max_sequence_length: b.max_sequence_length,
                 approx: b.approx_cache,
                 format: ImageFormat::Png,
+                loras: loras.clone(),
             };
             start(&ctx, input, false)
         })

@@ -20,6 +20,7 @@ use base64::Engine;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::adapters::{resolve, LoraRef};
 use super::flow::{self, Ctx, EditInput, EditOutput, MaskIn, Source, TemplateInput};
 use super::jobs::{job_name, parse_job_name, Status};
 use crate::wire::{ErrorKind, FinishParams, ImageFormat, WireError};
@@ -43,6 +44,9 @@ impl ApiError {
     }
     pub(super) fn bad(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "bad_request", message)
+    }
+    pub(super) fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
     }
 }
 
@@ -101,6 +105,10 @@ pub fn app(ctx: Arc<Ctx>) -> Router {
             get(get_template).delete(delete_template),
         )
         .route("/v1/edits", axum::routing::post(create_edit))
+        .route(
+            "/v1/adapters",
+            get(super::adapters::list).post(super::adapters::upload),
+        )
         .route(
             "/v1/generations",
             axum::routing::post(super::generations::create_generation),
@@ -401,6 +409,8 @@ struct TemplateBody {
     /// `kv` or `y`; the default is `[cache] mode`.
     #[serde(default)]
     cache_mode: Option<String>,
+    #[serde(default)]
+    loras: Vec<LoraRef>,
 }
 
 /// `POST /v1/templates`: JSON with a base64 image, or multipart with an `image` file
@@ -459,6 +469,7 @@ async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult
         replace: b.replace,
         cache_mode,
         step_stride: ctx.config.cache.kv_step_stride,
+        loras: resolve(&ctx, &b.loras, true)?,
     };
     let job = ctx.next_job();
     ctx.jobs.create(job, "template", input.steps);
@@ -602,6 +613,8 @@ struct EditBody {
     format: ImageFormat,
     #[serde(default, rename = "async")]
     run_async: bool,
+    #[serde(default)]
+    loras: Vec<LoraRef>,
 }
 
 fn yes() -> bool {
@@ -611,7 +624,8 @@ fn default_feather() -> u32 {
     3
 }
 
-fn edit_input(b: EditBody) -> ApiResult<(EditInput, bool)> {
+fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, bool)> {
+    let loras = resolve(ctx, &b.loras, b.template_id.is_some())?;
     let source =
         match (b.template_id, b.image) {
             (Some(t), None) => Source::Template(t),
@@ -654,6 +668,7 @@ fn edit_input(b: EditBody) -> ApiResult<(EditInput, bool)> {
             feather: b.feather,
             format: b.format,
         },
+        loras,
     };
     Ok((input, b.run_async))
 }
@@ -682,6 +697,7 @@ pub fn edit_json(job: u64, o: &EditOutput, format: ImageFormat, with_image: bool
         "assembly_max_s": o.stats.assembly_max_s,
         "first_step_unix": o.stats.first_step_unix,
         "finished_unix": o.stats.finished_unix,
+        "loras": o.loras,
     });
     if with_image {
         v["image"] = Value::String(encode_b64(&o.image));
@@ -697,7 +713,7 @@ async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
     check_steps(&ctx, b.steps)?;
     check_guidance(b.guidance)?;
     check_seq_len(b.max_sequence_length)?;
-    let (input, run_async) = edit_input(b)?;
+    let (input, run_async) = edit_input(&ctx, b)?;
     let job = ctx.next_job();
     ctx.jobs.create(job, "edit", input.steps.unwrap_or(0));
     let format = input.finish.format;

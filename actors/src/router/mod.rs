@@ -1,6 +1,7 @@
 //! The router process: the HTTP API, the internal bus endpoint, the job table, and
 //! the flows that take each request through the worker groups.
 
+pub mod adapters;
 mod admin;
 pub mod admission;
 pub mod balance;
@@ -86,6 +87,8 @@ impl Actor for RouterActor {
                             feather: 3,
                             format: ImageFormat::Png,
                         },
+                        // A template edit runs with its template's LoRAs.
+                        loras: vec![],
                     };
                     let span = tracing::info_span!(
                         "request",
@@ -134,8 +137,13 @@ pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
     )
     .await?;
     let text_to_image = flux.in_channels == flux.out_channels();
+    let adapters = adapters::AdapterDir {
+        dir: env.config.adapters.resolved_dir(&env.config.cache),
+        transformer: flux.clone(),
+    };
     let balancer = balance::Balancer::new(flux, policy, env.config.denoise.max_batch);
     let mut ctx = Ctx::new(&env, shm, jobs, fingerprint, balancer);
+    ctx.adapters = Some(adapters);
     // A text-to-image model (its transformer reads the packed latents alone) serves
     // generations.
     if text_to_image {

@@ -187,6 +187,8 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
                 feather: 3,
                 format: ImageFormat::Png,
             },
+            // A template edit runs with its template's LoRAs.
+            loras: vec![],
         };
         let job = ctx.next_job();
         ctx.jobs.create(job, "edit", input.steps.unwrap_or(0));

@@ -84,7 +84,7 @@ impl DiskTier {
             guidance: info.guidance,
             seed: info.seed,
             prompt: info.prompt.clone(),
-            adapters: String::new(),
+            adapters: crate::router::adapters::set_key(&info.loras),
         };
         let write = || -> Result<(), WireError> {
             template_file::save(&tmp, cache, &meta, cache.layout().dtype)

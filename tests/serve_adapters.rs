@@ -1,0 +1,224 @@
+//! LoRA adapters through the real daemon (DESIGN.md §Adapters): generations with
+//! `loras` equal `denoised generate --lora ... --lora-mode unmerged` byte for byte, the
+//! reply says when the set applied, `POST /v1/adapters` uploads (checked, immutable
+//! names), bad names and files are refused with clear errors, the approximate cache
+//! keeps adapted states apart, and a template captured with a LoRA serves only edits
+//! with it.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+use serde_json::{json, Value};
+
+fn fixtures() -> std::path::PathBuf {
+    case("..")
+}
+
+/// An adapters directory holding the fixture LoRA `style` (as diffusers saved it).
+fn adapters_dir() -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::create_dir(d.path().join("style")).unwrap();
+    std::fs::copy(
+        fixtures().join("loras/style/pytorch_lora_weights.safetensors"),
+        d.path().join("style/pytorch_lora_weights.safetensors"),
+    )
+    .unwrap();
+    d
+}
+
+fn generate(d: &Daemon, loras: Value, approx: &str) -> (u16, Value) {
+    d.post(
+        "/v1/generations",
+        &json!({
+            "prompt": "a red fox in the snow", "seed": 5, "steps": 6, "width": 64, "height": 64,
+            "max_sequence_length": 32, "approx_cache": approx, "loras": loras,
+        }),
+    )
+}
+
+fn image(v: &Value) -> Vec<u8> {
+    png(&unb64(v["image"].as_str().unwrap())).data
+}
+
+#[test]
+fn generations_with_loras_equal_the_cli_and_uploads_are_checked() {
+    let model = fixtures().join("flux-dev-tiny");
+    let model = model.to_str().unwrap();
+    let dir = adapters_dir();
+    let ad = dir.path().to_str().unwrap();
+    // K = 0: every LoRA applies before the first step (synchronous loading), so the
+    // image is exactly the CLI's.
+    let d = Daemon::start(&[
+        "--model",
+        model,
+        "--adapters-dir",
+        ad,
+        "--lora-patch-by-step",
+        "0",
+    ]);
+    let (s, v) = d.get("/v1/adapters");
+    assert_eq!(
+        (s, &v["data"]),
+        (
+            200,
+            &json!([{"id": "style", "bytes": std::fs::metadata(dir.path().join("style/pytorch_lora_weights.safetensors")).unwrap().len()}])
+        ),
+        "{v}"
+    );
+
+    let (s, plain) = generate(&d, json!([]), "off");
+    assert_eq!(s, 200, "{plain}");
+    assert_eq!(plain["loras"], json!([]));
+    let (s, v) = generate(&d, json!([{"id": "style", "scale": 0.8}]), "off");
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        v["loras"],
+        json!([{"id": "style", "scale": 0.8, "applied_at_step": 0}])
+    );
+    assert_ne!(image(&v), image(&plain), "the LoRA changes the image");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("cli.png");
+    let style = format!("{}:0.8", dir.path().join("style").display());
+    let o = Command::new(env!("CARGO_BIN_EXE_denoised"))
+        .args([
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "a red fox in the snow",
+        ])
+        .args([
+            "--seed", "5", "--steps", "6", "--height", "64", "--width", "64",
+        ])
+        .args(["--max-sequence-length", "32", "--lora", &style])
+        .args(["--lora-mode", "unmerged", "--out", out.to_str().unwrap()])
+        .env("DENOISED_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        png(&std::fs::read(&out).unwrap()).data,
+        image(&v),
+        "daemon = CLI"
+    );
+
+    // The approximate cache keeps the adapted model's states apart: an `exact` repeat
+    // with the LoRA hits, the same prompt and seed without it does not.
+    let lora = json!([{"id": "style", "scale": 0.8}]);
+    let (_, miss) = generate(&d, lora.clone(), "exact");
+    assert_eq!(miss["approx_cache"]["hit"], false);
+    let (_, hit) = generate(&d, lora, "exact");
+    assert_eq!(hit["approx_cache"]["hit"], true, "{}", hit["approx_cache"]);
+    assert_eq!(image(&hit), image(&v));
+    let (_, base) = generate(&d, json!([]), "exact");
+    assert_eq!(
+        base["approx_cache"]["hit"], false,
+        "no state of the adapted model"
+    );
+    assert_eq!(image(&base), image(&plain));
+
+    // Uploads: checked against the served transformer, then immutable.
+    let detail =
+        std::fs::read(fixtures().join("loras/detail/pytorch_lora_weights.safetensors")).unwrap();
+    let (s, v) = d.post_raw("/v1/adapters?name=detail-2", detail.clone());
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(
+        (v["id"].as_str(), v["rank"].as_u64(), v["modules"].as_u64()),
+        (Some("detail-2"), Some(8), Some(25))
+    );
+    let (s, v) = d.post_raw("/v1/adapters?name=detail-2", detail);
+    assert_eq!(s, 409, "{v}");
+    let (s, v) = generate(
+        &d,
+        json!([{"id": "detail-2", "scale": 1.3}, {"id": "style"}]),
+        "off",
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        v["loras"][1],
+        json!({"id": "style", "scale": 1.0, "applied_at_step": 0})
+    );
+    let (s, v) = d.post_raw("/v1/adapters?name=junk", b"not a safetensors file".to_vec());
+    assert_eq!(s, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("junk"), "{msg}");
+    let (_, list) = d.get("/v1/adapters");
+    let names: Vec<&str> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["detail-2", "style"],
+        "a refused upload leaves nothing"
+    );
+
+    for (loras, want) in [
+        (json!([{"id": "nope"}]), "no adapter `nope`"),
+        (json!([{"id": "../style"}]), "adapter name"),
+        (
+            json!([{"id": "style", "scale": 1, "x": 2}]),
+            "unknown field",
+        ),
+        (
+            json!([{"id": "style"}, {"id": "style"}, {"id": "style"}, {"id": "style"}, {"id": "style"}]),
+            "at most 4",
+        ),
+    ] {
+        let (s, v) = generate(&d, loras.clone(), "off");
+        assert_eq!(s, 400, "{loras}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(want), "{loras}: {msg}");
+    }
+    let (s, v) = d.post_raw("/v1/adapters?name=.hidden", vec![]);
+    assert_eq!(s, 400, "{v}");
+}
+
+#[test]
+fn a_template_captured_with_a_lora_serves_only_edits_with_it() {
+    // The attention-only `detail` LoRA fits the built-in Fill model.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixtures().join("loras/detail/pytorch_lora_weights.safetensors"),
+        dir.path().join("detail.safetensors"),
+    )
+    .unwrap();
+    let d = Daemon::start(&["--adapters-dir", dir.path().to_str().unwrap()]);
+    let lora = json!([{"id": "detail", "scale": 0.5}]);
+    let (s, v) = d.post(
+        "/v1/templates",
+        &json!({"image": image_b64(), "id": "t", "steps": 3, "prompt": "a room", "loras": lora}),
+    );
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(
+        v["loras"],
+        json!([{"name": "detail", "scale": 0.5, "patch_by": 0}])
+    );
+    let edit = |loras: Value| {
+        d.post(
+            "/v1/edits",
+            &json!({"template_id": "t", "mask": mask_b64(), "prompt": "a mug", "loras": loras}),
+        )
+    };
+    // Without `loras` it runs with the template's, from its first step.
+    let (s, v) = edit(json!([]));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        v["loras"],
+        json!([{"id": "detail", "scale": 0.5, "applied_at_step": 0}])
+    );
+    let (s, same) = edit(lora);
+    assert_eq!(s, 200, "{same}");
+    assert_eq!(edit_image(&same), edit_image(&v));
+    let (s, v) = edit(json!([{"id": "detail", "scale": 0.6}]));
+    assert_eq!(s, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("was captured with LoRAs [detail*0.5]"),
+        "{msg}"
+    );
+}
