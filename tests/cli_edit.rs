@@ -809,3 +809,51 @@ fn loras_through_the_cli() {
         "do not fit",
     );
 }
+
+#[test]
+fn profile_lora_finds_k_and_records_it_beside_the_adapter() {
+    let dir = tempfile::tempdir().unwrap();
+    let lora = dir.path().join("style");
+    std::fs::create_dir(&lora).unwrap();
+    std::fs::copy(
+        fixtures().join("loras/style/pytorch_lora_weights.safetensors"),
+        lora.join("pytorch_lora_weights.safetensors"),
+    )
+    .unwrap();
+    let model = fixtures().join("flux-dev-tiny");
+    let spec = format!("{}:0.8", s(&lora));
+    let out = ok(&[
+        "profile-lora",
+        "--model",
+        s(&model),
+        "--lora",
+        &spec,
+        "--steps",
+        "6",
+        "--size",
+        "64",
+        "--max-sequence-length",
+        "32",
+        "--write",
+    ]);
+    let line: serde_json::Value =
+        serde_json::from_str(out.lines().find(|l| l.starts_with('{')).unwrap()).unwrap();
+    let sim: Vec<f64> = line["similarity"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let k = line["k"].as_u64().unwrap() as usize;
+    assert_eq!(sim.len(), 6);
+    assert_eq!(line["scale"], 0.8);
+    // K is the first step below 0.99, and the steps before it are above.
+    assert!(
+        sim[k] < 0.99 && sim[..k].iter().all(|&s| s >= 0.99),
+        "{sim:?} k {k}"
+    );
+    let bal: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(lora.join("bal.json")).unwrap()).unwrap();
+    let fp = line["model"].as_str().unwrap();
+    assert_eq!(bal[fp]["k"].as_u64(), Some(k as u64), "{bal}");
+}

@@ -274,7 +274,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                     config: pipeline.config.clone(),
                     slots: ad.device_slots,
                     throttle_bytes_per_s: (ad.throttle_mib_per_s > 0.0)
-                        .then(|| ad.throttle_mib_per_s * (1u64 << 20) as f64),
+                        .then_some(ad.throttle_mib_per_s * (1u64 << 20) as f64),
                 };
                 let metrics = DenoiseMetrics::register(
                     registry.registry(),

@@ -16,7 +16,8 @@ use super::CliResult;
 #[derive(Clone, Debug)]
 pub struct LoraSpec {
     pub path: PathBuf,
-    pub scale: f32,
+    /// As given (f64, so reports print it as typed); applied in f32.
+    pub scale: f64,
 }
 
 impl FromStr for LoraSpec {
@@ -25,8 +26,8 @@ impl FromStr for LoraSpec {
     /// number, so paths with colons still work.
     fn from_str(s: &str) -> Result<Self, String> {
         if let Some((p, sc)) = s.rsplit_once(':') {
-            if let Ok(scale) = sc.parse::<f32>() {
-                if !scale.is_finite() {
+            if let Ok(scale) = sc.parse::<f64>() {
+                if !scale.is_finite() || scale.abs() > f32::MAX as f64 {
                     return Err(format!("`{s}`: the scale must be a finite number"));
                 }
                 return Ok(LoraSpec {
@@ -90,7 +91,7 @@ impl LoraArgs {
         let set: Vec<(&LoraFile, f32)> = files
             .iter()
             .zip(&self.loras)
-            .map(|(f, l)| (f, l.scale))
+            .map(|(f, l)| (f, l.scale as f32))
             .collect();
         let read_s = t0.elapsed().as_secs_f64();
         let t0 = Instant::now();

@@ -4,6 +4,7 @@ mod adapters;
 mod bench_approx;
 mod bench_attn;
 mod bench_generate;
+mod bench_lora;
 mod bench_overheads;
 mod bench_pipeline;
 mod bench_quality;
@@ -16,6 +17,7 @@ mod footprint;
 mod forward;
 mod generate;
 mod profile;
+mod profile_lora;
 mod selftest;
 mod serve;
 mod simulate;
@@ -73,6 +75,11 @@ pub enum Command {
     /// a text-to-image model: a miss then a hit of the same prompt, per round; the hit's
     /// latency against the (N - K) / N bound; one JSON line.
     BenchGenerate(bench_generate::Args),
+    /// What LoRAs cost on seeded weights: read, upload, merge and unmerge times, the
+    /// unmerged step's overhead, and the time to first step of a request whose LoRA
+    /// loads at a throttled bandwidth (synchronous against bounded asynchronous
+    /// loading); one JSON line.
+    BenchLora(bench_lora::Args),
     /// Simulate a cluster of denoise workers (the real routing policies and batching
     /// scheduler, step times from a profile); one JSON line per policy.
     Simulate(simulate::Args),
@@ -83,6 +90,10 @@ pub enum Command {
     /// loads against bytes per cache tier), report R², and write the profile file
     /// that `[denoise] profile` names.
     Profile(profile::Args),
+    /// K of bounded asynchronous LoRA loading for a model and a LoRA: the first step
+    /// whose latents with and without it fall below a cosine similarity; one JSON line
+    /// (`--write` records it beside the adapter for the daemon).
+    ProfileLora(profile_lora::Args),
     /// Print the template cache size of models at a resolution (computed, not allocated).
     Footprint(footprint::Args),
     /// List the compute devices this machine offers.
@@ -118,6 +129,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Forward(a) => forward::run(a),
         Command::BenchStep(a) => bench_step::run(a),
         Command::Profile(a) => profile::run(a),
+        Command::ProfileLora(a) => profile_lora::run(a),
         Command::BenchAttn(a) => bench_attn::run(a),
         Command::Edit(a) => edit::run_edit(a),
         Command::Generate(a) => generate::run(a),
@@ -126,6 +138,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::BenchCacheQuality(a) => bench_quality::run(a),
         Command::BenchApproxCache(a) => bench_approx::run(a),
         Command::BenchGenerate(a) => bench_generate::run(a),
+        Command::BenchLora(a) => bench_lora::run(a),
         Command::Simulate(a) => simulate::run(a),
         Command::BenchServe(a) => bench_serve::run(a),
         Command::Footprint(a) => footprint::run(a),

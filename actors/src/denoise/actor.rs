@@ -599,10 +599,16 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
                 name,
                 seconds,
                 error,
-            } => match error {
-                None => tracing::info!(lora = %name, seconds, "LoRA loaded"),
-                Some(e) => tracing::warn!(lora = %name, seconds, "LoRA not loaded: {e}"),
-            },
+            } => {
+                let m = &ctx.metrics;
+                m.lora_load.observe(seconds);
+                let result = if error.is_none() { "ok" } else { "error" };
+                m.lora_loads.get_or_create(&[("result", result)]).inc();
+                match error {
+                    None => tracing::info!(lora = %name, seconds, "LoRA loaded"),
+                    Some(e) => tracing::warn!(lora = %name, seconds, "LoRA not loaded: {e}"),
+                }
+            }
             Event::Stored { id, k, latents } => match ctx.shm.write_tensor(&latents) {
                 Ok(h) => stored.entry(id).or_default().push((k as u32, h)),
                 // The arena is full: the state is not cached, the request goes on.

@@ -16,7 +16,9 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
-use super::{BATCH_REQUESTS, BATCH_TOKENS, BUBBLE_SECONDS, FULL_BLOCKS, STEP_SECONDS};
+use super::{
+    BATCH_REQUESTS, BATCH_TOKENS, BUBBLE_SECONDS, FULL_BLOCKS, LATENCY_SECONDS, STEP_SECONDS,
+};
 use crate::budget::DeviceBudget;
 
 /// How a request left the denoise loop.
@@ -35,6 +37,9 @@ pub struct DenoiseMetrics {
     pub running: Gauge,
     pub waiting: Gauge,
     pub requests: Family<Outcome, Counter>,
+    /// LoRA loads by result, and how long each took (read and checked, throttled).
+    pub lora_loads: Family<[(&'static str, &'static str); 1], Counter>,
+    pub lora_load: Histogram,
 }
 
 impl DenoiseMetrics {
@@ -55,6 +60,8 @@ impl DenoiseMetrics {
             running: Gauge::default(),
             waiting: Gauge::default(),
             requests: Family::default(),
+            lora_loads: Family::default(),
+            lora_load: Histogram::new(LATENCY_SECONDS.iter().copied()),
         };
         r.register_with_unit(
             "denoise_step_duration",
@@ -103,6 +110,17 @@ impl DenoiseMetrics {
             "denoise_requests",
             "Requests that left the denoise loop, by outcome (finished, failed, cancelled)",
             m.requests.clone(),
+        );
+        r.register(
+            "lora_loads",
+            "LoRA loads of the worker's loader, by result (ok, error)",
+            m.lora_loads.clone(),
+        );
+        r.register_with_unit(
+            "lora_load_duration",
+            "Time the loader took to read and check a LoRA (with [adapters] throttle_mib_per_s)",
+            Unit::Seconds,
+            m.lora_load.clone(),
         );
         r.register_collector(Box::new(DeviceCollector { stats, budget }));
         m

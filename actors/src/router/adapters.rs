@@ -130,6 +130,26 @@ fn profiled_k(path: &std::path::Path, fingerprint: &str) -> Option<u32> {
     v.get(fingerprint)?.get("k")?.as_u64().map(|k| k as u32)
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_profiled_k_is_read_for_its_model_only() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("a");
+        std::fs::create_dir(&dir).unwrap();
+        let file = d.path().join("b.safetensors");
+        std::fs::write(&file, b"").unwrap();
+        assert_eq!(profiled_k(&dir, "m1"), None, "no bal.json");
+        std::fs::write(dir.join(BAL_FILE), r#"{"m1": {"k": 3}}"#).unwrap();
+        std::fs::write(d.path().join("b.bal.json"), r#"{"m2": {"k": 7}}"#).unwrap();
+        assert_eq!(profiled_k(&dir, "m1"), Some(3));
+        assert_eq!(profiled_k(&dir, "m2"), None, "another model's K");
+        assert_eq!(profiled_k(&file, "m2"), Some(7));
+    }
+}
+
 /// The reply's description of an adapter file.
 fn describe(name: &str, f: &LoraFile, bytes: u64) -> Value {
     json!({

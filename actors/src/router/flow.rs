@@ -193,6 +193,7 @@ pub(super) async fn preprocess(
 
 /// The denoise stage on a picked worker: the request joins its running batch. The
 /// final latent (and a capture's cache) stay held until the request ends.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn denoise(
     ctx: &Ctx,
     job: JobId,
