@@ -63,6 +63,18 @@ impl DenoiseInputs {
     }
 }
 
+/// The negative branch of true classifier-free guidance (FluxPipeline's
+/// `negative_prompt` with `true_cfg_scale > 1`): each step also runs the transformer on
+/// the negative prompt's embeddings, and the step follows `neg + scale * (pos - neg)`.
+#[derive(Clone, Debug)]
+pub struct TrueCfg {
+    /// `[T', joint_attention_dim]` and `[T', 3]`: the negative prompt's T5 embeddings.
+    pub txt: Tensor,
+    pub txt_ids: Tensor,
+    pub pooled: Vec<f32>,
+    pub scale: f32,
+}
+
 /// What a job computes.
 pub enum Mode {
     Full,
@@ -93,6 +105,9 @@ pub struct Job<T> {
     latent_channels: usize,
     /// The unmerged LoRAs its next steps run with.
     loras: Vec<LoraUse>,
+    /// True CFG: the negative branch's tensors (its image rows kept equal to the
+    /// job's) and the scale.
+    cfg: Option<(RequestTensors<T>, f32)>,
 }
 
 impl<T> Job<T> {
@@ -188,7 +203,40 @@ impl<T> Job<T> {
             tokens: l,
             latent_channels: c,
             loras: vec![],
+            cfg: None,
         })
+    }
+
+    /// Adds true CFG's negative branch to a full run, before its first step: `inputs`
+    /// are the job's own (its image rows are the negative branch's too).
+    pub fn set_true_cfg<B: Backend<Tensor = T>>(
+        &mut self,
+        model: &FluxTransformer<B>,
+        inputs: &DenoiseInputs,
+        cfg: &TrueCfg,
+    ) -> Result<()> {
+        if !matches!(self.mode, Mode::Full) || !cfg.scale.is_finite() {
+            return Err(Error::Invalid(
+                "true CFG runs on full runs (generations), with a finite scale".into(),
+            ));
+        }
+        let (l, c, k) = (inputs.tokens(), inputs.latents.cols(), inputs.cond.cols());
+        let mut x = Vec::with_capacity(l * (c + k));
+        for t in 0..l {
+            x.extend_from_slice(inputs.latents.row(t));
+            x.extend_from_slice(inputs.cond.row(t));
+        }
+        let tensors = RequestTensors::upload(
+            model.backend(),
+            &model.config,
+            &Tensor::new([l, c + k], x)?,
+            &inputs.img_ids,
+            &cfg.txt,
+            &cfg.txt_ids,
+            &cfg.pooled,
+        )?;
+        self.cfg = Some((tensors, cfg.scale));
+        Ok(())
     }
 
     /// Sets the unmerged LoRAs of its steps from the next one on (registered on the
@@ -454,7 +502,7 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
             _ => Ok(None),
         })
         .collect::<Result<_>>()?;
-    let reqs: Vec<StepRequest<'_, B::Tensor>> = live
+    let mut reqs: Vec<StepRequest<'_, B::Tensor>> = live
         .iter()
         .zip(&kvs)
         .zip(&rest)
@@ -470,6 +518,25 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
             }
         })
         .collect();
+    // True CFG's negative branches run in the same forward, after every positive one
+    // (request `live.len() + n` is the n-th job with a negative branch).
+    let negatives: Vec<usize> = live
+        .iter()
+        .copied()
+        .filter(|&i| jobs[i].cfg.is_some())
+        .collect();
+    for &i in &negatives {
+        let j = &jobs[i];
+        let (tensors, _) = j.cfg.as_ref().expect("filtered");
+        reqs.push(StepRequest {
+            tensors,
+            timestep: j.schedule.model_timestep(j.step),
+            guidance: j.guidance,
+            cache: None,
+            rest: None,
+            loras: &j.loras,
+        });
+    }
     let mut sink = CaptureSink {
         backend: be,
         targets: live
@@ -486,10 +553,26 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
     drop(sink);
     drop(reqs);
     drop(kvs);
+    let mut negative_rows = velocity.rows[live.len()..].iter();
     for (&i, rows) in live.iter().zip(&velocity.rows) {
         let j = &mut *jobs[i];
         let c = j.latent_channels;
         let dt = j.schedule.sigmas[j.step + 1] - j.schedule.sigmas[j.step];
+        if let Some((neg, scale)) = &mut j.cfg {
+            // x += dt (v_neg + s (v_pos - v_neg)) = dt s v_pos + dt (1 - s) v_neg, on
+            // both branches' rows (they stay equal).
+            let nr = negative_rows
+                .next()
+                .expect("a negative branch's rows")
+                .clone();
+            let v = &velocity.packed;
+            for img in [&mut j.tensors.img, &mut neg.img] {
+                be.axpy_cols(img, 0..c, v, rows.clone(), dt * *scale)?;
+                be.axpy_cols(img, 0..c, v, nr.clone(), dt * (1.0 - *scale))?;
+            }
+            j.step += 1;
+            continue;
+        }
         be.axpy_cols(&mut j.tensors.img, 0..c, &velocity.packed, rows.clone(), dt)?;
         if let Mode::Capture(cache) = &j.mode {
             let latent = be.gather_cols(&j.tensors.img, 0..j.tokens, 0..c)?;

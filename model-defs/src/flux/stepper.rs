@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use denoised_runtime::{Backend, Error, Result, Tensor};
 
 use super::adapters::{LoraId, LoraUse};
-use super::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
+use super::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode, TrueCfg};
 use super::lora::LoraFile;
 use super::plan::{plan_step, SlabLoad, StepWork};
 use super::template::{CacheMode, TemplateCache};
@@ -115,6 +115,9 @@ pub trait Stepper: Send {
     fn merge_loras(&mut self, loras: &[(&LoraFile, f32)]) -> Result<usize>;
     /// The unmerged LoRAs an admitted job runs with from its next step.
     fn set_loras(&mut self, id: JobKey, loras: Vec<LoraUse>) -> Result<()>;
+    /// Adds true CFG's negative branch to a just-admitted full run (`inputs` are the
+    /// ones it was admitted with; see `Job::set_true_cfg`).
+    fn set_true_cfg(&mut self, id: JobKey, inputs: &DenoiseInputs, cfg: &TrueCfg) -> Result<()>;
 }
 
 fn no_job(id: JobKey) -> Error {
@@ -437,6 +440,14 @@ where
 
     fn merge_loras(&mut self, loras: &[(&LoraFile, f32)]) -> Result<usize> {
         self.model.merge_loras(loras)
+    }
+
+    fn set_true_cfg(&mut self, id: JobKey, inputs: &DenoiseInputs, cfg: &TrueCfg) -> Result<()> {
+        let model = &self.model;
+        self.jobs
+            .get_mut(&id)
+            .ok_or_else(|| no_job(id))?
+            .set_true_cfg(model, inputs, cfg)
     }
 
     fn set_loras(&mut self, id: JobKey, loras: Vec<LoraUse>) -> Result<()> {

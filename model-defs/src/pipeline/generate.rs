@@ -11,7 +11,7 @@ use denoised_runtime::{Backend, Error, Result, Tensor};
 
 use super::flux_fill::{FluxFill, PipelineKind, Prepared, Timings};
 use super::image::{check_size, Mask, Rgb8};
-use crate::flux::edit::DenoiseInputs;
+use crate::flux::edit::{DenoiseInputs, TrueCfg};
 use crate::flux::embed::image_ids;
 use crate::flux::weights::SplitMix;
 
@@ -48,6 +48,34 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     /// FluxPipeline's default image side: `default_sample_size` (128) latent pixels.
     pub fn default_side(&self) -> usize {
         128 * self.vae_scale_factor()
+    }
+
+    /// True CFG's negative branch (FluxPipeline's `negative_prompt`), or `None` when
+    /// diffusers would not run it: it needs `true_cfg_scale > 1` and a negative prompt.
+    pub fn prepare_true_cfg(
+        &self,
+        negative_prompt: Option<&str>,
+        true_cfg_scale: f32,
+        max_sequence_length: usize,
+        t: &mut Timings,
+    ) -> Result<Option<TrueCfg>> {
+        let Some(neg) = negative_prompt.filter(|_| true_cfg_scale > 1.0) else {
+            return Ok(None);
+        };
+        if !true_cfg_scale.is_finite() {
+            return Err(Error::Invalid(
+                "true_cfg_scale must be a finite number".into(),
+            ));
+        }
+        self.kind.require(PipelineKind::TextToImage)?;
+        let (txt, pooled, _) = self.encode_prompt(neg, max_sequence_length, t)?;
+        let n = txt.rows();
+        Ok(Some(TrueCfg {
+            txt,
+            txt_ids: Tensor::zeros([n, 3]),
+            pooled,
+            scale: true_cfg_scale,
+        }))
     }
 
     /// Preprocessing of a generation: the prompt's embeddings and the initial noise
