@@ -857,3 +857,49 @@ fn profile_lora_finds_k_and_records_it_beside_the_adapter() {
     let fp = line["model"].as_str().unwrap();
     assert_eq!(bal[fp]["k"].as_u64(), Some(k as u64), "{bal}");
 }
+
+#[test]
+fn true_cfg_through_the_cli() {
+    // diffusers' FluxPipeline with negative_prompt and true_cfg_scale 4
+    // (tests/fixtures/gen_cfg_fixtures.py), on the CPU and the emulated GPU in f32.
+    let meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(case("cfg_cases.json")).unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixtures().join(meta["model_dir"].as_str().unwrap());
+    let noise = case("cfg_dev.safetensors");
+    let want = png(&case("cfg_dev_output.png"));
+    for device in [
+        &["--device", "cpu"][..],
+        &["--device", "emu", "--dtype", "f32"],
+    ] {
+        let out = dir.path().join("cfg.png");
+        let mut args = vec![
+            "generate",
+            "--model",
+            s(&model),
+            "--prompt",
+            meta["prompt"].as_str().unwrap(),
+            "--negative-prompt",
+            meta["negative_prompt"].as_str().unwrap(),
+            "--true-cfg-scale",
+            "4",
+            "--steps",
+            "6",
+            "--max-sequence-length",
+            "32",
+            "--height",
+            "64",
+            "--width",
+            "64",
+            "--noise",
+            s(&noise),
+            "--out",
+            s(&out),
+        ];
+        args.extend_from_slice(device);
+        ok(&args);
+        let (worst, off) = png(&out).level_diff(&want);
+        println!("true CFG {device:?} vs diffusers: max level diff {worst}, {off} values differ");
+        assert!(worst <= 1, "{device:?}: {worst}");
+    }
+}

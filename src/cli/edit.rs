@@ -10,7 +10,7 @@ use std::time::Instant;
 use denoised_actors::device::{self, Placed};
 use denoised_cuda::DeviceSpec;
 use denoised_models::flux::adapters::LoraUse;
-use denoised_models::flux::edit::{DenoiseInputs, Mode};
+use denoised_models::flux::edit::{DenoiseInputs, Mode, TrueCfg};
 use denoised_models::flux::stepper::JobKey;
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::template_file::{self, TemplateMeta};
@@ -193,13 +193,14 @@ pub(super) fn read_noise(path: &Path) -> CliResult<Noise> {
 
 /// Runs a request to the end on the placed model with a progress bar: its final
 /// latent and, for a capture, its template.
-/// `loras`: the unmerged LoRAs it runs with (uploaded by `LoraArgs::apply`).
+/// `loras`: the unmerged LoRAs it runs with (uploaded by `LoraArgs::apply`); `cfg`:
+/// true CFG's negative branch (generations).
 pub(super) fn denoise(
     placed: &mut Placed,
     inputs: &DenoiseInputs,
     schedule: FlowMatchEuler,
     mode: Mode,
-    loras: &[LoraUse],
+    (loras, cfg): (&[LoraUse], Option<&TrueCfg>),
     t: &mut Timings,
 ) -> CliResult<(Tensor, Option<TemplateCache>)> {
     const ONE: JobKey = 0;
@@ -208,6 +209,9 @@ pub(super) fn denoise(
     let st = &mut placed.stepper;
     st.admit(ONE, inputs, Arc::new(schedule), mode)?;
     st.set_loras(ONE, loras.to_vec())?;
+    if let Some(cfg) = cfg {
+        st.set_true_cfg(ONE, inputs, cfg)?;
+    }
     while !st.done(ONE) {
         st.step(&[ONE])?;
         pb.inc(1);
@@ -336,7 +340,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                 &prepared.inputs,
                 schedule,
                 mode,
-                &lora.uses,
+                (&lora.uses, None),
                 &mut t,
             )?
             .0
@@ -377,7 +381,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                 &prepared.inputs,
                 schedule,
                 mode,
-                &lora.uses,
+                (&lora.uses, None),
                 &mut t,
             )?
             .0
@@ -433,7 +437,7 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
         &prepared.inputs,
         schedule,
         mode,
-        &lora.uses,
+        (&lora.uses, None),
         &mut t,
     )?;
     let cache = cache.ok_or("the capture run returned no template cache")?;

@@ -42,6 +42,14 @@ pub struct GenerateArgs {
     /// T5 sequence length.
     #[arg(long, default_value_t = 512)]
     pub max_sequence_length: usize,
+    /// True classifier-free guidance's negative prompt (with --true-cfg-scale above 1;
+    /// each step then runs the transformer on both prompts, as diffusers does).
+    #[arg(long)]
+    pub negative_prompt: Option<String>,
+    /// True CFG's scale: the step follows `neg + scale * (pos - neg)`. 1 (the default)
+    /// turns it off.
+    #[arg(long, default_value_t = 1.0)]
+    pub true_cfg_scale: f32,
     /// Safetensors with `initial_latents` (packed noise, `[1, N, 64]` as diffusers'
     /// `latents`), to reproduce a diffusers run exactly.
     #[arg(long)]
@@ -87,17 +95,16 @@ pub fn run(a: GenerateArgs) -> CliResult {
             a.max_sequence_length
         );
     }
+    let cfg = p.prepare_true_cfg(
+        a.negative_prompt.as_deref(),
+        a.true_cfg_scale,
+        a.max_sequence_length,
+        &mut t,
+    )?;
     let schedule = p.schedule(opts.steps, opts.width, opts.height)?;
     let mode = Mode::Full;
-    let latents = denoise(
-        &mut placed,
-        &prepared.inputs,
-        schedule,
-        mode,
-        &lora.uses,
-        &mut t,
-    )?
-    .0;
+    let extra = (&lora.uses[..], cfg.as_ref());
+    let latents = denoise(&mut placed, &prepared.inputs, schedule, mode, extra, &mut t)?.0;
     // The whole image is generated: nothing to paste back.
     let finish = EditOptions {
         paste_back: false,
