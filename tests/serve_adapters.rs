@@ -119,6 +119,58 @@ fn generations_with_loras_equal_the_cli_and_uploads_are_checked() {
     );
     assert_eq!(image(&base), image(&plain));
 
+    // True CFG (negative_prompt, true_cfg_scale > 1): the daemon's image is the CLI's,
+    // and its approximate-cache states are kept apart from unguided ones.
+    let cfg = |approx: &str| {
+        d.post(
+            "/v1/generations",
+            &json!({
+                "prompt": "a red fox in the snow", "seed": 5, "steps": 6, "width": 64,
+                "height": 64, "max_sequence_length": 32, "approx_cache": approx,
+                "negative_prompt": "blurry", "true_cfg_scale": 4.0,
+            }),
+        )
+    };
+    let (s, guided) = cfg("off");
+    assert_eq!(s, 200, "{guided}");
+    assert_ne!(image(&guided), image(&plain));
+    let out = tmp.path().join("cfg.png");
+    let o = Command::new(env!("CARGO_BIN_EXE_denoised"))
+        .args([
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "a red fox in the snow",
+        ])
+        .args([
+            "--seed", "5", "--steps", "6", "--height", "64", "--width", "64",
+        ])
+        .args(["--max-sequence-length", "32", "--negative-prompt", "blurry"])
+        .args(["--true-cfg-scale", "4", "--out", out.to_str().unwrap()])
+        .env("DENOISED_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        png(&std::fs::read(&out).unwrap()).data,
+        image(&guided),
+        "true CFG: daemon = CLI"
+    );
+    let (_, miss) = cfg("exact");
+    assert_eq!(
+        miss["approx_cache"]["hit"], false,
+        "no state of the guided run yet"
+    );
+    let (_, hit) = cfg("exact");
+    assert_eq!(hit["approx_cache"]["hit"], true);
+    assert_eq!(image(&hit), image(&guided));
+    let (s, v) = d.post(
+        "/v1/generations",
+        &json!({"prompt": "a", "steps": 2, "width": 64, "height": 64, "true_cfg_scale": "x"}),
+    );
+    assert_eq!(s, 400, "{v}");
+
     // Uploads: checked against the served transformer, then immutable.
     let detail =
         std::fs::read(fixtures().join("loras/detail/pytorch_lora_weights.safetensors")).unwrap();

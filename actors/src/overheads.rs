@@ -94,6 +94,7 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
             start_at: 0,
             store_at: Vec::new(),
             loras: vec![],
+            true_cfg: None,
         });
     }
     let mut times = Vec::new();

@@ -52,6 +52,8 @@ pub struct Stage1 {
     pub vae_pass: VaePass,
     /// The prompt's embeddings came from the prompt cache.
     pub prompt_cache_hit: bool,
+    /// A generation's negative prompt's embeddings (true CFG): `[T', joint]`, pooled.
+    pub negative: Option<(denoised_runtime::Tensor, Vec<f32>)>,
 }
 
 /// Maps an engine error on client data to a 4xx-class error.
@@ -273,6 +275,7 @@ pub fn prepare(
         seconds: t0.elapsed().as_secs_f64(),
         vae_pass: t.vae_encode_pass,
         prompt_cache_hit: t.prompt_cache_hit,
+        negative: None,
     })
 }
 
@@ -281,8 +284,8 @@ pub fn prepare(
 pub fn prepare_generate(
     p: &Pipeline,
     params: &GenParams,
-    width: u32,
-    height: u32,
+    (width, height): (u32, u32),
+    negative_prompt: Option<&str>,
     max_pixels: usize,
 ) -> Result<Stage1, WireError> {
     let t0 = Instant::now();
@@ -308,6 +311,15 @@ pub fn prepare_generate(
     let prepared = p
         .prepare_generate(&params.prompt, &opts, None, &mut t)
         .map_err(input_error)?;
+    let negative = match negative_prompt {
+        Some(n) => {
+            let (txt, pooled, _) = p
+                .encode_prompt(n, opts.max_sequence_length, &mut t)
+                .map_err(input_error)?;
+            Some((txt, pooled))
+        }
+        None => None,
+    };
     let (rows, cols) = p.tokens(w, h);
     let token_mask =
         TokenMask::from_tokens(rows, cols, &vec![true; rows * cols]).map_err(input_error)?;
@@ -317,6 +329,7 @@ pub fn prepare_generate(
         seconds: t0.elapsed().as_secs_f64(),
         vae_pass: VaePass::None,
         prompt_cache_hit: t.prompt_cache_hit,
+        negative,
     })
 }
 

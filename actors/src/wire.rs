@@ -153,8 +153,22 @@ pub enum PrepareInput {
         /// What the VAE encoder does with a template's traces.
         vae: VaeTraces,
     },
-    /// A text-to-image generation of this size (FLUX.1-dev / -schnell).
-    Generate { width: u32, height: u32 },
+    /// A text-to-image generation of this size (FLUX.1-dev / -schnell), and true
+    /// CFG's negative prompt when it runs.
+    Generate {
+        width: u32,
+        height: u32,
+        #[serde(default)]
+        negative_prompt: Option<String>,
+    },
+}
+
+/// True CFG's negative branch in shared memory: the negative prompt's T5 embeddings
+/// `[T', joint]` and pooled CLIP embedding, in the preprocess worker's arena.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct NegativeHandles {
+    pub txt: Handle,
+    pub pooled: Handle,
 }
 
 /// What a request's VAE pass does with a template's traces
@@ -221,6 +235,9 @@ pub struct PreparedRefs {
     pub prompt_cache_hit: bool,
     /// A capture's encoder trace, as the template stores it.
     pub vae_trace: Option<Handle>,
+    /// A generation's negative prompt (true CFG).
+    #[serde(default)]
+    pub negative: Option<NegativeHandles>,
 }
 
 impl PreparedRefs {
@@ -229,6 +246,9 @@ impl PreparedRefs {
         let mut h = self.inputs.all();
         h.extend([self.image.clone(), self.mask.clone()]);
         h.extend(self.vae_trace.clone());
+        if let Some(n) = &self.negative {
+            h.extend([n.txt.clone(), n.pooled.clone()]);
+        }
         h
     }
 }
@@ -256,6 +276,9 @@ pub enum DenoiseWork {
     Generate {
         start_at: u32,
         store_at: Vec<u32>,
+        /// True CFG: the negative prompt's embeddings and the scale.
+        #[serde(default)]
+        true_cfg: Option<(NegativeHandles, f32)>,
     },
     /// A full run that records a template cache of this mode, its slabs stored every
     /// `step_stride` steps.

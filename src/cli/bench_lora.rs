@@ -215,6 +215,7 @@ pub fn run(a: Args) -> CliResult {
                 })
                 .into_iter()
                 .collect(),
+            true_cfg: None,
         });
         let (mut first, mut applied) = (None, None);
         loop {

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::Receiver;
-use denoised_models::flux::edit::{DenoiseInputs, Mode};
+use denoised_models::flux::edit::{DenoiseInputs, Mode, TrueCfg};
 use denoised_models::flux::stepper::{Stepper, StepperStats};
 use denoised_models::flux::template::{CacheMode, TemplateCache, TemplateLayout};
 use denoised_models::mask::TokenMask;
@@ -246,15 +246,25 @@ impl DenoiseState {
         let n = (req.rows * req.cols) as usize;
         let schedule = FlowMatchEuler::new(&self.pipeline.scheduler, req.steps as usize, n)
             .map_err(|e| WireError::bad_input(e.to_string()))?;
-        let (mut start_at, mut store_at) = (0, Vec::new());
+        let (mut start_at, mut store_at, mut true_cfg) = (0, Vec::new(), None);
         let work = match &req.work {
             DenoiseWork::Full => Mode::Full,
             DenoiseWork::Generate {
                 start_at: k,
                 store_at: ks,
+                true_cfg: cfg,
             } => {
                 start_at = *k as usize;
                 store_at = ks.iter().map(|&k| k as usize).collect();
+                if let Some((n, scale)) = cfg {
+                    let txt = self.shm.read_tensor(&n.txt)?;
+                    true_cfg = Some(TrueCfg {
+                        txt_ids: Tensor::zeros([txt.rows(), 3]),
+                        txt,
+                        pooled: self.shm.read_tensor(&n.pooled)?.into_data(),
+                        scale: *scale,
+                    });
+                }
                 Mode::Full
             }
             DenoiseWork::Capture { mode, step_stride } => {
@@ -281,6 +291,7 @@ impl DenoiseState {
             work,
             start_at,
             store_at,
+            true_cfg,
             loras: req
                 .loras
                 .iter()

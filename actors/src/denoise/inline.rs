@@ -125,6 +125,7 @@ pub fn submit(
                     start_at: 0,
                     store_at: Vec::new(),
                     loras: vec![],
+                    true_cfg: None,
                 };
                 Ok((r, s1.prepared, active, pixel_ratio, s1.prompt_cache_hit))
             });

@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use denoised_models::flux::cost::StepShape;
-use denoised_models::flux::edit::{DenoiseInputs, Mode};
+use denoised_models::flux::edit::{DenoiseInputs, Mode, TrueCfg};
 use denoised_models::flux::stepper::{StepReport, Stepper};
 use denoised_models::flux::template::TemplateCache;
 use denoised_models::FlowMatchEuler;
@@ -52,6 +52,8 @@ pub struct DenoiseRequest {
     pub store_at: Vec<usize>,
     /// Its LoRAs, loaded while it starts on the base weights ([`adapters`]).
     pub loras: Vec<LoraRequest>,
+    /// True CFG's negative branch (a generation), batched with it every step.
+    pub true_cfg: Option<TrueCfg>,
 }
 
 pub enum LoopCommand {
@@ -293,7 +295,9 @@ impl State {
             _ => r.inputs.tokens(),
         };
         let text = r.inputs.txt.rows();
-        let mut req = SchedRequest::new(r.id, (text + tokens).max(1), steps);
+        // True CFG's negative branch is a second set of rows in every step.
+        let negative = r.true_cfg.as_ref().map_or(0, |c| c.txt.rows() + tokens);
+        let mut req = SchedRequest::new(r.id, (text + tokens + negative).max(1), steps);
         if let Mode::Edit { cache, .. } = &r.work {
             req = req.with_template(TemplateUse {
                 key: cache.key(),
@@ -331,6 +335,10 @@ impl State {
                 .and_then(|_| match r.start_at {
                     0 => Ok(()),
                     k => model.skip_to(id, k),
+                })
+                .and_then(|_| match &r.true_cfg {
+                    Some(cfg) => model.set_true_cfg(id, &r.inputs, cfg),
+                    None => Ok(()),
                 });
             if admitted.is_ok() && !r.store_at.is_empty() {
                 self.stores.insert(id, r.store_at);

@@ -114,6 +114,7 @@ pub(super) fn full(id: u64, seed: u64, steps: usize) -> DenoiseRequest {
         start_at: 0,
         store_at: Vec::new(),
         loras: vec![],
+        true_cfg: None,
     }
 }
 
@@ -206,6 +207,7 @@ fn cancel_and_bad_requests_do_not_stop_the_loop() {
         start_at: 0,
         store_at: Vec::new(),
         loras: vec![],
+        true_cfg: None,
     };
     lp.submit(bad);
     lp.submit(full(3, 3, 2));
@@ -258,6 +260,7 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
         start_at: 0,
         store_at: Vec::new(),
         loras: vec![],
+        true_cfg: None,
     });
     let (fin, cache) = loop {
         if let Event::Finished { latents, cache, .. } = next(&lp) {
@@ -274,6 +277,7 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
         start_at: 0,
         store_at: Vec::new(),
         loras: vec![],
+        true_cfg: None,
     });
     let edited = loop {
         if let Event::Finished { latents, .. } = next(&lp) {
@@ -303,6 +307,7 @@ fn a_request_whose_step_fails_does_not_fail_its_batch_mates() {
         start_at: 0,
         store_at: Vec::new(),
         loras: vec![],
+        true_cfg: None,
     };
     lp.submit(full(1, 1, 3));
     lp.submit(bad);
@@ -362,6 +367,7 @@ fn a_run_resumed_from_any_stored_state_ends_bit_identical() {
             Vec::new()
         },
         loras: vec![],
+        true_cfg: None,
     };
     let resumed = |state: &Tensor| {
         Arc::new(DenoiseInputs {

@@ -53,6 +53,18 @@ pub struct GenerateInput {
     pub approx: ApproxMode,
     pub format: ImageFormat,
     pub loras: Vec<WireLora>,
+    /// True CFG: FluxPipeline's `negative_prompt` and `true_cfg_scale` (it runs when
+    /// both are given and the scale is above 1).
+    pub negative_prompt: Option<String>,
+    pub true_cfg_scale: f32,
+}
+
+impl GenerateInput {
+    /// The negative prompt and scale when true CFG runs.
+    pub fn true_cfg(&self) -> Option<(&str, f32)> {
+        let n = self.negative_prompt.as_deref()?;
+        (self.true_cfg_scale > 1.0).then_some((n, self.true_cfg_scale))
+    }
 }
 
 /// What the approximate cache did for a request (the reply's `approx_cache`).
@@ -134,6 +146,7 @@ pub async fn generate(
         params.guidance.to_bits(),
         params.max_sequence_length,
         super::adapters::set_key(&input.loras),
+        input.true_cfg().map(|(n, s)| (n.to_string(), s.to_bits())),
     ));
     let (mut out, attempts) = with_retries(ctx, job, |_| async {
         let mut held = Held::default();
@@ -158,7 +171,11 @@ async fn generate_once(
 ) -> Result<GenerateOutput, WireError> {
     let prepare = PrepareReq {
         job,
-        input: PrepareInput::Generate { width, height },
+        input: PrepareInput::Generate {
+            width,
+            height,
+            negative_prompt: input.true_cfg().map(|(n, _)| n.to_string()),
+        },
         params: params.clone(),
         max_pixels: ctx.config.server.max_pixels as u64,
     };
@@ -192,24 +209,29 @@ async fn generate_once(
         }
         _ => None,
     };
-    let work = match (&hit, &query) {
+    let (start_at, store_at) = match (&hit, &query) {
         (Some(h), _) => {
             // The job's latents are the cached state, read in place in the cache's
             // arena.
             prepared.inputs.latents = h.state.clone();
-            DenoiseWork::Generate {
-                start_at: h.k,
-                store_at: Vec::new(),
-            }
+            (h.k, Vec::new())
         }
-        (None, Some(_)) => DenoiseWork::Generate {
-            start_at: 0,
-            store_at: store_steps(steps as usize, &STORE_FRACTIONS)
+        (None, Some(_)) => (
+            0,
+            store_steps(steps as usize, &STORE_FRACTIONS)
                 .into_iter()
                 .map(|k| k as u32)
                 .collect(),
+        ),
+        (None, None) => (0, Vec::new()),
+    };
+    let work = DenoiseWork::Generate {
+        start_at,
+        store_at,
+        true_cfg: match (&prepared.negative, input.true_cfg()) {
+            (Some(n), Some((_, scale))) => Some((n.clone(), scale)),
+            _ => None,
         },
-        (None, None) => DenoiseWork::Full,
     };
     let loras = input.loras.clone();
     let d = denoise(ctx, job, &prepared, steps, Vec::new(), work, loras, held).await;

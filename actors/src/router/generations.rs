@@ -50,6 +50,22 @@ struct GenerationBody {
     run_async: bool,
     #[serde(default)]
     loras: Vec<LoraRef>,
+    negative_prompt: Option<String>,
+    #[serde(default = "no_cfg")]
+    true_cfg_scale: f32,
+}
+
+/// `true_cfg_scale`'s default: 1, true CFG off (FluxPipeline's).
+fn no_cfg() -> f32 {
+    1.0
+}
+
+/// Checks true CFG's fields (a scale that is not a finite number is refused).
+fn check_cfg(scale: f32) -> ApiResult<()> {
+    if !scale.is_finite() {
+        return Err(ApiError::bad("`true_cfg_scale` must be a finite number"));
+    }
+    Ok(())
 }
 
 fn check(ctx: &Ctx, steps: Option<u32>, guidance: Option<f32>, seq: u32) -> ApiResult<()> {
@@ -114,6 +130,7 @@ pub(super) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request)
     let permit = ctx.admission.try_admit()?;
     let b: GenerationBody = parse(&body(&ctx, req).await?)?;
     check(&ctx, b.steps, b.guidance, b.max_sequence_length)?;
+    check_cfg(b.true_cfg_scale)?;
     let format = b.format;
     let input = GenerateInput {
         prompt: b.prompt,
@@ -126,6 +143,8 @@ pub(super) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request)
         approx: b.approx_cache,
         format,
         loras: resolve(&ctx, &b.loras, false)?,
+        negative_prompt: b.negative_prompt,
+        true_cfg_scale: b.true_cfg_scale,
     };
     // A synchronous client gets the image in its response; the job table keeps only
     // the description then.
@@ -165,6 +184,9 @@ struct ImagesBody {
     approx_cache: ApproxMode,
     #[serde(default)]
     loras: Vec<LoraRef>,
+    negative_prompt: Option<String>,
+    #[serde(default = "no_cfg")]
+    true_cfg_scale: f32,
     // `model` (one model is served), `user`, and OpenAI's rendering options (quality,
     // style, background, ...) that have no meaning here are accepted and ignored.
 }
@@ -208,6 +230,7 @@ async fn images(ctx: Arc<Ctx>, req: Request) -> ApiResult {
     check(&ctx, b.steps, b.guidance, b.max_sequence_length)?;
     let wh = b.size.as_deref().map(size).transpose()?.flatten();
     let loras = resolve(&ctx, &b.loras, false)?;
+    check_cfg(b.true_cfg_scale)?;
     let tasks: Vec<_> = (0..b.n)
         .map(|i| {
             let input = GenerateInput {
@@ -221,6 +244,8 @@ async fn images(ctx: Arc<Ctx>, req: Request) -> ApiResult {
                 approx: b.approx_cache,
                 format: ImageFormat::Png,
                 loras: loras.clone(),
+                negative_prompt: b.negative_prompt.clone(),
+                true_cfg_scale: b.true_cfg_scale,
             };
             start(&ctx, input, false)
         })

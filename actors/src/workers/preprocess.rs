@@ -10,8 +10,8 @@ use super::{ComputeActor, Stage, StageCommand};
 use crate::node::Shm;
 use crate::stages::{self, MaskInput, Pipeline, TemplateVae};
 use crate::wire::{
-    InputHandles, MaskSpec, PrepareInput, PrepareReq, PreparedRefs, PreprocessMsg, VaeTraces, Wire,
-    WireError,
+    InputHandles, MaskSpec, NegativeHandles, PrepareInput, PrepareReq, PreparedRefs, PreprocessMsg,
+    VaeTraces, Wire, WireError,
 };
 
 /// The preprocess group's stage.
@@ -82,9 +82,17 @@ pub fn prepare_to_shm(
             };
             stages::prepare(p, &image, mask, &req.params, max_pixels, vae)?
         }
-        PrepareInput::Generate { width, height } => {
-            stages::prepare_generate(p, &req.params, *width, *height, max_pixels)?
-        }
+        PrepareInput::Generate {
+            width,
+            height,
+            negative_prompt,
+        } => stages::prepare_generate(
+            p,
+            &req.params,
+            (*width, *height),
+            negative_prompt.as_deref(),
+            max_pixels,
+        )?,
     };
     let mut written: Vec<Handle> = Vec::new();
     let result = (|| {
@@ -104,6 +112,14 @@ pub fn prepare_to_shm(
             txt_ids: put(&i.txt_ids)?,
             pooled: put(&pooled)?,
             guidance: i.guidance,
+        };
+        let negative = match &s1.negative {
+            Some((txt, pooled)) => Some(NegativeHandles {
+                txt: put(txt)?,
+                pooled: put(&Tensor::new([pooled.len()], pooled.clone())
+                    .map_err(|e| WireError::internal(e.to_string()))?)?,
+            }),
+            None => None,
         };
         let image = shm.write_bytes(&s1.prepared.image.data)?;
         written.push(image.clone());
@@ -130,6 +146,7 @@ pub fn prepare_to_shm(
             vae_pass: s1.vae_pass,
             prompt_cache_hit: s1.prompt_cache_hit,
             vae_trace,
+            negative,
         })
     })();
     if result.is_err() {
