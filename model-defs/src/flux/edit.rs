@@ -32,7 +32,7 @@ use denoised_runtime::{Backend, DType, Error, Result, Tensor};
 use super::adapters::LoraUse;
 use super::cost::StepShape;
 use super::model::{BlockCache, FluxTransformer, ForwardObserver};
-use super::request::{RequestTensors, RestRows, StepRequest};
+use super::request::{Control, RequestTensors, RestRows, StepRequest};
 pub use super::slabs::{DeviceTemplates, SlabSource};
 use super::template::{CacheMode, TemplateCache};
 use crate::mask::TokenMask;
@@ -108,6 +108,8 @@ pub struct Job<T> {
     /// True CFG: the negative branch's tensors (its image rows kept equal to the
     /// job's) and the scale.
     cfg: Option<(RequestTensors<T>, f32)>,
+    /// ControlNet residuals for its next step (set before each step).
+    control: Option<Arc<dyn Control<T> + Send>>,
 }
 
 impl<T> Job<T> {
@@ -204,7 +206,20 @@ impl<T> Job<T> {
             latent_channels: c,
             loras: vec![],
             cfg: None,
+            control: None,
         })
+    }
+
+    /// The ControlNet residuals of its next step (computed from its latents now; see
+    /// `controlnet::ControlNet`). Edits take none: their image rows are a subset.
+    pub fn set_control(&mut self, control: Option<Arc<dyn Control<T> + Send>>) -> Result<()> {
+        if control.is_some() && !matches!(self.mode, Mode::Full) {
+            return Err(Error::Invalid(
+                "ControlNets condition full runs (generations)".into(),
+            ));
+        }
+        self.control = control;
+        Ok(())
     }
 
     /// Adds true CFG's negative branch to a full run, before its first step: `inputs`
@@ -515,6 +530,7 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
                 cache: kv.as_ref().map(|k| k as &dyn BlockCache<B::Tensor>),
                 rest: j.rest.as_ref().filter(|_| rest),
                 loras: &j.loras,
+                control: j.control.as_deref().map(|c| c as &dyn Control<B::Tensor>),
             }
         })
         .collect();
@@ -535,6 +551,7 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
             cache: None,
             rest: None,
             loras: &j.loras,
+            control: j.control.as_deref().map(|c| c as &dyn Control<B::Tensor>),
         });
     }
     let mut sink = CaptureSink {

@@ -8,6 +8,7 @@
 
 pub mod adapters;
 pub mod config;
+pub mod controlnet;
 pub mod cost;
 pub mod edit;
 pub mod embed;

@@ -96,6 +96,15 @@ pub trait ForwardObserver<T> {
     fn block_slab(&mut self, _req: usize, _block: usize, _slab: &T) -> Result<()> {
         Ok(())
     }
+    /// Whether to report each block's image rows ([`block_image`](Self::block_image)).
+    fn wants_block_images(&self) -> bool {
+        false
+    }
+    /// The image rows of every request after block `block` (double blocks first), packed
+    /// as the velocity's rows: what a ControlNet turns into its residuals.
+    fn block_image(&mut self, _block: usize, _img: &T) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The observer that observes nothing.
@@ -160,6 +169,18 @@ impl<B: Backend> FluxTransformer<B> {
         let store = FluxWeights::<B>::open(&config, dir)?;
         let w = FluxWeights::build(&backend, &config, &store)?;
         Ok(Self::from_parts(backend, config, w, Box::new(store)))
+    }
+
+    /// Weights from any source (a ControlNet's checkpoint read as a transformer's),
+    /// kept as the pristine copy that merged LoRAs are restored from.
+    pub fn from_source(
+        backend: B,
+        config: FluxConfig,
+        src: Box<dyn Source + Send + Sync>,
+    ) -> Result<Self> {
+        config.validate().map_err(Error::Invalid)?;
+        let w = FluxWeights::build(&backend, &config, src.as_ref())?;
+        Ok(Self::from_parts(backend, config, w, src))
     }
 
     /// Seeded random weights for `config`.
@@ -350,6 +371,7 @@ impl<B: Backend> FluxTransformer<B> {
                 cache: r.cache,
                 rest: None,
                 loras: &[],
+                control: None,
             })
             .collect();
         let v = self.forward_step(&steps, &vec![Choice::Cached; self.num_blocks()], obs)?;
@@ -649,6 +671,14 @@ impl<B: Backend> FluxTransformer<B> {
             )?;
             self.emit(obs, &format!("{p}.ff_context"), &ffc)?;
             be.gated_residual(&mut ctx, &ffc, modl(&m_txt, 5, &lay.txt_seg))?;
+            for (r, req) in reqs.iter().enumerate() {
+                if let Some((res, s)) = req.control.map(|c| c.double(bi)).transpose()?.flatten() {
+                    be.add_block(&mut x, lay.img[r].clone(), 0..d, res, s)?;
+                }
+            }
+            if obs.wants_block_images() {
+                obs.block_image(bi, &x)?;
+            }
             self.emit(obs, &format!("{p}.encoder_hidden_states"), &ctx)?;
             self.emit(obs, &format!("{p}.hidden_states"), &x)?;
             for (ri, rows) in lay.img.iter().enumerate() {
@@ -774,6 +804,15 @@ impl<B: Backend> FluxTransformer<B> {
             self.lora(&lo, s_out, &mut out, &f, Some(2 * d..7 * d), &joint_rows)?;
             drop(f);
             be.gated_residual(&mut h, &out, modl(&m, 2, &lay.joint_seg))?;
+            for (r, req) in reqs.iter().enumerate() {
+                if let Some((res, s)) = req.control.map(|c| c.single(si)).transpose()?.flatten() {
+                    let rows = lay.joint[r].start + lay.txt[r].len()..lay.joint[r].end;
+                    be.add_block(&mut h, rows, 0..d, res, s)?;
+                }
+            }
+            if obs.wants_block_images() {
+                obs.block_image(bi, &be.gather_rows(&[&h], &lay.img_in_joint)?)?;
+            }
             self.emit_rows(
                 obs,
                 &format!("{p}.encoder_hidden_states"),

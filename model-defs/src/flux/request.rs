@@ -146,6 +146,19 @@ pub struct StepRequest<'a, T> {
     pub rest: Option<&'a RestRows<T>>,
     /// The unmerged LoRAs it runs with at this step (registered on the model).
     pub loras: &'a [LoraUse],
+    /// ControlNet residuals added to its image rows after each block (generations).
+    pub control: Option<&'a dyn Control<T>>,
+}
+
+/// A request's ControlNet residuals at one step (DESIGN.md §Adapters): for a block of
+/// the transformer, `[A, hidden]` rows to add to its image rows after the block (the
+/// residuals of several ControlNets already summed), or none for that block. Asked for
+/// in block order, so a provider can stream them in and wait only for a late one.
+pub trait Control<T>: Sync {
+    /// After double block `block`: the rows, and the scale they are added with.
+    fn double(&self, block: usize) -> Result<Option<(&T, f32)>>;
+    /// After single block `block` (counted from the first single block).
+    fn single(&self, block: usize) -> Result<Option<(&T, f32)>>;
 }
 
 pub(super) fn check_shape(what: &str, t: &Tensor, expected: &[usize]) -> Result<()> {

@@ -1,0 +1,166 @@
+//! FLUX ControlNets against diffusers (tests/fixtures/gen_controlnet_fixtures.py): a
+//! tiny FluxControlNetModel's per-block residuals at step 0, and FluxControlNetPipeline
+//! with one ControlNet and with two (their residuals summed), every step's latents and
+//! the PNG.
+//!
+//! Tolerances: residuals and latents within 1e-5 of their largest magnitude (the
+//! transformer tier of t2i_reference.rs), the PNG within 1 level.
+
+use std::sync::Arc;
+
+use denoised_models::flux::controlnet::{sum, ControlFor, ControlNet};
+use denoised_models::flux::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
+use denoised_models::flux::FluxRequest;
+use denoised_models::pipeline::flux_fill::{FluxFill, Timings};
+use denoised_models::pipeline::generate::GenerateOptions;
+use denoised_models::pipeline::image::{decode_image, from_model_space};
+use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
+use denoised_models::ModelSource;
+use denoised_runtime::fixtures::fixtures_dir;
+use denoised_runtime::weights::SafetensorsFile;
+use denoised_runtime::{CpuBackend, Tensor};
+
+const N: usize = 256;
+
+fn rel(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let mx = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    got.iter()
+        .zip(want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+        / mx
+}
+
+/// `[latents | control]` rows.
+fn joined(latents: &Tensor, control: &[f32]) -> Tensor {
+    let mut x = Vec::with_capacity(N * 128);
+    for r in 0..N {
+        x.extend_from_slice(latents.row(r));
+        x.extend_from_slice(&control[r * 64..(r + 1) * 64]);
+    }
+    Tensor::new([N, 128], x).unwrap()
+}
+
+#[test]
+fn controlnets_match_diffusers_flux_controlnet_pipeline() {
+    let meta: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixtures_dir().join("cases/controlnet_cases.json")).unwrap(),
+    )
+    .unwrap();
+    let dir = fixtures_dir().join(meta["model_dir"].as_str().unwrap());
+    let fill = FluxFill::load(&ModelSource::Dir(dir.clone()), CpuBackend::new()).unwrap();
+    let m = fill.shared_transformer().unwrap();
+    let net = |n: &str| {
+        ControlNet::load(
+            CpuBackend::new(),
+            fixtures_dir().join("controlnets").join(n),
+        )
+        .unwrap()
+    };
+    let (canny, depth) = (net("canny-tiny"), net("depth-tiny"));
+    let f = SafetensorsFile::open(fixtures_dir().join("cases/controlnet_dev.safetensors")).unwrap();
+    let t = |n: &str| f.tensor_f32(n).unwrap();
+    let p = &meta["params"];
+    let steps = p["num_inference_steps"].as_u64().unwrap() as usize;
+    let opts = GenerateOptions {
+        steps,
+        guidance: p["guidance_scale"].as_f64().unwrap() as f32,
+        seed: 0,
+        max_sequence_length: p["max_sequence_length"].as_u64().unwrap() as usize,
+        width: 64,
+        height: 64,
+    };
+    let inputs = fill
+        .prepare_generate(
+            meta["prompt"].as_str().unwrap(),
+            &opts,
+            Some(&t("initial_latents")),
+            &mut Timings::default(),
+        )
+        .unwrap()
+        .inputs;
+    let sc = SchedulerConfig::from_file(dir.join("scheduler/scheduler_config.json")).unwrap();
+    let s = Arc::new(FlowMatchEuler::new(&sc, steps, N).unwrap());
+
+    // The residuals at step 0 against the ControlNet called alone (scaled by 0.7).
+    let control_a = t("single_control_latents");
+    let x0 = joined(&inputs.latents, control_a.data());
+    let r = canny.residuals(&request(&x0, &inputs, &s, 0), 0.7).unwrap();
+    let (want_d, want_s) = (t("step0_block_samples"), t("step0_single_samples"));
+    let per = N * m.config.hidden();
+    for (i, got) in r.double.iter().chain(&r.single).enumerate() {
+        let want = if i < r.double.len() {
+            &want_d.data()[i * per..(i + 1) * per]
+        } else {
+            &want_s.data()[(i - r.double.len()) * per..(i - r.double.len() + 1) * per]
+        };
+        let scaled: Vec<f32> = got.data().iter().map(|v| v * r.scale).collect();
+        let d = rel(&scaled, want);
+        println!("residual {i} at step 0: {d:.2e}");
+        assert!(d <= 1e-5, "residual {i}: {d:e}");
+    }
+
+    let multi = t("multi_control_latents");
+    for (case, nets) in [
+        ("single", vec![(&canny, 0.7f32, 0usize)]),
+        ("multi", vec![(&canny, 0.7, 0), (&depth, 0.5, 1)]),
+    ] {
+        let controls: Vec<&[f32]> = match case {
+            "single" => vec![control_a.data()],
+            _ => vec![&multi.data()[..N * 64], &multi.data()[N * 64..]],
+        };
+        let mut job = Job::new(&*m, &inputs, s.clone(), Mode::Full).unwrap();
+        let plan = denoised_models::planner::prefix(m.num_blocks(), 0);
+        let want = t(&format!("{case}_step_latents"));
+        while !job.done() {
+            let i = job.step();
+            let latents = if i == 0 {
+                inputs.latents.clone()
+            } else {
+                job.computed_latents(&*m).unwrap()
+            };
+            let all = nets
+                .iter()
+                .map(|(net, scale, c)| {
+                    let x = joined(&latents, controls[*c]);
+                    net.residuals(&request(&x, &inputs, &s, i), *scale).unwrap()
+                })
+                .collect();
+            let res = sum(m.backend(), all).unwrap().unwrap();
+            job.set_control(Some(Arc::new(ControlFor::new(res, &m.config).unwrap())))
+                .unwrap();
+            step_batch_with(&*m, &mut [&mut job], &DeviceTemplates::new(), &plan).unwrap();
+            let got = job.computed_latents(&*m).unwrap();
+            let d = rel(got.data(), &want.data()[i * N * 64..(i + 1) * N * 64]);
+            println!("{case} step {i}: {d:.2e}");
+            assert!(d <= 1e-5, "{case} step {i}: {d:e}");
+        }
+        let latents = job.finish(&*m).unwrap().0;
+        let raw = fill.decode_raw(&latents, 64, 64).unwrap();
+        let png =
+            std::fs::read(fixtures_dir().join(format!("cases/controlnet_dev_{case}_output.png")))
+                .unwrap();
+        let (levels, _) = from_model_space(raw.data(), 64, 64)
+            .level_diff(&decode_image(&png, &fill.limits).unwrap());
+        assert!(levels <= 1, "{case}: PNG levels differ by {levels}");
+    }
+}
+
+/// The ControlNet's request at `step`: the generation's text, `img` its input rows.
+fn request<'a>(
+    img: &'a Tensor,
+    inputs: &'a DenoiseInputs,
+    s: &FlowMatchEuler,
+    step: usize,
+) -> FluxRequest<'a, Tensor> {
+    FluxRequest {
+        img,
+        img_ids: &inputs.img_ids,
+        txt: &inputs.txt,
+        txt_ids: &inputs.txt_ids,
+        pooled: &inputs.pooled,
+        timestep: s.model_timestep(step),
+        guidance: inputs.guidance,
+        cache: None,
+    }
+}
