@@ -258,12 +258,12 @@ impl DenoiseState {
                 store_at = ks.iter().map(|&k| k as usize).collect();
                 if let Some((n, scale)) = cfg {
                     let txt = self.shm.read_tensor(&n.txt)?;
-                    true_cfg = Some(TrueCfg {
+                    true_cfg = Some(Box::new(TrueCfg {
                         txt_ids: Tensor::zeros([txt.rows(), 3]),
                         txt,
                         pooled: self.shm.read_tensor(&n.pooled)?.into_data(),
                         scale: *scale,
-                    });
+                    }));
                 }
                 Mode::Full
             }

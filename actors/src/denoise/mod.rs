@@ -53,7 +53,7 @@ pub struct DenoiseRequest {
     /// Its LoRAs, loaded while it starts on the base weights ([`adapters`]).
     pub loras: Vec<LoraRequest>,
     /// True CFG's negative branch (a generation), batched with it every step.
-    pub true_cfg: Option<TrueCfg>,
+    pub true_cfg: Option<Box<TrueCfg>>,
 }
 
 pub enum LoopCommand {

@@ -17,6 +17,7 @@ use std::sync::{Arc, RwLock};
 
 use denoised_runtime::{Backend, Error, Result, Tensor};
 
+use super::inactive::Inactive;
 use super::lora::{merge_site, LoraAdapter, LoraFile};
 use super::model::FluxTransformer;
 use super::request::StepRequest;
@@ -188,6 +189,51 @@ impl<B: Backend> FluxTransformer<B> {
             lin.w = upload_site_weight(self.backend(), &self.config, self.pristine.as_ref(), site)?;
         }
         Ok(())
+    }
+
+    /// Adds the step's LoRA deltas at `site` to `y`, the site's Linear over `x` (or its
+    /// column block `x_cols`), request `r` owning rows `rows(r)` of both.
+    pub(super) fn lora(
+        &self,
+        lo: &Option<StepLoras<B>>,
+        site: Site,
+        y: &mut B::Tensor,
+        x: &B::Tensor,
+        x_cols: Option<Range<usize>>,
+        rows: &dyn Fn(usize) -> Option<Range<usize>>,
+    ) -> Result<()> {
+        let Some(lo) = lo else { return Ok(()) };
+        let be = self.backend();
+        let cols = x_cols.unwrap_or(0..be.shape(x).last().copied().unwrap_or(0));
+        let outs = 0..be.shape(y).last().copied().unwrap_or(0);
+        lo.apply(be, site.index(&self.config), y, x, cols, rows, outs)
+    }
+
+    /// The LoRA deltas of a Y-mode template's inactive rows at a cached block: the
+    /// output features `outs` (K and V) of `site` over the batch's inactive rows
+    /// (`side.rows[r]` for request `r`).
+    pub(super) fn side_lora<'s>(
+        &'s self,
+        lo: &'s Option<StepLoras<B>>,
+        site: Site,
+        side: &'s Inactive<'_, B::Tensor>,
+        outs: Range<usize>,
+    ) -> impl Fn(&mut B::Tensor, &B::Tensor) -> Result<()> + 's {
+        move |y, x| {
+            let Some(lo) = lo else { return Ok(()) };
+            let be = self.backend();
+            let cols = 0..be.shape(x).last().copied().unwrap_or(0);
+            let rows = |r: usize| side.rows.get(r).cloned().flatten();
+            lo.apply(
+                be,
+                site.index(&self.config),
+                y,
+                x,
+                cols,
+                &rows,
+                outs.clone(),
+            )
+        }
     }
 
     /// Whether a LoRA set is merged into the weights.

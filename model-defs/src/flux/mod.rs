@@ -12,6 +12,7 @@ pub mod controlnet;
 pub mod cost;
 pub mod edit;
 pub mod embed;
+mod host;
 mod inactive;
 pub mod lora;
 pub mod model;
@@ -25,4 +26,5 @@ pub mod template_file;
 pub mod weights;
 
 pub use config::FluxConfig;
-pub use model::{FluxInputs, FluxRequest, FluxTransformer};
+pub use host::FluxInputs;
+pub use model::{FluxRequest, FluxTransformer};
