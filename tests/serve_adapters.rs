@@ -274,3 +274,65 @@ fn a_template_captured_with_a_lora_serves_only_edits_with_it() {
         "{msg}"
     );
 }
+
+#[test]
+fn a_daemon_with_a_merged_set_serves_that_adapted_model() {
+    // `[adapters] merged`: every denoise worker merges `style` at 0.8 at start; the
+    // image equals `denoised generate --lora style:0.8 --lora-mode merged` byte for
+    // byte, with or without naming the set, and another set is refused.
+    let dir = adapters_dir();
+    let model = fixtures().join("flux-dev-tiny");
+    let toml = format!(
+        "[model]\nsource = {:?}\n[adapters]\ndir = {:?}\nmerged = [\"style:0.8\"]\n",
+        model.to_str().unwrap(),
+        dir.path().to_str().unwrap()
+    );
+    let (_cfg, d) = Daemon::with_config(&toml);
+    let (s, named) = generate(&d, json!([{"id": "style", "scale": 0.8}]), "off");
+    assert_eq!(s, 200, "{named}");
+    assert_eq!(
+        named["loras"],
+        json!([{"id": "style", "scale": 0.8, "applied_at_step": 0}])
+    );
+    let (s, implicit) = generate(&d, json!([]), "off");
+    assert_eq!(s, 200, "{implicit}");
+    assert_eq!(
+        implicit["loras"], named["loras"],
+        "the merged set applies to every request"
+    );
+    assert_eq!(image(&implicit), image(&named));
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("cli.png");
+    let style = format!("{}:0.8", dir.path().join("style").display());
+    let o = Command::new(env!("CARGO_BIN_EXE_denoised"))
+        .args([
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "a red fox in the snow",
+        ])
+        .args([
+            "--seed", "5", "--steps", "6", "--height", "64", "--width", "64",
+        ])
+        .args(["--max-sequence-length", "32", "--lora", &style])
+        .args(["--lora-mode", "merged", "--out", out.to_str().unwrap()])
+        .env("DENOISED_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        png(&std::fs::read(&out).unwrap()).data,
+        image(&named),
+        "daemon = CLI, merged"
+    );
+    let (s, v) = generate(&d, json!([{"id": "style", "scale": 0.5}]), "off");
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("merged into its weights"),
+        "{v}"
+    );
+}

@@ -100,6 +100,7 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
                 stages_on_device: env.stages_on_device,
             };
             let mut placed = device::place(&source, device, dt, &pipeline, limits)?;
+            merge_adapters(env, &pipeline, &mut placed)?;
             let p =
                 device::planner_profile(&env.config.denoise.profile, &placed.stepper.backend())?;
             placed.stepper.set_profile(p.clone());
@@ -113,6 +114,41 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
         placed,
         profile,
     })
+}
+
+/// Merges `[adapters] merged` into the worker's weights, before it serves anything.
+fn merge_adapters(env: &WorkerEnv, pipeline: &Pipeline, placed: &mut Placed) -> Result<(), String> {
+    let ad = &env.config.adapters;
+    let set = ad.merged_set()?;
+    if set.is_empty() {
+        return Ok(());
+    }
+    let dir = ad.resolved_dir(&env.config.cache);
+    let files = set
+        .iter()
+        .map(|(name, _)| {
+            let path = crate::denoise::adapters::adapter_path(&dir, name)
+                .map_err(|e| format!("[adapters] merged: {e}"))?;
+            denoised_models::flux::lora::LoraFile::open(&path, &pipeline.config)
+                .map_err(|e| format!("[adapters] merged: {e}"))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let pairs: Vec<_> = files
+        .iter()
+        .zip(&set)
+        .map(|(f, (_, s))| (f, *s as f32))
+        .collect();
+    let t0 = std::time::Instant::now();
+    let sites = placed
+        .stepper
+        .merge_loras(&pairs)
+        .map_err(|e| e.to_string())?;
+    tracing::info!(
+        "merged {:?} into {sites} Linears in {:.2} s",
+        ad.merged,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// Tells the router what this process loaded (for `/readyz`), once the router is

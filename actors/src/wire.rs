@@ -301,6 +301,9 @@ pub struct WireLora {
     pub scale: f64,
     /// K of bounded asynchronous loading (0: before the first step).
     pub patch_by: u32,
+    /// Already merged into the workers' weights (`[adapters] merged`): nothing to load.
+    #[serde(default)]
+    pub merged: bool,
 }
 
 /// router → denoise.

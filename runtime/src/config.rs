@@ -48,6 +48,10 @@ pub struct AdaptersConfig {
     pub throttle_mib_per_s: f64,
     /// Largest upload (`POST /v1/adapters`), bytes.
     pub max_upload_bytes: u64,
+    /// A LoRA set merged into every denoise worker's weights at start (`NAME` or
+    /// `NAME:SCALE` each): the daemon then serves that adapted model with no per-step
+    /// cost, and refuses requests that name another set. Empty: none.
+    pub merged: Vec<String>,
 }
 
 impl Default for AdaptersConfig {
@@ -59,11 +63,28 @@ impl Default for AdaptersConfig {
             device_slots: 16,
             throttle_mib_per_s: 0.0,
             max_upload_bytes: 2 << 30,
+            merged: Vec::new(),
         }
     }
 }
 
 impl AdaptersConfig {
+    /// `merged` as (name, scale) pairs.
+    pub fn merged_set(&self) -> std::result::Result<Vec<(String, f64)>, String> {
+        self.merged
+            .iter()
+            .map(|m| match m.rsplit_once(':') {
+                Some((n, s)) => s
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|s| s.is_finite() && s.abs() <= f32::MAX as f64)
+                    .map(|s| (n.to_string(), s))
+                    .ok_or_else(|| format!("[adapters] merged: {m:?}: the scale is not a number")),
+                None => Ok((m.clone(), 1.0)),
+            })
+            .collect()
+    }
+
     /// The adapters' directory, resolved (see [`AdaptersConfig::dir`]).
     pub fn resolved_dir(&self, cache: &CacheConfig) -> std::path::PathBuf {
         if !self.dir.is_empty() {

@@ -295,6 +295,7 @@ impl DenoiseState {
             loras: req
                 .loras
                 .iter()
+                .filter(|l| !l.merged)
                 .map(|l| {
                     Ok(LoraRequest {
                         path: adapter_path(&self.adapters_dir, &l.name)

@@ -62,7 +62,8 @@ pub fn applied(loras: &[WireLora], at: Option<u32>) -> Vec<LoraApplied> {
         .map(|l| LoraApplied {
             id: l.name.clone(),
             scale: l.scale,
-            applied_at_step: at,
+            // A merged set is in the weights from the first step.
+            applied_at_step: if l.merged { Some(0) } else { at },
         })
         .collect()
 }
@@ -73,6 +74,35 @@ pub fn applied(loras: &[WireLora], at: Option<u32>) -> Vec<LoraApplied> {
 /// makes K 0; otherwise K is the adapter's profiled value for this model
 /// (`bal.json`) or `[adapters] patch_by_step`.
 pub fn resolve(ctx: &Ctx, refs: &[LoraRef], synchronous: bool) -> Result<Vec<WireLora>, ApiError> {
+    // A daemon with a merged set serves that adapted model only: a request runs with
+    // it (named or not), and one naming another set is refused.
+    let merged = ctx
+        .config
+        .adapters
+        .merged_set()
+        .map_err(ApiError::internal)?;
+    if !merged.is_empty() {
+        let same = refs.len() == merged.len()
+            && refs
+                .iter()
+                .zip(&merged)
+                .all(|(r, (n, s))| r.id == *n && r.scale == *s);
+        if !refs.is_empty() && !same {
+            return Err(ApiError::bad(format!(
+                "this daemon serves the LoRA set {:?} merged into its weights ([adapters] merged): a request runs with it, and names no other",
+                ctx.config.adapters.merged
+            )));
+        }
+        return Ok(merged
+            .into_iter()
+            .map(|(name, scale)| WireLora {
+                name,
+                scale,
+                patch_by: 0,
+                merged: true,
+            })
+            .collect());
+    }
     if refs.is_empty() {
         return Ok(vec![]);
     }
@@ -105,6 +135,7 @@ pub fn resolve(ctx: &Ctx, refs: &[LoraRef], synchronous: bool) -> Result<Vec<Wir
             Ok(WireLora {
                 name: r.id.clone(),
                 scale: r.scale,
+                merged: false,
                 patch_by: if synchronous {
                     0
                 } else {
