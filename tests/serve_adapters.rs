@@ -248,7 +248,7 @@ fn a_template_captured_with_a_lora_serves_only_edits_with_it() {
     assert_eq!(s, 201, "{v}");
     assert_eq!(
         v["loras"],
-        json!([{"name": "detail", "scale": 0.5, "patch_by": 0}])
+        json!([{"name": "detail", "scale": 0.5, "patch_by": 0, "merged": false}])
     );
     let edit = |loras: Value| {
         d.post(
