@@ -108,7 +108,7 @@ pub struct Job<T> {
     /// True CFG: the negative branch's tensors (its image rows kept equal to the
     /// job's) and the scale.
     cfg: Option<(RequestTensors<T>, f32)>,
-    /// ControlNet residuals for its next step (set before each step).
+    /// ControlNet residuals for its next step (set before each step, taken by it).
     control: Option<Arc<dyn Control<T> + Send>>,
 }
 
@@ -211,7 +211,8 @@ impl<T> Job<T> {
     }
 
     /// The ControlNet residuals of its next step (computed from its latents now; see
-    /// `controlnet::ControlNet`). Edits take none: their image rows are a subset.
+    /// `controlnet::ControlNet`), used by that step only: residuals belong to the
+    /// latents they were computed from. Edits take none: their image rows are a subset.
     pub fn set_control(&mut self, control: Option<Arc<dyn Control<T> + Send>>) -> Result<()> {
         if control.is_some() && !matches!(self.mode, Mode::Full) {
             return Err(Error::Invalid(
@@ -536,14 +537,11 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
         .collect();
     // True CFG's negative branches run in the same forward, after every positive one
     // (request `live.len() + n` is the n-th job with a negative branch).
-    let negatives: Vec<usize> = live
-        .iter()
-        .copied()
-        .filter(|&i| jobs[i].cfg.is_some())
-        .collect();
-    for &i in &negatives {
+    for &i in &live {
         let j = &jobs[i];
-        let (tensors, _) = j.cfg.as_ref().expect("filtered");
+        let Some((tensors, _)) = &j.cfg else {
+            continue;
+        };
         reqs.push(StepRequest {
             tensors,
             timestep: j.schedule.model_timestep(j.step),
@@ -588,6 +586,7 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
                 be.axpy_cols(img, 0..c, v, nr.clone(), dt * (1.0 - *scale))?;
             }
             j.step += 1;
+            j.control = None;
             continue;
         }
         be.axpy_cols(&mut j.tensors.img, 0..c, &velocity.packed, rows.clone(), dt)?;
@@ -596,6 +595,7 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
             be.store(&latent, &cache.latent_slice(j.step)?, DType::F32)?;
         }
         j.step += 1;
+        j.control = None;
     }
     Ok(())
 }
