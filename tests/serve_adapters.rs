@@ -38,6 +38,36 @@ fn generate(d: &Daemon, loras: Value, approx: &str) -> (u16, Value) {
     )
 }
 
+/// `denoised generate` of the requests above (`generate`'s prompt, seed, steps and size)
+/// with `extra` flags: the PNG's pixels.
+fn cli_generate(model: &str, extra: &[&str]) -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("cli.png");
+    let o = Command::new(env!("CARGO_BIN_EXE_denoised"))
+        .args([
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "a red fox in the snow",
+        ])
+        .args([
+            "--seed", "5", "--steps", "6", "--height", "64", "--width", "64",
+        ])
+        .args([
+            "--max-sequence-length",
+            "32",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .args(extra)
+        .env("DENOISED_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    png(&std::fs::read(&out).unwrap()).data
+}
+
 fn image(v: &Value) -> Vec<u8> {
     png(&unb64(v["image"].as_str().unwrap())).data
 }
@@ -78,28 +108,9 @@ fn generations_with_loras_equal_the_cli_and_uploads_are_checked() {
         json!([{"id": "style", "scale": 0.8, "applied_at_step": 0}])
     );
     assert_ne!(image(&v), image(&plain), "the LoRA changes the image");
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("cli.png");
     let style = format!("{}:0.8", dir.path().join("style").display());
-    let o = Command::new(env!("CARGO_BIN_EXE_denoised"))
-        .args([
-            "generate",
-            "--model",
-            model,
-            "--prompt",
-            "a red fox in the snow",
-        ])
-        .args([
-            "--seed", "5", "--steps", "6", "--height", "64", "--width", "64",
-        ])
-        .args(["--max-sequence-length", "32", "--lora", &style])
-        .args(["--lora-mode", "unmerged", "--out", out.to_str().unwrap()])
-        .env("DENOISED_LOG", "warn")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(
-        png(&std::fs::read(&out).unwrap()).data,
+        cli_generate(model, &["--lora", &style, "--lora-mode", "unmerged"]),
         image(&v),
         "daemon = CLI"
     );
@@ -134,26 +145,11 @@ fn generations_with_loras_equal_the_cli_and_uploads_are_checked() {
     let (s, guided) = cfg("off");
     assert_eq!(s, 200, "{guided}");
     assert_ne!(image(&guided), image(&plain));
-    let out = tmp.path().join("cfg.png");
-    let o = Command::new(env!("CARGO_BIN_EXE_denoised"))
-        .args([
-            "generate",
-            "--model",
-            model,
-            "--prompt",
-            "a red fox in the snow",
-        ])
-        .args([
-            "--seed", "5", "--steps", "6", "--height", "64", "--width", "64",
-        ])
-        .args(["--max-sequence-length", "32", "--negative-prompt", "blurry"])
-        .args(["--true-cfg-scale", "4", "--out", out.to_str().unwrap()])
-        .env("DENOISED_LOG", "warn")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(
-        png(&std::fs::read(&out).unwrap()).data,
+        cli_generate(
+            model,
+            &["--negative-prompt", "blurry", "--true-cfg-scale", "4"]
+        ),
         image(&guided),
         "true CFG: daemon = CLI"
     );
@@ -301,28 +297,12 @@ fn a_daemon_with_a_merged_set_serves_that_adapted_model() {
         "the merged set applies to every request"
     );
     assert_eq!(image(&implicit), image(&named));
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("cli.png");
     let style = format!("{}:0.8", dir.path().join("style").display());
-    let o = Command::new(env!("CARGO_BIN_EXE_denoised"))
-        .args([
-            "generate",
-            "--model",
-            model.to_str().unwrap(),
-            "--prompt",
-            "a red fox in the snow",
-        ])
-        .args([
-            "--seed", "5", "--steps", "6", "--height", "64", "--width", "64",
-        ])
-        .args(["--max-sequence-length", "32", "--lora", &style])
-        .args(["--lora-mode", "merged", "--out", out.to_str().unwrap()])
-        .env("DENOISED_LOG", "warn")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(
-        png(&std::fs::read(&out).unwrap()).data,
+        cli_generate(
+            model.to_str().unwrap(),
+            &["--lora", &style, "--lora-mode", "merged"]
+        ),
         image(&named),
         "daemon = CLI, merged"
     );
