@@ -5,6 +5,7 @@
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
 type Tier = [(&'static str, &'static str); 1];
@@ -12,7 +13,7 @@ type Tier = [(&'static str, &'static str); 1];
 pub const HOST: &str = "host";
 pub const DISK: &str = "disk";
 
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct CacheMetrics {
     entries: Family<Tier, Gauge>,
     bytes: Family<Tier, Gauge>,
@@ -20,11 +21,21 @@ pub struct CacheMetrics {
     misses: Family<Tier, Counter>,
     evictions: Family<Tier, Counter>,
     loaded: Family<Tier, Counter>,
+    /// Reads of a template from the disk tier into the host tier.
+    disk_load: Histogram,
 }
 
 impl CacheMetrics {
     pub fn register(r: &mut Registry) -> Self {
-        let m = CacheMetrics::default();
+        let m = CacheMetrics {
+            entries: Family::default(),
+            bytes: Family::default(),
+            hits: Family::default(),
+            misses: Family::default(),
+            evictions: Family::default(),
+            loaded: Family::default(),
+            disk_load: Histogram::new(super::LATENCY_SECONDS.iter().copied()),
+        };
         use super::template_cache::*;
         r.register(ENTRIES.0, ENTRIES.1, m.entries.clone());
         r.register_with_unit(BYTES.0, BYTES.1, Unit::Bytes, m.bytes.clone());
@@ -32,6 +43,12 @@ impl CacheMetrics {
         r.register(MISSES.0, MISSES.1, m.misses.clone());
         r.register(EVICTIONS.0, EVICTIONS.1, m.evictions.clone());
         r.register_with_unit(LOADED.0, LOADED.1, Unit::Bytes, m.loaded.clone());
+        r.register_with_unit(
+            "template_disk_load_duration",
+            "Time the cache process took to read a template (and its VAE traces) from the disk tier into memory, checksums included",
+            Unit::Seconds,
+            m.disk_load.clone(),
+        );
         // Present from the start, so dashboards and rates have a series at zero.
         for tier in [HOST, DISK] {
             let t = [("tier", tier)];
@@ -62,6 +79,11 @@ impl CacheMetrics {
 
     pub fn evicted(&self, tier: &'static str) {
         self.evictions.get_or_create(&[("tier", tier)]).inc();
+    }
+
+    /// A read from the disk tier that took `seconds` (whatever its outcome).
+    pub fn disk_load(&self, seconds: f64) {
+        self.disk_load.observe(seconds);
     }
 
     /// `bytes` loaded into `tier`.

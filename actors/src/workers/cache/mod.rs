@@ -667,13 +667,16 @@ impl CacheState {
         }
         let id = self.entries[&version].info.id.clone();
         let me = self.myself.clone();
+        let metrics = self.metrics.clone();
         tokio::task::spawn_blocking(move || {
+            let t0 = std::time::Instant::now();
             let r = disk
                 .read_into(&id, version, &bytes)
                 .and_then(|()| match &traces {
                     Some((_, t)) => disk.read_traces_into(&id, version, t),
                     None => Ok(()),
                 });
+            metrics.disk_load(t0.elapsed().as_secs_f64());
             let _ = me.cast(CacheMsg::Loaded(Wire((version, r))));
         });
         Ok(())
