@@ -164,3 +164,107 @@ fn request<'a>(
         cache: None,
     }
 }
+
+/// The path the CLI and the ControlNet service take: control images VAE-encoded here
+/// (with the run's posterior draws), residuals fed to the stepper step by step
+/// (`LocalControl`, summed by `run_summed`), against the same diffusers runs.
+#[test]
+fn control_images_and_fed_residuals_match_diffusers() {
+    use denoised_models::flux::control_feed::{ControlInputs, ControlUse, LocalControl};
+    use denoised_models::flux::stepper::{ModelStepper, Stepper};
+    use denoised_models::flux::weights::SplitMix;
+    use denoised_models::pipeline::control::ControlEncoder;
+
+    let meta: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixtures_dir().join("cases/controlnet_cases.json")).unwrap(),
+    )
+    .unwrap();
+    let dir = fixtures_dir().join(meta["model_dir"].as_str().unwrap());
+    let source = ModelSource::Dir(dir.clone());
+    let fill = FluxFill::load(&source, CpuBackend::new()).unwrap();
+    let m = fill.shared_transformer().unwrap();
+    let encoder = ControlEncoder::load(&source).unwrap();
+    let f = SafetensorsFile::open(fixtures_dir().join("cases/controlnet_dev.safetensors")).unwrap();
+    let t = |n: &str| f.tensor_f32(n).unwrap();
+    let image = |n: &str| {
+        let bytes = std::fs::read(fixtures_dir().join("controlnets").join(n)).unwrap();
+        decode_image(&bytes, &fill.limits).unwrap()
+    };
+    let net = |n: &str| {
+        Arc::new(ControlNet::load(CpuBackend::new(), fixtures_dir().join("controlnets").join(n)).unwrap())
+    };
+    let p = &meta["params"];
+    let steps = p["num_inference_steps"].as_u64().unwrap() as usize;
+    let opts = GenerateOptions {
+        steps,
+        guidance: p["guidance_scale"].as_f64().unwrap() as f32,
+        seed: 0,
+        max_sequence_length: p["max_sequence_length"].as_u64().unwrap() as usize,
+        width: 64,
+        height: 64,
+    };
+    let inputs = fill
+        .prepare_generate(
+            meta["prompt"].as_str().unwrap(),
+            &opts,
+            Some(&t("initial_latents")),
+            &mut Timings::default(),
+        )
+        .unwrap()
+        .inputs;
+    let sc = SchedulerConfig::from_file(dir.join("scheduler/scheduler_config.json")).unwrap();
+    let s = Arc::new(FlowMatchEuler::new(&sc, steps, N).unwrap());
+    let mut rng = SplitMix::new(0);
+    let eps_per = N * 64;
+    for (case, nets) in [
+        ("single", vec![("canny-tiny", "control_a.png", 0.7f32)]),
+        ("multi", vec![("canny-tiny", "control_a.png", 0.7), ("depth-tiny", "control_b.png", 0.5)]),
+    ] {
+        let eps = t(&format!("{case}_control_eps"));
+        let want_latents = t(&format!("{case}_control_latents"));
+        let uses: Vec<ControlUse> = nets
+            .iter()
+            .enumerate()
+            .map(|(i, (n, img, scale))| {
+                let e = Tensor::new(
+                    [1, 16, 32, 32],
+                    eps.data()[i * eps_per..(i + 1) * eps_per].to_vec(),
+                )
+                .unwrap();
+                let control = encoder.encode(&image(img), Some(&e), &mut rng).unwrap();
+                let want = &want_latents.data()[i * N * 64..(i + 1) * N * 64];
+                let d = rel(control.data(), want);
+                println!("{case}: control latents of {img}: {d:.2e}");
+                assert!(d <= 1e-5, "{case} {img}: {d:e}");
+                ControlUse {
+                    net: net(n),
+                    control,
+                    scale: *scale,
+                }
+            })
+            .collect();
+        let feed = LocalControl::new(uses, ControlInputs::new(&inputs, s.clone()))
+            .unwrap()
+            .unwrap();
+        let mut st = ModelStepper::unbounded(m.clone(), 4);
+        st.admit(1, &inputs, s.clone(), Mode::Full).unwrap();
+        st.set_control_feed(1, Arc::new(feed)).unwrap();
+        let want = t(&format!("{case}_step_latents"));
+        for i in 0..steps {
+            st.step(&[1]).unwrap();
+            let got = st.latents(1).unwrap();
+            let d = rel(got.data(), &want.data()[i * N * 64..(i + 1) * N * 64]);
+            println!("{case} fed step {i}: {d:.2e}");
+            assert!(d <= 1e-5, "{case} step {i}: {d:e}");
+        }
+        let latents = st.finish(1).unwrap().0;
+        let raw = fill.decode_raw(&latents, 64, 64).unwrap();
+        let png =
+            std::fs::read(fixtures_dir().join(format!("cases/controlnet_dev_{case}_output.png")))
+                .unwrap();
+        let (levels, _) = from_model_space(raw.data(), 64, 64)
+            .level_diff(&decode_image(&png, &fill.limits).unwrap());
+        println!("{case}: PNG within {levels} levels");
+        assert!(levels <= 1, "{case}: PNG levels differ by {levels}");
+    }
+}

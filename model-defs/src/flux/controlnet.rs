@@ -154,38 +154,106 @@ impl<B: Backend> ControlNet<B> {
         req: &FluxRequest<'_, B::Tensor>,
         scale: f32,
     ) -> Result<Residuals<B::Tensor>> {
-        let mut obs = BlockImages {
-            be: self.body.backend(),
-            out: &self.out,
-            got: Vec::with_capacity(self.out.len()),
-        };
-        self.body.forward(std::slice::from_ref(req), &mut obs)?;
-        let mut double = obs.got;
-        let single = double.split_off(self.doubles);
+        let mut got = Vec::with_capacity(self.out.len());
+        self.residuals_streamed(req, &mut |_, r| {
+            got.push(r);
+            Ok(())
+        })?;
+        let single = got.split_off(self.doubles);
         Ok(Residuals {
-            double,
+            double: got,
             single,
             scale,
         })
     }
+
+    /// As [`ControlNet::residuals`], handing residual `k` (double blocks first) to
+    /// `sink` as soon as its block is done: what a consumer waiting block by block
+    /// needs (the ControlNet service streams them).
+    pub fn residuals_streamed(
+        &self,
+        req: &FluxRequest<'_, B::Tensor>,
+        sink: &mut dyn FnMut(usize, B::Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let mut obs = BlockImages {
+            be: self.body.backend(),
+            out: &self.out,
+            sink,
+        };
+        self.body.forward(std::slice::from_ref(req), &mut obs)?;
+        Ok(())
+    }
+
+    /// Its residual blocks: double, single.
+    pub fn blocks(&self) -> (usize, usize) {
+        (self.doubles, self.out.len() - self.doubles)
+    }
+
+    /// Its width (a residual's columns).
+    pub fn hidden(&self) -> usize {
+        self.body.config.hidden()
+    }
 }
 
 /// Turns each block's image rows into the ControlNet's residual.
-struct BlockImages<'a, B: Backend> {
+struct BlockImages<'a, 's, B: Backend> {
     be: &'a B,
     out: &'a [Linear<B>],
-    got: Vec<B::Tensor>,
+    sink: &'s mut dyn FnMut(usize, B::Tensor) -> Result<()>,
 }
 
-impl<B: Backend> ForwardObserver<B::Tensor> for BlockImages<'_, B> {
+impl<B: Backend> ForwardObserver<B::Tensor> for BlockImages<'_, '_, B> {
     fn wants_block_images(&self) -> bool {
         true
     }
     fn block_image(&mut self, block: usize, img: &B::Tensor) -> Result<()> {
         let l = &self.out[block];
-        self.got.push(self.be.linear(img, &l.w, l.b.as_ref())?);
-        Ok(())
+        (self.sink)(block, self.be.linear(img, &l.w, l.b.as_ref())?)
     }
+}
+
+/// One step of several ControlNets for one request, summed exactly as [`sum`] sums
+/// them (the same additions in the same order), handing summed residual `k` (double
+/// blocks first) to `sink` as soon as it is final. Every ControlNet but the last runs
+/// first; the last one's block `k` completes residual `k`, so a consumer waits for
+/// the first residual only one block's time after the last ControlNet starts. Returns
+/// the scale the residuals are added with, or `None` when every scale is 0 (nothing
+/// was sunk).
+pub fn run_summed<B: Backend>(
+    be: &B,
+    nets: &[(&ControlNet<B>, &FluxRequest<'_, B::Tensor>, f32)],
+    sink: &mut dyn FnMut(usize, &B::Tensor) -> Result<()>,
+) -> Result<Option<f32>> {
+    let live: Vec<_> = nets.iter().filter(|n| n.2 != 0.0).collect();
+    let Some(((last, req, last_scale), first)) = live.split_last() else {
+        return Ok(None);
+    };
+    let firsts = first
+        .iter()
+        .map(|(n, r, s)| n.residuals(r, *s))
+        .collect::<Result<Vec<_>>>()?;
+    let mut acc: Option<Vec<B::Tensor>> = None;
+    let mut scale = *last_scale;
+    if let Some(a) = sum(be, firsts)? {
+        if (a.double.len(), a.single.len()) != last.blocks() {
+            return Err(Error::Invalid(
+                "ControlNets of different block counts are not summed".into(),
+            ));
+        }
+        scale = a.scale;
+        acc = Some(a.double.into_iter().chain(a.single).collect());
+    }
+    let alpha = last_scale / scale;
+    last.residuals_streamed(req, &mut |k, r| match &mut acc {
+        None => sink(k, &r),
+        Some(blocks) => {
+            let a = &mut blocks[k];
+            let (rows, cols) = (be.shape(&r)[0], be.shape(&r)[1]);
+            be.add_block(a, 0..rows, 0..cols, &r, alpha)?;
+            sink(k, a)
+        }
+    })?;
+    Ok(Some(scale))
 }
 
 /// One ControlNet's (or several's, summed) residuals of one request at one step:
@@ -206,28 +274,36 @@ pub struct ControlFor<T> {
 
 impl<T> ControlFor<T> {
     pub fn new(res: Residuals<T>, config: &FluxConfig) -> Result<Self> {
-        let interval = |blocks: usize, n: usize| {
-            if n == 0 {
-                usize::MAX
-            } else {
-                blocks.div_ceil(n)
-            }
-        };
-        if res.double.len() > config.num_layers || res.single.len() > config.num_single_layers {
-            return Err(Error::Invalid(format!(
-                "a ControlNet of {} double and {} single blocks for a transformer of {} and {}",
-                res.double.len(),
-                res.single.len(),
-                config.num_layers,
-                config.num_single_layers
-            )));
-        }
+        let (double_interval, single_interval) =
+            intervals(config, res.double.len(), res.single.len())?;
         Ok(ControlFor {
-            double_interval: interval(config.num_layers, res.double.len()),
-            single_interval: interval(config.num_single_layers, res.single.len()),
+            double_interval,
+            single_interval,
             res,
         })
     }
+}
+
+/// Diffusers' `interval_control` for a ControlNet of `doubles` and `singles` blocks on
+/// a transformer of `config`: transformer block `i` takes residual `i / interval`.
+pub fn intervals(config: &FluxConfig, doubles: usize, singles: usize) -> Result<(usize, usize)> {
+    let interval = |blocks: usize, n: usize| {
+        if n == 0 {
+            usize::MAX
+        } else {
+            blocks.div_ceil(n)
+        }
+    };
+    if doubles > config.num_layers || singles > config.num_single_layers {
+        return Err(Error::Invalid(format!(
+            "a ControlNet of {doubles} double and {singles} single blocks for a transformer of {} and {}",
+            config.num_layers, config.num_single_layers
+        )));
+    }
+    Ok((
+        interval(config.num_layers, doubles),
+        interval(config.num_single_layers, singles),
+    ))
 }
 
 impl<T: Sync> Control<T> for ControlFor<T> {

@@ -223,6 +223,16 @@ impl<T> Job<T> {
         Ok(())
     }
 
+    /// Whether it runs true CFG's negative branch.
+    pub fn has_true_cfg(&self) -> bool {
+        self.cfg.is_some()
+    }
+
+    /// Whether it computes every image token (a generation, not an edit).
+    pub fn is_full(&self) -> bool {
+        matches!(self.mode, Mode::Full)
+    }
+
     /// Adds true CFG's negative branch to a full run, before its first step: `inputs`
     /// are the job's own (its image rows are the negative branch's too).
     pub fn set_true_cfg<B: Backend<Tensor = T>>(

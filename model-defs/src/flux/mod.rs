@@ -8,6 +8,7 @@
 
 pub mod adapters;
 pub mod config;
+pub mod control_feed;
 pub mod controlnet;
 pub mod cost;
 pub mod edit;

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use denoised_runtime::{Backend, Error, Result, Tensor};
 
 use super::adapters::{LoraId, LoraUse};
+use super::control_feed::{ControlFeed, FeedControl};
 use super::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode, TrueCfg};
 use super::lora::LoraFile;
 use super::plan::{plan_step, SlabLoad, StepWork};
@@ -118,6 +119,8 @@ pub trait Stepper: Send {
     /// Adds true CFG's negative branch to a just-admitted full run (`inputs` are the
     /// ones it was admitted with; see `Job::set_true_cfg`).
     fn set_true_cfg(&mut self, id: JobKey, inputs: &DenoiseInputs, cfg: &TrueCfg) -> Result<()>;
+    /// Gives a just-admitted full run ControlNet residuals from `feed`, every step.
+    fn set_control_feed(&mut self, id: JobKey, feed: Arc<dyn ControlFeed>) -> Result<()>;
 }
 
 fn no_job(id: JobKey) -> Error {
@@ -144,6 +147,8 @@ pub struct ModelStepper<B: Backend> {
     sampled: Option<Instant>,
     /// The device's latency models, which price the planner's choices.
     profile: Profile,
+    /// Jobs with ControlNets: their residuals' feeds.
+    feeds: HashMap<JobKey, Arc<dyn ControlFeed>>,
 }
 
 impl<B: Backend> ModelStepper<B>
@@ -171,6 +176,7 @@ where
             stats: Arc::default(),
             sampled: None,
             profile: Profile::defaults(&device),
+            feeds: HashMap::new(),
         }
     }
 
@@ -338,7 +344,7 @@ where
     }
 }
 
-impl<B: Backend> Stepper for ModelStepper<B>
+impl<B: Backend + 'static> Stepper for ModelStepper<B>
 where
     B::Tensor: Send + Sync,
 {
@@ -362,6 +368,9 @@ where
             Some(p) => p.choices.clone(),
             None => vec![Choice::Cached; self.model.num_blocks()],
         };
+        if !self.feeds.is_empty() {
+            self.begin_controls(ids)?;
+        }
         let mut batch: Vec<&mut Job<B::Tensor>> = self
             .jobs
             .iter_mut()
@@ -388,6 +397,7 @@ where
 
     fn finish(&mut self, id: JobKey) -> Result<(Tensor, Option<TemplateCache>)> {
         let job = self.jobs.remove(&id).ok_or_else(|| no_job(id))?;
+        self.feeds.remove(&id);
         let out = job.finish(&self.model);
         self.drop_unused_streams();
         out
@@ -408,6 +418,7 @@ where
 
     fn remove(&mut self, id: JobKey) {
         self.jobs.remove(&id);
+        self.feeds.remove(&id);
         self.drop_unused_streams();
     }
 
@@ -443,11 +454,28 @@ where
     }
 
     fn set_true_cfg(&mut self, id: JobKey, inputs: &DenoiseInputs, cfg: &TrueCfg) -> Result<()> {
+        if self.feeds.contains_key(&id) {
+            return Err(Error::Invalid(
+                "true CFG does not run with ControlNets".into(),
+            ));
+        }
         let model = &self.model;
         self.jobs
             .get_mut(&id)
             .ok_or_else(|| no_job(id))?
             .set_true_cfg(model, inputs, cfg)
+    }
+
+    fn set_control_feed(&mut self, id: JobKey, feed: Arc<dyn ControlFeed>) -> Result<()> {
+        let job = self.jobs.get_mut(&id).ok_or_else(|| no_job(id))?;
+        if !job.is_full() || job.step() != 0 || job.has_true_cfg() {
+            return Err(Error::Invalid(
+                "ControlNets condition a generation (not an edit) from its first step, without true CFG".into(),
+            ));
+        }
+        FeedControl::new(feed.clone(), self.model.clone())?;
+        self.feeds.insert(id, feed);
+        Ok(())
     }
 
     fn set_loras(&mut self, id: JobKey, loras: Vec<LoraUse>) -> Result<()> {
@@ -459,10 +487,25 @@ where
     }
 }
 
-impl<B: Backend> ModelStepper<B>
+impl<B: Backend + 'static> ModelStepper<B>
 where
     B::Tensor: Send + Sync,
 {
+    /// Hands each job of the step with ControlNets its latents, and its step the
+    /// residuals: a local feed computes them now, the service's as the forward goes.
+    fn begin_controls(&mut self, ids: &[JobKey]) -> Result<()> {
+        for id in ids {
+            let (Some(feed), Some(job)) = (self.feeds.get(id), self.jobs.get_mut(id)) else {
+                continue;
+            };
+            let latents = job.computed_latents(&self.model)?;
+            feed.begin(job.step(), &latents)?;
+            let control = FeedControl::new(feed.clone(), self.model.clone())?;
+            job.set_control(Some(Arc::new(control)))?;
+        }
+        Ok(())
+    }
+
     /// Frees the buffers of streamed templates no admitted job reads any more.
     fn drop_unused_streams(&mut self) {
         let jobs = &self.jobs;

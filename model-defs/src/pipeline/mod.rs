@@ -1,6 +1,7 @@
 //! The FLUX.1 Fill pipeline around the transformer: images and masks in, Fill
 //! conditioning, latents out through the VAE, paste-back.
 
+pub mod control;
 pub mod fill;
 pub mod flux_fill;
 pub mod generate;

@@ -1,0 +1,76 @@
+//! Control images for ControlNets: FluxControlNetPipeline's `prepare_image` then
+//! `vae.encode(image).latent_dist.sample(generator)`, shifted, scaled and packed into
+//! the `[N, 4c]` rows a ControlNet reads beside the latents.
+//!
+//! A text-to-image pipeline loads no VAE encoder for itself; whoever runs ControlNets
+//! (the CLI, the ControlNet service's processes) loads one with [`ControlEncoder::load`].
+
+use denoised_runtime::{Error, Result, Tensor};
+
+use super::fill::normalize_and_pack;
+use super::flux_fill::vae_config;
+use super::image::{to_model_space, Rgb8};
+use crate::flux::weights::SplitMix;
+use crate::source::{ModelSource, BUILTIN_SEED};
+use crate::vae::model::AutoencoderKL;
+use crate::vae::VaeHalves;
+
+/// The model's VAE encoder, for control images.
+pub struct ControlEncoder {
+    vae: AutoencoderKL,
+}
+
+impl ControlEncoder {
+    /// The VAE encoder of `source` (a diffusers directory's `vae/`, or a built-in's
+    /// seeded VAE, as its pipeline builds it).
+    pub fn load(source: &ModelSource) -> Result<Self> {
+        let vae = match source {
+            ModelSource::Dir(d) => AutoencoderKL::load_halves(d.join("vae"), VaeHalves::ENCODER)?,
+            builtin => AutoencoderKL::seeded_halves(
+                vae_config(builtin)?,
+                BUILTIN_SEED ^ 1,
+                VaeHalves::ENCODER,
+            )?,
+        };
+        Ok(ControlEncoder { vae })
+    }
+
+    /// `image`'s packed control latents, `[N, 4c]`. The posterior sample takes its
+    /// N(0, 1) draws from `eps` when given (to reproduce a diffusers run), else from
+    /// `rng`. The image must have the generated image's size (diffusers resizes it;
+    /// a server asks for the right size instead of guessing a resampling filter).
+    pub fn encode(&self, image: &Rgb8, eps: Option<&Tensor>, rng: &mut SplitMix) -> Result<Tensor> {
+        let cfg = self.vae.config();
+        let vsf = cfg.vae_scale_factor();
+        let (w, h) = (image.width, image.height);
+        if w % (2 * vsf) != 0 || h % (2 * vsf) != 0 {
+            return Err(Error::Invalid(format!(
+                "a control image of {w}x{h}: its sides must be multiples of {}",
+                2 * vsf
+            )));
+        }
+        let x = Tensor::new([1, 3, h, w], to_model_space(image))?;
+        let (mean, logvar) = self.vae.encode(&x)?;
+        let std = AutoencoderKL::std_from_logvar(&logvar);
+        let eps: Vec<f32> = match eps {
+            Some(e) if e.len() == mean.len() => e.data().to_vec(),
+            Some(e) => {
+                return Err(Error::Invalid(format!(
+                    "control posterior draws of shape {:?}, expected {:?}",
+                    e.shape(),
+                    mean.shape()
+                )))
+            }
+            None => (0..mean.len()).map(|_| rng.normal()).collect(),
+        };
+        let sample: Vec<f32> = mean
+            .data()
+            .iter()
+            .zip(std.data())
+            .zip(&eps)
+            .map(|((m, s), e)| m + s * e)
+            .collect();
+        let (lc, lh, lw) = (cfg.latent_channels, h / vsf, w / vsf);
+        normalize_and_pack(&sample, lc, lh, lw, cfg.shift(), cfg.scale())
+    }
+}
