@@ -7,6 +7,7 @@
 
 pub mod approx;
 pub mod budget;
+pub mod controlnet;
 pub mod denoise;
 pub mod device;
 pub mod fault;

@@ -33,15 +33,18 @@ pub enum Role {
     Denoise,
     Postprocess,
     Cache,
+    #[serde(rename = "controlnet")]
+    ControlNet,
 }
 
 impl Role {
-    pub const ALL: [Role; 5] = [
+    pub const ALL: [Role; 6] = [
         Role::Router,
         Role::Preprocess,
         Role::Denoise,
         Role::Postprocess,
         Role::Cache,
+        Role::ControlNet,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -50,6 +53,7 @@ impl Role {
             Role::Denoise => "denoise",
             Role::Postprocess => "postprocess",
             Role::Cache => "cache",
+            Role::ControlNet => "controlnet",
         }
     }
     /// How many processes of this role the configuration asks for.
@@ -59,6 +63,7 @@ impl Role {
             Role::Preprocess => c.workers.preprocess,
             Role::Denoise => c.workers.denoise,
             Role::Postprocess => c.workers.postprocess,
+            Role::ControlNet => c.workers.controlnet,
         }
     }
 }
@@ -70,7 +75,7 @@ impl std::str::FromStr for Role {
             .into_iter()
             .find(|r| r.name() == s)
             .ok_or_else(|| {
-                format!("unknown role `{s}` (router, preprocess, denoise, postprocess, cache)")
+                format!("unknown role `{s}` (router, preprocess, denoise, postprocess, cache, controlnet)")
             })
     }
 }
@@ -417,6 +422,15 @@ impl Shm {
             view = self.view(&h.arena, true)?;
         }
         view.host_slice(h).map_err(lost)
+    }
+
+    /// A slice another process allocated in its arena for this one to write into (a
+    /// ControlNet stream's latents), mapped writable, and the pid of that process.
+    pub fn host_slice_rw(&self, h: &Handle) -> Result<(HostSlice, u32), WireError> {
+        let lost = |e: shm::ShmError| WireError::new(ErrorKind::WorkerLost, e.to_string());
+        let v = Arc::new(ArenaView::attach_rw(&self.dir, &self.namespace, &h.arena).map_err(lost)?);
+        let s = v.host_slice(h).map_err(lost)?;
+        Ok((s, v.owner_pid()))
     }
 
     /// Allocates `len` bytes in this process's arena for a writer in this process (a

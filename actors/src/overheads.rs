@@ -95,6 +95,7 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
             store_at: Vec::new(),
             loras: vec![],
             true_cfg: None,
+            control: None,
         });
     }
     let mut times = Vec::new();

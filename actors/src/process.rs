@@ -50,7 +50,7 @@ pub fn role_parts(role: Role, disaggregate: bool) -> Parts {
         Role::Denoise => Parts::DENOISE
             .union(Parts::PREPROCESS)
             .union(Parts::POSTPROCESS),
-        Role::Router | Role::Cache => Parts {
+        Role::Router | Role::Cache | Role::ControlNet => Parts {
             text: false,
             vae: VaeHalves::NONE,
             transformer: false,
@@ -337,6 +337,25 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                 .await
                 .map(|(a, _)| (groups::DENOISE, a.get_cell()))
             }
+            (Role::ControlNet, Some(l)) => {
+                let source = env.model_source();
+                let encoder = denoised_models::pipeline::control::ControlEncoder::load(&source)
+                    .map_err(|e| format!("loading the VAE encoder for control images: {e}"))?;
+                let ad = &env.config.adapters;
+                let args = crate::controlnet::ControlNetArgs {
+                    shm: shm.clone(),
+                    dir: ad.resolved_controlnets_dir(&env.config.cache),
+                    cache_bytes: ad.controlnet_cache_bytes,
+                    pipeline: l.pipeline,
+                    encoder,
+                    metrics: crate::metrics::controlnet::ControlNetMetrics::register(
+                        registry.registry(),
+                    ),
+                };
+                Actor::spawn(name, crate::controlnet::ControlNetActor, args)
+                    .await
+                    .map(|(a, _)| (groups::CONTROLNET, a.get_cell()))
+            }
             (Role::Cache, _) => {
                 let metrics = CacheMetrics::register(registry.registry());
                 let source = env.model_source();
@@ -396,6 +415,9 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
             match role {
                 Role::Denoise => node::tell(&cell, DenoiseMsg::RouterLost(Wire(()))),
                 Role::Cache => node::tell(&cell, CacheMsg::RouterLost(Wire(()))),
+                Role::ControlNet => {
+                    node::tell(&cell, crate::wire::ControlNetMsg::RouterLost(Wire(())))
+                }
                 _ => {}
             }
         };

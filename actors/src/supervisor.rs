@@ -294,7 +294,8 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
                 Role::Denoise => placement.denoise[index].to_string(),
                 Role::Preprocess => placement.preprocess[index].to_string(),
                 Role::Postprocess => placement.postprocess[index].to_string(),
-                Role::Router | Role::Cache => "cpu".into(),
+                // ControlNets run on the host's CPU for now (see crate::controlnet).
+                Role::Router | Role::Cache | Role::ControlNet => "cpu".into(),
             },
             threads: placement.threads,
             incarnation,
@@ -426,6 +427,7 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
         Role::Preprocess,
         Role::Denoise,
         Role::Postprocess,
+        Role::ControlNet,
         Role::Cache,
     ] {
         let limit = if role == Role::Router {

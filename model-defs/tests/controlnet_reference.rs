@@ -191,7 +191,13 @@ fn control_images_and_fed_residuals_match_diffusers() {
         decode_image(&bytes, &fill.limits).unwrap()
     };
     let net = |n: &str| {
-        Arc::new(ControlNet::load(CpuBackend::new(), fixtures_dir().join("controlnets").join(n)).unwrap())
+        Arc::new(
+            ControlNet::load(
+                CpuBackend::new(),
+                fixtures_dir().join("controlnets").join(n),
+            )
+            .unwrap(),
+        )
     };
     let p = &meta["params"];
     let steps = p["num_inference_steps"].as_u64().unwrap() as usize;
@@ -218,7 +224,13 @@ fn control_images_and_fed_residuals_match_diffusers() {
     let eps_per = N * 64;
     for (case, nets) in [
         ("single", vec![("canny-tiny", "control_a.png", 0.7f32)]),
-        ("multi", vec![("canny-tiny", "control_a.png", 0.7), ("depth-tiny", "control_b.png", 0.5)]),
+        (
+            "multi",
+            vec![
+                ("canny-tiny", "control_a.png", 0.7),
+                ("depth-tiny", "control_b.png", 0.5),
+            ],
+        ),
     ] {
         let eps = t(&format!("{case}_control_eps"));
         let want_latents = t(&format!("{case}_control_latents"));
@@ -243,7 +255,7 @@ fn control_images_and_fed_residuals_match_diffusers() {
                 }
             })
             .collect();
-        let feed = LocalControl::new(uses, ControlInputs::new(&inputs, s.clone()))
+        let feed = LocalControl::new(uses, ControlInputs::new(&inputs, &s))
             .unwrap()
             .unwrap();
         let mut st = ModelStepper::unbounded(m.clone(), 4);

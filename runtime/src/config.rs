@@ -52,6 +52,13 @@ pub struct AdaptersConfig {
     /// `NAME:SCALE` each): the daemon then serves that adapted model with no per-step
     /// cost, and refuses requests that name another set. Empty: none.
     pub merged: Vec<String>,
+    /// Where the ControlNet service finds ControlNets: one diffusers
+    /// `FluxControlNetModel` directory per name. Empty: `controlnets` in the
+    /// adapters' directory. Needs `[workers] controlnet` processes.
+    pub controlnets_dir: String,
+    /// Bytes of ControlNet weights each ControlNet process keeps loaded (least
+    /// recently used out; a request's own ControlNets stay while it runs).
+    pub controlnet_cache_bytes: u64,
 }
 
 impl Default for AdaptersConfig {
@@ -64,6 +71,8 @@ impl Default for AdaptersConfig {
             throttle_mib_per_s: 0.0,
             max_upload_bytes: 2 << 30,
             merged: Vec::new(),
+            controlnets_dir: String::new(),
+            controlnet_cache_bytes: 8 << 30,
         }
     }
 }
@@ -94,6 +103,14 @@ impl AdaptersConfig {
         templates
             .parent()
             .map_or_else(|| templates.join("adapters"), |p| p.join("adapters"))
+    }
+
+    /// The ControlNets' directory, resolved (see [`AdaptersConfig::controlnets_dir`]).
+    pub fn resolved_controlnets_dir(&self, cache: &CacheConfig) -> std::path::PathBuf {
+        match self.controlnets_dir.as_str() {
+            "" => self.resolved_dir(cache).join("controlnets"),
+            d => d.into(),
+        }
     }
 }
 
@@ -309,6 +326,9 @@ pub struct WorkersConfig {
     pub postprocess_device: String,
     /// Denoise workers: one per GPU; on a CPU-only machine, 1.
     pub denoise: usize,
+    /// ControlNet service processes (`[adapters] controlnets_dir`); 0: requests that
+    /// name ControlNets are refused.
+    pub controlnet: usize,
     /// Bytes of the shared-memory arena of the router, preprocess and postprocess
     /// processes (requests in flight). Arenas are reserved when created, so that a full
     /// /dev/shm is an error at start-up rather than a SIGBUS later.
@@ -328,6 +348,7 @@ impl Default for WorkersConfig {
             preprocess_device: "auto".into(),
             postprocess_device: "auto".into(),
             denoise: 1,
+            controlnet: 0,
             arena_bytes: 256 << 20,
             denoise_arena_bytes: 1 << 30,
             cache_arena_bytes: 1 << 30,

@@ -216,6 +216,7 @@ pub fn run(a: Args) -> CliResult {
                 .into_iter()
                 .collect(),
             true_cfg: None,
+            control: None,
         });
         let (mut first, mut applied) = (None, None);
         loop {

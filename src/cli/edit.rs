@@ -10,6 +10,7 @@ use std::time::Instant;
 use denoised_actors::device::{self, Placed};
 use denoised_cuda::DeviceSpec;
 use denoised_models::flux::adapters::LoraUse;
+use denoised_models::flux::control_feed::ControlFeed;
 use denoised_models::flux::edit::{DenoiseInputs, Mode, TrueCfg};
 use denoised_models::flux::stepper::JobKey;
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
@@ -200,7 +201,7 @@ pub(super) fn denoise(
     inputs: &DenoiseInputs,
     schedule: FlowMatchEuler,
     mode: Mode,
-    (loras, cfg): (&[LoraUse], Option<&TrueCfg>),
+    (loras, cfg, control): (&[LoraUse], Option<&TrueCfg>, Option<Arc<dyn ControlFeed>>),
     t: &mut Timings,
 ) -> CliResult<(Tensor, Option<TemplateCache>)> {
     const ONE: JobKey = 0;
@@ -211,6 +212,9 @@ pub(super) fn denoise(
     st.set_loras(ONE, loras.to_vec())?;
     if let Some(cfg) = cfg {
         st.set_true_cfg(ONE, inputs, cfg)?;
+    }
+    if let Some(feed) = control {
+        st.set_control_feed(ONE, feed)?;
     }
     while !st.done(ONE) {
         st.step(&[ONE])?;
@@ -340,7 +344,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                 &prepared.inputs,
                 schedule,
                 mode,
-                (&lora.uses, None),
+                (&lora.uses, None, None),
                 &mut t,
             )?
             .0
@@ -381,7 +385,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                 &prepared.inputs,
                 schedule,
                 mode,
-                (&lora.uses, None),
+                (&lora.uses, None, None),
                 &mut t,
             )?
             .0
@@ -437,7 +441,7 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
         &prepared.inputs,
         schedule,
         mode,
-        (&lora.uses, None),
+        (&lora.uses, None, None),
         &mut t,
     )?;
     let cache = cache.ok_or("the capture run returned no template cache")?;

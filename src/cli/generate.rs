@@ -9,6 +9,7 @@ use denoised_models::pipeline::generate::GenerateOptions;
 use denoised_models::ModelSource;
 
 use super::adapters::LoraArgs;
+use super::controlnet::ControlNetArgs;
 use super::edit::{denoise, load_pipeline, read_noise, report, write_png};
 use super::{CliResult, ModelDeviceArgs};
 
@@ -64,6 +65,8 @@ pub struct GenerateArgs {
     pub device: ModelDeviceArgs,
     #[command(flatten)]
     pub lora: LoraArgs,
+    #[command(flatten)]
+    pub controlnet: ControlNetArgs,
     /// Output PNG.
     #[arg(long)]
     pub out: PathBuf,
@@ -102,8 +105,11 @@ pub fn run(a: GenerateArgs) -> CliResult {
         &mut t,
     )?;
     let schedule = p.schedule(opts.steps, opts.width, opts.height)?;
+    let control = a
+        .controlnet
+        .feed(&a.model, &prepared.inputs, &schedule, a.seed, &p.limits)?;
     let mode = Mode::Full;
-    let extra = (&lora.uses[..], cfg.as_ref());
+    let extra = (&lora.uses[..], cfg.as_ref(), control);
     let latents = denoise(&mut placed, &prepared.inputs, schedule, mode, extra, &mut t)?.0;
     // The whole image is generated: nothing to paste back.
     let finish = EditOptions {

@@ -11,6 +11,7 @@ mod bench_quality;
 mod bench_serve;
 mod bench_sparse_vae;
 mod bench_step;
+mod controlnet;
 mod devices;
 mod edit;
 mod footprint;

@@ -92,6 +92,8 @@ pub struct DenoiseState {
     /// Cancels of requests not (yet) here, newest first.
     cancelled: VecDeque<JobId>,
     adapters_dir: PathBuf,
+    /// Where generations with ControlNets report their waits for residuals.
+    control_wait: prometheus_client::metrics::histogram::Histogram,
 }
 
 pub fn unix_now() -> f64 {
@@ -156,6 +158,7 @@ impl Actor for DenoiseActor {
             template_dtype: a.template_dtype,
             cancelled: VecDeque::new(),
             adapters_dir: a.adapters_dir,
+            control_wait: a.metrics.control_wait.clone(),
         })
     }
 
@@ -238,6 +241,23 @@ impl Actor for DenoiseActor {
 }
 
 impl DenoiseState {
+    /// The feed of a generation's ControlNet residuals: the stream the ControlNet
+    /// service opened for it, mapped writable (this worker writes the latents).
+    fn control_feed(
+        &self,
+        c: &crate::wire::ControlStreamRef,
+    ) -> Result<Arc<dyn denoised_models::flux::control_feed::ControlFeed>, WireError> {
+        use crate::controlnet::stream::{Stream, StreamFeed};
+        let (slice, owner) = self.shm.host_slice_rw(&c.slot)?;
+        let stream =
+            Stream::new(slice, c.layout.clone()).map_err(|e| WireError::internal(e.to_string()))?;
+        Ok(Arc::new(StreamFeed::new(
+            stream,
+            owner,
+            Some(self.control_wait.clone()),
+        )))
+    }
+
     /// Builds the loop request of a call: inputs copied out of the preprocess arena,
     /// the schedule, and for an edit the template cache and token mask; for a capture,
     /// the arena slice its template is written into.
@@ -246,14 +266,18 @@ impl DenoiseState {
         let n = (req.rows * req.cols) as usize;
         let schedule = FlowMatchEuler::new(&self.pipeline.scheduler, req.steps as usize, n)
             .map_err(|e| WireError::bad_input(e.to_string()))?;
-        let (mut start_at, mut store_at, mut true_cfg) = (0, Vec::new(), None);
+        let (mut start_at, mut store_at, mut true_cfg, mut control) = (0, Vec::new(), None, None);
         let work = match &req.work {
             DenoiseWork::Full => Mode::Full,
             DenoiseWork::Generate {
                 start_at: k,
                 store_at: ks,
                 true_cfg: cfg,
+                control: stream,
             } => {
+                if let Some(c) = stream {
+                    control = Some(self.control_feed(c)?);
+                }
                 start_at = *k as usize;
                 store_at = ks.iter().map(|&k| k as usize).collect();
                 if let Some((n, scale)) = cfg {
@@ -292,6 +316,7 @@ impl DenoiseState {
             start_at,
             store_at,
             true_cfg,
+            control,
             loras: req
                 .loras
                 .iter()

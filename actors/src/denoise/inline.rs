@@ -126,6 +126,7 @@ pub fn submit(
                     store_at: Vec::new(),
                     loras: vec![],
                     true_cfg: None,
+                    control: None,
                 };
                 Ok((r, s1.prepared, active, pixel_ratio, s1.prompt_cache_hit))
             });

@@ -32,6 +32,7 @@ use denoised_runtime::Tensor;
 use crate::scheduler::{BatchConfig, BatchScheduler, RequestId, SchedRequest, TemplateUse};
 use adapters::LoopAdapters;
 pub use adapters::{AdapterOptions, LoraRequest};
+use denoised_models::flux::control_feed::ControlFeed;
 use denoised_models::flux::lora::LoraFile;
 
 /// Exit status of a denoise worker whose device failed (EX_SOFTWARE).
@@ -54,6 +55,8 @@ pub struct DenoiseRequest {
     pub loras: Vec<LoraRequest>,
     /// True CFG's negative branch (a generation), batched with it every step.
     pub true_cfg: Option<Box<TrueCfg>>,
+    /// Its ControlNets' residuals (a generation), fed every step.
+    pub control: Option<Arc<dyn ControlFeed>>,
 }
 
 pub enum LoopCommand {
@@ -338,6 +341,10 @@ impl State {
                 })
                 .and_then(|_| match &r.true_cfg {
                     Some(cfg) => model.set_true_cfg(id, &r.inputs, cfg),
+                    None => Ok(()),
+                })
+                .and_then(|_| match &r.control {
+                    Some(feed) => model.set_control_feed(id, feed.clone()),
                     None => Ok(()),
                 });
             if admitted.is_ok() && !r.store_at.is_empty() {

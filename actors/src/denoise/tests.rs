@@ -115,6 +115,7 @@ pub(super) fn full(id: u64, seed: u64, steps: usize) -> DenoiseRequest {
         store_at: Vec::new(),
         loras: vec![],
         true_cfg: None,
+        control: None,
     }
 }
 
@@ -208,6 +209,7 @@ fn cancel_and_bad_requests_do_not_stop_the_loop() {
         store_at: Vec::new(),
         loras: vec![],
         true_cfg: None,
+        control: None,
     };
     lp.submit(bad);
     lp.submit(full(3, 3, 2));
@@ -261,6 +263,7 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
         store_at: Vec::new(),
         loras: vec![],
         true_cfg: None,
+        control: None,
     });
     let (fin, cache) = loop {
         if let Event::Finished { latents, cache, .. } = next(&lp) {
@@ -278,6 +281,7 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
         store_at: Vec::new(),
         loras: vec![],
         true_cfg: None,
+        control: None,
     });
     let edited = loop {
         if let Event::Finished { latents, .. } = next(&lp) {
@@ -308,6 +312,7 @@ fn a_request_whose_step_fails_does_not_fail_its_batch_mates() {
         store_at: Vec::new(),
         loras: vec![],
         true_cfg: None,
+        control: None,
     };
     lp.submit(full(1, 1, 3));
     lp.submit(bad);
@@ -368,6 +373,7 @@ fn a_run_resumed_from_any_stored_state_ends_bit_identical() {
         },
         loras: vec![],
         true_cfg: None,
+        control: None,
     };
     let resumed = |state: &Tensor| {
         Arc::new(DenoiseInputs {

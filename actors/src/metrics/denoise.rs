@@ -40,6 +40,8 @@ pub struct DenoiseMetrics {
     /// LoRA loads by result, and how long each took (read and checked, throttled).
     pub lora_loads: Family<[(&'static str, &'static str); 1], Counter>,
     pub lora_load: Histogram,
+    /// A step's wait for ControlNet residuals (generations with ControlNets).
+    pub control_wait: Histogram,
 }
 
 impl DenoiseMetrics {
@@ -62,6 +64,7 @@ impl DenoiseMetrics {
             requests: Family::default(),
             lora_loads: Family::default(),
             lora_load: Histogram::new(LATENCY_SECONDS.iter().copied()),
+            control_wait: super::controlnet::register_wait(r),
         };
         r.register_with_unit(
             "denoise_step_duration",

@@ -14,6 +14,7 @@
 
 pub mod actor;
 pub mod cache;
+pub mod controlnet;
 pub mod denoise;
 pub mod router;
 

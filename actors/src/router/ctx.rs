@@ -337,8 +337,10 @@ impl Ctx {
             (groups::DENOISE, c.workers.denoise),
             (groups::POSTPROCESS, c.workers.postprocess),
             (groups::CACHE, 1),
+            (groups::CONTROLNET, c.workers.controlnet),
         ]
         .into_iter()
+        .filter(|(_, want)| *want > 0)
         .map(|(g, want)| (g, node::members(g).len(), want))
         .collect()
     }

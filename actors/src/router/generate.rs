@@ -57,6 +57,8 @@ pub struct GenerateInput {
     /// both are given and the scale is above 1).
     pub negative_prompt: Option<String>,
     pub true_cfg_scale: f32,
+    /// Its ControlNets (run by the ControlNet service).
+    pub controlnets: Vec<super::controlnets::ControlNetInput>,
 }
 
 impl GenerateInput {
@@ -116,6 +118,11 @@ pub async fn generate(
     if !ctx.config.denoise.disaggregate {
         return Err(WireError::bad_input(
             "generations run on the disaggregated workers only ([denoise] disaggregate = true)",
+        ));
+    }
+    if !input.controlnets.is_empty() && input.true_cfg().is_some() {
+        return Err(WireError::bad_input(
+            "ControlNets and true CFG do not run together (FluxControlNetPipeline has no negative prompt)",
         ));
     }
     let side = model.default_side;
@@ -181,7 +188,13 @@ async fn generate_once(
     };
     let mut prepared = preprocess(ctx, job, prepare, held).await?;
     let steps = params.steps;
-    let query = match input.approx {
+    // A state of a generation with ControlNets is theirs too (and their images'): such
+    // a generation neither reads nor fills the approximate cache.
+    let approx = match input.controlnets.is_empty() {
+        true => input.approx,
+        false => ApproxMode::Off,
+    };
+    let query = match approx {
         ApproxMode::Off => None,
         mode => Some(ApproxQuery {
             key,
@@ -225,6 +238,19 @@ async fn generate_once(
         ),
         (None, None) => (0, Vec::new()),
     };
+    let control = match input.controlnets.is_empty() {
+        true => None,
+        false => Some(
+            super::controlnets::start(
+                ctx,
+                job,
+                &input.controlnets,
+                &prepared,
+                (steps, params.seed),
+            )
+            .await?,
+        ),
+    };
     let work = DenoiseWork::Generate {
         start_at,
         store_at,
@@ -232,9 +258,13 @@ async fn generate_once(
             (Some(n), Some((_, scale))) => Some((n.clone(), scale)),
             _ => None,
         },
+        control: control.as_ref().and_then(|c| c.stream.clone()),
     };
     let loras = input.loras.clone();
     let d = denoise(ctx, job, &prepared, steps, Vec::new(), work, loras, held).await;
+    if let Some(c) = &control {
+        super::controlnets::stop(c, job);
+    }
     if let (Some(h), Some(c)) = (&hit, &cache) {
         // The denoise worker read the state when the request arrived.
         node::tell(c, CacheMsg::ApproxUnpin(Wire(h.pin)));

@@ -20,6 +20,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::adapters::{resolve, LoraRef};
+use super::controlnets::ControlNetRef;
 use super::flow::Ctx;
 use super::generate::{self, ApproxMode, GenerateInput, GenerateOutput};
 use super::http::{
@@ -53,6 +54,8 @@ struct GenerationBody {
     negative_prompt: Option<String>,
     #[serde(default = "no_cfg")]
     true_cfg_scale: f32,
+    #[serde(default)]
+    controlnets: Vec<ControlNetRef>,
 }
 
 /// `true_cfg_scale`'s default: 1, true CFG off (FluxPipeline's).
@@ -145,6 +148,7 @@ pub(super) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request)
         loras: resolve(&ctx, &b.loras, false)?,
         negative_prompt: b.negative_prompt,
         true_cfg_scale: b.true_cfg_scale,
+        controlnets: super::controlnets::resolve(&ctx, &b.controlnets)?,
     };
     // A synchronous client gets the image in its response; the job table keeps only
     // the description then.
@@ -187,6 +191,8 @@ struct ImagesBody {
     negative_prompt: Option<String>,
     #[serde(default = "no_cfg")]
     true_cfg_scale: f32,
+    #[serde(default)]
+    controlnets: Vec<ControlNetRef>,
     // `model` (one model is served), `user`, and OpenAI's rendering options (quality,
     // style, background, ...) that have no meaning here are accepted and ignored.
 }
@@ -230,6 +236,7 @@ async fn images(ctx: Arc<Ctx>, req: Request) -> ApiResult {
     check(&ctx, b.steps, b.guidance, b.max_sequence_length)?;
     let wh = b.size.as_deref().map(size).transpose()?.flatten();
     let loras = resolve(&ctx, &b.loras, false)?;
+    let controlnets = super::controlnets::resolve(&ctx, &b.controlnets)?;
     check_cfg(b.true_cfg_scale)?;
     let tasks: Vec<_> = (0..b.n)
         .map(|i| {
@@ -246,6 +253,7 @@ async fn images(ctx: Arc<Ctx>, req: Request) -> ApiResult {
                 loras: loras.clone(),
                 negative_prompt: b.negative_prompt.clone(),
                 true_cfg_scale: b.true_cfg_scale,
+                controlnets: controlnets.clone(),
             };
             start(&ctx, input, false)
         })

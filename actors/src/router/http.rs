@@ -343,7 +343,7 @@ pub(super) fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> ApiResult<T
     serde_json::from_slice(bytes).map_err(|e| ApiError::bad(format!("malformed JSON body: {e}")))
 }
 
-fn b64(field: &str, s: &str) -> ApiResult<Vec<u8>> {
+pub(super) fn b64(field: &str, s: &str) -> ApiResult<Vec<u8>> {
     // Accept data URLs too (`data:image/png;base64,...`).
     let s = s.split_once(";base64,").map_or(s, |(_, d)| d);
     base64::engine::general_purpose::STANDARD

@@ -79,13 +79,19 @@ impl<B: Backend> FeedControl<B> {
         let (rows, hidden) = (self.layout.rows, self.layout.hidden);
         let mut up = None;
         self.feed.with_residual(k, &mut |r| {
-            up = Some(self.model.backend().upload(&Tensor::new([rows, hidden], r.to_vec())?)?);
+            up = Some(
+                self.model
+                    .backend()
+                    .upload(&Tensor::new([rows, hidden], r.to_vec())?)?,
+            );
             Ok(())
         })?;
-        let t = up.ok_or_else(|| Error::Invalid(format!("ControlNet residual {k} was not given")))?;
+        let t =
+            up.ok_or_else(|| Error::Invalid(format!("ControlNet residual {k} was not given")))?;
         // Blocks are asked for one at a time, so nobody set it meanwhile.
         let _ = cell.set(t);
-        cell.get().ok_or_else(|| Error::Invalid("a residual went missing".into()))
+        cell.get()
+            .ok_or_else(|| Error::Invalid("a residual went missing".into()))
     }
 }
 
@@ -105,7 +111,10 @@ where
         if k >= self.layout.singles {
             return Ok(None);
         }
-        Ok(Some((self.residual(self.layout.doubles + k)?, self.layout.scale)))
+        Ok(Some((
+            self.residual(self.layout.doubles + k)?,
+            self.layout.scale,
+        )))
     }
 }
 
@@ -125,18 +134,21 @@ pub struct ControlInputs {
     pub txt_ids: Tensor,
     pub pooled: Vec<f32>,
     pub guidance: f32,
-    pub schedule: Arc<FlowMatchEuler>,
+    /// The model timestep of each step.
+    pub timesteps: Vec<f32>,
 }
 
 impl ControlInputs {
-    pub fn new(inputs: &DenoiseInputs, schedule: Arc<FlowMatchEuler>) -> Self {
+    pub fn new(inputs: &DenoiseInputs, schedule: &FlowMatchEuler) -> Self {
         ControlInputs {
             img_ids: inputs.img_ids.clone(),
             txt: inputs.txt.clone(),
             txt_ids: inputs.txt_ids.clone(),
             pooled: inputs.pooled.clone(),
             guidance: inputs.guidance,
-            schedule,
+            timesteps: (0..schedule.steps())
+                .map(|i| schedule.model_timestep(i))
+                .collect(),
         }
     }
 }
@@ -151,6 +163,10 @@ pub fn control_step(
     sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
 ) -> Result<Option<f32>> {
     let rows = latents.rows();
+    let timestep = *inputs
+        .timesteps
+        .get(step)
+        .ok_or_else(|| Error::Invalid(format!("no step {step} in the schedule")))?;
     let joined = uses
         .iter()
         .map(|u| {
@@ -177,7 +193,7 @@ pub fn control_step(
             txt: &inputs.txt,
             txt_ids: &inputs.txt_ids,
             pooled: &inputs.pooled,
-            timestep: inputs.schedule.model_timestep(step),
+            timestep,
             guidance: inputs.guidance,
             cache: None,
         })

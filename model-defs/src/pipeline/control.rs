@@ -15,6 +15,13 @@ use crate::source::{ModelSource, BUILTIN_SEED};
 use crate::vae::model::AutoencoderKL;
 use crate::vae::VaeHalves;
 
+/// The generator of a request's control-image posterior draws, from its seed (the
+/// CLI's and the ControlNet service's alike): apart from the initial noise's, which
+/// `SplitMix::new(seed)` draws.
+pub fn control_rng(seed: u64) -> SplitMix {
+    SplitMix::new(seed ^ 0xc0_4e_7a_01_c0_4e_7a_01)
+}
+
 /// The model's VAE encoder, for control images.
 pub struct ControlEncoder {
     vae: AutoencoderKL,

@@ -42,6 +42,7 @@
 
 mod alloc;
 mod arena;
+pub mod futex;
 mod layout;
 mod reclaim;
 mod view;

@@ -1,0 +1,271 @@
+//! A ControlNet stream: one generation's residuals, step by step, from the ControlNet
+//! service to the denoise worker through one slice of the service's arena (DESIGN.md
+//! §Adapters).
+//!
+//! The slice holds, 64-byte aligned:
+//!
+//! | part | writer | what |
+//! |---|---|---|
+//! | `step` word | denoise | the step whose latents are in `latents`, plus 1 (0: none yet) |
+//! | `stop` word | service | set when the stream ends |
+//! | one word per residual block | service | the step it holds, plus 1; `FAILED` when the service could not compute it |
+//! | `latents` | denoise | `[rows, cols]` f32 |
+//! | residuals | service | `blocks x [rows, hidden]` f32 |
+//!
+//! Per step the denoise worker writes the job's latents and bumps `step`; the service,
+//! waiting on that word, copies them out and runs its ControlNets, writing residual
+//! `k` and bumping its word as soon as block `k` is final; the transformer's forward
+//! waits on a residual's word only when it reaches a block whose residual is not there
+//! yet. Waits are futexes on the shared words. No message travels per step, and one
+//! step's residuals are never overwritten while read: the next step's latents only
+//! come after the forward that read them.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use denoised_models::flux::control_feed::{ControlFeed, FeedLayout};
+use denoised_runtime::shm::futex;
+use denoised_runtime::{Error, HostSlice, Result, Tensor};
+use prometheus_client::metrics::histogram::Histogram;
+use serde::{Deserialize, Serialize};
+
+/// A block word's value when the service failed the step.
+pub const FAILED: u32 = u32::MAX;
+const ALIGN: usize = 64;
+
+/// Where a stream lies and what it carries (the service's reply to a start).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StreamLayout {
+    pub doubles: u32,
+    pub singles: u32,
+    pub rows: u32,
+    /// Latent columns (the transformer's out_channels).
+    pub cols: u32,
+    pub hidden: u32,
+    /// The scale the summed residuals are added with.
+    pub scale: f32,
+}
+
+impl StreamLayout {
+    pub fn blocks(&self) -> usize {
+        (self.doubles + self.singles) as usize
+    }
+    fn words_bytes(&self) -> usize {
+        (4 * (2 + self.blocks())).next_multiple_of(ALIGN)
+    }
+    fn latents_bytes(&self) -> usize {
+        (4 * self.rows as usize * self.cols as usize).next_multiple_of(ALIGN)
+    }
+    fn residual_bytes(&self) -> usize {
+        4 * self.rows as usize * self.hidden as usize
+    }
+    fn residual_offset(&self, k: usize) -> usize {
+        self.words_bytes()
+            + self.latents_bytes()
+            + k * self.residual_bytes().next_multiple_of(ALIGN)
+    }
+    /// Bytes of the slice.
+    pub fn total_bytes(&self) -> usize {
+        self.residual_offset(self.blocks())
+    }
+    pub fn feed_layout(&self) -> FeedLayout {
+        FeedLayout {
+            doubles: self.doubles as usize,
+            singles: self.singles as usize,
+            rows: self.rows as usize,
+            hidden: self.hidden as usize,
+            scale: self.scale,
+        }
+    }
+}
+
+/// A stream's slice, as either side maps it.
+pub struct Stream {
+    slice: HostSlice,
+    layout: StreamLayout,
+}
+
+impl Stream {
+    pub fn new(slice: HostSlice, layout: StreamLayout) -> Result<Self> {
+        if slice.len() < layout.total_bytes() || !slice.writable() {
+            return Err(Error::Invalid(format!(
+                "a ControlNet stream of {} bytes (writable: {}) for a layout of {}",
+                slice.len(),
+                slice.writable(),
+                layout.total_bytes()
+            )));
+        }
+        if slice.as_ptr() as usize % ALIGN != 0 {
+            return Err(Error::Invalid(
+                "a ControlNet stream must be 64-byte aligned".into(),
+            ));
+        }
+        Ok(Stream { slice, layout })
+    }
+
+    pub fn layout(&self) -> &StreamLayout {
+        &self.layout
+    }
+
+    fn word(&self, i: usize) -> &AtomicU32 {
+        // SAFETY: in bounds (checked in `new`), aligned (the slice is 64-aligned), and
+        // only ever accessed atomically by both processes.
+        unsafe { &*(self.slice.as_ptr().add(4 * i) as *const AtomicU32) }
+    }
+    pub fn step_word(&self) -> &AtomicU32 {
+        self.word(0)
+    }
+    pub fn stop_word(&self) -> &AtomicU32 {
+        self.word(1)
+    }
+    pub fn block_word(&self, k: usize) -> &AtomicU32 {
+        self.word(2 + k)
+    }
+
+    fn f32s(&self, offset: usize, n: usize) -> &[f32] {
+        // SAFETY: in bounds and 64-aligned; the protocol above gives each region one
+        // writer at a time, and a reader reads only after the word that publishes it.
+        unsafe { std::slice::from_raw_parts(self.slice.as_ptr().add(offset) as *const f32, n) }
+    }
+    #[allow(clippy::mut_from_ref)]
+    fn f32s_mut(&self, offset: usize, n: usize) -> &mut [f32] {
+        // SAFETY: as `f32s`; the caller is the region's writer.
+        unsafe { std::slice::from_raw_parts_mut(self.slice.as_ptr().add(offset) as *mut f32, n) }
+    }
+    fn latents_len(&self) -> usize {
+        self.layout.rows as usize * self.layout.cols as usize
+    }
+    /// The latents of the step announced last.
+    pub fn latents(&self) -> &[f32] {
+        self.f32s(self.layout.words_bytes(), self.latents_len())
+    }
+    /// The denoise side: writes a step's latents and announces the step.
+    pub fn put_latents(&self, step: usize, latents: &[f32]) -> Result<()> {
+        if latents.len() != self.latents_len() {
+            return Err(Error::Invalid(format!(
+                "{} latent values for a ControlNet stream of {}",
+                latents.len(),
+                self.latents_len()
+            )));
+        }
+        self.f32s_mut(self.layout.words_bytes(), latents.len())
+            .copy_from_slice(latents);
+        futex::store_and_wake(self.step_word(), step as u32 + 1);
+        Ok(())
+    }
+    /// Residual `k`.
+    pub fn residual(&self, k: usize) -> &[f32] {
+        let n = self.layout.rows as usize * self.layout.hidden as usize;
+        self.f32s(self.layout.residual_offset(k), n)
+    }
+    /// The service side: writes residual `k` of `step` and publishes it.
+    pub fn put_residual(&self, step: usize, k: usize, r: &[f32]) -> Result<()> {
+        let n = self.layout.rows as usize * self.layout.hidden as usize;
+        if r.len() != n || k >= self.layout.blocks() {
+            return Err(Error::Invalid(format!(
+                "residual {k} of {} values",
+                r.len()
+            )));
+        }
+        self.f32s_mut(self.layout.residual_offset(k), n)
+            .copy_from_slice(r);
+        futex::store_and_wake(self.block_word(k), step as u32 + 1);
+        Ok(())
+    }
+    /// The service side: the step cannot be computed; its readers fail.
+    pub fn fail(&self) {
+        for k in 0..self.layout.blocks() {
+            futex::store_and_wake(self.block_word(k), FAILED);
+        }
+    }
+}
+
+/// How long a forward waits for one residual before it checks that the service is
+/// still there, and before it gives up.
+const CHECK_EVERY: Duration = Duration::from_millis(500);
+const GIVE_UP: Duration = Duration::from_secs(300);
+
+/// The denoise worker's side of a stream: a [`ControlFeed`] whose residuals another
+/// process computes while the transformer runs.
+pub struct StreamFeed {
+    stream: Stream,
+    /// The service process (its death fails the wait at once, not after `GIVE_UP`).
+    owner: u32,
+    step: AtomicU32,
+    /// Time this step's forward waited for residuals, µs, and where it goes.
+    waited_us: AtomicU32,
+    wait_metric: Option<Histogram>,
+}
+
+impl StreamFeed {
+    pub fn new(stream: Stream, owner: u32, wait_metric: Option<Histogram>) -> Self {
+        StreamFeed {
+            stream,
+            owner,
+            step: AtomicU32::new(0),
+            waited_us: AtomicU32::new(0),
+            wait_metric,
+        }
+    }
+
+    fn report_wait(&self) {
+        let us = self.waited_us.swap(0, Ordering::Relaxed);
+        if let Some(h) = &self.wait_metric {
+            h.observe(us as f64 * 1e-6);
+        }
+    }
+}
+
+impl Drop for StreamFeed {
+    fn drop(&mut self) {
+        if self.step.load(Ordering::Relaxed) > 0 {
+            self.report_wait();
+        }
+    }
+}
+
+impl ControlFeed for StreamFeed {
+    fn layout(&self) -> FeedLayout {
+        self.stream.layout.feed_layout()
+    }
+    fn begin(&self, step: usize, latents: &Tensor) -> Result<()> {
+        if self.step.swap(step as u32 + 1, Ordering::Relaxed) > 0 {
+            self.report_wait();
+        }
+        self.stream.put_latents(step, latents.data())
+    }
+    fn with_residual(&self, k: usize, f: &mut dyn FnMut(&[f32]) -> Result<()>) -> Result<()> {
+        let want = self.step.load(Ordering::Relaxed);
+        let word = self.stream.block_word(k);
+        let t0 = Instant::now();
+        loop {
+            match word.load(Ordering::Acquire) {
+                v if v == want => break,
+                FAILED => {
+                    return Err(Error::Invalid(
+                        "the ControlNet service failed this step (its log says why)".into(),
+                    ))
+                }
+                v => {
+                    futex::wait_while(word, v, CHECK_EVERY);
+                    if word.load(Ordering::Acquire) == v {
+                        if !denoised_runtime::shm::owner_alive(self.owner, 0) {
+                            return Err(Error::Invalid(
+                                "the ControlNet service process is gone".into(),
+                            ));
+                        }
+                        if t0.elapsed() > GIVE_UP {
+                            return Err(Error::Invalid(format!(
+                                "no ControlNet residual {k} after {} s",
+                                GIVE_UP.as_secs()
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+        let us = t0.elapsed().as_micros().min(u32::MAX as u128) as u32;
+        self.waited_us.fetch_add(us, Ordering::Relaxed);
+        f(self.stream.residual(k))
+    }
+}

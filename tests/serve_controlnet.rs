@@ -1,0 +1,191 @@
+//! The ControlNet service through the real daemon (DESIGN.md §Adapters): a generation
+//! with `controlnets` runs its ControlNets in a `controlnet` process, which streams the
+//! residuals block by block through shared memory to the denoise worker; the image
+//! equals `denoised generate --controlnet ...` (the same ControlNets in process,
+//! sequentially) byte for byte, single and multi. The CLI path equals diffusers'
+//! FluxControlNetPipeline (model-defs/tests/controlnet_reference.rs). The process's
+//! weight LRU loads, keeps and evicts ControlNets as its byte budget says.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+use serde_json::{json, Value};
+
+fn fixtures() -> std::path::PathBuf {
+    case("..")
+}
+
+const PROMPT: &str = "a red fox in the snow, watercolor";
+
+fn generate(d: &Daemon, controlnets: Value) -> (u16, Value) {
+    d.post(
+        "/v1/generations",
+        &json!({
+            "prompt": PROMPT, "seed": 7, "steps": 6, "width": 64, "height": 64,
+            "max_sequence_length": 32, "controlnets": controlnets,
+        }),
+    )
+}
+
+fn cli_generate(model: &str, controlnets: &[(&str, &str, f32)]) -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("cli.png");
+    let nets = fixtures().join("controlnets");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_denoised"));
+    cmd.args(["generate", "--model", model, "--prompt", PROMPT])
+        .args([
+            "--seed", "7", "--steps", "6", "--height", "64", "--width", "64",
+        ])
+        .args([
+            "--max-sequence-length",
+            "32",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+    for (net, image, scale) in controlnets {
+        let n = nets.join(net);
+        let i = nets.join(image);
+        cmd.arg("--controlnet")
+            .arg(format!("{}:{}:{scale}", n.display(), i.display()));
+    }
+    let o = cmd.env("DENOISED_LOG", "warn").output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    png(&std::fs::read(&out).unwrap()).data
+}
+
+fn image(v: &Value) -> Vec<u8> {
+    png(&unb64(v["image"].as_str().unwrap())).data
+}
+
+fn control(name: &str) -> String {
+    b64(&std::fs::read(fixtures().join("controlnets").join(name)).unwrap())
+}
+
+/// The value of a counter series of the scrape (summed over processes).
+fn counter(metrics: &str, prefix: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn controlnet_service_streams_residuals_equal_to_the_cli_and_its_lru_evicts() {
+    let model = fixtures().join("flux-dev-tiny");
+    let nets = fixtures().join("controlnets");
+    let one_net = std::fs::metadata(nets.join("canny-tiny/diffusion_pytorch_model.safetensors"))
+        .unwrap()
+        .len();
+    // Room for one ControlNet's weights: a second one evicts the first.
+    let (_cfg, d) = Daemon::with_config(&format!(
+        "[model]\nsource = {:?}\n[workers]\ncontrolnet = 1\n[adapters]\ncontrolnets_dir = {:?}\ncontrolnet_cache_bytes = {}\n",
+        model.to_str().unwrap(),
+        nets.to_str().unwrap(),
+        one_net + one_net / 2
+    ));
+    let loads = |d: &Daemon| counter(&d.metrics(), "denoised_controlnet_loads_total{");
+
+    let (s, plain) = generate(&d, json!([]));
+    assert_eq!(s, 200, "{plain}");
+    let single = json!([{"id": "canny-tiny", "image": control("control_a.png"), "scale": 0.7}]);
+    let (s, v) = generate(&d, single.clone());
+    assert_eq!(s, 200, "{v}");
+    assert_ne!(image(&v), image(&plain), "the ControlNet changes the image");
+    let model = model.to_str().unwrap();
+    let cli = cli_generate(model, &[("canny-tiny", "control_a.png", 0.7)]);
+    assert!(
+        image(&v) == cli,
+        "single: the streamed service differs from the CLI"
+    );
+    assert_eq!(loads(&d), 1.0);
+    // Kept: no second load.
+    let (s, again) = generate(&d, single.clone());
+    assert_eq!(s, 200, "{again}");
+    assert!(image(&again) == cli);
+    assert_eq!(loads(&d), 1.0, "a ControlNet in memory is not loaded again");
+
+    let multi = json!([
+        {"id": "canny-tiny", "image": control("control_a.png"), "scale": 0.7},
+        {"id": "depth-tiny", "image": control("control_b.png"), "scale": 0.5},
+    ]);
+    let (s, v) = generate(&d, multi);
+    assert_eq!(s, 200, "{v}");
+    let cli = cli_generate(
+        model,
+        &[
+            ("canny-tiny", "control_a.png", 0.7),
+            ("depth-tiny", "control_b.png", 0.5),
+        ],
+    );
+    assert!(
+        image(&v) == cli,
+        "multi: the streamed service differs from the CLI"
+    );
+    // depth-tiny loaded, evicting canny-tiny (least recently used) ...
+    assert_eq!(loads(&d), 2.0);
+    let (s, v) = generate(&d, single);
+    assert_eq!(s, 200, "{v}");
+    // ... which comes back from disk.
+    assert_eq!(loads(&d), 3.0, "the LRU kept more than its budget");
+
+    // What each step's residual transfer cost: the service's copies into shared
+    // memory, and the denoise worker's waits for residuals not there yet.
+    let m = d.metrics();
+    let per_step = |name: &str| {
+        counter(&m, &format!("{name}_sum")) / counter(&m, &format!("{name}_count")).max(1.0)
+    };
+    println!(
+        "residuals per step: service step {:.2} ms, copy into shared memory {:.3} ms, denoise wait {:.3} ms",
+        1e3 * per_step("denoised_controlnet_step_duration_seconds"),
+        1e3 * per_step("denoised_controlnet_residual_copy_duration_seconds"),
+        1e3 * per_step("denoised_controlnet_residual_wait_seconds"),
+    );
+    assert_eq!(
+        counter(&m, "denoised_controlnet_step_duration_seconds_count"),
+        24.0
+    );
+
+    // Bad requests: clear errors, nothing run.
+    for (body, want) in [
+        (
+            json!([{"id": "nope", "image": control("control_a.png")}]),
+            "no ControlNet `nope`",
+        ),
+        (
+            json!([{"id": "../x", "image": control("control_a.png")}]),
+            "controlnets:",
+        ),
+        (
+            json!([{"id": "canny-tiny", "image": "!!"}]),
+            "invalid base64",
+        ),
+    ] {
+        let (s, v) = generate(&d, body);
+        assert_eq!(s, 400, "{v}");
+        assert!(v.to_string().contains(want), "{v}");
+    }
+    let gray = denoised_models::pipeline::image::Rgb8 {
+        width: 32,
+        height: 32,
+        data: vec![128; 32 * 32 * 3],
+    };
+    let small = b64(&denoised_models::pipeline::image::encode_png(&gray).unwrap());
+    let (s, v) = generate(&d, json!([{"id": "canny-tiny", "image": small}]));
+    assert_eq!(s, 400, "{v}");
+    assert!(v.to_string().contains("the generation is 64x64"), "{v}");
+}
+
+#[test]
+fn a_daemon_without_the_service_refuses_controlnets() {
+    let model = fixtures().join("flux-dev-tiny");
+    let d = Daemon::start(&["--model", model.to_str().unwrap()]);
+    let (s, v) = generate(
+        &d,
+        json!([{"id": "canny-tiny", "image": control("control_a.png")}]),
+    );
+    assert_eq!(s, 400, "{v}");
+    assert!(v.to_string().contains("[workers] controlnet = 0"), "{v}");
+}
