@@ -3,6 +3,7 @@
 mod adapters;
 mod bench_approx;
 mod bench_attn;
+mod bench_controlnet;
 mod bench_generate;
 mod bench_lora;
 mod bench_overheads;
@@ -81,6 +82,10 @@ pub enum Command {
     /// loads at a throttled bandwidth (synchronous against bounded asynchronous
     /// loading); one JSON line.
     BenchLora(bench_lora::Args),
+    /// What moving a step's ControlNet residuals to the denoise worker costs at a real
+    /// model's sizes: the service's shared-memory stream, block by block, against one
+    /// cluster message; one JSON line.
+    BenchControlnetStream(bench_controlnet::Args),
     /// Simulate a cluster of denoise workers (the real routing policies and batching
     /// scheduler, step times from a profile); one JSON line per policy.
     Simulate(simulate::Args),
@@ -140,6 +145,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::BenchApproxCache(a) => bench_approx::run(a),
         Command::BenchGenerate(a) => bench_generate::run(a),
         Command::BenchLora(a) => bench_lora::run(a),
+        Command::BenchControlnetStream(a) => bench_controlnet::run(a),
         Command::Simulate(a) => simulate::run(a),
         Command::BenchServe(a) => bench_serve::run(a),
         Command::Footprint(a) => footprint::run(a),

@@ -23,7 +23,6 @@ use std::time::{Duration, Instant};
 
 use denoised_models::flux::control_feed::{control_step, layout_of, ControlInputs, ControlUse};
 use denoised_models::flux::controlnet::ControlNet;
-use denoised_models::flux::edit::DenoiseInputs;
 use denoised_models::lru::ByteLru;
 use denoised_models::pipeline::control::{control_rng, ControlEncoder};
 use denoised_models::pipeline::flux_fill::FluxFill;
@@ -188,20 +187,18 @@ fn open(
         });
     }
     let i = &req.inputs;
-    let inputs = DenoiseInputs {
-        latents: Tensor::new([0, 0], vec![]).map_err(bad)?,
-        cond: Tensor::new([0, 0], vec![]).map_err(bad)?,
+    let schedule = sh
+        .pipeline
+        .schedule(req.steps as usize, w, h)
+        .map_err(bad)?;
+    let inputs = ControlInputs {
         img_ids: shm.read_tensor(&i.img_ids)?,
         txt: shm.read_tensor(&i.txt)?,
         txt_ids: shm.read_tensor(&i.txt_ids)?,
         pooled: shm.read_tensor(&i.pooled)?.into_data(),
         guidance: i.guidance,
+        timesteps: ControlInputs::timesteps(&schedule),
     };
-    let schedule = sh
-        .pipeline
-        .schedule(req.steps as usize, w, h)
-        .map_err(bad)?;
-    let inputs = ControlInputs::new(&inputs, &schedule);
     let rows = inputs.img_ids.rows();
     let Some(fl) = layout_of(&uses, rows).map_err(bad)? else {
         return Ok(None);

@@ -269,3 +269,84 @@ impl ControlFeed for StreamFeed {
         f(self.stream.residual(k))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use denoised_runtime::shm::{Arena, ArenaView};
+    use denoised_runtime::DType;
+    use std::sync::Arc;
+
+    /// The two sides of one stream over a real arena: the owner's mapping (the
+    /// service) and a second, writable mapping of the file (the denoise worker).
+    fn pair(layout: &StreamLayout) -> (tempfile::TempDir, Arena, Stream, Stream) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut a = Arena::create(dir.path(), "t", "cn", 1 << 20).unwrap();
+        let h = a.alloc(DType::U8, &[layout.total_bytes()]).unwrap();
+        let own = a.shared_view().host_slice(&h).unwrap();
+        // SAFETY: a fresh slice nobody else uses yet.
+        unsafe { own.bytes_mut() }.fill(0);
+        let rw = Arc::new(ArenaView::attach_rw(dir.path(), "t", "cn").unwrap());
+        let other = rw.host_slice(&h).unwrap();
+        let service = Stream::new(own, layout.clone()).unwrap();
+        let denoise = Stream::new(other, layout.clone()).unwrap();
+        (dir, a, service, denoise)
+    }
+
+    #[test]
+    fn residuals_stream_block_by_block_and_a_failed_step_fails_its_reader() {
+        let layout = StreamLayout {
+            doubles: 2,
+            singles: 1,
+            rows: 3,
+            cols: 4,
+            hidden: 5,
+            scale: 0.5,
+        };
+        let (_dir, _arena, service, denoise) = pair(&layout);
+        let feed = StreamFeed::new(denoise, std::process::id(), None);
+        assert_eq!(feed.layout().scale, 0.5);
+        let service = Arc::new(service);
+        let s = service.clone();
+        // The service: per announced step, residual k = step * 100 + k + latents[0],
+        // published one block at a time with a pause between blocks.
+        let t = std::thread::spawn(move || {
+            let mut last = 0;
+            for _ in 0..2 {
+                while futex::wait_while(s.step_word(), last, Duration::from_secs(5)) == last {}
+                last = s.step_word().load(Ordering::Acquire);
+                let step = last as usize - 1;
+                let x0 = s.latents()[0];
+                if step == 1 {
+                    s.fail();
+                    continue;
+                }
+                for k in 0..3 {
+                    std::thread::sleep(Duration::from_millis(20));
+                    let v = (step * 100 + k) as f32 + x0;
+                    s.put_residual(step, k, &[v; 15]).unwrap();
+                }
+            }
+        });
+        let latents = Tensor::new([3, 4], vec![0.25; 12]).unwrap();
+        feed.begin(0, &latents).unwrap();
+        for k in 0..3 {
+            let mut got = vec![];
+            feed.with_residual(k, &mut |r| {
+                got = r.to_vec();
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(got, vec![k as f32 + 0.25; 15], "residual {k}");
+        }
+        // The forward waited for the later blocks.
+        assert!(feed.waited_us.load(Ordering::Relaxed) > 10_000);
+        feed.begin(1, &latents).unwrap();
+        let e = feed.with_residual(0, &mut |_| Ok(())).unwrap_err();
+        assert!(e.to_string().contains("failed this step"), "{e}");
+        t.join().unwrap();
+        // A slice of the wrong size or a read-only one is refused.
+        let small = HostSlice::zeroed(64).unwrap();
+        assert!(Stream::new(small, layout).is_err());
+    }
+}

@@ -146,10 +146,15 @@ impl ControlInputs {
             txt_ids: inputs.txt_ids.clone(),
             pooled: inputs.pooled.clone(),
             guidance: inputs.guidance,
-            timesteps: (0..schedule.steps())
-                .map(|i| schedule.model_timestep(i))
-                .collect(),
+            timesteps: Self::timesteps(schedule),
         }
+    }
+
+    /// The model timestep of each step of `schedule`.
+    pub fn timesteps(schedule: &FlowMatchEuler) -> Vec<f32> {
+        (0..schedule.steps())
+            .map(|i| schedule.model_timestep(i))
+            .collect()
     }
 }
 
