@@ -29,7 +29,7 @@ fn generate(d: &Daemon, controlnets: Value) -> (u16, Value) {
     )
 }
 
-fn cli_generate(model: &str, controlnets: &[(&str, &str, f32)]) -> Vec<u8> {
+fn cli_generate(model: &str, controlnets: &[(&str, &str, f32)], extra: &[&str]) -> Vec<u8> {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("cli.png");
     let nets = fixtures().join("controlnets");
@@ -50,7 +50,11 @@ fn cli_generate(model: &str, controlnets: &[(&str, &str, f32)]) -> Vec<u8> {
         cmd.arg("--controlnet")
             .arg(format!("{}:{}:{scale}", n.display(), i.display()));
     }
-    let o = cmd.env("DENOISED_LOG", "warn").output().unwrap();
+    let o = cmd
+        .args(extra)
+        .env("DENOISED_LOG", "warn")
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     png(&std::fs::read(&out).unwrap()).data
 }
@@ -95,7 +99,7 @@ fn controlnet_service_streams_residuals_equal_to_the_cli_and_its_lru_evicts() {
     assert_eq!(s, 200, "{v}");
     assert_ne!(image(&v), image(&plain), "the ControlNet changes the image");
     let model = model.to_str().unwrap();
-    let cli = cli_generate(model, &[("canny-tiny", "control_a.png", 0.7)]);
+    let cli = cli_generate(model, &[("canny-tiny", "control_a.png", 0.7)], &[]);
     assert!(
         image(&v) == cli,
         "single: the streamed service differs from the CLI"
@@ -119,6 +123,7 @@ fn controlnet_service_streams_residuals_equal_to_the_cli_and_its_lru_evicts() {
             ("canny-tiny", "control_a.png", 0.7),
             ("depth-tiny", "control_b.png", 0.5),
         ],
+        &[],
     );
     assert!(
         image(&v) == cli,
@@ -188,4 +193,37 @@ fn a_daemon_without_the_service_refuses_controlnets() {
     );
     assert_eq!(s, 400, "{v}");
     assert!(v.to_string().contains("[workers] controlnet = 0"), "{v}");
+}
+
+/// The GPU path on the CUDA emulator: the denoise worker's transformer (bf16) takes the
+/// streamed residuals on its device, as `denoised generate --device emu` takes the
+/// in-process ones: the same image, byte for byte.
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
+#[test]
+fn streamed_residuals_on_the_emulated_gpu_equal_the_cli_there() {
+    let model = fixtures().join("flux-dev-tiny");
+    let nets = fixtures().join("controlnets");
+    let (_cfg, d) = Daemon::with_config(&format!(
+        "[model]\nsource = {:?}\n[device]\ndevice = \"emu\"\n[workers]\ncontrolnet = 1\n[adapters]\ncontrolnets_dir = {:?}\n",
+        model.to_str().unwrap(),
+        nets.to_str().unwrap(),
+    ));
+    let multi = json!([
+        {"id": "canny-tiny", "image": control("control_a.png"), "scale": 0.7},
+        {"id": "depth-tiny", "image": control("control_b.png"), "scale": 0.5},
+    ]);
+    let (s, v) = generate(&d, multi);
+    assert_eq!(s, 200, "{v}");
+    let cli = cli_generate(
+        model.to_str().unwrap(),
+        &[
+            ("canny-tiny", "control_a.png", 0.7),
+            ("depth-tiny", "control_b.png", 0.5),
+        ],
+        &["--device", "emu"],
+    );
+    assert!(
+        image(&v) == cli,
+        "emu: the streamed service differs from the CLI"
+    );
 }
