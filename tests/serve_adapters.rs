@@ -144,6 +144,7 @@ fn generations_with_loras_equal_the_cli_and_uploads_are_checked() {
     };
     let (s, guided) = cfg("off");
     assert_eq!(s, 200, "{guided}");
+    assert_eq!(guided["true_cfg"], json!({"scale": 4.0, "split": false}));
     assert_ne!(image(&guided), image(&plain));
     assert_eq!(
         cli_generate(
@@ -315,4 +316,101 @@ fn a_daemon_with_a_merged_set_serves_that_adapted_model() {
             .contains("merged into its weights"),
         "{v}"
     );
+}
+
+/// Two denoise workers with room: true CFG's branches run one on each, exchanging
+/// velocities every step, and the image is the batched run's (the CLI's) within a
+/// level (a forward of one request against one of two: the GEMMs' blocking differs;
+/// the model-level comparison with diffusers and sequential execution is
+/// model-defs/tests/cfg_reference.rs). With the LoRA the branches both run with it.
+#[test]
+fn true_cfg_splits_across_two_workers_with_room() {
+    let model = fixtures().join("flux-dev-tiny");
+    let model = model.to_str().unwrap();
+    let dir = adapters_dir();
+    let d = Daemon::start(&[
+        "--model",
+        model,
+        "--denoise-workers",
+        "2",
+        "--adapters-dir",
+        dir.path().to_str().unwrap(),
+        "--lora-patch-by-step",
+        "0",
+    ]);
+    for (loras, flags) in [
+        (json!([]), vec![]),
+        (json!([{"id": "style", "scale": 0.8}]), {
+            let lora = dir.path().join("style");
+            vec!["--lora".to_string(), format!("{}:0.8", lora.display())]
+        }),
+    ] {
+        let (s, v) = d.post(
+            "/v1/generations",
+            &json!({
+                "prompt": "a red fox in the snow", "seed": 5, "steps": 6, "width": 64,
+                "height": 64, "max_sequence_length": 32, "approx_cache": "off",
+                "negative_prompt": "blurry", "true_cfg_scale": 4.0, "loras": loras,
+            }),
+        );
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(v["true_cfg"], json!({"scale": 4.0, "split": true}), "{v}");
+        let mut args = vec!["--negative-prompt", "blurry", "--true-cfg-scale", "4"];
+        args.extend(flags.iter().map(String::as_str));
+        if !flags.is_empty() {
+            args.extend(["--lora-mode", "unmerged"]);
+        }
+        let cli = cli_generate(model, &args);
+        let got = image(&v);
+        let worst = got
+            .iter()
+            .zip(&cli)
+            .map(|(a, b)| a.abs_diff(*b))
+            .max()
+            .unwrap();
+        println!("split true CFG (loras {loras}): within {worst} levels of the batched CLI run");
+        assert!(
+            worst <= 1,
+            "split true CFG: {worst} levels from the batched run"
+        );
+    }
+}
+
+/// A split generation whose workers die under it (each panics before its third step)
+/// is retried and gives the image of an undisturbed split run.
+#[test]
+fn a_split_true_cfg_survives_its_workers_dying() {
+    let model = fixtures().join("flux-dev-tiny");
+    let model = model.to_str().unwrap();
+    let body = json!({
+        "prompt": "a red fox in the snow", "seed": 5, "steps": 6, "width": 64,
+        "height": 64, "max_sequence_length": 32, "approx_cache": "off",
+        "negative_prompt": "blurry", "true_cfg_scale": 4.0,
+    });
+    let args = ["--model", model, "--denoise-workers", "2"];
+    let d = Daemon::start_with_env(&args, &[("DENOISED_FAULT", "denoise:panic_at_step=2")]);
+    let (s, v) = d.post("/v1/generations", &body);
+    assert_eq!(s, 200, "{v}");
+    assert!(v["attempts"].as_u64().unwrap() >= 2, "{v}");
+    drop(d);
+    let d = Daemon::start(&args);
+    let (s, clean) = d.post("/v1/generations", &body);
+    assert_eq!(s, 200, "{clean}");
+    assert_eq!(clean["true_cfg"]["split"], true, "{clean}");
+    // The retry ran split again or batched (as the restarted workers had room): the
+    // same image, or one within a level of it.
+    let worst = image(&v)
+        .iter()
+        .zip(&image(&clean))
+        .map(|(a, b)| a.abs_diff(*b))
+        .max()
+        .unwrap();
+    println!(
+        "retried after {} attempts ({}): within {worst} levels of the undisturbed run",
+        v["attempts"], v["true_cfg"]
+    );
+    assert!(worst <= 1, "{worst} levels");
+    if v["true_cfg"]["split"] == true {
+        assert_eq!(worst, 0, "a split retry gives the split image");
+    }
 }

@@ -96,6 +96,7 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
             loras: vec![],
             true_cfg: None,
             control: None,
+            partner: None,
         });
     }
     let mut times = Vec::new();

@@ -282,6 +282,11 @@ pub enum DenoiseWork {
         /// Its ControlNets' residual stream (from the ControlNet service).
         #[serde(default)]
         control: Option<ControlStreamRef>,
+        /// True CFG split across two workers: this worker's branch and the velocity
+        /// exchange with the other (then `true_cfg` is `None`; a negative branch's
+        /// `inputs` carry the negative prompt).
+        #[serde(default)]
+        cfg_pair: Option<crate::denoise::cfg_pair::CfgPairRef>,
     },
     /// A full run that records a template cache of this mode, its slabs stored every
     /// `step_stride` steps.

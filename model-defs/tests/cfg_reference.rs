@@ -10,10 +10,11 @@
 //! the GEMMs' blocking differs, and the update is computed as `dt s pos + dt (1 - s)
 //! neg` instead of `dt (neg + s (pos - neg))`).
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex};
 
 use denoised_models::flux::edit::{
-    step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode, TrueCfg,
+    step_batch_with, CfgPartner, DenoiseInputs, DeviceTemplates, Job, Mode, TrueCfg,
 };
 use denoised_models::flux::model::NoObserver;
 use denoised_models::flux::{FluxRequest, FluxTransformer};
@@ -166,4 +167,77 @@ fn true_cfg_matches_diffusers_and_sequential_execution() {
         worst.0, worst.1
     );
     assert!(levels <= 1, "PNG levels differ by {levels}");
+
+    // Split: each branch a job of its own (on its own thread, as on two workers), the
+    // velocities exchanged every step (`CfgPartner`).
+    let neg_inputs = DenoiseInputs {
+        txt: cfg.txt.clone(),
+        txt_ids: cfg.txt_ids.clone(),
+        pooled: cfg.pooled.clone(),
+        ..inputs.clone()
+    };
+    let board = Arc::new((Mutex::new(HashMap::new()), Condvar::new()));
+    let branch = |positive: bool, inputs: DenoiseInputs| {
+        let (m, s, board) = (m.clone(), s.clone(), board.clone());
+        std::thread::spawn(move || {
+            let mut job = Job::new(&*m, &inputs, s, Mode::Full).unwrap();
+            let partner = Board {
+                positive,
+                scale,
+                board,
+            };
+            job.set_cfg_partner(Arc::new(partner)).unwrap();
+            let plan = denoised_models::planner::prefix(m.num_blocks(), 0);
+            let mut steps = vec![];
+            while !job.done() {
+                step_batch_with(&*m, &mut [&mut job], &DeviceTemplates::new(), &plan).unwrap();
+                steps.push(job.computed_latents(&*m).unwrap());
+            }
+            steps
+        })
+    };
+    let pos = branch(true, inputs.clone());
+    let neg = branch(false, neg_inputs);
+    let (pos, neg) = (pos.join().unwrap(), neg.join().unwrap());
+    for (i, (p, n)) in pos.iter().zip(&neg).enumerate() {
+        assert!(
+            p.data() == n.data(),
+            "step {i}: the branches' latents differ"
+        );
+        let d_fix = rel(p.data(), &want.data()[i * PER..(i + 1) * PER]);
+        let d_seq = rel(p.data(), reference[i].data());
+        println!("split step {i}: {d_fix:.2e} from diffusers, {d_seq:.2e} from sequential");
+        assert!(d_fix <= 1e-5, "split step {i}: {d_fix:e} from diffusers");
+        assert!(d_seq <= 1e-6, "split step {i}: {d_seq:e} from sequential");
+    }
+}
+
+/// The two branches' meeting point, in memory: each step's velocity of each branch.
+type Velocities = HashMap<(bool, usize), Vec<f32>>;
+
+struct Board {
+    positive: bool,
+    scale: f32,
+    board: Arc<(Mutex<Velocities>, Condvar)>,
+}
+
+impl CfgPartner for Board {
+    fn positive(&self) -> bool {
+        self.positive
+    }
+    fn scale(&self) -> f32 {
+        self.scale
+    }
+    fn exchange(&self, step: usize, mine: &[f32]) -> denoised_runtime::Result<Vec<f32>> {
+        let (lock, cv) = &*self.board;
+        let mut b = lock.lock().unwrap();
+        b.insert((self.positive, step), mine.to_vec());
+        cv.notify_all();
+        loop {
+            if let Some(v) = b.get(&(!self.positive, step)) {
+                return Ok(v.clone());
+            }
+            b = cv.wait(b).unwrap();
+        }
+    }
 }

@@ -217,6 +217,7 @@ pub fn run(a: Args) -> CliResult {
                 .collect(),
             true_cfg: None,
             control: None,
+            partner: None,
         });
         let (mut first, mut applied) = (None, None);
         loop {

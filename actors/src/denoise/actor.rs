@@ -16,6 +16,7 @@
 //! and finishes requests itself, as `LoopCommand::Run` work on the loop thread between
 //! steps (see [`super::inline`]).
 
+use denoised_models::flux::edit::CfgPartner;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -266,7 +267,8 @@ impl DenoiseState {
         let n = (req.rows * req.cols) as usize;
         let schedule = FlowMatchEuler::new(&self.pipeline.scheduler, req.steps as usize, n)
             .map_err(|e| WireError::bad_input(e.to_string()))?;
-        let (mut start_at, mut store_at, mut true_cfg, mut control) = (0, Vec::new(), None, None);
+        let (mut start_at, mut store_at, mut true_cfg, mut control, mut partner) =
+            (0, Vec::new(), None, None, None);
         let work = match &req.work {
             DenoiseWork::Full => Mode::Full,
             DenoiseWork::Generate {
@@ -274,7 +276,14 @@ impl DenoiseState {
                 store_at: ks,
                 true_cfg: cfg,
                 control: stream,
+                cfg_pair,
             } => {
+                if let Some(p) = cfg_pair {
+                    let (slice, _) = self.shm.host_slice_rw(&p.slot)?;
+                    let pair = crate::denoise::cfg_pair::PairPartner::new(slice, p)
+                        .map_err(|e| WireError::internal(e.to_string()))?;
+                    partner = Some(Arc::new(pair) as Arc<dyn CfgPartner>);
+                }
                 if let Some(c) = stream {
                     control = Some(self.control_feed(c)?);
                 }
@@ -317,6 +326,7 @@ impl DenoiseState {
             store_at,
             true_cfg,
             control,
+            partner,
             loras: req
                 .loras
                 .iter()

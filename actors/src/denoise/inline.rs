@@ -127,6 +127,7 @@ pub fn submit(
                     loras: vec![],
                     true_cfg: None,
                     control: None,
+                    partner: None,
                 };
                 Ok((r, s1.prepared, active, pixel_ratio, s1.prompt_cache_hit))
             });

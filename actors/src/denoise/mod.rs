@@ -33,6 +33,7 @@ use crate::scheduler::{BatchConfig, BatchScheduler, RequestId, SchedRequest, Tem
 use adapters::LoopAdapters;
 pub use adapters::{AdapterOptions, LoraRequest};
 use denoised_models::flux::control_feed::ControlFeed;
+use denoised_models::flux::edit::CfgPartner;
 use denoised_models::flux::lora::LoraFile;
 
 /// Exit status of a denoise worker whose device failed (EX_SOFTWARE).
@@ -57,6 +58,8 @@ pub struct DenoiseRequest {
     pub true_cfg: Option<Box<TrueCfg>>,
     /// Its ControlNets' residuals (a generation), fed every step.
     pub control: Option<Arc<dyn ControlFeed>>,
+    /// True CFG's other branch on another worker (a split generation).
+    pub partner: Option<Arc<dyn CfgPartner>>,
 }
 
 pub enum LoopCommand {
@@ -346,6 +349,10 @@ impl State {
                 .and_then(|_| match &r.control {
                     Some(feed) => model.set_control_feed(id, feed.clone()),
                     None => Ok(()),
+                })
+                .and_then(|_| match &r.partner {
+                    Some(p) => model.set_cfg_partner(id, p.clone()),
+                    None => Ok(()),
                 });
             if admitted.is_ok() && !r.store_at.is_empty() {
                 self.stores.insert(id, r.store_at);
@@ -576,4 +583,5 @@ mod tests;
 
 pub mod actor;
 pub mod adapters;
+pub mod cfg_pair;
 pub mod inline;

@@ -116,6 +116,7 @@ pub(super) fn full(id: u64, seed: u64, steps: usize) -> DenoiseRequest {
         loras: vec![],
         true_cfg: None,
         control: None,
+        partner: None,
     }
 }
 
@@ -210,6 +211,7 @@ fn cancel_and_bad_requests_do_not_stop_the_loop() {
         loras: vec![],
         true_cfg: None,
         control: None,
+        partner: None,
     };
     lp.submit(bad);
     lp.submit(full(3, 3, 2));
@@ -264,6 +266,7 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
         loras: vec![],
         true_cfg: None,
         control: None,
+        partner: None,
     });
     let (fin, cache) = loop {
         if let Event::Finished { latents, cache, .. } = next(&lp) {
@@ -282,6 +285,7 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
         loras: vec![],
         true_cfg: None,
         control: None,
+        partner: None,
     });
     let edited = loop {
         if let Event::Finished { latents, .. } = next(&lp) {
@@ -313,6 +317,7 @@ fn a_request_whose_step_fails_does_not_fail_its_batch_mates() {
         loras: vec![],
         true_cfg: None,
         control: None,
+        partner: None,
     };
     lp.submit(full(1, 1, 3));
     lp.submit(bad);
@@ -374,6 +379,7 @@ fn a_run_resumed_from_any_stored_state_ends_bit_identical() {
         loras: vec![],
         true_cfg: None,
         control: None,
+        partner: None,
     };
     let resumed = |state: &Tensor| {
         Arc::new(DenoiseInputs {

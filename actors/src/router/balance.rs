@@ -241,6 +241,32 @@ impl Balancer {
         })
     }
 
+    /// Two different workers among `members` for the two branches of a true-CFG
+    /// generation split across workers, when `job` is first in the queue and the policy
+    /// finds room for a branch on one and then on another; `None` otherwise (nothing
+    /// booked: the branches then batch on one worker).
+    pub fn place_pair(
+        &self,
+        members: &[ActorCell],
+        job: JobId,
+        shape: StepShape,
+        steps: u32,
+    ) -> Option<(Placed, Placed)> {
+        let a = self.place(members, job, shape, steps, None)?;
+        let rest: Vec<ActorCell> = members
+            .iter()
+            .filter(|c| c.get_id() != a.worker.get_id())
+            .cloned()
+            .collect();
+        self.lock().queue.push_front(job);
+        let b = self.place(&rest, job, shape, steps, None);
+        if b.is_none() {
+            self.lock().queue.retain(|j| *j != job);
+            self.settle(&a.worker.get_name().unwrap_or_default(), job);
+        }
+        Some((a, b?))
+    }
+
     /// What `GET /admin/routing` shows: the policy, and each worker's load as the
     /// router sees it.
     pub fn describe(&self) -> Value {

@@ -205,33 +205,17 @@ pub(super) async fn denoise(
     held: &mut Held,
 ) -> Result<Denoised, WireError> {
     check_cancel(ctx, job).await?;
-    let image = (prepared.rows * prepared.cols) as usize;
-    let shape = StepShape {
-        // The conditioning's rows (text tokens; the last dimension is its width).
-        text: {
-            let t = &prepared.inputs.txt;
-            t.numel().unwrap_or(0) / t.shape.last().copied().unwrap_or(1).max(1)
-        },
-        active: match &work {
-            DenoiseWork::Edit { .. } => active.len(),
-            _ => image,
-        },
-        image,
-    };
+    let shape = step_shape(prepared, &work, active.len());
     let template = match &work {
         DenoiseWork::Edit { template } => Some(template),
         _ => None,
     };
-    // A generation that starts from a cached state runs only the rest of its steps.
-    let run_steps = match &work {
-        DenoiseWork::Generate { start_at, .. } => steps.saturating_sub(*start_at),
-        _ => steps,
-    };
     let t_route = Instant::now();
-    let den = ctx.pick_denoise(job, shape, run_steps, template).await?;
+    let den = ctx
+        .pick_denoise(job, shape, run_steps(&work, steps), template)
+        .await?;
     // Time waiting here for a worker with room is queueing too.
     let routed_s = t_route.elapsed().as_secs_f64();
-    let worker = den.get_name().unwrap_or_default();
     ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
     let req = DenoiseReq {
         job,
@@ -243,17 +227,57 @@ pub(super) async fn denoise(
         work,
         loras,
     };
-    let d = ctx.ask(&den, |p| DenoiseMsg::Denoise(Wire(req), p)).await;
+    let d = send_denoise(ctx, &den, routed_s, req).await?;
+    held.den.push((den, d.handles()));
+    check_cancel(ctx, job).await?;
+    Ok(d)
+}
+
+/// What a request costs a step, as the router prices it.
+pub(super) fn step_shape(prepared: &PreparedRefs, work: &DenoiseWork, active: usize) -> StepShape {
+    let image = (prepared.rows * prepared.cols) as usize;
+    StepShape {
+        // The conditioning's rows (text tokens; the last dimension is its width).
+        text: {
+            let t = &prepared.inputs.txt;
+            t.numel().unwrap_or(0) / t.shape.last().copied().unwrap_or(1).max(1)
+        },
+        active: match work {
+            DenoiseWork::Edit { .. } => active,
+            _ => image,
+        },
+        image,
+    }
+}
+
+/// The steps a request runs: a generation that starts from a cached state runs only
+/// the rest of its steps.
+pub(super) fn run_steps(work: &DenoiseWork, steps: u32) -> u32 {
+    match work {
+        DenoiseWork::Generate { start_at, .. } => steps.saturating_sub(*start_at),
+        _ => steps,
+    }
+}
+
+/// Sends a request to the denoise worker it was placed on and waits for it; the worker
+/// is settled in the balancer whatever the outcome.
+pub(super) async fn send_denoise(
+    ctx: &Ctx,
+    den: &ActorCell,
+    routed_s: f64,
+    req: DenoiseReq,
+) -> Result<Denoised, WireError> {
+    let job = req.job;
+    let worker = den.get_name().unwrap_or_default();
+    let d = ctx.ask(den, |p| DenoiseMsg::Denoise(Wire(req), p)).await;
     ctx.balancer.settle(&worker, job);
     let mut d = d.inspect_err(|e| {
         if e.kind == ErrorKind::Timeout {
             // Past its deadline: stop computing it.
-            node::tell(&den, DenoiseMsg::Cancel(Wire(job)));
+            node::tell(den, DenoiseMsg::Cancel(Wire(job)));
         }
     })?;
     d.stats.queue_s += routed_s;
-    held.den.push((den, d.handles()));
-    check_cancel(ctx, job).await?;
     Ok(d)
 }
 

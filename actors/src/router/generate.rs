@@ -93,6 +93,16 @@ pub struct GenerateOutput {
     pub approx_used: bool,
     /// Its LoRAs and the step they applied from.
     pub loras: Vec<super::adapters::LoraApplied>,
+    /// True CFG, when it ran.
+    pub true_cfg: Option<TrueCfgOutcome>,
+}
+
+/// How true CFG ran (the reply's `true_cfg`).
+#[derive(Clone, Debug, Serialize)]
+pub struct TrueCfgOutcome {
+    pub scale: f32,
+    /// Its branches ran on two denoise workers (else batched in one).
+    pub split: bool,
 }
 
 fn hash(parts: impl Hash) -> u64 {
@@ -251,17 +261,35 @@ async fn generate_once(
             .await?,
         ),
     };
-    let work = DenoiseWork::Generate {
+    let cfg = match (&prepared.negative, input.true_cfg()) {
+        (Some(n), Some((_, scale))) => Some((n.clone(), scale)),
+        _ => None,
+    };
+    let mut work = DenoiseWork::Generate {
         start_at,
         store_at,
-        true_cfg: match (&prepared.negative, input.true_cfg()) {
-            (Some(n), Some((_, scale))) => Some((n.clone(), scale)),
-            _ => None,
-        },
+        true_cfg: None,
         control: control.as_ref().and_then(|c| c.stream.clone()),
+        cfg_pair: None,
     };
     let loras = input.loras.clone();
-    let d = denoise(ctx, job, &prepared, steps, Vec::new(), work, loras, held).await;
+    // True CFG's branches on two workers when two have room now, else batched in one.
+    let pair = cfg
+        .as_ref()
+        .and_then(|(n, _)| super::cfg_split::place(ctx, job, &prepared, n, (&work, steps)));
+    let split = pair.is_some();
+    let d = match (pair, &cfg) {
+        (Some(pair), Some((n, scale))) => {
+            let neg = (n, *scale);
+            super::cfg_split::run(ctx, job, &prepared, steps, work, neg, loras, pair, held).await
+        }
+        _ => {
+            if let DenoiseWork::Generate { true_cfg, .. } = &mut work {
+                *true_cfg = cfg.clone();
+            }
+            denoise(ctx, job, &prepared, steps, Vec::new(), work, loras, held).await
+        }
+    };
     if let Some(c) = &control {
         super::controlnets::stop(c, job);
     }
@@ -300,5 +328,6 @@ async fn generate_once(
             similarity: hit.as_ref().map(|h| h.similarity),
         },
         approx_used: cache.is_some(),
+        true_cfg: cfg.map(|(_, scale)| TrueCfgOutcome { scale, split }),
     })
 }

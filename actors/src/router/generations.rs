@@ -95,6 +95,7 @@ pub fn generation_json(
         "approx_cache": o.approx,
         "timings": o.timings,
         "loras": o.loras,
+        "true_cfg": o.true_cfg,
         "batch": {"sizes": o.stats.batch_sizes},
         "first_step_unix": o.stats.first_step_unix,
         "finished_unix": o.stats.finished_unix,

@@ -5,6 +5,7 @@ pub mod adapters;
 mod admin;
 pub mod admission;
 pub mod balance;
+mod cfg_split;
 pub mod controlnets;
 pub mod ctx;
 pub mod flow;

@@ -75,6 +75,19 @@ pub struct TrueCfg {
     pub scale: f32,
 }
 
+/// The other half of a true-CFG generation whose two branches run on two denoise
+/// workers (DESIGN.md §Adapters, parallel CFG branches): each worker runs one branch as
+/// a job of its own and, every step, hands its velocity over and takes the other's, so
+/// both take the same step `dt s v_pos + dt (1 - s) v_neg` and their latents stay equal.
+pub trait CfgPartner: Send + Sync {
+    /// Whether this job is the positive branch.
+    fn positive(&self) -> bool;
+    fn scale(&self) -> f32;
+    /// Publishes this branch's velocity of `step` (`[N, C]`) and returns the other's,
+    /// waiting for it.
+    fn exchange(&self, step: usize, mine: &[f32]) -> Result<Vec<f32>>;
+}
+
 /// What a job computes.
 pub enum Mode {
     Full,
@@ -110,6 +123,8 @@ pub struct Job<T> {
     cfg: Option<(RequestTensors<T>, f32)>,
     /// ControlNet residuals for its next step (set before each step, taken by it).
     control: Option<Arc<dyn Control<T> + Send>>,
+    /// True CFG's other branch, on another worker.
+    partner: Option<Arc<dyn CfgPartner>>,
 }
 
 impl<T> Job<T> {
@@ -207,6 +222,7 @@ impl<T> Job<T> {
             loras: vec![],
             cfg: None,
             control: None,
+            partner: None,
         })
     }
 
@@ -223,9 +239,26 @@ impl<T> Job<T> {
         Ok(())
     }
 
-    /// Whether it runs true CFG's negative branch.
+    /// Whether it runs true CFG's negative branch (here or on a partner's worker).
     pub fn has_true_cfg(&self) -> bool {
-        self.cfg.is_some()
+        self.cfg.is_some() || self.partner.is_some()
+    }
+
+    /// Makes a full run, before its first step, one branch of a true-CFG generation
+    /// split across two workers (see [`CfgPartner`]).
+    pub fn set_cfg_partner(&mut self, partner: Arc<dyn CfgPartner>) -> Result<()> {
+        if !matches!(self.mode, Mode::Full)
+            || self.step != 0
+            || self.cfg.is_some()
+            || self.control.is_some()
+            || !partner.scale().is_finite()
+        {
+            return Err(Error::Invalid(
+                "a split true-CFG branch is a generation's full run, from its first step, with a finite scale".into(),
+            ));
+        }
+        self.partner = Some(partner);
+        Ok(())
     }
 
     /// Whether it computes every image token (a generation, not an edit).
@@ -241,7 +274,7 @@ impl<T> Job<T> {
         inputs: &DenoiseInputs,
         cfg: &TrueCfg,
     ) -> Result<()> {
-        if !matches!(self.mode, Mode::Full) || !cfg.scale.is_finite() {
+        if !matches!(self.mode, Mode::Full) || !cfg.scale.is_finite() || self.partner.is_some() {
             return Err(Error::Invalid(
                 "true CFG runs on full runs (generations), with a finite scale".into(),
             ));
@@ -583,6 +616,23 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
         let j = &mut *jobs[i];
         let c = j.latent_channels;
         let dt = j.schedule.sigmas[j.step + 1] - j.schedule.sigmas[j.step];
+        if let Some(p) = &j.partner {
+            // The same step as a batched negative branch takes, from the other
+            // worker's velocity (an exact copy of what it computed).
+            let mine = be.download(&be.gather_cols(&velocity.packed, rows.clone(), 0..c)?)?;
+            let other = p.exchange(j.step, mine.data())?;
+            let other = be.upload(&Tensor::new([rows.len(), c], other)?)?;
+            let s = p.scale();
+            let (pos, pos_rows, neg, neg_rows) = match p.positive() {
+                true => (&velocity.packed, rows.clone(), &other, 0..rows.len()),
+                false => (&other, 0..rows.len(), &velocity.packed, rows.clone()),
+            };
+            be.axpy_cols(&mut j.tensors.img, 0..c, pos, pos_rows, dt * s)?;
+            be.axpy_cols(&mut j.tensors.img, 0..c, neg, neg_rows, dt * (1.0 - s))?;
+            j.step += 1;
+            j.control = None;
+            continue;
+        }
         if let Some((neg, scale)) = &mut j.cfg {
             // x += dt (v_neg + s (v_pos - v_neg)) = dt s v_pos + dt (1 - s) v_neg, on
             // both branches' rows (they stay equal).

@@ -19,7 +19,9 @@ use denoised_runtime::{Backend, Error, Result, Tensor};
 
 use super::adapters::{LoraId, LoraUse};
 use super::control_feed::{ControlFeed, FeedControl};
-use super::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode, TrueCfg};
+use super::edit::{
+    step_batch_with, CfgPartner, DenoiseInputs, DeviceTemplates, Job, Mode, TrueCfg,
+};
 use super::lora::LoraFile;
 use super::plan::{plan_step, SlabLoad, StepWork};
 use super::template::{CacheMode, TemplateCache};
@@ -119,6 +121,9 @@ pub trait Stepper: Send {
     /// Adds true CFG's negative branch to a just-admitted full run (`inputs` are the
     /// ones it was admitted with; see `Job::set_true_cfg`).
     fn set_true_cfg(&mut self, id: JobKey, inputs: &DenoiseInputs, cfg: &TrueCfg) -> Result<()>;
+    /// Makes a just-admitted full run one branch of a true-CFG generation split across
+    /// two workers (see `CfgPartner`).
+    fn set_cfg_partner(&mut self, id: JobKey, partner: Arc<dyn CfgPartner>) -> Result<()>;
     /// Gives a just-admitted full run ControlNet residuals from `feed`, every step.
     fn set_control_feed(&mut self, id: JobKey, feed: Arc<dyn ControlFeed>) -> Result<()>;
 }
@@ -464,6 +469,18 @@ where
             .get_mut(&id)
             .ok_or_else(|| no_job(id))?
             .set_true_cfg(model, inputs, cfg)
+    }
+
+    fn set_cfg_partner(&mut self, id: JobKey, partner: Arc<dyn CfgPartner>) -> Result<()> {
+        if self.feeds.contains_key(&id) {
+            return Err(Error::Invalid(
+                "true CFG does not run with ControlNets".into(),
+            ));
+        }
+        self.jobs
+            .get_mut(&id)
+            .ok_or_else(|| no_job(id))?
+            .set_cfg_partner(partner)
     }
 
     fn set_control_feed(&mut self, id: JobKey, feed: Arc<dyn ControlFeed>) -> Result<()> {
