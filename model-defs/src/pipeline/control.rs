@@ -7,7 +7,7 @@
 
 use denoised_runtime::{Error, Result, Tensor};
 
-use super::fill::normalize_and_pack;
+use super::fill::{normalize_and_pack, posterior_sample};
 use super::flux_fill::vae_config;
 use super::image::{to_model_space, Rgb8};
 use crate::flux::weights::SplitMix;
@@ -58,25 +58,7 @@ impl ControlEncoder {
         }
         let x = Tensor::new([1, 3, h, w], to_model_space(image))?;
         let (mean, logvar) = self.vae.encode(&x)?;
-        let std = AutoencoderKL::std_from_logvar(&logvar);
-        let eps: Vec<f32> = match eps {
-            Some(e) if e.len() == mean.len() => e.data().to_vec(),
-            Some(e) => {
-                return Err(Error::Invalid(format!(
-                    "control posterior draws of shape {:?}, expected {:?}",
-                    e.shape(),
-                    mean.shape()
-                )))
-            }
-            None => (0..mean.len()).map(|_| rng.normal()).collect(),
-        };
-        let sample: Vec<f32> = mean
-            .data()
-            .iter()
-            .zip(std.data())
-            .zip(&eps)
-            .map(|((m, s), e)| m + s * e)
-            .collect();
+        let sample = posterior_sample(&mean, &logvar, eps, rng, "control posterior draws")?;
         let (lc, lh, lw) = (cfg.latent_channels, h / vsf, w / vsf);
         normalize_and_pack(&sample, lc, lh, lw, cfg.shift(), cfg.scale())
     }

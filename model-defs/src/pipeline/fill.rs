@@ -8,6 +8,8 @@
 use denoised_runtime::{Error, Result, Tensor};
 
 use super::image::Mask;
+use crate::flux::weights::SplitMix;
+use crate::vae::model::AutoencoderKL;
 
 /// `[C, h, w]` planar -> `[(h/2)*(w/2), 4C]` packed tokens.
 pub fn pack_latents(lat: &[f32], c: usize, h: usize, w: usize) -> Result<Tensor> {
@@ -107,6 +109,38 @@ pub fn masked_image(image: &[f32], mask: &Mask) -> Vec<f32> {
         .enumerate()
         .map(|(i, &v)| if mask.data[i % n] { 0.0 } else { v })
         .collect()
+}
+
+/// A draw from the VAE posterior `N(mean, exp(logvar))` as diffusers'
+/// `latent_dist.sample(generator)` takes it: `mean + std * eps`, the N(0, 1) draws from
+/// `eps` when given (to reproduce a diffusers run; `what` names it in errors), else
+/// from `rng`.
+pub fn posterior_sample(
+    mean: &Tensor,
+    logvar: &Tensor,
+    eps: Option<&Tensor>,
+    rng: &mut SplitMix,
+    what: &str,
+) -> Result<Vec<f32>> {
+    let std = AutoencoderKL::std_from_logvar(logvar);
+    let eps: Vec<f32> = match eps {
+        Some(e) if e.len() == mean.len() => e.data().to_vec(),
+        Some(e) => {
+            return Err(Error::Invalid(format!(
+                "{what} has shape {:?}, expected {:?}",
+                e.shape(),
+                mean.shape()
+            )))
+        }
+        None => (0..mean.len()).map(|_| rng.normal()).collect(),
+    };
+    Ok(mean
+        .data()
+        .iter()
+        .zip(std.data())
+        .zip(&eps)
+        .map(|((m, s), e)| m + s * e)
+        .collect())
 }
 
 /// `pack((z - shift) * scale)`: VAE latents `[C, h, w]` to the transformer's space.

@@ -13,7 +13,8 @@ use std::time::Instant;
 use denoised_runtime::{Backend, Error, HostSlice, Result, Tensor};
 
 use super::fill::{
-    concat_rows, masked_image, normalize_and_pack, pack_mask, unpack_and_denormalize,
+    concat_rows, masked_image, normalize_and_pack, pack_mask, posterior_sample,
+    unpack_and_denormalize,
 };
 use super::image::{from_model_space, to_model_space, ImageLimits, Mask, Rgb8};
 use super::paste::paste_back;
@@ -656,25 +657,13 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         } else {
             self.vae_encode(&masked)?
         };
-        let std = AutoencoderKL::std_from_logvar(&logvar);
-        let eps = match &noise.posterior_eps {
-            Some(e) if e.len() == mean.len() => e.data().to_vec(),
-            Some(e) => {
-                return Err(Error::Invalid(format!(
-                    "posterior_eps has shape {:?}, expected {:?}",
-                    e.shape(),
-                    mean.shape()
-                )))
-            }
-            None => (0..mean.len()).map(|_| rng.normal()).collect(),
-        };
-        let sample: Vec<f32> = mean
-            .data()
-            .iter()
-            .zip(std.data())
-            .zip(&eps)
-            .map(|((m, s), e)| m + s * e)
-            .collect();
+        let sample = posterior_sample(
+            &mean,
+            &logvar,
+            noise.posterior_eps.as_ref(),
+            &mut rng,
+            "posterior_eps",
+        )?;
         let cfg = self.vae.config();
         let mil = normalize_and_pack(&sample, lc, lh, lw, cfg.shift(), cfg.scale())?;
         let cond = concat_rows(&mil, &pack_mask(mask, vsf)?)?;
