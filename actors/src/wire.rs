@@ -314,38 +314,6 @@ pub struct WireLora {
     pub merged: bool,
 }
 
-/// One ControlNet of a generation, as the router resolved it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct WireControlNet {
-    /// Its directory's name under `[adapters] controlnets_dir`.
-    pub name: String,
-    /// The control image, encoded (PNG/JPEG), in the router's arena.
-    pub image: Handle,
-    pub scale: f64,
-}
-
-/// router → controlnet: start a generation's residual stream (after preprocessing:
-/// its text embeddings are read from the preprocess worker's arena).
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct ControlStart {
-    pub job: JobId,
-    pub nets: Vec<WireControlNet>,
-    pub inputs: InputHandles,
-    pub steps: u32,
-    pub width: u32,
-    pub height: u32,
-    /// The generation's seed (the control images' posterior draws come from it).
-    pub seed: u64,
-}
-
-/// A residual stream a denoise worker feeds a job from: a slice of the ControlNet
-/// process's arena (`crate::controlnet::stream`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ControlStreamRef {
-    pub slot: Handle,
-    pub layout: crate::controlnet::stream::StreamLayout,
-}
-
 /// router → denoise.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct DenoiseReq {
@@ -783,26 +751,16 @@ pub struct ApproxPut {
 }
 
 #[derive(RactorClusterMessage)]
-pub enum ControlNetMsg {
-    /// Loads a generation's ControlNets, encodes its control images and opens its
-    /// stream; `None` when every scale is 0 (nothing to add).
-    #[rpc]
-    Start(
-        Wire<ControlStart>,
-        RpcReplyPort<Res<Option<ControlStreamRef>>>,
-    ),
-    /// The generation is over (finished, failed or cancelled): its stream closes.
-    Stop(Wire<JobId>),
-    /// From the process itself: the router was lost, and with it every stream.
-    RouterLost(Wire<()>),
-}
-
-#[derive(RactorClusterMessage)]
 pub enum MetricsMsg {
     /// This process's metrics, as an OpenMetrics exposition without `# EOF`.
     #[rpc]
     Scrape(Wire<()>, RpcReplyPort<Res<String>>),
 }
+
+// The ControlNet service's messages live with it.
+pub use crate::controlnet::messages::{
+    ControlNetMsg, ControlStart, ControlStreamRef, WireControlNet,
+};
 
 /// Process-group names under which each group's actors register.
 pub mod groups {
