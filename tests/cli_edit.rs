@@ -7,71 +7,9 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use denoised_models::pipeline::image::{decode_image, decode_mask, encode_png, ImageLimits, Rgb8};
-
-const LIM: ImageLimits = ImageLimits {
-    max_pixels: 1 << 24,
-    multiple_of: 1,
-};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-fn case(name: &str) -> PathBuf {
-    fixtures().join("cases").join(name)
-}
-
-/// Runs the binary; returns (success, stdout, stderr).
-fn denoised(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_denoised"))
-        .args(args)
-        .env("DENOISED_LOG", "warn")
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into(),
-        String::from_utf8_lossy(&out.stderr).into(),
-    )
-}
-
-fn ok(args: &[&str]) -> String {
-    let (success, stdout, stderr) = denoised(args);
-    assert!(success, "denoised {args:?} failed:\n{stderr}");
-    stdout + &stderr
-}
-
-fn fails(args: &[&str], needle: &str) {
-    let (success, _, stderr) = denoised(args);
-    assert!(!success, "denoised {args:?} should fail");
-    assert!(
-        stderr.contains(needle),
-        "stderr of {args:?} lacks `{needle}`:\n{stderr}"
-    );
-    assert!(!stderr.contains("panicked"), "panic:\n{stderr}");
-}
-
-fn png(path: &Path) -> Rgb8 {
-    decode_image(&std::fs::read(path).unwrap(), &LIM).unwrap()
-}
-
-/// Writes a `w x h` PNG of one grey level; returns its path.
-fn solid_png(dir: &Path, name: &str, w: usize, h: usize, level: u8) -> PathBuf {
-    let path = dir.join(name);
-    let img = Rgb8 {
-        width: w,
-        height: h,
-        data: vec![level; w * h * 3],
-    };
-    std::fs::write(&path, encode_png(&img).unwrap()).unwrap();
-    path
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
+use common::{case, cli::*, LIM};
+use denoised_models::pipeline::image::{decode_mask, encode_png, Rgb8};
 
 const PROMPT: &str = "a blue ceramic teapot on a wooden table";
 
@@ -120,7 +58,7 @@ fn edit_matches_diffusers_on(device: &[&str]) {
     ];
     args.extend_from_slice(device);
     ok(&args);
-    let (got, want) = (png(&out), png(&case("e2e_output.png")));
+    let (got, want) = (png_file(&out), png_file(&case("e2e_output.png")));
     let (worst, off) = got.level_diff(&want);
     println!(
         "CLI {device:?} vs diffusers: max level diff {worst}, {off} of {} values differ",
@@ -177,8 +115,8 @@ fn generate_matches_diffusers_flux_pipeline_through_the_cli() {
             ];
             args.extend_from_slice(device);
             ok(&args);
-            let want = png(&case(&format!("t2i_{variant}_output.png")));
-            let (worst, off) = png(&out).level_diff(&want);
+            let want = png_file(&case(&format!("t2i_{variant}_output.png")));
+            let (worst, off) = png_file(&out).level_diff(&want);
             println!(
                 "generate {variant} {device:?} vs diffusers: max level diff {worst}, {off} values differ"
             );
@@ -288,7 +226,7 @@ fn template_capture_and_mask_aware_edits() {
         log.contains("VAE: encode ") && log.contains("(--sparse-vae auto)"),
         "{log}"
     );
-    let (img, res) = (png(&input), png(&edited));
+    let (img, res) = (png_file(&input), png_file(&edited));
     let mask = decode_mask(&std::fs::read(case("e2e_mask.png")).unwrap(), 64, 64, &LIM).unwrap();
     let mut changed_inside = 0;
     for i in 0..64 * 64 {
@@ -322,7 +260,7 @@ fn template_capture_and_mask_aware_edits() {
         s(&same),
     ]);
     assert!(log.contains("0 of 256 tokens active"), "{log}");
-    assert_eq!(png(&same), png(&t.join("reconstruction.png")));
+    assert_eq!(png_file(&same), png_file(&t.join("reconstruction.png")));
 
     // The same with a Y-mode template (block outputs cached): half the bytes, and an
     // edit that computes no token still reproduces the capture.
@@ -362,10 +300,10 @@ fn template_capture_and_mask_aware_edits() {
         "--out",
         s(&same_y),
     ]);
-    assert_eq!(png(&same_y), png(&ty.join("reconstruction.png")));
+    assert_eq!(png_file(&same_y), png_file(&ty.join("reconstruction.png")));
     assert_eq!(
-        png(&ty.join("reconstruction.png")),
-        png(&t.join("reconstruction.png"))
+        png_file(&ty.join("reconstruction.png")),
+        png_file(&t.join("reconstruction.png"))
     );
 
     // Steps that differ from the template's are refused.
@@ -495,7 +433,7 @@ fn a_capture_stores_the_vae_traces_that_edits_run_sparse_against() {
         ];
         a.extend(["--prompt", "x", "--out", s(&out)]);
         a.extend(common);
-        (ok(&a), png(&out))
+        (ok(&a), png_file(&out))
     };
     let (log, stored) = edit("stored.png");
     assert!(
@@ -608,7 +546,7 @@ fn bad_inputs_give_clear_errors() {
     args.extend(["--prompt".to_string(), long]);
     let (success, _, stderr) = denoised(&args.iter().map(|a| a.as_str()).collect::<Vec<_>>());
     assert!(success, "{stderr}");
-    assert!(png(&out).width == 64);
+    assert!(png_file(&out).width == 64);
 }
 
 /// `bench-pipeline --device` times every stage wherever the models are placed: on the
@@ -642,264 +580,5 @@ fn bench_pipeline_times_every_stage_on_any_device() {
             assert!(secs > 0.0, "{stage} in {v}");
         }
         println!("{device}: {v}");
-    }
-}
-
-#[test]
-fn loras_through_the_cli() {
-    // diffusers' fused run of two LoRAs (tests/fixtures/gen_lora_fixtures.py), merged
-    // and unmerged, on the CPU and unmerged on the emulated GPU backend in f32.
-    let meta: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(case("lora_cases.json")).unwrap()).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let model = fixtures().join(meta["model_dir"].as_str().unwrap());
-    let loras = fixtures().join("loras");
-    let style = format!("{}:0.7", s(&loras.join("style")));
-    let detail = format!(
-        "{}:1.3",
-        s(&loras.join("detail/pytorch_lora_weights.safetensors"))
-    );
-    let want = png(&case("lora_dev_mix_output.png"));
-    let noise = case("lora_dev.safetensors");
-    for (mode, device) in [
-        ("merged", &["--device", "cpu"][..]),
-        ("unmerged", &["--device", "cpu"]),
-        ("unmerged", &["--device", "emu", "--dtype", "f32"]),
-    ] {
-        let out = dir.path().join(format!("{mode}.png"));
-        let mut args = vec![
-            "generate",
-            "--model",
-            s(&model),
-            "--prompt",
-            meta["prompt"].as_str().unwrap(),
-            "--steps",
-            "6",
-            "--guidance",
-            "3.5",
-            "--max-sequence-length",
-            "32",
-            "--height",
-            "64",
-            "--width",
-            "64",
-            "--noise",
-            s(&noise),
-            "--lora",
-            &style,
-            "--lora",
-            &detail,
-            "--lora-mode",
-            mode,
-            "--out",
-            s(&out),
-        ];
-        args.extend_from_slice(device);
-        let log = ok(&args);
-        assert!(
-            log.contains(&format!(
-                "LoRA: 2 {}",
-                if mode == "merged" {
-                    "merged"
-                } else {
-                    "uploaded"
-                }
-            )),
-            "{log}"
-        );
-        let (worst, off) = png(&out).level_diff(&want);
-        println!(
-            "LoRA {mode} {device:?} vs diffusers: max level diff {worst}, {off} values differ"
-        );
-        assert!(worst <= 1, "{mode} {device:?}: max level diff {worst}");
-    }
-
-    // A template captured with a LoRA serves only edits with the same LoRA set. The
-    // attention-only `detail` LoRA fits the built-in Fill model's attention; `style`
-    // adapts the embedders of a 64-channel model, which the Fill model's are not.
-    let t = dir.path().join("tpl");
-    let input = case("e2e_input.png");
-    let common = |v: &mut Vec<String>| {
-        for a in [
-            "--model",
-            "builtin",
-            "--steps",
-            "3",
-            "--max-sequence-length",
-            "32",
-        ] {
-            v.push(a.into());
-        }
-    };
-    let detail_half = format!("{}:0.5", s(&loras.join("detail")));
-    let mut capture: Vec<String> = vec!["template".into(), "capture".into()];
-    common(&mut capture);
-    capture
-        .extend(["--image", s(&input), "--out", s(&t), "--lora", &detail_half].map(String::from));
-    ok(&capture.iter().map(String::as_str).collect::<Vec<_>>());
-    let edited = dir.path().join("edited.png");
-    let mut edit: Vec<String> = vec!["edit".into()];
-    common(&mut edit);
-    edit.extend(
-        [
-            "--template",
-            s(&t),
-            "--mask",
-            s(&case("e2e_mask.png")),
-            "--out",
-            s(&edited),
-        ]
-        .map(String::from),
-    );
-    let args = |extra: &[&str]| -> Vec<String> {
-        edit.iter()
-            .cloned()
-            .chain(extra.iter().map(|s| s.to_string()))
-            .collect()
-    };
-    let plain = args(&[]);
-    fails(
-        &plain.iter().map(String::as_str).collect::<Vec<_>>(),
-        "the template was captured with LoRAs lora-",
-    );
-    let other = args(&["--lora", &format!("{}:0.6", s(&loras.join("detail")))]);
-    fails(
-        &other.iter().map(String::as_str).collect::<Vec<_>>(),
-        "this edit runs with LoRAs",
-    );
-    for mode in ["merged", "unmerged"] {
-        let same = args(&["--lora", &detail_half, "--lora-mode", mode]);
-        let log = ok(&same.iter().map(String::as_str).collect::<Vec<_>>());
-        assert!(log.contains("mask-aware edit:"), "{log}");
-    }
-    let out = dir.path().join("x.png");
-    fails(
-        &[
-            "generate",
-            "--model",
-            "builtin:t2i",
-            "--prompt",
-            "a",
-            "--steps",
-            "1",
-            "--lora",
-            &format!("{}:x", s(&loras.join("style"))),
-            "--out",
-            s(&out),
-        ],
-        "No such file",
-    );
-    let mut bad: Vec<String> = vec!["edit".into()];
-    common(&mut bad);
-    bad.extend(
-        [
-            "--image",
-            s(&input),
-            "--mask",
-            s(&case("e2e_mask.png")),
-            "--out",
-            s(&out),
-            "--lora",
-            s(&loras.join("style")),
-        ]
-        .map(String::from),
-    );
-    fails(
-        &bad.iter().map(String::as_str).collect::<Vec<_>>(),
-        "do not fit",
-    );
-}
-
-#[test]
-fn profile_lora_finds_k_and_records_it_beside_the_adapter() {
-    let dir = tempfile::tempdir().unwrap();
-    let lora = dir.path().join("style");
-    std::fs::create_dir(&lora).unwrap();
-    std::fs::copy(
-        fixtures().join("loras/style/pytorch_lora_weights.safetensors"),
-        lora.join("pytorch_lora_weights.safetensors"),
-    )
-    .unwrap();
-    let model = fixtures().join("flux-dev-tiny");
-    let spec = format!("{}:0.8", s(&lora));
-    let out = ok(&[
-        "profile-lora",
-        "--model",
-        s(&model),
-        "--lora",
-        &spec,
-        "--steps",
-        "6",
-        "--size",
-        "64",
-        "--max-sequence-length",
-        "32",
-        "--write",
-    ]);
-    let line: serde_json::Value =
-        serde_json::from_str(out.lines().find(|l| l.starts_with('{')).unwrap()).unwrap();
-    let sim: Vec<f64> = line["similarity"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
-    let k = line["k"].as_u64().unwrap() as usize;
-    assert_eq!(sim.len(), 6);
-    assert_eq!(line["scale"], 0.8);
-    // K is the first step below 0.99, and the steps before it are above.
-    assert!(
-        sim[k] < 0.99 && sim[..k].iter().all(|&s| s >= 0.99),
-        "{sim:?} k {k}"
-    );
-    let bal: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(lora.join("bal.json")).unwrap()).unwrap();
-    let fp = line["model"].as_str().unwrap();
-    assert_eq!(bal[fp]["k"].as_u64(), Some(k as u64), "{bal}");
-}
-
-#[test]
-fn true_cfg_through_the_cli() {
-    // diffusers' FluxPipeline with negative_prompt and true_cfg_scale 4
-    // (tests/fixtures/gen_cfg_fixtures.py), on the CPU and the emulated GPU in f32.
-    let meta: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(case("cfg_cases.json")).unwrap()).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let model = fixtures().join(meta["model_dir"].as_str().unwrap());
-    let noise = case("cfg_dev.safetensors");
-    let want = png(&case("cfg_dev_output.png"));
-    for device in [
-        &["--device", "cpu"][..],
-        &["--device", "emu", "--dtype", "f32"],
-    ] {
-        let out = dir.path().join("cfg.png");
-        let mut args = vec![
-            "generate",
-            "--model",
-            s(&model),
-            "--prompt",
-            meta["prompt"].as_str().unwrap(),
-            "--negative-prompt",
-            meta["negative_prompt"].as_str().unwrap(),
-            "--true-cfg-scale",
-            "4",
-            "--steps",
-            "6",
-            "--max-sequence-length",
-            "32",
-            "--height",
-            "64",
-            "--width",
-            "64",
-            "--noise",
-            s(&noise),
-            "--out",
-            s(&out),
-        ];
-        args.extend_from_slice(device);
-        ok(&args);
-        let (worst, off) = png(&out).level_diff(&want);
-        println!("true CFG {device:?} vs diffusers: max level diff {worst}, {off} values differ");
-        assert!(worst <= 1, "{device:?}: {worst}");
     }
 }

@@ -69,7 +69,7 @@ impl ControlNetArgs {
         model: &ModelSource,
         inputs: &DenoiseInputs,
         schedule: &FlowMatchEuler,
-        seed: u64,
+        (seed, width, height): (u64, usize, usize),
         limits: &ImageLimits,
     ) -> CliResult<Option<Arc<dyn ControlFeed>>> {
         if self.controlnets.is_empty() {
@@ -84,6 +84,15 @@ impl ControlNetArgs {
             let bytes =
                 std::fs::read(&c.image).map_err(|e| format!("{}: {e}", c.image.display()))?;
             let image = decode_image(&bytes, limits)?;
+            if (image.width, image.height) != (width, height) {
+                return Err(format!(
+                    "{}: the control image is {}x{}; the generation is {width}x{height}",
+                    c.image.display(),
+                    image.width,
+                    image.height
+                )
+                .into());
+            }
             let control = encoder
                 .encode(&image, None, &mut rng)
                 .map_err(|e| format!("{}: {e}", c.image.display()))?;

@@ -105,9 +105,10 @@ pub fn run(a: GenerateArgs) -> CliResult {
         &mut t,
     )?;
     let schedule = p.schedule(opts.steps, opts.width, opts.height)?;
+    let size = (a.seed, opts.width, opts.height);
     let control = a
         .controlnet
-        .feed(&a.model, &prepared.inputs, &schedule, a.seed, &p.limits)?;
+        .feed(&a.model, &prepared.inputs, &schedule, size, &p.limits)?;
     let mode = Mode::Full;
     let extra = (&lora.uses[..], cfg.as_ref(), control);
     let latents = denoise(&mut placed, &prepared.inputs, schedule, mode, extra, &mut t)?.0;

@@ -2,6 +2,8 @@
 //! port, HTTP helpers, and the reference inputs.
 #![allow(dead_code)] // each test crate uses its own subset
 
+pub mod cli;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
