@@ -41,46 +41,100 @@ fn joined(latents: &Tensor, control: &[f32]) -> Tensor {
     Tensor::new([N, 128], x).unwrap()
 }
 
+/// The fixture's generation: its pipeline, tensors, inputs and schedule.
+struct Case {
+    source: ModelSource,
+    fill: FluxFill<CpuBackend>,
+    m: Arc<denoised_models::FluxTransformer<CpuBackend>>,
+    f: SafetensorsFile,
+    inputs: DenoiseInputs,
+    s: Arc<FlowMatchEuler>,
+    steps: usize,
+}
+
+impl Case {
+    fn load() -> Case {
+        let meta: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(fixtures_dir().join("cases/controlnet_cases.json")).unwrap(),
+        )
+        .unwrap();
+        let dir = fixtures_dir().join(meta["model_dir"].as_str().unwrap());
+        let source = ModelSource::Dir(dir.clone());
+        let fill = FluxFill::load(&source, CpuBackend::new()).unwrap();
+        let m = fill.shared_transformer().unwrap();
+        let f =
+            SafetensorsFile::open(fixtures_dir().join("cases/controlnet_dev.safetensors")).unwrap();
+        let p = &meta["params"];
+        let steps = p["num_inference_steps"].as_u64().unwrap() as usize;
+        let opts = GenerateOptions {
+            steps,
+            guidance: p["guidance_scale"].as_f64().unwrap() as f32,
+            seed: 0,
+            max_sequence_length: p["max_sequence_length"].as_u64().unwrap() as usize,
+            width: 64,
+            height: 64,
+        };
+        let inputs = fill
+            .prepare_generate(
+                meta["prompt"].as_str().unwrap(),
+                &opts,
+                Some(&f.tensor_f32("initial_latents").unwrap()),
+                &mut Timings::default(),
+            )
+            .unwrap()
+            .inputs;
+        let sc = SchedulerConfig::from_file(dir.join("scheduler/scheduler_config.json")).unwrap();
+        let s = Arc::new(FlowMatchEuler::new(&sc, steps, N).unwrap());
+        Case {
+            source,
+            fill,
+            m,
+            f,
+            inputs,
+            s,
+            steps,
+        }
+    }
+
+    fn t(&self, n: &str) -> Tensor {
+        self.f.tensor_f32(n).unwrap()
+    }
+
+    /// A step's latents against diffusers' (`case` names the run).
+    fn check_step(&self, case: &str, i: usize, got: &Tensor) {
+        let want = self.t(&format!("{case}_step_latents"));
+        let d = rel(got.data(), &want.data()[i * N * 64..(i + 1) * N * 64]);
+        println!("{case} step {i}: {d:.2e}");
+        assert!(d <= 1e-5, "{case} step {i}: {d:e}");
+    }
+
+    /// The final latent's PNG against diffusers'.
+    fn check_png(&self, case: &str, latents: &Tensor) {
+        let raw = self.fill.decode_raw(latents, 64, 64).unwrap();
+        let png =
+            std::fs::read(fixtures_dir().join(format!("cases/controlnet_dev_{case}_output.png")))
+                .unwrap();
+        let (levels, _) = from_model_space(raw.data(), 64, 64)
+            .level_diff(&decode_image(&png, &self.fill.limits).unwrap());
+        println!("{case}: PNG within {levels} levels");
+        assert!(levels <= 1, "{case}: PNG levels differ by {levels}");
+    }
+}
+
+fn net(n: &str) -> ControlNet<CpuBackend> {
+    ControlNet::load(
+        CpuBackend::new(),
+        fixtures_dir().join("controlnets").join(n),
+    )
+    .unwrap()
+}
+
 #[test]
 fn controlnets_match_diffusers_flux_controlnet_pipeline() {
-    let meta: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(fixtures_dir().join("cases/controlnet_cases.json")).unwrap(),
-    )
-    .unwrap();
-    let dir = fixtures_dir().join(meta["model_dir"].as_str().unwrap());
-    let fill = FluxFill::load(&ModelSource::Dir(dir.clone()), CpuBackend::new()).unwrap();
-    let m = fill.shared_transformer().unwrap();
-    let net = |n: &str| {
-        ControlNet::load(
-            CpuBackend::new(),
-            fixtures_dir().join("controlnets").join(n),
-        )
-        .unwrap()
-    };
+    let c = Case::load();
+    let (m, inputs, s) = (&c.m, &c.inputs, &c.s);
+    let t = |n: &str| c.t(n);
     let (canny, depth) = (net("canny-tiny"), net("depth-tiny"));
-    let f = SafetensorsFile::open(fixtures_dir().join("cases/controlnet_dev.safetensors")).unwrap();
-    let t = |n: &str| f.tensor_f32(n).unwrap();
-    let p = &meta["params"];
-    let steps = p["num_inference_steps"].as_u64().unwrap() as usize;
-    let opts = GenerateOptions {
-        steps,
-        guidance: p["guidance_scale"].as_f64().unwrap() as f32,
-        seed: 0,
-        max_sequence_length: p["max_sequence_length"].as_u64().unwrap() as usize,
-        width: 64,
-        height: 64,
-    };
-    let inputs = fill
-        .prepare_generate(
-            meta["prompt"].as_str().unwrap(),
-            &opts,
-            Some(&t("initial_latents")),
-            &mut Timings::default(),
-        )
-        .unwrap()
-        .inputs;
-    let sc = SchedulerConfig::from_file(dir.join("scheduler/scheduler_config.json")).unwrap();
-    let s = Arc::new(FlowMatchEuler::new(&sc, steps, N).unwrap());
 
     // The residuals at step 0 against the ControlNet called alone (scaled by 0.7).
     let control_a = t("single_control_latents");
@@ -109,9 +163,8 @@ fn controlnets_match_diffusers_flux_controlnet_pipeline() {
             "single" => vec![control_a.data()],
             _ => vec![&multi.data()[..N * 64], &multi.data()[N * 64..]],
         };
-        let mut job = Job::new(&*m, &inputs, s.clone(), Mode::Full).unwrap();
+        let mut job = Job::new(&**m, inputs, s.clone(), Mode::Full).unwrap();
         let plan = denoised_models::planner::prefix(m.num_blocks(), 0);
-        let want = t(&format!("{case}_step_latents"));
         while !job.done() {
             let i = job.step();
             let latents = if i == 0 {
@@ -130,19 +183,9 @@ fn controlnets_match_diffusers_flux_controlnet_pipeline() {
             job.set_control(Some(Arc::new(ControlFor::new(res, &m.config).unwrap())))
                 .unwrap();
             step_batch_with(&*m, &mut [&mut job], &DeviceTemplates::new(), &plan).unwrap();
-            let got = job.computed_latents(&*m).unwrap();
-            let d = rel(got.data(), &want.data()[i * N * 64..(i + 1) * N * 64]);
-            println!("{case} step {i}: {d:.2e}");
-            assert!(d <= 1e-5, "{case} step {i}: {d:e}");
+            c.check_step(case, i, &job.computed_latents(&**m).unwrap());
         }
-        let latents = job.finish(&*m).unwrap().0;
-        let raw = fill.decode_raw(&latents, 64, 64).unwrap();
-        let png =
-            std::fs::read(fixtures_dir().join(format!("cases/controlnet_dev_{case}_output.png")))
-                .unwrap();
-        let (levels, _) = from_model_space(raw.data(), 64, 64)
-            .level_diff(&decode_image(&png, &fill.limits).unwrap());
-        assert!(levels <= 1, "{case}: PNG levels differ by {levels}");
+        c.check_png(case, &job.finish(&**m).unwrap().0);
     }
 }
 
@@ -175,51 +218,14 @@ fn control_images_and_fed_residuals_match_diffusers() {
     use denoised_models::flux::weights::SplitMix;
     use denoised_models::pipeline::control::ControlEncoder;
 
-    let meta: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(fixtures_dir().join("cases/controlnet_cases.json")).unwrap(),
-    )
-    .unwrap();
-    let dir = fixtures_dir().join(meta["model_dir"].as_str().unwrap());
-    let source = ModelSource::Dir(dir.clone());
-    let fill = FluxFill::load(&source, CpuBackend::new()).unwrap();
-    let m = fill.shared_transformer().unwrap();
-    let encoder = ControlEncoder::load(&source).unwrap();
-    let f = SafetensorsFile::open(fixtures_dir().join("cases/controlnet_dev.safetensors")).unwrap();
-    let t = |n: &str| f.tensor_f32(n).unwrap();
+    let c = Case::load();
+    let (m, inputs, s) = (&c.m, &c.inputs, &c.s);
+    let t = |n: &str| c.t(n);
+    let encoder = ControlEncoder::load(&c.source).unwrap();
     let image = |n: &str| {
         let bytes = std::fs::read(fixtures_dir().join("controlnets").join(n)).unwrap();
-        decode_image(&bytes, &fill.limits).unwrap()
+        decode_image(&bytes, &c.fill.limits).unwrap()
     };
-    let net = |n: &str| {
-        Arc::new(
-            ControlNet::load(
-                CpuBackend::new(),
-                fixtures_dir().join("controlnets").join(n),
-            )
-            .unwrap(),
-        )
-    };
-    let p = &meta["params"];
-    let steps = p["num_inference_steps"].as_u64().unwrap() as usize;
-    let opts = GenerateOptions {
-        steps,
-        guidance: p["guidance_scale"].as_f64().unwrap() as f32,
-        seed: 0,
-        max_sequence_length: p["max_sequence_length"].as_u64().unwrap() as usize,
-        width: 64,
-        height: 64,
-    };
-    let inputs = fill
-        .prepare_generate(
-            meta["prompt"].as_str().unwrap(),
-            &opts,
-            Some(&t("initial_latents")),
-            &mut Timings::default(),
-        )
-        .unwrap()
-        .inputs;
-    let sc = SchedulerConfig::from_file(dir.join("scheduler/scheduler_config.json")).unwrap();
-    let s = Arc::new(FlowMatchEuler::new(&sc, steps, N).unwrap());
     let mut rng = SplitMix::new(0);
     let eps_per = N * 64;
     for (case, nets) in [
@@ -249,34 +255,22 @@ fn control_images_and_fed_residuals_match_diffusers() {
                 println!("{case}: control latents of {img}: {d:.2e}");
                 assert!(d <= 1e-5, "{case} {img}: {d:e}");
                 ControlUse {
-                    net: net(n),
+                    net: Arc::new(net(n)),
                     control,
                     scale: *scale,
                 }
             })
             .collect();
-        let feed = LocalControl::new(uses, ControlInputs::new(&inputs, &s))
+        let feed = LocalControl::new(uses, ControlInputs::new(inputs, s))
             .unwrap()
             .unwrap();
         let mut st = ModelStepper::unbounded(m.clone(), 4);
-        st.admit(1, &inputs, s.clone(), Mode::Full).unwrap();
+        st.admit(1, inputs, s.clone(), Mode::Full).unwrap();
         st.set_control_feed(1, Arc::new(feed)).unwrap();
-        let want = t(&format!("{case}_step_latents"));
-        for i in 0..steps {
+        for i in 0..c.steps {
             st.step(&[1]).unwrap();
-            let got = st.latents(1).unwrap();
-            let d = rel(got.data(), &want.data()[i * N * 64..(i + 1) * N * 64]);
-            println!("{case} fed step {i}: {d:.2e}");
-            assert!(d <= 1e-5, "{case} step {i}: {d:e}");
+            c.check_step(case, i, &st.latents(1).unwrap());
         }
-        let latents = st.finish(1).unwrap().0;
-        let raw = fill.decode_raw(&latents, 64, 64).unwrap();
-        let png =
-            std::fs::read(fixtures_dir().join(format!("cases/controlnet_dev_{case}_output.png")))
-                .unwrap();
-        let (levels, _) = from_model_space(raw.data(), 64, 64)
-            .level_diff(&decode_image(&png, &fill.limits).unwrap());
-        println!("{case}: PNG within {levels} levels");
-        assert!(levels <= 1, "{case}: PNG levels differ by {levels}");
+        c.check_png(case, &st.finish(1).unwrap().0);
     }
 }
