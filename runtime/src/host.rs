@@ -126,6 +126,28 @@ impl HostSlice {
         Self::new(self.mem.clone(), self.offset + offset, len)
     }
 
+    /// The `index`-th 32-bit word of the slice, for atomic access: how processes that
+    /// map the same region signal each other (`shm::futex`). Every user of the word must
+    /// access it atomically.
+    pub fn word(&self, index: usize) -> Result<&std::sync::atomic::AtomicU32> {
+        let at = index
+            .checked_mul(4)
+            .filter(|&at| at + 4 <= self.len)
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "word {index} outside a slice of {} bytes",
+                    self.len
+                ))
+            })?;
+        // SAFETY: in bounds of a live mapping (checked above; the Arc keeps it), and
+        // aligned (checked below); AtomicU32 has u32's layout.
+        let p = unsafe { self.as_ptr().add(at) };
+        if p as usize % 4 != 0 {
+            return Err(Error::Invalid("an unaligned word".into()));
+        }
+        Ok(unsafe { &*(p as *const std::sync::atomic::AtomicU32) })
+    }
+
     pub fn bytes(&self) -> &[u8] {
         // SAFETY: in bounds of a live mapping (checked in `new`; the Arc keeps it);
         // concurrent writers are excluded by the aliasing contract (module docs).
@@ -154,6 +176,9 @@ mod tests {
         assert_eq!(s.sub(1, 3).unwrap().bytes(), &[2, 3, 4]);
         assert!(s.sub(3, 3).is_err());
         assert!(s.sub(usize::MAX, 2).is_err());
+        assert!(s.word(1).is_err(), "5 bytes hold one word");
+        s.word(0).unwrap().store(7, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(&s.bytes()[..4], &7u32.to_ne_bytes());
         let page = s.memory().base() as usize;
         assert_eq!(page % 4096, 0, "regions are page-aligned");
     }

@@ -108,9 +108,9 @@ impl Stream {
     }
 
     fn word(&self, i: usize) -> &AtomicU32 {
-        // SAFETY: in bounds (checked in `new`), aligned (the slice is 64-aligned), and
-        // only ever accessed atomically by both processes.
-        unsafe { &*(self.slice.as_ptr().add(4 * i) as *const AtomicU32) }
+        self.slice
+            .word(i)
+            .expect("the words lie inside the stream (checked in `new`)")
     }
     pub fn step_word(&self) -> &AtomicU32 {
         self.word(0)
@@ -238,31 +238,29 @@ impl ControlFeed for StreamFeed {
         let want = self.step.load(Ordering::Relaxed);
         let word = self.stream.block_word(k);
         let t0 = Instant::now();
-        loop {
-            match word.load(Ordering::Acquire) {
-                v if v == want => break,
-                FAILED => {
+        let v = futex::wait_until(
+            word,
+            |v| v == want || v == FAILED,
+            CHECK_EVERY,
+            || {
+                if !denoised_runtime::shm::owner_alive(self.owner, 0) {
                     return Err(Error::Invalid(
-                        "the ControlNet service failed this step (its log says why)".into(),
-                    ))
+                        "the ControlNet service process is gone".into(),
+                    ));
                 }
-                v => {
-                    futex::wait_while(word, v, CHECK_EVERY);
-                    if word.load(Ordering::Acquire) == v {
-                        if !denoised_runtime::shm::owner_alive(self.owner, 0) {
-                            return Err(Error::Invalid(
-                                "the ControlNet service process is gone".into(),
-                            ));
-                        }
-                        if t0.elapsed() > GIVE_UP {
-                            return Err(Error::Invalid(format!(
-                                "no ControlNet residual {k} after {} s",
-                                GIVE_UP.as_secs()
-                            )));
-                        }
-                    }
+                if t0.elapsed() > GIVE_UP {
+                    return Err(Error::Invalid(format!(
+                        "no ControlNet residual {k} after {} s",
+                        GIVE_UP.as_secs()
+                    )));
                 }
-            }
+                Ok(())
+            },
+        )?;
+        if v == FAILED {
+            return Err(Error::Invalid(
+                "the ControlNet service failed this step (its log says why)".into(),
+            ));
         }
         let us = t0.elapsed().as_micros().min(u32::MAX as u128) as u32;
         self.waited_us.fetch_add(us, Ordering::Relaxed);

@@ -22,6 +22,10 @@ use denoised_runtime::{Error, HostSlice, Result};
 use serde::{Deserialize, Serialize};
 
 const ALIGN: usize = 64;
+/// The words: each branch's published step, and the router's abandonment.
+const POSITIVE: usize = 0;
+const NEGATIVE: usize = 1;
+const ABANDONED: usize = 2;
 const CHECK_EVERY: Duration = Duration::from_millis(500);
 const GIVE_UP: Duration = Duration::from_secs(300);
 
@@ -73,8 +77,9 @@ impl PairPartner {
     }
 
     fn word(&self, i: usize) -> &AtomicU32 {
-        // SAFETY: in bounds (checked in `new`), aligned, only accessed atomically.
-        unsafe { &*(self.slice.as_ptr().add(4 * i) as *const AtomicU32) }
+        self.slice
+            .word(i)
+            .expect("the words lie inside the pair (checked in `new`)")
     }
 
     /// The velocity buffer of a branch for a step.
@@ -87,14 +92,12 @@ impl PairPartner {
 
     /// The router's side: the generation failed; a branch waiting for the other stops.
     pub fn abandon(slice: &HostSlice) {
-        if slice.len() >= ALIGN {
-            // SAFETY: as `word`; the router owns the slice.
-            let w = unsafe { &*(slice.as_ptr().add(8) as *const AtomicU32) };
+        if let Ok(w) = slice.word(ABANDONED) {
             futex::store_and_wake(w, 1);
-            for i in 0..2 {
-                // Wake the branches' waits on their partner's word.
-                // SAFETY: as above.
-                let w = unsafe { &*(slice.as_ptr().add(4 * i) as *const AtomicU32) };
+        }
+        // Wake the branches waiting on each other's word.
+        for i in [POSITIVE, NEGATIVE] {
+            if let Ok(w) = slice.word(i) {
                 futex::store_and_wake(w, w.load(Ordering::Acquire));
             }
         }
@@ -121,30 +124,30 @@ impl CfgPartner for PairPartner {
         unsafe { std::slice::from_raw_parts_mut(self.buffer(self.positive, step), n) }
             .copy_from_slice(mine);
         let (me, other) = match self.positive {
-            true => (self.word(0), self.word(1)),
-            false => (self.word(1), self.word(0)),
+            true => (self.word(POSITIVE), self.word(NEGATIVE)),
+            false => (self.word(NEGATIVE), self.word(POSITIVE)),
         };
         futex::store_and_wake(me, step as u32 + 1);
         let want = step as u32 + 1;
+        let abandoned = self.word(ABANDONED);
         let t0 = Instant::now();
-        loop {
-            if self.word(2).load(Ordering::Acquire) != 0 {
-                return Err(Error::Invalid(
-                    "the other true-CFG branch failed (its worker says why)".into(),
-                ));
-            }
-            let v = other.load(Ordering::Acquire);
-            // The other branch may be a step ahead already (it read ours before).
-            if v >= want {
-                break;
-            }
-            futex::wait_while(other, v, CHECK_EVERY);
-            if t0.elapsed() > GIVE_UP {
-                return Err(Error::Invalid(format!(
+        // The other branch may be a step ahead already (it read ours before).
+        futex::wait_until(
+            other,
+            |v| v >= want || abandoned.load(Ordering::Acquire) != 0,
+            CHECK_EVERY,
+            || match t0.elapsed() > GIVE_UP {
+                true => Err(Error::Invalid(format!(
                     "the other true-CFG branch gave no velocity for step {step} in {} s",
                     GIVE_UP.as_secs()
-                )));
-            }
+                ))),
+                false => Ok(()),
+            },
+        )?;
+        if abandoned.load(Ordering::Acquire) != 0 {
+            return Err(Error::Invalid(
+                "the other true-CFG branch failed (its worker says why)".into(),
+            ));
         }
         // SAFETY: the other branch published it (word above) and rewrites it only two
         // steps on, after reading ours of the next step.

@@ -40,6 +40,26 @@ pub fn wait_while(word: &AtomicU32, current: u32, timeout: Duration) -> u32 {
     }
 }
 
+/// Blocks until `done(word)` holds and returns the value; each time `every` passes
+/// without it, `check` runs, and its error ends the wait (the writer is gone, the
+/// wait was abandoned, it took too long).
+pub fn wait_until<E>(
+    word: &AtomicU32,
+    done: impl Fn(u32) -> bool,
+    every: Duration,
+    mut check: impl FnMut() -> Result<(), E>,
+) -> Result<u32, E> {
+    loop {
+        let v = word.load(Ordering::Acquire);
+        if done(v) {
+            return Ok(v);
+        }
+        if wait_while(word, v, every) == v {
+            check()?;
+        }
+    }
+}
+
 /// Stores `value` into `word` and wakes every waiter on it, in any process.
 pub fn store_and_wake(word: &AtomicU32, value: u32) {
     word.store(value, Ordering::Release);
