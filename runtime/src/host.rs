@@ -177,7 +177,9 @@ mod tests {
         assert!(s.sub(3, 3).is_err());
         assert!(s.sub(usize::MAX, 2).is_err());
         assert!(s.word(1).is_err(), "5 bytes hold one word");
-        s.word(0).unwrap().store(7, std::sync::atomic::Ordering::Relaxed);
+        s.word(0)
+            .unwrap()
+            .store(7, std::sync::atomic::Ordering::Relaxed);
         assert_eq!(&s.bytes()[..4], &7u32.to_ne_bytes());
         let page = s.memory().base() as usize;
         assert_eq!(page % 4096, 0, "regions are page-aligned");

@@ -7,7 +7,6 @@
 //! | part | writer | what |
 //! |---|---|---|
 //! | `step` word | denoise | the step whose latents are in `latents`, plus 1 (0: none yet) |
-//! | `stop` word | service | set when the stream ends |
 //! | one word per residual block | service | the step it holds, plus 1; `FAILED` when the service could not compute it |
 //! | `latents` | denoise | `[rows, cols]` f32 |
 //! | residuals | service | `blocks x [rows, hidden]` f32 |
@@ -51,7 +50,7 @@ impl StreamLayout {
         (self.doubles + self.singles) as usize
     }
     fn words_bytes(&self) -> usize {
-        (4 * (2 + self.blocks())).next_multiple_of(ALIGN)
+        (4 * (1 + self.blocks())).next_multiple_of(ALIGN)
     }
     fn latents_bytes(&self) -> usize {
         (4 * self.rows as usize * self.cols as usize).next_multiple_of(ALIGN)
@@ -115,11 +114,8 @@ impl Stream {
     pub fn step_word(&self) -> &AtomicU32 {
         self.word(0)
     }
-    pub fn stop_word(&self) -> &AtomicU32 {
-        self.word(1)
-    }
     pub fn block_word(&self, k: usize) -> &AtomicU32 {
-        self.word(2 + k)
+        self.word(1 + k)
     }
 
     fn f32s(&self, offset: usize, n: usize) -> &[f32] {
