@@ -358,7 +358,7 @@ fn controlnets_through_the_cli() {
     let small = solid_png(dir.path(), "small.png", 32, 32, 128);
     fails_with(
         &format!("{}:{}", s(&nets.join("canny-tiny")), s(&small)),
-        "the generation is 64x64",
+        "the output is 64x64",
     );
     let not_a_net = format!(
         "{}:{}",

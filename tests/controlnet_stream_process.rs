@@ -89,12 +89,14 @@ fn setup() -> Setup {
 }
 
 fn layout(s: &Setup) -> StreamLayout {
-    let fl = layout_of(&s.uses, s.inputs.tokens()).unwrap().unwrap();
+    let inputs = ControlInputs::new(&s.inputs, &s.schedule);
+    let fl = layout_of(&s.uses, &inputs).unwrap().unwrap();
     StreamLayout {
         doubles: fl.doubles as u32,
         singles: fl.singles as u32,
-        rows: fl.rows as u32,
+        rows: s.inputs.tokens() as u32,
         cols: s.inputs.latents.cols() as u32,
+        residual_rows: fl.rows as u32,
         hidden: fl.hidden as u32,
         scale: fl.scale,
     }

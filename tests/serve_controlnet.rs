@@ -180,7 +180,108 @@ fn controlnet_service_streams_residuals_equal_to_the_cli_and_its_lru_evicts() {
     let small = b64(&denoised_models::pipeline::image::encode_png(&gray).unwrap());
     let (s, v) = generate(&d, json!([{"id": "canny-tiny", "image": small}]));
     assert_eq!(s, 400, "{v}");
-    assert!(v.to_string().contains("the generation is 64x64"), "{v}");
+    assert!(v.to_string().contains("the output is 64x64"), "{v}");
+}
+
+/// ControlNets on edits: a template edit's ControlNets run over every token (the
+/// inactive ones at the template's latents) and its residuals carry only the active
+/// rows; an inline image's edit runs them over every token. Both equal `denoised edit
+/// --controlnet ...` byte for byte (model-defs/tests/controlnet_edit.rs checks the
+/// model's invariants).
+#[test]
+fn edits_with_controlnets_equal_the_cli() {
+    let model = fixtures().join("flux-fill-tiny");
+    let nets = fixtures().join("controlnets");
+    let (_cfg, d) = Daemon::with_config(&format!(
+        "[model]\nsource = {:?}\n[workers]\ncontrolnet = 1\n[adapters]\ncontrolnets_dir = {:?}\n",
+        model.to_str().unwrap(),
+        nets.to_str().unwrap(),
+    ));
+    d.template("room", 4);
+    let multi = json!([
+        {"id": "canny-tiny", "image": control("control_a.png"), "scale": 0.7},
+        {"id": "depth-tiny", "image": control("control_b.png"), "scale": 0.5},
+    ]);
+    let edit = |source: Value, controlnets: &Value| {
+        let mut body = json!({
+            "mask": mask_b64(), "prompt": "a cat", "seed": 5, "steps": 4,
+            "controlnets": controlnets,
+        });
+        for (k, v) in source.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (s, v) = d.post("/v1/edits", &body);
+        assert_eq!(s, 200, "{v}");
+        v
+    };
+    let steps = |d: &Daemon| {
+        counter(
+            &d.metrics(),
+            "denoised_controlnet_step_duration_seconds_count",
+        )
+    };
+
+    let tpl = json!({"template_id": "room"});
+    let plain = edit(tpl.clone(), &json!([]));
+    let v = edit(tpl, &multi);
+    assert!(v["active_tokens"].as_u64().unwrap() < v["tokens"].as_u64().unwrap());
+    assert_ne!(image(&v), image(&plain), "the ControlNets change the edit");
+    assert_eq!(steps(&d), 4.0, "one service step per denoising step");
+
+    let dir = tempfile::tempdir().unwrap();
+    let tdir = dir.path().join("tpl");
+    let out = dir.path().join("out.png");
+    let input = case("e2e_input.png");
+    let mask = case("e2e_mask.png");
+    let control_args: Vec<String> = [
+        ("canny-tiny", "control_a.png", 0.7),
+        ("depth-tiny", "control_b.png", 0.5),
+    ]
+    .iter()
+    .flat_map(|(n, i, s)| {
+        [
+            "--controlnet".to_string(),
+            format!("{}:{}:{s}", nets.join(n).display(), nets.join(i).display()),
+        ]
+    })
+    .collect();
+    // The CLI on the same model; `edit` with the same ControlNets, mask, prompt and
+    // seed. Returns the PNG's pixels.
+    let run = |args: &[&str], edit: bool| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_denoised"));
+        cmd.args(args).args(["--model", model.to_str().unwrap()]);
+        if edit {
+            cmd.args(["--prompt", "a cat", "--seed", "5", "--mask"])
+                .arg(&mask)
+                .arg("--out")
+                .arg(&out)
+                .args(&control_args);
+        }
+        let o = cmd.env("DENOISED_LOG", "warn").output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        edit.then(|| png(&std::fs::read(&out).unwrap()).data)
+    };
+    let (input, tdir) = (input.to_str().unwrap(), tdir.to_str().unwrap());
+    run(
+        &[
+            "template", "capture", "--image", input, "--steps", "4", "--seed", "3", "--prompt",
+            "a room", "--out", tdir,
+        ],
+        false,
+    );
+    let cli = run(&["edit", "--template", tdir], true).unwrap();
+    assert!(
+        image(&v) == cli,
+        "template edit: the daemon differs from the CLI"
+    );
+
+    let v = edit(json!({"image": image_b64()}), &multi);
+    let cli = run(&["edit", "--image", input, "--steps", "4"], true).unwrap();
+    assert!(
+        image(&v) == cli,
+        "image edit: the daemon differs from the CLI"
+    );
+    assert_eq!(steps(&d), 8.0);
 }
 
 #[test]

@@ -269,7 +269,12 @@ pub struct TemplateRef {
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum DenoiseWork {
-    Full,
+    /// A full run: an edit of an inline image (every token computed).
+    Full {
+        /// Its ControlNets' residual stream.
+        #[serde(default)]
+        control: Option<ControlStreamRef>,
+    },
     /// A text-to-image generation: it starts after step `start_at` (an approximate-cache
     /// hit, whose state is its `latents`; 0 for a miss) and returns its latents after
     /// each step of `store_at` ([`Denoised::states`]) for the cache.
@@ -290,13 +295,13 @@ pub enum DenoiseWork {
     },
     /// A full run that records a template cache of this mode, its slabs stored every
     /// `step_stride` steps.
-    Capture {
-        mode: CacheMode,
-        step_stride: u32,
-    },
+    Capture { mode: CacheMode, step_stride: u32 },
     /// A mask-aware edit: only `active` tokens are computed.
     Edit {
         template: TemplateRef,
+        /// Its ControlNets' residual stream (their active rows).
+        #[serde(default)]
+        control: Option<ControlStreamRef>,
     },
 }
 

@@ -180,8 +180,7 @@ fn controlnets_match_diffusers_flux_controlnet_pipeline() {
                 })
                 .collect();
             let res = sum(m.backend(), all).unwrap().unwrap();
-            job.set_control(Some(Arc::new(ControlFor::new(res, &m.config).unwrap())))
-                .unwrap();
+            job.set_control(Some(Arc::new(ControlFor::new(res, &m.config).unwrap())));
             step_batch_with(&*m, &mut [&mut job], &DeviceTemplates::new(), &plan).unwrap();
             c.check_step(case, i, &job.computed_latents(&**m).unwrap());
         }

@@ -6,7 +6,9 @@
 //! against sending the same residuals as one cluster message (postcard-encoded and
 //! decoded, as `Wire` does). One JSON line.
 //!
-//! - `copy_s`: the service's copies of a step's residuals into shared memory;
+//! - `copy_s`: the service's copies of a step's residuals into shared memory (for an
+//!   edit, `--active-ratio` below 1, gathering its active rows out of the ControlNets'
+//!   full residuals on the way);
 //! - `stream_s`: from the denoise side's `begin` to its last residual read (copied out,
 //!   as the CPU backend's upload does), the service writing block by block;
 //! - `first_residual_s`: when the first block was readable (what a forward waits for
@@ -43,6 +45,10 @@ pub struct Args {
     pub singles: usize,
     #[arg(long, default_value_t = 5)]
     pub rounds: usize,
+    /// A template edit's share of active tokens: its residuals carry only those rows
+    /// (1: a generation).
+    #[arg(long, default_value_t = 1.0)]
+    pub active_ratio: f64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -51,11 +57,18 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn run(a: Args) -> CliResult {
+    if !(a.active_ratio > 0.0 && a.active_ratio <= 1.0) {
+        return Err("--active-ratio must be in (0, 1]".into());
+    }
+    // The active rows, spread over the image.
+    let n = ((a.rows as f64 * a.active_ratio).round() as usize).clamp(1, a.rows);
+    let kept: Arc<Vec<u32>> = Arc::new((0..n).map(|i| (i * a.rows / n) as u32).collect());
     let layout = StreamLayout {
         doubles: a.doubles as u32,
         singles: a.singles as u32,
         rows: a.rows as u32,
         cols: 64,
+        residual_rows: kept.len() as u32,
         hidden: a.hidden as u32,
         scale: 1.0,
     };
@@ -75,26 +88,30 @@ pub fn run(a: Args) -> CliResult {
         None,
     );
     let residual: Vec<f32> = (0..a.rows * a.hidden).map(|i| (i % 97) as f32).collect();
-    let residual = Arc::new(residual);
+    let residual = Arc::new(Tensor::new([a.rows, a.hidden], residual)?);
+    let edit = kept.len() < a.rows;
     let latents = Tensor::new([a.rows, 64], vec![0.5; a.rows * 64])?;
 
     let (mut copy, mut stream, mut first, mut message) = (vec![], vec![], vec![], vec![]);
     for round in 0..a.rounds {
         let s = service.clone();
         let r = residual.clone();
+        let rows = kept.clone();
         let worker = std::thread::spawn(move || {
             let last = round as u32;
             while futex::wait_while(s.step_word(), last, Duration::from_secs(10)) == last {}
             let t0 = Instant::now();
             for k in 0..s.layout().blocks() {
-                s.put_residual(round, k, &r)
+                // As `control_step` hands an edit's residuals over: its rows gathered.
+                let g = edit.then(|| r.gather(&rows));
+                s.put_residual(round, k, g.as_ref().unwrap_or(&r).data())
                     .expect("a residual fits its stream");
             }
             t0.elapsed().as_secs_f64()
         });
         let t0 = Instant::now();
         feed.begin(round, &latents)?;
-        let mut out = vec![0f32; a.rows * a.hidden];
+        let mut out = vec![0f32; kept.len() * a.hidden];
         let mut t_first = 0.0;
         for k in 0..blocks {
             feed.with_residual(k, &mut |r| {
@@ -110,7 +127,9 @@ pub fn run(a: Args) -> CliResult {
         copy.push(worker.join().map_err(|_| "the service thread panicked")?);
         // The same residuals as one message.
         let t1 = Instant::now();
-        let all: Vec<Vec<f32>> = (0..blocks).map(|_| residual.to_vec()).collect();
+        let all: Vec<Vec<f32>> = (0..blocks)
+            .map(|_| residual.data()[..out.len()].to_vec())
+            .collect();
         let bytes = Wire(all).into_bytes();
         let back = Wire::<Vec<Vec<f32>>>::from_bytes(bytes).0;
         message.push(t1.elapsed().as_secs_f64());
@@ -119,12 +138,12 @@ pub fn run(a: Args) -> CliResult {
     drop(feed);
     let _ = arena.free(&h);
     drop(arena);
-    let bytes = blocks * a.rows * a.hidden * 4;
+    let bytes = blocks * kept.len() * a.hidden * 4;
     let (copy, stream, first, message) =
         (median(copy), median(stream), median(first), median(message));
     let line = json!({
         "bench": "controlnet-stream",
-        "rows": a.rows, "hidden": a.hidden, "blocks": blocks,
+        "rows": a.rows, "residual_rows": kept.len(), "hidden": a.hidden, "blocks": blocks,
         "residual_bytes_per_step": bytes,
         "copy_s": copy,
         "copy_gb_per_s": bytes as f64 / copy / 1e9,

@@ -1,4 +1,5 @@
-//! `--controlnet DIR:IMAGE[:SCALE]` of `denoised generate` (DESIGN.md §Adapters): the
+//! `--controlnet DIR:IMAGE[:SCALE]` of `denoised generate` and `denoised edit`
+//! (DESIGN.md §Adapters): the
 //! ControlNets run in process, each step's residuals before the step (`LocalControl`),
 //! on the host's CPU. The daemon streams the same residuals from its ControlNet
 //! service's processes; both sum them alike, so they agree bit for bit.
@@ -23,7 +24,7 @@ use super::CliResult;
 pub struct ControlNetSpec {
     /// A diffusers `FluxControlNetModel` directory.
     pub dir: PathBuf,
-    /// Its control image (the generated image's size).
+    /// Its control image (the output image's size).
     pub image: PathBuf,
     pub scale: f32,
 }
@@ -62,8 +63,9 @@ pub struct ControlNetArgs {
 }
 
 impl ControlNetArgs {
-    /// The feed of a generation's residuals, or `None` without ControlNets (or with
-    /// every scale 0).
+    /// The feed of a request's residuals, or `None` without ControlNets (or with
+    /// every scale 0). `active`: a template edit's active tokens, the only rows its
+    /// residuals carry.
     pub fn feed(
         &self,
         model: &ModelSource,
@@ -71,6 +73,7 @@ impl ControlNetArgs {
         schedule: &FlowMatchEuler,
         (seed, width, height): (u64, usize, usize),
         limits: &ImageLimits,
+        active: Option<Vec<u32>>,
     ) -> CliResult<Option<Arc<dyn ControlFeed>>> {
         if self.controlnets.is_empty() {
             return Ok(None);
@@ -86,7 +89,7 @@ impl ControlNetArgs {
             let image = decode_image(&bytes, limits)?;
             if (image.width, image.height) != (width, height) {
                 return Err(format!(
-                    "{}: the control image is {}x{}; the generation is {width}x{height}",
+                    "{}: the control image is {}x{}; the output is {width}x{height}",
                     c.image.display(),
                     image.width,
                     image.height
@@ -102,7 +105,11 @@ impl ControlNetArgs {
                 scale: c.scale,
             });
         }
-        let feed = LocalControl::new(uses, ControlInputs::new(inputs, schedule))?;
+        let mut control = ControlInputs::new(inputs, schedule);
+        if let Some(active) = active {
+            control = control.keeping(active);
+        }
+        let feed = LocalControl::new(uses, control)?;
         Ok(feed.map(|f| Arc::new(f) as Arc<dyn ControlFeed>))
     }
 }

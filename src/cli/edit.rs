@@ -28,6 +28,7 @@ use denoised_runtime::{CpuBackend, HostSlice, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::adapters::LoraArgs;
+use super::controlnet::ControlNetArgs;
 use super::{CliResult, ModelDeviceArgs};
 
 /// Options shared by edits and captures.
@@ -98,6 +99,10 @@ pub struct EditArgs {
     /// Output PNG.
     #[arg(long)]
     pub out: PathBuf,
+    /// With --template the ControlNets condition the masked tokens only (the rest
+    /// follow the template, captured without them).
+    #[command(flatten)]
+    pub controlnet: ControlNetArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -335,16 +340,29 @@ pub fn run_edit(a: EditArgs) -> CliResult {
         );
     }
     let schedule = p.schedule(steps, image.width, image.height)?;
+    let control = |active: Option<Vec<u32>>| {
+        let size = (c.seed, image.width, image.height);
+        let cn = &a.controlnet;
+        cn.feed(
+            &c.model,
+            &prepared.inputs,
+            &schedule,
+            size,
+            &p.limits,
+            active,
+        )
+    };
     let mut template_latent = None;
     let latents = match &template {
         None => {
             let mode = Mode::Full;
+            let control = control(None)?;
             denoise(
                 &mut placed,
                 &prepared.inputs,
                 schedule,
                 mode,
-                (&lora.uses, None, None),
+                (&lora.uses, None, control),
                 &mut t,
             )?
             .0
@@ -376,6 +394,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                 100.0 * tm.pixel_ratio
             );
             template_latent = Some(loaded.cache.latent(steps - 1)?);
+            let control = control(Some(tm.active().to_vec()))?;
             let mode = Mode::Edit {
                 mask: Arc::new(tm),
                 cache: Arc::new(loaded.cache),
@@ -385,7 +404,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                 &prepared.inputs,
                 schedule,
                 mode,
-                (&lora.uses, None, None),
+                (&lora.uses, None, control),
                 &mut t,
             )?
             .0

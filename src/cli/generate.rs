@@ -106,9 +106,9 @@ pub fn run(a: GenerateArgs) -> CliResult {
     )?;
     let schedule = p.schedule(opts.steps, opts.width, opts.height)?;
     let size = (a.seed, opts.width, opts.height);
-    let control = a
-        .controlnet
-        .feed(&a.model, &prepared.inputs, &schedule, size, &p.limits)?;
+    let control =
+        a.controlnet
+            .feed(&a.model, &prepared.inputs, &schedule, size, &p.limits, None)?;
     let mode = Mode::Full;
     let extra = (&lora.uses[..], cfg.as_ref(), control);
     let latents = denoise(&mut placed, &prepared.inputs, schedule, mode, extra, &mut t)?.0;

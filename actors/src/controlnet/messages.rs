@@ -1,5 +1,5 @@
 //! The ControlNet service's messages (see `crate::wire` for how messages travel):
-//! the router opens and closes a generation's residual stream; the stream itself is
+//! the router opens and closes a request's residual stream; the stream itself is
 //! shared memory (`super::stream`).
 
 use denoised_runtime::shm::Handle;
@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::wire::{InputHandles, JobId, Res, Wire};
 
-/// One ControlNet of a generation, as the router resolved it.
+/// One ControlNet of a request, as the router resolved it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct WireControlNet {
     /// Its directory's name under `[adapters] controlnets_dir`.
@@ -19,7 +19,7 @@ pub struct WireControlNet {
     pub scale: f64,
 }
 
-/// router → controlnet: start a generation's residual stream (after preprocessing:
+/// router → controlnet: start a generation's or an edit's residual stream (after preprocessing:
 /// its text embeddings are read from the preprocess worker's arena).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ControlStart {
@@ -29,8 +29,12 @@ pub struct ControlStart {
     pub steps: u32,
     pub width: u32,
     pub height: u32,
-    /// The generation's seed (the control images' posterior draws come from it).
+    /// The request's seed (the control images' posterior draws come from it).
     pub seed: u64,
+    /// An edit's active tokens: the rows its residuals carry (`None`: a generation,
+    /// every row).
+    #[serde(default)]
+    pub active: Option<Vec<u32>>,
 }
 
 /// A residual stream a denoise worker feeds a job from: a slice of the ControlNet

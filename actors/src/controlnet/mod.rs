@@ -176,7 +176,7 @@ fn open(
         let image = decode_image(&shm.read_bytes(&n.image)?, &sh.pipeline.limits).map_err(bad)?;
         if (image.width, image.height) != (w, h) {
             return Err(WireError::bad_input(format!(
-                "the control image of `{}` is {}x{}; the generation is {w}x{h}",
+                "the control image of `{}` is {}x{}; the output is {w}x{h}",
                 n.name, image.width, image.height
             )));
         }
@@ -199,15 +199,16 @@ fn open(
         pooled: shm.read_tensor(&i.pooled)?.into_data(),
         guidance: i.guidance,
         timesteps: ControlInputs::timesteps(&schedule),
+        keep: req.active.clone(),
     };
-    let rows = inputs.img_ids.rows();
-    let Some(fl) = layout_of(&uses, rows).map_err(bad)? else {
+    let Some(fl) = layout_of(&uses, &inputs).map_err(bad)? else {
         return Ok(None);
     };
     let layout = StreamLayout {
         doubles: fl.doubles as u32,
         singles: fl.singles as u32,
-        rows: rows as u32,
+        rows: inputs.img_ids.rows() as u32,
+        residual_rows: fl.rows as u32,
         cols: sh.pipeline.config.out_channels() as u32,
         hidden: fl.hidden as u32,
         scale: fl.scale,

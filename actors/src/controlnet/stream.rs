@@ -1,4 +1,4 @@
-//! A ControlNet stream: one generation's residuals, step by step, from the ControlNet
+//! A ControlNet stream: one request's residuals, step by step, from the ControlNet
 //! service to the denoise worker through one slice of the service's arena (DESIGN.md
 //! §Adapters).
 //!
@@ -9,7 +9,7 @@
 //! | `step` word | denoise | the step whose latents are in `latents`, plus 1 (0: none yet) |
 //! | one word per residual block | service | the step it holds, plus 1; `FAILED` when the service could not compute it |
 //! | `latents` | denoise | `[rows, cols]` f32 |
-//! | residuals | service | `blocks x [rows, hidden]` f32 |
+//! | residuals | service | `blocks x [residual_rows, hidden]` f32 |
 //!
 //! Per step the denoise worker writes the job's latents and bumps `step`; the service,
 //! waiting on that word, copies them out and runs its ControlNets, writing residual
@@ -37,9 +37,12 @@ const ALIGN: usize = 64;
 pub struct StreamLayout {
     pub doubles: u32,
     pub singles: u32,
+    /// Latent rows: every token.
     pub rows: u32,
     /// Latent columns (the transformer's out_channels).
     pub cols: u32,
+    /// Rows of each residual: every token for a generation, an edit's active ones.
+    pub residual_rows: u32,
     pub hidden: u32,
     /// The scale the summed residuals are added with.
     pub scale: f32,
@@ -55,8 +58,11 @@ impl StreamLayout {
     fn latents_bytes(&self) -> usize {
         (4 * self.rows as usize * self.cols as usize).next_multiple_of(ALIGN)
     }
+    fn residual_len(&self) -> usize {
+        self.residual_rows as usize * self.hidden as usize
+    }
     fn residual_bytes(&self) -> usize {
-        4 * self.rows as usize * self.hidden as usize
+        4 * self.residual_len()
     }
     fn residual_offset(&self, k: usize) -> usize {
         self.words_bytes()
@@ -71,7 +77,7 @@ impl StreamLayout {
         FeedLayout {
             doubles: self.doubles as usize,
             singles: self.singles as usize,
-            rows: self.rows as usize,
+            rows: self.residual_rows as usize,
             hidden: self.hidden as usize,
             scale: self.scale,
         }
@@ -151,12 +157,11 @@ impl Stream {
     }
     /// Residual `k`.
     pub fn residual(&self, k: usize) -> &[f32] {
-        let n = self.layout.rows as usize * self.layout.hidden as usize;
-        self.f32s(self.layout.residual_offset(k), n)
+        self.f32s(self.layout.residual_offset(k), self.layout.residual_len())
     }
     /// The service side: writes residual `k` of `step` and publishes it.
     pub fn put_residual(&self, step: usize, k: usize, r: &[f32]) -> Result<()> {
-        let n = self.layout.rows as usize * self.layout.hidden as usize;
+        let n = self.layout.residual_len();
         if r.len() != n || k >= self.layout.blocks() {
             return Err(Error::Invalid(format!(
                 "residual {k} of {} values",
@@ -294,6 +299,8 @@ mod tests {
             singles: 1,
             rows: 3,
             cols: 4,
+            // An edit's: 2 of its 3 tokens active.
+            residual_rows: 2,
             hidden: 5,
             scale: 0.5,
         };
@@ -318,7 +325,7 @@ mod tests {
                 for k in 0..3 {
                     std::thread::sleep(Duration::from_millis(20));
                     let v = (step * 100 + k) as f32 + x0;
-                    s.put_residual(step, k, &[v; 15]).unwrap();
+                    s.put_residual(step, k, &[v; 10]).unwrap();
                 }
             }
         });
@@ -331,7 +338,7 @@ mod tests {
                 Ok(())
             })
             .unwrap();
-            assert_eq!(got, vec![k as f32 + 0.25; 15], "residual {k}");
+            assert_eq!(got, vec![k as f32 + 0.25; 10], "residual {k}");
         }
         // The forward waited for the later blocks.
         assert!(feed.waited_us.load(Ordering::Relaxed) > 10_000);

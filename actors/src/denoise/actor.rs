@@ -191,7 +191,7 @@ impl Actor for DenoiseActor {
             }
             DenoiseMsg::Inline(Wire(req), reply) => {
                 let template = match &req.work {
-                    DenoiseWork::Edit { template } => match st.template(template, &req) {
+                    DenoiseWork::Edit { template, .. } => match st.template(template, &req) {
                         Ok(t) => Some(t),
                         Err(e) => {
                             let _ = reply.send(Wire(Err(e)));
@@ -242,7 +242,7 @@ impl Actor for DenoiseActor {
 }
 
 impl DenoiseState {
-    /// The feed of a generation's ControlNet residuals: the stream the ControlNet
+    /// The feed of a request's ControlNet residuals: the stream the ControlNet
     /// service opened for it, mapped writable (this worker writes the latents).
     fn control_feed(
         &self,
@@ -270,7 +270,12 @@ impl DenoiseState {
         let (mut start_at, mut store_at, mut true_cfg, mut control, mut partner) =
             (0, Vec::new(), None, None, None);
         let work = match &req.work {
-            DenoiseWork::Full => Mode::Full,
+            DenoiseWork::Full { control: stream } => {
+                if let Some(c) = stream {
+                    control = Some(self.control_feed(c)?);
+                }
+                Mode::Full
+            }
             DenoiseWork::Generate {
                 start_at: k,
                 store_at: ks,
@@ -312,10 +317,18 @@ impl DenoiseState {
                 }
                 Mode::Capture(cache?)
             }
-            DenoiseWork::Edit { template } => Mode::Edit {
-                mask: Arc::new(token_mask(req.rows, req.cols, &req.active)?),
-                cache: self.template(template, req)?,
-            },
+            DenoiseWork::Edit {
+                template,
+                control: stream,
+            } => {
+                if let Some(c) = stream {
+                    control = Some(self.control_feed(c)?);
+                }
+                Mode::Edit {
+                    mask: Arc::new(token_mask(req.rows, req.cols, &req.active)?),
+                    cache: self.template(template, req)?,
+                }
+            }
         };
         Ok(DenoiseRequest {
             id: req.job,
@@ -456,7 +469,7 @@ impl Shape for crate::wire::InlineReq {
         // The template and the request share the image, so the template's own token
         // count is the request's; only the steps can disagree.
         match &self.work {
-            DenoiseWork::Edit { template } => (template.tokens, self.prepare.params.steps),
+            DenoiseWork::Edit { template, .. } => (template.tokens, self.prepare.params.steps),
             _ => (0, self.prepare.params.steps),
         }
     }

@@ -1,6 +1,6 @@
-//! A generation's `controlnets: [{id, image, scale}]` (DESIGN.md §Adapters): checked
-//! here, run by the ControlNet service (`crate::controlnet`), whose residual stream the
-//! generation's denoise worker reads.
+//! A generation's or an edit's `controlnets: [{id, image, scale}]` (DESIGN.md
+//! §Adapters): checked here, run by the ControlNet service (`crate::controlnet`), whose
+//! residual stream the request's denoise worker reads.
 
 use serde::Deserialize;
 
@@ -80,15 +80,17 @@ pub struct Started {
     pub worker: ractor::ActorCell,
 }
 
-/// Opens a generation's residual stream on a ControlNet process (after preprocessing:
+/// Opens a request's residual stream on a ControlNet process (after preprocessing:
 /// the service reads its text embeddings). The control images travel through this
-/// process's arena and are released once the service has read them.
+/// process's arena and are released once the service has read them. `active`: an
+/// edit's active tokens, the rows its residuals carry (`None`: every row).
 pub async fn start(
     ctx: &Ctx,
     job: JobId,
     nets: &[ControlNetInput],
     prepared: &PreparedRefs,
     (steps, seed): (u32, u64),
+    active: Option<Vec<u32>>,
 ) -> Result<Started, WireError> {
     let members = ctx.members(groups::CONTROLNET);
     if members.is_empty() {
@@ -124,6 +126,7 @@ pub async fn start(
         width: prepared.width,
         height: prepared.height,
         seed,
+        active,
     };
     let r = ctx
         .ask(&worker, |p| ControlNetMsg::Start(Wire(req), p))
@@ -132,7 +135,7 @@ pub async fn start(
     Ok(Started { stream: r?, worker })
 }
 
-/// Closes a stream (the generation is over, however it ended).
+/// Closes a stream (the request is over, however it ended).
 pub fn stop(s: &Started, job: JobId) {
     node::tell(&s.worker, ControlNetMsg::Stop(Wire(job)));
 }

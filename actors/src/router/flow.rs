@@ -49,6 +49,8 @@ pub struct EditInput {
     pub finish: FinishParams,
     /// Its LoRAs (resolved); a template edit runs with its template's instead.
     pub loras: Vec<WireLora>,
+    /// Its ControlNets (checked); on a template edit they condition the active tokens.
+    pub controlnets: Vec<super::controlnets::ControlNetInput>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -207,7 +209,7 @@ pub(super) async fn denoise(
     check_cancel(ctx, job).await?;
     let shape = step_shape(prepared, &work, active.len());
     let template = match &work {
-        DenoiseWork::Edit { template } => Some(template),
+        DenoiseWork::Edit { template, .. } => Some(template),
         _ => None,
     };
     let t_route = Instant::now();
@@ -464,7 +466,7 @@ async fn edit_once(
     // A template edit computes only the active tokens against the template's cache;
     // an inline image is a full, uncached run. The template's cache is asked for only
     // when the denoise stage needs it: one on disk loads meanwhile.
-    let work = |blob: Option<Handle>| match (template, blob) {
+    let work = |blob: Option<Handle>, control: Option<ControlStreamRef>| match (template, blob) {
         (Some(t), Some(blob)) => DenoiseWork::Edit {
             template: TemplateRef {
                 id: t.info.id.clone(),
@@ -474,8 +476,9 @@ async fn edit_once(
                 tokens: t.info.tokens,
                 step_stride: t.info.kv_step_stride,
             },
+            control,
         },
-        _ => DenoiseWork::Full,
+        _ => DenoiseWork::Full { control },
     };
     let loaded = async {
         match template {
@@ -485,7 +488,12 @@ async fn edit_once(
     };
 
     if !ctx.config.denoise.disaggregate {
-        let work = work(loaded.await?.and_then(|t| t.blob));
+        if !input.controlnets.is_empty() {
+            return Err(WireError::bad_input(
+                "ControlNets run on the disaggregated workers only ([denoise] disaggregate = true)",
+            ));
+        }
+        let work = work(loaded.await?.and_then(|t| t.blob), None);
         let den = ctx.pick(groups::DENOISE, 1).await?;
         ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
         let req = InlineReq {
@@ -531,7 +539,21 @@ async fn edit_once(
     };
     let loaded = loaded.await?;
     let blob = loaded.as_ref().and_then(|t| t.blob.clone());
-    let work = work(blob.clone());
+    // ControlNets on a template edit condition its active tokens only: the rest follow
+    // the template, which ran without them.
+    let control = match input.controlnets.is_empty() {
+        true => None,
+        false => {
+            let keep = template.map(|_| active.clone());
+            let seeded = (params.steps, params.seed);
+            let nets = &input.controlnets;
+            Some(super::controlnets::start(ctx, job, nets, &prepared, seeded, keep).await?)
+        }
+    };
+    let work = work(
+        blob.clone(),
+        control.as_ref().and_then(|c| c.stream.clone()),
+    );
     // A template edit runs with its template's LoRAs (captured with them at every step).
     let loras = template.map_or_else(|| input.loras.clone(), |t| t.info.loras.clone());
     let d = denoise(
@@ -544,7 +566,11 @@ async fn edit_once(
         loras.clone(),
         held,
     )
-    .await?;
+    .await;
+    if let Some(c) = &control {
+        super::controlnets::stop(c, job);
+    }
+    let d = d?;
 
     let fin = FinishReq {
         template: blob,

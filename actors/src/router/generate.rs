@@ -257,6 +257,7 @@ async fn generate_once(
                 &input.controlnets,
                 &prepared,
                 (steps, params.seed),
+                None,
             )
             .await?,
         ),

@@ -615,6 +615,8 @@ struct EditBody {
     run_async: bool,
     #[serde(default)]
     loras: Vec<LoraRef>,
+    #[serde(default)]
+    controlnets: Vec<super::controlnets::ControlNetRef>,
 }
 
 fn yes() -> bool {
@@ -626,6 +628,7 @@ fn default_feather() -> u32 {
 
 fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, bool)> {
     let loras = resolve(ctx, &b.loras, b.template_id.is_some())?;
+    let controlnets = super::controlnets::resolve(ctx, &b.controlnets)?;
     let source =
         match (b.template_id, b.image) {
             (Some(t), None) => Source::Template(t),
@@ -669,6 +672,7 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, bool)> {
             format: b.format,
         },
         loras,
+        controlnets,
     };
     Ok((input, b.run_async))
 }

@@ -91,6 +91,7 @@ impl Actor for RouterActor {
                         },
                         // A template edit runs with its template's LoRAs.
                         loras: vec![],
+                        controlnets: vec![],
                     };
                     let span = tracing::info_span!(
                         "request",

@@ -189,6 +189,7 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             },
             // A template edit runs with its template's LoRAs.
             loras: vec![],
+            controlnets: vec![],
         };
         let job = ctx.next_job();
         ctx.jobs.create(job, "edit", input.steps.unwrap_or(0));

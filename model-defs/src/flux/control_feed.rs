@@ -136,6 +136,9 @@ pub struct ControlInputs {
     pub guidance: f32,
     /// The model timestep of each step.
     pub timesteps: Vec<f32>,
+    /// The rows the job reads residuals for: an edit's active tokens (the ControlNets
+    /// still run over every token: their attention needs them); `None`: every row.
+    pub keep: Option<Vec<u32>>,
 }
 
 impl ControlInputs {
@@ -147,7 +150,19 @@ impl ControlInputs {
             pooled: inputs.pooled.clone(),
             guidance: inputs.guidance,
             timesteps: Self::timesteps(schedule),
+            keep: None,
         }
+    }
+
+    /// For an edit: residuals of its `active` tokens only.
+    pub fn keeping(mut self, active: Vec<u32>) -> Self {
+        self.keep = Some(active);
+        self
+    }
+
+    /// Rows of each residual the job reads.
+    pub fn residual_rows(&self) -> usize {
+        self.keep.as_ref().map_or(self.img_ids.rows(), |k| k.len())
     }
 
     /// The model timestep of each step of `schedule`.
@@ -158,8 +173,10 @@ impl ControlInputs {
     }
 }
 
-/// One step of a request's ControlNets (on the host's CPU backend), residual `k` to
-/// `sink` as soon as it is final; the scale, or `None` when every scale is 0.
+/// One step of a request's ControlNets (on the host's CPU backend) from the latents
+/// of every token `[L, C]` ([`super::edit::Job::control_latents`]), residual `k`
+/// (its rows in [`ControlInputs::keep`]) to `sink` as soon as it is final; the scale,
+/// or `None` when every scale is 0.
 pub fn control_step(
     uses: &[ControlUse],
     inputs: &ControlInputs,
@@ -209,12 +226,27 @@ pub fn control_step(
         .map(|(u, r)| (&*u.net, r, u.scale))
         .collect();
     let be = CpuBackend::new();
-    run_summed(&be, &nets, sink)
+    match &inputs.keep {
+        None => run_summed(&be, &nets, sink),
+        Some(rows) => run_summed(&be, &nets, &mut |k, r| sink(k, &r.gather(rows))),
+    }
 }
 
-/// The layout of `uses`' residuals for `rows` tokens; `None` when no ControlNet has a
-/// nonzero scale (the request runs without control).
-pub fn layout_of(uses: &[ControlUse], rows: usize) -> Result<Option<FeedLayout>> {
+/// The layout of `uses`' residuals for a job of `inputs`; `None` when no ControlNet
+/// has a nonzero scale (the job runs without control).
+pub fn layout_of(uses: &[ControlUse], inputs: &ControlInputs) -> Result<Option<FeedLayout>> {
+    let tokens = inputs.img_ids.rows();
+    if let Some(bad) = inputs
+        .keep
+        .iter()
+        .flatten()
+        .find(|&&r| r as usize >= tokens)
+    {
+        return Err(Error::Invalid(format!(
+            "ControlNet residual row {bad} of {tokens} tokens"
+        )));
+    }
+    let rows = inputs.residual_rows();
     let live: Vec<&ControlUse> = uses.iter().filter(|u| u.scale != 0.0).collect();
     let Some(first) = live.first() else {
         return Ok(None);
@@ -246,7 +278,7 @@ pub struct LocalControl {
 impl LocalControl {
     /// `None` when no ControlNet has a nonzero scale.
     pub fn new(uses: Vec<ControlUse>, inputs: ControlInputs) -> Result<Option<Self>> {
-        let Some(layout) = layout_of(&uses, inputs.img_ids.rows())? else {
+        let Some(layout) = layout_of(&uses, &inputs)? else {
             return Ok(None);
         };
         Ok(Some(LocalControl {

@@ -226,17 +226,13 @@ impl<T> Job<T> {
         })
     }
 
-    /// The ControlNet residuals of its next step (computed from its latents now; see
-    /// `controlnet::ControlNet`), used by that step only: residuals belong to the
-    /// latents they were computed from. Edits take none: their image rows are a subset.
-    pub fn set_control(&mut self, control: Option<Arc<dyn Control<T> + Send>>) -> Result<()> {
-        if control.is_some() && !matches!(self.mode, Mode::Full) {
-            return Err(Error::Invalid(
-                "ControlNets condition full runs (generations)".into(),
-            ));
-        }
+    /// The ControlNet residuals of its next step (computed from
+    /// [`Job::control_latents`] now; see `controlnet::ControlNet`), used by that step
+    /// only: residuals belong to the latents they were computed from. They carry one
+    /// row per computed row: an edit's active rows only (its inactive rows follow the
+    /// template, which ran without them).
+    pub fn set_control(&mut self, control: Option<Arc<dyn Control<T> + Send>>) {
         self.control = control;
-        Ok(())
     }
 
     /// Whether it runs true CFG's negative branch (here or on a partner's worker).
@@ -358,6 +354,30 @@ impl<T> Job<T> {
         be.download(&be.gather_cols(&self.tensors.img, 0..a, 0..c)?)
     }
 
+    /// The latents a ControlNet reads at its current step, `[L, C]` over the full
+    /// grid: the computed rows' and, for an edit, the inactive rows' from the template
+    /// (as its full blocks see them, [`RestHost`]).
+    pub fn control_latents<B: Backend<Tensor = T>>(
+        &self,
+        model: &FluxTransformer<B>,
+    ) -> Result<Tensor> {
+        let mine = self.computed_latents(model)?;
+        let (Some(host), Mode::Edit { cache, .. }) = (&self.rest_host, &self.mode) else {
+            return Ok(mine);
+        };
+        let c = self.latent_channels;
+        let mut out = Tensor::zeros([self.tokens, c]);
+        let data = out.data_mut();
+        let rest = host.latent(cache, &self.inactive, self.step)?;
+        for (rows, from) in [(&self.inactive, &rest), (&self.active, &mine)] {
+            for (r, &t) in rows.iter().enumerate() {
+                let t = t as usize;
+                data[t * c..(t + 1) * c].copy_from_slice(from.row(r));
+            }
+        }
+        Ok(out)
+    }
+
     /// The final packed latent `[L, C]` (downloaded once, here) and, for a capture,
     /// its template cache, complete. An edit's inactive tokens take the template's
     /// final latent.
@@ -416,12 +436,17 @@ impl RestHost {
         }
     }
 
-    /// `[R, C + K]` inputs of the rows at `step` of `cache`.
-    fn rows(&self, cache: &TemplateCache, rows: &[u32], step: usize) -> Result<Tensor> {
-        let latent = match step {
+    /// `[R, C]` latents of the rows at `step` of `cache`.
+    fn latent(&self, cache: &TemplateCache, rows: &[u32], step: usize) -> Result<Tensor> {
+        Ok(match step {
             0 => self.latent0.clone(),
             s => cache.latent(s - 1)?.gather(rows),
-        };
+        })
+    }
+
+    /// `[R, C + K]` inputs of the rows at `step` of `cache`.
+    fn rows(&self, cache: &TemplateCache, rows: &[u32], step: usize) -> Result<Tensor> {
+        let latent = self.latent(cache, rows, step)?;
         let (c, k) = (latent.cols(), self.cond.cols());
         let mut x = Vec::with_capacity(rows.len() * (c + k));
         for r in 0..rows.len() {

@@ -529,7 +529,9 @@ impl<B: Backend> FluxTransformer<B> {
             be.gated_residual(&mut ctx, &ffc, modl(&m_txt, 5, &lay.txt_seg))?;
             for (r, req) in reqs.iter().enumerate() {
                 if let Some((res, s)) = req.control.map(|c| c.double(bi)).transpose()?.flatten() {
-                    be.add_block(&mut x, lay.img[r].clone(), 0..d, res, s)?;
+                    // An edit's residual rows are its active rows, which come first.
+                    let rows = lay.img[r].start..lay.img[r].start + keep[r];
+                    be.add_block(&mut x, rows, 0..d, res, s)?;
                 }
             }
             if obs.wants_block_images() {
@@ -662,8 +664,8 @@ impl<B: Backend> FluxTransformer<B> {
             be.gated_residual(&mut h, &out, modl(&m, 2, &lay.joint_seg))?;
             for (r, req) in reqs.iter().enumerate() {
                 if let Some((res, s)) = req.control.map(|c| c.single(si)).transpose()?.flatten() {
-                    let rows = lay.joint[r].start + lay.txt[r].len()..lay.joint[r].end;
-                    be.add_block(&mut h, rows, 0..d, res, s)?;
+                    let img0 = lay.joint[r].start + lay.txt[r].len();
+                    be.add_block(&mut h, img0..img0 + keep[r], 0..d, res, s)?;
                 }
             }
             if obs.wants_block_images() {

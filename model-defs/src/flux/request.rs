@@ -146,7 +146,8 @@ pub struct StepRequest<'a, T> {
     pub rest: Option<&'a RestRows<T>>,
     /// The unmerged LoRAs it runs with at this step (registered on the model).
     pub loras: &'a [LoraUse],
-    /// ControlNet residuals added to its image rows after each block (generations).
+    /// ControlNet residuals added to its computed image rows after each block (an
+    /// edit's active rows: its inactive rows keep the template's values).
     pub control: Option<&'a dyn Control<T>>,
 }
 

@@ -124,7 +124,8 @@ pub trait Stepper: Send {
     /// Makes a just-admitted full run one branch of a true-CFG generation split across
     /// two workers (see `CfgPartner`).
     fn set_cfg_partner(&mut self, id: JobKey, partner: Arc<dyn CfgPartner>) -> Result<()>;
-    /// Gives a just-admitted full run ControlNet residuals from `feed`, every step.
+    /// Gives a just-admitted job ControlNet residuals from `feed`, every step: one row per
+    /// computed token (an edit's active tokens, see `Job::control_latents`).
     fn set_control_feed(&mut self, id: JobKey, feed: Arc<dyn ControlFeed>) -> Result<()>;
 }
 
@@ -485,13 +486,23 @@ where
 
     fn set_control_feed(&mut self, id: JobKey, feed: Arc<dyn ControlFeed>) -> Result<()> {
         let job = self.jobs.get_mut(&id).ok_or_else(|| no_job(id))?;
-        if !job.is_full() || job.step() != 0 || job.has_true_cfg() {
+        if job.step() != 0 || job.has_true_cfg() {
             return Err(Error::Invalid(
-                "ControlNets condition a generation (not an edit) from its first step, without true CFG".into(),
+                "ControlNets condition a job from its first step, without true CFG".into(),
             ));
         }
+        let rows = feed.layout().rows;
+        if rows != job.active_tokens() {
+            return Err(Error::Invalid(format!(
+                "ControlNet residuals of {rows} rows for a job computing {} tokens",
+                job.active_tokens()
+            )));
+        }
         FeedControl::new(feed.clone(), self.model.clone())?;
-        self.feeds.insert(id, feed);
+        // An edit with no active token has nothing to add residuals to.
+        if rows > 0 {
+            self.feeds.insert(id, feed);
+        }
         Ok(())
     }
 
@@ -515,10 +526,10 @@ where
             let (Some(feed), Some(job)) = (self.feeds.get(id), self.jobs.get_mut(id)) else {
                 continue;
             };
-            let latents = job.computed_latents(&self.model)?;
+            let latents = job.control_latents(&self.model)?;
             feed.begin(job.step(), &latents)?;
             let control = FeedControl::new(feed.clone(), self.model.clone())?;
-            job.set_control(Some(Arc::new(control)))?;
+            job.set_control(Some(Arc::new(control)));
         }
         Ok(())
     }
