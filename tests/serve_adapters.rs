@@ -414,3 +414,71 @@ fn a_split_true_cfg_survives_its_workers_dying() {
         assert_eq!(worst, 0, "a split retry gives the split image");
     }
 }
+
+/// True CFG on edits (`negative_prompt`, `true_cfg_scale` > 1): a template edit's
+/// negative branch computes its active tokens against the same template, batched in
+/// its worker; an inline image's edit runs both branches over every token. Both equal
+/// `denoised edit --negative-prompt ... --true-cfg-scale ...` byte for byte
+/// (model-defs/tests/cfg_edit.rs checks the model's invariants).
+#[test]
+fn edits_with_true_cfg_equal_the_cli() {
+    let model = fixtures().join("flux-fill-tiny");
+    let d = Daemon::start(&["--model", model.to_str().unwrap()]);
+    d.template("room", 4);
+    let edit = |source: Value, extra: Value| {
+        let mut body = json!({"mask": mask_b64(), "prompt": "a cat", "seed": 5, "steps": 4});
+        for (k, v) in source
+            .as_object()
+            .unwrap()
+            .iter()
+            .chain(extra.as_object().unwrap())
+        {
+            body[k] = v.clone();
+        }
+        d.post("/v1/edits", &body)
+    };
+    let cfg = json!({"negative_prompt": "blurry", "true_cfg_scale": 4.0});
+    let tpl = json!({"template_id": "room"});
+    let (s, plain) = edit(tpl.clone(), json!({}));
+    assert_eq!(s, 200, "{plain}");
+    assert_eq!(plain["true_cfg"], Value::Null);
+    let (s, v) = edit(tpl.clone(), cfg.clone());
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["true_cfg"], json!({"scale": 4.0, "split": false}));
+    assert!(v["active_tokens"].as_u64().unwrap() < v["tokens"].as_u64().unwrap());
+    assert_ne!(image(&v), image(&plain), "true CFG changes the edit");
+    // A scale of 1 (or no negative prompt) is no true CFG.
+    let (_, off) = edit(
+        tpl.clone(),
+        json!({"negative_prompt": "blurry", "true_cfg_scale": 1.0}),
+    );
+    assert_eq!(image(&off), image(&plain));
+    assert_eq!(off["true_cfg"], Value::Null);
+
+    let dir = tempfile::tempdir().unwrap();
+    let tdir = dir.path().join("tpl");
+    cli::capture_room(&model, &tdir);
+    let args = |a: &[&str]| -> Vec<String> {
+        a.iter()
+            .chain(&["--negative-prompt", "blurry", "--true-cfg-scale", "4"])
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let cli = cli::edit_cat(&model, &args(&["--template", cli::s(&tdir)]));
+    assert!(
+        image(&v) == cli,
+        "template edit: the daemon differs from the CLI"
+    );
+
+    let (s, v) = edit(json!({"image": image_b64()}), cfg.clone());
+    assert_eq!(s, 200, "{v}");
+    let input = case("e2e_input.png");
+    let cli = cli::edit_cat(&model, &args(&["--image", cli::s(&input), "--steps", "4"]));
+    assert!(
+        image(&v) == cli,
+        "image edit: the daemon differs from the CLI"
+    );
+
+    let (s, v) = edit(tpl, json!({"true_cfg_scale": "x"}));
+    assert_eq!(s, 400, "{v}");
+}

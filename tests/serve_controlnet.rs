@@ -191,7 +191,8 @@ fn controlnet_service_streams_residuals_equal_to_the_cli_and_its_lru_evicts() {
 #[test]
 fn edits_with_controlnets_equal_the_cli() {
     let model = fixtures().join("flux-fill-tiny");
-    let nets = fixtures().join("controlnets");
+    let nets_dir = fixtures().join("controlnets");
+    let nets = &nets_dir;
     let (_cfg, d) = Daemon::with_config(&format!(
         "[model]\nsource = {:?}\n[workers]\ncontrolnet = 1\n[adapters]\ncontrolnets_dir = {:?}\n",
         model.to_str().unwrap(),
@@ -230,58 +231,50 @@ fn edits_with_controlnets_equal_the_cli() {
 
     let dir = tempfile::tempdir().unwrap();
     let tdir = dir.path().join("tpl");
-    let out = dir.path().join("out.png");
-    let input = case("e2e_input.png");
-    let mask = case("e2e_mask.png");
-    let control_args: Vec<String> = [
-        ("canny-tiny", "control_a.png", 0.7),
-        ("depth-tiny", "control_b.png", 0.5),
-    ]
-    .iter()
-    .flat_map(|(n, i, s)| {
-        [
-            "--controlnet".to_string(),
-            format!("{}:{}:{s}", nets.join(n).display(), nets.join(i).display()),
-        ]
-    })
-    .collect();
-    // The CLI on the same model; `edit` with the same ControlNets, mask, prompt and
-    // seed. Returns the PNG's pixels.
-    let run = |args: &[&str], edit: bool| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_denoised"));
-        cmd.args(args).args(["--model", model.to_str().unwrap()]);
-        if edit {
-            cmd.args(["--prompt", "a cat", "--seed", "5", "--mask"])
-                .arg(&mask)
-                .arg("--out")
-                .arg(&out)
-                .args(&control_args);
+    cli::capture_room(&model, &tdir);
+    let with_nets = |args: &[&str]| -> Vec<String> {
+        let nets = [
+            ("canny-tiny", "control_a.png", 0.7),
+            ("depth-tiny", "control_b.png", 0.5),
+        ];
+        let mut a: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        for (n, i, s) in nets {
+            a.push("--controlnet".into());
+            a.push(format!(
+                "{}:{}:{s}",
+                nets_dir.join(n).display(),
+                nets_dir.join(i).display()
+            ));
         }
-        let o = cmd.env("DENOISED_LOG", "warn").output().unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        edit.then(|| png(&std::fs::read(&out).unwrap()).data)
+        a
     };
-    let (input, tdir) = (input.to_str().unwrap(), tdir.to_str().unwrap());
-    run(
-        &[
-            "template", "capture", "--image", input, "--steps", "4", "--seed", "3", "--prompt",
-            "a room", "--out", tdir,
-        ],
-        false,
-    );
-    let cli = run(&["edit", "--template", tdir], true).unwrap();
+    let cli = cli::edit_cat(&model, &with_nets(&["--template", cli::s(&tdir)]));
     assert!(
         image(&v) == cli,
         "template edit: the daemon differs from the CLI"
     );
 
     let v = edit(json!({"image": image_b64()}), &multi);
-    let cli = run(&["edit", "--image", input, "--steps", "4"], true).unwrap();
+    let input = case("e2e_input.png");
+    let cli = cli::edit_cat(
+        &model,
+        &with_nets(&["--image", cli::s(&input), "--steps", "4"]),
+    );
     assert!(
         image(&v) == cli,
         "image edit: the daemon differs from the CLI"
     );
     assert_eq!(steps(&d), 8.0);
+
+    let (s, v) = d.post(
+        "/v1/edits",
+        &json!({
+            "template_id": "room", "mask": mask_b64(), "controlnets": multi,
+            "negative_prompt": "blurry", "true_cfg_scale": 4.0,
+        }),
+    );
+    assert_eq!(s, 400, "{v}");
+    assert!(v.to_string().contains("do not run together"), "{v}");
 }
 
 #[test]

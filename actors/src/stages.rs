@@ -18,7 +18,7 @@ use denoised_models::pipeline::image::{
 use denoised_models::pipeline::paste::paste_back;
 use denoised_models::pipeline::sparse_vae::VaePass;
 use denoised_runtime::shm::Handle;
-use denoised_runtime::{CpuBackend, HostSlice};
+use denoised_runtime::{CpuBackend, HostSlice, Tensor};
 
 use crate::wire::{ErrorKind, FinishParams, GenParams, ImageFormat, MaskSpec, WireError};
 
@@ -52,7 +52,7 @@ pub struct Stage1 {
     pub vae_pass: VaePass,
     /// The prompt's embeddings came from the prompt cache.
     pub prompt_cache_hit: bool,
-    /// A generation's negative prompt's embeddings (true CFG): `[T', joint]`, pooled.
+    /// The negative prompt's embeddings (true CFG): `[T', joint]`, pooled.
     pub negative: Option<(denoised_runtime::Tensor, Vec<f32>)>,
 }
 
@@ -225,14 +225,15 @@ impl TemplateVae {
     }
 }
 
-/// Preparation of one request, as `denoised edit` / `template capture` do it.
+/// Preparation of one request, as `denoised edit` / `template capture` do it, and
+/// true CFG's negative prompt when it runs.
 pub fn prepare(
     p: &Pipeline,
     image_bytes: &[u8],
     mask: MaskInput<'_>,
     params: &GenParams,
     max_pixels: usize,
-    vae: TemplateVae,
+    (vae, negative_prompt): (TemplateVae, Option<&str>),
 ) -> Result<Stage1, WireError> {
     let t0 = Instant::now();
     let mut limits = p.limits;
@@ -269,14 +270,30 @@ pub fn prepare(
             &mut t,
         )
         .map_err(input_error)?;
+    let negative = encode_negative(p, negative_prompt, params, &mut t)?;
     Ok(Stage1 {
         prepared,
         token_mask,
         seconds: t0.elapsed().as_secs_f64(),
         vae_pass: t.vae_encode_pass,
         prompt_cache_hit: t.prompt_cache_hit,
-        negative: None,
+        negative,
     })
+}
+
+/// True CFG's negative prompt's embeddings, when it runs.
+fn encode_negative(
+    p: &Pipeline,
+    negative_prompt: Option<&str>,
+    params: &GenParams,
+    t: &mut Timings,
+) -> Result<Option<(Tensor, Vec<f32>)>, WireError> {
+    let Some(n) = negative_prompt else {
+        return Ok(None);
+    };
+    let seq = params.max_sequence_length as usize;
+    let (txt, pooled, _) = p.encode_prompt(n, seq, t).map_err(input_error)?;
+    Ok(Some((txt, pooled)))
 }
 
 /// Preparation of a generation, as `denoised generate` does it: its token mask is the
@@ -311,15 +328,7 @@ pub fn prepare_generate(
     let prepared = p
         .prepare_generate(&params.prompt, &opts, None, &mut t)
         .map_err(input_error)?;
-    let negative = match negative_prompt {
-        Some(n) => {
-            let (txt, pooled, _) = p
-                .encode_prompt(n, opts.max_sequence_length, &mut t)
-                .map_err(input_error)?;
-            Some((txt, pooled))
-        }
-        None => None,
-    };
+    let negative = encode_negative(p, negative_prompt, params, &mut t)?;
     let (rows, cols) = p.tokens(w, h);
     let token_mask =
         TokenMask::from_tokens(rows, cols, &vec![true; rows * cols]).map_err(input_error)?;

@@ -152,6 +152,9 @@ pub enum PrepareInput {
         mask: MaskSpec,
         /// What the VAE encoder does with a template's traces.
         vae: VaeTraces,
+        /// True CFG's negative prompt when it runs (an edit).
+        #[serde(default)]
+        negative_prompt: Option<String>,
     },
     /// A text-to-image generation of this size (FLUX.1-dev / -schnell), and true
     /// CFG's negative prompt when it runs.
@@ -235,7 +238,7 @@ pub struct PreparedRefs {
     pub prompt_cache_hit: bool,
     /// A capture's encoder trace, as the template stores it.
     pub vae_trace: Option<Handle>,
-    /// A generation's negative prompt (true CFG).
+    /// The negative prompt's embeddings (true CFG).
     #[serde(default)]
     pub negative: Option<NegativeHandles>,
 }
@@ -271,6 +274,9 @@ pub struct TemplateRef {
 pub enum DenoiseWork {
     /// A full run: an edit of an inline image (every token computed).
     Full {
+        /// True CFG: the negative prompt's embeddings and the scale.
+        #[serde(default)]
+        true_cfg: Option<(NegativeHandles, f32)>,
         /// Its ControlNets' residual stream.
         #[serde(default)]
         control: Option<ControlStreamRef>,
@@ -299,6 +305,10 @@ pub enum DenoiseWork {
     /// A mask-aware edit: only `active` tokens are computed.
     Edit {
         template: TemplateRef,
+        /// True CFG: the negative prompt's embeddings and the scale (the negative
+        /// branch reads the same template).
+        #[serde(default)]
+        true_cfg: Option<(NegativeHandles, f32)>,
         /// Its ControlNets' residual stream (their active rows).
         #[serde(default)]
         control: Option<ControlStreamRef>,

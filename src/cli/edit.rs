@@ -29,6 +29,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::adapters::LoraArgs;
 use super::controlnet::ControlNetArgs;
+use super::generate::TrueCfgArgs;
 use super::{CliResult, ModelDeviceArgs};
 
 /// Options shared by edits and captures.
@@ -103,6 +104,10 @@ pub struct EditArgs {
     /// follow the template, captured without them).
     #[command(flatten)]
     pub controlnet: ControlNetArgs,
+    /// With --template the negative branch computes the masked tokens against the same
+    /// template.
+    #[command(flatten)]
+    pub true_cfg: TrueCfgArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -200,7 +205,7 @@ pub(super) fn read_noise(path: &Path) -> CliResult<Noise> {
 /// Runs a request to the end on the placed model with a progress bar: its final
 /// latent and, for a capture, its template.
 /// `loras`: the unmerged LoRAs it runs with (uploaded by `LoraArgs::apply`); `cfg`:
-/// true CFG's negative branch (generations).
+/// true CFG's negative branch; `control`: ControlNet residuals.
 pub(super) fn denoise(
     placed: &mut Placed,
     inputs: &DenoiseInputs,
@@ -339,6 +344,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
             c.max_sequence_length
         );
     }
+    let cfg = a.true_cfg.prepare(&p, c.max_sequence_length, &mut t)?;
     let schedule = p.schedule(steps, image.width, image.height)?;
     let control = |active: Option<Vec<u32>>| {
         let size = (c.seed, image.width, image.height);
@@ -362,7 +368,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                 &prepared.inputs,
                 schedule,
                 mode,
-                (&lora.uses, None, control),
+                (&lora.uses, cfg.as_ref(), control),
                 &mut t,
             )?
             .0
@@ -404,7 +410,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                 &prepared.inputs,
                 schedule,
                 mode,
-                (&lora.uses, None, control),
+                (&lora.uses, cfg.as_ref(), control),
                 &mut t,
             )?
             .0

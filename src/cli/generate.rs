@@ -3,15 +3,47 @@
 
 use std::path::PathBuf;
 
-use denoised_models::flux::edit::Mode;
-use denoised_models::pipeline::flux_fill::{EditOptions, Timings};
+use denoised_models::flux::edit::{Mode, TrueCfg};
+use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Timings};
 use denoised_models::pipeline::generate::GenerateOptions;
 use denoised_models::ModelSource;
+use denoised_runtime::CpuBackend;
 
 use super::adapters::LoraArgs;
 use super::controlnet::ControlNetArgs;
 use super::edit::{denoise, load_pipeline, read_noise, report, write_png};
 use super::{CliResult, ModelDeviceArgs};
+
+/// True classifier-free guidance (FluxPipeline's `negative_prompt` and
+/// `true_cfg_scale`), for `generate` and `edit`.
+#[derive(clap::Args, Debug)]
+pub struct TrueCfgArgs {
+    /// True classifier-free guidance's negative prompt (with --true-cfg-scale above 1;
+    /// each step then runs the transformer on both prompts, as diffusers does).
+    #[arg(long)]
+    pub negative_prompt: Option<String>,
+    /// True CFG's scale: the step follows `neg + scale * (pos - neg)`. 1 (the default)
+    /// turns it off.
+    #[arg(long, default_value_t = 1.0)]
+    pub true_cfg_scale: f32,
+}
+
+impl TrueCfgArgs {
+    /// The negative branch's embeddings, when true CFG runs.
+    pub fn prepare(
+        &self,
+        p: &FluxFill<CpuBackend>,
+        max_sequence_length: usize,
+        t: &mut Timings,
+    ) -> CliResult<Option<TrueCfg>> {
+        Ok(p.prepare_true_cfg(
+            self.negative_prompt.as_deref(),
+            self.true_cfg_scale,
+            max_sequence_length,
+            t,
+        )?)
+    }
+}
 
 #[derive(clap::Args, Debug)]
 pub struct GenerateArgs {
@@ -43,14 +75,8 @@ pub struct GenerateArgs {
     /// T5 sequence length.
     #[arg(long, default_value_t = 512)]
     pub max_sequence_length: usize,
-    /// True classifier-free guidance's negative prompt (with --true-cfg-scale above 1;
-    /// each step then runs the transformer on both prompts, as diffusers does).
-    #[arg(long)]
-    pub negative_prompt: Option<String>,
-    /// True CFG's scale: the step follows `neg + scale * (pos - neg)`. 1 (the default)
-    /// turns it off.
-    #[arg(long, default_value_t = 1.0)]
-    pub true_cfg_scale: f32,
+    #[command(flatten)]
+    pub true_cfg: TrueCfgArgs,
     /// Safetensors with `initial_latents` (packed noise, `[1, N, 64]` as diffusers'
     /// `latents`), to reproduce a diffusers run exactly.
     #[arg(long)]
@@ -98,12 +124,7 @@ pub fn run(a: GenerateArgs) -> CliResult {
             a.max_sequence_length
         );
     }
-    let cfg = p.prepare_true_cfg(
-        a.negative_prompt.as_deref(),
-        a.true_cfg_scale,
-        a.max_sequence_length,
-        &mut t,
-    )?;
+    let cfg = a.true_cfg.prepare(&p, a.max_sequence_length, &mut t)?;
     let schedule = p.schedule(opts.steps, opts.width, opts.height)?;
     let size = (a.seed, opts.width, opts.height);
     let control =

@@ -60,3 +60,46 @@ pub fn solid_png(dir: &Path, name: &str, w: usize, h: usize, level: u8) -> PathB
 pub fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
+
+/// The CLI's twin of the daemon tests' template `Daemon::template(id, 4)`: `template
+/// capture` of the e2e image (4 steps, seed 3, "a room") into `dir` with `model`.
+pub fn capture_room(model: &Path, dir: &Path) {
+    ok(&[
+        "template",
+        "capture",
+        "--model",
+        s(model),
+        "--image",
+        s(&fixtures().join("cases/e2e_input.png")),
+        "--steps",
+        "4",
+        "--seed",
+        "3",
+        "--prompt",
+        "a room",
+        "--out",
+        s(dir),
+    ]);
+}
+
+/// `denoised edit` with `model` of the e2e mask, prompt "a cat", seed 5 (the daemon
+/// tests' edits), and `args`: the output's pixels.
+pub fn edit_cat(model: &Path, args: &[String]) -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.png");
+    let mut all: Vec<&str> = vec![
+        "edit",
+        "--model",
+        s(model),
+        "--prompt",
+        "a cat",
+        "--seed",
+        "5",
+        "--mask",
+    ];
+    let mask = fixtures().join("cases/e2e_mask.png");
+    all.extend([s(&mask), "--out", s(&out)]);
+    all.extend(args.iter().map(String::as_str));
+    ok(&all);
+    png_file(&out).data
+}

@@ -259,6 +259,23 @@ impl DenoiseState {
         )))
     }
 
+    /// True CFG's negative branch, read out of the preprocess arena.
+    fn true_cfg(
+        &self,
+        cfg: &Option<(crate::wire::NegativeHandles, f32)>,
+    ) -> Result<Option<Box<TrueCfg>>, WireError> {
+        let Some((n, scale)) = cfg else {
+            return Ok(None);
+        };
+        let txt = self.shm.read_tensor(&n.txt)?;
+        Ok(Some(Box::new(TrueCfg {
+            txt_ids: Tensor::zeros([txt.rows(), 3]),
+            txt,
+            pooled: self.shm.read_tensor(&n.pooled)?.into_data(),
+            scale: *scale,
+        })))
+    }
+
     /// Builds the loop request of a call: inputs copied out of the preprocess arena,
     /// the schedule, and for an edit the template cache and token mask; for a capture,
     /// the arena slice its template is written into.
@@ -270,7 +287,11 @@ impl DenoiseState {
         let (mut start_at, mut store_at, mut true_cfg, mut control, mut partner) =
             (0, Vec::new(), None, None, None);
         let work = match &req.work {
-            DenoiseWork::Full { control: stream } => {
+            DenoiseWork::Full {
+                true_cfg: cfg,
+                control: stream,
+            } => {
+                true_cfg = self.true_cfg(cfg)?;
                 if let Some(c) = stream {
                     control = Some(self.control_feed(c)?);
                 }
@@ -294,15 +315,7 @@ impl DenoiseState {
                 }
                 start_at = *k as usize;
                 store_at = ks.iter().map(|&k| k as usize).collect();
-                if let Some((n, scale)) = cfg {
-                    let txt = self.shm.read_tensor(&n.txt)?;
-                    true_cfg = Some(Box::new(TrueCfg {
-                        txt_ids: Tensor::zeros([txt.rows(), 3]),
-                        txt,
-                        pooled: self.shm.read_tensor(&n.pooled)?.into_data(),
-                        scale: *scale,
-                    }));
-                }
+                true_cfg = self.true_cfg(cfg)?;
                 Mode::Full
             }
             DenoiseWork::Capture { mode, step_stride } => {
@@ -319,8 +332,10 @@ impl DenoiseState {
             }
             DenoiseWork::Edit {
                 template,
+                true_cfg: cfg,
                 control: stream,
             } => {
+                true_cfg = self.true_cfg(cfg)?;
                 if let Some(c) = stream {
                     control = Some(self.control_feed(c)?);
                 }

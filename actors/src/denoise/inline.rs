@@ -86,51 +86,58 @@ pub fn submit(
         // The baseline runs the VAE dense ([pipeline] sparse_vae is the disaggregated
         // workers').
         let max_pixels = req.prepare.max_pixels as usize;
-        let built = stages::prepare(&p, &image, mask, params, max_pixels, Default::default())
-            .and_then(|s1| {
-                let n = s1.token_mask.len();
-                let schedule = FlowMatchEuler::new(&p.scheduler, params.steps as usize, n)
-                    .map_err(|e| WireError::bad_input(e.to_string()))?;
-                let active = s1.token_mask.active().len() as u32;
-                let pixel_ratio = s1.token_mask.pixel_ratio;
-                let work = match (&req.work, template) {
-                    (DenoiseWork::Edit { .. }, Some(cache)) => Mode::Edit {
-                        mask: Arc::new(s1.token_mask),
-                        cache,
-                    },
-                    (DenoiseWork::Capture { mode, step_stride }, _) => {
-                        let layout = TemplateLayout::for_model(
-                            &p.config,
-                            n,
-                            params.steps as usize,
-                            template_dtype,
-                        )
-                        .with_mode(*mode)
-                        .with_step_stride(*step_stride as usize);
-                        layout
-                            .check()
-                            .map_err(|e| WireError::bad_input(e.to_string()))?;
-                        Mode::Capture(
-                            TemplateCache::new(layout)
-                                .map_err(|e| WireError::internal(e.to_string()))?,
-                        )
-                    }
-                    _ => Mode::Full,
-                };
-                let r = DenoiseRequest {
-                    id: req.prepare.job,
-                    inputs: Arc::new(s1.prepared.inputs.clone()),
-                    schedule: Arc::new(schedule),
-                    work,
-                    start_at: 0,
-                    store_at: Vec::new(),
-                    loras: vec![],
-                    true_cfg: None,
-                    control: None,
-                    partner: None,
-                };
-                Ok((r, s1.prepared, active, pixel_ratio, s1.prompt_cache_hit))
-            });
+        let built = stages::prepare(
+            &p,
+            &image,
+            mask,
+            params,
+            max_pixels,
+            (Default::default(), None),
+        )
+        .and_then(|s1| {
+            let n = s1.token_mask.len();
+            let schedule = FlowMatchEuler::new(&p.scheduler, params.steps as usize, n)
+                .map_err(|e| WireError::bad_input(e.to_string()))?;
+            let active = s1.token_mask.active().len() as u32;
+            let pixel_ratio = s1.token_mask.pixel_ratio;
+            let work = match (&req.work, template) {
+                (DenoiseWork::Edit { .. }, Some(cache)) => Mode::Edit {
+                    mask: Arc::new(s1.token_mask),
+                    cache,
+                },
+                (DenoiseWork::Capture { mode, step_stride }, _) => {
+                    let layout = TemplateLayout::for_model(
+                        &p.config,
+                        n,
+                        params.steps as usize,
+                        template_dtype,
+                    )
+                    .with_mode(*mode)
+                    .with_step_stride(*step_stride as usize);
+                    layout
+                        .check()
+                        .map_err(|e| WireError::bad_input(e.to_string()))?;
+                    Mode::Capture(
+                        TemplateCache::new(layout)
+                            .map_err(|e| WireError::internal(e.to_string()))?,
+                    )
+                }
+                _ => Mode::Full,
+            };
+            let r = DenoiseRequest {
+                id: req.prepare.job,
+                inputs: Arc::new(s1.prepared.inputs.clone()),
+                schedule: Arc::new(schedule),
+                work,
+                start_at: 0,
+                store_at: Vec::new(),
+                loras: vec![],
+                true_cfg: None,
+                control: None,
+                partner: None,
+            };
+            Ok((r, s1.prepared, active, pixel_ratio, s1.prompt_cache_hit))
+        });
         match built {
             Ok((r, prepared, active, pixel_ratio, prompt_cache_hit)) => {
                 let job = InlineJob {

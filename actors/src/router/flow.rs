@@ -51,6 +51,17 @@ pub struct EditInput {
     pub loras: Vec<WireLora>,
     /// Its ControlNets (checked); on a template edit they condition the active tokens.
     pub controlnets: Vec<super::controlnets::ControlNetInput>,
+    /// True CFG (runs with a negative prompt and a scale above 1); a template edit's
+    /// negative branch reads the same template.
+    pub negative_prompt: Option<String>,
+    pub true_cfg_scale: f32,
+}
+
+impl EditInput {
+    /// The negative prompt and scale when true CFG runs.
+    pub fn true_cfg(&self) -> Option<(&str, f32)> {
+        super::generate::true_cfg_of(self.negative_prompt.as_deref(), self.true_cfg_scale)
+    }
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -81,6 +92,8 @@ pub struct EditOutput {
     pub attempts: usize,
     /// The LoRAs it ran with, and the step they applied from.
     pub loras: Vec<super::adapters::LoraApplied>,
+    /// How true CFG ran, when it did (always batched in one worker for an edit).
+    pub true_cfg: Option<super::generate::TrueCfgOutcome>,
 }
 
 pub struct TemplateInput {
@@ -459,6 +472,7 @@ async fn edit_once(
                 Some(t) => VaeTraces::Edit(t.vae_traces.clone()),
                 None => VaeTraces::None,
             },
+            negative_prompt: input.true_cfg().map(|(n, _)| n.to_string()),
         },
         params: params.clone(),
         max_pixels: ctx.config.server.max_pixels as u64,
@@ -466,7 +480,8 @@ async fn edit_once(
     // A template edit computes only the active tokens against the template's cache;
     // an inline image is a full, uncached run. The template's cache is asked for only
     // when the denoise stage needs it: one on disk loads meanwhile.
-    let work = |blob: Option<Handle>, control: Option<ControlStreamRef>| match (template, blob) {
+    type Extras = (Option<(NegativeHandles, f32)>, Option<ControlStreamRef>);
+    let work = |blob: Option<Handle>, (true_cfg, control): Extras| match (template, blob) {
         (Some(t), Some(blob)) => DenoiseWork::Edit {
             template: TemplateRef {
                 id: t.info.id.clone(),
@@ -476,9 +491,10 @@ async fn edit_once(
                 tokens: t.info.tokens,
                 step_stride: t.info.kv_step_stride,
             },
+            true_cfg,
             control,
         },
-        _ => DenoiseWork::Full { control },
+        _ => DenoiseWork::Full { true_cfg, control },
     };
     let loaded = async {
         match template {
@@ -488,12 +504,12 @@ async fn edit_once(
     };
 
     if !ctx.config.denoise.disaggregate {
-        if !input.controlnets.is_empty() {
+        if !input.controlnets.is_empty() || input.true_cfg().is_some() {
             return Err(WireError::bad_input(
-                "ControlNets run on the disaggregated workers only ([denoise] disaggregate = true)",
+                "ControlNets and true CFG run on the disaggregated workers only ([denoise] disaggregate = true)",
             ));
         }
-        let work = work(loaded.await?.and_then(|t| t.blob), None);
+        let work = work(loaded.await?.and_then(|t| t.blob), (None, None));
         let den = ctx.pick(groups::DENOISE, 1).await?;
         ctx.jobs.stage(job, Status::Denoising, Some(den.clone()));
         let req = InlineReq {
@@ -529,6 +545,7 @@ async fn edit_once(
             stats: d.stats,
             attempts: 1,
             loras: vec![],
+            true_cfg: None,
         });
     }
 
@@ -550,10 +567,18 @@ async fn edit_once(
             Some(super::controlnets::start(ctx, job, nets, &prepared, seeded, keep).await?)
         }
     };
-    let work = work(
-        blob.clone(),
-        control.as_ref().and_then(|c| c.stream.clone()),
-    );
+    let cfg = match (&prepared.negative, input.true_cfg()) {
+        (Some(n), Some((_, scale))) => Some((n.clone(), scale)),
+        _ => None,
+    };
+    let true_cfg = cfg
+        .as_ref()
+        .map(|&(_, scale)| super::generate::TrueCfgOutcome {
+            scale,
+            split: false,
+        });
+    let stream = control.as_ref().and_then(|c| c.stream.clone());
+    let work = work(blob.clone(), (cfg, stream));
     // A template edit runs with its template's LoRAs (captured with them at every step).
     let loras = template.map_or_else(|| input.loras.clone(), |t| t.info.loras.clone());
     let d = denoise(
@@ -599,6 +624,7 @@ async fn edit_once(
         loras: super::adapters::applied(&loras, d.stats.loras_applied_at),
         stats: d.stats,
         attempts: 1,
+        true_cfg,
     })
 }
 
@@ -654,6 +680,7 @@ async fn capture_once(
                 true => VaeTraces::Capture,
                 false => VaeTraces::None,
             },
+            negative_prompt: None,
         },
         params: params.clone(),
         max_pixels: ctx.config.server.max_pixels as u64,

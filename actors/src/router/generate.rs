@@ -64,9 +64,15 @@ pub struct GenerateInput {
 impl GenerateInput {
     /// The negative prompt and scale when true CFG runs.
     pub fn true_cfg(&self) -> Option<(&str, f32)> {
-        let n = self.negative_prompt.as_deref()?;
-        (self.true_cfg_scale > 1.0).then_some((n, self.true_cfg_scale))
+        true_cfg_of(self.negative_prompt.as_deref(), self.true_cfg_scale)
     }
+}
+
+/// The negative prompt and scale when true CFG runs: with a negative prompt and a
+/// scale above 1 (FluxPipeline's rule).
+pub fn true_cfg_of(negative_prompt: Option<&str>, scale: f32) -> Option<(&str, f32)> {
+    let n = negative_prompt?;
+    (scale > 1.0).then_some((n, scale))
 }
 
 /// What the approximate cache did for a request (the reply's `approx_cache`).

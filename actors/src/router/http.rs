@@ -21,9 +21,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::adapters::{resolve, LoraRef};
-use super::flow::{self, Ctx, EditInput, EditOutput, MaskIn, Source, TemplateInput};
+use super::flow::{self, Ctx, TemplateInput};
 use super::jobs::{job_name, parse_job_name, Status};
-use crate::wire::{ErrorKind, FinishParams, ImageFormat, WireError};
+use crate::wire::{ErrorKind, WireError};
 
 const OPENAPI: &str = include_str!("../../../docs/openapi.json");
 
@@ -104,7 +104,7 @@ pub fn app(ctx: Arc<Ctx>) -> Router {
             "/v1/templates/{id}",
             get(get_template).delete(delete_template),
         )
-        .route("/v1/edits", axum::routing::post(create_edit))
+        .route("/v1/edits", axum::routing::post(super::edits::create_edit))
         .route(
             "/v1/adapters",
             get(super::adapters::list).post(super::adapters::upload),
@@ -585,165 +585,6 @@ async fn get_template(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> Ap
 
 async fn delete_template(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
     Ok(Json(json!(ctx.delete_template(&id).await?)).into_response())
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EditBody {
-    template_id: Option<String>,
-    image: Option<String>,
-    mask: Option<String>,
-    boxes: Option<Vec<[u32; 4]>>,
-    polygons: Option<Vec<Vec<[f32; 2]>>>,
-    #[serde(default)]
-    prompt: String,
-    steps: Option<u32>,
-    guidance: Option<f32>,
-    #[serde(default)]
-    seed: u64,
-    #[serde(default)]
-    dilation: u32,
-    #[serde(default = "default_seq_len")]
-    max_sequence_length: u32,
-    #[serde(default = "yes")]
-    paste_back: bool,
-    #[serde(default = "default_feather")]
-    feather: u32,
-    #[serde(default)]
-    format: ImageFormat,
-    #[serde(default, rename = "async")]
-    run_async: bool,
-    #[serde(default)]
-    loras: Vec<LoraRef>,
-    #[serde(default)]
-    controlnets: Vec<super::controlnets::ControlNetRef>,
-}
-
-fn yes() -> bool {
-    true
-}
-fn default_feather() -> u32 {
-    3
-}
-
-fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, bool)> {
-    let loras = resolve(ctx, &b.loras, b.template_id.is_some())?;
-    let controlnets = super::controlnets::resolve(ctx, &b.controlnets)?;
-    let source =
-        match (b.template_id, b.image) {
-            (Some(t), None) => Source::Template(t),
-            (None, Some(i)) => Source::Image(b64("image", &i)?),
-            _ => return Err(ApiError::bad(
-                "give exactly one of `template_id` (a mask-aware edit) and `image` (a full run)",
-            )),
-        };
-    let mask = match (b.mask, b.boxes, b.polygons) {
-        (Some(m), None, None) => MaskIn::Image(b64("mask", &m)?),
-        (None, Some(bx), None) => MaskIn::Boxes(bx),
-        (None, None, Some(p)) => MaskIn::Polygons(p),
-        _ => {
-            return Err(ApiError::bad(
-                "give exactly one of `mask` (base64 image), `boxes` and `polygons`",
-            ))
-        }
-    };
-    // Hostile boxes and polygons are refused here, before any work is queued.
-    let shapes = match &mask {
-        MaskIn::Boxes(bx) => crate::stages::MaskInput::Boxes(bx),
-        MaskIn::Polygons(p) => crate::stages::MaskInput::Polygons(p),
-        MaskIn::Image(_) => crate::stages::MaskInput::Empty,
-    };
-    crate::stages::check_shapes(&shapes)?;
-    if b.dilation > 64 || b.feather > 64 {
-        return Err(ApiError::bad("dilation and feather must be at most 64"));
-    }
-    let input = EditInput {
-        source,
-        mask,
-        steps: b.steps,
-        guidance: b.guidance,
-        prompt: b.prompt,
-        seed: b.seed,
-        dilation: b.dilation,
-        max_sequence_length: b.max_sequence_length,
-        finish: FinishParams {
-            paste_back: b.paste_back,
-            feather: b.feather,
-            format: b.format,
-        },
-        loras,
-        controlnets,
-    };
-    Ok((input, b.run_async))
-}
-
-/// The JSON of a finished edit; `with_image` adds the base64 image (the job table of
-/// a synchronous or bus request keeps only the description).
-pub fn edit_json(job: u64, o: &EditOutput, format: ImageFormat, with_image: bool) -> Value {
-    let sizes = &o.stats.batch_sizes;
-    let mean = if sizes.is_empty() {
-        0.0
-    } else {
-        sizes.iter().map(|&s| s as f64).sum::<f64>() / sizes.len() as f64
-    };
-    let mut v = json!({
-        "id": job_name(job),
-        "format": format,
-        "width": o.width,
-        "height": o.height,
-        "tokens": o.tokens,
-        "active_tokens": o.active,
-        "mask_ratio": o.pixel_ratio,
-        "prompt_truncated": o.prompt_truncated,
-        "attempts": o.attempts,
-        "timings": o.timings,
-        "batch": {"sizes": sizes, "mean": mean, "max": sizes.iter().max().copied().unwrap_or(0)},
-        "assembly_max_s": o.stats.assembly_max_s,
-        "first_step_unix": o.stats.first_step_unix,
-        "finished_unix": o.stats.finished_unix,
-        "loras": o.loras,
-    });
-    if with_image {
-        v["image"] = Value::String(encode_b64(&o.image));
-    }
-    v
-}
-
-/// `POST /v1/edits`.
-async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
-    // Before reading the body: an overloaded server refuses at once.
-    let permit = ctx.admission.try_admit()?;
-    let b: EditBody = parse(&body(&ctx, req).await?)?;
-    check_steps(&ctx, b.steps)?;
-    check_guidance(b.guidance)?;
-    check_seq_len(b.max_sequence_length)?;
-    let (input, run_async) = edit_input(&ctx, b)?;
-    let job = ctx.next_job();
-    ctx.jobs.create(job, "edit", input.steps.unwrap_or(0));
-    let format = input.finish.format;
-    let run = {
-        let ctx = ctx.clone();
-        async move {
-            let _permit = permit;
-            let r = flow::edit(&ctx, job, &input).await;
-            // A synchronous client gets the image in its response; the job table keeps
-            // only the description then (no second copy of the image for the TTL).
-            let kept = r.as_ref().map(|o| edit_json(job, o, format, run_async));
-            ctx.jobs.finish(job, kept.map_err(Clone::clone));
-            r
-        }
-    };
-    let task = spawn_request(job, run);
-    if run_async {
-        return Ok(accepted(job));
-    }
-    match joined(task).await {
-        Ok(out) => Ok(with_id(
-            job,
-            Json(edit_json(job, &out, format, true)).into_response(),
-        )),
-        Err(e) => Ok(with_id(job, e.into_response())),
-    }
 }
 
 fn job_id(s: &str) -> ApiResult<u64> {

@@ -8,6 +8,7 @@ pub mod balance;
 mod cfg_split;
 pub mod controlnets;
 pub mod ctx;
+mod edits;
 pub mod flow;
 pub mod generate;
 mod generations;
@@ -92,6 +93,8 @@ impl Actor for RouterActor {
                         // A template edit runs with its template's LoRAs.
                         loras: vec![],
                         controlnets: vec![],
+                        negative_prompt: None,
+                        true_cfg_scale: 1.0,
                     };
                     let span = tracing::info_span!(
                         "request",
@@ -105,7 +108,7 @@ impl Actor for RouterActor {
                     ctx.jobs.finish(
                         job,
                         r.as_ref()
-                            .map(|o| http::edit_json(job, o, ImageFormat::Png, false))
+                            .map(|o| edits::edit_json(job, o, ImageFormat::Png, false))
                             .map_err(Clone::clone),
                     );
                     let _ = reply.send(Wire(r.map(|o| BusEditResult {

@@ -190,6 +190,8 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             // A template edit runs with its template's LoRAs.
             loras: vec![],
             controlnets: vec![],
+            negative_prompt: None,
+            true_cfg_scale: 1.0,
         };
         let job = ctx.next_job();
         ctx.jobs.create(job, "edit", input.steps.unwrap_or(0));
@@ -198,7 +200,7 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             let r = flow::edit(&c, job, &input).await;
             let kept = r
                 .as_ref()
-                .map(|o| super::http::edit_json(job, o, ImageFormat::Png, false));
+                .map(|o| super::edits::edit_json(job, o, ImageFormat::Png, false));
             c.jobs.finish(job, kept.map_err(Clone::clone));
             r.map(|o| (job, o))
         }));

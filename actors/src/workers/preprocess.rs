@@ -68,7 +68,12 @@ pub fn prepare_to_shm(
 ) -> Result<PreparedRefs, WireError> {
     let max_pixels = req.max_pixels as usize;
     let s1 = match &req.input {
-        PrepareInput::Edit { image, mask, vae } => {
+        PrepareInput::Edit {
+            image,
+            mask,
+            vae,
+            negative_prompt,
+        } => {
             let (image, mask_bytes) = read_request(shm, image, mask)?;
             let mask = MaskInput::new(mask, mask_bytes.as_deref());
             // The template's traces are read in place from the cache's arena (the edit
@@ -80,7 +85,8 @@ pub fn prepare_to_shm(
                 VaeTraces::Capture => TemplateVae::Capture,
                 VaeTraces::None => TemplateVae::None,
             };
-            stages::prepare(p, &image, mask, &req.params, max_pixels, vae)?
+            let negative = negative_prompt.as_deref();
+            stages::prepare(p, &image, mask, &req.params, max_pixels, (vae, negative))?
         }
         PrepareInput::Generate {
             width,

@@ -185,15 +185,8 @@ impl<T> Job<T> {
                 (mask.active().to_vec(), mask.inactive())
             }
         };
-        // The computed rows of [latent | conditioning] and their ids.
         let k = inputs.cond.cols();
-        let mut x = Vec::with_capacity(active.len() * (c + k));
-        let mut ids = Vec::with_capacity(active.len() * 3);
-        for &t in &active {
-            x.extend_from_slice(inputs.latents.row(t as usize));
-            x.extend_from_slice(inputs.cond.row(t as usize));
-            ids.extend_from_slice(inputs.img_ids.row(t as usize));
-        }
+        let (x, ids) = computed_rows(inputs, &active);
         let tensors = RequestTensors::upload(
             model.backend(),
             &model.config,
@@ -262,30 +255,33 @@ impl<T> Job<T> {
         matches!(self.mode, Mode::Full)
     }
 
-    /// Adds true CFG's negative branch to a full run, before its first step: `inputs`
-    /// are the job's own (its image rows are the negative branch's too).
+    /// Adds true CFG's negative branch to a full run or an edit, before its first
+    /// step: `inputs` are the job's own (its computed image rows are the negative
+    /// branch's too). An edit's negative branch computes its active rows against the
+    /// same template as the positive one (the unmasked tokens' cached K/V: the shared
+    /// context, as the positive branch reads it).
     pub fn set_true_cfg<B: Backend<Tensor = T>>(
         &mut self,
         model: &FluxTransformer<B>,
         inputs: &DenoiseInputs,
         cfg: &TrueCfg,
     ) -> Result<()> {
-        if !matches!(self.mode, Mode::Full) || !cfg.scale.is_finite() || self.partner.is_some() {
+        if matches!(self.mode, Mode::Capture(_))
+            || self.step != 0
+            || !cfg.scale.is_finite()
+            || self.partner.is_some()
+        {
             return Err(Error::Invalid(
-                "true CFG runs on full runs (generations), with a finite scale".into(),
+                "true CFG runs on full runs and edits (not captures), from their first step, with a finite scale".into(),
             ));
         }
-        let (l, c, k) = (inputs.tokens(), inputs.latents.cols(), inputs.cond.cols());
-        let mut x = Vec::with_capacity(l * (c + k));
-        for t in 0..l {
-            x.extend_from_slice(inputs.latents.row(t));
-            x.extend_from_slice(inputs.cond.row(t));
-        }
+        let (c, k) = (inputs.latents.cols(), inputs.cond.cols());
+        let (x, ids) = computed_rows(inputs, &self.active);
         let tensors = RequestTensors::upload(
             model.backend(),
             &model.config,
-            &Tensor::new([l, c + k], x)?,
-            &inputs.img_ids,
+            &Tensor::new([self.active.len(), c + k], x)?,
+            &Tensor::new([self.active.len(), 3], ids)?,
             &cfg.txt,
             &cfg.txt_ids,
             &cfg.pooled,
@@ -414,6 +410,19 @@ impl<T> Job<T> {
             }
         }
     }
+}
+
+/// The computed `rows` of `[latent | conditioning]`, and their position ids.
+fn computed_rows(inputs: &DenoiseInputs, rows: &[u32]) -> (Vec<f32>, Vec<f32>) {
+    let (c, k) = (inputs.latents.cols(), inputs.cond.cols());
+    let mut x = Vec::with_capacity(rows.len() * (c + k));
+    let mut ids = Vec::with_capacity(rows.len() * 3);
+    for &t in rows {
+        x.extend_from_slice(inputs.latents.row(t as usize));
+        x.extend_from_slice(inputs.cond.row(t as usize));
+        ids.extend_from_slice(inputs.img_ids.row(t as usize));
+    }
+    (x, ids)
 }
 
 /// An edit's inactive rows on the host: what the full blocks of a plan compute them
@@ -604,21 +613,14 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
         })
         .collect();
     // True CFG's negative branches run in the same forward, after every positive one
-    // (request `live.len() + n` is the n-th job with a negative branch).
-    for &i in &live {
+    // (request `live.len() + n` is the n-th job with a negative branch); an edit's
+    // reads its positive branch's template and inactive rows.
+    for (n, &i) in live.iter().enumerate() {
         let j = &jobs[i];
         let Some((tensors, _)) = &j.cfg else {
             continue;
         };
-        reqs.push(StepRequest {
-            tensors,
-            timestep: j.schedule.model_timestep(j.step),
-            guidance: j.guidance,
-            cache: None,
-            rest: None,
-            loras: &j.loras,
-            control: j.control.as_deref().map(|c| c as &dyn Control<B::Tensor>),
-        });
+        reqs.push(StepRequest { tensors, ..reqs[n] });
     }
     let mut sink = CaptureSink {
         backend: be,

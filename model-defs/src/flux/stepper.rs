@@ -118,7 +118,7 @@ pub trait Stepper: Send {
     fn merge_loras(&mut self, loras: &[(&LoraFile, f32)]) -> Result<usize>;
     /// The unmerged LoRAs an admitted job runs with from its next step.
     fn set_loras(&mut self, id: JobKey, loras: Vec<LoraUse>) -> Result<()>;
-    /// Adds true CFG's negative branch to a just-admitted full run (`inputs` are the
+    /// Adds true CFG's negative branch to a just-admitted full run or edit (`inputs` are the
     /// ones it was admitted with; see `Job::set_true_cfg`).
     fn set_true_cfg(&mut self, id: JobKey, inputs: &DenoiseInputs, cfg: &TrueCfg) -> Result<()>;
     /// Makes a just-admitted full run one branch of a true-CFG generation split across

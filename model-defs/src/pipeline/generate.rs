@@ -67,7 +67,8 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 "true_cfg_scale must be a finite number".into(),
             ));
         }
-        self.kind.require(PipelineKind::TextToImage)?;
+        // Any pipeline: a Fill model's edits take true CFG too (the negative branch of
+        // a template edit reads the same template).
         let (txt, pooled, _) = self.encode_prompt(neg, max_sequence_length, t)?;
         let n = txt.rows();
         Ok(Some(TrueCfg {

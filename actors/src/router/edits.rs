@@ -1,0 +1,202 @@
+//! `POST /v1/edits`: an edit of a template (mask-aware: only the masked tokens are
+//! computed against the template's cache) or of an inline image (a full FLUX.1 Fill
+//! run), with LoRAs, ControlNets and true CFG.
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::response::IntoResponse;
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::adapters::{resolve, LoraRef};
+use super::controlnets::ControlNetRef;
+use super::flow::{self, Ctx, EditInput, EditOutput, MaskIn, Source};
+use super::http::{
+    accepted, b64, body, check_guidance, check_seq_len, check_steps, default_seq_len, encode_b64,
+    joined, parse, spawn_request, with_id, ApiError, ApiResult,
+};
+use super::jobs::job_name;
+use crate::wire::{FinishParams, ImageFormat};
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EditBody {
+    template_id: Option<String>,
+    image: Option<String>,
+    mask: Option<String>,
+    boxes: Option<Vec<[u32; 4]>>,
+    polygons: Option<Vec<Vec<[f32; 2]>>>,
+    #[serde(default)]
+    prompt: String,
+    steps: Option<u32>,
+    guidance: Option<f32>,
+    #[serde(default)]
+    seed: u64,
+    #[serde(default)]
+    dilation: u32,
+    #[serde(default = "default_seq_len")]
+    max_sequence_length: u32,
+    #[serde(default = "yes")]
+    paste_back: bool,
+    #[serde(default = "default_feather")]
+    feather: u32,
+    #[serde(default)]
+    format: ImageFormat,
+    #[serde(default, rename = "async")]
+    run_async: bool,
+    #[serde(default)]
+    loras: Vec<LoraRef>,
+    #[serde(default)]
+    controlnets: Vec<ControlNetRef>,
+    /// True CFG (FluxPipeline's fields; FluxFillPipeline has none): runs with a
+    /// negative prompt and a scale above 1.
+    negative_prompt: Option<String>,
+    #[serde(default = "no_cfg")]
+    true_cfg_scale: f32,
+}
+
+/// `true_cfg_scale`'s default: 1, true CFG off.
+fn no_cfg() -> f32 {
+    1.0
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_feather() -> u32 {
+    3
+}
+
+fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, bool)> {
+    let loras = resolve(ctx, &b.loras, b.template_id.is_some())?;
+    let controlnets = super::controlnets::resolve(ctx, &b.controlnets)?;
+    if !b.true_cfg_scale.is_finite() {
+        return Err(ApiError::bad("`true_cfg_scale` must be a finite number"));
+    }
+    let true_cfg = super::generate::true_cfg_of(b.negative_prompt.as_deref(), b.true_cfg_scale);
+    if !controlnets.is_empty() && true_cfg.is_some() {
+        return Err(ApiError::bad(
+            "ControlNets and true CFG do not run together",
+        ));
+    }
+    let source =
+        match (b.template_id, b.image) {
+            (Some(t), None) => Source::Template(t),
+            (None, Some(i)) => Source::Image(b64("image", &i)?),
+            _ => return Err(ApiError::bad(
+                "give exactly one of `template_id` (a mask-aware edit) and `image` (a full run)",
+            )),
+        };
+    let mask = match (b.mask, b.boxes, b.polygons) {
+        (Some(m), None, None) => MaskIn::Image(b64("mask", &m)?),
+        (None, Some(bx), None) => MaskIn::Boxes(bx),
+        (None, None, Some(p)) => MaskIn::Polygons(p),
+        _ => {
+            return Err(ApiError::bad(
+                "give exactly one of `mask` (base64 image), `boxes` and `polygons`",
+            ))
+        }
+    };
+    // Hostile boxes and polygons are refused here, before any work is queued.
+    let shapes = match &mask {
+        MaskIn::Boxes(bx) => crate::stages::MaskInput::Boxes(bx),
+        MaskIn::Polygons(p) => crate::stages::MaskInput::Polygons(p),
+        MaskIn::Image(_) => crate::stages::MaskInput::Empty,
+    };
+    crate::stages::check_shapes(&shapes)?;
+    if b.dilation > 64 || b.feather > 64 {
+        return Err(ApiError::bad("dilation and feather must be at most 64"));
+    }
+    let input = EditInput {
+        source,
+        mask,
+        steps: b.steps,
+        guidance: b.guidance,
+        prompt: b.prompt,
+        seed: b.seed,
+        dilation: b.dilation,
+        max_sequence_length: b.max_sequence_length,
+        finish: FinishParams {
+            paste_back: b.paste_back,
+            feather: b.feather,
+            format: b.format,
+        },
+        loras,
+        controlnets,
+        negative_prompt: b.negative_prompt,
+        true_cfg_scale: b.true_cfg_scale,
+    };
+    Ok((input, b.run_async))
+}
+
+/// The JSON of a finished edit; `with_image` adds the base64 image (the job table of
+/// a synchronous or bus request keeps only the description).
+pub fn edit_json(job: u64, o: &EditOutput, format: ImageFormat, with_image: bool) -> Value {
+    let sizes = &o.stats.batch_sizes;
+    let mean = if sizes.is_empty() {
+        0.0
+    } else {
+        sizes.iter().map(|&s| s as f64).sum::<f64>() / sizes.len() as f64
+    };
+    let mut v = json!({
+        "id": job_name(job),
+        "format": format,
+        "width": o.width,
+        "height": o.height,
+        "tokens": o.tokens,
+        "active_tokens": o.active,
+        "mask_ratio": o.pixel_ratio,
+        "prompt_truncated": o.prompt_truncated,
+        "attempts": o.attempts,
+        "timings": o.timings,
+        "batch": {"sizes": sizes, "mean": mean, "max": sizes.iter().max().copied().unwrap_or(0)},
+        "assembly_max_s": o.stats.assembly_max_s,
+        "first_step_unix": o.stats.first_step_unix,
+        "finished_unix": o.stats.finished_unix,
+        "loras": o.loras,
+        "true_cfg": o.true_cfg,
+    });
+    if with_image {
+        v["image"] = Value::String(encode_b64(&o.image));
+    }
+    v
+}
+
+/// `POST /v1/edits`.
+pub(super) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
+    // Before reading the body: an overloaded server refuses at once.
+    let permit = ctx.admission.try_admit()?;
+    let b: EditBody = parse(&body(&ctx, req).await?)?;
+    check_steps(&ctx, b.steps)?;
+    check_guidance(b.guidance)?;
+    check_seq_len(b.max_sequence_length)?;
+    let (input, run_async) = edit_input(&ctx, b)?;
+    let job = ctx.next_job();
+    ctx.jobs.create(job, "edit", input.steps.unwrap_or(0));
+    let format = input.finish.format;
+    let run = {
+        let ctx = ctx.clone();
+        async move {
+            let _permit = permit;
+            let r = flow::edit(&ctx, job, &input).await;
+            // A synchronous client gets the image in its response; the job table keeps
+            // only the description then (no second copy of the image for the TTL).
+            let kept = r.as_ref().map(|o| edit_json(job, o, format, run_async));
+            ctx.jobs.finish(job, kept.map_err(Clone::clone));
+            r
+        }
+    };
+    let task = spawn_request(job, run);
+    if run_async {
+        return Ok(accepted(job));
+    }
+    match joined(task).await {
+        Ok(out) => Ok(with_id(
+            job,
+            Json(edit_json(job, &out, format, true)).into_response(),
+        )),
+        Err(e) => Ok(with_id(job, e.into_response())),
+    }
+}
