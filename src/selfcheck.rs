@@ -492,3 +492,114 @@ pub fn lora<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
     }
     Ok(out)
 }
+
+/// ControlNets and true CFG on a template edit on the device (DESIGN.md §Adapters), in
+/// f32 and bf16, through the stepper as the daemon's denoise workers run them: a KV
+/// template of the e2e case captured on the device, then an edit of an irregular mask
+/// with the two fixture ControlNets (residuals of its active rows only, computed on the
+/// host) and one with true CFG (the negative branch against the same template), each
+/// against the CPU backend's run of the same. Bounds: the identity check's.
+pub fn edit_adapters<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
+    use denoised_models::flux::control_feed::{ControlInputs, ControlUse, LocalControl};
+    use denoised_models::flux::controlnet::ControlNet;
+    use denoised_models::flux::edit::TrueCfg;
+    use denoised_models::flux::stepper::{ModelStepper, Stepper};
+    use denoised_models::flux::weights::SplitMix;
+    use denoised_runtime::{Backend, CpuBackend, Tensor};
+
+    let fx = denoised_runtime::fixtures::fixtures_dir();
+    let inputs = e2e_inputs()?;
+    let s = Arc::new(FlowMatchEuler::new(&SchedulerConfig::default(), 3, 256)?);
+    let tokens: Vec<bool> = (0..256).map(|i| (i / 16 + i % 16) % 3 == 0).collect();
+    let mask = Arc::new(TokenMask::from_tokens(16, 16, &tokens)?);
+    // Seeded control latents and negative prompt: the check is of the denoise path.
+    let mut rng = SplitMix::new(17);
+    let mut randn = |n: usize| (0..n).map(|_| rng.normal()).collect::<Vec<f32>>();
+    let controls = [randn(256 * 64), randn(256 * 64)];
+    let cfg = TrueCfg {
+        txt: Tensor::new([5, inputs.txt.cols()], randn(5 * inputs.txt.cols()))?,
+        txt_ids: Tensor::zeros([5, 3]),
+        pooled: randn(inputs.pooled.len()),
+        scale: 3.0,
+    };
+    let feed = || -> Result<Arc<LocalControl>> {
+        let uses = [("canny-tiny", 0.9), ("depth-tiny", 0.6)]
+            .iter()
+            .zip(&controls)
+            .map(|(&(n, scale), c)| {
+                Ok(ControlUse {
+                    net: Arc::new(ControlNet::load(
+                        CpuBackend::new(),
+                        fx.join("controlnets").join(n),
+                    )?),
+                    control: Tensor::new([256, 64], c.clone())?,
+                    scale,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ci = ControlInputs::new(&inputs, &s).keeping(mask.active().to_vec());
+        LocalControl::new(uses, ci)?
+            .map(Arc::new)
+            .ok_or_else(|| Error::Invalid("no ControlNet with a nonzero scale".into()))
+    };
+    /// The two edits' final latents on `m`.
+    fn run<B: Backend + 'static>(
+        (m, storage): (FluxTransformer<B>, DType),
+        (inputs, s, mask): (&DenoiseInputs, &Arc<FlowMatchEuler>, &Arc<TokenMask>),
+        cfg: &TrueCfg,
+        feed: &dyn Fn() -> Result<Arc<LocalControl>>,
+    ) -> Result<[Tensor; 2]>
+    where
+        B::Tensor: Send + Sync,
+    {
+        let layout = TemplateLayout::for_model(&m.config, 256, s.steps(), storage);
+        let mut st = ModelStepper::unbounded(Arc::new(m), 4);
+        let to_end = |st: &mut ModelStepper<B>, id| -> Result<_> {
+            while !st.done(id) {
+                st.step(&[id])?;
+            }
+            st.finish(id)
+        };
+        st.admit(
+            0,
+            inputs,
+            s.clone(),
+            Mode::Capture(TemplateCache::new(layout)?),
+        )?;
+        let cache = to_end(&mut st, 0)?
+            .1
+            .ok_or_else(|| Error::Invalid("a capture returned no template".into()))?;
+        let cache = Arc::new(cache);
+        let edit = || Mode::Edit {
+            mask: mask.clone(),
+            cache: cache.clone(),
+        };
+        st.admit(1, inputs, s.clone(), edit())?;
+        st.set_control_feed(1, feed()?)?;
+        let controlled = to_end(&mut st, 1)?.0;
+        st.admit(2, inputs, s.clone(), edit())?;
+        st.set_true_cfg(2, inputs, cfg)?;
+        Ok([controlled, to_end(&mut st, 2)?.0])
+    }
+    let dir = tiny_model_dir().join("transformer");
+    let args = (&inputs, &s, &mask);
+    let cpu = FluxTransformer::load(CpuBackend::new(), &dir)?;
+    let want = run((cpu, DType::F32), args, &cfg, &feed)?;
+    let mut out = Vec::new();
+    for (dt, tol) in [(Dt::F32, IDENTITY_TOL_F32), (Dt::Bf16, IDENTITY_TOL_BF16)] {
+        let m = FluxTransformer::load(GpuBackend::new(make()?, dt), &dir)?;
+        let storage = m.backend().storage_dtype();
+        let got = run((m, storage), args, &cfg, &feed)?;
+        for ((what, g), w) in ["ControlNets", "true CFG"].iter().zip(&got).zip(&want) {
+            let scale = w.data().iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = g.max_abs_diff(w)? / scale;
+            out.push(Check::within(
+                format!("template edit with {what} vs the CPU ({dt:?})"),
+                "rel diff",
+                d as f64,
+                tol,
+            ));
+        }
+    }
+    Ok(out)
+}

@@ -41,6 +41,12 @@ fn emulated_gpu_loras_match_the_cpu() {
 }
 
 #[test]
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
+fn emulated_gpu_edits_with_controlnets_and_true_cfg_match_the_cpu() {
+    assert_all_pass(&selfcheck::edit_adapters(|| Ok(EmuExec::default())).unwrap());
+}
+
+#[test]
 fn gpu_identity_invariant() {
     if let Err(e) = CudaExec::new(0) {
         println!("skipping the GPU run: {e}");

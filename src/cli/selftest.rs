@@ -6,6 +6,8 @@
 //! - `vae`: the VAE's dense encode and decode against diffusers' fixtures, f32 and bf16;
 //! - `text`: CLIP and T5 against transformers' fixtures, f32 and bf16;
 //! - `identity`: the identity invariant with the template resident and streamed;
+//! - `lora`: LoRAs unmerged in a mixed batch and merged, against the CPU;
+//! - `edit-adapters`: ControlNets and true CFG on a template edit, against the CPU;
 //! - `daemon`: a real `denoised serve` on the device, over HTTP: a template, an edit
 //!   whose pixels outside the mask are untouched, and the identity invariant through
 //!   the daemon (two empty-mask edits with different prompts and seeds are equal);
@@ -13,7 +15,7 @@
 //!   text tokens), full and mask-aware at m = 0.1, 0.2, 0.4 (seeded weights);
 //! - `bench-attn`: the masked-query attention op at FLUX.1's shape.
 //!
-//! The first five are the library checks the test suite runs on the emulator
+//! The first seven are the library checks the test suite runs on the emulator
 //! (`denoised_cuda::selfcheck`, `denoised::selfcheck`), so a GPU is held to exactly
 //! what CI holds the emulator to. `--device emu` runs everything on the emulator,
 //! with the benchmarks at the tiny model's size (their timings mean nothing there):
@@ -43,18 +45,20 @@ pub enum Part {
     Text,
     Identity,
     Lora,
+    EditAdapters,
     Daemon,
     BenchStep,
     BenchAttn,
 }
 
-const ALL: [Part; 9] = [
+const ALL: [Part; 10] = [
     Part::Kernels,
     Part::Transformer,
     Part::Vae,
     Part::Text,
     Part::Identity,
     Part::Lora,
+    Part::EditAdapters,
     Part::Daemon,
     Part::BenchStep,
     Part::BenchAttn,
@@ -211,6 +215,8 @@ fn run_part(part: Part, target: Target) -> CliResult<Vec<Check>> {
         (Part::Identity, Target::Cuda(n)) => model_checks::identity(|| cuda(n))?,
         (Part::Lora, Target::Emu) => model_checks::lora(emu)?,
         (Part::Lora, Target::Cuda(n)) => model_checks::lora(|| cuda(n))?,
+        (Part::EditAdapters, Target::Emu) => model_checks::edit_adapters(emu)?,
+        (Part::EditAdapters, Target::Cuda(n)) => model_checks::edit_adapters(|| cuda(n))?,
         (Part::Daemon, t) => daemon(t)?,
         (Part::BenchStep, t) => bench_steps(t)?,
         (Part::BenchAttn, t) => bench_attention(t)?,

@@ -255,8 +255,8 @@ impl<T> Job<T> {
         matches!(self.mode, Mode::Full)
     }
 
-    /// Adds true CFG's negative branch to a full run or an edit, before its first
-    /// step: `inputs` are the job's own (its computed image rows are the negative
+    /// Adds true CFG's negative branch to a full run or an edit, before it steps:
+    /// `inputs` are the job's own (its computed image rows are the negative
     /// branch's too). An edit's negative branch computes its active rows against the
     /// same template as the positive one (the unmasked tokens' cached K/V: the shared
     /// context, as the positive branch reads it).
@@ -266,13 +266,12 @@ impl<T> Job<T> {
         inputs: &DenoiseInputs,
         cfg: &TrueCfg,
     ) -> Result<()> {
-        if matches!(self.mode, Mode::Capture(_))
-            || self.step != 0
-            || !cfg.scale.is_finite()
-            || self.partner.is_some()
+        // A full run may have resumed from an approximate-cache state (a later step):
+        // its image rows are the negative branch's there too.
+        if matches!(self.mode, Mode::Capture(_)) || !cfg.scale.is_finite() || self.partner.is_some()
         {
             return Err(Error::Invalid(
-                "true CFG runs on full runs and edits (not captures), from their first step, with a finite scale".into(),
+                "true CFG runs on full runs and edits (not captures), with a finite scale".into(),
             ));
         }
         let (c, k) = (inputs.latents.cols(), inputs.cond.cols());
