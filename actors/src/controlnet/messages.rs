@@ -19,8 +19,8 @@ pub struct WireControlNet {
     pub scale: f64,
 }
 
-/// router → controlnet: start a generation's or an edit's residual stream (after preprocessing:
-/// its text embeddings are read from the preprocess worker's arena).
+/// router → controlnet: start a generation's or an edit's residual stream (after
+/// preprocessing: its text embeddings are read from the preprocess worker's arena).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ControlStart {
     pub job: JobId,

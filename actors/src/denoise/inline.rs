@@ -86,15 +86,9 @@ pub fn submit(
         // The baseline runs the VAE dense ([pipeline] sparse_vae is the disaggregated
         // workers').
         let max_pixels = req.prepare.max_pixels as usize;
-        let built = stages::prepare(
-            &p,
-            &image,
-            mask,
-            params,
-            max_pixels,
-            (Default::default(), None),
-        )
-        .and_then(|s1| {
+        // No template traces (a dense VAE) and no negative prompt (no true CFG).
+        let none = (Default::default(), None);
+        let built = stages::prepare(&p, &image, mask, params, max_pixels, none).and_then(|s1| {
             let n = s1.token_mask.len();
             let schedule = FlowMatchEuler::new(&p.scheduler, params.steps as usize, n)
                 .map_err(|e| WireError::bad_input(e.to_string()))?;

@@ -27,6 +27,7 @@
 
 pub mod disk;
 pub mod index;
+pub mod messages;
 pub mod noise;
 
 use std::collections::HashMap;
