@@ -6,6 +6,7 @@ use denoised_runtime::fixtures::RefCase;
 use denoised_runtime::Tensor;
 
 use crate::flux::edit::DenoiseInputs;
+use crate::mask::TokenMask;
 
 /// `[1, N, C]` → `[N, C]`.
 fn squeeze(t: Tensor) -> Tensor {
@@ -38,4 +39,16 @@ pub fn e2e_denoise_inputs(case: &RefCase) -> DenoiseInputs {
         pooled: case.tensor("pooled_prompt_embeds").into_data(),
         guidance: case.tensor("guidance").data()[0],
     }
+}
+
+/// The case's 64x64 mask (soft edges, binarised at 0.5) as 4x4-pixel tokens, grown by
+/// `dilation` tokens.
+pub fn e2e_token_mask(case: &RefCase, dilation: usize) -> TokenMask {
+    let px: Vec<bool> = case
+        .tensor("mask_image")
+        .data()
+        .iter()
+        .map(|&v| v >= 0.5)
+        .collect();
+    TokenMask::from_pixels(&px, 64, 64, 4, dilation).expect("the e2e mask's shape")
 }

@@ -136,14 +136,7 @@ fn rel(a: &Tensor, b: &Tensor) -> f32 {
 }
 
 fn e2e_mask() -> TokenMask {
-    let case = RefCase::open("e2e").unwrap();
-    let px: Vec<bool> = case
-        .tensor("mask_image")
-        .data()
-        .iter()
-        .map(|&v| v >= 0.5)
-        .collect();
-    TokenMask::from_pixels(&px, 64, 64, 4, 0).unwrap()
+    denoised_models::fixtures::e2e_token_mask(&RefCase::open("e2e").unwrap(), 0)
 }
 
 #[test]

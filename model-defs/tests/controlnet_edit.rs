@@ -20,6 +20,7 @@
 
 use std::sync::Arc;
 
+use denoised_models::fixtures::e2e_token_mask;
 use denoised_models::flux::control_feed::{
     ControlFeed, ControlInputs, ControlUse, FeedControl, LocalControl,
 };
@@ -147,13 +148,6 @@ fn rel(a: &Tensor, b: &Tensor) -> f32 {
 fn masks() -> Vec<(&'static str, TokenMask)> {
     let mut one = vec![false; N];
     one[7 * 16 + 9] = true;
-    let case = RefCase::open("e2e").unwrap();
-    let px: Vec<bool> = case
-        .tensor("mask_image")
-        .data()
-        .iter()
-        .map(|&v| v >= 0.5)
-        .collect();
     let ring: Vec<bool> = (0..N)
         .map(|i| {
             let (r, c) = (i / 16, i % 16);
@@ -168,7 +162,7 @@ fn masks() -> Vec<(&'static str, TokenMask)> {
         ("one token", TokenMask::from_tokens(16, 16, &one).unwrap()),
         (
             "e2e mask",
-            TokenMask::from_pixels(&px, 64, 64, 4, 0).unwrap(),
+            e2e_token_mask(&RefCase::open("e2e").unwrap(), 0),
         ),
         ("irregular", TokenMask::from_tokens(16, 16, &ring).unwrap()),
         ("full", TokenMask::full(16, 16)),

@@ -17,6 +17,7 @@
 
 use std::sync::Arc;
 
+use denoised_models::fixtures::e2e_token_mask;
 use denoised_models::flux::edit::{
     run_to_end, step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode,
 };
@@ -97,17 +98,6 @@ fn edit(mask: &TokenMask, cache: &Arc<TemplateCache>) -> Mode {
 /// max |a - b| / max |b|.
 fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
     a.max_abs_diff(b).unwrap() / b.data().iter().fold(0.0f32, |m, v| m.max(v.abs()))
-}
-
-/// The e2e case's 64x64 mask (soft edges, binarised at 0.5) as 4x4-pixel tokens.
-fn e2e_token_mask(case: &RefCase, dilation: usize) -> TokenMask {
-    let px: Vec<bool> = case
-        .tensor("mask_image")
-        .data()
-        .iter()
-        .map(|&v| v >= 0.5)
-        .collect();
-    TokenMask::from_pixels(&px, 64, 64, 4, dilation).unwrap()
 }
 
 fn masks(case: &RefCase) -> Vec<(&'static str, TokenMask)> {

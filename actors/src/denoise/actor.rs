@@ -16,6 +16,7 @@
 //! and finishes requests itself, as `LoopCommand::Run` work on the loop thread between
 //! steps (see [`super::inline`]).
 
+use denoised_models::flux::control_feed::ControlFeed;
 use denoised_models::flux::edit::CfgPartner;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
@@ -247,7 +248,7 @@ impl DenoiseState {
     fn control_feed(
         &self,
         c: &crate::wire::ControlStreamRef,
-    ) -> Result<Arc<dyn denoised_models::flux::control_feed::ControlFeed>, WireError> {
+    ) -> Result<Arc<dyn ControlFeed>, WireError> {
         use crate::controlnet::stream::{Stream, StreamFeed};
         let (slice, owner) = self.shm.host_slice_rw(&c.slot)?;
         let stream =
@@ -259,21 +260,26 @@ impl DenoiseState {
         )))
     }
 
-    /// True CFG's negative branch, read out of the preprocess arena.
-    fn true_cfg(
+    /// What steers a request besides its prompt: true CFG's negative branch (read out
+    /// of the preprocess arena) and its ControlNets' residual stream.
+    #[allow(clippy::type_complexity)]
+    fn steering(
         &self,
         cfg: &Option<(crate::wire::NegativeHandles, f32)>,
-    ) -> Result<Option<Box<TrueCfg>>, WireError> {
+        stream: &Option<crate::wire::ControlStreamRef>,
+    ) -> Result<(Option<Box<TrueCfg>>, Option<Arc<dyn ControlFeed>>), WireError> {
+        let control = stream.as_ref().map(|c| self.control_feed(c)).transpose()?;
         let Some((n, scale)) = cfg else {
-            return Ok(None);
+            return Ok((None, control));
         };
         let txt = self.shm.read_tensor(&n.txt)?;
-        Ok(Some(Box::new(TrueCfg {
+        let cfg = TrueCfg {
             txt_ids: Tensor::zeros([txt.rows(), 3]),
             txt,
             pooled: self.shm.read_tensor(&n.pooled)?.into_data(),
             scale: *scale,
-        })))
+        };
+        Ok((Some(Box::new(cfg)), control))
     }
 
     /// Builds the loop request of a call: inputs copied out of the preprocess arena,
@@ -291,10 +297,7 @@ impl DenoiseState {
                 true_cfg: cfg,
                 control: stream,
             } => {
-                true_cfg = self.true_cfg(cfg)?;
-                if let Some(c) = stream {
-                    control = Some(self.control_feed(c)?);
-                }
+                (true_cfg, control) = self.steering(cfg, stream)?;
                 Mode::Full
             }
             DenoiseWork::Generate {
@@ -310,12 +313,9 @@ impl DenoiseState {
                         .map_err(|e| WireError::internal(e.to_string()))?;
                     partner = Some(Arc::new(pair) as Arc<dyn CfgPartner>);
                 }
-                if let Some(c) = stream {
-                    control = Some(self.control_feed(c)?);
-                }
+                (true_cfg, control) = self.steering(cfg, stream)?;
                 start_at = *k as usize;
                 store_at = ks.iter().map(|&k| k as usize).collect();
-                true_cfg = self.true_cfg(cfg)?;
                 Mode::Full
             }
             DenoiseWork::Capture { mode, step_stride } => {
@@ -335,10 +335,7 @@ impl DenoiseState {
                 true_cfg: cfg,
                 control: stream,
             } => {
-                true_cfg = self.true_cfg(cfg)?;
-                if let Some(c) = stream {
-                    control = Some(self.control_feed(c)?);
-                }
+                (true_cfg, control) = self.steering(cfg, stream)?;
                 Mode::Edit {
                     mask: Arc::new(token_mask(req.rows, req.cols, &req.active)?),
                     cache: self.template(template, req)?,
