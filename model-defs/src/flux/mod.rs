@@ -17,6 +17,7 @@ mod host;
 mod inactive;
 pub mod lora;
 pub mod model;
+mod observer;
 mod packing;
 pub mod plan;
 pub mod request;
