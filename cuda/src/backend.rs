@@ -14,12 +14,14 @@ use denoised_runtime::backend::{stacked_shape, AttnSeq, Backend, Modulation};
 use denoised_runtime::{Conv2dOpts, TextMask};
 use denoised_runtime::{DType, Error, HostMemory, HostSlice, Result, SlabProvider, Stored, Tensor};
 
-use crate::exec::{Dt, Exec, Gemm, Grid};
+use crate::exec::{Dt, Exec, Grid};
 use crate::host::HostIo;
 use crate::params::*;
 pub use crate::tensor::GpuTensor;
 use crate::tensor::{from_bytes, to_bytes};
 use crate::CudaError;
+
+mod gemm;
 
 pub struct GpuBackend<E: Exec> {
     /// Shared with the template streams, which queue loads on the same device.
@@ -144,80 +146,6 @@ impl<E: Exec> GpuBackend<E> {
 
     pub(crate) fn launch<P: KernelParams>(&self, name: &'static str, g: Grid, p: &P) -> Result<()> {
         self.exec.launch(name, g, p).map_err(dev)
-    }
-
-    /// One GEMM over the column block `cols` of `x` and the output features `outs` of
-    /// `w` (all of them, or the row block a Y-mode step recomputes: the weight is
-    /// `[out, in]` row-major, so a block of outputs is read in place at an offset),
-    /// with the bias and GELU epilogues.
-    fn gemm(
-        &self,
-        x: &GpuTensor<E>,
-        cols: Range<usize>,
-        w: &GpuTensor<E>,
-        outs: Option<Range<usize>>,
-        b: Option<&GpuTensor<E>>,
-        gelu: bool,
-    ) -> Result<GpuTensor<E>> {
-        let (n, kx) = matrix("linear", x)?;
-        let (m, k) = matrix("linear", w)?;
-        let outs = outs.unwrap_or(0..m);
-        if cols.end > kx || cols.len() != k || outs.end > m || b.is_some_and(|b| b.len() != m) {
-            return Err(Error::shape(
-                "linear",
-                format!(
-                    "x {:?} columns {cols:?} against outputs {outs:?} of weight {:?}",
-                    x.shape, w.shape
-                ),
-            ));
-        }
-        let out = self.empty(vec![n, outs.len()])?;
-        let sz = self.dt.size() as u64;
-        if n > 0 && !outs.is_empty() {
-            self.exec
-                .gemm(&Gemm {
-                    dt: self.dt,
-                    n,
-                    m: outs.len(),
-                    k,
-                    x: x.addr + cols.start as u64 * sz,
-                    ldx: kx,
-                    w: w.addr + (outs.start * k) as u64 * sz,
-                    bias: b.map(|b| b.addr + outs.start as u64 * sz),
-                    gelu,
-                    out: out.addr,
-                })
-                .map_err(dev)?;
-        }
-        Ok(out)
-    }
-
-    fn seg_table(
-        &self,
-        op: &'static str,
-        m: &Modulation<'_, GpuTensor<E>>,
-        rows: usize,
-        width: usize,
-    ) -> Result<(u64, i32)> {
-        let t = m.table;
-        if m.seg.len() != rows || (m.chunk + 1) * width > t.cols() {
-            return Err(Error::shape(
-                op,
-                format!(
-                    "{} segment ids for {rows} rows; chunk {} of width {width} in a table of width {}",
-                    m.seg.len(),
-                    m.chunk,
-                    t.cols()
-                ),
-            ));
-        }
-        if let Some(bad) = m.seg.iter().find(|&&s| s as usize >= t.rows()) {
-            return Err(Error::shape(op, format!("segment {bad} of {}", t.rows())));
-        }
-        Ok((
-            t.addr + (m.chunk * width * self.dt.size()) as u64,
-            t.cols() as i32,
-        ))
     }
 }
 
