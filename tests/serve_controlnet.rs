@@ -29,10 +29,42 @@ fn generate(d: &Daemon, controlnets: Value) -> (u16, Value) {
     )
 }
 
-fn cli_generate(model: &str, controlnets: &[(&str, &str, f32)], extra: &[&str]) -> Vec<u8> {
+/// A ControlNet of a request: its name, control image and scale.
+type Net = (&'static str, &'static str, f32);
+
+const SINGLE: [Net; 1] = [("canny-tiny", "control_a.png", 0.7)];
+const MULTI: [Net; 2] = [
+    ("canny-tiny", "control_a.png", 0.7),
+    ("depth-tiny", "control_b.png", 0.5),
+];
+
+/// `nets` as a request's `controlnets`.
+fn nets_json(nets: &[Net]) -> Value {
+    let v: Vec<Value> = nets
+        .iter()
+        .map(|(id, img, scale)| json!({"id": id, "image": control(img), "scale": scale}))
+        .collect();
+    Value::Array(v)
+}
+
+/// `nets` as the CLI's `--controlnet DIR:IMAGE:SCALE` flags.
+fn nets_args(nets: &[Net]) -> Vec<String> {
+    let dir = fixtures().join("controlnets");
+    nets.iter()
+        .flat_map(|(n, i, scale)| {
+            let spec = format!(
+                "{}:{}:{scale}",
+                dir.join(n).display(),
+                dir.join(i).display()
+            );
+            ["--controlnet".to_string(), spec]
+        })
+        .collect()
+}
+
+fn cli_generate(model: &str, controlnets: &[Net], extra: &[&str]) -> Vec<u8> {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("cli.png");
-    let nets = fixtures().join("controlnets");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_denoised"));
     cmd.args(["generate", "--model", model, "--prompt", PROMPT])
         .args([
@@ -44,13 +76,8 @@ fn cli_generate(model: &str, controlnets: &[(&str, &str, f32)], extra: &[&str]) 
             "--out",
             out.to_str().unwrap(),
         ]);
-    for (net, image, scale) in controlnets {
-        let n = nets.join(net);
-        let i = nets.join(image);
-        cmd.arg("--controlnet")
-            .arg(format!("{}:{}:{scale}", n.display(), i.display()));
-    }
     let o = cmd
+        .args(nets_args(controlnets))
         .args(extra)
         .env("DENOISED_LOG", "warn")
         .output()
@@ -94,12 +121,12 @@ fn controlnet_service_streams_residuals_equal_to_the_cli_and_its_lru_evicts() {
 
     let (s, plain) = generate(&d, json!([]));
     assert_eq!(s, 200, "{plain}");
-    let single = json!([{"id": "canny-tiny", "image": control("control_a.png"), "scale": 0.7}]);
+    let single = nets_json(&SINGLE);
     let (s, v) = generate(&d, single.clone());
     assert_eq!(s, 200, "{v}");
     assert_ne!(image(&v), image(&plain), "the ControlNet changes the image");
     let model = model.to_str().unwrap();
-    let cli = cli_generate(model, &[("canny-tiny", "control_a.png", 0.7)], &[]);
+    let cli = cli_generate(model, &SINGLE, &[]);
     assert!(
         image(&v) == cli,
         "single: the streamed service differs from the CLI"
@@ -111,20 +138,10 @@ fn controlnet_service_streams_residuals_equal_to_the_cli_and_its_lru_evicts() {
     assert!(image(&again) == cli);
     assert_eq!(loads(&d), 1.0, "a ControlNet in memory is not loaded again");
 
-    let multi = json!([
-        {"id": "canny-tiny", "image": control("control_a.png"), "scale": 0.7},
-        {"id": "depth-tiny", "image": control("control_b.png"), "scale": 0.5},
-    ]);
+    let multi = nets_json(&MULTI);
     let (s, v) = generate(&d, multi);
     assert_eq!(s, 200, "{v}");
-    let cli = cli_generate(
-        model,
-        &[
-            ("canny-tiny", "control_a.png", 0.7),
-            ("depth-tiny", "control_b.png", 0.5),
-        ],
-        &[],
-    );
+    let cli = cli_generate(model, &MULTI, &[]);
     assert!(
         image(&v) == cli,
         "multi: the streamed service differs from the CLI"
@@ -191,18 +208,14 @@ fn controlnet_service_streams_residuals_equal_to_the_cli_and_its_lru_evicts() {
 #[test]
 fn edits_with_controlnets_equal_the_cli() {
     let model = fixtures().join("flux-fill-tiny");
-    let nets_dir = fixtures().join("controlnets");
-    let nets = &nets_dir;
+    let nets = fixtures().join("controlnets");
     let (_cfg, d) = Daemon::with_config(&format!(
         "[model]\nsource = {:?}\n[workers]\ncontrolnet = 1\n[adapters]\ncontrolnets_dir = {:?}\n",
         model.to_str().unwrap(),
         nets.to_str().unwrap(),
     ));
     d.template("room", 4);
-    let multi = json!([
-        {"id": "canny-tiny", "image": control("control_a.png"), "scale": 0.7},
-        {"id": "depth-tiny", "image": control("control_b.png"), "scale": 0.5},
-    ]);
+    let multi = nets_json(&MULTI);
     let edit = |source: Value, controlnets: &Value| {
         let mut body = json!({
             "mask": mask_b64(), "prompt": "a cat", "seed": 5, "steps": 4,
@@ -233,19 +246,8 @@ fn edits_with_controlnets_equal_the_cli() {
     let tdir = dir.path().join("tpl");
     cli::capture_room(&model, &tdir);
     let with_nets = |args: &[&str]| -> Vec<String> {
-        let nets = [
-            ("canny-tiny", "control_a.png", 0.7),
-            ("depth-tiny", "control_b.png", 0.5),
-        ];
         let mut a: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        for (n, i, s) in nets {
-            a.push("--controlnet".into());
-            a.push(format!(
-                "{}:{}:{s}",
-                nets_dir.join(n).display(),
-                nets_dir.join(i).display()
-            ));
-        }
+        a.extend(nets_args(&MULTI));
         a
     };
     let cli = cli::edit_cat(&model, &with_nets(&["--template", cli::s(&tdir)]));
@@ -302,20 +304,10 @@ fn streamed_residuals_on_the_emulated_gpu_equal_the_cli_there() {
         model.to_str().unwrap(),
         nets.to_str().unwrap(),
     ));
-    let multi = json!([
-        {"id": "canny-tiny", "image": control("control_a.png"), "scale": 0.7},
-        {"id": "depth-tiny", "image": control("control_b.png"), "scale": 0.5},
-    ]);
+    let multi = nets_json(&MULTI);
     let (s, v) = generate(&d, multi);
     assert_eq!(s, 200, "{v}");
-    let cli = cli_generate(
-        model.to_str().unwrap(),
-        &[
-            ("canny-tiny", "control_a.png", 0.7),
-            ("depth-tiny", "control_b.png", 0.5),
-        ],
-        &["--device", "emu"],
-    );
+    let cli = cli_generate(model.to_str().unwrap(), &MULTI, &["--device", "emu"]);
     assert!(
         image(&v) == cli,
         "emu: the streamed service differs from the CLI"

@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -24,48 +23,13 @@ fn template_edit_equals_the_cli_on_the_same_inputs() {
     assert!(v["active_tokens"].as_u64().unwrap() < v["tokens"].as_u64().unwrap());
     let served = edit_image(&v);
 
+    // The CLI on the built-in model, as the daemon serves it.
     let dir = tempfile::tempdir().unwrap();
     let tdir = dir.path().join("tpl");
-    let out = dir.path().join("out.png");
-    let run = |args: &[&str]| {
-        let o = Command::new(env!("CARGO_BIN_EXE_denoised"))
-            .args(args)
-            .env("DENOISED_LOG", "warn")
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    };
-    let input = case("e2e_input.png");
-    let mask = case("e2e_mask.png");
-    run(&[
-        "template",
-        "capture",
-        "--image",
-        input.to_str().unwrap(),
-        "--steps",
-        "4",
-        "--seed",
-        "3",
-        "--prompt",
-        "a room",
-        "--out",
-        tdir.to_str().unwrap(),
-    ]);
-    run(&[
-        "edit",
-        "--template",
-        tdir.to_str().unwrap(),
-        "--mask",
-        mask.to_str().unwrap(),
-        "--prompt",
-        "a cat",
-        "--seed",
-        "5",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    let cli = std::fs::read(&out).unwrap();
-    assert_eq!(png(&served), png(&cli), "daemon and CLI images differ");
+    let builtin = std::path::Path::new("builtin");
+    cli::capture_room(builtin, &tdir);
+    let cli = cli::edit_cat(builtin, &["--template".into(), cli::s(&tdir).into()]);
+    assert!(png(&served).data == cli, "daemon and CLI images differ");
 }
 
 /// `[pipeline] sparse_vae`: the capture stores the template's VAE traces with it (in
