@@ -18,6 +18,8 @@
 //! here in f64, which is closer to exact than PyTorch's own f32 sums), then per channel
 //! `y = x*scale + shift` with `scale = rstd*gamma`, `shift = beta - mean*scale`.
 
+use std::cell::RefCell;
+
 use rayon::prelude::*;
 
 use super::simd::{self, multiversion};
@@ -152,9 +154,8 @@ pub fn conv2d(
     let dst = SharedOut(out.as_mut_ptr());
     let (xd, wdat) = (x.data(), w.data());
     let (bias, add) = (bias.map(|t| t.data()), add.map(|t| t.data()));
-    (0..b * bands)
-        .into_par_iter()
-        .for_each_init(Vec::<f32>::new, |col, task| {
+    (0..b * bands).into_par_iter().for_each(|task| {
+        with_scratch(|[col, ..]| {
             let (bi, band) = (task / bands, task % bands);
             let oy0 = band * rows_per_band;
             let oy1 = (oy0 + rows_per_band).min(oh);
@@ -198,7 +199,8 @@ pub fn conv2d(
             // weight; dst element (i, o) = ob[o*p + i] inside this task's columns of
             // `out`, which no other task touches.
             unsafe { patches_times_weight(np, co, k, ob, p, init, rhs.0, rhs.1, wdat.as_ptr()) };
-        });
+        })
+    });
     Tensor::new(out_shape, out)
 }
 
@@ -291,15 +293,78 @@ fn im2col(x: &[f32], g: &Geometry, oy0: usize, oy1: usize, col: &mut [f32]) {
                     if lo == hi {
                         continue;
                     }
-                    let ix0 = lo * s + kx - g.pad_left;
-                    if s == 1 && g.up == 1 {
-                        dst[lo..hi].copy_from_slice(&src[ix0..ix0 + (hi - lo)]);
-                    } else {
-                        for (j, d) in dst[lo..hi].iter_mut().enumerate() {
-                            *d = src[(ix0 + j * s) / g.up];
-                        }
-                    }
+                    spread_row(&mut dst[lo..hi], src, lo * s + kx - g.pad_left, s, g.up);
                 }
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// Each thread's scratch for the convolutions (patch matrices, input windows,
+    /// output blocks), kept from call to call: rayon's `for_each_init` makes new
+    /// buffers per split, and a multi-MB patch matrix made anew faults its pages in
+    /// again (measured: a tenth of a sparse layer's time went to page faults and frees).
+    static SCRATCH: RefCell<[Vec<f32>; 3]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
+}
+
+/// Runs `f` with this thread's convolution scratch. Not re-entrant: `f` must not run
+/// a convolution itself (the convolutions' GEMMs are single-threaded, so none does).
+pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut [Vec<f32>; 3]) -> R) -> R {
+    SCRATCH.with(|s| f(&mut s.borrow_mut()))
+}
+
+/// `dst.copy_from_slice(src)` for the short rows of a sparse layer's runs (a few to
+/// a few tens of values): in fixed blocks the compiler keeps inline, where
+/// `copy_from_slice` calls `memcpy`, whose call and size dispatch cost more than
+/// such a copy itself (profiled: a sixth of a sparse convolution's time).
+#[inline]
+pub(crate) fn copy_short(dst: &mut [f32], src: &[f32]) {
+    assert_eq!(dst.len(), src.len(), "copy_short of unequal slices");
+    let mut d = dst.chunks_exact_mut(16);
+    let mut s = src.chunks_exact(16);
+    for (d, s) in (&mut d).zip(&mut s) {
+        let s: &[f32; 16] = s.try_into().expect("chunks of 16");
+        let d: &mut [f32; 16] = d.try_into().expect("chunks of 16");
+        *d = *s;
+    }
+    for (d, s) in d.into_remainder().iter_mut().zip(s.remainder()) {
+        *d = *s;
+    }
+}
+
+/// `dst[j] = src[(u0 + j * s) / up]`: one im2col row segment of a convolution with
+/// stride `s` on an input upsampled `up` times (nearest), `u0` in upsampled
+/// coordinates. The common cases are copies (a division per element made the
+/// upsampling convolutions' im2col cost as much as their GEMM).
+pub(crate) fn spread_row(dst: &mut [f32], src: &[f32], u0: usize, s: usize, up: usize) {
+    match (s, up) {
+        (1, 1) => copy_short(dst, &src[u0..u0 + dst.len()]),
+        (1, 2) => {
+            // Each source value twice, starting at its second copy when u0 is odd.
+            let (mut d, mut i) = (&mut dst[..], u0 / 2);
+            if u0 % 2 == 1 && !d.is_empty() {
+                d[0] = src[i];
+                d = &mut d[1..];
+                i += 1;
+            }
+            let n = d.len() / 2;
+            for (p, &v) in d.chunks_exact_mut(2).zip(&src[i..i + n]) {
+                p[0] = v;
+                p[1] = v;
+            }
+            if d.len() % 2 == 1 {
+                d[2 * n] = src[i + n];
+            }
+        }
+        (_, 1) => {
+            for (j, d) in dst.iter_mut().enumerate() {
+                *d = src[u0 + j * s];
+            }
+        }
+        _ => {
+            for (j, d) in dst.iter_mut().enumerate() {
+                *d = src[(u0 + j * s) / up];
             }
         }
     }
@@ -580,6 +645,21 @@ mod tests {
             }
             let expect = Tensor::new(want.shape().to_vec(), expect).unwrap();
             assert!(got.max_abs_diff(&expect).unwrap() < 1e-5, "case {i} (add)");
+        }
+    }
+
+    #[test]
+    fn spread_row_is_the_strided_upsampled_gather() {
+        let src: Vec<f32> = (0..20).map(|v| v as f32).collect();
+        for (s, up) in [(1, 1), (1, 2), (2, 1), (2, 2), (3, 2)] {
+            for u0 in 0..5 {
+                for len in 0..8 {
+                    let mut got = vec![-1.0; len];
+                    spread_row(&mut got, &src, u0, s, up);
+                    let want: Vec<f32> = (0..len).map(|j| src[(u0 + j * s) / up]).collect();
+                    assert_eq!(got, want, "stride {s}, up {up}, u0 {u0}, len {len}");
+                }
+            }
         }
     }
 

@@ -1,105 +1,48 @@
-//! Spatially sparse convolution (SIGE) on the CPU: a convolution evaluated only on the
-//! active tiles of its output, on top of a copy of a cached output.
+//! Spatially sparse convolution (SIGE) on the CPU: a convolution evaluated only at the
+//! region's pixels of its output, on top of a cached output.
 //!
 //! An edit changes its image only inside the mask, so at every layer of the VAE the
 //! activations differ from the template's only in a region: the mask grown by the
 //! receptive field of the layers so far ([`grow`]). A sparse layer starts from the
-//! template's cached output and recomputes the tiles of its output that the region
-//! touches ([`Tiles`]), with three things fused that a dense layer does in separate
-//! passes:
+//! template's cached output and recomputes the runs of region pixels in the tiles of
+//! its output that the region touches ([`Tiles`]; a tile is the unit a value is stored
+//! in, a run the unit of work, so the ragged edge of a region costs no MACs), with
+//! three things fused that a dense layer does in separate passes:
 //!
-//! - the **gather** reads each tile's input window (the tile's receptive field, clipped
-//!   to the image) once, applying the preceding GroupNorm as a per-channel scale and
-//!   shift and the SiLU on the way ([`PreAct`]); the zero padding of the convolution
-//!   stays zero, as in the dense layer, where the convolution pads its already
-//!   normalised input;
-//! - the **convolution** runs on the gathered window: im2col of the tile, then one GEMM
-//!   with the whole weight, the layout [`super::conv::conv2d`] uses (pixels as the GEMM's
-//!   rows, so the product lands column-major in the tile's NCHW planes);
-//! - the **scatter** writes the tile into the output, bias and the residual (read at the
-//!   tile's pixels) added in the same pass.
+//! - the **gather** reads the input window of a tile's runs (their receptive field,
+//!   clipped to the image) once, applying the preceding GroupNorm as a per-channel
+//!   scale and shift and the SiLU on the way ([`PreAct`]); the zero padding of the
+//!   convolution stays zero, as in the dense layer, where the convolution pads its
+//!   already normalised input;
+//! - the **convolution** runs on the gathered windows: im2col of the runs of a group
+//!   of consecutive tiles, then one GEMM with the whole weight, the layout
+//!   [`super::conv::conv2d`] uses (pixels as the GEMM's rows, so the product lands
+//!   column-major, channel by channel);
+//! - the **scatter** writes the runs into their tiles, bias and the residual (read at
+//!   the runs' pixels) added in the same pass, and the tiles' other pixels from the
+//!   cached output.
 //!
 //! Every geometry the FLUX VAE has is covered: 3x3 stride 1, 3x3 stride 2 with the
 //! (0,1,0,1) padding of diffusers' `Downsample2D`, nearest 2x upsampling folded into a
 //! 3x3 convolution (`Upsample2D`), and 1x1 shortcuts. GroupNorm statistics for the
 //! gather come from [`GroupSums`]: the template's (frozen, as the SIGE paper does), or
-//! updated exactly from the changed tiles' old and new values (incremental).
+//! updated exactly from the changed runs' old and new values (incremental).
 //!
 //! Only batches of one image: an edit is one image against one template.
 
 mod plane;
+mod tiles;
 
 pub use plane::{Plane, TileData};
+pub use tiles::{Run, Tiles};
 
 use rayon::prelude::*;
 
-use super::conv::{patches_times_weight, scale_shift_in_place, Conv2dOpts};
+use super::conv::{
+    patches_times_weight, scale_shift_in_place, spread_row, with_scratch, Conv2dOpts,
+};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-
-/// Square tiles of an `h x w` plane, the active ones listed in row-major order.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Tiles {
-    pub h: usize,
-    pub w: usize,
-    pub size: usize,
-    /// `(tile row, tile column)` of each active tile.
-    pub active: Vec<(usize, usize)>,
-}
-
-impl Tiles {
-    /// The tiles of an `h x w` plane holding any pixel of `region` (`[h * w]`,
-    /// row-major).
-    pub fn covering(region: &[bool], h: usize, w: usize, size: usize) -> Result<Tiles> {
-        if region.len() != h * w || size == 0 {
-            return Err(Error::shape(
-                "sparse tiles",
-                format!(
-                    "region of {} pixels for a {h}x{w} plane, tile size {size}",
-                    region.len()
-                ),
-            ));
-        }
-        let (th, tw) = (h.div_ceil(size), w.div_ceil(size));
-        let mut on = vec![false; th * tw];
-        for (i, _) in region.iter().enumerate().filter(|(_, &r)| r) {
-            on[(i / w / size) * tw + (i % w) / size] = true;
-        }
-        let active = (0..th * tw)
-            .filter(|&t| on[t])
-            .map(|t| (t / tw, t % tw))
-            .collect();
-        Ok(Tiles { h, w, size, active })
-    }
-
-    /// Every tile of the plane.
-    pub fn all(h: usize, w: usize, size: usize) -> Tiles {
-        let region = vec![true; h * w];
-        Tiles::covering(&region, h, w, size.max(1)).expect("a region of the plane's size")
-    }
-
-    /// Pixel rectangle `(y0, y1, x0, x1)` of active tile `i`, clipped to the plane.
-    pub fn rect(&self, i: usize) -> (usize, usize, usize, usize) {
-        let (ty, tx) = self.active[i];
-        let (y0, x0) = (ty * self.size, tx * self.size);
-        (
-            y0,
-            (y0 + self.size).min(self.h),
-            x0,
-            (x0 + self.size).min(self.w),
-        )
-    }
-
-    /// Pixels the active tiles cover.
-    pub fn pixels(&self) -> usize {
-        (0..self.active.len())
-            .map(|i| {
-                let (y0, y1, x0, x1) = self.rect(i);
-                (y1 - y0) * (x1 - x0)
-            })
-            .sum()
-    }
-}
 
 /// The output pixels of a convolution whose value depends on any input pixel of
 /// `region` (`[h * w]`): the region grown by the kernel (`k x k`) through the layer's
@@ -222,9 +165,10 @@ impl GroupSums {
         })
     }
 
-    /// Updates the sums with the recomputed tiles of a value (`new`) against the
-    /// cached values they replace (`old`, the tiles' plane; its own tiles, if it has
-    /// any, are not read).
+    /// Updates the sums with the recomputed runs of a value (`new`) against the cached
+    /// values they replace (`old`, the tiles' plane; its own tiles, if it has any, are
+    /// not read). A tile's pixels outside its runs must hold `old`'s values, as a
+    /// sparse layer leaves them.
     pub fn update(&mut self, old: Plane<'_>, new: &TileData) -> Result<()> {
         let Plane { c, h, w, .. } = old;
         if (new.c, new.tiles.h, new.tiles.w) != (c, h, w) || c % self.groups != 0 {
@@ -248,14 +192,16 @@ impl GroupSums {
             .map(|g| {
                 let (mut ds, mut dq) = (0.0f64, 0.0f64);
                 for i in 0..tiles.active.len() {
+                    // Only the runs changed: a tile's other pixels hold the cached
+                    // values.
                     let (y0, y1, x0, x1) = tiles.rect(i);
-                    let tw = x1 - x0;
+                    let (tw, tp) = (x1 - x0, (y1 - y0) * (x1 - x0));
                     let block = new.block(i);
                     for ch in g * cpg..(g + 1) * cpg {
-                        let rows = block[ch * (y1 - y0) * tw..].chunks_exact(tw);
-                        for (y, nrow) in (y0..y1).zip(rows) {
-                            let orow = &od[(ch * h + y) * w + x0..][..tw];
-                            let (s, q) = delta_sums(orow, nrow);
+                        for r in tiles.runs(i) {
+                            let orow = &od[(ch * h + r.y) * w + r.x0..][..r.len()];
+                            let at = ch * tp + (r.y - y0) * tw + r.x0 - x0;
+                            let (s, q) = delta_sums(orow, &block[at..at + r.len()]);
                             ds += s;
                             dq += q;
                         }
@@ -289,18 +235,33 @@ impl GroupSums {
     }
 }
 
-/// `(Σ (n - o), Σ (n² - o²))` in f64, over a row of old and new values.
+/// `(Σ (n - o), Σ (n² - o²))` in f64, over a row of old and new values: in four
+/// independent lanes, so the adds pipeline (one chain of f64 adds is latency-bound).
 fn delta_sums(old: &[f32], new: &[f32]) -> (f64, f64) {
-    old.iter().zip(new).fold((0.0, 0.0), |(s, q), (&o, &n)| {
+    let (mut s, mut q) = ([0.0f64; 4], [0.0f64; 4]);
+    let (oc, nc) = (old.chunks_exact(4), new.chunks_exact(4));
+    let tail = oc.remainder().iter().zip(nc.remainder());
+    for (o, n) in oc.zip(nc) {
+        for l in 0..4 {
+            let (o, n) = (o[l] as f64, n[l] as f64);
+            s[l] += n - o;
+            q[l] += n * n - o * o;
+        }
+    }
+    for (&o, &n) in tail {
         let (o, n) = (o as f64, n as f64);
-        (s + (n - o), q + (n * n - o * o))
-    })
+        s[0] += n - o;
+        q[0] += n * n - o * o;
+    }
+    (s.iter().sum(), q.iter().sum())
 }
 
-/// `conv2d(pre(x), w, bias) (+ residual)` at the active tiles of `tiles` (over the
-/// output plane), as [`TileData`]: the layer's output is then the cached output with
-/// these tiles over it. `x` is `[1, I, H, W]`, `w` `[O, I, k, k]`, `residual`
+/// `conv2d(pre(x), w, bias) (+ residual)` at the runs of `tiles` (over the output
+/// plane), as [`TileData`]: the layer's output is then the cached output with these
+/// tiles over it, and the tiles' pixels outside the runs keep `cached` (the layer's
+/// cached output). `x` is `[1, I, H, W]`, `w` `[O, I, k, k]`, `residual` and `cached`
 /// `[1, O, OH, OW]`.
+#[allow(clippy::too_many_arguments)]
 pub fn sparse_conv2d(
     x: Plane<'_>,
     w: &Tensor,
@@ -308,6 +269,7 @@ pub fn sparse_conv2d(
     opts: Conv2dOpts,
     pre: Option<PreAct<'_>>,
     residual: Option<Plane<'_>>,
+    cached: Plane<'_>,
     tiles: Tiles,
 ) -> Result<TileData> {
     const OP: &str = "sparse_conv2d";
@@ -323,12 +285,13 @@ pub fn sparse_conv2d(
     };
     let (oh, ow) = out_size(h, wd, k, opts);
     let want = [1, co, oh, ow];
-    if residual.is_some_and(|r| r.shape() != want) {
+    if residual.is_some_and(|r| r.shape() != want) || cached.shape() != want {
         return Err(Error::shape(
             OP,
             format!(
-                "residual {:?}, expected {want:?}",
-                residual.map(|r| r.shape())
+                "residual {:?} and cached output {:?}, expected {want:?}",
+                residual.map(|r| r.shape()),
+                cached.shape()
             ),
         ));
     }
@@ -356,92 +319,132 @@ pub fn sparse_conv2d(
     let wdat = w.data();
     let bias = bias.map(|b| b.data());
     let kk = ci * k * k;
-    // Consecutive tiles share one GEMM (a group's pixels are its rows), so small tiles
-    // do not mean small GEMMs; groups are sized like conv2d's bands, with enough of
-    // them for every thread.
+    // Consecutive tiles share one GEMM (their computed pixels are its rows), so small
+    // tiles and ragged ones do not mean small GEMMs.
     let groups = group_tiles(&tiles, kk);
-    // Each group computed into its own [O, group pixels] block, then copied tile by
-    // tile into the output's tiles.
-    let blocks: Vec<Vec<f32>> = groups
-        .par_iter()
-        .map_init(
-            || (Vec::<f32>::new(), Vec::<f32>::new()),
-            |(win, col), range| {
-                let rects: Vec<_> = range.clone().map(|i| tiles.rect(i)).collect();
-                let np: usize = rects.iter().map(|r| (r.1 - r.0) * (r.3 - r.2)).sum();
-                let mut block = vec![0.0f32; co * np];
-                col.resize(kk * np, 0.0);
-                let mut off = 0;
-                for &(y0, y1, x0, x1) in &rects {
-                    let tw = x1 - x0;
-                    for o in 0..co {
-                        let dst = &mut block[o * np + off..][..(y1 - y0) * tw];
-                        let bv = bias.map_or(0.0, |b| b[o]);
-                        match residual {
-                            Some(r) => {
-                                for (y, d) in (y0..y1).zip(dst.chunks_exact_mut(tw)) {
-                                    r.read_row(o, y, x0, x1, d);
-                                    d.iter_mut().for_each(|d| *d += bv);
-                                }
-                            }
-                            None => dst.fill(bv),
-                        }
-                    }
-                    let span = g.gather(x, pre, (y0, y1, x0, x1), win);
-                    g.im2col(win, span, (y0, y1, x0, x1), col, np, off);
-                    off += (y1 - y0) * tw;
-                }
-                // out[pixel, o] += patches[pixel, kk] @ w[o, kk]ᵀ, column-major in the
-                // block (see conv2d for the orientation).
-                // SAFETY: lhs (p, j) = col[j*np + p] for p < np, j < kk; rhs (j, o) =
-                // w[o*kk + j]; dst (p, o) = block[o*np + p]: all inside their buffers.
-                unsafe {
-                    patches_times_weight(
-                        np,
-                        co,
-                        kk,
-                        block.as_mut_ptr(),
-                        np,
-                        true,
-                        col.as_ptr(),
-                        np,
-                        wdat.as_ptr(),
-                    )
-                };
-                block
-            },
-        )
-        .collect();
     let mut out = TileData::new(tiles, co);
-    for (range, block) in groups.iter().zip(&blocks) {
-        let np = block.len() / co;
-        let mut off = 0;
-        for i in range.clone() {
-            let dst = out.block_mut(i);
-            let tp = dst.len() / co;
-            for (o, d) in dst.chunks_exact_mut(tp).enumerate() {
-                d.copy_from_slice(&block[o * np + off..][..tp]);
+    let (tiles, parts) = out.parts_mut(&groups);
+    parts.into_par_iter().zip(&groups).for_each(|(dst, range)| {
+        with_scratch(|[win, col, block]| {
+            let np: usize = range.clone().map(|i| tiles.computed_in(i)).sum();
+            block.clear();
+            block.resize(co * np, 0.0);
+            col.resize(kk * np, 0.0);
+            let mut off = 0;
+            for i in range.clone() {
+                let runs = tiles.runs(i);
+                for o in 0..co {
+                    let bv = bias.map_or(0.0, |b| b[o]);
+                    let mut at = o * np + off;
+                    for r in runs {
+                        let d = &mut block[at..at + r.len()];
+                        match residual {
+                            Some(res) => {
+                                res.read_row(o, r.y, r.x0, r.x1, d);
+                                d.iter_mut().for_each(|d| *d += bv);
+                            }
+                            None => d.fill(bv),
+                        }
+                        at += r.len();
+                    }
+                }
+                let span = g.gather(x, pre, bounds(runs), win);
+                g.im2col(win, span, runs, col, np, off);
+                off += tiles.computed_in(i);
             }
-            off += tp;
-        }
-    }
+            // out[pixel, o] += patches[pixel, kk] @ w[o, kk]ᵀ, column-major in the
+            // block (see conv2d for the orientation).
+            // SAFETY: lhs (p, j) = col[j*np + p] for p < np, j < kk; rhs (j, o) =
+            // w[o*kk + j]; dst (p, o) = block[o*np + p]: all inside their buffers.
+            unsafe {
+                patches_times_weight(
+                    np,
+                    co,
+                    kk,
+                    block.as_mut_ptr(),
+                    np,
+                    true,
+                    col.as_ptr(),
+                    np,
+                    wdat.as_ptr(),
+                )
+            };
+            scatter_runs(tiles, range.clone(), block, np, cached, dst);
+        })
+    });
     Ok(out)
 }
 
-/// Patch-matrix elements a group of tiles aims for (conv2d's band size: 1 MB of f32).
-const GROUP_ELEMS: usize = 1 << 18;
+/// Writes a group's computed pixels (`block`, `[co, np]`, run by run) into its tiles'
+/// storage (`dst`, the tiles' `[co, th, tw]` blocks one after another), the tiles'
+/// other pixels from `cached`.
+fn scatter_runs(
+    tiles: &Tiles,
+    range: std::ops::Range<usize>,
+    block: &[f32],
+    np: usize,
+    cached: Plane<'_>,
+    dst: &mut [f32],
+) {
+    let co = cached.c;
+    let (mut off, mut at) = (0, 0);
+    for i in range {
+        let (y0, y1, x0, x1) = tiles.rect(i);
+        let tw = x1 - x0;
+        let tp = (y1 - y0) * tw;
+        let tile = &mut dst[at..at + co * tp];
+        if !tiles.is_full(i) {
+            for (ch, plane) in tile.chunks_exact_mut(tp).enumerate() {
+                for (y, row) in (y0..y1).zip(plane.chunks_exact_mut(tw)) {
+                    cached.read_row(ch, y, x0, x1, row);
+                }
+            }
+        }
+        for (o, plane) in tile.chunks_exact_mut(tp).enumerate() {
+            let mut src = o * np + off;
+            for r in tiles.runs(i) {
+                let d = (r.y - y0) * tw + r.x0 - x0;
+                plane[d..d + r.len()].copy_from_slice(&block[src..src + r.len()]);
+                src += r.len();
+            }
+        }
+        off += tiles.computed_in(i);
+        at += co * tp;
+    }
+}
 
-/// Runs of consecutive active tiles, each about [`GROUP_ELEMS`] of patch matrix (`kk`
-/// rows per pixel), at least one tile, and enough runs for ~4 tasks per thread.
-fn group_tiles(tiles: &Tiles, kk: usize) -> Vec<std::ops::Range<usize>> {
+/// The bounding rectangle `(y0, y1, x0, x1)` of some runs.
+fn bounds(runs: &[Run]) -> (usize, usize, usize, usize) {
+    runs.iter()
+        .fold((usize::MAX, 0, usize::MAX, 0), |(y0, y1, x0, x1), r| {
+            (y0.min(r.y), y1.max(r.y + 1), x0.min(r.x0), x1.max(r.x1))
+        })
+}
+
+/// Computed pixels a group of tiles aims for: GEMM rows enough for the CPU GEMM's
+/// blocking (a 64-pixel GEMM already runs at dense speed on the VAE's 512-channel
+/// layers), few enough that the patch matrix stays in cache.
+const GROUP_PIXELS: usize = 256;
+
+/// Runs of consecutive active tiles of about [`GROUP_PIXELS`] computed pixels each (at
+/// least one tile), and enough runs for ~4 tasks per thread.
+fn group_tiles(tiles: &Tiles, _kk: usize) -> Vec<std::ops::Range<usize>> {
     let n = tiles.active.len();
-    let per_tile = tiles.size * tiles.size;
-    let by_size = (GROUP_ELEMS / (kk * per_tile).max(1)).max(1);
-    let by_tasks = n.div_ceil(4 * rayon::current_num_threads()).max(1);
-    let len = by_size.min(by_tasks);
-    (0..n.div_ceil(len))
-        .map(|g| g * len..((g + 1) * len).min(n))
-        .collect()
+    let by_tasks = tiles
+        .computed()
+        .div_ceil(4 * rayon::current_num_threads())
+        .max(1);
+    let target = GROUP_PIXELS.min(by_tasks);
+    let mut groups = Vec::new();
+    let (mut start, mut px) = (0, 0);
+    for i in 0..n {
+        px += tiles.computed_in(i);
+        if px >= target || i + 1 == n {
+            groups.push(start..i + 1);
+            (start, px) = (i + 1, 0);
+        }
+    }
+    groups
 }
 
 /// The input geometry of one sparse convolution.
@@ -474,7 +477,7 @@ impl Window {
         (lo.min(hi), hi)
     }
 
-    /// Copies the input window of output tile `(y0, y1, x0, x1)` into `win`
+    /// Copies the input window of the output rectangle `(y0, y1, x0, x1)` into `win`
     /// (`[ci, rows, cols]`), the GroupNorm and SiLU applied once per value.
     fn gather(
         &self,
@@ -506,24 +509,15 @@ impl Window {
         }
     }
 
-    /// im2col of output tile `(y0, y1, x0, x1)` from its gathered window: row
+    /// im2col of some runs of output pixels from their gathered window: row
     /// `(c, ky, kx)` of `col` holds, per output pixel, the (upsampled, zero-padded)
     /// input it multiplies with weight `[:, c, ky, kx]`.
-    /// The tile's pixels go to columns `off..` of `col`'s rows of length `ld`.
-    #[allow(clippy::too_many_arguments)]
-    fn im2col(
-        &self,
-        win: &[f32],
-        s: Span,
-        (y0, y1, x0, x1): (usize, usize, usize, usize),
-        col: &mut [f32],
-        ld: usize,
-        off: usize,
-    ) {
+    /// The runs' pixels go to columns `off..` of `col`'s rows of length `ld`.
+    fn im2col(&self, win: &[f32], s: Span, runs: &[Run], col: &mut [f32], ld: usize, off: usize) {
         let (rows, cols) = (s.y1 - s.y0, s.x1 - s.x0);
         let (hv, wv) = (self.h * self.up, self.w * self.up);
-        let np = (y1 - y0) * (x1 - x0);
-        let tw = x1 - x0;
+        let np: usize = runs.iter().map(Run::len).sum();
+        let st = self.stride;
         let mut dst_rows = col.chunks_exact_mut(ld).map(|r| &mut r[off..off + np]);
         for c in 0..self.ci {
             let wc = &win[c * rows * cols..(c + 1) * rows * cols];
@@ -532,33 +526,28 @@ impl Window {
                     let drow = dst_rows.next().expect("col sized for ci*k*k rows");
                     // Output columns whose input column `ox*s + kx - pad_left` is
                     // inside the image (the rest read the zero padding).
-                    let st = self.stride;
-                    let lo = self.pad_left.saturating_sub(kx).div_ceil(st).clamp(x0, x1);
-                    let hi = (wv + self.pad_left)
-                        .saturating_sub(kx)
-                        .div_ceil(st)
-                        .clamp(lo, x1);
-                    for (oy, dst) in (y0..y1).zip(drow.chunks_exact_mut(tw)) {
-                        let uy = (oy * st + ky).wrapping_sub(self.pad_top);
+                    let lo_all = self.pad_left.saturating_sub(kx).div_ceil(st);
+                    let hi_all = (wv + self.pad_left).saturating_sub(kx).div_ceil(st);
+                    let mut at = 0;
+                    for r in runs {
+                        let dst = &mut drow[at..at + r.len()];
+                        at += r.len();
+                        let uy = (r.y * st + ky).wrapping_sub(self.pad_top);
                         if uy >= hv {
                             dst.fill(0.0);
                             continue;
                         }
+                        let lo = lo_all.clamp(r.x0, r.x1);
+                        let hi = hi_all.clamp(lo, r.x1);
                         let src = &wc[(uy / self.up - s.y0) * cols..][..cols];
-                        dst[..lo - x0].fill(0.0);
-                        dst[hi - x0..].fill(0.0);
+                        dst[..lo - r.x0].fill(0.0);
+                        dst[hi - r.x0..].fill(0.0);
                         if lo == hi {
                             continue;
                         }
-                        let ux0 = lo * st + kx - self.pad_left;
-                        let d = &mut dst[lo - x0..hi - x0];
-                        if st == 1 && self.up == 1 {
-                            d.copy_from_slice(&src[ux0 - s.x0..][..hi - lo]);
-                        } else {
-                            for (j, d) in d.iter_mut().enumerate() {
-                                *d = src[(ux0 + j * st) / self.up - s.x0];
-                            }
-                        }
+                        // In upsampled coordinates from the window's first column.
+                        let u0 = lo * st + kx - self.pad_left - s.x0 * self.up;
+                        spread_row(&mut dst[lo - r.x0..hi - r.x0], src, u0, st, self.up);
                     }
                 }
             }

@@ -3,18 +3,16 @@
 
 use std::borrow::Cow;
 
-use denoised_runtime::backend::Rows;
-use denoised_runtime::cpu::attention::{self, Buf, Kv, KvBuf, Seq};
 use denoised_runtime::cpu::conv::{conv2d, group_norm};
-use denoised_runtime::cpu::matmul::{matmul, MatRef};
 use denoised_runtime::cpu::sparse_conv::{
-    sparse_conv2d, GroupSums, Plane, PreAct, TileData, Tiles,
+    sparse_conv2d, GroupSums, Plane, PreAct, Run, TileData, Tiles,
 };
 use denoised_runtime::{Error, Result, Tensor};
 
 use super::super::config::GN_EPS;
 use super::super::model::AutoencoderKL;
-use super::super::weights::{Attention, Norm};
+use super::super::weights::Norm;
+use super::attention::sparse_attention;
 use super::program::{Op, Program};
 use super::{SparseReport, StatsMode, TraceValue, VaeTrace};
 
@@ -114,19 +112,18 @@ pub(crate) fn tiles(
         let t = (on > 0)
             .then(|| Tiles::covering(covered, h, w, level_tile(tile, h, w)))
             .transpose()?;
-        r.sparse_macs += per_px * t.as_ref().map_or(0, |t| t.pixels()) as u64;
+        r.sparse_macs += per_px * t.as_ref().map_or(0, |t| t.computed()) as u64;
         tiles.push(t);
     }
     Ok((tiles, r))
 }
 
 /// The tile side on an `h x w` plane: `tile`, halved on planes narrower than 16 tiles.
-/// On the deep, small planes a region grown by the receptive field is a thin ring that
-/// large tiles overshoot (the tiles' MACs were 1.5-1.8x the region's at 512x512 and
-/// m <= 0.1); smaller tiles cost more per MAC (gather halo, shorter GEMMs), which the
-/// large planes, where most MACs are, would not repay. Measured at 512x512 (bench-pipeline
-/// --sparse-vae, docs/performance.md): 0.49-0.61 of the MAC bound against 0.42-0.58 with
-/// one tile size.
+/// On the deep, small planes a region grown by the receptive field is a thin ring, and
+/// large tiles around it would copy mostly cached pixels. (When tiles were computed
+/// whole this halving bought 0.42-0.58 -> 0.49-0.61 of the MAC bound at 512x512; with
+/// runs, measured at tile 32, it is within this machine's noise of one size for all,
+/// 0.65-0.68 against 0.60-0.69, and kept.)
 fn level_tile(tile: usize, h: usize, w: usize) -> usize {
     if h.min(w) < 16 * tile {
         (tile / 2).max(1)
@@ -199,7 +196,8 @@ pub(crate) fn run(
                     .zip(ss.as_ref())
                     .map(|((_, silu), (scale, shift))| PreAct { scale, shift, silu });
                 let r = residual.map(|r| values[r].plane()).transpose()?;
-                sparse_conv2d(x.plane()?, &conv.w, Some(&conv.b), *geo, pre, r, tiles)?
+                let (w, b) = (&conv.w, Some(&conv.b));
+                sparse_conv2d(x.plane()?, w, b, *geo, pre, r, base, tiles)?
             }
             Op::Attn { attn, .. } => {
                 let (scale, shift) = stats(&attn.norm)?;
@@ -211,10 +209,13 @@ pub(crate) fn run(
                 // GEMM at the smallest level). Frozen ones move only the changed pixels'.
                 let refresh = match (&x.new, stats_mode) {
                     (None, _) => Vec::new(),
-                    (Some(_), StatsMode::Incremental) => (0..(ih * iw) as u32).collect(),
-                    (Some(t), StatsMode::Frozen) => pixels(&t.tiles),
+                    (Some(_), StatsMode::Incremental) => {
+                        (0..ih).map(|y| Run { y, x0: 0, x1: iw }).collect()
+                    }
+                    (Some(t), StatsMode::Frozen) => t.tiles.all_runs().to_vec(),
                 };
-                sparse_attention(x.plane()?, attn, &scale, &shift, kv.data(), &refresh, tiles)?
+                let x = x.plane()?;
+                sparse_attention(x, attn, &scale, &shift, kv.data(), &refresh, base, tiles)?
             }
         };
         values.push(Value {
@@ -227,146 +228,4 @@ pub(crate) fn run(
         .expect("the input at least")
         .plane()?
         .to_tensor())
-}
-
-/// Row-major pixel indices of the tiles, tile by tile.
-fn pixels(t: &Tiles) -> Vec<u32> {
-    let mut p = Vec::with_capacity(t.pixels());
-    for i in 0..t.active.len() {
-        let (y0, y1, x0, x1) = t.rect(i);
-        for y in y0..y1 {
-            p.extend((x0..x1).map(|x| (y * t.w + x) as u32));
-        }
-    }
-    p
-}
-
-/// The mid-block attention (with its residual) at the pixels of `tiles`, for `x`
-/// (`[1, C, H, W]`): K and V are the template's (`kv`, `[H*W, 2C]`) with the `refresh`
-/// pixels' recomputed from `x`; the GroupNorm is `x * scale + shift`.
-#[allow(clippy::too_many_arguments)]
-pub fn sparse_attention(
-    x: Plane<'_>,
-    a: &Attention,
-    scale: &[f32],
-    shift: &[f32],
-    kv: &[f32],
-    refresh: &[u32],
-    tiles: Tiles,
-) -> Result<TileData> {
-    let (c, n) = (x.c, x.h * x.w);
-    if kv.len() != n * 2 * c || scale.len() != c || (tiles.h, tiles.w) != (x.h, x.w) {
-        return Err(Error::shape(
-            "vae sparse attention",
-            format!(
-                "x {:?}, cached K/V {:?}, tiles of {}x{}",
-                x.shape(),
-                kv.len(),
-                tiles.h,
-                tiles.w
-            ),
-        ));
-    }
-    let queries = pixels(&tiles);
-    if let Some(&bad) = refresh.iter().find(|&&p| p as usize >= n) {
-        return Err(Error::shape(
-            "vae sparse attention",
-            format!("pixel {bad} of {n}"),
-        ));
-    }
-    let w = x.w;
-    // GN(x) at the given pixels, as rows [pixels, C].
-    let normed = |px: &[u32]| -> Vec<f32> {
-        let mut r = vec![0.0f32; px.len() * c];
-        for (row, &p) in r.chunks_exact_mut(c).zip(px) {
-            let (y, xx) = (p as usize / w, p as usize % w);
-            for (ch, v) in row.iter_mut().enumerate() {
-                *v = x.get(ch, y, xx) * scale[ch] + shift[ch];
-            }
-        }
-        r
-    };
-    // rows @ qkv_t[:, col..col+width] + bias, into [rows, width].
-    let project = |rows: &[f32], col: usize, width: usize| -> Vec<f32> {
-        let m = rows.len() / c;
-        let mut dst: Vec<f32> = Vec::with_capacity(m * width);
-        for _ in 0..m {
-            dst.extend_from_slice(&a.qkv_b.data()[col..col + width]);
-        }
-        let w = MatRef {
-            data: &a.qkv_t.data()[col..],
-            rs: 3 * c,
-            cs: 1,
-        };
-        matmul(
-            m,
-            width,
-            c,
-            &mut dst,
-            width,
-            MatRef::row_major(rows, c),
-            w,
-            true,
-            true,
-        );
-        dst
-    };
-    let mut kv = kv.to_vec();
-    if !refresh.is_empty() {
-        let fresh = project(&normed(refresh), c, 2 * c);
-        for (row, &p) in fresh.chunks_exact(2 * c).zip(refresh) {
-            kv[p as usize * 2 * c..][..2 * c].copy_from_slice(row);
-        }
-    }
-    let mut q = project(&normed(&queries), 0, c);
-    let bufs = [Buf::new(&mut q, c)];
-    let seqs = [Seq {
-        q: vec![(0, 0..queries.len())],
-        kv: vec![Kv {
-            buf: KvBuf::F32(Buf::external(&kv, 2 * c)),
-            k_col: 0,
-            v_col: c,
-            rows: Rows::Range(0..n),
-        }],
-    }];
-    attention::validate(&bufs, 0, c, 1, &seqs)
-        .map_err(|e| Error::shape("vae sparse attention", e))?;
-    attention::attention(&bufs, 0, c, 1, &seqs);
-    // y[p, :] = attn[p, :] @ out_wᵀ + out_b, then out[:, p] = x[:, p] + y[p, :].
-    let mut y: Vec<f32> = Vec::with_capacity(queries.len() * c);
-    for _ in &queries {
-        y.extend_from_slice(a.out_b.data());
-    }
-    let wt = MatRef::transposed(a.out_w.data(), c);
-    matmul(
-        queries.len(),
-        c,
-        c,
-        &mut y,
-        c,
-        MatRef::row_major(&q, c),
-        wt,
-        true,
-        true,
-    );
-    // The queries are the tiles' pixels in tile order, so row j of y is the j-th pixel
-    // of the tiles' blocks.
-    let mut out = TileData::new(tiles, c);
-    let mut j = 0;
-    for i in 0..out.tiles.active.len() {
-        let (y0, y1, x0, x1) = out.tiles.rect(i);
-        let tp = (y1 - y0) * (x1 - x0);
-        let block = out.block_mut(i);
-        for (k, p) in (y0..y1)
-            .flat_map(|yy| (x0..x1).map(move |xx| (yy, xx)))
-            .enumerate()
-        {
-            let row = &y[(j + k) * c..][..c];
-            for (ch, v) in row.iter().enumerate() {
-                block[ch * tp + k] = x.get(ch, p.0, p.1) + v;
-            }
-        }
-        j += tp;
-    }
-    Ok(out)
 }

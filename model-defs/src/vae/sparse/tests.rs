@@ -4,7 +4,7 @@
 use super::*;
 use crate::flux::weights::SplitMix;
 use crate::vae::VaeConfig;
-use denoised_runtime::cpu::sparse_conv::{GroupSums, Plane, TileData, Tiles};
+use denoised_runtime::cpu::sparse_conv::{GroupSums, Plane, Run, TileData, Tiles};
 
 fn vae() -> AutoencoderKL {
     AutoencoderKL::seeded(VaeConfig::tiny(), 7).unwrap()
@@ -298,7 +298,7 @@ fn sparse_attention_equals_dense_at_its_queries() {
     let region = disk(h, w, 4.0, 5.0, 3.0);
     let x_new = edited(&x_old, &region, 12);
     let (want, _) = vae.attention_traced(&x_new, a).unwrap();
-    let (_, qkv_old) = vae.attention_traced(&x_old, a).unwrap();
+    let (cached, qkv_old) = vae.attention_traced(&x_old, a).unwrap();
     let kv_old: Vec<f32> = qkv_old
         .chunks_exact(3 * c)
         .flat_map(|r| &r[c..])
@@ -309,29 +309,34 @@ fn sparse_attention_equals_dense_at_its_queries() {
     let (scale, shift) =
         sums.scale_shift(a.norm.w.data(), a.norm.b.data(), crate::vae::config::GN_EPS);
     // Every key refreshed (the new statistics move them all); queries at the region
-    // (tiles of one pixel). The input is the template's with the edited tiles over it.
-    let all: Vec<u32> = (0..(h * w) as u32).collect();
+    // (the runs of 4-pixel tiles, some of them partial). The input is the template's
+    // with the edited tiles over it.
+    let all: Vec<Run> = (0..h).map(|y| Run { y, x0: 0, x1: w }).collect();
     let over = TileData::from_tensor(&x_new, Tiles::covering(&region, h, w, 4).unwrap()).unwrap();
     let x = Plane::of(&x_old).unwrap().with(Some(&over)).unwrap();
-    let tiles = Tiles::covering(&region, h, w, 1).unwrap();
-    let td = sparse_attention(x, a, &scale, &shift, kv_old.data(), &all, tiles.clone()).unwrap();
-    let mut got = x_old.clone();
+    let tiles = Tiles::covering(&region, h, w, 4).unwrap();
+    assert!((0..tiles.active.len()).any(|i| !tiles.is_full(i)));
+    let cp = Plane::of(&cached).unwrap();
+    let td =
+        sparse_attention(x, a, &scale, &shift, kv_old.data(), &all, cp, tiles.clone()).unwrap();
+    let mut got = cached.clone();
     td.scatter_into(got.data_mut());
     let (d, _) = diff_in(&got, &want, &region);
     assert!(d <= 1e-5, "at the queries: {d:.2e}");
     let outside: Vec<bool> = region.iter().map(|r| !r).collect();
-    let (d, _) = diff_in(&got, &x_old, &outside);
+    let (d, _) = diff_in(&got, &cached, &outside);
     assert_eq!(d, 0.0, "other pixels keep the cached output");
     // Wrong shapes are refused, not read out of bounds.
     let short = Tensor::new([h * w - 1, 2 * c], vec![0.0; (h * w - 1) * 2 * c]).unwrap();
-    assert!(sparse_attention(x, a, &scale, &shift, short.data(), &all, tiles.clone()).is_err());
+    assert!(sparse_attention(x, a, &scale, &shift, short.data(), &all, cp, tiles.clone()).is_err());
     assert!(sparse_attention(
         x,
         a,
         &scale,
         &shift,
         kv_old.data(),
-        &[(h * w) as u32],
+        &[Run { y: h, x0: 0, x1: 1 }],
+        cp,
         tiles
     )
     .is_err());

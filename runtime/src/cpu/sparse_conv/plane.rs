@@ -85,6 +85,28 @@ impl TileData {
         &mut self.data[self.offsets[i]..][..len]
     }
 
+    /// The tiles, and the storage of each group of consecutive tiles (`groups`:
+    /// ranges of tile indices, in order, each after the last), to be written in
+    /// parallel.
+    pub fn parts_mut(&mut self, groups: &[std::ops::Range<usize>]) -> (&Tiles, Vec<&mut [f32]>) {
+        let n = self.tiles.active.len();
+        let end = |i: usize| self.offsets.get(i).copied().unwrap_or(self.data.len());
+        let cuts: Vec<(usize, usize)> = groups.iter().map(|g| (end(g.start), end(g.end))).collect();
+        debug_assert!(groups.last().is_none_or(|g| g.end <= n));
+        let mut parts = Vec::with_capacity(groups.len());
+        let mut rest: &mut [f32] = &mut self.data;
+        let mut at = 0;
+        for (a, b) in cuts {
+            assert!(a >= at && b >= a, "tile groups out of order");
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(a - at);
+            let (part, tail) = tail.split_at_mut(b - a);
+            parts.push(part);
+            rest = tail;
+            at = b;
+        }
+        (&self.tiles, parts)
+    }
+
     /// The active tile holding pixel `(y, x)`, if any.
     #[inline]
     fn tile_at(&self, y: usize, x: usize) -> Option<usize> {
@@ -185,17 +207,6 @@ impl<'a> Plane<'a> {
             }
             x = end;
         }
-    }
-
-    /// One element.
-    #[inline]
-    pub fn get(&self, ch: usize, y: usize, x: usize) -> f32 {
-        if let Some(i) = self.new.and_then(|d| d.tile_at(y, x)) {
-            let d = self.new.expect("tile found in it");
-            let (ty0, ty1, tx0, tx1) = d.tiles.rect(i);
-            return d.data[d.offsets[i] + (ch * (ty1 - ty0) + y - ty0) * (tx1 - tx0) + x - tx0];
-        }
-        self.base[(ch * self.h + y) * self.w + x]
     }
 
     /// The value as a tensor.

@@ -204,10 +204,14 @@ fn sparse_ops_equal_dense_on_the_grown_region() {
                         Plane::of(&res_old).unwrap().with(Some(&r_over)).unwrap(),
                     ),
                 ];
+                // The tiles' pixels outside the grown region keep the cached output.
+                let cached = dense(&x_old, &res_old);
+                let cp = Plane::of(&cached).unwrap();
                 for (k, (xp, rp)) in planes.into_iter().enumerate() {
                     let r = res.then_some(rp);
-                    let td = sparse_conv2d(xp, &wt, Some(&b), opts, pre, r, tiles.clone()).unwrap();
-                    let mut got = dense(&x_old, &res_old);
+                    let td =
+                        sparse_conv2d(xp, &wt, Some(&b), opts, pre, r, cp, tiles.clone()).unwrap();
+                    let mut got = cached.clone();
                     td.scatter_into(got.data_mut());
                     let d = max_diff(&got, &want);
                     assert!(
@@ -222,7 +226,9 @@ fn sparse_ops_equal_dense_on_the_grown_region() {
                 let every = Tiles::all(oh, ow, tile);
                 let r = res.then(|| Plane::of(&res_new).unwrap());
                 let x = Plane::of(&x_new).unwrap();
-                sparse_conv2d(x, &wt, Some(&b), opts, pre, r, every)
+                let junk = tensor([1, co, oh, ow], 98);
+                let c = Plane::of(&junk).unwrap();
+                sparse_conv2d(x, &wt, Some(&b), opts, pre, r, c, every)
                     .unwrap()
                     .scatter_into(all.data_mut());
                 assert!(max_diff(&all, &want) <= 1e-6, "{name}: full cover");
@@ -314,7 +320,29 @@ fn tiles_cover_the_region_and_nothing_idle() {
         assert!(any, "tile {:?} holds no region pixel", t.active[i]);
     }
     assert!(region.iter().zip(&covered).all(|(r, c)| !r || *c));
+    // The runs are the region exactly, each inside its tile, in row-major order.
+    let mut ran = vec![false; h * w];
+    for i in 0..t.active.len() {
+        let (y0, y1, x0, x1) = t.rect(i);
+        let mut last = None;
+        for r in t.runs(i) {
+            assert!((y0..y1).contains(&r.y) && x0 <= r.x0 && r.x0 < r.x1 && r.x1 <= x1);
+            assert!(last < Some((r.y, r.x0)), "runs out of order in tile {i}");
+            last = Some((r.y, r.x0));
+            for x in r.x0..r.x1 {
+                assert!(!ran[r.y * w + x], "pixel ({}, {x}) in two runs", r.y);
+                ran[r.y * w + x] = true;
+            }
+        }
+    }
+    assert_eq!(ran, region);
+    assert_eq!(t.computed(), region.iter().filter(|&&r| r).count());
+    assert_eq!(
+        t.all_runs().len(),
+        (0..t.active.len()).map(|i| t.runs(i).len()).sum::<usize>()
+    );
     assert_eq!(Tiles::all(h, w, 6).pixels(), h * w);
+    assert!((0..Tiles::all(h, w, 6).active.len()).all(|i| Tiles::all(h, w, 6).is_full(i)));
     assert!(Tiles::covering(&region, h, w + 1, 6).is_err());
 }
 
@@ -380,16 +408,20 @@ fn bad_shapes_are_refused() {
     let opts = Conv2dOpts::same(3);
     assert!(Plane::of(&two).is_err());
     let xp = Plane::of(&x).unwrap();
+    let out = tensor([1, 2, 8, 8], 3);
+    let c = Plane::of(&out).unwrap();
     let wrong = Tiles::all(7, 8, 4);
-    assert!(sparse_conv2d(xp, &w, None, opts, None, None, wrong).is_err());
+    assert!(sparse_conv2d(xp, &w, None, opts, None, None, c, wrong).is_err());
     let small = tensor([1, 2, 4, 4], 5);
     let r = Some(Plane::of(&small).unwrap());
-    assert!(sparse_conv2d(xp, &w, None, opts, None, r, tiles.clone()).is_err());
+    assert!(sparse_conv2d(xp, &w, None, opts, None, r, c, tiles.clone()).is_err());
+    let cached_small = Plane::of(&small).unwrap();
+    assert!(sparse_conv2d(xp, &w, None, opts, None, None, cached_small, tiles.clone()).is_err());
     let w3 = tensor([2, 3, 3, 3], 6);
-    assert!(sparse_conv2d(xp, &w3, None, opts, None, None, tiles.clone()).is_err());
+    assert!(sparse_conv2d(xp, &w3, None, opts, None, None, c, tiles.clone()).is_err());
     let other = TileData::new(Tiles::all(8, 8, 4), 3);
     assert!(xp.with(Some(&other)).is_err(), "tiles of 3 channels over 4");
-    assert!(sparse_conv2d(xp, &w, None, opts, None, None, tiles).is_ok());
+    assert!(sparse_conv2d(xp, &w, None, opts, None, None, c, tiles).is_ok());
 }
 
 #[test]
@@ -404,7 +436,9 @@ fn a_plane_reads_its_tiles_over_the_base() {
         let p = Plane::of(&old).unwrap().with(Some(&d)).unwrap();
         assert_eq!(p.to_tensor().data(), new.data(), "tile {size}");
         for (ch, y, x) in [(0, 0, 0), (2, 12, 10), (1, 6, 3)] {
-            assert_eq!(p.get(ch, y, x), new.data()[(ch * h + y) * w + x]);
+            let mut one = [0.0];
+            p.read_row(ch, y, x, x + 1, &mut one);
+            assert_eq!(one[0], new.data()[(ch * h + y) * w + x]);
         }
         let mut row = vec![0.0; 7];
         p.read_row(1, 4, 2, 9, &mut row);
