@@ -243,7 +243,8 @@ impl AutoencoderKL {
             ));
         }
         let regions = prog.regions(diff, keep, opts.region, opts.stats);
-        let (tiles, report) = exec::tiles(&prog, &regions, opts.tile, opts.crop)?;
+        let whole = matches!(opts.region, RegionMode::Dilated(_));
+        let (tiles, report) = exec::tiles(&prog, &regions, opts.tile, opts.crop, whole)?;
         Ok(SparsePlan {
             half,
             input,

@@ -341,6 +341,10 @@ fn tiles_cover_the_region_and_nothing_idle() {
         t.all_runs().len(),
         (0..t.active.len()).map(|i| t.runs(i).len()).sum::<usize>()
     );
+    let whole = t.clone().whole();
+    assert_eq!(whole.active, t.active);
+    assert_eq!(whole.computed(), t.pixels());
+    assert!((0..whole.active.len()).all(|i| whole.is_full(i)));
     assert_eq!(Tiles::all(h, w, 6).pixels(), h * w);
     assert!((0..Tiles::all(h, w, 6).active.len()).all(|i| Tiles::all(h, w, 6).is_full(i)));
     assert!(Tiles::covering(&region, h, w + 1, 6).is_err());

@@ -100,6 +100,21 @@ impl Tiles {
         Tiles::covering(&region, h, w, size.max(1)).expect("a region of the plane's size")
     }
 
+    /// The same active tiles, each computed whole.
+    pub fn whole(self) -> Tiles {
+        let mut t = Tiles {
+            runs: Vec::new(),
+            starts: vec![0],
+            ..self
+        };
+        for i in 0..t.active.len() {
+            let (y0, y1, x0, x1) = t.rect(i);
+            t.runs.extend((y0..y1).map(|y| Run { y, x0, x1 }));
+            t.starts.push(t.runs.len());
+        }
+        t
+    }
+
     /// Pixel rectangle `(y0, y1, x0, x1)` of active tile `i`, clipped to the plane.
     pub fn rect(&self, i: usize) -> (usize, usize, usize, usize) {
         let (ty, tx) = self.active[i];
