@@ -314,32 +314,13 @@ pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut [Vec<f32>; 3]) -> R) -> R {
     SCRATCH.with(|s| f(&mut s.borrow_mut()))
 }
 
-/// `dst.copy_from_slice(src)` for the short rows of a sparse layer's runs (a few to
-/// a few tens of values): in fixed blocks the compiler keeps inline, where
-/// `copy_from_slice` calls `memcpy`, whose call and size dispatch cost more than
-/// such a copy itself (profiled: a sixth of a sparse convolution's time).
-#[inline]
-pub(crate) fn copy_short(dst: &mut [f32], src: &[f32]) {
-    assert_eq!(dst.len(), src.len(), "copy_short of unequal slices");
-    let mut d = dst.chunks_exact_mut(16);
-    let mut s = src.chunks_exact(16);
-    for (d, s) in (&mut d).zip(&mut s) {
-        let s: &[f32; 16] = s.try_into().expect("chunks of 16");
-        let d: &mut [f32; 16] = d.try_into().expect("chunks of 16");
-        *d = *s;
-    }
-    for (d, s) in d.into_remainder().iter_mut().zip(s.remainder()) {
-        *d = *s;
-    }
-}
-
 /// `dst[j] = src[(u0 + j * s) / up]`: one im2col row segment of a convolution with
 /// stride `s` on an input upsampled `up` times (nearest), `u0` in upsampled
 /// coordinates. The common cases are copies (a division per element made the
 /// upsampling convolutions' im2col cost as much as their GEMM).
 pub(crate) fn spread_row(dst: &mut [f32], src: &[f32], u0: usize, s: usize, up: usize) {
     match (s, up) {
-        (1, 1) => copy_short(dst, &src[u0..u0 + dst.len()]),
+        (1, 1) => dst.copy_from_slice(&src[u0..u0 + dst.len()]),
         (1, 2) => {
             // Each source value twice, starting at its second copy when u0 is odd.
             let (mut d, mut i) = (&mut dst[..], u0 / 2);
