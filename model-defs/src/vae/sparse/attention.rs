@@ -24,7 +24,7 @@ const QUERIES_PER_UNIT: usize = 128;
 
 /// The mid-block attention (with its residual) at the computed pixels of `tiles`, for
 /// `x` (`[1, C, H, W]`): K and V are the template's (`kv`, `[H*W, 2C]`) with the
-/// pixels of the `refresh` runs recomputed from `x`; the GroupNorm is
+/// pixels of the `refresh` runs (disjoint) recomputed from `x`; the GroupNorm is
 /// `x * scale + shift`; the tiles' other pixels keep `cached`, the attention's cached
 /// output.
 #[allow(clippy::too_many_arguments)]
@@ -76,6 +76,13 @@ pub fn sparse_attention(
         stale[r.y * x.w + r.x0..r.y * x.w + r.x1].fill(false);
     }
     let kept: Vec<u32> = (0..n as u32).filter(|&p| stale[p as usize]).collect();
+    if kept.len() + fresh.len() / (2 * c) != n {
+        // A pixel in two runs would be two keys of one softmax.
+        return Err(Error::shape(
+            "vae sparse attention",
+            "refresh runs overlap".to_string(),
+        ));
+    }
 
     let mut q = project(a, &normed(x, &queries, scale, shift), c, 0, c);
     let bufs = [Buf::new(&mut q, c)];

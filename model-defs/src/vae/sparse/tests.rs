@@ -329,6 +329,18 @@ fn sparse_attention_equals_dense_at_its_queries() {
     // Wrong shapes are refused, not read out of bounds.
     let short = Tensor::new([h * w - 1, 2 * c], vec![0.0; (h * w - 1) * 2 * c]).unwrap();
     assert!(sparse_attention(x, a, &scale, &shift, short.data(), &all, cp, tiles.clone()).is_err());
+    let twice = [all[0], all[0]];
+    let e = sparse_attention(
+        x,
+        a,
+        &scale,
+        &shift,
+        kv_old.data(),
+        &twice,
+        cp,
+        tiles.clone(),
+    );
+    assert!(e.unwrap_err().to_string().contains("overlap"));
     assert!(sparse_attention(
         x,
         a,
