@@ -421,26 +421,26 @@ fn bounds(runs: &[Run]) -> (usize, usize, usize, usize) {
         })
 }
 
-/// Computed pixels a group of tiles aims for, as GEMM rows: the dense convolution's
-/// bands on the VAE's 512-channel planes are 64-128 pixels and run at full speed, so
-/// this is plenty; smaller groups come only from spreading a small region over every
-/// thread (a floor of 128 pixels measured no different).
-const GROUP_PIXELS: usize = 256;
+/// Computed pixels a group of tiles aims for, as GEMM rows. The dense convolution's
+/// bands on the VAE's 512-channel planes are 64-128 pixels and run at full speed, and
+/// groups this small leave a small region's layer enough tasks for the cores (sizing
+/// them by the thread count measured no different at 512x512).
+///
+/// Fixed, not derived from the thread count: the GEMM's blocking follows its shape, so
+/// grouping by threads made the same edit's bits depend on how many threads its
+/// process has (the daemon's workers have a share of the cores, the CLI all of them),
+/// and the daemon must give the CLI's image byte for byte.
+const GROUP_PIXELS: usize = 128;
 
 /// Runs of consecutive active tiles of about [`GROUP_PIXELS`] computed pixels each (at
-/// least one tile), and enough runs for ~4 tasks per thread.
+/// least one tile).
 fn group_tiles(tiles: &Tiles) -> Vec<std::ops::Range<usize>> {
     let n = tiles.active.len();
-    let by_tasks = tiles
-        .computed()
-        .div_ceil(4 * rayon::current_num_threads())
-        .max(1);
-    let target = GROUP_PIXELS.min(by_tasks);
     let mut groups = Vec::new();
     let (mut start, mut px) = (0, 0);
     for i in 0..n {
         px += tiles.computed_in(i);
-        if px >= target || i + 1 == n {
+        if px >= GROUP_PIXELS || i + 1 == n {
             groups.push(start..i + 1);
             (start, px) = (i + 1, 0);
         }
