@@ -394,11 +394,7 @@ fn scatter_runs(
         let tp = (y1 - y0) * tw;
         let tile = &mut dst[at..at + co * tp];
         if !tiles.is_full(i) {
-            for (ch, plane) in tile.chunks_exact_mut(tp).enumerate() {
-                for (y, row) in (y0..y1).zip(plane.chunks_exact_mut(tw)) {
-                    cached.read_row(ch, y, x0, x1, row);
-                }
-            }
+            cached.read_rect((y0, y1, x0, x1), tile);
         }
         for (o, plane) in tile.chunks_exact_mut(tp).enumerate() {
             let mut src = o * np + off;

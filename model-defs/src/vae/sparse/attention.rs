@@ -144,12 +144,10 @@ pub fn sparse_attention(
         let tp = (y1 - y0) * tw;
         let runs = out.tiles.runs(i).to_vec();
         let block = out.block_mut(i);
+        if !full {
+            cached.read_rect((y0, y1, x0, x1), block);
+        }
         for (ch, plane) in block.chunks_exact_mut(tp).enumerate() {
-            if !full {
-                for (yy, row) in (y0..y1).zip(plane.chunks_exact_mut(tw)) {
-                    cached.read_row(ch, yy, x0, x1, row);
-                }
-            }
             let mut jj = j;
             for r in &runs {
                 xrow.resize(r.len(), 0.0);

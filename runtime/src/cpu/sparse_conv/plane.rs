@@ -60,15 +60,8 @@ impl TileData {
         }
         let mut d = TileData::new(tiles, p.c);
         for i in 0..d.tiles.active.len() {
-            let (y0, y1, x0, x1) = d.tiles.rect(i);
-            let tw = x1 - x0;
-            let off = d.offsets[i];
-            for ch in 0..p.c {
-                for y in y0..y1 {
-                    let dst = off + (ch * (y1 - y0) + y - y0) * tw;
-                    p.read_row(ch, y, x0, x1, &mut d.data[dst..dst + tw]);
-                }
-            }
+            let rect = d.tiles.rect(i);
+            p.read_rect(rect, d.block_mut(i));
         }
         Ok(d)
     }
@@ -206,6 +199,17 @@ impl<'a> Plane<'a> {
                 }
             }
             x = end;
+        }
+    }
+
+    /// Copies the rectangle `(y0, y1, x0, x1)` of every channel into `dst`
+    /// (`[c, y1 - y0, x1 - x0]`, a tile's layout).
+    pub fn read_rect(&self, (y0, y1, x0, x1): (usize, usize, usize, usize), dst: &mut [f32]) {
+        let tw = x1 - x0;
+        for (ch, plane) in dst.chunks_exact_mut((y1 - y0) * tw).enumerate() {
+            for (y, row) in (y0..y1).zip(plane.chunks_exact_mut(tw)) {
+                self.read_row(ch, y, x0, x1, row);
+            }
         }
     }
 
