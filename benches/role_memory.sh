@@ -4,8 +4,10 @@
 # Starts `denoised serve` on MODEL_DIR (default: a flux-small FluxFillPipeline written by
 # benches/make_flux_small_dir.py, made first if missing; needs torch + diffusers), waits
 # for /readyz, then prints each worker's resident memory from /proc: weights and heap
-# (RssAnon + RssFile) and its shared-memory arena (RssShmem, reserved at start), and the
-# compute workers' total against the directory's size.
+# (RssAnon + RssFile, each also shown: RssFile is mapped checkpoint pages still resident,
+# which a worker releases once its weights are loaded) and its shared-memory arena
+# (RssShmem, reserved at start), and the compute workers' total against the directory's
+# size. All figures in MB (10^6 bytes), as the weights in /readyz.
 #
 # Usage: benches/role_memory.sh [MODEL_DIR] [DEVICE]     (DEVICE: cpu by default)
 set -euo pipefail
@@ -32,7 +34,7 @@ TOML
 log=$(mktemp)
 ./target/release/denoised serve --config "$cfg" --listen 127.0.0.1:0 >"$log" 2>&1 &
 sup=$!
-trap 'kill $sup 2>/dev/null || true; wait $sup 2>/dev/null || true' EXIT
+trap 'kill $sup 2>/dev/null || true; wait $sup 2>/dev/null || true; rm -f "$cfg" "$log"' EXIT
 url=""
 for _ in $(seq 1 600); do
     url=$(grep -o 'listening on http://[0-9.:]*' "$log" | head -1 | sed 's/listening on //') || true
@@ -42,18 +44,22 @@ done
 [ -n "$url" ] || { cat "$log"; exit 1; }
 sleep 1
 dir_bytes=$(du -sb "$dir" | cut -f1)
-printf '%-14s %12s %12s %12s\n' process weights+heap arena total
+mb() { echo $(($1 * 1024 / 1000000)); }
+printf '%-14s %12s %12s %12s %12s %12s\n' process weights+heap '(anon' 'file)' arena total
 compute=0
 for pid in $(pgrep -P "$sup"); do
     role=$(tr '\0' ' ' </proc/$pid/cmdline | grep -o -- '--role [a-z]*' | cut -d' ' -f2)
     idx=$(tr '\0' ' ' </proc/$pid/cmdline | grep -o -- '--index [0-9]*' | cut -d' ' -f2)
     kb() { awk -v k="$1:" '$1 == k {print $2}' /proc/$pid/status; }
-    own=$(( $(kb RssAnon) + $(kb RssFile) ))
+    anon=$(kb RssAnon)
+    file=$(kb RssFile)
+    own=$((anon + file))
     shm=$(kb RssShmem)
-    printf '%-14s %9.0f MB %9.0f MB %9.0f MB\n' "$role$idx" $((own / 1024)) $((shm / 1024)) $(((own + shm) / 1024))
+    printf '%-14s %9s MB %9s MB %9s MB %9s MB %9s MB\n' "$role$idx" "$(mb $own)" "$(mb $anon)" \
+        "$(mb $file)" "$(mb $shm)" "$(mb $((own + shm)))"
     case $role in preprocess|denoise|postprocess) compute=$((compute + own + shm)) ;; esac
 done
-printf 'directory %.0f MB; compute workers together %.0f MB = %.2fx the directory\n' \
-    $((dir_bytes / 1000000)) $((compute * 1024 / 1000000)) \
+printf 'directory %s MB; compute workers together %s MB = %.2fx the directory\n' \
+    $((dir_bytes / 1000000)) "$(mb $compute)" \
     "$(echo "scale=3; $compute * 1024 / $dir_bytes" | bc)"
 curl -s "$url/readyz" | python3 -c 'import json,sys; [print(p["name"], p["device"], p["dtype"], p["threads"], [(c["name"], round(c["weight_bytes"]/1e6,1)) for c in p["components"]]) for p in json.load(sys.stdin)["processes"]]'

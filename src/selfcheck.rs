@@ -379,7 +379,7 @@ pub fn identity<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
     Ok(out)
 }
 
-/// LoRAs on the device (DESIGN.md §Adapters), in f32 and bf16, on the tiny FLUX.1-dev
+/// LoRAs on the device (docs/design.md §Adapters), in f32 and bf16, on the tiny FLUX.1-dev
 /// transformer with the fixture LoRAs (tests/fixtures/loras): unmerged in a batch that
 /// mixes sets (the base, `style` 0.8, `style` 0.7 + `detail` 1.3), and merged, each
 /// against the CPU backend's unmerged run of the same request. Bounds: the identity
@@ -493,7 +493,7 @@ pub fn lora<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
     Ok(out)
 }
 
-/// ControlNets and true CFG on a template edit on the device (DESIGN.md §Adapters), in
+/// ControlNets and true CFG on a template edit on the device (docs/design.md §Adapters), in
 /// f32 and bf16, through the stepper as the daemon's denoise workers run them: a KV
 /// template of the e2e case captured on the device, then an edit of an irregular mask
 /// with the two fixture ControlNets (residuals of its active rows only, computed on the

@@ -15,6 +15,7 @@ use denoised_models::mask::TokenMask;
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
 use denoised_models::FluxTransformer;
 use denoised_runtime::fixtures::{tiny_model_dir, RefCase};
+use denoised_runtime::skip::{skip, Need};
 use denoised_runtime::DType;
 
 /// `cuda:0`, or why not.
@@ -49,7 +50,11 @@ fn emulated_gpu_edits_with_controlnets_and_true_cfg_match_the_cpu() {
 #[test]
 fn gpu_identity_invariant() {
     if let Err(e) = CudaExec::new(0) {
-        println!("skipping the GPU run: {e}");
+        skip(
+            "gpu_transformer::gpu_identity_invariant",
+            Need::Gpu,
+            &e.to_string(),
+        );
         return;
     }
     assert_all_pass(&selfcheck::identity(cuda0).unwrap());
@@ -58,7 +63,11 @@ fn gpu_identity_invariant() {
 #[test]
 fn gpu_transformer_matches_diffusers() {
     if let Err(e) = CudaExec::new(0) {
-        println!("skipping the GPU run: {e}");
+        skip(
+            "gpu_transformer::gpu_transformer_matches_diffusers",
+            Need::Gpu,
+            &e.to_string(),
+        );
         return;
     }
     assert_all_pass(&selfcheck::transformer(cuda0).unwrap());
@@ -206,7 +215,11 @@ fn emulated_gpu_vae_matches_diffusers() {
 #[test]
 fn gpu_vae_matches_diffusers() {
     if let Err(e) = CudaExec::new(0) {
-        println!("skipping the GPU run: {e}");
+        skip(
+            "gpu_transformer::gpu_vae_matches_diffusers",
+            Need::Gpu,
+            &e.to_string(),
+        );
         return;
     }
     assert_all_pass(&selfcheck::vae(cuda0).unwrap());
@@ -221,7 +234,11 @@ fn emulated_gpu_text_encoders_match_transformers() {
 #[test]
 fn gpu_text_encoders_match_transformers() {
     if let Err(e) = CudaExec::new(0) {
-        println!("skipping the GPU run: {e}");
+        skip(
+            "gpu_transformer::gpu_text_encoders_match_transformers",
+            Need::Gpu,
+            &e.to_string(),
+        );
         return;
     }
     assert_all_pass(&selfcheck::text_encoders(cuda0).unwrap());

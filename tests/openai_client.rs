@@ -10,6 +10,7 @@ mod common;
 use std::process::Command;
 
 use common::*;
+use denoised_runtime::skip::{skip, Need};
 use image::{Rgba, RgbaImage};
 
 /// `python3` with the client importable, or why not.
@@ -40,7 +41,11 @@ fn the_openai_client_edits_an_image_with_a_transparent_mask() {
     let mut py = match python() {
         Ok(c) => c,
         Err(why) => {
-            println!("skipping: {why}");
+            skip(
+                "openai_client::the_openai_client_edits_an_image_with_a_transparent_mask",
+                Need::Tool,
+                &why,
+            );
             return;
         }
     };
@@ -121,7 +126,11 @@ fn the_openai_client_generates_images() {
     let mut py = match python() {
         Ok(c) => c,
         Err(why) => {
-            println!("skipping: {why}");
+            skip(
+                "openai_client::the_openai_client_generates_images",
+                Need::Tool,
+                &why,
+            );
             return;
         }
     };

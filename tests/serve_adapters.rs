@@ -1,4 +1,4 @@
-//! LoRA adapters through the real daemon (DESIGN.md §Adapters): generations with
+//! LoRA adapters through the real daemon (docs/design.md §Adapters): generations with
 //! `loras` equal `denoised generate --lora ... --lora-mode unmerged` byte for byte, the
 //! reply says when the set applied, `POST /v1/adapters` uploads (checked, immutable
 //! names), bad names and files are refused with clear errors, the approximate cache

@@ -6,7 +6,9 @@
 //! the least recently used beyond its capacity; an edit of a template on disk loads it
 //! while the request is preprocessed; and a Y-mode template (block outputs cached) is
 //! about half the bytes, edits, and survives a restart with its mode. A template's VAE
-//! traces (the sparse VAE's) are stored, loaded and checked with it.
+//! traces (the sparse VAE's) are stored, loaded and checked with it. A template whose
+//! registration was answered survives a kill -9 of the cache process before it is on
+//! disk.
 
 mod common;
 
@@ -53,6 +55,34 @@ fn kill_cache(d: &Daemon) {
             "the cache never came back"
         );
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Whether `id` has a complete version directory on disk (a write in progress is a
+/// `.tmp` directory, renamed when complete).
+fn written(root: &Path, id: &str) -> bool {
+    let Ok(models) = std::fs::read_dir(root) else {
+        return false;
+    };
+    models.flatten().any(|model| {
+        std::fs::read_dir(model.path()).is_ok_and(|rd| {
+            rd.flatten().any(|e| {
+                let name = e.file_name().to_string_lossy().to_string();
+                name.starts_with(&format!("{id}@")) && !name.ends_with(".tmp")
+            })
+        })
+    })
+}
+
+/// Whether process `pid` is gone (or a zombie, not yet reaped).
+fn dead(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .and_then(|s| s.split_whitespace().next())
+            .is_some_and(|state| state == "Z" || state == "X"),
+        Err(_) => true,
     }
 }
 
@@ -184,6 +214,76 @@ fn vae_traces_are_stored_loaded_and_checked_with_the_template() {
     let (s, got) = edit(&small, "v");
     assert_eq!(s, 200, "{got}");
     assert_eq!(got["timings"]["vae_decode"], "sparse_traced", "{got}");
+}
+
+/// Issue 34: a registration is answered while the template is only in the cache
+/// process's memory (its write to disk follows: milliseconds here, tens of seconds for
+/// a FLUX.1 template). A kill -9 of the cache process right after the answer loses
+/// nothing: the supervisor keeps the dead process's arena, and its replacement writes
+/// the template to disk from there (checksums checked) before it serves. The edit then
+/// equals the edit of the same template registered without a kill, VAE traces included.
+#[test]
+fn an_acknowledged_template_survives_a_kill_of_the_cache_before_it_is_on_disk() {
+    let d = Daemon::start(&[]);
+    let register = |id: &str| {
+        let body = json!({"image": doubled_image_b64(), "id": id, "steps": 3, "seed": 3});
+        let (s, v) = d.post("/v1/templates", &body);
+        assert_eq!(s, 201, "{v}");
+    };
+    // An 8x8-pixel box of the 128x128 image: the VAE passes run sparse, from the
+    // template's stored traces.
+    let edit = |id: &str| {
+        let (s, v) = d.post(
+            "/v1/edits",
+            &json!({"template_id": id, "boxes": [[48, 40, 8, 8]], "seed": 3}),
+        );
+        assert_eq!(s, 200, "edit of `{id}`: {v}");
+        assert_eq!(v["timings"]["vae_decode"], "sparse", "{}", v["timings"]);
+        png(&edit_image(&v))
+    };
+    register("reference");
+    on_disk(&d, "reference");
+    let want = edit("reference");
+    // The kill must land before the write to disk is done; on a machine where the
+    // write won the race, again with another template.
+    let mut hits = 0;
+    for attempt in 0..10 {
+        let id = format!("t{attempt}");
+        let victim = d.worker_pid("cache");
+        register(&id);
+        // SAFETY: plain kill(2) of a child of the daemon.
+        unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+        let t0 = Instant::now();
+        while !dead(victim) {
+            assert!(t0.elapsed() < Duration::from_secs(10), "{victim} lives on");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let before = written(&d.cache_dir, &id);
+        println!("`{id}`: on disk when the cache process died: {before}");
+        let t0 = Instant::now();
+        while d.worker_pid_opt("cache").is_none_or(|p| p == victim)
+            || d.get("/v1/templates").0 != 200
+        {
+            assert!(t0.elapsed() < Duration::from_secs(30), "no cache again");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (s, v) = info(&d, &id);
+        assert_eq!(s, 200, "`{id}` was lost with the cache process: {v}");
+        assert!(v["tiers"]["disk"].as_u64().unwrap() > 0, "{v}");
+        assert!(
+            edit(&id) == want,
+            "the edit of `{id}` differs from the reference's"
+        );
+        if !before {
+            hits += 1;
+            if hits == 2 {
+                break;
+            }
+        }
+    }
+    assert!(hits > 0, "no kill landed before the write to disk");
+    // Nothing is left pending, and the other templates serve on.
+    assert!(edit("reference") == want);
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! The ControlNet service through the real daemon (DESIGN.md §Adapters): a generation
+//! The ControlNet service through the real daemon (docs/design.md §Adapters): a generation
 //! with `controlnets` runs its ControlNets in a `controlnet` process, which streams the
 //! residuals block by block through shared memory to the denoise worker; the image
 //! equals `denoised generate --controlnet ...` (the same ControlNets in process,

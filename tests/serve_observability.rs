@@ -16,6 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
+use denoised_runtime::skip::{skip, Need};
 use serde_json::{json, Value};
 
 fn tool(name: &str) -> Option<PathBuf> {
@@ -54,7 +55,11 @@ fn promtool_check(text: &str) -> Result<(), String> {
 #[test]
 fn metrics_under_load_pass_promtool() {
     let Some(_) = tool("promtool") else {
-        println!("skipping: no promtool on PATH (Debian's prometheus package has it)");
+        skip(
+            "serve_observability::metrics_under_load_pass_promtool",
+            Need::Tool,
+            "no promtool on PATH (Debian's prometheus package has it)",
+        );
         return;
     };
     let d = Daemon::start(&[]);
@@ -240,7 +245,11 @@ fn dashboard_queries() -> Vec<(String, String)> {
 #[test]
 fn a_real_prometheus_answers_every_dashboard_query() {
     let Some(_) = tool("prometheus") else {
-        println!("skipping: no prometheus on PATH (Debian's prometheus package)");
+        skip(
+            "serve_observability::a_real_prometheus_answers_every_dashboard_query",
+            Need::Tool,
+            "no prometheus on PATH (Debian's prometheus package)",
+        );
         return;
     };
     // The denoise worker on the emulator (its device metrics), the VAE on the CPU: the
@@ -354,7 +363,11 @@ fn systemd_notifications_ready_watchdog_stopping() {
 #[test]
 fn the_systemd_unit_verifies() {
     let Some(analyze) = tool("systemd-analyze") else {
-        println!("skipping: no systemd-analyze on PATH");
+        skip(
+            "serve_observability::the_systemd_unit_verifies",
+            Need::Tool,
+            "no systemd-analyze on PATH",
+        );
         return;
     };
     let dir = tempfile::tempdir().unwrap();

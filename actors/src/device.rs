@@ -2,7 +2,7 @@
 //!
 //! The supervisor resolves `[device] device` once (`auto` to every GPU found, or the
 //! CPU) and hands each denoise worker its own device: the worker owns it for its whole
-//! life (DESIGN.md, "Devices and roles"). On a GPU the transformer's weights go to the
+//! life (docs/design.md, "Devices and roles"). On a GPU the transformer's weights go to the
 //! device in `[device] dtype`, bf16 by default; on the CPU it computes in f32 and
 //! shares the weights with the CPU stages of the same process.
 

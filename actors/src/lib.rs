@@ -2,7 +2,7 @@
 //! denoise, postprocess, cache), the batching loop and routing policies.
 //!
 //! The serving runtime is built on top of the engine crates (`denoised-runtime`,
-//! `denoised-models`); see DESIGN.md §"Processes and actors". Its first pieces land
+//! `denoised-models`); see docs/design.md §"Processes and actors". Its first pieces land
 //! with the serving work.
 
 pub mod approx;

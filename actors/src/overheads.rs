@@ -1,7 +1,7 @@
 //! Measurements of the serving runtime's own overheads (`denoised bench-overheads`):
 //! per-step batch assembly in the denoise loop, the shared-memory handoff of a
 //! finished latent, and a message round trip between cluster nodes. The design budget
-//! (DESIGN.md) is 1.2 ms per step for batching, 2.4 ms for a latent handoff and 0.6 ms
+//! (docs/design.md) is 1.2 ms per step for batching, 2.4 ms for a latent handoff and 0.6 ms
 //! per routing decision; the serving issue asks for under 0.1 ms for the first two.
 
 use std::sync::Arc;

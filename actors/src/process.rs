@@ -40,7 +40,7 @@ pub async fn terminated() {
     term.recv().await;
 }
 
-/// The components a role computes with (DESIGN.md, "Devices and roles"). A denoise
+/// The components a role computes with (docs/design.md, "Devices and roles"). A denoise
 /// worker of the in-process baseline also runs the CPU stages.
 pub fn role_parts(role: Role, disaggregate: bool) -> Parts {
     match role {
@@ -204,6 +204,14 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
         if role == Role::Router {
             let listen = listen.unwrap_or_else(|| env.config.server.listen.clone());
             return crate::router::run(env, listen).await;
+        }
+        if role == Role::Cache {
+            // Before its arena replaces the one a crashed cache process left: the
+            // templates that one had not written to disk yet are written from there.
+            let e = env.clone();
+            tokio::task::spawn_blocking(move || crate::workers::cache::recover::finish_writes(&e))
+                .await
+                .map_err(|e| e.to_string())?;
         }
         let shm = Arc::new(Shm::create(&env)?);
         let loaded = match role {

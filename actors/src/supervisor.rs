@@ -6,6 +6,9 @@
 //! At start-up the supervisor removes arenas left by dead processes of any earlier
 //! daemon (a crash, a SIGKILL); after a child dies it removes that child's arena before
 //! starting the replacement, which is how slices leaked by a crashed worker come back.
+//! Except the cache process's: it may hold templates already acknowledged and not yet
+//! on disk, which its replacement writes from there before it replaces the arena with
+//! its own (`crate::workers::cache::recover`).
 
 use std::path::PathBuf;
 use std::process::{Child, Command};
@@ -236,6 +239,26 @@ fn sweep_dead_arenas(dir: &std::path::Path) {
     }
 }
 
+/// Removes the arenas of this daemon's dead processes, except a cache process's (see
+/// the module docs): the cache process started in its slot replaces it.
+fn reclaim_dead_workers(dir: &std::path::Path, namespace: &str) {
+    let cache = |name: &str| {
+        name.strip_prefix(Role::Cache.name())
+            .is_some_and(|i| i.parse::<usize>().is_ok())
+    };
+    let arenas = match shm::list_arenas(dir, namespace) {
+        Ok(a) => a,
+        Err(e) => return tracing::warn!("reclaiming arenas: {e}"),
+    };
+    for a in arenas.iter().filter(|a| !a.owner_alive && !cache(&a.name)) {
+        if let Err(e) = std::fs::remove_file(&a.path) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!("reclaiming arena {}: {e}", a.path.display());
+            }
+        }
+    }
+}
+
 /// Runs the daemon until SIGTERM/SIGINT. `listen` overrides `[server] listen`.
 pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -404,9 +427,7 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
                 break 'watch;
             }
             w.first = false;
-            if let Err(e) = shm::reclaim_dead(&shm_dir, &namespace) {
-                tracing::warn!("reclaiming arenas: {e}");
-            }
+            reclaim_dead_workers(&shm_dir, &namespace);
             gave_up |= after_exit(w, &exit.to_string());
         }
         if gave_up {

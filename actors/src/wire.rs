@@ -4,7 +4,7 @@
 //! with `RactorClusterMessage` so that a remote `ActorRef` can `cast` and `call` it.
 //! Every field is a [`Wire<T>`]: a plain serde type encoded with postcard. Requests and
 //! replies stay small: bulk data (images, latents, conditioning tensors, template
-//! caches) stays in shared-memory arenas and only [`Handle`]s travel here (DESIGN.md
+//! caches) stays in shared-memory arenas and only [`Handle`]s travel here (docs/design.md
 //! §Processes and actors). The one exception is the internal bus ([`BusEdit`]): a client
 //! of another service does not share our arenas (and once the node listens beyond
 //! loopback, may run on another host), so, like an HTTP body, its request carries the
@@ -615,7 +615,7 @@ pub struct WorkerInfo {
     /// Process name, e.g. `denoise0`.
     pub name: String,
     pub role: String,
-    /// `cpu`, `emu` or `cuda:N (device name)`: where its transformer computes.
+    /// `cpu`, `emu` or `cuda:N NAME (ARCH)`: where its transformer computes.
     pub device: String,
     /// Storage dtype of its device weights (`f32` on the CPU).
     pub dtype: String,

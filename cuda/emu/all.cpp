@@ -1,6 +1,8 @@
 // One translation unit holding every kernel, built for the CPU emulator (emu.h) by
 // build.rs. One unit, because the static registrars that name each kernel would be
 // dropped by the linker from an archive member nothing references.
+#include <cstdio>
+#include <iterator>
 #include "../kernels/elementwise.cu"
 #include "../kernels/norm.cu"
 #include "../kernels/attention.cu"
@@ -12,7 +14,32 @@ extern "C" int denoised_emu_launch(const char* name, const unsigned* grid, const
     auto& r = emu::registry();
     auto it = r.find(name);
     if (it == r.end()) return -1;
-    it->second(dim3{grid[0], grid[1], grid[2]}, dim3{block[0], block[1], block[2]}, smem, params);
+    it->second(name, dim3{grid[0], grid[1], grid[2]}, dim3{block[0], block[1], block[2]}, smem, params);
+    return 0;
+}
+
+// Turns the shared-memory access log on or off, and clears the counters when on.
+extern "C" void denoised_emu_count_shared(int on) {
+    std::lock_guard<std::mutex> guard(emu::one_at_a_time);
+    emu::counting = on != 0;
+    if (on) emu::stats().clear();
+}
+
+// The counters of the `i`-th kernel that ran since counting began, by name order:
+// returns 0 and fills name (NUL-terminated, at most cap bytes) and out[4] = launches,
+// shared-access instructions, wavefronts, bank conflicts; -1 past the last kernel.
+extern "C" int denoised_emu_shared_stats(unsigned long i, char* name, unsigned long cap,
+                                         unsigned long long* out) {
+    std::lock_guard<std::mutex> guard(emu::one_at_a_time);
+    auto& s = emu::stats();
+    if (i >= s.size()) return -1;
+    auto it = s.begin();
+    std::advance(it, i);
+    std::snprintf(name, cap, "%s", it->first.c_str());
+    out[0] = it->second.launches;
+    out[1] = it->second.accesses;
+    out[2] = it->second.wavefronts;
+    out[3] = it->second.conflicts;
     return 0;
 }
 

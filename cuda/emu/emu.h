@@ -13,6 +13,7 @@
 // and anything architecture-specific. Those need a GPU (the `gpu_*` tests run on one
 // when present).
 #pragma once
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <math.h>
@@ -97,12 +98,43 @@ denoised_emu_switch:
 #error "the CUDA emulator's fiber switch is written for x86-64"
 #endif
 
+// A cp.async copy, done when its group is waited for (not at issue, so a kernel that
+// reads a tile before waiting for it reads stale data here too).
+struct AsyncCopy {
+    void* dst;
+    const void* src;
+    bool valid;
+};
+
 struct Fiber {
     void* sp = nullptr;
     bool done = false;
     dim3 tid;
     int lane = 0, warp = 0;
+    std::vector<AsyncCopy> open;                  // issued since the last commit
+    std::vector<std::vector<AsyncCopy>> groups;   // committed, oldest first
+    uint64_t shared_seq = 0;                      // this thread's shared accesses so far
 };
+
+// ---- bank conflicts ----
+// Every shared access made through ld_shared/st_shared/ldmatrix/cp_async16 is logged
+// with the thread's running access number. The k-th access of each lane of a warp is
+// one instruction of that warp (the kernels' shared accesses are not divergent), which
+// the hardware serves in phases (a 16-byte access: 8 lanes a phase, 8-byte: 16, else
+// the whole warp); a phase takes as many wavefronts as the most distinct 4-byte words
+// any one of the 32 banks holds. Extra wavefronts are the bank conflicts.
+struct SharedAccess {
+    uintptr_t addr;
+    int lane, bytes;
+};
+struct KernelStats {
+    uint64_t launches = 0, accesses = 0, wavefronts = 0, conflicts = 0;
+};
+inline bool counting = false;
+inline std::map<std::string, KernelStats>& stats() {
+    static std::map<std::string, KernelStats> s;
+    return s;
+}
 
 // Per-launch state shared by the block's threads.
 struct Launch {
@@ -117,6 +149,8 @@ struct Launch {
     void* sched_sp = nullptr;
     int current = 0;
     std::function<void()> body;  // the kernel call for the current block
+    std::string name;            // of the kernel
+    std::vector<std::vector<std::vector<SharedAccess>>> shared_log;  // [warp][k]
 };
 inline Launch* cur = nullptr;
 // One launch at a time in the process: `cur`, blockDim/gridDim and the kernels'
@@ -160,6 +194,81 @@ T shfl(T v, int src) {
     return r;
 }
 
+inline void record_shared(const void* p, int bytes) {
+    if (!counting) return;
+    Fiber& f = cur->fibers[cur->current];
+    auto& log = cur->shared_log[warp];
+    if (log.size() <= f.shared_seq) log.resize(f.shared_seq + 1);
+    log[f.shared_seq++].push_back(SharedAccess{reinterpret_cast<uintptr_t>(p), lane, bytes});
+}
+
+// Folds one block's log into the kernel's counters.
+inline void count_block(Launch& l) {
+    KernelStats& st = stats()[l.name];
+    for (auto& warp_log : l.shared_log) {
+        for (auto& ins : warp_log) {
+            if (ins.empty()) continue;
+            st.accesses++;
+            int bytes = ins[0].bytes, per_phase = bytes >= 16 ? 8 : bytes == 8 ? 16 : 32;
+            for (int ph = 0; ph < 32 / per_phase; ph++) {
+                std::array<std::vector<uintptr_t>, 32> words;
+                for (auto& a : ins) {
+                    if (a.lane / per_phase != ph) continue;
+                    for (uintptr_t w = a.addr >> 2; w <= (a.addr + a.bytes - 1) >> 2; w++) {
+                        auto& b = words[w % 32];
+                        if (std::find(b.begin(), b.end(), w) == b.end()) b.push_back(w);
+                    }
+                }
+                size_t wf = 0;
+                for (auto& b : words) wf = std::max(wf, b.size());
+                if (wf == 0) continue;
+                st.wavefronts += wf;
+                st.conflicts += wf - 1;
+            }
+        }
+        warp_log.clear();
+    }
+}
+
+// ldmatrix .x4 (and .trans) for the warp: lanes 8i..8i+7 give the rows of matrix i.
+inline void ldmatrix_x4(uint32_t r[4], const void* row, bool trans) {
+    record_shared(row, 16);
+    auto& s = cur->scratch[warp];
+    s[lane] = reinterpret_cast<uint64_t>(row);
+    warp_sync();
+    auto elem = [&](int m, int rr, int c) {
+        const unsigned short* p = reinterpret_cast<const unsigned short*>(s[8 * m + rr]);
+        return (uint32_t)p[c];
+    };
+    for (int m = 0; m < 4; m++) {
+        if (!trans)
+            r[m] = elem(m, lane / 4, 2 * (lane % 4)) | (elem(m, lane / 4, 2 * (lane % 4) + 1) << 16);
+        else
+            r[m] = elem(m, 2 * (lane % 4), lane / 4) | (elem(m, 2 * (lane % 4) + 1, lane / 4) << 16);
+    }
+    warp_sync();
+}
+
+inline void async_copy16(void* dst, const void* src, bool valid) {
+    record_shared(dst, 16);
+    cur->fibers[cur->current].open.push_back(AsyncCopy{dst, src, valid});
+}
+inline void cp_async_commit() {
+    Fiber& f = cur->fibers[cur->current];
+    f.groups.push_back(std::move(f.open));
+    f.open.clear();
+}
+inline void cp_async_wait(int n) {
+    Fiber& f = cur->fibers[cur->current];
+    while ((int)f.groups.size() > n) {
+        for (auto& c : f.groups.front()) {
+            if (c.valid) std::memcpy(c.dst, c.src, 16);
+            else std::memset(c.dst, 0, 16);
+        }
+        f.groups.erase(f.groups.begin());
+    }
+}
+
 // One m16n8k16 bf16 MMA for the whole warp, from the documented fragment layout.
 inline void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
     auto& s = cur->mma_scratch[warp];
@@ -190,10 +299,10 @@ inline void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
 
 // Runs kernel `k` over the grid: one fiber per thread of a block, blocks in order.
 template <class P>
-void launch(void (*k)(P), dim3 grid, dim3 block, size_t smem, const P& p);
+void launch(const char* name, void (*k)(P), dim3 grid, dim3 block, size_t smem, const P& p);
 
 // Name -> launcher, filled by EMU_EXPORT at static-initialisation time.
-using Launcher = std::function<void(dim3, dim3, size_t, const void*)>;
+using Launcher = std::function<void(const char*, dim3, dim3, size_t, const void*)>;
 inline std::map<std::string, Launcher>& registry() {
     static std::map<std::string, Launcher> r;
     return r;
@@ -226,8 +335,8 @@ struct alignas(16) uint4 { unsigned x, y, z, w; };
 
 #define DYN_SMEM(T, name) T* name = reinterpret_cast<T*>(emu::cur->dyn_smem.data())
 #define EMU_EXPORT(name, P)                                                            \
-    static emu::Registrar emu_reg_##name(#name, [](dim3 g, dim3 b, size_t s, const void* p) { \
-        emu::launch<P>(name, g, b, s, *static_cast<const P*>(p));                      \
+    static emu::Registrar emu_reg_##name(#name, [](const char* n, dim3 g, dim3 b, size_t s, const void* p) { \
+        emu::launch<P>(n, name, g, b, s, *static_cast<const P*>(p));                      \
     });
 
 namespace emu {
@@ -246,7 +355,7 @@ inline void fiber_main() {
 constexpr size_t STACK_BYTES = 256 << 10;
 
 template <class P>
-void launch(void (*k)(P), dim3 grid, dim3 block, size_t smem, const P& p) {
+void launch(const char* name, void (*k)(P), dim3 grid, dim3 block, size_t smem, const P& p) {
     std::lock_guard<std::mutex> guard(one_at_a_time);
     int nthreads = block.x * block.y * block.z;
     int nwarps = (nthreads + 31) / 32;
@@ -260,6 +369,9 @@ void launch(void (*k)(P), dim3 grid, dim3 block, size_t smem, const P& p) {
     l.fibers.resize(nthreads);
     for (int t = 0; t < nthreads; t++) l.stacks.emplace_back(new char[STACK_BYTES]);
     l.body = [&] { k(p); };
+    l.name = name;
+    l.shared_log.resize(nwarps);
+    if (counting) stats()[name].launches++;
     cur = &l;
     blockDim = block;
     gridDim = grid;
@@ -272,6 +384,9 @@ void launch(void (*k)(P), dim3 grid, dim3 block, size_t smem, const P& p) {
                 for (int t = 0; t < nthreads; t++) {
                     Fiber& f = l.fibers[t];
                     f.done = false;
+                    f.open.clear();
+                    f.groups.clear();
+                    f.shared_seq = 0;
                     f.tid = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
                     f.lane = t % 32;
                     f.warp = t / 32;
@@ -298,6 +413,7 @@ void launch(void (*k)(P), dim3 grid, dim3 block, size_t smem, const P& p) {
                         if (f.done) alive--;
                     }
                 }
+                if (counting) count_block(l);
             }
     cur = nullptr;
 }

@@ -111,7 +111,7 @@ EMU_EXPORT(attn_simt_f32, AttnParams)
 extern "C" __global__ void attn_simt_bf16(const AttnParams p) { attn_simt<bf16>(p); }
 EMU_EXPORT(attn_simt_bf16, AttnParams)
 
-DEV u32 ld32(const unsigned short* p) { return *reinterpret_cast<const u32*>(p); }
+DEV u32 ld32(const unsigned short* p) { return ld_shared(reinterpret_cast<const u32*>(p)); }
 
 // Eight fp8 values (bytes 0..7 of `r`), times `s`, as eight bf16 (the layout of one
 // 16-byte bf16 load).
@@ -149,7 +149,7 @@ DEV void attn_mma(const AttnParams& p) {
             const AttnSlot& s = slot_of(p, ref);
             v = *reinterpret_cast<const uint4*>((const bf16*)s.k + ROW_IDX(ref) * s.stride + h * D + ch * 8);
         }
-        *reinterpret_cast<uint4*>(&Ks[rr * KP + ch * 8]) = v;
+        st_shared(reinterpret_cast<uint4*>(&Ks[rr * KP + ch * 8]), v);
     }
     __syncthreads();
     u32 qf[D / 16][4];
@@ -187,10 +187,10 @@ DEV void attn_mma(const AttnParams& p) {
                     vv = *reinterpret_cast<const uint4*>((const bf16*)s.v + off);
                 }
             }
-            *reinterpret_cast<uint4*>(&Ks[jj * KP + ch * 8]) = kv;
+            st_shared(reinterpret_cast<uint4*>(&Ks[jj * KP + ch * 8]), kv);
             const unsigned short* ve = reinterpret_cast<const unsigned short*>(&vv);
 #pragma unroll
-            for (int e = 0; e < 8; e++) Vt[(ch * 8 + e) * VP + jj] = ve[e];
+            for (int e = 0; e < 8; e++) st_shared(&Vt[(ch * 8 + e) * VP + jj], ve[e]);
         }
         __syncthreads();
 
@@ -279,3 +279,188 @@ extern "C" __global__ void __launch_bounds__(128) attn_mma_bf16_d64(const AttnPa
 EMU_EXPORT(attn_mma_bf16_d64, AttnParams)
 extern "C" __global__ void __launch_bounds__(128) attn_mma_bf16_d128(const AttnParams p) { attn_mma<128>(p); }
 EMU_EXPORT(attn_mma_bf16_d128, AttnParams)
+
+// ---- attn_fa2_bf16_d{64,128}: the tensor-core kernel, FlashAttention-2 shaped ----
+//
+// A block of 4 warps takes BR = 64 query rows of one (sequence, head), 16 per warp, and
+// walks the keys in tiles of BC = 64. Shared memory (dynamic, 4 tiles of 64 x D bf16:
+// 64 KB at D = 128) holds K and V double-buffered: while the tensor cores work on tile
+// j, cp.async copies tile j+1 into the other buffers, so global loads hide behind
+// compute. The Q tile is staged once in the second V buffer and kept in registers.
+//
+// Rows are stored whole (D bf16 each) with their 16-byte chunks XOR-swizzled by the
+// row's low three bits: chunk c of row r sits at chunk c ^ (r & 7). The 8 row
+// addresses of one ldmatrix phase (8 consecutive rows, one logical chunk) and the 8
+// lanes of one cp.async phase (one row, 8 consecutive chunks) then cover all 32 banks
+// exactly once: no bank conflicts anywhere (the emulator counts them: docs/gpu.md).
+// Fragments come from ldmatrix (x4): Q as the A operand, K as the B operand of
+// S = QK^T, and V with .trans as the B operand of O += PV, so V is never transposed in
+// memory. The softmax is online in registers (as attn_mma above).
+//
+// K/V rows come through the packed references like every other attention kernel, so
+// the gathered problem (a template's cached rows beside the fresh ones) runs the same
+// asynchronous copies at the same speed per FLOP as the full one. An fp8 row (a
+// template slab) cannot be copied as it is: its 8-byte groups are loaded, decoded to
+// bf16 with the head's scale in registers, and stored to the same swizzled place.
+DEV int swz(int row, int chunk, int d) { return row * d + ((chunk ^ (row & 7)) << 3); }
+
+// Copies rows [r0, r0 + 64) of a K/V tile (or the Q tile: `v` null) into shared
+// memory. Thread tid handles rows tid / CH + 128 / CH * i, chunk tid % CH.
+template <int D>
+DEV void fa2_load_tile(const AttnParams& p, const u32* rows, int r0, int n, int h,
+                       unsigned short* ks, unsigned short* vs, bool kv) {
+    constexpr int CH = D / 8, RPI = 128 / CH;  // chunks per row, rows per pass
+    const int tid = threadIdx.x, ch = tid % CH;
+#pragma unroll
+    for (int i = 0; i < 64 / RPI; i++) {
+        const int rr = tid / CH + RPI * i, at = swz(rr, ch, D);
+        const bool valid = r0 + rr < n;
+        const u32 ref = valid ? rows[r0 + rr] : 0u;
+        const AttnSlot& s = slot_of(p, ref);
+        const long long off = ROW_IDX(ref) * s.stride + h * D + ch * 8;
+        if (kv && valid && s.k_scales) {
+            st_shared(reinterpret_cast<uint4*>(ks + at),
+                      fp8x8_to_bf16(*reinterpret_cast<const uint2*>((const unsigned char*)s.k + off),
+                                    ((const float*)s.k_scales)[h]));
+            st_shared(reinterpret_cast<uint4*>(vs + at),
+                      fp8x8_to_bf16(*reinterpret_cast<const uint2*>((const unsigned char*)s.v + off),
+                                    ((const float*)s.v_scales)[h]));
+        } else {
+            cp_async16(ks + at, (const bf16*)s.k + off, valid);
+            if (kv) cp_async16(vs + at, (const bf16*)s.v + off, valid);
+        }
+    }
+}
+
+template <int D>
+DEV void attn_fa2(const AttnParams& p) {
+    constexpr int BC = 64, T = BC * D;
+    DYN_SMEM(unsigned short, sm);  // K0 | K1 | V0 | V1, each 64 x D
+    int2 tile = ((const int2*)p.tiles)[blockIdx.x];
+    AttnSeq sq = ((const AttnSeq*)p.seqs)[tile.x];
+    const int h = blockIdx.y, q0 = tile.y;
+    const u32* qrows = (const u32*)p.q_rows + sq.q_off;
+    const u32* kvrows = (const u32*)p.kv_rows + sq.kv_off;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const int n_tiles = (sq.kv_len + BC - 1) / BC;
+
+    // Q into V1, tile 0 into K0/V0: one group.
+    fa2_load_tile<D>(p, qrows + q0, 0, sq.q_len - q0, h, sm + 3 * T, nullptr, false);
+    fa2_load_tile<D>(p, kvrows, 0, sq.kv_len, h, sm, sm + 2 * T, true);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 qf[D / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++)
+        ldmatrix_x4(qf[ks], sm + 3 * T + swz(warp * 16 + (lane & 15), 2 * ks + (lane >> 4), D));
+    __syncthreads();  // V1 is tile 1's from here on
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < D / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+
+    for (int j = 0; j < n_tiles; j++) {
+        const unsigned short* Kt = sm + (j & 1) * T;
+        const unsigned short* Vt = sm + (2 + (j & 1)) * T;
+        // Prefetch tile j+1 into the buffers tile j-1 used (everyone left them at the
+        // barrier that ended the last iteration), then wait for tile j only.
+        if (j + 1 < n_tiles)
+            fa2_load_tile<D>(p, kvrows, (j + 1) * BC, sq.kv_len, h, sm + ((j + 1) & 1) * T,
+                             sm + (2 + ((j + 1) & 1)) * T, true);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+
+        float s[BC / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++) {
+#pragma unroll
+            for (int nt = 0; nt < BC / 8; nt += 2) {
+                u32 b[4];
+                ldmatrix_x4(b, Kt + swz(nt * 8 + (lane & 7) + ((lane >> 4) << 3), 2 * ks + ((lane >> 3) & 1), D));
+                mma_16816(s[nt], qf[ks], b);
+                mma_16816(s[nt + 1], qf[ks], b + 2);
+            }
+        }
+        const int j0 = j * BC;
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; nt++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int col = j0 + nt * 8 + 2 * t + (i & 1);
+                s[nt][i] = col < sq.kv_len ? s[nt][i] * p.scale_log2 : NEG_INF;
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+        }
+        mx0 = quad_max(mx0);  // finite: column j0 of every tile is a real key
+        mx1 = quad_max(mx1);
+        const float a0 = fast_exp2(m0 - mx0), a1 = fast_exp2(m1 - mx1);
+        m0 = mx0;
+        m1 = mx1;
+        float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; nt++) {
+            s[nt][0] = fast_exp2(s[nt][0] - m0);
+            s[nt][1] = fast_exp2(s[nt][1] - m0);
+            s[nt][2] = fast_exp2(s[nt][2] - m1);
+            s[nt][3] = fast_exp2(s[nt][3] - m1);
+            rs0 += s[nt][0] + s[nt][1];
+            rs1 += s[nt][2] + s[nt][3];
+        }
+        l0 = l0 * a0 + rs0;
+        l1 = l1 * a1 + rs1;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; nd++) {
+            o[nd][0] *= a0;
+            o[nd][1] *= a0;
+            o[nd][2] *= a1;
+            o[nd][3] *= a1;
+        }
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; kk++) {
+            u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                        pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                        pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int nd = 0; nd < D / 8; nd += 2) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, Vt + swz(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), nd + (lane >> 4), D));
+                mma_16816(o[nd], a, b);
+                mma_16816(o[nd + 1], a, b + 2);
+            }
+        }
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+    l0 = quad_sum(l0);
+    l1 = quad_sum(l1);
+    const int qr = warp * 16 + g;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        int row = q0 + qr + 8 * half;
+        float l = half ? l1 : l0, inv = l > 0.f ? 1.f / l : 0.f;
+        if (row < sq.q_len) {
+            u32 ref = qrows[row];
+            const AttnSlot& s = slot_of(p, ref);
+            bf16* dst = (bf16*)s.k + ROW_IDX(ref) * s.stride + h * D;
+#pragma unroll
+            for (int nd = 0; nd < D / 8; nd++)
+                *reinterpret_cast<u32*>(dst + nd * 8 + 2 * t) =
+                    pack_bf16x2(o[nd][2 * half] * inv, o[nd][2 * half + 1] * inv);
+        }
+    }
+}
+// 64 KB of dynamic shared memory at D = 128 (the launch raises the 48 KB default);
+// ptxas (sm_90a, NVRTC 13): 254 registers at D = 128 and 164 at D = 64, no spills: 2
+// blocks (8 warps) an SM at D = 128, where the registers and 2 x 64 KB of shared
+// memory both allow 2 (a cap of 168 registers for 3 blocks spilled 188 bytes).
+extern "C" __global__ void __launch_bounds__(128, 2) attn_fa2_bf16_d64(const AttnParams p) { attn_fa2<64>(p); }
+EMU_EXPORT(attn_fa2_bf16_d64, AttnParams)
+extern "C" __global__ void __launch_bounds__(128, 2) attn_fa2_bf16_d128(const AttnParams p) { attn_fa2<128>(p); }
+EMU_EXPORT(attn_fa2_bf16_d128, AttnParams)

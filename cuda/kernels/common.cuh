@@ -107,6 +107,79 @@ DEV void mma_16816(float d[4], const u32 a[4], const u32 b[2]) {
 #endif
 }
 
+// ---- shared memory: ldmatrix, cp.async, and plain shared loads/stores ----
+// Kernels that care about shared-memory speed go through these, so that the emulator
+// sees every access and counts bank conflicts the way the hardware serialises them
+// (emu.h, "bank conflicts"). On the GPU they are the plain PTX instructions.
+#ifndef DENOISED_EMU
+DEV u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+#endif
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i (16 bytes
+// each), and r[i] receives this lane's two elements of matrix i: row lane/4, columns
+// 2(lane%4) and 2(lane%4)+1 (the mma A/B fragment layout).
+DEV void ldmatrix_x4(u32 r[4], const void* row) {
+#ifdef DENOISED_EMU
+    emu::ldmatrix_x4(r, row, false);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row)));
+#endif
+}
+// The same, transposed: r[i] holds elements (2(lane%4), lane/4) and (2(lane%4)+1,
+// lane/4) of matrix i, so a row-major [k][n] tile gives the B fragment of mma.
+DEV void ldmatrix_x4_trans(u32 r[4], const void* row) {
+#ifdef DENOISED_EMU
+    emu::ldmatrix_x4(r, row, true);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row)));
+#endif
+}
+// 16 bytes global -> shared without passing through registers; zeros when !valid (the
+// source is then not read). Completes at cp_async_wait.
+DEV void cp_async16(void* dst, const void* src, bool valid) {
+#ifdef DENOISED_EMU
+    emu::async_copy16(dst, src, valid);
+#else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+#endif
+}
+DEV void cp_async_commit() {
+#ifdef DENOISED_EMU
+    emu::cp_async_commit();
+#else
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+// Waits until at most N committed groups are still in flight.
+template <int N>
+DEV void cp_async_wait() {
+#ifdef DENOISED_EMU
+    emu::cp_async_wait(N);
+#else
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+#endif
+}
+template <class T>
+DEV T ld_shared(const T* p) {
+#ifdef DENOISED_EMU
+    emu::record_shared(p, sizeof(T));
+#endif
+    return *p;
+}
+template <class T>
+DEV void st_shared(T* p, T v) {
+#ifdef DENOISED_EMU
+    emu::record_shared(p, sizeof(T));
+#endif
+    *p = v;
+}
+
 // ---- parameter structs: every kernel takes exactly one, by value ----
 // Pointers are u64 device addresses so the layout is identical in Rust (#[repr(C)]).
 

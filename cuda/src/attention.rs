@@ -15,8 +15,47 @@ use crate::backend::{GpuBackend, GpuTensor};
 use crate::exec::{Dt, Exec, Grid};
 use crate::params::{row_ref, AttnParams, AttnSlot};
 
-/// Query rows per block of the tensor-core kernel (4 warps x 16 rows).
+/// Query rows per block of the tensor-core kernels (4 warps x 16 rows).
 const MMA_TILE: usize = 64;
+/// Key rows per shared-memory tile of the FlashAttention-2 kernel; it keeps K and V
+/// double-buffered: 4 tiles of `FA2_KEYS x head_dim` bf16.
+const FA2_KEYS: usize = 64;
+
+/// Which tensor-core kernel runs bf16 attention at head dims 64 and 128.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum AttnKernel {
+    /// `attn_fa2_*`: ldmatrix fragments, cp.async double-buffered K/V tiles, swizzled
+    /// shared memory with no bank conflicts.
+    Fa2 = 0,
+    /// `attn_mma_*`: the first version (synchronous tile loads, V transposed by
+    /// scalar stores), kept so that one GPU run can time both on the same machine.
+    Mma = 1,
+}
+
+impl AttnKernel {
+    /// `DENOISED_ATTN_KERNEL=mma` picks the first version; anything else FA2.
+    pub fn from_env() -> Self {
+        match std::env::var("DENOISED_ATTN_KERNEL").as_deref() {
+            Ok("mma") => AttnKernel::Mma,
+            _ => AttnKernel::Fa2,
+        }
+    }
+}
+
+impl<E: Exec> GpuBackend<E> {
+    pub fn attn_kernel(&self) -> AttnKernel {
+        match self.attn_kernel.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => AttnKernel::Fa2,
+            _ => AttnKernel::Mma,
+        }
+    }
+    /// Switches the tensor-core attention kernel (checks and benchmarks run both).
+    pub fn set_attn_kernel(&self, k: AttnKernel) {
+        self.attn_kernel
+            .store(k as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+}
 /// Query rows per block of the SIMT kernel (4 warps x 1 row).
 const SIMT_TILE: usize = 4;
 
@@ -282,11 +321,18 @@ fn launch<E: Exec>(be: &GpuBackend<E>, l: Launch, heads: usize, hd: usize, es: u
         s.k % a == 0 && s.v % a == 0 && (s.stride as u64 * e) % a == 0
     });
     let mma = be.dtype() == Dt::Bf16 && (hd == 64 || hd == 128) && aligned;
+    let fa2 = be.attn_kernel() == AttnKernel::Fa2;
     let (tile, name) = match (mma, hd, be.dtype()) {
+        (true, 64, _) if fa2 => (MMA_TILE, "attn_fa2_bf16_d64"),
+        (true, _, _) if fa2 => (MMA_TILE, "attn_fa2_bf16_d128"),
         (true, 64, _) => (MMA_TILE, "attn_mma_bf16_d64"),
         (true, _, _) => (MMA_TILE, "attn_mma_bf16_d128"),
         (false, _, Dt::Bf16) => (SIMT_TILE, "attn_simt_bf16"),
         (false, _, Dt::F32) => (SIMT_TILE, "attn_simt_f32"),
+    };
+    let smem = match name.starts_with("attn_fa2") {
+        true => (4 * FA2_KEYS * hd * 2) as u32,
+        false => 0,
     };
     let mut tiles: Vec<u32> = vec![];
     for (si, d) in descs.iter().enumerate() {
@@ -319,7 +365,7 @@ fn launch<E: Exec>(be: &GpuBackend<E>, l: Launch, heads: usize, hd: usize, es: u
     let g = Grid {
         grid: [n_tiles as u32, heads as u32, 1],
         block: [128, 1, 1],
-        smem: 0,
+        smem,
     };
     be.launch(name, g, &p)
 }

@@ -38,6 +38,8 @@ pub struct GpuBackend<E: Exec> {
     /// Whether convolutions may go to the executor's library (cuDNN); off, every
     /// convolution runs as im2col + GEMM (the self-test checks both paths).
     pub(crate) conv_library: bool,
+    /// Which tensor-core attention kernel runs (`crate::attention::AttnKernel`).
+    pub(crate) attn_kernel: std::sync::atomic::AtomicU8,
 }
 
 /// A segment-id array, its device copy and that copy's address.
@@ -65,6 +67,9 @@ impl<E: Exec> GpuBackend<E> {
             host: HostIo::new(),
             image_workspace: crate::image::WORKSPACE_BYTES,
             conv_library: true,
+            attn_kernel: std::sync::atomic::AtomicU8::new(
+                crate::attention::AttnKernel::from_env() as u8
+            ),
         }
     }
     /// This backend with image ops chunked to `bytes` of workspace (tests use a few
@@ -75,6 +80,16 @@ impl<E: Exec> GpuBackend<E> {
     }
     pub fn exec(&self) -> &Arc<E> {
         &self.exec
+    }
+    /// Runs `f` (which queues work on the compute stream) and returns the GPU time it
+    /// took in seconds, measured with CUDA events (waits for it); `None` on an
+    /// executor without a GPU clock.
+    pub fn gpu_seconds(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<f64>> {
+        let start = self.exec.timing_event().map_err(dev)?;
+        f()?;
+        let Some(start) = start else { return Ok(None) };
+        let end = self.exec.timing_event().map_err(dev)?.expect("a GPU clock");
+        Ok(Some(self.exec.elapsed_ms(&start, &end).map_err(dev)? / 1e3))
     }
     pub fn dtype(&self) -> Dt {
         self.dt

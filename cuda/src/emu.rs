@@ -27,6 +27,81 @@ extern "C" {
         params: *const c_void,
     ) -> i32;
     fn denoised_emu_param_sizes(out: *mut std::ffi::c_ulong);
+    fn denoised_emu_count_shared(on: i32);
+    fn denoised_emu_shared_stats(
+        i: std::ffi::c_ulong,
+        name: *mut std::ffi::c_char,
+        cap: std::ffi::c_ulong,
+        out: *mut u64,
+    ) -> i32;
+}
+
+/// What the emulator counted for one kernel since [`count_shared`] turned counting on:
+/// launches, and its shared-memory access instructions (per warp) with the
+/// wavefronts the hardware would serve them in (emu.h, "bank conflicts").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelCounters {
+    pub kernel: String,
+    pub launches: u64,
+    pub shared_accesses: u64,
+    pub wavefronts: u64,
+    /// Wavefronts beyond one per access phase.
+    pub bank_conflicts: u64,
+}
+
+/// Turns the emulator's per-kernel counting on (clearing earlier counts) or off. It
+/// slows kernels down (every shared access is logged), so it is off by default.
+pub fn count_shared(on: bool) {
+    COUNTING.store(on, Ordering::Relaxed);
+    GEMMS.store(0, Ordering::Relaxed);
+    // SAFETY: plain flag and map behind the emulator's launch lock.
+    #[cfg(denoised_emu)]
+    unsafe {
+        denoised_emu_count_shared(on as i32)
+    }
+}
+
+/// GEMMs (a cuBLASLt launch on a GPU) run while counting was on.
+static GEMMS: AtomicU64 = AtomicU64::new(0);
+static COUNTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The counters of every kernel launched while counting was on, by name.
+pub fn shared_counters() -> Vec<KernelCounters> {
+    let mut all = vec![];
+    #[cfg(denoised_emu)]
+    for i in 0.. {
+        let mut name = [0 as std::ffi::c_char; 128];
+        let mut out = [0u64; 4];
+        // SAFETY: name has 128 bytes, out 4 values, as the C side writes at most.
+        let rc = unsafe {
+            denoised_emu_shared_stats(i, name.as_mut_ptr(), name.len() as _, out.as_mut_ptr())
+        };
+        if rc != 0 {
+            break;
+        }
+        // SAFETY: the C side wrote a NUL-terminated string.
+        let kernel = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        all.push(KernelCounters {
+            kernel,
+            launches: out[0],
+            shared_accesses: out[1],
+            wavefronts: out[2],
+            bank_conflicts: out[3],
+        });
+    }
+    let gemms = GEMMS.load(Ordering::Relaxed);
+    if gemms > 0 {
+        all.push(KernelCounters {
+            kernel: "gemm".into(),
+            launches: gemms,
+            shared_accesses: 0,
+            wavefronts: 0,
+            bank_conflicts: 0,
+        });
+    }
+    all
 }
 
 /// Whether this build has the emulator (x86-64 hosts; see build.rs).
@@ -291,6 +366,9 @@ impl Exec for EmuExec {
         Ok(())
     }
     fn gemm(&self, g: &Gemm) -> Result<()> {
+        if COUNTING.load(Ordering::Relaxed) {
+            GEMMS.fetch_add(1, Ordering::Relaxed);
+        }
         let rows: Vec<Vec<f32>> = (0..g.n)
             .into_par_iter()
             .map(|r| {

@@ -52,6 +52,9 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 /// batch's active tokens, so the cache is emptied when it reaches this size rather
 /// than growing without bound (a miss costs one heuristic query, microseconds).
 const MAX_PLANS: usize = 4096;
+/// Dynamic shared memory a launch may use without raising the kernel's limit.
+const DEFAULT_SMEM: u32 = 48 << 10;
+
 /// Uploads below this go straight from pageable memory (no staging round trip).
 const SMALL_UPLOAD: usize = 256 << 10;
 
@@ -63,6 +66,8 @@ pub struct CudaExec {
     arch: String,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Kernels whose dynamic shared memory limit was raised, and to what.
+    smem_allowed: Mutex<HashMap<&'static str, u32>>,
     staging: Mutex<PinnedHostSlice<u8>>,
     blas: Mutex<Blas>,
     /// cuDNN, opened at the first convolution; `None` where it is absent or failed
@@ -217,6 +222,7 @@ impl CudaExec {
             arch,
             modules: Mutex::default(),
             functions: Mutex::default(),
+            smem_allowed: Mutex::default(),
             staging: Mutex::new(staging),
             blas: Mutex::new(Blas {
                 handle,
@@ -281,6 +287,22 @@ impl CudaExec {
                 self.function(k)?;
             }
         }
+        Ok(())
+    }
+
+    /// Raises a kernel's dynamic shared memory limit above the 48 KB every launch may
+    /// take without asking (once per kernel and size).
+    fn allow_smem(&self, name: &'static str, f: &CudaFunction, bytes: u32) -> Result<()> {
+        let mut set = self.smem_allowed.lock().unwrap();
+        if set.get(name).is_some_and(|&b| b >= bytes) {
+            return Ok(());
+        }
+        f.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(drv("cuFuncSetAttribute"))?;
+        set.insert(name, bytes);
         Ok(())
     }
 
@@ -502,6 +524,9 @@ impl Exec for CudaExec {
 
     fn launch<P: KernelParams>(&self, name: &'static str, g: Grid, params: &P) -> Result<()> {
         let f = self.function(name)?;
+        if g.smem > DEFAULT_SMEM {
+            self.allow_smem(name, &f, g.smem)?;
+        }
         let cfg = LaunchConfig {
             grid_dim: (g.grid[0], g.grid[1], g.grid[2]),
             block_dim: (g.block[0], g.block[1], g.block[2]),
@@ -636,6 +661,19 @@ impl Exec for CudaExec {
 
     fn sync_event(&self, e: &CudaEvent) -> Result<()> {
         e.synchronize().map_err(drv("cuEventSynchronize"))
+    }
+
+    fn timing_event(&self) -> Result<Option<CudaEvent>> {
+        let e = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv("cuEventCreate"))?;
+        e.record(&self.compute).map_err(drv("cuEventRecord"))?;
+        Ok(Some(e))
+    }
+
+    fn elapsed_ms(&self, start: &CudaEvent, end: &CudaEvent) -> Result<f64> {
+        Ok(start.elapsed_ms(end).map_err(drv("cuEventElapsedTime"))? as f64)
     }
 
     fn record(&self, on: Stream) -> Result<CudaEvent> {

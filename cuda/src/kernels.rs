@@ -67,6 +67,8 @@ pub const MODULES: &[Module] = &[
             "attn_simt_bf16",
             "attn_mma_bf16_d64",
             "attn_mma_bf16_d128",
+            "attn_fa2_bf16_d64",
+            "attn_fa2_bf16_d128",
         ],
     },
     Module {

@@ -15,7 +15,7 @@
 //! when used. cudarc panics when asked for a symbol of an absent library, so every entry
 //! point checks for the library first and returns [`CudaError::NoDevice`] instead.
 
-mod attention;
+pub mod attention;
 pub mod backend;
 pub mod compile;
 mod cudnn;
@@ -33,6 +33,7 @@ pub mod stream;
 mod tensor;
 mod text;
 
+pub use attention::AttnKernel;
 pub use backend::{GpuBackend, GpuTensor};
 pub use cudnn::WORKSPACE_CAP as CUDNN_WORKSPACE_BYTES;
 pub use device::{

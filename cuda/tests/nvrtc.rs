@@ -5,11 +5,16 @@
 
 use denoised_cuda::compile::{compile, nvrtc_available, nvrtc_version};
 use denoised_cuda::kernels::MODULES;
+use denoised_runtime::skip::{skip, Need};
 
 #[test]
 fn every_module_compiles_for_ampere_and_hopper() {
     if !nvrtc_available() {
-        println!("skipping: libnvrtc is not installed (set LD_LIBRARY_PATH to a CUDA 13 libnvrtc)");
+        skip(
+            "nvrtc::every_module_compiles_for_ampere_and_hopper",
+            Need::Tool,
+            "libnvrtc is not installed (set LD_LIBRARY_PATH to a CUDA 13 libnvrtc)",
+        );
         return;
     }
     println!("NVRTC {:?}", nvrtc_version().unwrap());

@@ -1,4 +1,4 @@
-//! Latency models of a device (DESIGN.md §Planner): compute time as a linear function
+//! Latency models of a device (docs/design.md §Planner): compute time as a linear function
 //! of FLOPs and load time as a linear function of bytes, per cache tier, fitted by
 //! `denoised profile` on the real device and stored in a profile file that
 //! `config.toml` references (`[planner] profile`).

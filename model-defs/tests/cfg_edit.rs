@@ -1,4 +1,4 @@
-//! True CFG on mask-aware edits (DESIGN.md §Adapters): an edit's negative branch
+//! True CFG on mask-aware edits (docs/design.md §Adapters): an edit's negative branch
 //! computes its active rows with the negative prompt against the same template as the
 //! positive branch, and each step follows `neg + scale * (pos - neg)`.
 //!

@@ -1,4 +1,4 @@
-//! ControlNets on mask-aware edits (DESIGN.md §Adapters): the ControlNets run over
+//! ControlNets on mask-aware edits (docs/design.md §Adapters): the ControlNets run over
 //! every token, the inactive ones at the template's latents (`Job::control_latents`),
 //! and an edit's residuals carry only its active rows.
 //!

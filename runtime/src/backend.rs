@@ -1,7 +1,7 @@
 //! The Backend trait: every numerical operation the models need, and nothing else.
 //!
 //! Model code (`denoised-models`) is written once against this trait. The CPU backend
-//! is the reference; the CUDA backend must agree with it op by op (DESIGN.md §Devices).
+//! is the reference; the CUDA backend must agree with it op by op (docs/design.md §Devices).
 //!
 //! The ops are shaped for the *ragged* batch from the start: rows of many requests are
 //! packed into one matrix, adaLN modulation picks its row through a per-row segment
@@ -144,7 +144,7 @@ pub trait Backend: Send + Sync {
     /// Linear computing only the output features `outs` (a row block of the `[out,
     /// in]` weight and of the bias): how a Y-mode template step recomputes only the K
     /// and V columns of a fused projection for the tokens it does not compute
-    /// (DESIGN.md §Planner), at a fraction of the whole projection's cost.
+    /// (docs/design.md §Planner), at a fraction of the whole projection's cost.
     fn linear_out(
         &self,
         x: &Self::Tensor,
@@ -254,7 +254,7 @@ pub trait Backend: Send + Sync {
 
     /// `y[rows, cols] += alpha * d`, `d` being `[rows.len(), cols.len()]`: how one
     /// request's LoRA delta lands on its rows of a batch's Linear output (unmerged
-    /// adapters, DESIGN.md §Adapters).
+    /// adapters, docs/design.md §Adapters).
     fn add_block(
         &self,
         y: &mut Self::Tensor,
@@ -553,7 +553,7 @@ fn stack_f32(parts: &[Stored<'_>]) -> Result<Tensor> {
 pub trait SlabProvider<T>: Send + Sync {
     /// Called before each forward that reads `step`: `slabs` are the blocks whose
     /// slabs it will ask for, strictly ascending (a plan may compute any block in full
-    /// and skip its slab, DESIGN.md §Planner). Only these are loaded.
+    /// and skip its slab, docs/design.md §Planner). Only these are loaded.
     fn prepare(&self, step: usize, slabs: &[usize]) -> Result<()>;
     /// The slab of `block` at `step` (`[L, 2*hidden]` of `[K | V]`, or a Y-mode
     /// template's `[L, hidden]` block output). Asking for a block that

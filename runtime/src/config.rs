@@ -25,7 +25,7 @@ pub struct Config {
     pub adapters: AdaptersConfig,
 }
 
-/// `[adapters]`: LoRAs of the transformer (DESIGN.md §Adapters).
+/// `[adapters]`: LoRAs of the transformer (docs/design.md §Adapters).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdaptersConfig {
@@ -115,7 +115,7 @@ impl AdaptersConfig {
 }
 
 /// `[approx_cache]`: reuse of text-to-image noise states across similar prompts
-/// (NIRVANA; DESIGN.md §"Approximate caching").
+/// (NIRVANA; docs/design.md §"Approximate caching").
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ApproxCacheConfig {

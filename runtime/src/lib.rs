@@ -15,6 +15,7 @@ pub mod fixtures;
 pub mod fp8;
 pub mod host;
 pub mod shm;
+pub mod skip;
 pub mod stored;
 pub mod tensor;
 pub mod weights;

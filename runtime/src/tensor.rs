@@ -1,6 +1,6 @@
 //! The host tensor: a contiguous row-major `f32` buffer with a shape.
 //!
-//! It is deliberately plain. Compute is f32 on the CPU (DESIGN.md §Devices); storage
+//! It is deliberately plain. Compute is f32 on the CPU (docs/design.md §Devices); storage
 //! dtypes (bf16, f16) exist only on disk and are converted when weights load. Device
 //! backends keep their own buffer types and convert through `Backend::upload`.
 //!

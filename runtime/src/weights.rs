@@ -69,6 +69,25 @@ impl SafetensorsFile {
         &self.path
     }
 
+    /// Drops this process's resident pages of the map, keeping it readable: a later
+    /// read faults the same bytes back in from the file (the page cache). Tensors are
+    /// read from the map once, while loading, and copied into the backend's layout;
+    /// the pages those reads made resident would otherwise stay in the process's RSS
+    /// (RssFile) for as long as the map is kept (a transformer keeps its checkpoint
+    /// mapped to restore LoRA-merged sites from), a second copy of every weight.
+    pub fn release_pages(&self) -> std::io::Result<()> {
+        #[cfg(unix)]
+        // SAFETY: `Mmap` is a read-only shared mapping of a file that is not rewritten
+        // while it is served (see `open`). MADV_DONTNEED on it only unmaps this
+        // process's pages: a slice borrowed from the map reads the same bytes after
+        // it, faulted back in from the file, so no borrow observes a change.
+        unsafe {
+            self.mmap
+                .unchecked_advise(memmap2::UncheckedAdvice::DontNeed)?;
+        }
+        Ok(())
+    }
+
     /// A value of the file's `__metadata__` header (e.g. a LoRA's
     /// `lora_adapter_metadata`).
     pub fn metadata_value(&self, key: &str) -> Option<&str> {
@@ -306,6 +325,16 @@ impl WeightStore {
 
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
+    }
+
+    /// [`SafetensorsFile::release_pages`] of every file: call it once the weights
+    /// are loaded (and after each later read) so that the mapped checkpoint costs no
+    /// resident memory beyond the page cache.
+    pub fn release_pages(&self) -> std::io::Result<()> {
+        for f in &self.files {
+            f.release_pages()?;
+        }
+        Ok(())
     }
 
     /// Loads `name` as f32 and checks its shape against what the config implies.

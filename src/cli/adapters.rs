@@ -1,5 +1,5 @@
 //! `--lora PATH[:SCALE]` and `--lora-mode` of `denoised generate`, `edit` and
-//! `template capture` (DESIGN.md §Adapters).
+//! `template capture` (docs/design.md §Adapters).
 
 use std::path::PathBuf;
 use std::str::FromStr;

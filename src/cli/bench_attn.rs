@@ -10,14 +10,14 @@
 
 use std::time::Instant;
 
-use denoised_cuda::{Dt, GpuBackend};
+use denoised_cuda::{AttnKernel, DeviceSpec, Dt, EmuExec, Exec, GpuBackend};
 use denoised_models::flux::weights::SplitMix;
 use denoised_runtime::backend::{AttnSeq, KvSource, QSpan, Rows, Src};
 use denoised_runtime::{Backend, CpuBackend, Tensor};
 
-use super::{CliResult, DeviceArgs, Selected};
+use super::{emu_or_select, CliResult, DeviceArgs, Selected};
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Debug, Clone)]
 pub struct Args {
     /// Attention heads (FLUX.1: 24).
     #[arg(long, default_value_t = 24)]
@@ -42,6 +42,23 @@ pub struct Args {
     /// Storage type on a GPU (bf16 uses the tensor-core kernel for head dims 64/128).
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
     pub dtype: String,
+    /// Tensor-core kernels to time, comma-separated: fa2 (the default kernel) and/or
+    /// mma (the first version), one after the other on the same device.
+    #[arg(long, value_delimiter = ',', default_value = "fa2", value_parser = ["fa2", "mma"])]
+    pub kernel: Vec<String>,
+    /// With `--device emu`: count every kernel's shared-memory accesses and bank
+    /// conflicts as the hardware would serve them, and its launches; one JSON line per
+    /// kernel (timings on the emulator mean nothing, so none are printed).
+    #[arg(long)]
+    pub report_conflicts: bool,
+}
+
+fn kernel_of(name: &str) -> AttnKernel {
+    if name == "mma" {
+        AttnKernel::Mma
+    } else {
+        AttnKernel::Fa2
+    }
 }
 
 pub fn run(a: Args) -> CliResult {
@@ -51,19 +68,76 @@ pub fn run(a: Args) -> CliResult {
     if let Some(bad) = a.mask_ratio.iter().find(|r| !(0.0..=1.0).contains(*r)) {
         return Err(format!("--mask-ratio {bad} is not in [0, 1]").into());
     }
-    let lines = match a.device.select()? {
-        Selected::Cpu => measure(&a, CpuBackend::new())?,
-        Selected::Cuda(exec) => {
-            let dt = if a.dtype == "f32" { Dt::F32 } else { Dt::Bf16 };
-            exec.warm_up()?;
-            measure(&a, GpuBackend::new(*exec, dt))?
+    let dt = if a.dtype == "f32" { Dt::F32 } else { Dt::Bf16 };
+    if a.report_conflicts {
+        if a.device.device != DeviceSpec::Emu {
+            return Err("--report-conflicts counts on the emulator: use --device emu".into());
         }
+        for line in conflicts(&a, GpuBackend::new(EmuExec::open()?, dt))? {
+            println!("{line}");
+        }
+        return Ok(());
+    }
+    let lines = match emu_or_select(&a.device)? {
+        Some(Selected::Cpu) => measure(&a, &CpuBackend::new(), &|f| {
+            f()?;
+            Ok(None)
+        })?,
+        Some(Selected::Cuda(exec)) => {
+            exec.warm_up()?;
+            each_kernel(&a, &GpuBackend::new(*exec, dt))?
+        }
+        None => each_kernel(&a, &GpuBackend::new(EmuExec::open()?, dt))?,
     };
     for line in lines {
         println!("{line}");
     }
     Ok(())
 }
+
+/// Every asked tensor-core kernel on the same device, one after the other.
+fn each_kernel<E: Exec>(a: &Args, be: &GpuBackend<E>) -> CliResult<Vec<serde_json::Value>> {
+    let mut lines = vec![];
+    for k in &a.kernel {
+        be.set_attn_kernel(kernel_of(k));
+        for mut l in measure(a, be, &|f| be.gpu_seconds(f))? {
+            l["kernel"] = k.as_str().into();
+            lines.push(l);
+        }
+    }
+    Ok(lines)
+}
+
+/// Each asked kernel once per mask ratio on the emulator, with the shared-memory
+/// counters on: one line per kernel that ran.
+fn conflicts<E: Exec>(a: &Args, be: GpuBackend<E>) -> CliResult<Vec<serde_json::Value>> {
+    use denoised_cuda::emu;
+    let once = Args {
+        iters: 1,
+        ..a.clone()
+    };
+    let mut lines = vec![];
+    for k in &a.kernel {
+        be.set_attn_kernel(kernel_of(k));
+        emu::count_shared(true);
+        measure(&once, &be, &|f| be.gpu_seconds(f))?;
+        let counted = emu::shared_counters();
+        emu::count_shared(false);
+        for c in counted {
+            lines.push(serde_json::json!({
+                "kernel": c.kernel, "launches": c.launches, "shared_accesses": c.shared_accesses,
+                "wavefronts": c.wavefronts, "bank_conflicts": c.bank_conflicts,
+                "mask_ratio": a.mask_ratio, "heads": a.heads, "head_dim": a.head_dim,
+            }));
+        }
+    }
+    Ok(lines)
+}
+
+/// GPU time of the work a closure queues (CUDA events), or `None` without a GPU clock.
+pub type GpuClock<'a> = &'a dyn Fn(
+    &mut dyn FnMut() -> denoised_runtime::Result<()>,
+) -> denoised_runtime::Result<Option<f64>>;
 
 fn random(rows: usize, cols: usize, rng: &mut SplitMix) -> Tensor {
     Tensor::new(
@@ -74,7 +148,13 @@ fn random(rows: usize, cols: usize, rng: &mut SplitMix) -> Tensor {
 }
 
 /// One JSON object per mask ratio.
-pub fn measure<B: Backend>(a: &Args, be: B) -> CliResult<Vec<serde_json::Value>> {
+/// Measures with `gpu_seconds` where it gives a time (CUDA events), else the wall
+/// clock around the op and a synchronise.
+pub fn measure<B: Backend>(
+    a: &Args,
+    be: &B,
+    gpu_seconds: GpuClock,
+) -> CliResult<Vec<serde_json::Value>> {
     let mut lines = Vec::new();
     let (t, l, w) = (a.text_tokens, a.image_tokens, a.heads * a.head_dim);
     let mut rng = SplitMix::new(17);
@@ -111,11 +191,18 @@ pub fn measure<B: Backend>(a: &Args, be: B) -> CliResult<Vec<serde_json::Value>>
         be.attention(&mut [&mut fresh], 0, w, a.heads, &seqs)?;
         be.synchronize()?;
         let mut ts = Vec::with_capacity(a.iters);
+        let mut clock = "wall";
         for _ in 0..a.iters {
             let t0 = Instant::now();
-            be.attention(&mut [&mut fresh], 0, w, a.heads, &seqs)?;
+            let gpu = gpu_seconds(&mut || be.attention(&mut [&mut fresh], 0, w, a.heads, &seqs))?;
             be.synchronize()?;
-            ts.push(t0.elapsed().as_secs_f64());
+            ts.push(match gpu {
+                Some(s) => {
+                    clock = "cuda events";
+                    s
+                }
+                None => t0.elapsed().as_secs_f64(),
+            });
         }
         ts.sort_by(|x, y| x.total_cmp(y));
         let median = ts[ts.len() / 2];
@@ -123,7 +210,7 @@ pub fn measure<B: Backend>(a: &Args, be: B) -> CliResult<Vec<serde_json::Value>>
         let flops = 4.0 * q as f64 * keys as f64 * (a.head_dim * a.heads) as f64;
         lines.push(serde_json::json!({
             "mask_ratio": m, "queries": q, "keys": keys, "heads": a.heads, "head_dim": a.head_dim,
-            "median_s": median, "min_s": ts[0], "tflops": flops / median / 1e12, "backend": be.name(),
+            "median_s": median, "min_s": ts[0], "tflops": flops / median / 1e12, "backend": be.name(), "clock": clock,
         }));
     }
     Ok(lines)

@@ -1,5 +1,5 @@
 //! `denoised bench-controlnet-stream`: what moving a step's ControlNet residuals to the
-//! denoise worker costs (DESIGN.md §Adapters), at a real model's sizes, without
+//! denoise worker costs (docs/design.md §Adapters), at a real model's sizes, without
 //! ControlNet weights: the ControlNet service's stream (`denoised_actors::controlnet::
 //! stream`) through a real `/dev/shm` arena, the service side on one thread and the
 //! denoise side (a second, writable mapping, as another process maps it) on another,

@@ -33,7 +33,7 @@ use denoised_models::{FlowMatchEuler, FluxConfig, FluxTransformer};
 use denoised_runtime::cpu::stream::{CpuStream, SlabRead};
 use denoised_runtime::{Backend, CpuBackend, DType, HostSlice, Tensor};
 
-use super::{CliResult, DeviceArgs, Selected};
+use super::{emu_or_select, CliResult, DeviceArgs, Selected};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -98,6 +98,10 @@ pub struct Args {
     /// first in alternating runs (`over_baseline`).
     #[arg(long, value_delimiter = ',', value_parser = ["f32", "bf16", "fp8"])]
     pub cache_dtype: Vec<String>,
+    /// With `--device emu`: instead of timing, count the kernel launches of one double
+    /// block and one single block (docs/gpu.md, "The emulator").
+    #[arg(long)]
+    pub report_launches: bool,
 }
 
 fn cache_mode(name: &str) -> CacheMode {
@@ -267,8 +271,18 @@ pub fn run(a: Args) -> CliResult {
             "--cache-tier host|disk times edits: give --mask-ratio below 1 or --mask-trace".into(),
         );
     }
-    let lines = match a.device.select()? {
-        Selected::Cpu => {
+    if a.report_launches {
+        if a.device.device != denoised_cuda::DeviceSpec::Emu {
+            return Err("--report-launches counts on the emulator: use --device emu".into());
+        }
+        for line in super::bench_launches::per_block(&cfg, a.image_tokens, a.text_tokens)? {
+            println!("{line}");
+        }
+        return Ok(());
+    }
+    let lines = match emu_or_select(&a.device)? {
+        None => measure_gpu(&a, cfg, denoised_cuda::EmuExec::open()?)?,
+        Some(Selected::Cpu) => {
             // One template file per template (cache mode) the bench captures.
             let disk: std::cell::RefCell<Vec<(u64, Arc<DiskTier>)>> = Default::default();
             let disk_of = |cache: &TemplateCache| -> CliResult<Arc<DiskTier>> {
@@ -308,7 +322,7 @@ pub fn run(a: Args) -> CliResult {
                 },
             )?
         }
-        Selected::Cuda(exec) => {
+        Some(Selected::Cuda(exec)) => {
             // Compile (or load from the kernel cache) before timing anything.
             exec.warm_up()?;
             measure_gpu(&a, cfg, *exec)?

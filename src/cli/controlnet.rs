@@ -1,5 +1,5 @@
 //! `--controlnet DIR:IMAGE[:SCALE]` of `denoised generate` and `denoised edit`
-//! (DESIGN.md §Adapters): the
+//! (docs/design.md §Adapters): the
 //! ControlNets run in process, each step's residuals before the step (`LocalControl`),
 //! on the host's CPU. The daemon streams the same residuals from its ControlNet
 //! service's processes; both sum them alike, so they agree bit for bit.

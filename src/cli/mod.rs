@@ -5,6 +5,7 @@ mod bench_approx;
 mod bench_attn;
 mod bench_controlnet;
 mod bench_generate;
+mod bench_launches;
 mod bench_lora;
 mod bench_overheads;
 mod bench_pipeline;
@@ -228,6 +229,17 @@ impl DeviceArgs {
         cpu_only(self.device, "this command")?;
         Ok(CpuBackend::new())
     }
+}
+
+/// For the benchmarks: `None` for `--device emu`, which they accept (so that one-shot
+/// GPU script can be rehearsed on the emulator: benches/gpu/oneshot.sh) with a note
+/// that its timings mean nothing; otherwise the device as [`DeviceArgs::select`] picks it.
+pub fn emu_or_select(d: &DeviceArgs) -> CliResult<Option<Selected>> {
+    if d.device == DeviceSpec::Emu {
+        eprintln!("note: the emulator runs the GPU code on the CPU; its timings mean nothing");
+        return Ok(None);
+    }
+    d.select().map(Some)
 }
 
 /// For a part that computes only on the CPU so far: `auto` on a GPU machine says so

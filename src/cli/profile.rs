@@ -1,4 +1,4 @@
-//! `denoised profile`: measures a device's latency models for the planner (DESIGN.md
+//! `denoised profile`: measures a device's latency models for the planner (docs/design.md
 //! §Planner) and writes the profile file `[denoise] profile` names.
 //!
 //! - **Compute**: steps over a grid of batch sizes and active-token shares (edits

@@ -1,5 +1,5 @@
 //! `denoised profile-lora`: K of bounded asynchronous loading for one (model, LoRA)
-//! pair (DESIGN.md §Adapters). The same generation runs with and without the LoRA in
+//! pair (docs/design.md §Adapters). The same generation runs with and without the LoRA in
 //! one batch; K is the first step whose latents with and without it fall below a
 //! cosine similarity (0.99): the steps before it barely depend on the LoRA, so a
 //! request may run them on the base weights while the LoRA loads. `--write` records

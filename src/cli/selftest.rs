@@ -158,6 +158,16 @@ pub fn run(a: Args) -> CliResult {
         };
         print_section(&s);
         sections.push(s);
+        // After every part, so a run cut short (a timeout) still leaves its report.
+        if let Some(path) = &a.json {
+            write_report(
+                path,
+                &device,
+                &convs,
+                t_all.elapsed().as_secs_f64(),
+                &sections,
+            )?;
+        }
     }
     let total: usize = sections.iter().map(|s| s.checks.len()).sum();
     let failed: usize = sections
@@ -171,23 +181,34 @@ pub fn run(a: Args) -> CliResult {
         total - failed
     );
     if let Some(path) = &a.json {
-        let report = json!({
-            "device": device,
-            "vae_convolutions": convs,
-            "seconds": seconds,
-            "parts": sections.iter().map(|s| json!({
-                "part": format!("{:?}", s.part),
-                "seconds": s.seconds,
-                "checks": s.checks.iter().map(|c| json!({
-                    "name": c.name, "measured": c.measured, "bound": c.bound, "pass": c.pass,
-                })).collect::<Vec<_>>(),
-            })).collect::<Vec<_>>(),
-        });
-        std::fs::write(path, serde_json::to_vec_pretty(&report)?)?;
+        write_report(path, &device, &convs, seconds, &sections)?;
     }
     if failed > 0 {
         return Err(format!("{failed} of {total} checks failed").into());
     }
+    Ok(())
+}
+
+fn write_report(
+    path: &std::path::Path,
+    device: &str,
+    convs: &str,
+    seconds: f64,
+    sections: &[Section],
+) -> CliResult {
+    let report = json!({
+        "device": device,
+        "vae_convolutions": convs,
+        "seconds": seconds,
+        "parts": sections.iter().map(|s| json!({
+            "part": format!("{:?}", s.part),
+            "seconds": s.seconds,
+            "checks": s.checks.iter().map(|c| json!({
+                "name": c.name, "measured": c.measured, "bound": c.bound, "pass": c.pass,
+            })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+    });
+    std::fs::write(path, serde_json::to_vec_pretty(&report)?)?;
     Ok(())
 }
 
@@ -257,6 +278,7 @@ fn bench_steps(t: Target) -> CliResult<Vec<Check>> {
         disk_dir: std::env::temp_dir(),
         cache_mode: vec!["kv".into()],
         cache_dtype: vec![],
+        report_launches: false,
     };
     let cfg = FluxConfig::named(config).expect("a known config");
     let lines = match t {
@@ -338,10 +360,18 @@ fn bench_attention(t: Target) -> CliResult<Vec<Check>> {
             device: DeviceSpec::Emu,
         },
         dtype: "bf16".into(),
+        kernel: vec!["fa2".into()],
+        report_conflicts: false,
     };
     let lines = match t {
-        Target::Emu => bench_attn::measure(&args, GpuBackend::new(EmuExec::default(), Dt::Bf16))?,
-        Target::Cuda(n) => bench_attn::measure(&args, GpuBackend::new(cuda(n)?, Dt::Bf16))?,
+        Target::Emu => {
+            let be = GpuBackend::new(EmuExec::default(), Dt::Bf16);
+            bench_attn::measure(&args, &be, &|f| be.gpu_seconds(f))?
+        }
+        Target::Cuda(n) => {
+            let be = GpuBackend::new(cuda(n)?, Dt::Bf16);
+            bench_attn::measure(&args, &be, &|f| be.gpu_seconds(f))?
+        }
     };
     Ok(lines
         .iter()
@@ -469,6 +499,37 @@ fn image_of(v: &Value) -> CliResult<Rgb8> {
     Ok(decode_image(&bytes, &limits)?)
 }
 
+/// Whether a worker's announced device (`cpu`, `emu` or `cuda:N NAME (ARCH)`, as
+/// `/readyz` lists it) is `flag` (`emu`, `cuda:N`).
+fn on_device(announced: &Value, flag: &str) -> bool {
+    announced.as_str().is_some_and(|d| {
+        d == flag
+            || d.strip_prefix(flag)
+                .is_some_and(|rest| rest.starts_with(' '))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::on_device;
+    use serde_json::json;
+
+    #[test]
+    fn a_worker_on_a_gpu_is_found_by_its_ordinal() {
+        // What a denoise worker on the first GPU run announced.
+        let h100 = json!("cuda:0 NVIDIA H100 80GB HBM3 (sm_90a)");
+        assert!(on_device(&h100, "cuda:0"));
+        assert!(!on_device(&h100, "cuda:1"));
+        assert!(!on_device(
+            &json!("cuda:10 NVIDIA H100 80GB HBM3 (sm_90a)"),
+            "cuda:1"
+        ));
+        assert!(on_device(&json!("emu"), "emu"));
+        assert!(!on_device(&json!("cpu"), "emu"));
+        assert!(!on_device(&json!(null), "emu"));
+    }
+}
+
 fn daemon(t: Target) -> CliResult<Vec<Check>> {
     let mut out = Vec::new();
     let t0 = Instant::now();
@@ -478,7 +539,7 @@ fn daemon(t: Target) -> CliResult<Vec<Check>> {
         let (status, ready) = d.get("/readyz")?;
         let found = ready["processes"].as_array().and_then(|ps| {
             ps.iter()
-                .find(|p| p["role"] == "denoise" && p["device"] == t.flag().as_str())
+                .find(|p| p["role"] == "denoise" && on_device(&p["device"], &t.flag()))
                 .cloned()
         });
         if let (200, Some(p)) = (status, found) {

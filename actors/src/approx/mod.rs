@@ -1,4 +1,4 @@
-//! The approximate cache of text-to-image noise states (NIRVANA; DESIGN.md
+//! The approximate cache of text-to-image noise states (NIRVANA; docs/design.md
 //! §"Approximate caching"): which earlier prompt's intermediate latents a new request
 //! can start from, at which step, and which states to keep.
 //!

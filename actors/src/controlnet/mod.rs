@@ -1,4 +1,4 @@
-//! The ControlNet service (DESIGN.md §Adapters): the `controlnet` actor group, in its
+//! The ControlNet service (docs/design.md §Adapters): the `controlnet` actor group, in its
 //! own processes (`[workers] controlnet`).
 //!
 //! A generation that names ControlNets gets a stream here after preprocessing

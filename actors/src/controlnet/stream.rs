@@ -1,5 +1,5 @@
 //! A ControlNet stream: one request's residuals, step by step, from the ControlNet
-//! service to the denoise worker through one slice of the service's arena (DESIGN.md
+//! service to the denoise worker through one slice of the service's arena (docs/design.md
 //! §Adapters).
 //!
 //! The slice holds, 64-byte aligned:

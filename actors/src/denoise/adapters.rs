@@ -1,4 +1,4 @@
-//! LoRAs in the denoise loop: bounded asynchronous loading (DESIGN.md §Adapters).
+//! LoRAs in the denoise loop: bounded asynchronous loading (docs/design.md §Adapters).
 //!
 //! A request that names LoRAs the device does not hold starts at once on the base
 //! weights while the loader (its own thread) reads them. At the first step boundary

@@ -1,4 +1,4 @@
-//! True CFG's two branches on two denoise workers (DESIGN.md §Adapters, parallel CFG
+//! True CFG's two branches on two denoise workers (docs/design.md §Adapters, parallel CFG
 //! branches): the velocity exchange between them, through one slice of the router's
 //! arena that both map writable.
 //!

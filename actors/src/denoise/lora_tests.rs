@@ -1,4 +1,4 @@
-//! Bounded asynchronous loading of LoRAs in the denoise loop (DESIGN.md §Adapters), on
+//! Bounded asynchronous loading of LoRAs in the denoise loop (docs/design.md §Adapters), on
 //! the built-in tiny model with the fixture LoRA `detail` (attention only, so it fits
 //! the Fill model): each run is compared bit for bit with a reference that switches
 //! the LoRA on at exactly the step the loop reported, so the steps before it ran on the

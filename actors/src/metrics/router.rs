@@ -150,7 +150,7 @@ impl RouterMetrics {
         );
         r.register(
             "requests_in_flight",
-            "Requests admitted and not yet answered",
+            "Flows admitted and not yet finished (a request for n images is n flows)",
             m.in_flight.clone(),
         );
         daemon.register(

@@ -1,4 +1,4 @@
-//! LoRA adapters at the router (DESIGN.md §Adapters): a request's `loras`, resolved
+//! LoRA adapters at the router (docs/design.md §Adapters): a request's `loras`, resolved
 //! against `[adapters] dir`, and the adapter routes: `GET /v1/adapters` lists them,
 //! `POST /v1/adapters?name=NAME` uploads one (the `.safetensors` bytes as the body).
 //!

@@ -1,7 +1,10 @@
-//! Admission control: the router takes at most `[server] max_queued_requests`
-//! requests at once (edits and template registrations, waiting or running, over HTTP
-//! or the bus). Beyond that a request gets 429 with `Retry-After` at once, before its
-//! body is read, instead of queueing without bound until the daemon runs out of memory.
+//! Admission control: the router runs at most `[server] max_queued_requests` flows at
+//! once (edits, template registrations and generations, waiting or running, over HTTP
+//! or the bus; a request of `n` images is `n` flows). Beyond that a request gets 429
+//! with `Retry-After` at once, before its body is read, instead of queueing without
+//! bound until the daemon runs out of memory. A request holds its units until its
+//! flows end, not until its HTTP handler returns: `super::submit` is the one way a
+//! route starts work, and it moves each unit into its flow's task.
 //!
 //! This one bound also bounds every queue behind the router: a worker's mailbox and a
 //! denoise worker's scheduler queue hold only requests the router admitted, so none
@@ -27,8 +30,12 @@ struct Counter {
     draining: std::sync::atomic::AtomicBool,
 }
 
-/// One admitted request; dropping it makes room for the next.
-pub struct Permit(Arc<Counter>);
+/// Units of admission (one per flow) an admitted request holds; dropping it makes room
+/// for the next.
+pub struct Permit {
+    counter: Arc<Counter>,
+    units: usize,
+}
 
 impl Admission {
     pub fn new(limit: usize) -> Self {
@@ -53,18 +60,14 @@ impl Admission {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < c.limit).then_some(n + 1)
             })
-            .map(|_| Permit(c.clone()))
-            .map_err(|n| {
-                WireError::new(
-                    ErrorKind::Overloaded,
-                    format!(
-                        "the server is at its limit of {n} requests in flight ([server] max_queued_requests); retry after {RETRY_AFTER_S} s"
-                    ),
-                )
+            .map(|_| Permit {
+                counter: c.clone(),
+                units: 1,
             })
+            .map_err(|_| overloaded(c.limit))
     }
 
-    /// Requests admitted and not yet finished.
+    /// Units (flows) admitted and not yet finished.
     pub fn in_flight(&self) -> usize {
         self.0.in_flight.load(Ordering::Acquire)
     }
@@ -89,9 +92,63 @@ impl Admission {
     }
 }
 
+fn overloaded(limit: usize) -> WireError {
+    WireError::new(
+        ErrorKind::Overloaded,
+        format!(
+            "the server is at its limit of {limit} requests in flight ([server] max_queued_requests); retry after {RETRY_AFTER_S} s"
+        ),
+    )
+}
+
+impl Permit {
+    /// How many units this permit holds.
+    pub fn units(&self) -> usize {
+        self.units
+    }
+
+    /// This permit grown to `n` units, then split into `n` permits of one unit each
+    /// (one per flow of a request of `n` images). `n` above the limit can never be
+    /// admitted: a `BadInput` error (400), not a 429 to retry. No room for the units
+    /// beyond those held: `Overloaded`, and the permit is released.
+    pub fn into_units(mut self, n: usize) -> Result<Vec<Permit>, WireError> {
+        let c = self.counter.clone();
+        if n == 0 || n > c.limit {
+            return Err(WireError::new(
+                ErrorKind::BadInput,
+                format!(
+                    "`n` = {n}: a request may ask for 1 to {} images here, the server's limit of flows in flight ([server] max_queued_requests)",
+                    c.limit
+                ),
+            ));
+        }
+        if n > self.units {
+            let more = n - self.units;
+            c.in_flight
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |k| {
+                    (k + more <= c.limit).then_some(k + more)
+                })
+                .map_err(|_| overloaded(c.limit))?;
+            self.units = n;
+        }
+        let mut out = Vec::with_capacity(n);
+        while self.units > 1 {
+            self.units -= 1;
+            out.push(Permit {
+                counter: c.clone(),
+                units: 1,
+            });
+        }
+        out.push(self);
+        Ok(out)
+    }
+}
+
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.counter
+            .in_flight
+            .fetch_sub(self.units, Ordering::AcqRel);
     }
 }
 
@@ -115,6 +172,33 @@ mod tests {
         drop(_p3);
         a.drain();
         assert_eq!(a.try_admit().err().unwrap().kind, ErrorKind::Unavailable);
+    }
+
+    #[test]
+    fn n_units_are_held_one_per_flow_until_each_ends() {
+        let a = Admission::new(3);
+        let units = a.try_admit().unwrap().into_units(2).unwrap();
+        assert_eq!(units.len(), 2);
+        assert!(units.iter().all(|p| p.units() == 1));
+        assert_eq!(a.in_flight(), 2);
+        // Grown beyond the room there is: refused, and the door's unit is released.
+        let p = a.try_admit().unwrap();
+        assert_eq!(a.in_flight(), 3);
+        assert_eq!(p.into_units(2).err().unwrap().kind, ErrorKind::Overloaded);
+        assert_eq!(a.in_flight(), 2);
+        // More than the limit could ever admit: bad input, not overload.
+        let p = a.try_admit().unwrap();
+        assert_eq!(p.into_units(4).err().unwrap().kind, ErrorKind::BadInput);
+        assert_eq!(a.in_flight(), 2);
+        // Each unit is released by its own flow.
+        let mut units = units;
+        drop(units.pop());
+        assert_eq!(a.in_flight(), 1);
+        drop(units);
+        assert_eq!(a.in_flight(), 0);
+        // One unit stays one.
+        assert_eq!(a.try_admit().unwrap().into_units(1).unwrap().len(), 1);
+        assert_eq!(a.in_flight(), 0);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! True CFG's two branches on two denoise workers (DESIGN.md §Adapters, parallel CFG
+//! True CFG's two branches on two denoise workers (docs/design.md §Adapters, parallel CFG
 //! branches): when two workers have room for a generation with a negative prompt, the
 //! positive branch runs on one and the negative on the other, each a request of its
 //! own that hands its velocity over every step (`crate::denoise::cfg_pair`, through a

@@ -1,4 +1,4 @@
-//! A generation's or an edit's `controlnets: [{id, image, scale}]` (DESIGN.md
+//! A generation's or an edit's `controlnets: [{id, image, scale}]` (docs/design.md
 //! §Adapters): checked here, run by the ControlNet service (`crate::controlnet`), whose
 //! residual stream the request's denoise worker reads.
 

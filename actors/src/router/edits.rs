@@ -15,9 +15,10 @@ use super::controlnets::ControlNetRef;
 use super::flow::{self, Ctx, EditInput, EditOutput, MaskIn, Source};
 use super::http::{
     accepted, b64, body, check_guidance, check_seq_len, check_steps, default_seq_len, encode_b64,
-    joined, parse, spawn_request, with_id, ApiError, ApiResult,
+    joined, parse, with_id, ApiError, ApiResult,
 };
 use super::jobs::job_name;
+use super::submit::{admit, submit, Submitted};
 use crate::wire::{FinishParams, ImageFormat};
 
 #[derive(Deserialize)]
@@ -167,28 +168,24 @@ pub fn edit_json(job: u64, o: &EditOutput, format: ImageFormat, with_image: bool
 /// `POST /v1/edits`.
 pub(super) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
     // Before reading the body: an overloaded server refuses at once.
-    let permit = ctx.admission.try_admit()?;
+    let permit = admit(&ctx)?;
     let b: EditBody = parse(&body(&ctx, req).await?)?;
     check_steps(&ctx, b.steps)?;
     check_guidance(b.guidance)?;
     check_seq_len(b.max_sequence_length)?;
     let (input, run_async) = edit_input(&ctx, b)?;
-    let job = ctx.next_job();
-    ctx.jobs.create(job, "edit", input.steps.unwrap_or(0));
     let format = input.finish.format;
-    let run = {
-        let ctx = ctx.clone();
-        async move {
-            let _permit = permit;
-            let r = flow::edit(&ctx, job, &input).await;
-            // A synchronous client gets the image in its response; the job table keeps
-            // only the description then (no second copy of the image for the TTL).
-            let kept = r.as_ref().map(|o| edit_json(job, o, format, run_async));
-            ctx.jobs.finish(job, kept.map_err(Clone::clone));
-            r
-        }
-    };
-    let task = spawn_request(job, run);
+    let steps = input.steps.unwrap_or(0);
+    // A synchronous client gets the image in its response; the job table keeps only the
+    // description then (no second copy of the image for the TTL).
+    let Submitted { job, task } = submit(
+        &ctx,
+        permit,
+        "edit",
+        steps,
+        move |ctx, job| async move { flow::edit(&ctx, job, &input).await },
+        move |job, o| edit_json(job, o, format, run_async),
+    );
     if run_async {
         return Ok(accepted(job));
     }

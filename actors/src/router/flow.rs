@@ -1,5 +1,5 @@
 //! The life of a request, as the router drives it: preprocess → (router learns the
-//! active tokens) → denoise worker → postprocess → client (DESIGN.md §Edit request
+//! active tokens) → denoise worker → postprocess → client (docs/design.md §Edit request
 //! flow), and the same flow for a template capture, whose cache goes to the cache actor.
 //!
 //! The router owns each request's lifetime: it holds every shared-memory handle the

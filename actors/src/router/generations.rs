@@ -20,15 +20,17 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::adapters::{resolve, LoraRef};
+use super::admission::Permit;
 use super::controlnets::ControlNetRef;
 use super::flow::Ctx;
 use super::generate::{self, ApproxMode, GenerateInput, GenerateOutput};
 use super::http::{
     accepted, body, check_guidance, check_seq_len, check_steps, default_seq_len, encode_b64,
-    joined, parse, spawn_request, with_id, ApiError, ApiResult,
+    joined, parse, with_id, ApiError, ApiResult,
 };
 use super::jobs::job_name;
 use super::openai::{openai_error, MAX_N};
+use super::submit::{admit, submit, units, Submitted};
 use crate::wire::ImageFormat;
 
 #[derive(Deserialize)]
@@ -106,32 +108,28 @@ pub fn generation_json(
     v
 }
 
-/// Runs one generation as a job of the job table.
+/// Starts one generation as a job of the job table, holding `permit` until it ends.
 fn start(
     ctx: &Arc<Ctx>,
+    permit: Permit,
     input: GenerateInput,
     keep_image: bool,
-) -> (
-    u64,
-    tokio::task::JoinHandle<Result<GenerateOutput, crate::wire::WireError>>,
-) {
-    let job = ctx.next_job();
-    ctx.jobs.create(job, "generation", input.steps.unwrap_or(0));
-    let c = ctx.clone();
-    let task = spawn_request(job, async move {
-        let r = generate::generate(&c, job, &input).await;
-        let kept = r
-            .as_ref()
-            .map(|o| generation_json(job, o, input.format, keep_image));
-        c.jobs.finish(job, kept.map_err(Clone::clone));
-        r
-    });
-    (job, task)
+) -> Submitted<GenerateOutput> {
+    let steps = input.steps.unwrap_or(0);
+    let format = input.format;
+    submit(
+        ctx,
+        permit,
+        "generation",
+        steps,
+        move |c, job| async move { generate::generate(&c, job, &input).await },
+        move |job, o| generation_json(job, o, format, keep_image),
+    )
 }
 
 /// `POST /v1/generations`.
 pub(super) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
-    let permit = ctx.admission.try_admit()?;
+    let permit = admit(&ctx)?;
     let b: GenerationBody = parse(&body(&ctx, req).await?)?;
     check(&ctx, b.steps, b.guidance, b.max_sequence_length)?;
     check_cfg(b.true_cfg_scale)?;
@@ -153,17 +151,11 @@ pub(super) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request)
     };
     // A synchronous client gets the image in its response; the job table keeps only
     // the description then.
-    let (job, task) = start(&ctx, input, b.run_async);
+    let Submitted { job, task } = start(&ctx, permit, input, b.run_async);
     if b.run_async {
-        tokio::spawn(async move {
-            let _permit = permit;
-            let _ = task.await;
-        });
         return Ok(accepted(job));
     }
-    let r = joined(task).await;
-    drop(permit);
-    match r {
+    match joined(task).await {
         Ok(out) => Ok(with_id(
             job,
             Json(generation_json(job, &out, format, true)).into_response(),
@@ -220,7 +212,7 @@ fn size(s: &str) -> ApiResult<Option<(u32, u32)>> {
 }
 
 async fn images(ctx: Arc<Ctx>, req: Request) -> ApiResult {
-    let permit = ctx.admission.try_admit()?;
+    let permit = admit(&ctx)?;
     let b: ImagesBody = parse(&body(&ctx, req).await?)?;
     let prompt = b
         .prompt
@@ -239,8 +231,11 @@ async fn images(ctx: Arc<Ctx>, req: Request) -> ApiResult {
     let loras = resolve(&ctx, &b.loras, false)?;
     let controlnets = super::controlnets::resolve(&ctx, &b.controlnets)?;
     check_cfg(b.true_cfg_scale)?;
-    let tasks: Vec<_> = (0..b.n)
-        .map(|i| {
+    // One unit per image, each held by its own flow until it ends.
+    let tasks: Vec<_> = units(permit, b.n)?
+        .into_iter()
+        .zip(0u32..)
+        .map(|(permit, i)| {
             let input = GenerateInput {
                 prompt: prompt.clone(),
                 steps: b.steps,
@@ -256,13 +251,13 @@ async fn images(ctx: Arc<Ctx>, req: Request) -> ApiResult {
                 true_cfg_scale: b.true_cfg_scale,
                 controlnets: controlnets.clone(),
             };
-            start(&ctx, input, false)
+            start(&ctx, permit, input, false)
         })
         .collect();
     let mut data = Vec::new();
     let mut dims = (0, 0);
-    for (job, t) in tasks {
-        let o = joined(t).await?;
+    for Submitted { job, task } in tasks {
+        let o = joined(task).await?;
         dims = (o.width, o.height);
         data.push(json!({
             "b64_json": encode_b64(&o.image),
@@ -271,7 +266,6 @@ async fn images(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             "timings": o.timings,
         }));
     }
-    drop(permit);
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());

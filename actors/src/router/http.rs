@@ -416,7 +416,7 @@ struct TemplateBody {
 /// `POST /v1/templates`: JSON with a base64 image, or multipart with an `image` file
 /// and the other fields as text parts.
 async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
-    let permit = ctx.admission.try_admit()?;
+    let permit = super::submit::admit(&ctx)?;
     let is_multipart = req
         .headers()
         .get(header::CONTENT_TYPE)
@@ -471,18 +471,15 @@ async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult
         step_stride: ctx.config.cache.kv_step_stride,
         loras: resolve(&ctx, &b.loras, true)?,
     };
-    let job = ctx.next_job();
-    ctx.jobs.create(job, "template", input.steps);
-    let run = {
-        let ctx = ctx.clone();
-        async move {
-            let _permit = permit;
-            let r = flow::capture(&ctx, job, &input).await;
-            ctx.jobs.finish(job, r.clone().map(|i| json!(i)));
-            r
-        }
-    };
-    let task = spawn_request(job, run);
+    let steps = input.steps;
+    let super::submit::Submitted { job, task } = super::submit::submit(
+        &ctx,
+        permit,
+        "template",
+        steps,
+        move |ctx, job| async move { flow::capture(&ctx, job, &input).await },
+        |_, info| json!(info),
+    );
     if b.run_async {
         return Ok(accepted(job));
     }

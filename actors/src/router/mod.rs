@@ -15,6 +15,7 @@ mod generations;
 pub mod http;
 pub mod jobs;
 mod openai;
+mod submit;
 mod watchdog;
 
 use std::sync::Arc;
@@ -63,7 +64,6 @@ impl Actor for RouterActor {
                 let _ = reply.send(Wire(Ok(x)));
             }
             RouterMsg::BusEdit(Wire(e), reply) => {
-                // Run the flow on its own task: the actor keeps taking progress reports.
                 let permit = match ctx.admission.try_admit() {
                     Ok(p) => p,
                     Err(e) => {
@@ -71,46 +71,44 @@ impl Actor for RouterActor {
                         return Ok(());
                     }
                 };
-                let ctx = ctx.clone();
+                let input = EditInput {
+                    source: Source::Template(e.template_id),
+                    mask: MaskIn::Image(e.mask_png),
+                    steps: None,
+                    guidance: None,
+                    prompt: e.prompt,
+                    seed: e.seed,
+                    dilation: 0,
+                    max_sequence_length: 512,
+                    finish: crate::wire::FinishParams {
+                        paste_back: true,
+                        feather: 3,
+                        format: ImageFormat::Png,
+                    },
+                    // A template edit runs with its template's LoRAs.
+                    loras: vec![],
+                    controlnets: vec![],
+                    negative_prompt: None,
+                    true_cfg_scale: 1.0,
+                };
+                // The flow runs on its own task, holding the permit until it ends: the
+                // actor keeps taking progress reports. The caller gets the image in the
+                // reply; the job table keeps only the description.
+                let submit::Submitted { job, task } = submit::submit(
+                    ctx,
+                    permit,
+                    "edit",
+                    0,
+                    move |ctx, job| async move { flow::edit(&ctx, job, &input).await },
+                    |job, o| edits::edit_json(job, o, ImageFormat::Png, false),
+                );
                 tokio::spawn(async move {
-                    let _permit = permit;
-                    let job = ctx.next_job();
-                    ctx.jobs.create(job, "edit", 0);
-                    let input = EditInput {
-                        source: Source::Template(e.template_id),
-                        mask: MaskIn::Image(e.mask_png),
-                        steps: None,
-                        guidance: None,
-                        prompt: e.prompt,
-                        seed: e.seed,
-                        dilation: 0,
-                        max_sequence_length: 512,
-                        finish: crate::wire::FinishParams {
-                            paste_back: true,
-                            feather: 3,
-                            format: ImageFormat::Png,
-                        },
-                        // A template edit runs with its template's LoRAs.
-                        loras: vec![],
-                        controlnets: vec![],
-                        negative_prompt: None,
-                        true_cfg_scale: 1.0,
+                    let r = match task.await {
+                        Ok(r) => r,
+                        Err(e) => Err(crate::wire::WireError::internal(format!(
+                            "request task failed: {e}"
+                        ))),
                     };
-                    let span = tracing::info_span!(
-                        "request",
-                        id = %jobs::job_name(job),
-                        worker = %crate::logging::worker()
-                    );
-                    let r =
-                        tracing::Instrument::instrument(flow::edit(&ctx, job, &input), span).await;
-                    // The caller gets the image in the reply; the job table keeps only
-                    // the description.
-                    ctx.jobs.finish(
-                        job,
-                        r.as_ref()
-                            .map(|o| edits::edit_json(job, o, ImageFormat::Png, false))
-                            .map_err(Clone::clone),
-                    );
                     let _ = reply.send(Wire(r.map(|o| BusEditResult {
                         job,
                         png: o.image,

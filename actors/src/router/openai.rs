@@ -28,10 +28,11 @@ use serde_json::{json, Value};
 
 use super::flow::{self, Ctx, EditInput, MaskIn, Source};
 use super::http::{
-    check_guidance, check_seq_len, check_steps, encode_b64, joined, read_multipart, spawn_request,
-    ApiError, ApiResult, ErrorClass,
+    check_guidance, check_seq_len, check_steps, encode_b64, joined, read_multipart, ApiError,
+    ApiResult, ErrorClass,
 };
 use super::jobs::job_name;
+use super::submit::{admit, submit, units, Submitted};
 use crate::wire::{FinishParams, ImageFormat, WireError};
 
 /// The most images one request asks for (OpenAI's limit).
@@ -48,6 +49,12 @@ pub(super) fn openai_error(e: ApiError) -> Response {
         json!({"error": {"message": e.message, "type": kind, "param": null, "code": e.code}});
     let mut r = (e.status, Json(body)).into_response();
     r.extensions_mut().insert(ErrorClass(e.code));
+    if e.status == StatusCode::TOO_MANY_REQUESTS {
+        r.headers_mut().insert(
+            axum::http::header::RETRY_AFTER,
+            axum::http::HeaderValue::from(super::admission::RETRY_AFTER_S),
+        );
+    }
     r
 }
 
@@ -135,7 +142,7 @@ async fn form(ctx: &Ctx, req: Request) -> ApiResult<Form> {
 }
 
 async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
-    let permit = ctx.admission.try_admit()?;
+    let permit = admit(&ctx)?;
     let f = form(&ctx, req).await?;
     check_steps(&ctx, f.steps)?;
     check_guidance(f.guidance)?;
@@ -168,8 +175,9 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
         .await
         .map_err(|e| ApiError::from(WireError::internal(format!("decode task: {e}"))))??
     };
+    // One unit per image, each held by its own flow until it ends.
     let mut tasks = Vec::new();
-    for i in 0..f.n {
+    for (permit, i) in units(permit, f.n)?.into_iter().zip(0u32..) {
         let input = EditInput {
             source: match &f.template_id {
                 Some(t) => Source::Template(t.clone()),
@@ -193,28 +201,25 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             negative_prompt: None,
             true_cfg_scale: 1.0,
         };
-        let job = ctx.next_job();
-        ctx.jobs.create(job, "edit", input.steps.unwrap_or(0));
-        let c = ctx.clone();
-        tasks.push(spawn_request(job, async move {
-            let r = flow::edit(&c, job, &input).await;
-            let kept = r
-                .as_ref()
-                .map(|o| super::edits::edit_json(job, o, ImageFormat::Png, false));
-            c.jobs.finish(job, kept.map_err(Clone::clone));
-            r.map(|o| (job, o))
-        }));
+        let steps = input.steps.unwrap_or(0);
+        tasks.push(submit(
+            &ctx,
+            permit,
+            "edit",
+            steps,
+            move |c, job| async move { flow::edit(&c, job, &input).await },
+            |job, o| super::edits::edit_json(job, o, ImageFormat::Png, false),
+        ));
     }
     let mut data = Vec::new();
-    for t in tasks {
-        let (job, o) = joined(t).await?;
+    for Submitted { job, task } in tasks {
+        let o = joined(task).await?;
         data.push(json!({
             "b64_json": encode_b64(&o.image),
             "id": job_name(job),
             "timings": o.timings,
         }));
     }
-    drop(permit);
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());

@@ -1,4 +1,4 @@
-//! The pure batch scheduler of the denoise loop (DESIGN.md §"Processes and actors").
+//! The pure batch scheduler of the denoise loop (docs/design.md §"Processes and actors").
 //!
 //! The denoise loop is schedule → execute → update, at step granularity. This module is
 //! the "schedule" and "update" halves as plain code and data: it holds no device, no
@@ -44,7 +44,7 @@
 //! * **A held request pauses in place.** [`BatchScheduler::hold`] leaves a running
 //!   request out of the plans (it keeps its place, rows and template, since its state
 //!   stays on the device) until [`BatchScheduler::release`]: how a request waits at step
-//!   K for a LoRA that is still loading (bounded asynchronous loading, DESIGN.md
+//!   K for a LoRA that is still loading (bounded asynchronous loading, docs/design.md
 //!   §Adapters). The others go on.
 //! * **`Batching::Static`** (a baseline for measured comparisons): admission happens only
 //!   when nothing is running; it then takes as many waiting requests as fit (same FIFO

@@ -19,6 +19,7 @@ use std::ops::Range;
 use denoised_runtime::backend::{AttnSeq, Backend, KvSource, Modulation, QSpan, Rows, Src};
 use denoised_runtime::{CpuBackend, Error, Result, Tensor};
 
+use crate::attention::AttnKernel;
 use crate::backend::dev;
 use crate::exec::{Dt, Exec, Grid};
 use crate::params::TimestepParams;
@@ -353,9 +354,27 @@ fn check_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
     // attention: head dims 64 and 128 take the tensor-core kernel in bf16; 16 the
     // SIMT one. Queries span two buffers; keys come from both (by range) and from an
     // external "cache" by index, in two sequences of different lengths.
-    for (heads, hd) in [(2, 64), (1, 128), (3, 16)] {
-        check_attention(out, gpu, &cpu, &mut rng, heads, hd)?;
+    // In bf16 both tensor-core kernels are checked (the FA2 one runs by default).
+    let kernels: &[AttnKernel] = match dt {
+        Dt::Bf16 => &[AttnKernel::Fa2, AttnKernel::Mma],
+        Dt::F32 => &[AttnKernel::Fa2],
+    };
+    let before = gpu.attn_kernel();
+    for &k in kernels {
+        gpu.set_attn_kernel(k);
+        let tag = if dt == Dt::Bf16 {
+            format!(" [{k:?}]")
+        } else {
+            String::new()
+        };
+        for (heads, hd) in [(2, 64), (1, 128), (3, 16)] {
+            if hd == 16 && k == AttnKernel::Mma {
+                continue; // the SIMT kernel, checked once
+            }
+            check_attention(out, gpu, &cpu, &mut rng, heads, hd, &tag)?;
+        }
     }
+    gpu.set_attn_kernel(before);
     check_attention_many_caches(out, gpu, &cpu, &mut rng)
 }
 
@@ -431,6 +450,7 @@ fn check_attention<E: Exec>(
     rng: &mut Rng,
     heads: usize,
     hd: usize,
+    tag: &str,
 ) -> Result<()> {
     let dt = gpu.dtype();
     let w = heads * hd;
@@ -495,7 +515,7 @@ fn check_attention<E: Exec>(
         heads,
         &seqs(&gc, &idx_a, &idx_b, w),
     )?;
-    let name = format!("attention {heads}x{hd}");
+    let name = format!("attention {heads}x{hd}{tag}");
     close(
         out,
         &format!("{name}, buffer 0"),

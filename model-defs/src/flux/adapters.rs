@@ -1,4 +1,4 @@
-//! The LoRAs a transformer serves (DESIGN.md §Adapters).
+//! The LoRAs a transformer serves (docs/design.md §Adapters).
 //!
 //! - **Unmerged** (the default in batches): adapters are registered on the model's
 //!   backend ([`FluxTransformer::add_lora`]) and a request names the ones it uses
@@ -176,6 +176,8 @@ impl<B: Backend> FluxTransformer<B> {
             lin.w = self.backend().upload_weight(&host)?;
             merged.push(site);
         }
+        // The reads faulted the sites' mapped pages back in; the uploads hold them now.
+        self.pristine.release();
         Ok(sites.len())
     }
 
@@ -188,6 +190,7 @@ impl<B: Backend> FluxTransformer<B> {
             let lin = w.site_mut(site).expect("merged sites exist");
             lin.w = upload_site_weight(self.backend(), &self.config, self.pristine.as_ref(), site)?;
         }
+        self.pristine.release();
         Ok(())
     }
 

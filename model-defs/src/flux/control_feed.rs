@@ -1,4 +1,4 @@
-//! ControlNet residuals fed to the denoise loop from the host (DESIGN.md §Adapters).
+//! ControlNet residuals fed to the denoise loop from the host (docs/design.md §Adapters).
 //!
 //! A job with ControlNets gets a [`ControlFeed`]: before each of its steps the stepper
 //! hands the feed the job's latents ([`ControlFeed::begin`]), and the step's forward

@@ -1,4 +1,4 @@
-//! FLUX ControlNets (diffusers' `FluxControlNetModel`; DESIGN.md §Adapters).
+//! FLUX ControlNets (diffusers' `FluxControlNetModel`; docs/design.md §Adapters).
 //!
 //! A ControlNet is the transformer's first N double and M single blocks with its own
 //! weights, whose input adds `controlnet_x_embedder(control latents)` to the embedded
@@ -65,6 +65,9 @@ impl Source for AsTransformer {
             return Ok(Stored::from_tensor(name, &self.get(name, shape)?));
         }
         self.store.stored(name, shape)
+    }
+    fn release(&self) {
+        self.store.release()
     }
 }
 

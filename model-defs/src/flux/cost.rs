@@ -79,7 +79,7 @@ pub fn cache_read_bytes(c: &FluxConfig, s: StepShape, dtype: DType) -> usize {
 }
 
 /// The per-step speedup bound of a masked step over a full one: the FLOP ratio, about
-/// `(T+L)/(T+A)` (DESIGN.md §Costs).
+/// `(T+L)/(T+A)` (docs/design.md §Costs).
 pub fn flop_bound(c: &FluxConfig, s: StepShape) -> f64 {
     forward_flops(c, StepShape::full(s.text, s.image)) / forward_flops(c, s)
 }
@@ -90,7 +90,7 @@ mod tests {
 
     #[test]
     fn speedup_bound_matches_design() {
-        // DESIGN.md: the per-step bound is about (T+L)/(T+A), 3.46x at T=512, L=4096, m=0.2.
+        // docs/design.md: the per-step bound is about (T+L)/(T+A), 3.46x at T=512, L=4096, m=0.2.
         let c = FluxConfig::flux1_fill_dev();
         let full = forward_flops(&c, StepShape::full(512, 4096));
         let masked = forward_flops(

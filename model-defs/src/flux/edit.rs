@@ -76,7 +76,7 @@ pub struct TrueCfg {
 }
 
 /// The other half of a true-CFG generation whose two branches run on two denoise
-/// workers (DESIGN.md §Adapters, parallel CFG branches): each worker runs one branch as
+/// workers (docs/design.md §Adapters, parallel CFG branches): each worker runs one branch as
 /// a job of its own and, every step, hands its velocity over and takes the other's, so
 /// both take the same step `dt s v_pos + dt (1 - s) v_neg` and their latents stay equal.
 pub trait CfgPartner: Send + Sync {

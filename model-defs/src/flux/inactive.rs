@@ -1,4 +1,4 @@
-//! The inactive rows of Y-mode edits inside a step (DESIGN.md §Planner).
+//! The inactive rows of Y-mode edits inside a step (docs/design.md §Planner).
 //!
 //! A Y-mode template caches each block's output over every image token. An edit's
 //! inactive rows then follow the step block by block outside the image matrix: their

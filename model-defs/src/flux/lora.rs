@@ -1,4 +1,4 @@
-//! LoRA adapters of the Flux transformer (DESIGN.md §Adapters), in the PEFT/diffusers
+//! LoRA adapters of the Flux transformer (docs/design.md §Adapters), in the PEFT/diffusers
 //! format `FluxPipeline.save_lora_weights` writes: `transformer.<module>.lora_A.weight`
 //! `[r, in]` and `.lora_B.weight` `[out, r]` per adapted Linear, and the adapter's
 //! `LoraConfig` as JSON in the safetensors metadata (`lora_adapter_metadata`, keys

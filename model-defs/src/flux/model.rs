@@ -9,7 +9,7 @@
 //! only those rows, and a [`BlockCache`] that supplies, for every block, the cached K/V
 //! of the other tokens (KV mode) or their cached block outputs, from which the K/V are
 //! recomputed (Y mode, see `inactive.rs`). A step's plan says which blocks compute
-//! every token instead (DESIGN.md §Planner). With all tokens passed and no cache, this
+//! every token instead (docs/design.md §Planner). With all tokens passed and no cache, this
 //! is exactly `FluxTransformer2DModel.forward`.
 
 use std::ops::Range;
@@ -83,7 +83,9 @@ pub struct FluxTransformer<B: Backend> {
     /// Written only to merge or unmerge LoRAs (between steps); every forward reads.
     pub(super) w: RwLock<FluxWeights<B>>,
     /// Where the weights came from, kept to restore merged sites bit for bit: the
-    /// mapped checkpoint (no memory beyond the page cache) or the seed.
+    /// mapped checkpoint or the seed. Its pages are released after every read
+    /// ([`Source::release`]): without that, the mapped pages the load touched stay in
+    /// the process's resident memory beside the loaded weights, a second copy.
     pub(super) pristine: Box<dyn Source + Send + Sync>,
     pub(super) loras: Registry<B>,
     /// The sites a merged LoRA set has patched.
@@ -139,6 +141,10 @@ impl<B: Backend> FluxTransformer<B> {
         w: FluxWeights<B>,
         pristine: Box<dyn Source + Send + Sync>,
     ) -> Self {
+        // The weights are in the backend's own buffers now: the checkpoint's pages the
+        // load read are no longer needed in memory (they fault back in from the file
+        // if a LoRA restore reads them).
+        pristine.release();
         FluxTransformer {
             config,
             backend,

@@ -2,7 +2,7 @@
 //! planned step.
 //!
 //! A step runs its first `full_blocks` blocks over every image token of each edit (the
-//! planner's full prefix, DESIGN.md §Planner) and the rest over the active tokens only,
+//! planner's full prefix, docs/design.md §Planner) and the rest over the active tokens only,
 //! reading the template's K/V for the others. In the full phase an edit's image rows
 //! are its active rows followed by its inactive ("rest") rows, so leaving the phase
 //! keeps the first `A` image rows of each request: one row gather, no reordering.

@@ -1,6 +1,6 @@
 //! A step's plan for the Flux transformer: per-block costs from the device's latency
 //! models ([`Profile`]), priced on the batch's FLOPs and on the template slabs the
-//! step must load, then the planner's choice (DESIGN.md §Planner).
+//! step must load, then the planner's choice (docs/design.md §Planner).
 
 use super::config::FluxConfig;
 use super::cost::{block_flops, forward_flops, kv_recompute_flops, StepShape};

@@ -82,7 +82,7 @@ impl<T> RequestTensors<T> {
 }
 
 /// An edit's inactive image rows at one step, for the blocks a plan computes in full
-/// (DESIGN.md §Planner): their `[latent | conditioning]` rows `[R, in_channels]`, the
+/// (docs/design.md §Planner): their `[latent | conditioning]` rows `[R, in_channels]`, the
 /// latent being the template's at that step, and their RoPE tables `[R, head_dim]`.
 pub struct RestRows<T> {
     pub img: T,
@@ -151,7 +151,7 @@ pub struct StepRequest<'a, T> {
     pub control: Option<&'a dyn Control<T>>,
 }
 
-/// A request's ControlNet residuals at one step (DESIGN.md §Adapters): for a block of
+/// A request's ControlNet residuals at one step (docs/design.md §Adapters): for a block of
 /// the transformer, `[A, hidden]` rows to add to its image rows after the block (the
 /// residuals of several ControlNets already summed), or none for that block. Asked for
 /// in block order, so a provider can stream them in and wait only for a late one.

@@ -9,7 +9,7 @@
 //! - **Y**: the block's output hidden states, `[L, hidden]`: half the bytes. An edit
 //!   recomputes the K/V of its inactive tokens each step from the previous block's
 //!   output (a projection of only the K and V columns), so any block may compute in
-//!   full (DESIGN.md §Planner). The last block's output is read by nothing (the head
+//!   full (docs/design.md §Planner). The last block's output is read by nothing (the head
 //!   reads only computed tokens), so it is not stored: `blocks - 1` slabs per step.
 //!
 //! Then, for every step, the packed latent after that step, `[L, C]`. It is one flat
@@ -18,7 +18,7 @@
 //! the CPU; or fp8 E4M3, a KV-mode slab then ending with one f32 scale per head's K
 //! and per head's V, see `denoised_runtime::fp8`), then the latents in f32. The same bytes are the shared-memory form the cache
 //! process holds (which a GPU worker streams from in place), and the data file of a
-//! template on disk. Cache size is a first-class number (DESIGN.md §Costs): in KV mode
+//! template on disk. Cache size is a first-class number (docs/design.md §Costs): in KV mode
 //! `steps x blocks x L x hidden x 2 x bytes`.
 
 use std::sync::atomic::{AtomicU64, Ordering};

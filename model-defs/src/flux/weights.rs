@@ -67,7 +67,7 @@ pub struct FluxWeights<B: Backend> {
 }
 
 /// One Linear of the forward: a checkpoint Linear, or the projections a fused layer
-/// stacks. The unit that adapters patch (DESIGN.md §Adapters).
+/// stacks. The unit that adapters patch (docs/design.md §Adapters).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Site {
     XEmbedder,
@@ -303,6 +303,11 @@ pub trait Source {
     fn stored(&self, name: &str, shape: &[usize]) -> Result<Stored<'_>> {
         Ok(Stored::from_tensor(name, &self.get(name, shape)?))
     }
+    /// Drops the memory the source keeps resident from its reads while staying
+    /// readable: a mapped checkpoint's pages (see `WeightStore::release_pages`). A
+    /// model that keeps its source (to restore LoRA-merged sites) calls it after it
+    /// has read its weights, so the source costs nothing beside the loaded copy.
+    fn release(&self) {}
 }
 
 /// Wraps a source and counts the elements it hands out: how a loader learns the
@@ -341,6 +346,9 @@ impl Source for Counting<'_> {
         self.count(shape);
         self.inner.stored(name, shape)
     }
+    fn release(&self) {
+        self.inner.release()
+    }
 }
 
 impl Source for WeightStore {
@@ -349,6 +357,15 @@ impl Source for WeightStore {
     }
     fn stored(&self, name: &str, shape: &[usize]) -> Result<Stored<'_>> {
         WeightStore::stored(self, name, shape)
+    }
+    fn release(&self) {
+        // Advisory: a failure leaves the pages resident, never the weights wrong.
+        if let Err(e) = self.release_pages() {
+            tracing::warn!(
+                "could not release the mapped pages of {}: {e}",
+                self.dir().display()
+            );
+        }
     }
 }
 

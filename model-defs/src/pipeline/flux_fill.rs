@@ -122,7 +122,7 @@ pub struct TextEncoders {
 }
 
 /// Which components a process loads. Each serving role loads only what it computes
-/// with (DESIGN.md, "Devices and roles"): a FLUX.1 Fill checkpoint is about 33 GB in
+/// with (docs/design.md, "Devices and roles"): a FLUX.1 Fill checkpoint is about 33 GB in
 /// bf16, and three processes each holding all of it in f32 would need 200 GB.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Parts {

@@ -1,4 +1,4 @@
-//! The bubble-free planner (DESIGN.md §Planner): for one step of a batch, which blocks
+//! The bubble-free planner (docs/design.md §Planner): for one step of a batch, which blocks
 //! read their cached activations and which compute every token.
 //!
 //! A cached block costs a load of its cache on the copy path, `load`, and the compute

@@ -1,6 +1,6 @@
 //! The CPU backend: f32 compute on host memory, parallel over all cores with rayon.
 //!
-//! It is the numerical reference for every device kernel (DESIGN.md §Devices), and the
+//! It is the numerical reference for every device kernel (docs/design.md §Devices), and the
 //! backend the daemon uses on machines without a GPU. GEMMs go through the `gemm`
 //! crate; the other ops are hand-written loops, vectorised through [`simd`].
 

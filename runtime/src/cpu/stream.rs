@@ -1,5 +1,5 @@
 //! [`CpuStream`]: a template's cached K/V streamed into f32 staging buffers by a loader
-//! thread while the CPU computes (DESIGN.md §Planner), the CPU counterpart of the CUDA
+//! thread while the CPU computes (docs/design.md §Planner), the CPU counterpart of the CUDA
 //! backend's copy stream.
 //!
 //! The slabs come from wherever the template lies ([`SlabRead`]): the host tier (a

@@ -1,6 +1,6 @@
 //! Shared-memory arenas: how bulk tensors travel between the serving processes.
 //!
-//! DESIGN.md: bulk data never travels inside messages. Latents, conditioning tensors,
+//! docs/design.md: bulk data never travels inside messages. Latents, conditioning tensors,
 //! images and cached activations live in arenas (memmap2 over files in `/dev/shm`); a
 //! message carries a [`Handle`] (arena, slot, offset, length, dtype, shape, generation).
 //!

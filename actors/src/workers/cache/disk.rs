@@ -9,11 +9,19 @@
 //! be filling. `scan` rebuilds the index after a restart: the newest version of each
 //! id, with everything else (older versions, unfinished writes, unreadable ones)
 //! removed and logged.
+//!
+//! `.pending/<version>.json` (a name no template id can take) records a version that
+//! was registered but is not on disk yet: where its bytes are in the cache process's
+//! arena and their checksums ([`Pending`]). It is written before the registration is
+//! answered and removed once the version's directory is complete (or the version is
+//! deleted or replaced), so that a cache process restarted after a crash finishes the
+//! write from the arena the dead one left (`super::recover`).
 
 use std::path::{Path, PathBuf};
 
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::template_file::{self, TemplateMeta};
+use denoised_runtime::shm::Handle;
 use denoised_runtime::HostSlice;
 
 use crate::wire::{TemplateInfo, WireError};
@@ -30,6 +38,30 @@ pub struct Found {
     /// Bytes of its directory.
     pub bytes: u64,
     pub image: Vec<u8>,
+}
+
+/// The directory of pending records, under the tier's root.
+const PENDING: &str = ".pending";
+
+/// A slice of the cache process's arena and the CRC-32 of its bytes when they were
+/// stored there.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Checked {
+    pub handle: Handle,
+    pub crc32: u32,
+}
+
+/// A registered version whose write to disk has not finished: everything needed to
+/// finish it from the arena of the process that registered it.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Pending {
+    pub version: u64,
+    /// As the disk tier stores it (`cache_bytes` and `vae_trace_bytes` are the
+    /// stored slices').
+    pub info: TemplateInfo,
+    pub cache: Checked,
+    pub vae_traces: Option<Checked>,
+    pub image: Checked,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -139,6 +171,62 @@ impl DiskTier {
         Ok(())
     }
 
+    fn pending_path(&self, version: u64) -> PathBuf {
+        self.root.join(PENDING).join(format!("{version}.json"))
+    }
+
+    /// Records a version as pending (written to a temporary file and renamed, so a
+    /// crash leaves either the whole record or none).
+    pub fn write_pending(&self, p: &Pending) -> Result<(), WireError> {
+        let path = self.pending_path(p.version);
+        let dir = path.parent().expect("a pending record's directory");
+        std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+        let tmp = path.with_extension("tmp");
+        let text = serde_json::to_vec(p).map_err(|e| io(&tmp, e))?;
+        std::fs::write(&tmp, text).map_err(|e| io(&tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| io(&path, e))
+    }
+
+    /// Forgets a version's pending record (its write finished, or it is gone).
+    pub fn remove_pending(&self, version: u64) {
+        let path = self.pending_path(version);
+        if let Err(e) = std::fs::remove_file(&path) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!("removing {}: {e}", path.display());
+            }
+        }
+    }
+
+    /// The pending records, oldest version first. Unreadable ones are removed (and
+    /// logged).
+    pub fn pending(&self) -> Vec<Pending> {
+        let Ok(rd) = std::fs::read_dir(self.root.join(PENDING)) else {
+            return Vec::new();
+        };
+        let mut out: Vec<Pending> = Vec::new();
+        for e in rd.flatten() {
+            let path = e.path();
+            let read = std::fs::read(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<Pending>(&b).map_err(|e| e.to_string()));
+            match read {
+                Ok(p) if path.extension().is_some_and(|x| x == "json") => out.push(p),
+                r => {
+                    let why = r.err().unwrap_or_else(|| "an unfinished record".into());
+                    tracing::warn!("template cache: removing {}: {why}", path.display());
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        out.sort_by_key(|p| p.version);
+        out
+    }
+
+    /// Whether a version's directory is complete on disk.
+    pub fn has(&self, id: &str, version: u64) -> bool {
+        self.dir(id, version).join(INFO).is_file()
+    }
+
     /// Removes a version's directory.
     pub fn remove(&self, id: &str, version: u64) {
         let dir = self.dir(id, version);
@@ -164,6 +252,10 @@ impl DiskTier {
                 tracing::warn!("template cache: removing {}: {why}", path.display());
                 let _ = std::fs::remove_dir_all(&path);
             };
+            // Not a template: the pending records (ids never start with a dot).
+            if name.starts_with('.') {
+                continue;
+            }
             if name.ends_with(".tmp") {
                 drop("an unfinished write");
                 continue;

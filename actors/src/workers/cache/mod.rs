@@ -7,9 +7,19 @@
 //!   template's image bytes live here; its cache (K/V and latents) and its VAE traces
 //!   (which pre- and postprocess workers read in place) when it is in use.
 //! - **Disk**: `[cache] dir`, up to `[cache] disk_bytes` ([`disk`]). Every new template
-//!   is written through in the background, so a crash of this process loses none: at
-//!   start the index is rebuilt from the directory (templates then load from disk on
-//!   first use). A slab whose checksum fails drops its template, with a log line.
+//!   is written through in the background: at start the index is rebuilt from the
+//!   directory (templates then load from disk on first use). A slab whose checksum
+//!   fails drops its template, with a log line.
+//!
+//! A registration is answered once the template is in the host tier, before its write
+//! to disk (tens of seconds for a FLUX.1 template of tens of GB) is done; a crash of this
+//! process in between loses no acknowledged template. The copy into the host tier
+//! takes the CRC-32 of what it stored, and before the answer a pending record
+//! (`disk::Pending`: the template's slices in this arena and their checksums) goes to
+//! the disk tier. The supervisor keeps a dead cache process's arena, and its
+//! replacement, before it creates its own, finishes every pending write from it
+//! ([`recover`]): slices still allocated and with the bytes their checksums say, or the
+//! template is reported lost. The template is then on disk like any other.
 //!
 //! Policy ([`index`]): least recently used first, host → disk → dropped; never a
 //! template an edit has pinned. An edit pins its template when it arrives; a template
@@ -29,6 +39,7 @@ pub mod disk;
 pub mod index;
 pub mod messages;
 pub mod noise;
+pub mod recover;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -39,7 +50,7 @@ use denoised_runtime::shm::Handle;
 use denoised_runtime::HostSlice;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use self::disk::DiskTier;
+use self::disk::{Checked, DiskTier, Pending};
 use self::index::{Disk, Index};
 use crate::metrics::cache::{CacheMetrics, DISK, HOST};
 use crate::node::Shm;
@@ -183,6 +194,8 @@ impl Actor for CacheActor {
             CacheMsg::Delete(Wire(id), reply) => {
                 let r = match st.index.retire(&id) {
                     Some(v) => {
+                        // Deleted: a restart must not finish its write.
+                        st.forget_pending(v);
                         let info = st.describe(v);
                         st.collect_unreachable();
                         Ok(info)
@@ -382,7 +395,10 @@ impl CacheState {
     /// Stores a capture: copied into the host tier off the message loop, answered when
     /// that is done, then written to disk in the background.
     fn put(&mut self, put: PutTemplate, reply: Reply<TemplateEntry>) {
-        let r = (|| -> Result<(u64, Handle, HostSlice, Option<HostSlice>), WireError> {
+        // The version, the capture's cache, where it goes, where its traces go, and
+        // the pending record.
+        type Placed = (u64, Handle, HostSlice, Option<HostSlice>, Option<Pending>);
+        let r = (|| -> Result<Placed, WireError> {
             if !put.replace && self.index.version_of(&put.info.id).is_some() {
                 return Err(crate::router::flow::exists(&put.info.id));
             }
@@ -420,12 +436,14 @@ impl CacheState {
                     }
                 },
             };
-            let image = self
-                .shm
-                .read_bytes(&put.image)
-                .and_then(|b| self.shm.write_bytes(&b));
+            let image = self.shm.read_bytes(&put.image).and_then(|b| {
+                let crc32 = crc32fast::hash(&b);
+                self.shm
+                    .write_bytes(&b)
+                    .map(|handle| Checked { handle, crc32 })
+            });
             let image = match image {
-                Ok(h) => h,
+                Ok(c) => c,
                 Err(e) => {
                     let mut held = vec![dst];
                     held.extend(traces.map(|t| t.0));
@@ -434,23 +452,45 @@ impl CacheState {
                 }
             };
             let version = self.new_version();
+            let info = TemplateInfo {
+                cache_bytes: put.blob.len,
+                vae_trace_bytes: trace_len,
+                ..put.info.clone()
+            };
+            // What a restarted cache process needs to finish the write to disk; the
+            // checksums of the copies are filled in as they are made.
+            let pending = self.disk.as_ref().map(|_| Pending {
+                version,
+                info: info.clone(),
+                cache: Checked {
+                    handle: dst.clone(),
+                    crc32: 0,
+                },
+                vae_traces: traces.as_ref().map(|t| Checked {
+                    handle: t.0.clone(),
+                    crc32: 0,
+                }),
+                image: image.clone(),
+            });
             self.entries.insert(
                 version,
                 Entry {
-                    info: TemplateInfo {
-                        cache_bytes: put.blob.len,
-                        vae_trace_bytes: trace_len,
-                        ..put.info.clone()
-                    },
+                    info,
                     layout,
-                    image,
+                    image: image.handle,
                     blob: Some(dst),
                     vae_traces: traces.as_ref().map(|t| t.0.clone()),
                 },
             );
-            Ok((version, put.blob.clone(), bytes, traces.map(|t| t.1)))
+            Ok((
+                version,
+                put.blob.clone(),
+                bytes,
+                traces.map(|t| t.1),
+                pending,
+            ))
         })();
-        let (version, src, dst, traces_dst) = match r {
+        let (version, src, dst, traces_dst, mut pending) = match r {
             Ok(x) => x,
             Err(e) => {
                 let _ = reply.send(Wire(Err(e)));
@@ -458,31 +498,57 @@ impl CacheState {
             }
         };
         self.copying.insert(version, (reply, put.replace));
-        let (shm, me) = (self.shm.clone(), self.myself.clone());
+        let (shm, me, disk) = (self.shm.clone(), self.myself.clone(), self.disk.clone());
         let trace_srcs = put.vae_traces;
         tokio::task::spawn_blocking(move || {
-            let copy = |src: &Handle, dst: &HostSlice| -> Result<(), WireError> {
+            let copy = |src: &Handle, dst: &HostSlice, crc: &mut crc32fast::Hasher| {
                 let s = shm.host_slice(src)?;
                 if s.len() != dst.len() {
                     return Err(WireError::internal("a template changed size in flight"));
                 }
                 // SAFETY: `dst` was allocated for this copy alone; `src` is the
                 // capture's slice, which the router holds until this reply.
-                unsafe { dst.bytes_mut() }.copy_from_slice(s.bytes());
-                Ok(())
+                copy_summed(unsafe { dst.bytes_mut() }, s.bytes(), crc);
+                // Still the capture's after the copy: a router lost meanwhile has its
+                // slices freed (and maybe reused) under it.
+                shm.with(src, |v| v.check(src))
             };
-            let r = copy(&src, &dst).and_then(|()| {
+            let r = (|| {
+                let mut crc = crc32fast::Hasher::new();
+                copy(&src, &dst, &mut crc)?;
                 // The traces, one after another into one slice.
-                let Some(t) = &traces_dst else { return Ok(()) };
+                let Some(t) = &traces_dst else {
+                    return Ok((crc.finalize(), None));
+                };
+                let mut traces_crc = crc32fast::Hasher::new();
                 let mut at = 0;
                 for h in &trace_srcs {
                     let part = t
                         .sub(at, h.len as usize)
                         .map_err(|e| WireError::internal(e.to_string()))?;
-                    copy(h, &part)?;
+                    copy(h, &part, &mut traces_crc)?;
                     at += h.len as usize;
                 }
-                Ok(())
+                Ok((crc.finalize(), Some(traces_crc.finalize())))
+            })();
+            // Recorded before the registration is answered (see the module's docs).
+            // A disk tier that cannot take the record will not take the template
+            // either: it is kept in memory only, as when its write fails.
+            let r = r.map(|(cache_crc, traces_crc)| {
+                let (Some(disk), Some(p)) = (&disk, &mut pending) else {
+                    return;
+                };
+                p.cache.crc32 = cache_crc;
+                if let (Some(t), Some(crc)) = (&mut p.vae_traces, traces_crc) {
+                    t.crc32 = crc;
+                }
+                if let Err(e) = disk.write_pending(p) {
+                    tracing::error!(
+                        "template cache: `{}` has no pending record ({}); a crash before it is on disk loses it",
+                        p.info.id,
+                        e.message
+                    );
+                }
             });
             let _ = me.cast(CacheMsg::Copied(Wire((version, r))));
         });
@@ -500,6 +566,7 @@ impl CacheState {
             _ => Ok(()),
         });
         if let Err(err) = r {
+            self.forget_pending(version);
             let mut e = self.entries.remove(&version).expect("the entry put made");
             let mut slices = e.host_slices();
             slices.push(e.image);
@@ -513,7 +580,8 @@ impl CacheState {
         } else {
             Disk::None
         };
-        if self.index.insert(version, &id, bytes, disk).is_some() {
+        if let Some(old) = self.index.insert(version, &id, bytes, disk) {
+            self.forget_pending(old);
             self.collect_unreachable();
         }
         self.metrics.loaded(HOST, bytes);
@@ -550,6 +618,9 @@ impl CacheState {
                     traces.as_ref().map(|t| t.bytes()),
                 )
             });
+            if r.is_ok() {
+                disk.remove_pending(version);
+            }
             let _ = me.cast(CacheMsg::Written(Wire((version, r))));
         });
     }
@@ -574,6 +645,14 @@ impl CacheState {
         self.enforce_disk_capacity();
         self.collect_unreachable();
         self.report();
+    }
+
+    /// A version no longer to be written to disk by a restarted process (deleted,
+    /// replaced, or never registered).
+    fn forget_pending(&self, version: u64) {
+        if let Some(disk) = &self.disk {
+            disk.remove_pending(version);
+        }
     }
 
     /// Drops the least recently used templates while the disk tier is over capacity.
@@ -772,5 +851,15 @@ impl CacheState {
         }
         self.metrics.set_held(HOST, host.0, host.1);
         self.metrics.set_held(DISK, disk.0, disk.1);
+    }
+}
+
+/// Copies `src` into `dst` (the same length), adding the bytes to `crc` while they are
+/// still in the CPU's cache.
+fn copy_summed(dst: &mut [u8], src: &[u8], crc: &mut crc32fast::Hasher) {
+    const CHUNK: usize = 1 << 20;
+    for (d, s) in dst.chunks_mut(CHUNK).zip(src.chunks(CHUNK)) {
+        d.copy_from_slice(s);
+        crc.update(d);
     }
 }

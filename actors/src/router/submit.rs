@@ -1,0 +1,76 @@
+//! The one way a request starts work, for every route that does (edits, template
+//! registrations, generations sync and async, the OpenAI images routes, the bus):
+//!
+//! 1. [`admit`] at the door, before the body is read: one unit of admission, or 429
+//!    at once;
+//! 2. once the body is checked, a request of `n` images grows its permit to `n` units
+//!    ([`units`]: `n` above `[server] max_queued_requests` is a 400, never a hang);
+//! 3. [`submit`] creates each flow's job and runs the flow on its own task, which owns
+//!    the flow's unit: the unit is released when the flow ends, not when the HTTP
+//!    handler returns. A client that disconnects, or a request of `n` images whose
+//!    first image failed, does not free the slots of flows still running, so
+//!    `max_queued_requests` bounds the flows in the daemon (and every queue behind the
+//!    router), not the handlers.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use serde_json::Value;
+use tokio::task::JoinHandle;
+
+use super::admission::Permit;
+use super::flow::Ctx;
+use super::http::{spawn_request, ApiResult};
+use crate::wire::{JobId, WireError};
+
+/// A request's first unit, taken before its body is read (429 when the server is full,
+/// 503 while it drains).
+pub(super) fn admit(ctx: &Ctx) -> ApiResult<Permit> {
+    Ok(ctx.admission.try_admit()?)
+}
+
+/// `permit` grown to one unit per image of a request of `n`, each to be moved into its
+/// flow by [`submit`].
+pub(super) fn units(permit: Permit, n: u32) -> ApiResult<Vec<Permit>> {
+    Ok(permit.into_units(n as usize)?)
+}
+
+/// A flow started by [`submit`]: its job, and its task (awaiting it is optional: the
+/// flow runs to its end either way).
+pub(super) struct Submitted<T> {
+    pub job: JobId,
+    pub task: JoinHandle<Result<T, WireError>>,
+}
+
+/// Starts one flow as a job of the job table (`kind`, `steps` as far as known), on its
+/// own task that owns `permit` until the flow ends. `flow` runs the work; `describe`
+/// makes what the job table keeps of a success (the description; the image only for
+/// an async request, whose client reads it there).
+pub(super) fn submit<T, Fut>(
+    ctx: &Arc<Ctx>,
+    permit: Permit,
+    kind: &'static str,
+    steps: u32,
+    flow: impl FnOnce(Arc<Ctx>, JobId) -> Fut,
+    describe: impl FnOnce(JobId, &T) -> Value + Send + 'static,
+) -> Submitted<T>
+where
+    T: Send + 'static,
+    Fut: Future<Output = Result<T, WireError>> + Send + 'static,
+{
+    let job = ctx.next_job();
+    ctx.jobs.create(job, kind, steps);
+    let run = flow(ctx.clone(), job);
+    let ctx = ctx.clone();
+    let task = spawn_request(job, async move {
+        // Released when this task ends, whatever became of the request's handler.
+        let _permit = permit;
+        let r = run.await;
+        ctx.jobs.finish(
+            job,
+            r.as_ref().map(|o| describe(job, o)).map_err(Clone::clone),
+        );
+        r
+    });
+    Submitted { job, task }
+}

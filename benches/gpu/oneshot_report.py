@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Assembles benches/gpu/oneshot.sh's parts into OUT/oneshot.json and OUT/summary.txt.
+
+    oneshot_report.py DEVICE WORK_DIR PARTS_TSV OUT_DIR
+
+Every key is always present: a figure whose part did not run (or failed) is null, and
+`parts` says why (exit status 124 is a timeout). The targets are issue 35's, checked
+only on a GPU; on the emulator the figures mean nothing and `targets` says so.
+"""
+import json
+import os
+import sys
+
+
+def json_lines(path):
+    """The JSON objects a part printed, one per line; other lines are ignored."""
+    out = []
+    if not os.path.exists(path):
+        return out
+    with open(path, errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("{") and line.endswith("}"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+    return out
+
+
+def main():
+    device, work, parts_tsv, out = sys.argv[1:5]
+    parts = {}
+    with open(parts_tsv) as f:
+        for row in f:
+            name, rc, secs = row.rstrip("\n").split("\t")
+            parts[name] = {"exit": int(rc), "seconds": float(secs),
+                           "status": "ok" if rc == "0" else ("timeout" if rc in ("124", "137") else "failed")}
+
+    def lines(name):
+        return json_lines(os.path.join(work, name + ".out"))
+
+    machine = ""
+    mpath = os.path.join(work, "machine.out")
+    if os.path.exists(mpath):
+        machine = open(mpath, errors="replace").read()
+
+    # 1. Self-test.
+    selftest = {"passed": None, "failed": None, "failures": [], "parts": []}
+    spath = os.path.join(out, "selftest.json")
+    if os.path.exists(spath):
+        rep = json.load(open(spath))
+        checks = [c for p in rep["parts"] for c in p["checks"]]
+        selftest.update(
+            device=rep.get("device"), vae_convolutions=rep.get("vae_convolutions"),
+            passed=sum(c["pass"] for c in checks), failed=sum(not c["pass"] for c in checks),
+            failures=[{"name": c["name"], "measured": c["measured"], "bound": c["bound"]}
+                      for c in checks if not c["pass"]],
+            parts=[{"part": p["part"], "seconds": p["seconds"],
+                    "failed": sum(not c["pass"] for c in p["checks"])} for p in rep["parts"]],
+        )
+
+    # 2. Attention, beside SDPA.
+    ours = {round(l["mask_ratio"], 3): l for l in lines("attn") if "tflops" in l and l.get("kernel", "fa2") == "fa2"}
+    first = {round(l["mask_ratio"], 3): l for l in lines("attn") if "tflops" in l and l.get("kernel") == "mma"}
+    torch_attn = {round(l["mask_ratio"], 3): l for l in lines("torch_attn") if l.get("what") == "torch_sdpa"}
+    attention = []
+    for m in sorted(set(ours) | set(torch_attn)):
+        o, t, f = ours.get(m), torch_attn.get(m), first.get(m)
+        attention.append({
+            "mask_ratio": m,
+            "queries": (o or t)["queries"], "keys": (o or t)["keys"],
+            "denoised_ms": o and o["median_s"] * 1e3, "denoised_tflops": o and o["tflops"],
+            "sdpa_ms": t and t["median_s"] * 1e3, "sdpa_tflops": t and t["tflops"],
+            "sdpa_over_denoised": (o and t) and o["median_s"] / t["median_s"],
+            "first_kernel_ms": f and f["median_s"] * 1e3, "first_kernel_tflops": f and f["tflops"],
+            "clock": o and o.get("clock"),
+        })
+
+    # 3. Steps, beside diffusers.
+    steps = lines("step")
+    full = next((l for l in steps if l.get("mask_ratio") == 1.0), None)
+    edit = next((l for l in steps if l.get("mask_ratio") not in (None, 1.0)), None)
+    mma = next((l for l in lines("step_mma") if l.get("mask_ratio") == 1.0), None)
+    torch_step = next((l for l in lines("torch_step") if l.get("what") == "torch_full_step"), None)
+    full_s = (full and full["median_s"]) or (edit and edit.get("full_median_s"))
+    step = {
+        "config": (full or edit or {}).get("config"),
+        "full_bf16_ms": full_s and full_s * 1e3,
+        "edit_m02_bf16_ms": edit and edit["median_s"] * 1e3,
+        "edit_m02_speedup": edit and edit.get("speedup"),
+        "edit_m02_fraction_of_bound": edit and edit.get("fraction_of_bound"),
+        "full_fp8_ms": None,
+        "full_fp8_note": "fp8 transformer weights are not built yet (issue 35)",
+        "full_bf16_first_kernel_ms": mma and mma["median_s"] * 1e3,
+        "diffusers_full_bf16_ms": torch_step and torch_step["median_s"] * 1e3,
+        "diffusers_over_denoised": (full_s and torch_step) and full_s / torch_step["median_s"],
+    }
+
+    # 4. Daemon load.
+    serve = next((l for l in lines("daemon_load") if "errors" in l), None)
+    daemon = {k: (serve or {}).get(k) for k in
+              ("requests", "ok", "errors", "rejected", "throughput_rps", "p50_s", "p95_s", "denoise_mean_s")}
+    daemon["raw"] = serve
+
+    on_gpu = device != "emu"
+
+    def target(value, bound, higher=False):
+        if not on_gpu or value is None:
+            return None
+        return value >= bound if higher else value <= bound
+
+    full_attn = next((a for a in attention if a["mask_ratio"] == 1.0), None)
+    targets = {
+        "checked": on_gpu,
+        "attention_tflops_at_least_350": target(full_attn and full_attn["denoised_tflops"], 350, True),
+        "full_step_bf16_at_most_110_ms": target(step["full_bf16_ms"], 110),
+        "full_step_fp8_at_most_80_ms": target(step["full_fp8_ms"], 80),
+        "edit_step_m02_at_most_40_ms": target(step["edit_m02_bf16_ms"], 40),
+    }
+    report = {"device": device, "machine": machine, "parts": parts, "selftest": selftest,
+              "attention": attention, "step": step, "daemon": daemon, "targets": targets}
+    with open(os.path.join(out, "oneshot.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+    def fmt(v, spec=".1f"):
+        return "-" if v is None else format(v, spec)
+
+    s = [f"denoised one-shot GPU run on {device}", ""]
+    s.append("parts: " + ", ".join(f"{k} {v['status']} ({v['seconds']:.0f} s)" for k, v in parts.items()))
+    s.append(f"selftest: {selftest['passed']} passed, {selftest['failed']} failed")
+    for c in selftest["failures"]:
+        s.append(f"  FAILED {c['name']}: {c['measured']} (bound {c['bound']})")
+    s.append("")
+    s.append("attention     m   denoised ms  TFLOP/s   SDPA ms  TFLOP/s   SDPA/denoised   first kernel TFLOP/s")
+    for a in attention:
+        s.append(f"          {a['mask_ratio']:5.2f}  {fmt(a['denoised_ms'], '10.3f')}  {fmt(a['denoised_tflops'], '7.1f')}"
+                 f"  {fmt(a['sdpa_ms'], '8.3f')}  {fmt(a['sdpa_tflops'], '7.1f')}   {fmt(a['sdpa_over_denoised'], '.2f')}"
+                 f"            {fmt(a['first_kernel_tflops'], '7.1f')}")
+    s.append("")
+    s.append(f"step ({step['config']}): full bf16 {fmt(step['full_bf16_ms'])} ms, m=0.2 edit {fmt(step['edit_m02_bf16_ms'])} ms"
+             f" (speedup {fmt(step['edit_m02_speedup'], '.2f')}), diffusers full {fmt(step['diffusers_full_bf16_ms'])} ms"
+             f" (diffusers/denoised {fmt(step['diffusers_over_denoised'], '.2f')}); full with the first attention kernel"
+             f" {fmt(step['full_bf16_first_kernel_ms'])} ms; fp8: not built")
+    s.append(f"daemon: {daemon['requests']} requests, {daemon['errors']} errors, {fmt(daemon['throughput_rps'], '.2f')} RPS,"
+             f" p50 {fmt(daemon['p50_s'], '.2f')} s, p95 {fmt(daemon['p95_s'], '.2f')} s")
+    s.append("targets: " + (json.dumps(targets) if on_gpu else "not checked on the emulator"))
+    text = "\n".join(s) + "\n"
+    with open(os.path.join(out, "summary.txt"), "w") as f:
+        f.write(text)
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+//! The one-shot GPU script (benches/gpu/oneshot.sh) rehearsed on the emulator: every
+//! part runs at small sizes, and its report names every figure a GPU run will produce.
+//! A GPU is lent to this project rarely, for minutes; this test keeps the script that
+//! uses those minutes working in between.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+#[test]
+fn the_one_shot_gpu_script_runs_on_the_emulator() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = tempfile::tempdir().unwrap();
+    let status = Command::new("bash")
+        .arg(root.join("benches/gpu/oneshot.sh"))
+        .arg(out.path())
+        .env("DENOISED_ONESHOT_DEVICE", "emu")
+        .env("DENOISED_BIN", env!("CARGO_BIN_EXE_denoised"))
+        .status()
+        .unwrap();
+    let log = std::fs::read_to_string(out.path().join("oneshot.log")).unwrap_or_default();
+    assert!(status.success(), "oneshot.sh failed:\n{log}");
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(out.path().join("oneshot.json")).unwrap()).unwrap();
+
+    // Every part ran and succeeded.
+    for part in [
+        "machine",
+        "selftest",
+        "attn",
+        "step",
+        "step_mma",
+        "daemon_load",
+    ] {
+        assert_eq!(
+            report["parts"][part]["status"], "ok",
+            "part {part}: {}\n{log}",
+            report["parts"][part]
+        );
+    }
+    // The self-test's checks all passed.
+    let st = &report["selftest"];
+    assert!(st["passed"].as_u64().unwrap() > 0, "{st}");
+    assert_eq!(st["failed"], 0, "{st}");
+    // The attention table: both kernels at every mask ratio.
+    let attn = report["attention"].as_array().unwrap();
+    let ratios: Vec<f64> = attn
+        .iter()
+        .map(|a| a["mask_ratio"].as_f64().unwrap())
+        .collect();
+    assert_eq!(ratios, [0.1, 0.2, 0.4, 1.0]);
+    for a in attn {
+        for key in ["denoised_tflops", "first_kernel_tflops", "queries", "keys"] {
+            assert!(a[key].as_f64().is_some(), "{key} missing: {a}");
+        }
+        // The PyTorch figures are there on a GPU machine; here torch may be absent.
+        assert!(a.get("sdpa_tflops").is_some(), "{a}");
+    }
+    // The step figures, and the fp8 one named (not built yet).
+    let step = &report["step"];
+    for key in [
+        "full_bf16_ms",
+        "edit_m02_bf16_ms",
+        "edit_m02_speedup",
+        "full_bf16_first_kernel_ms",
+    ] {
+        assert!(step[key].as_f64().is_some(), "{key} missing: {step}");
+    }
+    for key in ["full_fp8_ms", "diffusers_full_bf16_ms"] {
+        assert!(step.get(key).is_some(), "{key} not named: {step}");
+    }
+    // The daemon served the load without errors.
+    let d = &report["daemon"];
+    assert_eq!(d["errors"], 0, "{d}");
+    assert!(d["ok"].as_u64().unwrap() > 0, "{d}");
+    // Targets are checked on a GPU only.
+    assert_eq!(report["targets"]["checked"], false);
+    assert!(out.path().join("summary.txt").exists());
+}
