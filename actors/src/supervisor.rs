@@ -3,8 +3,9 @@
 //! and on SIGTERM/SIGINT stops them all and removes the shared-memory arenas.
 //!
 //! Arenas: every process owns one arena in `/dev/shm` under this daemon's namespace.
-//! At start-up the supervisor removes arenas left by dead processes of any earlier
-//! daemon (a crash, a SIGKILL); after a child dies it removes that child's arena before
+//! At start-up the supervisor removes arenas left by dead processes of earlier daemons
+//! that are gone (a crash, a SIGKILL of the supervisor); a running daemon's arenas are
+//! its own supervisor's to reclaim (`supervisor_alive`). After a child dies it removes that child's arena before
 //! starting the replacement, which is how slices leaked by a crashed worker come back.
 //! Except the cache process's: it may hold templates already acknowledged and not yet
 //! on disk, which its replacement writes from there before it replaces the arena with
@@ -209,7 +210,23 @@ fn fixed_port(listen: &str) -> Result<String, String> {
     Ok(std::net::SocketAddr::new(addr.ip(), port).to_string())
 }
 
-/// Removes arenas of dead owners in every namespace under `dir`.
+/// Whether the daemon whose arenas are in `namespace` (`s<supervisor pid>`) is still
+/// running: then its own supervisor decides about its dead workers' arenas (it keeps a
+/// dead cache process's, whose successor writes the templates not yet on disk from it).
+fn supervisor_alive(namespace: &str) -> bool {
+    let Some(pid) = namespace
+        .strip_prefix('s')
+        .and_then(|p| p.parse::<i32>().ok())
+    else {
+        return false;
+    };
+    // SAFETY: signal 0 only checks that the process exists.
+    pid > 0
+        && (unsafe { libc::kill(pid, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+}
+
+/// Removes arenas of dead owners in every namespace under `dir` whose daemon is gone.
 fn sweep_dead_arenas(dir: &std::path::Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
@@ -227,7 +244,7 @@ fn sweep_dead_arenas(dir: &std::path::Path) {
         .collect();
     namespaces.sort();
     namespaces.dedup();
-    for ns in namespaces {
+    for ns in namespaces.into_iter().filter(|ns| !supervisor_alive(ns)) {
         if let Ok(removed) = shm::reclaim_dead(dir, &ns) {
             if !removed.is_empty() {
                 tracing::info!(
