@@ -35,6 +35,7 @@
 //! version's slices stay until the last edit reading it is done. Pins belong to the
 //! router's requests, so when the router is lost they all go.
 
+mod copy;
 pub mod disk;
 pub mod index;
 pub mod messages;
@@ -499,57 +500,14 @@ impl CacheState {
         };
         self.copying.insert(version, (reply, put.replace));
         let (shm, me, disk) = (self.shm.clone(), self.myself.clone(), self.disk.clone());
-        let trace_srcs = put.vae_traces;
+        let job = copy::CopyIn {
+            src,
+            dst,
+            trace_srcs: put.vae_traces,
+            traces_dst,
+        };
         tokio::task::spawn_blocking(move || {
-            let copy = |src: &Handle, dst: &HostSlice, crc: &mut crc32fast::Hasher| {
-                let s = shm.host_slice(src)?;
-                if s.len() != dst.len() {
-                    return Err(WireError::internal("a template changed size in flight"));
-                }
-                // SAFETY: `dst` was allocated for this copy alone; `src` is the
-                // capture's slice, which the router holds until this reply.
-                copy_summed(unsafe { dst.bytes_mut() }, s.bytes(), crc);
-                // Still the capture's after the copy: a router lost meanwhile has its
-                // slices freed (and maybe reused) under it.
-                shm.with(src, |v| v.check(src))
-            };
-            let r = (|| {
-                let mut crc = crc32fast::Hasher::new();
-                copy(&src, &dst, &mut crc)?;
-                // The traces, one after another into one slice.
-                let Some(t) = &traces_dst else {
-                    return Ok((crc.finalize(), None));
-                };
-                let mut traces_crc = crc32fast::Hasher::new();
-                let mut at = 0;
-                for h in &trace_srcs {
-                    let part = t
-                        .sub(at, h.len as usize)
-                        .map_err(|e| WireError::internal(e.to_string()))?;
-                    copy(h, &part, &mut traces_crc)?;
-                    at += h.len as usize;
-                }
-                Ok((crc.finalize(), Some(traces_crc.finalize())))
-            })();
-            // Recorded before the registration is answered (see the module's docs).
-            // A disk tier that cannot take the record will not take the template
-            // either: it is kept in memory only, as when its write fails.
-            let r = r.map(|(cache_crc, traces_crc)| {
-                let (Some(disk), Some(p)) = (&disk, &mut pending) else {
-                    return;
-                };
-                p.cache.crc32 = cache_crc;
-                if let (Some(t), Some(crc)) = (&mut p.vae_traces, traces_crc) {
-                    t.crc32 = crc;
-                }
-                if let Err(e) = disk.write_pending(p) {
-                    tracing::error!(
-                        "template cache: `{}` has no pending record ({}); a crash before it is on disk loses it",
-                        p.info.id,
-                        e.message
-                    );
-                }
-            });
+            let r = copy::copy_in(&shm, &job, disk.as_ref(), pending.as_mut());
             let _ = me.cast(CacheMsg::Copied(Wire((version, r))));
         });
     }
@@ -851,15 +809,5 @@ impl CacheState {
         }
         self.metrics.set_held(HOST, host.0, host.1);
         self.metrics.set_held(DISK, disk.0, disk.1);
-    }
-}
-
-/// Copies `src` into `dst` (the same length), adding the bytes to `crc` while they are
-/// still in the CPU's cache.
-fn copy_summed(dst: &mut [u8], src: &[u8], crc: &mut crc32fast::Hasher) {
-    const CHUNK: usize = 1 << 20;
-    for (d, s) in dst.chunks_mut(CHUNK).zip(src.chunks(CHUNK)) {
-        d.copy_from_slice(s);
-        crc.update(d);
     }
 }
