@@ -8,6 +8,7 @@
 pub mod approx;
 pub mod budget;
 pub mod controlnet;
+pub mod daemon;
 pub mod denoise;
 pub mod device;
 pub mod fault;

@@ -111,7 +111,7 @@ pub struct WorkerEnv {
     /// When the daemon (the supervisor) started, Unix seconds.
     #[serde(default)]
     pub started_unix: f64,
-    /// Where the supervisor writes its [`crate::supervisor::Status`] (read by the
+    /// Where the supervisor writes its [`crate::daemon::SupervisorStatus`] (read by the
     /// router for `/readyz`).
     #[serde(default)]
     pub status_file: PathBuf,

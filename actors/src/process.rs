@@ -28,18 +28,6 @@ use crate::workers::{
     cache::CacheActor, postprocess::PostprocessActor, preprocess::PreprocessActor,
 };
 
-/// Resolves when the process is asked to stop: SIGTERM from the supervisor (or from
-/// the kernel when the supervisor dies). Workers ignore SIGINT: a Ctrl-C in a terminal
-/// reaches the whole process group, and the supervisor alone decides the order of the
-/// shutdown (the router drains first).
-pub async fn terminated() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => return std::future::pending().await,
-    };
-    term.recv().await;
-}
-
 /// The components a role computes with (docs/design.md, "Devices and roles"). A denoise
 /// worker of the in-process baseline also runs the CPU stages.
 pub fn role_parts(role: Role, disaggregate: bool) -> Parts {
@@ -57,10 +45,6 @@ pub fn role_parts(role: Role, disaggregate: bool) -> Parts {
         },
     }
 }
-
-/// A worker's exit status when it cannot load its model (sysexits' EX_CONFIG): at the
-/// daemon's start the supervisor then stops instead of restarting it forever.
-pub const EXIT_CANNOT_LOAD: i32 = 78;
 
 /// A compute process's model: the host parts of its role, and for a denoise worker
 /// the transformer placed on its device.
@@ -178,7 +162,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
     crate::logging::set_format(&env.config.server.log_format)?;
     crate::logging::set_worker(env.name());
     // Before any thread starts: a panic anywhere in this process ends it (crate::fault),
-    // and a terminal's Ctrl-C is the supervisor's to handle (see `terminated`).
+    // and a terminal's Ctrl-C is the supervisor's to handle (see `crate::daemon::terminated`).
     crate::fault::exit_on_panic(env.name());
     // SAFETY: setting a signal disposition before any thread exists.
     unsafe { libc::signal(libc::SIGINT, libc::SIG_IGN) };
@@ -225,7 +209,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                     Ok(l) => Some(l),
                     Err(e) => {
                         eprintln!("error: {}: {e}", env.name());
-                        std::process::exit(EXIT_CANNOT_LOAD);
+                        std::process::exit(crate::daemon::EXIT_CANNOT_LOAD);
                     }
                 }
             }
@@ -434,7 +418,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
         };
         let rejoin = node::stay_connected(node, env.router_port, lost, rejoined);
         tokio::select! {
-            _ = terminated() => {}
+            _ = crate::daemon::terminated() => {}
             _ = rejoin => {}
         }
         Ok(())

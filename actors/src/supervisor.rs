@@ -49,39 +49,6 @@ impl Worker {
     }
 }
 
-/// What the supervisor tells the router (through [`WorkerEnv::status_file`]): the
-/// worker slots it gave up restarting, and why (`/readyz` shows them), and how many
-/// times it restarted each worker (a metric).
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
-pub struct Status {
-    pub failed: std::collections::BTreeMap<String, String>,
-    /// By worker name: its role, and its restarts.
-    #[serde(default)]
-    pub restarts: std::collections::BTreeMap<String, (String, u64)>,
-}
-
-impl Status {
-    /// The status the supervisor last wrote (empty if none).
-    pub fn read(path: &std::path::Path) -> Status {
-        std::fs::read(path)
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .unwrap_or_default()
-    }
-
-    /// Written to a temporary file and renamed, so a reader never sees half of it.
-    fn write(&self, path: &std::path::Path) {
-        let tmp = path.with_extension("tmp");
-        let r = serde_json::to_vec(self)
-            .map_err(std::io::Error::other)
-            .and_then(|b| std::fs::write(&tmp, b))
-            .and_then(|()| std::fs::rename(&tmp, path));
-        if let Err(e) = r {
-            tracing::error!("writing {}: {e}", path.display());
-        }
-    }
-}
-
 /// Stops every process of `role`: SIGTERM, then SIGKILL after `limit`.
 fn stop_role(workers: &mut [Worker], role: Role, limit: Duration) {
     let mine = |w: &&mut Worker| w.role == role;
@@ -308,13 +275,13 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
         p => p,
     };
     let listen = fixed_port(&listen.unwrap_or_else(|| config.server.listen.clone()))?;
-    let started_unix = crate::denoise::actor::unix_now();
+    let started_unix = crate::daemon::unix_now();
     // Beside the sockets of a systemd service when there is a runtime directory.
     let status_file = std::env::var_os("RUNTIME_DIRECTORY")
         .map(PathBuf::from)
         .unwrap_or_else(std::env::temp_dir)
         .join(format!("denoised-{namespace}.status.json"));
-    let mut status = Status::default();
+    let mut status = crate::daemon::SupervisorStatus::default();
     status.write(&status_file);
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
@@ -436,7 +403,7 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
             // way forever: the daemon refuses to start, with the worker's message above.
             // Later, a failed reload (a device lost after a fault) is retried, so the
             // other workers keep serving.
-            if w.first && exit.code() == Some(crate::process::EXIT_CANNOT_LOAD) {
+            if w.first && exit.code() == Some(crate::daemon::EXIT_CANNOT_LOAD) {
                 fatal = Some(format!(
                     "{} worker {} cannot load its model (see its error above); not starting",
                     w.role, w.index

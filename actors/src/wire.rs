@@ -95,6 +95,16 @@ impl WireError {
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Internal, message)
     }
+    /// Registering a template id that is taken (the router's check and the cache's
+    /// own, which decides a race, give the same error).
+    pub fn template_exists(id: &str) -> Self {
+        Self::new(
+            ErrorKind::Conflict,
+            format!(
+                "template `{id}` already exists; DELETE it first, or register with \"replace\": true"
+            ),
+        )
+    }
 }
 
 impl std::fmt::Display for WireError {
@@ -327,6 +337,48 @@ pub struct WireLora {
     /// Already merged into the workers' weights (`[adapters] merged`): nothing to load.
     #[serde(default)]
     pub merged: bool,
+}
+
+impl WireLora {
+    /// A set of LoRAs as one key (`name*scale+...`): a template's in the cache files,
+    /// and in the error of an edit naming other LoRAs than its template's.
+    pub fn set_key(loras: &[WireLora]) -> String {
+        loras
+            .iter()
+            .map(|l| format!("{}*{}", l.name, l.scale))
+            .collect::<Vec<_>>()
+            .join("+")
+    }
+}
+
+/// How long a served request spent in each stage (the reply's `timings`, and the
+/// router's stage histograms).
+#[derive(Clone, Debug, Serialize)]
+pub struct StageTimings {
+    pub queue_s: f64,
+    pub preprocess_s: f64,
+    pub denoise_s: f64,
+    pub postprocess_s: f64,
+    pub total_s: f64,
+    /// Which VAE passes ran (sparse only for template edits, `[pipeline] sparse_vae`).
+    pub vae_encode: VaePass,
+    pub vae_decode: VaePass,
+    /// `hit` when the prompt's embeddings came from the preprocess worker's prompt
+    /// cache (the text encoders did not run), else `miss`.
+    pub prompt_cache: &'static str,
+}
+
+impl StageTimings {
+    /// Each stage's seconds, by stage name (the metrics' `stage` label).
+    pub fn stages(&self) -> [(&'static str, f64); 5] {
+        [
+            ("queue", self.queue_s),
+            ("preprocess", self.preprocess_s),
+            ("denoise", self.denoise_s),
+            ("postprocess", self.postprocess_s),
+            ("total", self.total_s),
+        ]
+    }
 }
 
 /// router → denoise.

@@ -237,7 +237,7 @@ fn serve(
     reply: Reply<Option<ControlStreamRef>>,
     stop: &AtomicBool,
 ) {
-    let id = crate::router::jobs::job_name(req.job);
+    let id = crate::daemon::job_name(req.job);
     let _span = tracing::info_span!("request", %id).entered();
     let (uses, inputs, handle, s) = match open(sh, &req) {
         Ok(Some(o)) => o,

@@ -21,7 +21,6 @@ use denoised_models::flux::edit::CfgPartner;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::Receiver;
 use denoised_models::flux::edit::{DenoiseInputs, Mode, TrueCfg};
@@ -36,8 +35,8 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use super::adapters::{adapter_path, AdapterOptions, LoraRequest};
 use super::inline::{self, InlineCtx, InlineJobs};
 use super::{DenoiseLoop, DenoiseRequest, Event, LoopOptions};
+use crate::daemon::{job_name, unix_now};
 use crate::node::{self, Shm};
-use crate::router::jobs::job_name;
 use crate::scheduler::BatchConfig;
 use crate::stages::Pipeline;
 use crate::wire::{
@@ -96,13 +95,6 @@ pub struct DenoiseState {
     adapters_dir: PathBuf,
     /// Where generations with ControlNets report their waits for residuals.
     control_wait: prometheus_client::metrics::histogram::Histogram,
-}
-
-pub fn unix_now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
 }
 
 impl Actor for DenoiseActor {

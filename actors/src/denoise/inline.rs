@@ -15,8 +15,9 @@ use denoised_models::FlowMatchEuler;
 use denoised_runtime::shm::Handle;
 use denoised_runtime::{DType, Tensor};
 
-use super::actor::{unix_now, EventCtx};
+use super::actor::EventCtx;
 use super::{DenoiseRequest, LoopCommand, LoopSender};
+use crate::daemon::unix_now;
 use crate::node::Shm;
 use crate::stages::{self, MaskInput, Pipeline};
 use crate::wire::{

@@ -492,7 +492,7 @@ fn run(
             step: plan.step(),
             batch: ids,
             seconds: t0.elapsed().as_secs_f64(),
-            ended_unix: actor::unix_now(),
+            ended_unix: crate::daemon::unix_now(),
             assembly_seconds,
             rows: plan.rows(),
             running: st.sched.num_running(),

@@ -15,7 +15,8 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
 use super::{DECISION_SECONDS, LATENCY_SECONDS, RATIO};
-use crate::supervisor::Status;
+use crate::daemon::SupervisorStatus;
+use crate::wire::StageTimings;
 
 pub type RouteStatus = [(&'static str, String); 2];
 pub type Label = [(&'static str, &'static str); 1];
@@ -186,12 +187,12 @@ impl RouterMetrics {
             .inc();
     }
 
-    /// Records a served edit: the time of each of its stages, and its mask ratio.
-    pub fn observe_edit(&self, o: &crate::router::flow::EditOutput) {
-        let t = &o.timings;
+    /// Records a served edit: the time of each of its stages, its mask ratio
+    /// (`active` of `tokens` computed), its VAE passes and its prompt-cache result.
+    pub fn observe_edit(&self, t: &StageTimings, tokens: u32, active: u32) {
         observe_stages(&self.stage, t);
-        if o.tokens > 0 {
-            self.mask_ratio.observe(o.active as f64 / o.tokens as f64);
+        if tokens > 0 {
+            self.mask_ratio.observe(active as f64 / tokens as f64);
         }
         for (half, pass) in [("encode", t.vae_encode), ("decode", t.vae_decode)] {
             self.vae_passes
@@ -204,31 +205,36 @@ impl RouterMetrics {
     }
 }
 
+/// What the approximate cache did for a generation, as its metrics count it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApproxResult {
+    Hit {
+        skipped: u32,
+    },
+    Miss,
+    /// The request opted out.
+    Off,
+}
+
 impl RouterMetrics {
     /// Records a served generation: its stages and what the approximate cache did.
-    pub fn observe_generation(&self, o: &crate::router::generate::GenerateOutput) {
-        observe_stages(&self.generation_stage, &o.timings);
-        let result = match (&o.approx, o.approx_used) {
-            (a, _) if a.hit => "hit",
-            (_, true) => "miss",
-            (_, false) => "off",
+    pub fn observe_generation(&self, t: &StageTimings, approx: ApproxResult) {
+        observe_stages(&self.generation_stage, t);
+        let (result, skipped) = match approx {
+            ApproxResult::Hit { skipped } => ("hit", skipped),
+            ApproxResult::Miss => ("miss", 0),
+            ApproxResult::Off => ("off", 0),
         };
         self.approx_lookups
             .get_or_create(&[("result", result)])
             .inc();
-        self.approx_skipped.inc_by(o.approx.k as u64);
+        self.approx_skipped.inc_by(skipped as u64);
     }
 }
 
 /// Each stage's time of a served request into `family`, by stage.
-fn observe_stages(family: &Family<Label, Histogram>, t: &crate::router::flow::Timings) {
-    for (stage, s) in [
-        ("queue", t.queue_s),
-        ("preprocess", t.preprocess_s),
-        ("denoise", t.denoise_s),
-        ("postprocess", t.postprocess_s),
-        ("total", t.total_s),
-    ] {
+fn observe_stages(family: &Family<Label, Histogram>, t: &StageTimings) {
+    for (stage, s) in t.stages() {
         family.get_or_create(&[("stage", stage)]).observe(s);
     }
 }
@@ -239,7 +245,7 @@ struct Restarts(PathBuf);
 
 impl Collector for Restarts {
     fn encode(&self, mut e: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let status = Status::read(&self.0);
+        let status = SupervisorStatus::read(&self.0);
         let mut m = e.encode_descriptor(
             "process_restarts",
             "Times the supervisor restarted a worker process, by role and worker.",

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use ractor::ActorRef;
 
-use super::flow::Ctx;
+use super::state::Ctx;
 use crate::notify::notify;
 use crate::wire::{RouterMsg, Wire};
 

@@ -86,7 +86,7 @@ impl<S: Stage> Actor for ComputeActor<S> {
             .name(S::THREAD.into())
             .spawn(move || {
                 for (req, reply, epoch) in rx {
-                    let id = crate::router::jobs::job_name(S::job(&req));
+                    let id = crate::daemon::job_name(S::job(&req));
                     let worker = crate::logging::worker();
                     let _span = tracing::info_span!("request", %id, %worker).entered();
                     let t0 = std::time::Instant::now();

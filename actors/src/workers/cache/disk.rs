@@ -24,7 +24,7 @@ use denoised_models::flux::template_file::{self, TemplateMeta};
 use denoised_runtime::shm::Handle;
 use denoised_runtime::HostSlice;
 
-use crate::wire::{TemplateInfo, WireError};
+use crate::wire::{TemplateInfo, WireError, WireLora};
 
 const INFO: &str = "info.json";
 const IMAGE: &str = "image.bin";
@@ -116,7 +116,7 @@ impl DiskTier {
             guidance: info.guidance,
             seed: info.seed,
             prompt: info.prompt.clone(),
-            adapters: crate::router::adapters::set_key(&info.loras),
+            adapters: WireLora::set_key(&info.loras),
         };
         let write = || -> Result<(), WireError> {
             template_file::save(&tmp, cache, &meta, cache.layout().dtype)

@@ -145,7 +145,7 @@ impl Actor for CacheActor {
         };
         // Versions count up from the clock (microseconds), so they never repeat, not
         // even across restarts of this process.
-        let now = (crate::denoise::actor::unix_now() * 1e6) as u64;
+        let now = (crate::daemon::unix_now() * 1e6) as u64;
         let mut st = CacheState {
             shm: a.shm,
             index: Index::default(),
@@ -401,7 +401,7 @@ impl CacheState {
         type Placed = (u64, Handle, HostSlice, Option<HostSlice>, Option<Pending>);
         let r = (|| -> Result<Placed, WireError> {
             if !put.replace && self.index.version_of(&put.info.id).is_some() {
-                return Err(crate::router::flow::exists(&put.info.id));
+                return Err(WireError::template_exists(&put.info.id));
             }
             let i = &put.info;
             let layout = TemplateLayout::infer(
@@ -520,7 +520,7 @@ impl CacheState {
         let id = e.info.id.clone();
         // Another registration of the id may have completed meanwhile.
         let r = r.and_then(|()| match self.index.version_of(&id) {
-            Some(_) if !replace => Err(crate::router::flow::exists(&id)),
+            Some(_) if !replace => Err(WireError::template_exists(&id)),
             _ => Ok(()),
         });
         if let Err(err) = r {

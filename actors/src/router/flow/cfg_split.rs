@@ -7,9 +7,10 @@
 
 use ractor::ActorCell;
 
-use super::flow::{check_cancel, run_steps, send_denoise, step_shape, Ctx, Held};
-use super::jobs::Status;
+use super::stages::{run_steps, send_denoise, step_shape, Held};
 use crate::denoise::cfg_pair::{pair_bytes, CfgPairRef, PairPartner};
+use crate::router::state::jobs::JobStatus;
+use crate::router::state::Ctx;
 use crate::wire::{
     groups, DenoiseReq, DenoiseWork, Denoised, JobId, NegativeHandles, PreparedRefs, WireError,
     WireLora,
@@ -23,7 +24,7 @@ pub struct Pair {
 
 /// Two workers with room now for the branches of `work` (a generation's, before its
 /// true CFG is set), or `None`: then it runs batched.
-pub fn place(
+pub(crate) fn place(
     ctx: &Ctx,
     job: JobId,
     prepared: &PreparedRefs,
@@ -53,7 +54,7 @@ pub fn place(
 /// generation's. `work` is the generation's (its `true_cfg` unset): the negative
 /// branch stores no states for the approximate cache.
 #[allow(clippy::too_many_arguments)]
-pub async fn run(
+pub(crate) async fn run(
     ctx: &Ctx,
     job: JobId,
     prepared: &PreparedRefs,
@@ -109,7 +110,7 @@ pub async fn run(
         }
     };
     ctx.jobs
-        .stage(job, Status::Denoising, Some(pair.positive.clone()));
+        .stage(job, JobStatus::Denoising, Some(pair.positive.clone()));
     // A branch that fails stops the other's wait for its velocity at once.
     let run = |den: ActorCell, req: DenoiseReq| {
         let slice = slice.clone();
@@ -133,6 +134,6 @@ pub async fn run(
     }
     let d = p?;
     n?;
-    check_cancel(ctx, job).await?;
+    ctx.check_cancel(job).await?;
     Ok(d)
 }

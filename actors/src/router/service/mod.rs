@@ -1,4 +1,4 @@
-//! The one way a request starts work, for every route that does (edits, template
+//! The service layer: the one way a request starts work, for every route that does (edits, template
 //! registrations, generations sync and async, the OpenAI images routes, the bus):
 //!
 //! 1. [`admit`] at the door, before the body is read: one unit of admission, or 429
@@ -18,26 +18,30 @@ use std::sync::Arc;
 use serde_json::Value;
 use tokio::task::JoinHandle;
 
-use super::admission::Permit;
-use super::flow::Ctx;
-use super::http::{spawn_request, ApiResult};
+use crate::daemon::job_name;
+use crate::router::state::admission::Permit;
+use crate::router::state::Ctx;
 use crate::wire::{JobId, WireError};
+
+mod views;
+
+pub use views::{edit_json, encode_b64, generation_json};
 
 /// A request's first unit, taken before its body is read (429 when the server is full,
 /// 503 while it drains).
-pub(super) fn admit(ctx: &Ctx) -> ApiResult<Permit> {
-    Ok(ctx.admission.try_admit()?)
+pub fn admit(ctx: &Ctx) -> Result<Permit, WireError> {
+    ctx.admission.try_admit()
 }
 
 /// `permit` grown to one unit per image of a request of `n`, each to be moved into its
 /// flow by [`submit`].
-pub(super) fn units(permit: Permit, n: u32) -> ApiResult<Vec<Permit>> {
-    Ok(permit.into_units(n as usize)?)
+pub fn units(permit: Permit, n: u32) -> Result<Vec<Permit>, WireError> {
+    permit.into_units(n as usize)
 }
 
 /// A flow started by [`submit`]: its job, and its task (awaiting it is optional: the
 /// flow runs to its end either way).
-pub(super) struct Submitted<T> {
+pub struct Submitted<T> {
     pub job: JobId,
     pub task: JoinHandle<Result<T, WireError>>,
 }
@@ -46,7 +50,7 @@ pub(super) struct Submitted<T> {
 /// own task that owns `permit` until the flow ends. `flow` runs the work; `describe`
 /// makes what the job table keeps of a success (the description; the image only for
 /// an async request, whose client reads it there).
-pub(super) fn submit<T, Fut>(
+pub fn submit<T, Fut>(
     ctx: &Arc<Ctx>,
     permit: Permit,
     kind: &'static str,
@@ -73,4 +77,15 @@ where
         r
     });
     Submitted { job, task }
+}
+
+/// Runs a request's flow on its own task, inside its span (so every log line of it
+/// names the request), and sets the request id header on what `respond` makes of it.
+fn spawn_request<T: Send + 'static>(
+    job: u64,
+    run: impl std::future::Future<Output = Result<T, WireError>> + Send + 'static,
+) -> tokio::task::JoinHandle<Result<T, WireError>> {
+    use tracing::Instrument;
+    let worker = crate::logging::worker();
+    tokio::spawn(run.instrument(tracing::info_span!("request", id = %job_name(job), %worker)))
 }

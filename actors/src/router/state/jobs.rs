@@ -10,12 +10,12 @@ use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort};
 use ractor_cluster::RactorMessage;
 use serde::Serialize;
 
-use crate::denoise::actor::unix_now;
+use crate::daemon::{job_name, unix_now};
 use crate::wire::{JobId, WireError};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Status {
+pub enum JobStatus {
     Queued,
     Preprocessing,
     Denoising,
@@ -25,9 +25,12 @@ pub enum Status {
     Cancelled,
 }
 
-impl Status {
+impl JobStatus {
     pub fn is_final(self) -> bool {
-        matches!(self, Status::Succeeded | Status::Failed | Status::Cancelled)
+        matches!(
+            self,
+            JobStatus::Succeeded | JobStatus::Failed | JobStatus::Cancelled
+        )
     }
 }
 
@@ -36,7 +39,7 @@ impl Status {
 pub struct JobView {
     pub id: String,
     pub kind: &'static str,
-    pub status: Status,
+    pub status: JobStatus,
     pub step: u32,
     pub steps: u32,
     pub created_unix: f64,
@@ -57,7 +60,7 @@ struct Entry {
 #[derive(RactorMessage)]
 pub enum JobsMsg {
     Create(JobId, &'static str, u32),
-    Stage(JobId, Status, Option<ActorCell>),
+    Stage(JobId, JobStatus, Option<ActorCell>),
     Progress(JobId, u32),
     /// The step count, once the flow knows it (a template edit takes the template's).
     Steps(JobId, u32),
@@ -65,21 +68,13 @@ pub enum JobsMsg {
     Get(JobId, RpcReplyPort<Option<JobView>>),
     /// Marks the job cancelled; replies with its status before, and the denoise worker
     /// to tell, if any.
-    Cancel(JobId, RpcReplyPort<Option<(Status, Option<ActorCell>)>>),
+    Cancel(JobId, RpcReplyPort<Option<(JobStatus, Option<ActorCell>)>>),
     IsCancelled(JobId, RpcReplyPort<bool>),
 }
 
 /// Handle to the job table.
 #[derive(Clone)]
 pub struct Jobs(ActorRef<JobsMsg>);
-
-pub fn job_name(id: JobId) -> String {
-    format!("job_{id:016x}")
-}
-
-pub fn parse_job_name(s: &str) -> Option<JobId> {
-    u64::from_str_radix(s.strip_prefix("job_")?, 16).ok()
-}
 
 impl Jobs {
     /// A job table keeping finished jobs for `ttl`, at most `max_finished` of them.
@@ -92,7 +87,7 @@ impl Jobs {
     pub fn create(&self, id: JobId, kind: &'static str, steps: u32) {
         let _ = self.0.cast(JobsMsg::Create(id, kind, steps));
     }
-    pub fn stage(&self, id: JobId, s: Status, worker: Option<ActorCell>) {
+    pub fn stage(&self, id: JobId, s: JobStatus, worker: Option<ActorCell>) {
         let _ = self.0.cast(JobsMsg::Stage(id, s, worker));
     }
     pub fn steps(&self, id: JobId, steps: u32) {
@@ -112,7 +107,7 @@ impl Jobs {
             .and_then(|r| r.success_or(()).ok())
             .flatten()
     }
-    pub async fn cancel(&self, id: JobId) -> Option<(Status, Option<ActorCell>)> {
+    pub async fn cancel(&self, id: JobId) -> Option<(JobStatus, Option<ActorCell>)> {
         self.0
             .call(|p| JobsMsg::Cancel(id, p), None)
             .await
@@ -193,7 +188,7 @@ impl Actor for JobsActor {
                         view: JobView {
                             id: job_name(id),
                             kind,
-                            status: Status::Queued,
+                            status: JobStatus::Queued,
                             step: 0,
                             steps,
                             created_unix: unix_now(),
@@ -231,15 +226,15 @@ impl Actor for JobsActor {
                     j.worker = None;
                     match r {
                         Ok(v) => {
-                            j.view.status = Status::Succeeded;
+                            j.view.status = JobStatus::Succeeded;
                             j.view.step = j.view.steps;
                             j.view.result = Some(v);
                         }
                         Err(e) => {
                             j.view.status = if e.kind == crate::wire::ErrorKind::Cancelled {
-                                Status::Cancelled
+                                JobStatus::Cancelled
                             } else {
-                                Status::Failed
+                                JobStatus::Failed
                             };
                             j.view.error = Some(e);
                         }
@@ -276,7 +271,7 @@ mod tests {
             view: JobView {
                 id: job_name(id),
                 kind: "edit",
-                status: Status::Queued,
+                status: JobStatus::Queued,
                 step: 0,
                 steps: 1,
                 created_unix: 0.0,

@@ -9,9 +9,8 @@ use denoised_models::flux::cost::StepShape;
 use denoised_runtime::config::Config;
 use ractor::ActorCell;
 
-use super::flow::check_cancel;
 use super::jobs::Jobs;
-use crate::denoise::actor::unix_now;
+use crate::daemon::unix_now;
 use crate::node::{self, Shm, WorkerEnv};
 use crate::wire::*;
 
@@ -19,6 +18,23 @@ use crate::wire::*;
 const LOST_KEPT: usize = 64;
 /// How long a request waits for a group to have a live member (a restart).
 const WORKER_WAIT: Duration = Duration::from_secs(60);
+
+/// The model facts generations need (the router loads no weights).
+#[derive(Clone, Debug)]
+pub struct GenerationModel {
+    /// FluxPipeline's default side (`128 * vae_scale_factor`) and the side's multiple.
+    pub default_side: u32,
+    pub multiple_of: u32,
+    /// The scheduler's config, hashed into the approximate cache's exact key.
+    pub scheduler: String,
+}
+
+/// What the router knows of the served adapters.
+pub struct AdapterDir {
+    pub dir: std::path::PathBuf,
+    /// The served transformer's config: uploads are checked against it.
+    pub transformer: denoised_models::FluxConfig,
+}
 
 /// State shared by the router's request flows.
 pub struct Ctx {
@@ -33,7 +49,7 @@ pub struct Ctx {
     pub lost_jobs: Option<std::ops::Range<JobId>>,
     /// Requests in flight, bounded by `[server] max_queued_requests`.
     pub admission: super::admission::Admission,
-    /// The supervisor's status (`crate::supervisor::Status`): slots it gave up on.
+    /// The supervisor's status (`crate::daemon::SupervisorStatus`): slots it gave up on.
     pub status_file: std::path::PathBuf,
     /// Workers found gone by a call, newest first (see [`Ctx::ask`]).
     lost: std::sync::Mutex<std::collections::VecDeque<ractor::ActorId>>,
@@ -50,9 +66,9 @@ pub struct Ctx {
     pub balancer: super::balance::Balancer,
     /// A text-to-image model's facts (`None`: a Fill model, which serves no
     /// generations).
-    pub generation: Option<super::generate::GenerationModel>,
+    pub generation: Option<GenerationModel>,
     /// Where the served LoRAs are (`None`: none are served).
-    pub adapters: Option<super::adapters::AdapterDir>,
+    pub adapters: Option<AdapterDir>,
 }
 
 impl Ctx {
@@ -138,7 +154,7 @@ impl Ctx {
     /// A call to a worker ([`node::ask`]) within `[server] stage_timeout_seconds`. A
     /// worker found gone is remembered, so that the retry goes to another one even
     /// before the cluster's membership has caught up with its death.
-    pub(super) async fn ask<M, T>(
+    pub(crate) async fn ask<M, T>(
         &self,
         cell: &ActorCell,
         build: impl FnOnce(ractor::RpcReplyPort<Res<T>>) -> M,
@@ -162,11 +178,23 @@ impl Ctx {
     }
 
     /// The live members of `group`, without those found gone.
-    pub(super) fn members(&self, group: &str) -> Vec<ActorCell> {
+    pub(crate) fn members(&self, group: &str) -> Vec<ActorCell> {
         let lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
         let mut m = node::members(group);
         m.retain(|c| !lost.contains(&c.get_id()));
         m
+    }
+
+    /// An error once `job` was cancelled: a flow checks before and after every stage,
+    /// so a cancelled request starts no further work.
+    pub async fn check_cancel(&self, job: JobId) -> Result<(), WireError> {
+        if self.jobs.is_cancelled(job).await {
+            return Err(WireError::new(
+                ErrorKind::Cancelled,
+                "the request was cancelled",
+            ));
+        }
+        Ok(())
     }
 
     pub fn next_job(&self) -> JobId {
@@ -178,7 +206,7 @@ impl Ctx {
     /// in-process baseline (`[denoise] disaggregate = false`), whose router cannot
     /// route by a request's shape: the worker itself prepares it. Denoise workers are
     /// otherwise chosen by the routing policy ([`Ctx::pick_denoise`]).
-    pub(super) async fn pick(
+    pub(crate) async fn pick(
         &self,
         group: &'static str,
         slot: usize,
@@ -199,7 +227,7 @@ impl Ctx {
     /// The denoise worker that takes `job`, as the routing policy chooses among the
     /// live workers with room (see [`super::balance`]); waits, in arrival order, while
     /// none has room, up to `[server] stage_timeout_seconds`.
-    pub(super) async fn pick_denoise(
+    pub(crate) async fn pick_denoise(
         &self,
         job: JobId,
         shape: StepShape,
@@ -232,11 +260,11 @@ impl Ctx {
             }
             // Reports come every step; the poll only covers membership changes.
             let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
-            check_cancel(self, job).await?;
+            self.check_cancel(job).await?;
         }
     }
 
-    pub(super) async fn cache(&self) -> Result<ActorCell, WireError> {
+    pub(crate) async fn cache(&self) -> Result<ActorCell, WireError> {
         let t0 = Instant::now();
         loop {
             if let Some(c) = self.members(groups::CACHE).into_iter().next() {
@@ -258,7 +286,7 @@ impl Ctx {
             "postprocess" => self.config.workers.postprocess,
             _ => 1,
         };
-        let failed = crate::supervisor::Status::read(&self.status_file).failed;
+        let failed = crate::daemon::SupervisorStatus::read(&self.status_file).failed;
         let reasons: Vec<String> = (0..slots)
             .filter_map(|i| {
                 let name = format!("{role}{i}");
@@ -287,13 +315,13 @@ impl Ctx {
     }
 
     /// The template an edit reads, pinned until [`Ctx::unpin`].
-    pub(super) async fn pin_template(&self, id: &str) -> Result<TemplateEntry, WireError> {
+    pub(crate) async fn pin_template(&self, id: &str) -> Result<TemplateEntry, WireError> {
         let c = self.cache().await?;
         self.ask(&c, |p| CacheMsg::Pin(Wire(id.to_string()), p))
             .await
     }
 
-    pub(super) async fn unpin(&self, t: &TemplateEntry) {
+    pub(crate) async fn unpin(&self, t: &TemplateEntry) {
         if let Ok(c) = self.cache().await {
             node::tell(&c, CacheMsg::Unpin(Wire(t.version)));
         }
@@ -303,7 +331,7 @@ impl Ctx {
     /// when they are there, else once the cache has brought them from disk (a load that
     /// started when the edit pinned it, so it overlapped preprocessing; what is left of
     /// it is waited for here and counted in `denoised_template_load_wait_seconds`).
-    pub(super) async fn template_loaded(
+    pub(crate) async fn template_loaded(
         &self,
         t: &TemplateEntry,
     ) -> Result<TemplateEntry, WireError> {

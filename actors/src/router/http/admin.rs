@@ -15,8 +15,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 
-use super::flow::Ctx;
-use super::http::{body, parse, ApiError, ApiResult};
+use super::error::{ApiError, ApiResult};
+use super::extract::{body, parse};
+use crate::router::state::Ctx;
 use crate::routing::Policy;
 
 pub async fn get_routing(State(ctx): State<Arc<Ctx>>) -> Response {

@@ -3,7 +3,7 @@
 //! or the bus; a request of `n` images is `n` flows). Beyond that a request gets 429
 //! with `Retry-After` at once, before its body is read, instead of queueing without
 //! bound until the daemon runs out of memory. A request holds its units until its
-//! flows end, not until its HTTP handler returns: `super::submit` is the one way a
+//! flows end, not until its HTTP handler returns: `crate::router::service` is the one way a
 //! route starts work, and it moves each unit into its flow's task.
 //!
 //! This one bound also bounds every queue behind the router: a worker's mailbox and a

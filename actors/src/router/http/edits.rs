@@ -8,17 +8,19 @@ use axum::extract::{Request, State};
 use axum::response::IntoResponse;
 use axum::Json;
 use serde::Deserialize;
-use serde_json::{json, Value};
 
-use super::adapters::{resolve, LoraRef};
-use super::controlnets::ControlNetRef;
-use super::flow::{self, Ctx, EditInput, EditOutput, MaskIn, Source};
-use super::http::{
-    accepted, b64, body, check_guidance, check_seq_len, check_steps, default_seq_len, encode_b64,
-    joined, parse, with_id, ApiError, ApiResult,
+use super::error::{ApiError, ApiResult};
+use super::extract::{b64, body, parse};
+use super::inputs::{
+    check_cfg, check_guidance, check_seq_len, check_steps, default_seq_len, no_cfg,
+    resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
 };
-use super::jobs::job_name;
-use super::submit::{admit, submit, Submitted};
+use super::respond::{accepted, joined, with_id};
+use crate::router::flow::defaults;
+use crate::router::flow::edit::{edit, EditInput, MaskIn, Source};
+use crate::router::flow::generate::true_cfg_of;
+use crate::router::service::{admit, edit_json, submit, Submitted};
+use crate::router::state::Ctx;
 use crate::wire::{FinishParams, ImageFormat};
 
 #[derive(Deserialize)]
@@ -39,9 +41,9 @@ struct EditBody {
     dilation: u32,
     #[serde(default = "default_seq_len")]
     max_sequence_length: u32,
-    #[serde(default = "yes")]
+    #[serde(default = "paste_back")]
     paste_back: bool,
-    #[serde(default = "default_feather")]
+    #[serde(default = "feather")]
     feather: u32,
     #[serde(default)]
     format: ImageFormat,
@@ -58,25 +60,18 @@ struct EditBody {
     true_cfg_scale: f32,
 }
 
-/// `true_cfg_scale`'s default: 1, true CFG off.
-fn no_cfg() -> f32 {
-    1.0
+fn paste_back() -> bool {
+    defaults::PASTE_BACK
 }
-
-fn yes() -> bool {
-    true
-}
-fn default_feather() -> u32 {
-    3
+fn feather() -> u32 {
+    defaults::FEATHER
 }
 
 fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, bool)> {
-    let loras = resolve(ctx, &b.loras, b.template_id.is_some())?;
-    let controlnets = super::controlnets::resolve(ctx, &b.controlnets)?;
-    if !b.true_cfg_scale.is_finite() {
-        return Err(ApiError::bad("`true_cfg_scale` must be a finite number"));
-    }
-    let true_cfg = super::generate::true_cfg_of(b.negative_prompt.as_deref(), b.true_cfg_scale);
+    let loras = resolve_loras(ctx, &b.loras, b.template_id.is_some())?;
+    let controlnets = resolve_controlnets(ctx, &b.controlnets)?;
+    check_cfg(b.true_cfg_scale)?;
+    let true_cfg = true_cfg_of(b.negative_prompt.as_deref(), b.true_cfg_scale);
     if !controlnets.is_empty() && true_cfg.is_some() {
         return Err(ApiError::bad(
             "ControlNets and true CFG do not run together",
@@ -132,41 +127,8 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, bool)> {
     Ok((input, b.run_async))
 }
 
-/// The JSON of a finished edit; `with_image` adds the base64 image (the job table of
-/// a synchronous or bus request keeps only the description).
-pub fn edit_json(job: u64, o: &EditOutput, format: ImageFormat, with_image: bool) -> Value {
-    let sizes = &o.stats.batch_sizes;
-    let mean = if sizes.is_empty() {
-        0.0
-    } else {
-        sizes.iter().map(|&s| s as f64).sum::<f64>() / sizes.len() as f64
-    };
-    let mut v = json!({
-        "id": job_name(job),
-        "format": format,
-        "width": o.width,
-        "height": o.height,
-        "tokens": o.tokens,
-        "active_tokens": o.active,
-        "mask_ratio": o.pixel_ratio,
-        "prompt_truncated": o.prompt_truncated,
-        "attempts": o.attempts,
-        "timings": o.timings,
-        "batch": {"sizes": sizes, "mean": mean, "max": sizes.iter().max().copied().unwrap_or(0)},
-        "assembly_max_s": o.stats.assembly_max_s,
-        "first_step_unix": o.stats.first_step_unix,
-        "finished_unix": o.stats.finished_unix,
-        "loras": o.loras,
-        "true_cfg": o.true_cfg,
-    });
-    if with_image {
-        v["image"] = Value::String(encode_b64(&o.image));
-    }
-    v
-}
-
 /// `POST /v1/edits`.
-pub(super) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
+pub(crate) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
     // Before reading the body: an overloaded server refuses at once.
     let permit = admit(&ctx)?;
     let b: EditBody = parse(&body(&ctx, req).await?)?;
@@ -183,7 +145,7 @@ pub(super) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> Ap
         permit,
         "edit",
         steps,
-        move |ctx, job| async move { flow::edit(&ctx, job, &input).await },
+        move |ctx, job| async move { edit(&ctx, job, &input).await },
         move |job, o| edit_json(job, o, format, run_async),
     );
     if run_async {

@@ -1,7 +1,15 @@
-//! The OpenAI-compatible Images API: `POST /v1/images/edits`, so that clients written
-//! for OpenAI (the official `openai` package included) edit images here unchanged.
+//! The OpenAI-compatible Images API, so that clients written for OpenAI (the official
+//! `openai` package included) edit and generate images here unchanged. Errors are in
+//! OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`.
 //!
-//! It maps onto the native edit flow (`/v1/edits`):
+//! `POST /v1/images/generations` maps onto the native generation flow: `prompt`, `n`
+//! (1-10: that many images, seeds `seed`, `seed + 1`, ...), `size` (`WIDTHxHEIGHT` or
+//! `auto`, the model's default), `response_format` (`b64_json`; `url` is refused:
+//! nothing here hosts files) and `model` (one model is served: any name is accepted and
+//! the reply names the served model); extensions: `seed`, `steps`, `guidance`,
+//! `max_sequence_length`, `approx_cache`, `loras`, `controlnets`, true CFG.
+//!
+//! `POST /v1/images/edits` maps onto the native edit flow (`/v1/edits`):
 //! - multipart `image` (or `image[]`, one image), `mask`, `prompt`, `n` (1-10: that
 //!   many edits, seeds `seed`, `seed + 1`, ...), `size` (`auto`, or the image's own
 //!   size: images are edited at their size, never resized), `response_format`
@@ -12,8 +20,7 @@
 //! - extensions as extra form fields: `seed`, `steps`, `guidance`,
 //!   `max_sequence_length`, and `template_id` (a mask-aware edit of that template:
 //!   the template's image is the source, and the uploaded image only carries the mask
-//!   when there is no `mask`);
-//! - errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`.
+//!   when there is no `mask`).
 
 use std::sync::Arc;
 
@@ -24,22 +31,31 @@ use axum::Json;
 use denoised_models::pipeline::image::{
     decode_alpha_mask, decode_image, encode_mask_png, ImageLimits,
 };
+use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::flow::{self, Ctx, EditInput, MaskIn, Source};
-use super::http::{
-    check_guidance, check_seq_len, check_steps, encode_b64, joined, read_multipart, ApiError,
-    ApiResult, ErrorClass,
+use super::error::{ApiError, ApiResult, ErrorClass};
+use super::extract::{body, parse, read_multipart};
+use super::generations::{check, start};
+use super::inputs::{
+    check_cfg, check_guidance, check_seq_len, check_steps, default_seq_len, no_cfg,
+    resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
 };
-use super::jobs::job_name;
-use super::submit::{admit, submit, units, Submitted};
-use crate::wire::{FinishParams, ImageFormat, WireError};
+use super::respond::joined;
+use crate::daemon::job_name;
+use crate::router::flow::defaults;
+use crate::router::flow::edit::{edit, EditInput, MaskIn, Source};
+use crate::router::flow::generate::{ApproxMode, GenerateInput};
+use crate::router::service::{admit, edit_json, encode_b64, submit, units, Submitted};
+use crate::router::state::admission::RETRY_AFTER_S;
+use crate::router::state::Ctx;
+use crate::wire::{ImageFormat, WireError};
 
 /// The most images one request asks for (OpenAI's limit).
-pub(super) const MAX_N: u32 = 10;
+pub(crate) const MAX_N: u32 = 10;
 
 /// An error in OpenAI's shape (their clients parse `error.message`).
-pub(super) fn openai_error(e: ApiError) -> Response {
+pub(crate) fn openai_error(e: ApiError) -> Response {
     let kind = if e.status.is_server_error() {
         "server_error"
     } else {
@@ -52,13 +68,14 @@ pub(super) fn openai_error(e: ApiError) -> Response {
     if e.status == StatusCode::TOO_MANY_REQUESTS {
         r.headers_mut().insert(
             axum::http::header::RETRY_AFTER,
-            axum::http::HeaderValue::from(super::admission::RETRY_AFTER_S),
+            axum::http::HeaderValue::from(RETRY_AFTER_S),
         );
     }
     r
 }
 
-pub(super) async fn images_edits(State(ctx): State<Arc<Ctx>>, req: Request) -> Response {
+/// `POST /v1/images/edits`.
+pub(crate) async fn images_edits(State(ctx): State<Arc<Ctx>>, req: Request) -> Response {
     edits(ctx, req).await.unwrap_or_else(openai_error)
 }
 
@@ -103,7 +120,7 @@ async fn form(ctx: &Ctx, req: Request) -> ApiResult<Form> {
         seed: 0,
         steps: None,
         guidance: None,
-        max_sequence_length: 512,
+        max_sequence_length: defaults::MAX_SEQUENCE_LENGTH,
         template_id: None,
     };
     let mut prompt = None;
@@ -190,16 +207,12 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             seed: f.seed.wrapping_add(i as u64),
             dilation: 0,
             max_sequence_length: f.max_sequence_length,
-            finish: FinishParams {
-                paste_back: true,
-                feather: 3,
-                format: ImageFormat::Png,
-            },
+            finish: defaults::finish(ImageFormat::Png),
             // A template edit runs with its template's LoRAs.
             loras: vec![],
             controlnets: vec![],
             negative_prompt: None,
-            true_cfg_scale: 1.0,
+            true_cfg_scale: defaults::TRUE_CFG_SCALE,
         };
         let steps = input.steps.unwrap_or(0);
         tasks.push(submit(
@@ -207,8 +220,8 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             permit,
             "edit",
             steps,
-            move |c, job| async move { flow::edit(&c, job, &input).await },
-            |job, o| super::edits::edit_json(job, o, ImageFormat::Png, false),
+            move |c, job| async move { edit(&c, job, &input).await },
+            |job, o| edit_json(job, o, ImageFormat::Png, false),
         ));
     }
     let mut data = Vec::new();
@@ -220,6 +233,11 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             "timings": o.timings,
         }));
     }
+    Ok(images_reply(&ctx, data, (w as u32, h as u32)))
+}
+
+/// OpenAI's images reply: `data` (one entry per image) of `size` pixels, PNG.
+fn images_reply(ctx: &Ctx, data: Vec<Value>, (w, h): (u32, u32)) -> Response {
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -230,5 +248,110 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
         "output_format": "png",
         "size": format!("{w}x{h}"),
     });
-    Ok((StatusCode::OK, Json(body)).into_response())
+    (StatusCode::OK, Json(body)).into_response()
+}
+
+#[derive(Deserialize)]
+struct ImagesBody {
+    prompt: Option<String>,
+    #[serde(default = "one")]
+    n: u32,
+    size: Option<String>,
+    response_format: Option<String>,
+    #[serde(default)]
+    seed: u64,
+    steps: Option<u32>,
+    guidance: Option<f32>,
+    #[serde(default = "default_seq_len")]
+    max_sequence_length: u32,
+    #[serde(default)]
+    approx_cache: ApproxMode,
+    #[serde(default)]
+    loras: Vec<LoraRef>,
+    negative_prompt: Option<String>,
+    #[serde(default = "no_cfg")]
+    true_cfg_scale: f32,
+    #[serde(default)]
+    controlnets: Vec<ControlNetRef>,
+    // `model` (one model is served), `user`, and OpenAI's rendering options (quality,
+    // style, background, ...) that have no meaning here are accepted and ignored.
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// `POST /v1/images/generations`.
+pub(crate) async fn images_generations(State(ctx): State<Arc<Ctx>>, req: Request) -> Response {
+    generations(ctx, req).await.unwrap_or_else(openai_error)
+}
+
+fn size(s: &str) -> ApiResult<Option<(u32, u32)>> {
+    if s == "auto" {
+        return Ok(None);
+    }
+    let bad = || ApiError::bad(format!("`size`: {s:?} is not WIDTHxHEIGHT or auto"));
+    let (w, h) = s.split_once('x').ok_or_else(bad)?;
+    Ok(Some((
+        w.trim().parse().map_err(|_| bad())?,
+        h.trim().parse().map_err(|_| bad())?,
+    )))
+}
+
+async fn generations(ctx: Arc<Ctx>, req: Request) -> ApiResult {
+    let permit = admit(&ctx)?;
+    let b: ImagesBody = parse(&body(&ctx, req).await?)?;
+    let prompt = b
+        .prompt
+        .filter(|p| !p.is_empty())
+        .ok_or_else(|| ApiError::bad("`prompt` is required"))?;
+    if b.n == 0 || b.n > MAX_N {
+        return Err(ApiError::bad(format!("`n` must be 1 to {MAX_N}")));
+    }
+    if let Some(f) = b.response_format.as_deref().filter(|f| *f != "b64_json") {
+        return Err(ApiError::bad(format!(
+            "`response_format`: {f:?} is not supported; images come back as b64_json"
+        )));
+    }
+    check(&ctx, b.steps, b.guidance, b.max_sequence_length)?;
+    let wh = b.size.as_deref().map(size).transpose()?.flatten();
+    let loras = resolve_loras(&ctx, &b.loras, false)?;
+    let controlnets = resolve_controlnets(&ctx, &b.controlnets)?;
+    check_cfg(b.true_cfg_scale)?;
+    // One unit per image, each held by its own flow until it ends.
+    let tasks: Vec<_> = units(permit, b.n)?
+        .into_iter()
+        .zip(0u32..)
+        .map(|(permit, i)| {
+            let input = GenerateInput {
+                prompt: prompt.clone(),
+                steps: b.steps,
+                guidance: b.guidance,
+                seed: b.seed.wrapping_add(i as u64),
+                width: wh.map(|s| s.0),
+                height: wh.map(|s| s.1),
+                max_sequence_length: b.max_sequence_length,
+                approx: b.approx_cache,
+                format: ImageFormat::Png,
+                loras: loras.clone(),
+                negative_prompt: b.negative_prompt.clone(),
+                true_cfg_scale: b.true_cfg_scale,
+                controlnets: controlnets.clone(),
+            };
+            start(&ctx, permit, input, false)
+        })
+        .collect();
+    let mut data = Vec::new();
+    let mut dims = (0, 0);
+    for Submitted { job, task } in tasks {
+        let o = joined(task).await?;
+        dims = (o.width, o.height);
+        data.push(json!({
+            "b64_json": encode_b64(&o.image),
+            "id": job_name(job),
+            "approx_cache": o.approx,
+            "timings": o.timings,
+        }));
+    }
+    Ok(images_reply(&ctx, data, dims))
 }

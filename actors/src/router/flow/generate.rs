@@ -1,6 +1,6 @@
 //! The life of a text-to-image generation (a FLUX.1-dev or -schnell model): preprocess
 //! (prompt, noise) → approximate-cache lookup → denoise worker → postprocess → client,
-//! with the flow's retries and handle bookkeeping ([`super::flow`]).
+//! with the flow's retries and handle bookkeeping ([`super::stages`]).
 //!
 //! The approximate cache (NIRVANA; `crate::approx`, its states in the cache process):
 //! after preprocessing, the prompt's CLIP pooled embedding is looked up among cached
@@ -13,9 +13,16 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::flow::{denoise, finish_req, postprocess, preprocess, with_retries, Ctx, Held, Timings};
+use super::adapters::LoraApplied;
+use super::controlnets::ControlNetInput;
+use super::defaults;
+use super::stages::{
+    denoise, finish_req, postprocess, preprocess, stage_timings, with_retries, Held,
+};
 use crate::approx::{store_steps, STORE_FRACTIONS};
+use crate::metrics::router::ApproxResult;
 use crate::node;
+use crate::router::state::Ctx;
 use crate::wire::*;
 
 /// What a generation does with the approximate cache (`approx_cache` in a request).
@@ -30,16 +37,6 @@ pub enum ApproxMode {
     /// Only a state of this very prompt and seed, so that the image is the uncached
     /// one, bit for bit; a miss fills the cache.
     Exact,
-}
-
-/// The model facts generations need (the router loads no weights).
-#[derive(Clone, Debug)]
-pub struct GenerationModel {
-    /// FluxPipeline's default side (`128 * vae_scale_factor`) and the side's multiple.
-    pub default_side: u32,
-    pub multiple_of: u32,
-    /// The scheduler's config, hashed into the approximate cache's exact key.
-    pub scheduler: String,
 }
 
 pub struct GenerateInput {
@@ -58,7 +55,7 @@ pub struct GenerateInput {
     pub negative_prompt: Option<String>,
     pub true_cfg_scale: f32,
     /// Its ControlNets (run by the ControlNet service).
-    pub controlnets: Vec<super::controlnets::ControlNetInput>,
+    pub controlnets: Vec<ControlNetInput>,
 }
 
 impl GenerateInput {
@@ -91,14 +88,14 @@ pub struct GenerateOutput {
     pub height: u32,
     pub steps: u32,
     pub prompt_truncated: bool,
-    pub timings: Timings,
+    pub timings: StageTimings,
     pub stats: DenoiseStats,
     pub attempts: usize,
     pub approx: ApproxOutcome,
     /// Whether the approximate cache was asked (not opted out).
     pub approx_used: bool,
     /// Its LoRAs and the step they applied from.
-    pub loras: Vec<super::adapters::LoraApplied>,
+    pub loras: Vec<LoraApplied>,
     /// True CFG, when it ran.
     pub true_cfg: Option<TrueCfgOutcome>,
 }
@@ -151,8 +148,8 @@ pub async fn generate(
     }
     let params = GenParams {
         prompt: input.prompt.clone(),
-        steps: input.steps.unwrap_or(28),
-        guidance: input.guidance.unwrap_or(3.5),
+        steps: input.steps.unwrap_or(defaults::STEPS),
+        guidance: input.guidance.unwrap_or(defaults::GENERATION_GUIDANCE),
         seed: input.seed,
         max_sequence_length: input.max_sequence_length,
         dilation: 0,
@@ -168,7 +165,7 @@ pub async fn generate(
         params.steps,
         params.guidance.to_bits(),
         params.max_sequence_length,
-        super::adapters::set_key(&input.loras),
+        WireLora::set_key(&input.loras),
         input.true_cfg().map(|(n, s)| (n.to_string(), s.to_bits())),
     ));
     let (mut out, attempts) = with_retries(ctx, job, |_| async {
@@ -180,7 +177,12 @@ pub async fn generate(
     .await?;
     out.attempts = attempts;
     out.timings.total_s = t0.elapsed().as_secs_f64();
-    ctx.metrics.observe_generation(&out);
+    let approx = match (&out.approx, out.approx_used) {
+        (a, _) if a.hit => ApproxResult::Hit { skipped: a.k },
+        (_, true) => ApproxResult::Miss,
+        (_, false) => ApproxResult::Off,
+    };
+    ctx.metrics.observe_generation(&out.timings, approx);
     Ok(out)
 }
 
@@ -325,7 +327,7 @@ async fn generate_once(
         height: prepared.height,
         steps,
         prompt_truncated: prepared.prompt_truncated,
-        timings: Timings::of_stages(&prepared, &d, &f),
+        timings: stage_timings(&prepared, &d, &f),
         loras: super::adapters::applied(&input.loras, d.stats.loras_applied_at),
         stats: d.stats,
         attempts: 1,

@@ -1,0 +1,185 @@
+//! A template's registration: a capture run (a full generation of the template's image
+//! that records its activations), then its cache, image and VAE traces go to the
+//! cache process, which answers once they are durable.
+
+use std::time::Instant;
+
+use denoised_models::pipeline::sparse_vae::SparseVaeSetting;
+use denoised_models::planner::CacheMode;
+
+use super::stages::{denoise, finish_req, postprocess, preprocess, with_retries, Held};
+use crate::daemon::unix_now;
+use crate::router::state::jobs::JobStatus;
+use crate::router::state::Ctx;
+use crate::wire::*;
+
+pub struct TemplateInput {
+    pub id: String,
+    pub image: Vec<u8>,
+    pub prompt: String,
+    pub steps: u32,
+    pub guidance: f32,
+    pub seed: u64,
+    pub max_sequence_length: u32,
+    /// Replace a template of the same id instead of refusing (409).
+    pub replace: bool,
+    /// What the template caches per block.
+    pub cache_mode: CacheMode,
+    /// Its slabs are stored every this many steps (`[cache] kv_step_stride`).
+    pub step_stride: u32,
+    /// The LoRAs it is captured with (every edit of it runs with them).
+    pub loras: Vec<WireLora>,
+}
+
+/// Registers a template: a capture run, then the cache goes to the cache actor.
+pub async fn capture(
+    ctx: &Ctx,
+    job: JobId,
+    input: &TemplateInput,
+) -> Result<TemplateInfo, WireError> {
+    let t0 = Instant::now();
+    let params = GenParams {
+        prompt: input.prompt.clone(),
+        steps: input.steps,
+        guidance: input.guidance,
+        seed: input.seed,
+        max_sequence_length: input.max_sequence_length,
+        dilation: 0,
+    };
+    let (info, _) = with_retries(ctx, job, |_| async {
+        let mut held = Held::default();
+        let r = capture_once(ctx, job, input, &params, &mut held).await;
+        held.release(&ctx.shm);
+        r
+    })
+    .await?;
+    tracing::info!(
+        "template {} registered in {:.2} s ({} bytes of cache)",
+        info.id,
+        t0.elapsed().as_secs_f64(),
+        info.cache_bytes
+    );
+    Ok(info)
+}
+
+async fn capture_once(
+    ctx: &Ctx,
+    job: JobId,
+    input: &TemplateInput,
+    params: &GenParams,
+    held: &mut Held,
+) -> Result<TemplateInfo, WireError> {
+    let image = ctx.shm.write_bytes(&input.image)?;
+    held.own.push(image.clone());
+    // The traces the template's sparse VAE passes read: recorded by the
+    // disaggregated workers (the inline baseline runs the VAE dense).
+    let record = ctx.config.pipeline.sparse_vae == SparseVaeSetting::Auto;
+    let prepare = PrepareReq {
+        job,
+        input: PrepareInput::Edit {
+            image: image.clone(),
+            mask: MaskSpec::Empty,
+            vae: match record {
+                true => VaeTraces::Capture,
+                false => VaeTraces::None,
+            },
+            negative_prompt: None,
+        },
+        params: params.clone(),
+        max_pixels: ctx.config.server.max_pixels as u64,
+    };
+    let mut vae_traces = Vec::new();
+    let (blob, width, height, tokens) = if ctx.config.denoise.disaggregate {
+        let prepared = preprocess(ctx, job, prepare, held).await?;
+        let work = DenoiseWork::Capture {
+            mode: input.cache_mode,
+            step_stride: input.step_stride,
+        };
+        let loras = input.loras.clone();
+        let d = denoise(
+            ctx,
+            job,
+            &prepared,
+            params.steps,
+            Vec::new(),
+            work,
+            loras,
+            held,
+        )
+        .await?;
+        let blob = d
+            .cache
+            .clone()
+            .ok_or_else(|| WireError::internal("capture returned no cache"))?;
+        if record {
+            // The decoder's trace is the dense decode of the final latent, recorded
+            // (when sparse decodes of the template's edits can pay).
+            let fin = FinishReq {
+                vae: VaeTraces::Capture,
+                ..finish_req(
+                    job,
+                    &prepared,
+                    &d,
+                    FinishParams::whole_image(ImageFormat::Png),
+                )
+            };
+            let f = postprocess(ctx, job, fin, held).await?;
+            vae_traces.extend(prepared.vae_trace.clone());
+            vae_traces.extend(f.vae_trace);
+        }
+        (
+            blob,
+            prepared.width,
+            prepared.height,
+            prepared.rows * prepared.cols,
+        )
+    } else {
+        let den = ctx.pick(groups::DENOISE, 1).await?;
+        ctx.jobs.stage(job, JobStatus::Denoising, Some(den.clone()));
+        let req = InlineReq {
+            prepare,
+            work: DenoiseWork::Capture {
+                mode: input.cache_mode,
+                step_stride: input.step_stride,
+            },
+            finish: None,
+        };
+        let d = ctx.ask(&den, |p| DenoiseMsg::Inline(Wire(req), p)).await?;
+        held.den.push((den, d.cache.iter().cloned().collect()));
+        let blob = d
+            .cache
+            .ok_or_else(|| WireError::internal("capture returned no cache"))?;
+        (blob, d.width, d.height, d.tokens)
+    };
+    let info = TemplateInfo {
+        id: input.id.clone(),
+        model: ctx.model.clone(),
+        width,
+        height,
+        tokens,
+        steps: params.steps,
+        guidance: params.guidance,
+        seed: params.seed,
+        prompt: params.prompt.clone(),
+        max_sequence_length: params.max_sequence_length,
+        cache_bytes: blob.len,
+        created_unix: unix_now(),
+        // The cache fills these in.
+        kv_dtype: String::new(),
+        cache_mode: String::new(),
+        kv_step_stride: input.step_stride,
+        vae_trace_bytes: vae_traces.iter().map(|h| h.len).sum(),
+        tiers: TierBytes::default(),
+        loras: input.loras.clone(),
+    };
+    let cache = ctx.cache().await?;
+    let put = PutTemplate {
+        info,
+        blob,
+        image,
+        vae_traces,
+        replace: input.replace,
+    };
+    let entry = ctx.ask(&cache, |p| CacheMsg::Put(Wire(put), p)).await?;
+    Ok(entry.info)
+}

@@ -1,0 +1,119 @@
+//! `POST /v1/generations`: text-to-image (a FLUX.1-dev or -schnell model), with the
+//! approximate cache, LoRAs, ControlNets and true CFG. The reply carries what the
+//! approximate cache did (`approx_cache: {hit, k, similarity}`). OpenAI's
+//! `/v1/images/generations` starts its images through [`start`] too (`super::openai`).
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::response::IntoResponse;
+use axum::Json;
+use serde::Deserialize;
+
+use super::error::ApiResult;
+use super::extract::{body, parse};
+use super::inputs::{
+    check_cfg, check_guidance, check_seq_len, check_steps, default_seq_len, no_cfg,
+    resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
+};
+use super::respond::{accepted, joined, with_id};
+use crate::router::flow::generate::{generate, ApproxMode, GenerateInput, GenerateOutput};
+use crate::router::service::{admit, generation_json, submit, Submitted};
+use crate::router::state::admission::Permit;
+use crate::router::state::Ctx;
+use crate::wire::ImageFormat;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GenerationBody {
+    prompt: String,
+    steps: Option<u32>,
+    guidance: Option<f32>,
+    #[serde(default)]
+    seed: u64,
+    width: Option<u32>,
+    height: Option<u32>,
+    #[serde(default = "default_seq_len")]
+    max_sequence_length: u32,
+    #[serde(default)]
+    format: ImageFormat,
+    #[serde(default)]
+    approx_cache: ApproxMode,
+    #[serde(default, rename = "async")]
+    run_async: bool,
+    #[serde(default)]
+    loras: Vec<LoraRef>,
+    negative_prompt: Option<String>,
+    #[serde(default = "no_cfg")]
+    true_cfg_scale: f32,
+    #[serde(default)]
+    controlnets: Vec<ControlNetRef>,
+}
+
+/// The bounds of a generation's schedule and text length.
+pub(crate) fn check(
+    ctx: &Ctx,
+    steps: Option<u32>,
+    guidance: Option<f32>,
+    seq: u32,
+) -> ApiResult<()> {
+    check_steps(ctx, steps)?;
+    check_guidance(guidance)?;
+    check_seq_len(seq)
+}
+
+/// Starts one generation as a job of the job table, holding `permit` until it ends.
+pub(crate) fn start(
+    ctx: &Arc<Ctx>,
+    permit: Permit,
+    input: GenerateInput,
+    keep_image: bool,
+) -> Submitted<GenerateOutput> {
+    let steps = input.steps.unwrap_or(0);
+    let format = input.format;
+    submit(
+        ctx,
+        permit,
+        "generation",
+        steps,
+        move |c, job| async move { generate(&c, job, &input).await },
+        move |job, o| generation_json(job, o, format, keep_image),
+    )
+}
+
+/// `POST /v1/generations`.
+pub(crate) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
+    let permit = admit(&ctx)?;
+    let b: GenerationBody = parse(&body(&ctx, req).await?)?;
+    check(&ctx, b.steps, b.guidance, b.max_sequence_length)?;
+    check_cfg(b.true_cfg_scale)?;
+    let format = b.format;
+    let input = GenerateInput {
+        prompt: b.prompt,
+        steps: b.steps,
+        guidance: b.guidance,
+        seed: b.seed,
+        width: b.width,
+        height: b.height,
+        max_sequence_length: b.max_sequence_length,
+        approx: b.approx_cache,
+        format,
+        loras: resolve_loras(&ctx, &b.loras, false)?,
+        negative_prompt: b.negative_prompt,
+        true_cfg_scale: b.true_cfg_scale,
+        controlnets: resolve_controlnets(&ctx, &b.controlnets)?,
+    };
+    // A synchronous client gets the image in its response; the job table keeps only
+    // the description then.
+    let Submitted { job, task } = start(&ctx, permit, input, b.run_async);
+    if b.run_async {
+        return Ok(accepted(job));
+    }
+    match joined(task).await {
+        Ok(out) => Ok(with_id(
+            job,
+            Json(generation_json(job, &out, format, true)).into_response(),
+        )),
+        Err(e) => Ok(with_id(job, e.into_response())),
+    }
+}

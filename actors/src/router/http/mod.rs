@@ -1,0 +1,19 @@
+//! The router's HTTP edge: the route table and its layers ([`routes`]), one module
+//! per resource, and the request and error plumbing they share. The routes parse and
+//! check bodies, then start work through `crate::router::service`; flows' errors map
+//! to HTTP here ([`error`]).
+
+mod adapters;
+mod admin;
+mod edits;
+pub mod error;
+mod extract;
+mod generations;
+pub mod inputs;
+mod jobs;
+mod openai;
+pub mod respond;
+mod routes;
+mod templates;
+
+pub use routes::app;

@@ -1,0 +1,207 @@
+//! The route table of the router's HTTP API (axum), and the layers every route goes
+//! through: the bearer-token check, the metrics and access log, `/metrics`, `/readyz`.
+//! docs/api.md documents the API and docs/openapi.json describes it (served at
+//! `/openapi.json`).
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use super::error::{ApiError, ErrorClass};
+use super::respond::REQUEST_ID;
+use super::{adapters, admin, edits, generations, jobs, openai, templates};
+use crate::router::state::Ctx;
+
+const OPENAPI: &str = include_str!("../../../../docs/openapi.json");
+
+pub fn app(ctx: Arc<Ctx>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route(
+            "/openapi.json",
+            get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
+        )
+        .route(
+            "/v1/templates",
+            get(templates::list_templates).post(templates::create_template),
+        )
+        .route(
+            "/v1/templates/{id}",
+            get(templates::get_template).delete(templates::delete_template),
+        )
+        .route("/v1/edits", axum::routing::post(edits::create_edit))
+        .route("/v1/adapters", get(adapters::list).post(adapters::upload))
+        .route(
+            "/v1/generations",
+            axum::routing::post(generations::create_generation),
+        )
+        .route(
+            "/v1/images/generations",
+            axum::routing::post(openai::images_generations),
+        )
+        .route(
+            "/v1/images/edits",
+            axum::routing::post(openai::images_edits),
+        )
+        .route("/v1/jobs/{id}", get(jobs::get_job).delete(jobs::cancel_job))
+        .route(
+            "/admin/routing",
+            get(admin::get_routing).put(admin::put_routing),
+        )
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "method not allowed on this route",
+            )
+        })
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route") })
+        .layer(middleware::from_fn_with_state(ctx.clone(), auth))
+        .layer(middleware::from_fn_with_state(ctx.clone(), observe))
+        // Our own limit check (in `body`) gives the JSON error; axum's default 2 MiB
+        // limit is lifted to the configured one.
+        .layer(axum::extract::DefaultBodyLimit::max(
+            ctx.config.server.max_body_bytes,
+        ))
+        .with_state(ctx)
+}
+
+/// Bearer-token check for /v1 routes when `[server] api_token` is set, and for /admin
+/// routes always (403 on a daemon without a token: see `super::admin`).
+async fn auth(State(ctx): State<Arc<Ctx>>, req: Request, next: Next) -> Response {
+    let token = &ctx.config.server.api_token;
+    let admin = req.uri().path().starts_with("/admin");
+    if admin && token.is_empty() {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "the admin API needs an API token: set [server] api_token (DENOISED_API_TOKEN)",
+        )
+        .into_response();
+    }
+    if !token.is_empty() && (admin || req.uri().path().starts_with("/v1")) {
+        let ok = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split_once(' '))
+            .is_some_and(|(scheme, t)| {
+                scheme.eq_ignore_ascii_case("bearer") && same(t.trim().as_bytes(), token.as_bytes())
+            });
+        if !ok {
+            let mut r = ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "missing or wrong bearer token",
+            )
+            .into_response();
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+            return r;
+        }
+    }
+    next.run(req).await
+}
+
+/// Counts and times every response by route and status (and errors by class), and
+/// writes one access-log line per request.
+async fn observe(State(ctx): State<Arc<Ctx>>, req: Request, next: Next) -> Response {
+    let t0 = std::time::Instant::now();
+    let method = req.method().clone();
+    // The route template, not the path: ids in paths would make one series each.
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |m| m.as_str().to_string());
+    let r = next.run(req).await;
+    let seconds = t0.elapsed().as_secs_f64();
+    let status = r.status().as_u16();
+    let m = &ctx.metrics;
+    m.http_requests
+        .get_or_create(&[("route", route.clone()), ("status", status.to_string())])
+        .inc();
+    m.http_duration
+        .get_or_create(&[("route", route.clone())])
+        .observe(seconds);
+    if let Some(ErrorClass(class)) = r.extensions().get::<ErrorClass>() {
+        m.errors.get_or_create(&[("class", class)]).inc();
+    }
+    let id = r
+        .headers()
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-");
+    if route != "/metrics" && route != "/readyz" && route != "/healthz" {
+        let worker = crate::logging::worker();
+        tracing::info!(target: "denoised::access", %id, %worker, %method, %route, status, seconds);
+    }
+    r
+}
+
+/// `GET /metrics`: every process's metrics (docs/metrics.md), as OpenMetrics when the
+/// scraper asks for it (Prometheus does), else in the Prometheus text format.
+async fn metrics(State(ctx): State<Arc<Ctx>>, req: Request) -> Response {
+    let openmetrics = req
+        .headers()
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("application/openmetrics-text"));
+    let text = ctx.scrape(std::time::Duration::from_secs(2)).await;
+    let (kind, body) = if openmetrics {
+        (crate::metrics::OPENMETRICS, text)
+    } else {
+        (
+            crate::metrics::PROMETHEUS_TEXT,
+            crate::metrics::to_prometheus_text(&text),
+        )
+    };
+    ([(header::CONTENT_TYPE, kind)], body).into_response()
+}
+
+/// Compares in time independent of where the inputs differ (token checks).
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
+    let groups = ctx.ready();
+    let draining = ctx.admission.is_draining();
+    let ready = !draining && groups.iter().all(|(_, have, want)| have >= want);
+    let detail: Value = groups
+        .iter()
+        .map(|(g, have, want)| (g.to_string(), json!({"live": have, "want": want})))
+        .collect::<serde_json::Map<_, _>>()
+        .into();
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let processes: Vec<_> = ctx
+        .processes
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .values()
+        .cloned()
+        .collect();
+    // Worker slots the supervisor gave up restarting (crash loops), with the reason.
+    let failed = crate::daemon::SupervisorStatus::read(&ctx.status_file).failed;
+    let mut body = json!({"ready": ready, "workers": detail, "processes": processes});
+    if draining {
+        body["draining"] = json!(true);
+    }
+    if !failed.is_empty() {
+        body["failed"] = json!(failed);
+    }
+    (status, Json(body)).into_response()
+}

@@ -1,0 +1,166 @@
+//! The template routes: `POST /v1/templates` registers one (JSON with a base64 image,
+//! or multipart), `GET /v1/templates` lists them, `GET`/`DELETE /v1/templates/{id}`.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::error::{ApiError, ApiResult};
+use super::extract::{b64, body, parse, read_multipart};
+use super::inputs::{
+    check_guidance, check_seq_len, check_steps, default_seq_len, resolve_loras, LoraRef,
+};
+use super::respond::{accepted, joined, with_id};
+use crate::router::flow::capture::{capture, TemplateInput};
+use crate::router::flow::defaults;
+use crate::router::service::{admit, submit, Submitted};
+use crate::router::state::Ctx;
+use crate::wire::WireError;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TemplateBody {
+    image: String,
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    prompt: String,
+    steps: Option<u32>,
+    guidance: Option<f32>,
+    #[serde(default)]
+    seed: u64,
+    #[serde(default = "default_seq_len")]
+    max_sequence_length: u32,
+    #[serde(default, rename = "async")]
+    run_async: bool,
+    /// Replace a template of the same id (409 without it).
+    #[serde(default)]
+    replace: bool,
+    /// `kv` or `y`; the default is `[cache] mode`.
+    #[serde(default)]
+    cache_mode: Option<String>,
+    #[serde(default)]
+    loras: Vec<LoraRef>,
+}
+
+/// `POST /v1/templates`: JSON with a base64 image, or multipart with an `image` file
+/// and the other fields as text parts.
+pub(crate) async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
+    let permit = admit(&ctx)?;
+    let is_multipart = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("multipart/form-data"));
+    let (image, b) = if is_multipart {
+        multipart_template(&ctx, req).await?
+    } else {
+        let b: TemplateBody = parse(&body(&ctx, req).await?)?;
+        (b64("image", &b.image)?, b)
+    };
+    check_steps(&ctx, b.steps)?;
+    check_guidance(b.guidance)?;
+    check_seq_len(b.max_sequence_length)?;
+    let id = match b.id {
+        Some(id) => {
+            if id.is_empty()
+                || id.len() > 64
+                || !id
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            {
+                return Err(ApiError::bad(format!(
+                    "template id `{id}`: use 1-64 characters of [A-Za-z0-9_-]"
+                )));
+            }
+            // Checked before the capture runs (the cache checks again when storing, so
+            // two registrations racing for one id cannot both win).
+            if !b.replace && ctx.template(&id).await.is_ok() {
+                return Err(ApiError::from(WireError::template_exists(&id)));
+            }
+            id
+        }
+        None => format!("tpl_{:016x}", ctx.next_job()),
+    };
+    let cache_mode = b
+        .cache_mode
+        .as_deref()
+        .unwrap_or(&ctx.config.cache.mode)
+        .parse()
+        .map_err(ApiError::bad)?;
+    let input = TemplateInput {
+        id,
+        image,
+        prompt: b.prompt,
+        steps: b.steps.unwrap_or(defaults::STEPS),
+        guidance: b.guidance.unwrap_or(defaults::EDIT_GUIDANCE),
+        seed: b.seed,
+        max_sequence_length: b.max_sequence_length,
+        replace: b.replace,
+        cache_mode,
+        step_stride: ctx.config.cache.kv_step_stride,
+        loras: resolve_loras(&ctx, &b.loras, true)?,
+    };
+    let steps = input.steps;
+    let Submitted { job, task } = submit(
+        &ctx,
+        permit,
+        "template",
+        steps,
+        move |ctx, job| async move { capture(&ctx, job, &input).await },
+        |_, info| json!(info),
+    );
+    if b.run_async {
+        return Ok(accepted(job));
+    }
+    match joined(task).await {
+        Ok(info) => Ok(with_id(
+            job,
+            (StatusCode::CREATED, Json(json!(info))).into_response(),
+        )),
+        Err(e) => Ok(with_id(job, e.into_response())),
+    }
+}
+
+async fn multipart_template(ctx: &Ctx, req: Request) -> ApiResult<(Vec<u8>, TemplateBody)> {
+    let (bin, text) = read_multipart(ctx, req, &["image"]).await?;
+    let mut fields = serde_json::Map::new();
+    for (name, text) in text {
+        let v = match name.as_str() {
+            "prompt" | "id" | "cache_mode" => Value::String(text),
+            "async" | "replace" => Value::Bool(text == "true" || text == "1"),
+            _ => serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        };
+        fields.insert(name, v);
+    }
+    let image = bin
+        .into_iter()
+        .next()
+        .map(|(_, b)| b)
+        .ok_or_else(|| ApiError::bad("multipart: no `image` part"))?;
+    fields.insert("image".into(), Value::String(String::new()));
+    let b: TemplateBody = serde_json::from_value(Value::Object(fields))
+        .map_err(|e| ApiError::bad(format!("multipart fields: {e}")))?;
+    Ok((image, b))
+}
+
+pub(crate) async fn list_templates(State(ctx): State<Arc<Ctx>>) -> ApiResult {
+    let list = ctx.templates().await?;
+    Ok(Json(json!({"templates": list})).into_response())
+}
+
+pub(crate) async fn get_template(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
+    Ok(Json(json!(ctx.template(&id).await?.info)).into_response())
+}
+
+pub(crate) async fn delete_template(
+    State(ctx): State<Arc<Ctx>>,
+    Path(id): Path<String>,
+) -> ApiResult {
+    Ok(Json(json!(ctx.delete_template(&id).await?)).into_response())
+}
