@@ -20,8 +20,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use denoised_actors::daemon::job_name;
 use denoised_actors::node;
-use denoised_actors::router::jobs::job_name;
 use denoised_actors::wire::{groups, BusEdit, ErrorKind, RouterMsg, Wire};
 use ractor_cluster::NodeServer;
 

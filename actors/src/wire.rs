@@ -326,7 +326,7 @@ pub enum DenoiseWork {
 }
 
 /// One LoRA of a request, as the router resolved it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct WireLora {
     /// The adapter's name under `[adapters] dir`.
     pub name: String,
@@ -353,18 +353,22 @@ impl WireLora {
 
 /// How long a served request spent in each stage (the reply's `timings`, and the
 /// router's stage histograms).
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct StageTimings {
     pub queue_s: f64,
     pub preprocess_s: f64,
     pub denoise_s: f64,
     pub postprocess_s: f64,
     pub total_s: f64,
-    /// Which VAE passes ran (sparse only for template edits, `[pipeline] sparse_vae`).
+    /// Which VAE passes ran (sparse only for template edits, `[pipeline] sparse_vae`):
+    /// `dense` or `sparse`.
+    #[schema(value_type = String)]
     pub vae_encode: VaePass,
+    #[schema(value_type = String)]
     pub vae_decode: VaePass,
     /// `hit` when the prompt's embeddings came from the preprocess worker's prompt
     /// cache (the text encoders did not run), else `miss`.
+    #[schema(value_type = String)]
     pub prompt_cache: &'static str,
 }
 
@@ -441,7 +445,7 @@ impl Denoised {
 }
 
 /// An output image's encoding (`"png"` / `"jpeg"` in the HTTP API's JSON).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ImageFormat {
     #[default]
@@ -534,7 +538,7 @@ pub struct InlineDone {
 }
 
 /// A registered template's description.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TemplateInfo {
     pub id: String,
     pub model: String,
@@ -572,7 +576,7 @@ pub struct TemplateInfo {
 }
 
 /// A template's footprint in each tier of the template cache.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TierBytes {
     pub host: u64,
     pub disk: u64,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use crate::router::flow::edit::{edit, EditInput};
-use crate::router::service::{edit_json, submit, Submitted};
+use crate::router::service::{submit, EditReply, Submitted};
 use crate::router::state::Ctx;
 use crate::wire::{BusEditResult, ImageFormat, RouterMsg, Wire, WireError};
 
@@ -65,7 +65,7 @@ impl Actor for RouterActor {
                     "edit",
                     0,
                     move |ctx, job| async move { edit(&ctx, job, &input).await },
-                    |job, o| edit_json(job, o, ImageFormat::Png, false),
+                    |job, o| EditReply::new(job, o, ImageFormat::Png, false),
                 );
                 tokio::spawn(async move {
                     let r = match task.await {

@@ -7,7 +7,7 @@ use serde::Serialize;
 use crate::wire::WireLora;
 
 /// A LoRA as a reply reports it: the step of the request's schedule it applied from.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct LoraApplied {
     pub id: String,
     pub scale: f64,

@@ -26,7 +26,7 @@ use crate::router::state::Ctx;
 use crate::wire::*;
 
 /// What a generation does with the approximate cache (`approx_cache` in a request).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ApproxMode {
     /// Start from the nearest similar prompt's state when there is one (the default).
@@ -73,7 +73,7 @@ pub fn true_cfg_of(negative_prompt: Option<&str>, scale: f32) -> Option<(&str, f
 }
 
 /// What the approximate cache did for a request (the reply's `approx_cache`).
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, utoipa::ToSchema)]
 pub struct ApproxOutcome {
     pub hit: bool,
     /// The steps skipped (0 on a miss).
@@ -101,7 +101,7 @@ pub struct GenerateOutput {
 }
 
 /// How true CFG ran (the reply's `true_cfg`).
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct TrueCfgOutcome {
     pub scale: f32,
     /// Its branches ran on two denoise workers (else batched in one).

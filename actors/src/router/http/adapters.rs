@@ -15,29 +15,57 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::Json;
 use denoised_models::flux::lora::LoraFile;
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
-use super::error::{ApiError, ApiResult};
+use super::error::{ApiError, ApiResult, ErrorBody};
 use crate::denoise::adapters::{adapter_path, check_name};
 use crate::router::state::Ctx;
 
-/// The reply's description of an adapter file.
-fn describe(name: &str, f: &LoraFile, bytes: u64) -> Value {
-    json!({
-        "id": name,
-        "bytes": bytes,
-        "rank": f.rank(),
-        "modules": f.modules.len(),
-        "params": f.params(),
-        "fingerprint": f.fingerprint,
-    })
+/// The served adapters.
+#[derive(Serialize, ToSchema)]
+pub struct AdapterList {
+    pub data: Vec<AdapterEntry>,
 }
 
-/// `GET /v1/adapters`: the adapters of `[adapters] dir`, by name.
+#[derive(Serialize, ToSchema)]
+pub struct AdapterEntry {
+    /// The name a request's `loras` give.
+    pub id: String,
+    pub bytes: u64,
+}
+
+/// An uploaded adapter, as the workers will read it.
+#[derive(Serialize, ToSchema)]
+pub struct AdapterInfo {
+    pub id: String,
+    pub bytes: u64,
+    pub rank: usize,
+    /// The Linear layers it adapts.
+    pub modules: usize,
+    pub params: u64,
+    /// The file's content fingerprint.
+    pub fingerprint: String,
+}
+
+/// The reply's description of an adapter file.
+fn describe(name: &str, f: &LoraFile, bytes: u64) -> AdapterInfo {
+    AdapterInfo {
+        id: name.to_string(),
+        bytes,
+        rank: f.rank(),
+        modules: f.modules.len(),
+        params: f.params(),
+        fingerprint: f.fingerprint.clone(),
+    }
+}
+
+/// The LoRA adapters of `[adapters] dir`, by name.
+#[utoipa::path(get, path = "/v1/adapters", tag = "adapters",
+    responses((status = 200, body = AdapterList), (status = 401, body = ErrorBody)))]
 pub(crate) async fn list(State(ctx): State<Arc<Ctx>>) -> ApiResult {
     let Some(a) = ctx.adapters.as_ref() else {
-        return Ok(Json(json!({"data": []})).into_response());
+        return Ok(Json(AdapterList { data: vec![] }).into_response());
     };
     let mut names: Vec<String> = std::fs::read_dir(&a.dir)
         .map(|rd| {
@@ -54,7 +82,7 @@ pub(crate) async fn list(State(ctx): State<Arc<Ctx>>) -> ApiResult {
         .unwrap_or_default();
     names.sort();
     names.dedup();
-    let data: Vec<Value> = names
+    let data: Vec<AdapterEntry> = names
         .iter()
         .filter_map(|n| {
             let path = adapter_path(&a.dir, n).ok()?;
@@ -64,18 +92,32 @@ pub(crate) async fn list(State(ctx): State<Arc<Ctx>>) -> ApiResult {
                 path
             };
             let bytes = std::fs::metadata(&file).ok()?.len();
-            Some(json!({"id": n, "bytes": bytes}))
+            Some(AdapterEntry {
+                id: n.clone(),
+                bytes,
+            })
         })
         .collect();
-    Ok(Json(json!({"data": data})).into_response())
+    Ok(Json(AdapterList { data }).into_response())
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 pub(crate) struct UploadQuery {
+    /// The adapter's name: 1-64 characters of `[A-Za-z0-9_.-]`, not taken.
     name: String,
 }
 
-/// `POST /v1/adapters?name=NAME`.
+/// Uploads a LoRA (the `.safetensors` bytes as the body), checked against the served
+/// transformer before it is stored. Names are immutable.
+#[utoipa::path(post, path = "/v1/adapters", tag = "adapters", params(UploadQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses(
+        (status = 201, body = AdapterInfo),
+        (status = 400, description = "Not a LoRA of the served transformer.", body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 409, description = "The name is taken.", body = ErrorBody),
+        (status = 413, body = ErrorBody), (status = 500, body = ErrorBody),
+    ))]
 pub(crate) async fn upload(
     State(ctx): State<Arc<Ctx>>,
     Query(q): Query<UploadQuery>,
@@ -115,7 +157,7 @@ pub(crate) async fn upload(
         .join(format!(".upload-{}-{}.safetensors", q.name, ctx.next_job()));
     let final_path = a.dir.join(format!("{}.safetensors", q.name));
     let n = bytes.len() as u64;
-    let checked = (|| -> Result<Value, ApiError> {
+    let checked = (|| -> Result<AdapterInfo, ApiError> {
         std::fs::write(&tmp, &bytes)
             .map_err(|e| ApiError::internal(format!("{}: {e}", tmp.display())))?;
         let f = LoraFile::open(&tmp, &a.transformer)

@@ -14,23 +14,41 @@ use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
+use utoipa::ToSchema;
 
-use super::error::{ApiError, ApiResult};
+use super::error::{ApiError, ApiResult, ErrorBody};
 use super::extract::{body, parse};
 use crate::router::state::Ctx;
 use crate::routing::Policy;
 
-pub async fn get_routing(State(ctx): State<Arc<Ctx>>) -> Response {
+/// The routing policy, the requests waiting for a denoise worker, and each worker's
+/// load as the router sees it.
+#[utoipa::path(get, path = "/admin/routing", tag = "admin",
+    responses(
+        (status = 200, description = "The routing state.", body = Object),
+        (status = 401, body = ErrorBody),
+        (status = 403, description = "The daemon has no API token.", body = ErrorBody),
+    ))]
+pub(crate) async fn get_routing(State(ctx): State<Arc<Ctx>>) -> Response {
     Json(ctx.balancer.describe()).into_response()
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct RoutingBody {
+pub(crate) struct RoutingBody {
+    /// A routing policy (`[server] routing_policy`'s values).
     policy: String,
 }
 
-pub async fn put_routing(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
+/// Switches the routing policy for the requests routed from now on (not persisted).
+#[utoipa::path(put, path = "/admin/routing", tag = "admin",
+    request_body(content = RoutingBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The routing state.", body = Object),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, description = "The daemon has no API token.", body = ErrorBody),
+    ))]
+pub(crate) async fn put_routing(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
     let b: RoutingBody = parse(&body(&ctx, req).await?)?;
     let policy: Policy = b.policy.parse().map_err(ApiError::bad)?;
     let before = ctx.balancer.policy();

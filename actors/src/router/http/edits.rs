@@ -8,45 +8,59 @@ use axum::extract::{Request, State};
 use axum::response::IntoResponse;
 use axum::Json;
 use serde::Deserialize;
+use utoipa::ToSchema;
 
-use super::error::{ApiError, ApiResult};
+use super::error::{ApiError, ApiResult, ErrorBody};
 use super::extract::{b64, body, parse};
 use super::inputs::{
     check_cfg, check_guidance, check_seq_len, check_steps, default_seq_len, no_cfg,
     resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
 };
-use super::respond::{accepted, joined, with_id};
+use super::respond::{accepted, joined, with_id, JobAccepted};
 use crate::router::flow::defaults;
 use crate::router::flow::edit::{edit, EditInput, MaskIn, Source};
 use crate::router::flow::generate::true_cfg_of;
-use crate::router::service::{admit, edit_json, submit, Submitted};
+use crate::router::service::{admit, submit, EditReply, Submitted};
 use crate::router::state::Ctx;
 use crate::wire::{FinishParams, ImageFormat};
 
-#[derive(Deserialize)]
+/// An edit: of a template (`template_id`) or of an inline `image`, with exactly one
+/// of `mask`, `boxes` and `polygons`.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct EditBody {
+pub(crate) struct EditBody {
+    /// A registered template: a mask-aware edit (only the masked tokens are computed).
     template_id: Option<String>,
+    /// An image to edit in full: base64 PNG or JPEG (a data URL too).
     image: Option<String>,
+    /// The mask: base64 PNG, white where the image changes.
     mask: Option<String>,
+    /// The mask as pixel rectangles `[x0, y0, x1, y1]`.
     boxes: Option<Vec<[u32; 4]>>,
+    /// The mask as polygons of `[x, y]` pixel points.
     polygons: Option<Vec<Vec<[f32; 2]>>>,
     #[serde(default)]
     prompt: String,
+    /// Default 28; a template edit runs its template's (giving another is a 400).
     steps: Option<u32>,
+    /// Default 30; a template edit runs its template's.
     guidance: Option<f32>,
     #[serde(default)]
     seed: u64,
+    /// Pixels the mask grows by (0-64).
     #[serde(default)]
     dilation: u32,
     #[serde(default = "default_seq_len")]
     max_sequence_length: u32,
+    /// Paste the edit back over the source outside the mask.
     #[serde(default = "paste_back")]
     paste_back: bool,
+    /// The soft edge of the paste, in pixels (0-64).
     #[serde(default = "feather")]
     feather: u32,
     #[serde(default)]
     format: ImageFormat,
+    /// Answer 202 at once with a job to poll.
     #[serde(default, rename = "async")]
     run_async: bool,
     #[serde(default)]
@@ -127,7 +141,20 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, bool)> {
     Ok((input, b.run_async))
 }
 
-/// `POST /v1/edits`.
+/// Edits an image: a template's (mask-aware) or an inline one (a full FLUX.1 Fill run).
+#[utoipa::path(post, path = "/v1/edits", tag = "edits",
+    request_body(content = EditBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The edited image.", body = EditReply,
+            headers(("x-request-id" = String, description = "The request's id."))),
+        (status = 202, description = "`async`: the job to poll.", body = JobAccepted),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 404, description = "Unknown template.", body = ErrorBody),
+        (status = 409, description = "Cancelled.", body = ErrorBody),
+        (status = 413, body = ErrorBody), (status = 429, body = ErrorBody),
+        (status = 500, body = ErrorBody), (status = 503, body = ErrorBody),
+        (status = 504, body = ErrorBody),
+    ))]
 pub(crate) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
     // Before reading the body: an overloaded server refuses at once.
     let permit = admit(&ctx)?;
@@ -146,7 +173,7 @@ pub(crate) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> Ap
         "edit",
         steps,
         move |ctx, job| async move { edit(&ctx, job, &input).await },
-        move |job, o| edit_json(job, o, format, run_async),
+        move |job, o| EditReply::new(job, o, format, run_async),
     );
     if run_async {
         return Ok(accepted(job));
@@ -154,7 +181,7 @@ pub(crate) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> Ap
     match joined(task).await {
         Ok(out) => Ok(with_id(
             job,
-            Json(edit_json(job, &out, format, true)).into_response(),
+            Json(EditReply::new(job, &out, format, true)).into_response(),
         )),
         Err(e) => Ok(with_id(job, e.into_response())),
     }

@@ -7,10 +7,26 @@
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::json;
+use serde::Serialize;
+use utoipa::ToSchema;
 
 use crate::router::state::admission::RETRY_AFTER_S;
 use crate::wire::{ErrorKind, WireError};
+
+/// The body of every error of the native API.
+#[derive(Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ErrorDetail {
+    /// `bad_request`, `unauthorized`, `forbidden`, `not_found`, `method_not_allowed`,
+    /// `conflict`, `cancelled`, `too_large`, `overloaded`, `internal`, `unavailable`
+    /// or `timeout`.
+    pub code: String,
+    pub message: String,
+}
 
 /// A JSON error response.
 pub struct ApiError {
@@ -33,6 +49,13 @@ impl ApiError {
     pub(crate) fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
     }
+    /// What the error's body says.
+    pub(crate) fn detail(&self) -> ErrorDetail {
+        ErrorDetail {
+            code: self.code.to_string(),
+            message: self.message.clone(),
+        }
+    }
 }
 
 impl From<WireError> for ApiError {
@@ -54,13 +77,15 @@ impl From<WireError> for ApiError {
     }
 }
 
-/// An error response's class, for the metrics (see [`observe`]).
+/// An error response's class, for the metrics (`super::routes`' observe layer).
 #[derive(Clone, Copy)]
 pub(crate) struct ErrorClass(pub(crate) &'static str);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"code": self.code, "message": self.message}});
+        let body = ErrorBody {
+            error: self.detail(),
+        };
         let mut r = (self.status, Json(body)).into_response();
         r.extensions_mut().insert(ErrorClass(self.code));
         if self.status == StatusCode::TOO_MANY_REQUESTS {

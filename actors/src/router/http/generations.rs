@@ -9,40 +9,48 @@ use axum::extract::{Request, State};
 use axum::response::IntoResponse;
 use axum::Json;
 use serde::Deserialize;
+use utoipa::ToSchema;
 
-use super::error::ApiResult;
+use super::error::{ApiResult, ErrorBody};
 use super::extract::{body, parse};
 use super::inputs::{
     check_cfg, check_guidance, check_seq_len, check_steps, default_seq_len, no_cfg,
     resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
 };
-use super::respond::{accepted, joined, with_id};
+use super::respond::{accepted, joined, with_id, JobAccepted};
 use crate::router::flow::generate::{generate, ApproxMode, GenerateInput, GenerateOutput};
-use crate::router::service::{admit, generation_json, submit, Submitted};
+use crate::router::service::{admit, submit, GenerationReply, Submitted};
 use crate::router::state::admission::Permit;
 use crate::router::state::Ctx;
 use crate::wire::ImageFormat;
 
-#[derive(Deserialize)]
+/// A text-to-image generation (FluxPipeline's fields).
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct GenerationBody {
+pub(crate) struct GenerationBody {
     prompt: String,
+    /// Default 28.
     steps: Option<u32>,
+    /// Default 3.5.
     guidance: Option<f32>,
     #[serde(default)]
     seed: u64,
+    /// Default the model's side (FluxPipeline's `128 * vae_scale_factor`).
     width: Option<u32>,
     height: Option<u32>,
     #[serde(default = "default_seq_len")]
     max_sequence_length: u32,
     #[serde(default)]
     format: ImageFormat,
+    /// What the approximate cache (similar prompts' states) may do.
     #[serde(default)]
     approx_cache: ApproxMode,
+    /// Answer 202 at once with a job to poll.
     #[serde(default, rename = "async")]
     run_async: bool,
     #[serde(default)]
     loras: Vec<LoraRef>,
+    /// True CFG: runs with a negative prompt and `true_cfg_scale` above 1.
     negative_prompt: Option<String>,
     #[serde(default = "no_cfg")]
     true_cfg_scale: f32,
@@ -77,11 +85,24 @@ pub(crate) fn start(
         "generation",
         steps,
         move |c, job| async move { generate(&c, job, &input).await },
-        move |job, o| generation_json(job, o, format, keep_image),
+        move |job, o| GenerationReply::new(job, o, format, keep_image),
     )
 }
 
-/// `POST /v1/generations`.
+/// Generates an image from a prompt (a FLUX.1-dev or -schnell model).
+#[utoipa::path(post, path = "/v1/generations", tag = "generations",
+    request_body(content = GenerationBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The generated image.", body = GenerationReply,
+            headers(("x-request-id" = String, description = "The request's id."))),
+        (status = 202, description = "`async`: the job to poll.", body = JobAccepted),
+        (status = 400, description = "Bad input, or a Fill model (it edits only).", body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 409, description = "Cancelled.", body = ErrorBody),
+        (status = 413, body = ErrorBody), (status = 429, body = ErrorBody),
+        (status = 500, body = ErrorBody), (status = 503, body = ErrorBody),
+        (status = 504, body = ErrorBody),
+    ))]
 pub(crate) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
     let permit = admit(&ctx)?;
     let b: GenerationBody = parse(&body(&ctx, req).await?)?;
@@ -112,7 +133,7 @@ pub(crate) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request)
     match joined(task).await {
         Ok(out) => Ok(with_id(
             job,
-            Json(generation_json(job, &out, format, true)).into_response(),
+            Json(GenerationReply::new(job, &out, format, true)).into_response(),
         )),
         Err(e) => Ok(with_id(job, e.into_response())),
     }

@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use utoipa::ToSchema;
 
 use super::error::ApiError;
 use super::extract::b64;
@@ -67,7 +68,7 @@ fn one() -> f64 {
 }
 
 /// One entry of a request's `loras`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LoraRef {
     /// The adapter's name (see `GET /v1/adapters`).
@@ -175,7 +176,7 @@ fn profiled_k(path: &std::path::Path, fingerprint: &str) -> Option<u32> {
 }
 
 /// One entry of a request's `controlnets`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ControlNetRef {
     /// The ControlNet's directory name under `[adapters] controlnets_dir`.

@@ -7,9 +7,11 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::Json;
-use serde_json::json;
+use serde::Serialize;
+use serde_json::{json, Value};
+use utoipa::ToSchema;
 
-use super::error::{ApiError, ApiResult};
+use super::error::{ApiError, ApiResult, ErrorBody, ErrorDetail};
 use crate::daemon::parse_job_name;
 use crate::router::state::jobs::JobStatus;
 use crate::router::state::Ctx;
@@ -25,6 +27,47 @@ fn job_id(s: &str) -> ApiResult<u64> {
     })
 }
 
+/// A job: its stage and progress, and once it ends its result (an async request's
+/// reply, with the image) or its error.
+#[derive(Serialize, ToSchema)]
+pub struct JobReply {
+    pub id: String,
+    pub status: JobStatus,
+    /// `edit`, `template` or `generation` (absent for a job lost with a router).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// Steps done so far, of `steps`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub steps: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub created_unix: Option<f64>,
+    /// The request's reply once it succeeded: an `EditReply`, a `GenerationReply` or a
+    /// `TemplateInfo`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub result: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorDetail>,
+}
+
+/// A cancelled job, stopping at its next step.
+#[derive(Serialize, ToSchema)]
+pub struct Cancelling {
+    pub id: String,
+    /// `cancelling`.
+    pub status: String,
+}
+
+/// The stage and progress of a job; once it ends, its result or error.
+#[utoipa::path(get, path = "/v1/jobs/{id}", tag = "jobs",
+    params(("id" = String, Path, description = "The job's id (`job_...`).")),
+    responses(
+        (status = 200, body = JobReply),
+        (status = 401, body = ErrorBody),
+        (status = 404, description = "Unknown job (or its result expired).", body = ErrorBody),
+    ))]
 pub(crate) async fn get_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
     let job = job_id(&id)?;
     let Some(view) = ctx.jobs.get(job).await else {
@@ -34,8 +77,17 @@ pub(crate) async fn get_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>)
                 ErrorKind::Unavailable,
                 "the router restarted while this job ran (or after it ended), and the job was lost with it: submit it again",
             ));
-            let v = json!({"id": id, "status": "failed", "error": {"code": e.code, "message": e.message}});
-            return Ok(Json(v).into_response());
+            let lost = JobReply {
+                id,
+                status: JobStatus::Failed,
+                kind: None,
+                step: None,
+                steps: None,
+                created_unix: None,
+                result: None,
+                error: Some(e.detail()),
+            };
+            return Ok(Json(lost).into_response());
         }
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -43,15 +95,28 @@ pub(crate) async fn get_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>)
             format!("unknown job `{id}`"),
         ));
     };
-    let mut v = json!(view);
-    if let Some(e) = view.error {
-        let e = ApiError::from(e);
-        v["error"] = json!({"code": e.code, "message": e.message});
-    }
-    Ok(Json(v).into_response())
+    let reply = JobReply {
+        id: view.id,
+        status: view.status,
+        kind: Some(view.kind.to_string()),
+        step: Some(view.step),
+        steps: Some(view.steps),
+        created_unix: Some(view.created_unix),
+        result: view.result,
+        error: view.error.map(|e| ApiError::from(e).detail()),
+    };
+    Ok(Json(reply).into_response())
 }
 
-/// `DELETE /v1/jobs/{id}`: cancels a running job (it stops at the next step boundary).
+/// Cancels a running job: it stops at its next step boundary.
+#[utoipa::path(delete, path = "/v1/jobs/{id}", tag = "jobs",
+    params(("id" = String, Path, description = "The job's id (`job_...`).")),
+    responses(
+        (status = 202, body = Cancelling),
+        (status = 401, body = ErrorBody),
+        (status = 404, description = "Unknown job.", body = ErrorBody),
+        (status = 409, description = "The job already ended.", body = ErrorBody),
+    ))]
 pub(crate) async fn cancel_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
     let job = job_id(&id)?;
     let (before, worker) = ctx.jobs.cancel(job).await.ok_or_else(|| {
@@ -74,9 +139,6 @@ pub(crate) async fn cancel_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<Strin
     if let (JobStatus::Denoising, Some(w)) = (before, worker) {
         crate::node::tell(&w, DenoiseMsg::Cancel(Wire(job)));
     }
-    Ok((
-        StatusCode::ACCEPTED,
-        Json(json!({"id": id, "status": "cancelling"})),
-    )
-        .into_response())
+    let status = "cancelling".to_string();
+    Ok((StatusCode::ACCEPTED, Json(Cancelling { id, status })).into_response())
 }

@@ -12,6 +12,7 @@ mod generations;
 pub mod inputs;
 mod jobs;
 mod openai;
+pub mod openapi;
 pub mod respond;
 mod routes;
 mod templates;

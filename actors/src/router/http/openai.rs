@@ -31,10 +31,10 @@ use axum::Json;
 use denoised_models::pipeline::image::{
     decode_alpha_mask, decode_image, encode_mask_png, ImageLimits,
 };
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
-use super::error::{ApiError, ApiResult, ErrorClass};
+use super::error::{ApiError, ApiResult, ErrorBody, ErrorClass};
 use super::extract::{body, parse, read_multipart};
 use super::generations::{check, start};
 use super::inputs::{
@@ -45,24 +45,105 @@ use super::respond::joined;
 use crate::daemon::job_name;
 use crate::router::flow::defaults;
 use crate::router::flow::edit::{edit, EditInput, MaskIn, Source};
-use crate::router::flow::generate::{ApproxMode, GenerateInput};
-use crate::router::service::{admit, edit_json, encode_b64, submit, units, Submitted};
+use crate::router::flow::generate::{ApproxMode, ApproxOutcome, GenerateInput};
+use crate::router::service::{admit, encode_b64, submit, units, EditReply, Submitted};
 use crate::router::state::admission::RETRY_AFTER_S;
 use crate::router::state::Ctx;
-use crate::wire::{ImageFormat, WireError};
+use crate::wire::{ImageFormat, StageTimings, WireError};
 
 /// The most images one request asks for (OpenAI's limit).
 pub(crate) const MAX_N: u32 = 10;
 
 /// An error in OpenAI's shape (their clients parse `error.message`).
+#[derive(Serialize, ToSchema)]
+pub struct OpenAiError {
+    pub error: OpenAiErrorDetail,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct OpenAiErrorDetail {
+    pub message: String,
+    /// `invalid_request_error` or `server_error`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Always null.
+    pub param: Option<String>,
+    /// The native API's code (`bad_request`, `overloaded`, ...).
+    pub code: String,
+}
+
+/// OpenAI's images reply.
+#[derive(Serialize, ToSchema)]
+pub struct ImagesReply {
+    /// Unix seconds.
+    pub created: u64,
+    /// One entry per image (`n`).
+    pub data: Vec<ImageData>,
+    /// The served model's fingerprint (whatever `model` the request named).
+    pub model: String,
+    /// `png`.
+    pub output_format: String,
+    /// `WIDTHxHEIGHT`.
+    pub size: String,
+}
+
+/// One image of an [`ImagesReply`], with denoised's extensions.
+#[derive(Serialize, ToSchema)]
+pub struct ImageData {
+    pub b64_json: String,
+    /// The image's request id (a job name).
+    pub id: String,
+    /// What the approximate cache did (generations only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub approx_cache: Option<ApproxOutcome>,
+    pub timings: StageTimings,
+}
+
+/// `POST /v1/images/edits`' multipart form (read part by part, not by serde: this
+/// type describes it).
+#[allow(dead_code)]
+#[derive(ToSchema)]
+pub struct ImagesEditForm {
+    /// The image to edit (PNG or JPEG); `image[]` is accepted too (one image).
+    #[schema(value_type = String, format = Binary)]
+    image: Vec<u8>,
+    /// OpenAI's mask: its fully transparent pixels are the area to edit. Without it,
+    /// the image's own transparency is the mask.
+    #[schema(value_type = Option<String>, format = Binary)]
+    mask: Option<Vec<u8>>,
+    prompt: String,
+    /// 1-10 images, seeds `seed`, `seed + 1`, ...
+    n: Option<u32>,
+    /// `auto` or the image's own `WIDTHxHEIGHT` (images are edited at their size).
+    size: Option<String>,
+    /// `b64_json` only.
+    response_format: Option<String>,
+    /// Any name: one model is served.
+    model: Option<String>,
+    seed: Option<u64>,
+    steps: Option<u32>,
+    guidance: Option<f32>,
+    max_sequence_length: Option<u32>,
+    /// A mask-aware edit of this template: its image is the source, and the uploaded
+    /// image only carries the mask when there is no `mask`.
+    template_id: Option<String>,
+}
+
+/// The error reply of the OpenAI routes.
 pub(crate) fn openai_error(e: ApiError) -> Response {
     let kind = if e.status.is_server_error() {
         "server_error"
     } else {
         "invalid_request_error"
     };
-    let body =
-        json!({"error": {"message": e.message, "type": kind, "param": null, "code": e.code}});
+    let body = OpenAiError {
+        error: OpenAiErrorDetail {
+            message: e.message,
+            kind: kind.to_string(),
+            param: None,
+            code: e.code.to_string(),
+        },
+    };
     let mut r = (e.status, Json(body)).into_response();
     r.extensions_mut().insert(ErrorClass(e.code));
     if e.status == StatusCode::TOO_MANY_REQUESTS {
@@ -74,7 +155,17 @@ pub(crate) fn openai_error(e: ApiError) -> Response {
     r
 }
 
-/// `POST /v1/images/edits`.
+/// OpenAI's image edit (multipart), onto the native edit flow.
+#[utoipa::path(post, path = "/v1/images/edits", tag = "openai",
+    request_body(content = ImagesEditForm, content_type = "multipart/form-data"),
+    responses(
+        (status = 200, body = ImagesReply),
+        (status = 400, body = OpenAiError), (status = 401, body = ErrorBody),
+        (status = 404, description = "Unknown template.", body = OpenAiError),
+        (status = 413, body = OpenAiError), (status = 429, body = OpenAiError),
+        (status = 500, body = OpenAiError), (status = 503, body = OpenAiError),
+        (status = 504, body = OpenAiError),
+    ))]
 pub(crate) async fn images_edits(State(ctx): State<Arc<Ctx>>, req: Request) -> Response {
     edits(ctx, req).await.unwrap_or_else(openai_error)
 }
@@ -221,42 +312,49 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             "edit",
             steps,
             move |c, job| async move { edit(&c, job, &input).await },
-            |job, o| edit_json(job, o, ImageFormat::Png, false),
+            |job, o| EditReply::new(job, o, ImageFormat::Png, false),
         ));
     }
     let mut data = Vec::new();
     for Submitted { job, task } in tasks {
         let o = joined(task).await?;
-        data.push(json!({
-            "b64_json": encode_b64(&o.image),
-            "id": job_name(job),
-            "timings": o.timings,
-        }));
+        data.push(ImageData {
+            b64_json: encode_b64(&o.image),
+            id: job_name(job),
+            approx_cache: None,
+            timings: o.timings,
+        });
     }
     Ok(images_reply(&ctx, data, (w as u32, h as u32)))
 }
 
 /// OpenAI's images reply: `data` (one entry per image) of `size` pixels, PNG.
-fn images_reply(ctx: &Ctx, data: Vec<Value>, (w, h): (u32, u32)) -> Response {
+fn images_reply(ctx: &Ctx, data: Vec<ImageData>, (w, h): (u32, u32)) -> Response {
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let body: Value = json!({
-        "created": created,
-        "data": data,
-        "model": ctx.model,
-        "output_format": "png",
-        "size": format!("{w}x{h}"),
-    });
+    let body = ImagesReply {
+        created,
+        data,
+        model: ctx.model.clone(),
+        output_format: "png".into(),
+        size: format!("{w}x{h}"),
+    };
     (StatusCode::OK, Json(body)).into_response()
 }
 
-#[derive(Deserialize)]
-struct ImagesBody {
+/// OpenAI's image generation, with denoised's extensions. `model`, `user` and
+/// OpenAI's rendering options (quality, style, background, ...) that have no meaning
+/// here are accepted and ignored.
+#[derive(Deserialize, ToSchema)]
+pub(crate) struct ImagesBody {
     prompt: Option<String>,
+    /// 1-10 images, seeds `seed`, `seed + 1`, ...
     #[serde(default = "one")]
     n: u32,
+    /// `WIDTHxHEIGHT` or `auto` (the model's default).
     size: Option<String>,
+    /// `b64_json` only.
     response_format: Option<String>,
     #[serde(default)]
     seed: u64,
@@ -273,15 +371,22 @@ struct ImagesBody {
     true_cfg_scale: f32,
     #[serde(default)]
     controlnets: Vec<ControlNetRef>,
-    // `model` (one model is served), `user`, and OpenAI's rendering options (quality,
-    // style, background, ...) that have no meaning here are accepted and ignored.
 }
 
 fn one() -> u32 {
     1
 }
 
-/// `POST /v1/images/generations`.
+/// OpenAI's image generation, onto the native generation flow.
+#[utoipa::path(post, path = "/v1/images/generations", tag = "openai",
+    request_body(content = ImagesBody, content_type = "application/json"),
+    responses(
+        (status = 200, body = ImagesReply),
+        (status = 400, body = OpenAiError), (status = 401, body = ErrorBody),
+        (status = 413, body = OpenAiError), (status = 429, body = OpenAiError),
+        (status = 500, body = OpenAiError), (status = 503, body = OpenAiError),
+        (status = 504, body = OpenAiError),
+    ))]
 pub(crate) async fn images_generations(State(ctx): State<Arc<Ctx>>, req: Request) -> Response {
     generations(ctx, req).await.unwrap_or_else(openai_error)
 }
@@ -346,12 +451,12 @@ async fn generations(ctx: Arc<Ctx>, req: Request) -> ApiResult {
     for Submitted { job, task } in tasks {
         let o = joined(task).await?;
         dims = (o.width, o.height);
-        data.push(json!({
-            "b64_json": encode_b64(&o.image),
-            "id": job_name(job),
-            "approx_cache": o.approx,
-            "timings": o.timings,
-        }));
+        data.push(ImageData {
+            b64_json: encode_b64(&o.image),
+            id: job_name(job),
+            approx_cache: Some(o.approx),
+            timings: o.timings,
+        });
     }
     Ok(images_reply(&ctx, data, dims))
 }

@@ -4,7 +4,8 @@
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::json;
+use serde::Serialize;
+use utoipa::ToSchema;
 
 use super::error::{ApiError, ApiResult};
 use crate::daemon::job_name;
@@ -33,13 +34,26 @@ pub(crate) async fn joined<T>(task: tokio::task::JoinHandle<Result<T, WireError>
     }
 }
 
+/// The reply to an `async` request: its job, to poll.
+#[derive(Serialize, ToSchema)]
+pub struct JobAccepted {
+    /// The job's id (also the `x-request-id` header).
+    pub id: String,
+    /// `queued`.
+    pub status: String,
+    /// Where to poll it (also the `Location` header).
+    pub url: String,
+}
+
+/// 202 with the job of an `async` request.
 pub(crate) fn accepted(job: u64) -> Response {
     let id = job_name(job);
-    let r = (
-        StatusCode::ACCEPTED,
-        [(header::LOCATION, format!("/v1/jobs/{id}"))],
-        Json(json!({"id": id, "status": "queued", "url": format!("/v1/jobs/{id}")})),
-    )
-        .into_response();
+    let url = format!("/v1/jobs/{id}");
+    let body = JobAccepted {
+        id,
+        status: "queued".into(),
+        url: url.clone(),
+    };
+    let r = (StatusCode::ACCEPTED, [(header::LOCATION, url)], Json(body)).into_response();
     with_id(job, r)
 }

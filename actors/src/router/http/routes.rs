@@ -9,53 +9,22 @@ use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
 use axum::{Json, Router};
+use serde::Serialize;
 use serde_json::{json, Value};
+use utoipa::ToSchema;
 
 use super::error::{ApiError, ErrorClass};
 use super::respond::REQUEST_ID;
-use super::{adapters, admin, edits, generations, jobs, openai, templates};
 use crate::router::state::Ctx;
 
-const OPENAPI: &str = include_str!("../../../../docs/openapi.json");
-
+/// The router's HTTP service: the route table (every route registered with its
+/// OpenAPI operation, [`super::openapi::table`]) behind the token check, the metrics
+/// layer and the body limit.
 pub fn app(ctx: Arc<Ctx>) -> Router {
-    Router::new()
-        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .route(
-            "/openapi.json",
-            get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
-        )
-        .route(
-            "/v1/templates",
-            get(templates::list_templates).post(templates::create_template),
-        )
-        .route(
-            "/v1/templates/{id}",
-            get(templates::get_template).delete(templates::delete_template),
-        )
-        .route("/v1/edits", axum::routing::post(edits::create_edit))
-        .route("/v1/adapters", get(adapters::list).post(adapters::upload))
-        .route(
-            "/v1/generations",
-            axum::routing::post(generations::create_generation),
-        )
-        .route(
-            "/v1/images/generations",
-            axum::routing::post(openai::images_generations),
-        )
-        .route(
-            "/v1/images/edits",
-            axum::routing::post(openai::images_edits),
-        )
-        .route("/v1/jobs/{id}", get(jobs::get_job).delete(jobs::cancel_job))
-        .route(
-            "/admin/routing",
-            get(admin::get_routing).put(admin::put_routing),
-        )
+    let (routes, doc) = super::openapi::table().split_for_parts();
+    super::openapi::serve(doc);
+    routes
         .method_not_allowed_fallback(|| async {
             ApiError::new(
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -148,9 +117,12 @@ async fn observe(State(ctx): State<Arc<Ctx>>, req: Request, next: Next) -> Respo
     r
 }
 
-/// `GET /metrics`: every process's metrics (docs/metrics.md), as OpenMetrics when the
-/// scraper asks for it (Prometheus does), else in the Prometheus text format.
-async fn metrics(State(ctx): State<Arc<Ctx>>, req: Request) -> Response {
+/// Every process's metrics (docs/metrics.md), as OpenMetrics when the scraper asks for
+/// it (Prometheus does), else in the Prometheus text format.
+#[utoipa::path(get, path = "/metrics", tag = "operations", security(()),
+    responses((status = 200, description = "The metrics.", body = String,
+        content_type = "text/plain")))]
+pub(crate) async fn metrics(State(ctx): State<Arc<Ctx>>, req: Request) -> Response {
     let openmetrics = req
         .headers()
         .get(header::ACCEPT)
@@ -173,7 +145,30 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
+/// The liveness probe's answer.
+#[derive(Serialize, ToSchema)]
+pub struct Health {
+    /// `ok`.
+    pub status: String,
+}
+
+/// Liveness: the router answers.
+#[utoipa::path(get, path = "/healthz", tag = "operations", security(()),
+    responses((status = 200, body = Health)))]
+pub(crate) async fn healthz() -> Json<Health> {
+    Json(Health {
+        status: "ok".into(),
+    })
+}
+
+/// Readiness: every worker group has its live members, and the daemon is not
+/// draining. Lists the processes and any worker slots the supervisor gave up on.
+#[utoipa::path(get, path = "/readyz", tag = "operations", security(()),
+    responses(
+        (status = 200, description = "Ready.", body = Object),
+        (status = 503, description = "Not ready (starting, draining, or a group short of workers).", body = Object),
+    ))]
+pub(crate) async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
     let groups = ctx.ready();
     let draining = ctx.admission.is_draining();
     let ready = !draining && groups.iter().all(|(_, have, want)| have >= want);

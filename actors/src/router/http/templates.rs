@@ -7,35 +7,44 @@ use axum::extract::{Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::Json;
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use utoipa::ToSchema;
 
-use super::error::{ApiError, ApiResult};
+use super::error::{ApiError, ApiResult, ErrorBody};
 use super::extract::{b64, body, parse, read_multipart};
 use super::inputs::{
     check_guidance, check_seq_len, check_steps, default_seq_len, resolve_loras, LoraRef,
 };
-use super::respond::{accepted, joined, with_id};
+use super::respond::{accepted, joined, with_id, JobAccepted};
 use crate::router::flow::capture::{capture, TemplateInput};
 use crate::router::flow::defaults;
 use crate::router::service::{admit, submit, Submitted};
 use crate::router::state::Ctx;
-use crate::wire::WireError;
+use crate::wire::{TemplateInfo, WireError};
 
-#[derive(Deserialize)]
+/// A template to register: its image is generated once (a capture run) and its
+/// activations cached, so that its edits compute only their masked tokens.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct TemplateBody {
+pub(crate) struct TemplateBody {
+    /// The template image: base64 PNG or JPEG (a data URL too); in a multipart body,
+    /// the `image` file part.
     image: String,
+    /// 1-64 characters of `[A-Za-z0-9_-]`; default a generated `tpl_...` id.
     #[serde(default)]
     id: Option<String>,
     #[serde(default)]
     prompt: String,
+    /// Every edit of the template runs these steps (default 28).
     steps: Option<u32>,
+    /// Every edit of the template runs this guidance (default 30).
     guidance: Option<f32>,
     #[serde(default)]
     seed: u64,
     #[serde(default = "default_seq_len")]
     max_sequence_length: u32,
+    /// Answer 202 at once with a job to poll.
     #[serde(default, rename = "async")]
     run_async: bool,
     /// Replace a template of the same id (409 without it).
@@ -48,8 +57,22 @@ struct TemplateBody {
     loras: Vec<LoraRef>,
 }
 
-/// `POST /v1/templates`: JSON with a base64 image, or multipart with an `image` file
-/// and the other fields as text parts.
+/// Registers a template: JSON with a base64 image, or multipart with an `image` file
+/// and the other fields as text parts. The reply comes once the template is durable.
+#[utoipa::path(post, path = "/v1/templates", tag = "templates",
+    request_body(content(
+        (TemplateBody = "application/json"),
+        (TemplateBody = "multipart/form-data"),
+    )),
+    responses(
+        (status = 201, description = "Registered.", body = TemplateInfo),
+        (status = 202, description = "`async`: the job to poll.", body = JobAccepted),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 409, description = "The id is taken (see `replace`).", body = ErrorBody),
+        (status = 413, body = ErrorBody), (status = 429, body = ErrorBody),
+        (status = 500, body = ErrorBody), (status = 503, body = ErrorBody),
+        (status = 504, body = ErrorBody),
+    ))]
 pub(crate) async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
     let permit = admit(&ctx)?;
     let is_multipart = req
@@ -113,7 +136,7 @@ pub(crate) async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -
         "template",
         steps,
         move |ctx, job| async move { capture(&ctx, job, &input).await },
-        |_, info| json!(info),
+        |_, info| info.clone(),
     );
     if b.run_async {
         return Ok(accepted(job));
@@ -121,7 +144,7 @@ pub(crate) async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -
     match joined(task).await {
         Ok(info) => Ok(with_id(
             job,
-            (StatusCode::CREATED, Json(json!(info))).into_response(),
+            (StatusCode::CREATED, Json(info)).into_response(),
         )),
         Err(e) => Ok(with_id(job, e.into_response())),
     }
@@ -149,18 +172,39 @@ async fn multipart_template(ctx: &Ctx, req: Request) -> ApiResult<(Vec<u8>, Temp
     Ok((image, b))
 }
 
+/// The registered templates.
+#[derive(Serialize, ToSchema)]
+pub struct TemplateList {
+    pub templates: Vec<TemplateInfo>,
+}
+
+/// The registered templates, with where each is now (`tiers`).
+#[utoipa::path(get, path = "/v1/templates", tag = "templates",
+    responses((status = 200, body = TemplateList), (status = 401, body = ErrorBody),
+        (status = 503, body = ErrorBody)))]
 pub(crate) async fn list_templates(State(ctx): State<Arc<Ctx>>) -> ApiResult {
-    let list = ctx.templates().await?;
-    Ok(Json(json!({"templates": list})).into_response())
+    let templates = ctx.templates().await?;
+    Ok(Json(TemplateList { templates }).into_response())
 }
 
+/// One template's description.
+#[utoipa::path(get, path = "/v1/templates/{id}", tag = "templates",
+    params(("id" = String, Path, description = "The template's id.")),
+    responses((status = 200, body = TemplateInfo), (status = 401, body = ErrorBody),
+        (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub(crate) async fn get_template(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
-    Ok(Json(json!(ctx.template(&id).await?.info)).into_response())
+    Ok(Json(ctx.template(&id).await?.info).into_response())
 }
 
+/// Deletes a template (edits running on it finish first: they pin it).
+#[utoipa::path(delete, path = "/v1/templates/{id}", tag = "templates",
+    params(("id" = String, Path, description = "The template's id.")),
+    responses((status = 200, description = "The deleted template.", body = TemplateInfo),
+        (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 503, body = ErrorBody)))]
 pub(crate) async fn delete_template(
     State(ctx): State<Arc<Ctx>>,
     Path(id): Path<String>,
 ) -> ApiResult {
-    Ok(Json(json!(ctx.delete_template(&id).await?)).into_response())
+    Ok(Json(ctx.delete_template(&id).await?).into_response())
 }

@@ -15,7 +15,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use serde_json::Value;
+use serde::Serialize;
 use tokio::task::JoinHandle;
 
 use crate::daemon::job_name;
@@ -25,7 +25,7 @@ use crate::wire::{JobId, WireError};
 
 mod views;
 
-pub use views::{edit_json, encode_b64, generation_json};
+pub use views::{encode_b64, BatchSizes, EditReply, GenerationReply};
 
 /// A request's first unit, taken before its body is read (429 when the server is full,
 /// 503 while it drains).
@@ -50,16 +50,17 @@ pub struct Submitted<T> {
 /// own task that owns `permit` until the flow ends. `flow` runs the work; `describe`
 /// makes what the job table keeps of a success (the description; the image only for
 /// an async request, whose client reads it there).
-pub fn submit<T, Fut>(
+pub fn submit<T, D, Fut>(
     ctx: &Arc<Ctx>,
     permit: Permit,
     kind: &'static str,
     steps: u32,
     flow: impl FnOnce(Arc<Ctx>, JobId) -> Fut,
-    describe: impl FnOnce(JobId, &T) -> Value + Send + 'static,
+    describe: impl FnOnce(JobId, &T) -> D + Send + 'static,
 ) -> Submitted<T>
 where
     T: Send + 'static,
+    D: Serialize,
     Fut: Future<Output = Result<T, WireError>> + Send + 'static,
 {
     let job = ctx.next_job();
@@ -72,7 +73,9 @@ where
         let r = run.await;
         ctx.jobs.finish(
             job,
-            r.as_ref().map(|o| describe(job, o)).map_err(Clone::clone),
+            r.as_ref()
+                .map(|o| serde_json::to_value(describe(job, o)).unwrap_or_default())
+                .map_err(Clone::clone),
         );
         r
     });

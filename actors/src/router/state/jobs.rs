@@ -13,7 +13,7 @@ use serde::Serialize;
 use crate::daemon::{job_name, unix_now};
 use crate::wire::{JobId, WireError};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum JobStatus {
     Queued,
