@@ -146,7 +146,7 @@ pub fn resolve(ctx: &Ctx, refs: &[LoraRef], synchronous: bool) -> Result<Vec<Wir
         .collect()
 }
 
-/// The file `denoised profile-lora --write` leaves in an adapter's directory: K per
+/// The file `denoised bench profile-lora --write` leaves in an adapter's directory: K per
 /// model fingerprint.
 pub const BAL_FILE: &str = "bal.json";
 
