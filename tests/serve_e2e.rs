@@ -489,3 +489,22 @@ fn bearer_token_multipart_templates_and_polygon_masks() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 404);
 }
+
+/// `DENOISED_THREADS` (the systemd unit's way to set `--threads`) reaches every worker
+/// process through its environment: each sizes its own pool from its share instead of
+/// failing to start (the pool it inherited used to be built twice: a crash loop).
+#[test]
+fn the_daemon_starts_with_denoised_threads_in_its_environment() {
+    let d = Daemon::start_with_env(&[], &[("DENOISED_THREADS", "1")]);
+    let (s, v) = d.get("/readyz");
+    assert_eq!(s, 200, "{v}");
+    let processes = v["processes"].as_array().unwrap();
+    let compute: Vec<&Value> = processes
+        .iter()
+        .filter(|p| ["preprocess", "denoise", "postprocess"].contains(&p["role"].as_str().unwrap()))
+        .collect();
+    assert!(!compute.is_empty(), "{v}");
+    for p in compute {
+        assert_eq!(p["threads"], 1, "{p}");
+    }
+}

@@ -166,7 +166,11 @@ pub enum BenchCommand {
 }
 
 pub fn run(cli: Cli) -> CliResult {
-    if cli.threads > 0 {
+    // A daemon process sizes its own pool (its share of the cores, from the supervisor):
+    // the `--threads` it inherits through DENOISED_THREADS is the whole daemon's, and a
+    // pool built here would make its own fail to build.
+    let worker = matches!(cli.command, Command::Worker(_));
+    if cli.threads > 0 && !worker {
         rayon::ThreadPoolBuilder::new()
             .num_threads(cli.threads)
             .build_global()?;
