@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark one FLUX transformer forward step (diffusers, CPU, float32, random weights).
 
-The baseline for `denoised bench-step --config flux-small`: the same config, the same
+The baseline for `denoised bench step --config flux-small`: the same config, the same
 token counts, in the same session, alternating the two (docs/performance.md). Setup:
 
     python3 -m venv venv && venv/bin/pip install torch==2.15.0 diffusers==0.42.1

@@ -1,6 +1,6 @@
 //! Criterion benchmarks of the CPU kernels at flux-small sizes (hidden 768, 12 heads
 //! of 64, 1024 image + 128 text tokens). Run with `cargo bench --bench kernels`.
-//! `denoised bench-step` times whole transformer steps; these isolate the parts.
+//! `denoised bench step` times whole transformer steps; these isolate the parts.
 
 use std::hint::black_box;
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Serving benchmark for docs/performance.md: bench-serve against the daemon in three
+# Serving benchmark for docs/performance.md: bench serve against the daemon in three
 # configurations, each at one rate below and one above saturation.
 #
 #   continuous + disaggregated   (the default)
@@ -45,7 +45,7 @@ run_config() {
     for rate in "$low:$n_low" "$high:$n_high"; do
         local rps=${rate%%:*} n=${rate##*:}
         echo "== $name at $rps rps, $n requests" >&2
-        "$bin" bench-serve --url "$url" --rps "$rps" --requests "$n" --width "$size" \
+        "$bin" bench serve --url "$url" --rps "$rps" --requests "$n" --width "$size" \
             --height "$size" --steps "$steps" --templates 2 --mask-trace "$trace" --json \
             | python3 -c "import sys, json; d = json.load(sys.stdin); d['config'] = '$name'; print(json.dumps(d))" \
             | tee -a "$out/results.jsonl"

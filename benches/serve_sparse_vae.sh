@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Serving benchmark of the sparse VAE (docs/performance.md, "Sparse VAE"): a daemon with
-# [pipeline] sparse_vae = "off", then one with "auto", driven by bench-serve above
+# [pipeline] sparse_vae = "off", then one with "auto", driven by bench serve above
 # saturation (ROUNDS rounds, off then auto each round, the same arrivals and masks), so
 # both see the same machine minutes.
 #
@@ -46,7 +46,7 @@ for round in $(seq 1 "$rounds"); do
             sleep 0.1
         done
         echo "== sparse_vae $name, round $round: $n requests at $rps rps" >&2
-        "$bin" bench-serve --url "$url" --rps "$rps" --requests "$n" --width "$size" \
+        "$bin" bench serve --url "$url" --rps "$rps" --requests "$n" --width "$size" \
             --height "$size" --steps "$steps" --templates "$templates" --mask-trace "$trace" --json \
             | python3 -c "import sys, json; d = json.load(sys.stdin); d['sparse_vae'] = '$name'; d['round'] = $round; print(json.dumps(d))" \
             | tee -a "$out/sparse_vae.jsonl"

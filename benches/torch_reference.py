@@ -6,9 +6,9 @@
 
 Run it on the same GPU, in the same session, as
 
-    denoised bench-step --device cuda:0 --config flux1-dev --image-tokens 4096 \
+    denoised bench step --device cuda:0 --config flux1-dev --image-tokens 4096 \
         --text-tokens 512 --mask-ratio 0.1,0.2,0.4
-    denoised bench-attn --device cuda:0
+    denoised bench attn --device cuda:0
 
 so the ratios in docs/performance.md compare like with like. Weights are random (the
 speed of a dense transformer does not depend on their values). `--tiny` shrinks the

@@ -1,5 +1,5 @@
 //! `denoised generate`, `edit` and `template capture` with adapters, as a user runs
-//! them: LoRAs (merged and unmerged, against diffusers), `profile-lora`, true CFG and
+//! them: LoRAs (merged and unmerged, against diffusers), `bench profile-lora`, true CFG and
 //! ControlNets through the CLI.
 
 mod common;
@@ -185,6 +185,7 @@ fn profile_lora_finds_k_and_records_it_beside_the_adapter() {
     let model = fixtures().join("flux-dev-tiny");
     let spec = format!("{}:0.8", s(&lora));
     let out = ok(&[
+        "bench",
         "profile-lora",
         "--model",
         s(&model),

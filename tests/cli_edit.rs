@@ -549,14 +549,15 @@ fn bad_inputs_give_clear_errors() {
     assert!(png_file(&out).width == 64);
 }
 
-/// `bench-pipeline --device` times every stage wherever the models are placed: on the
+/// `bench pipeline --device` times every stage wherever the models are placed: on the
 /// CPU and with every model on the emulated GPU backend (whose timings mean nothing;
 /// this checks that each stage ran there and was timed).
 #[test]
 fn bench_pipeline_times_every_stage_on_any_device() {
     for (device, dtype) in [("cpu", "f32"), ("emu", "bf16")] {
         let (success, stdout, stderr) = denoised(&[
-            "bench-pipeline",
+            "bench",
+            "pipeline",
             "--device",
             device,
             "--dtype",

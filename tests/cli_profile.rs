@@ -1,5 +1,5 @@
-//! `denoised profile` and `denoised bench-step --cache-tier/--plan` as a user runs them:
-//! the profile file is written and read back, its fits are reported, and bench-step
+//! `denoised profile` and `denoised bench step --cache-tier/--plan` as a user runs them:
+//! the profile file is written and read back, its fits are reported, and bench step
 //! prices its planner with it, timing the four runs of the loading benchmark.
 
 use std::process::Command;
@@ -77,7 +77,7 @@ fn profile_then_bench_step_from_the_disk_tier_with_every_plan() {
 
     let bench = |tier: &str| {
         let args = format!(
-            "bench-step --device cpu --config flux-tiny --image-tokens 256 --text-tokens 8 \
+            "bench step --device cpu --config flux-tiny --image-tokens 256 --text-tokens 8 \
              --mask-ratio 0.25 --iters 2 --cache-tier {tier} --plan naive,pipelined,planner \
              --profile {p} --disk-dir {d}"
         );
@@ -89,7 +89,7 @@ fn profile_then_bench_step_from_the_disk_tier_with_every_plan() {
             println!("the disk tier is not timed here ({e}); timing the host tier instead");
             ("host", bench("host").unwrap())
         }
-        Err(e) => panic!("bench-step: {e}"),
+        Err(e) => panic!("bench step: {e}"),
     };
     let plans: Vec<&str> = lines
         .iter()
@@ -130,7 +130,8 @@ fn bad_profile_arguments_are_clear_errors() {
         ),
         (
             vec![
-                "bench-step",
+                "bench",
+                "step",
                 "--device",
                 "cpu",
                 "--config",

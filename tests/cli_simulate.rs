@@ -1,4 +1,4 @@
-//! `denoised simulate` as a user runs it: one JSON line per policy with the latency
+//! `denoised bench simulate` as a user runs it: one JSON line per policy with the latency
 //! figures, from the committed flux-small CPU profile on a fresh clone; bad input is
 //! refused with a clear error.
 
@@ -7,7 +7,7 @@ use std::process::Command;
 
 fn simulate(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_denoised"))
-        .arg("simulate")
+        .args(["bench", "simulate"])
         .args(args)
         .env("DENOISED_LOG", "warn")
         .output()

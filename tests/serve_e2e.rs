@@ -35,8 +35,8 @@ fn template_edit_equals_the_cli_on_the_same_inputs() {
 /// `[pipeline] sparse_vae`: the capture stores the template's VAE traces with it (in
 /// the cache's tiers, counted in its size), a template edit's VAE passes run sparse
 /// against them from the first edit on (workers that never saw the template read them
-/// from the cache's memory), and the image stays within a few levels of the dense
-/// VAE's inside the mask and equal to it outside (paste-back).
+/// from the cache's memory), and the image stays within 2 levels of the dense VAE's
+/// inside the mask (1 measured) and equal to it outside (paste-back).
 #[test]
 fn template_edits_run_the_vae_sparse_close_to_dense() {
     let sparse = Daemon::start(&[]);
@@ -110,7 +110,10 @@ fn template_edits_run_the_vae_sparse_close_to_dense() {
         }
     }
     eprintln!("sparse VAE: max {inside} levels from the dense VAE inside the mask");
-    assert!(inside <= 8, "{inside} levels inside the mask");
+    // Measured: 1 level, with 1 or 3 threads per process (docs/performance.md,
+    // "Sparse VAE"). One level of margin over that for rounding elsewhere: the CPU
+    // kernels (AVX-512, AVX2 or baseline, picked at run time) sum in other orders.
+    assert!(inside <= 2, "{inside} levels inside the mask (measured: 1)");
 }
 
 /// `[pipeline] prompt_cache_bytes`: an edit whose prompt the preprocess worker encoded
@@ -485,4 +488,23 @@ fn bearer_token_multipart_templates_and_polygon_masks() {
         .send()
         .unwrap();
     assert_eq!(r.status().as_u16(), 404);
+}
+
+/// `DENOISED_THREADS` (the systemd unit's way to set `--threads`) reaches every worker
+/// process through its environment: each sizes its own pool from its share instead of
+/// failing to start (the pool it inherited used to be built twice: a crash loop).
+#[test]
+fn the_daemon_starts_with_denoised_threads_in_its_environment() {
+    let d = Daemon::start_with_env(&[], &[("DENOISED_THREADS", "1")]);
+    let (s, v) = d.get("/readyz");
+    assert_eq!(s, 200, "{v}");
+    let processes = v["processes"].as_array().unwrap();
+    let compute: Vec<&Value> = processes
+        .iter()
+        .filter(|p| ["preprocess", "denoise", "postprocess"].contains(&p["role"].as_str().unwrap()))
+        .collect();
+    assert!(!compute.is_empty(), "{v}");
+    for p in compute {
+        assert_eq!(p["threads"], 1, "{p}");
+    }
 }

@@ -110,7 +110,7 @@ fn metrics_under_load_pass_promtool() {
     ] {
         assert!(last.contains(family), "{family} in\n{last}");
     }
-    // The served edits were counted (bench-serve registers its templates too).
+    // The served edits were counted (bench serve registers its templates too).
     let served = last
         .lines()
         .find(|l| {

@@ -127,7 +127,7 @@ fn two_workers_share_the_load_and_the_policy_switches_at_run_time() {
     bench(&d, "8");
     let r = routed(&d);
     let by = |p: &str| -> f64 { r.iter().filter(|x| x.1 == p).map(|x| x.2).sum() };
-    // bench-serve registers its templates first (captures are routed too).
+    // bench serve registers its templates first (captures are routed too).
     assert!(by("least_requests") >= 8.0, "{r:?}");
     assert!(by("mask_aware") >= 24.0, "{r:?}");
 

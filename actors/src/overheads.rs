@@ -1,4 +1,4 @@
-//! Measurements of the serving runtime's own overheads (`denoised bench-overheads`):
+//! Measurements of the serving runtime's own overheads (`denoised bench overheads`):
 //! per-step batch assembly in the denoise loop, the shared-memory handoff of a
 //! finished latent, and a message round trip between cluster nodes. The design budget
 //! (docs/design.md) is 1.2 ms per step for batching, 2.4 ms for a latent handoff and 0.6 ms

@@ -118,14 +118,14 @@ part selftest 150 "$BIN" selftest --device "$DEV" --json "$OUT/selftest.json" \
     --only "$SELFTEST_PARTS"
 # 2. The attention op at FLUX.1's shape (both tensor-core kernels: the FA2 one and the
 #    first version), and SDPA on the same problem.
-part attn 45 "$BIN" bench-attn --device "$DEV" "${ATTN_ARGS[@]}"
+part attn 45 "$BIN" bench attn --device "$DEV" "${ATTN_ARGS[@]}"
 part torch_attn 45 "$PY" "$ROOT/benches/torch_reference.py" attn "${TORCH_ARGS[@]}"
 # 3. One FLUX.1-dev-size step (seeded bf16 weights), full and an m = 0.2 edit, and
 #    diffusers' transformer on the same machine.
-part step 150 "$BIN" bench-step --device "$DEV" --dtype bf16 --mask-ratio 1.0,0.2 "${STEP_ARGS[@]}"
+part step 150 "$BIN" bench step --device "$DEV" --dtype bf16 --mask-ratio 1.0,0.2 "${STEP_ARGS[@]}"
 part torch_step 90 "$PY" "$ROOT/benches/torch_reference.py" step "${TORCH_ARGS[@]}"
 # The full step again with the first attention kernel, for the before/after ratio.
-part step_mma 150 env DENOISED_ATTN_KERNEL=mma "$BIN" bench-step --device "$DEV" --dtype bf16 --mask-ratio 1.0 "${STEP_ARGS[@]}"
+part step_mma 150 env DENOISED_ATTN_KERNEL=mma "$BIN" bench step --device "$DEV" --dtype bf16 --mask-ratio 1.0 "${STEP_ARGS[@]}"
 # 4. A short load on the daemon serving the built-in model on the device.
 daemon_load() {
     local port=18480 cport=18490 log=$WORK/daemon.log
@@ -137,7 +137,7 @@ daemon_load() {
         kill -0 "$daemon" 2>/dev/null || { cat "$log"; return 1; }
         sleep 0.1
     done
-    "$BIN" bench-serve --url "http://127.0.0.1:$port" --rps 4 $LOAD \
+    "$BIN" bench serve --url "http://127.0.0.1:$port" --rps 4 $LOAD \
         --mask-trace "$ROOT/tests/fixtures/traces/production_faceswap_tryon.txt" --json
     local rc=$?
     kill -TERM "$daemon"

@@ -36,7 +36,7 @@ pub struct AdaptersConfig {
     pub dir: String,
     /// K of bounded asynchronous loading: a request starts on the base weights while
     /// its LoRAs load and runs no step from this one on without them (it waits). 0 is
-    /// synchronous loading. An adapter's own `denoised profile-lora` result (its
+    /// synchronous loading. An adapter's own `denoised bench profile-lora` result (its
     /// `bal.json`) overrides it for the model it was profiled on.
     pub patch_by_step: u32,
     /// LoRAs a request may name.

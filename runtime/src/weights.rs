@@ -381,7 +381,7 @@ impl WeightStore {
     }
 }
 
-/// Writes f32 tensors to a safetensors file (the format of `denoised forward` outputs
+/// Writes f32 tensors to a safetensors file (the format of `denoised bench forward` outputs
 /// and of test inputs).
 pub fn write_safetensors(path: impl AsRef<Path>, tensors: &[(&str, &Tensor)]) -> Result<()> {
     let path = path.as_ref();

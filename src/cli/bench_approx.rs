@@ -1,4 +1,4 @@
-//! `denoised bench-approx-cache`: the approximate cache's eviction policies on one
+//! `denoised bench approx-cache`: the approximate cache's eviction policies on one
 //! synthetic prompt trace at equal capacity (`denoised_actors::approx::trace`): hit
 //! rate per K and the share of denoising steps saved; one JSON line per policy.
 //!

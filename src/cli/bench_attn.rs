@@ -1,4 +1,4 @@
-//! `denoised bench-attn`: times the masked-query attention op alone and prints its
+//! `denoised bench attn`: times the masked-query attention op alone and prints its
 //! TFLOP/s, one JSON line per mask ratio. This is the kernel behind every block of a
 //! mask-aware edit: queries are the text plus the active image tokens; keys and values
 //! are those fresh rows plus the template's cached rows of the inactive tokens, read

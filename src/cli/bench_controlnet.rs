@@ -1,4 +1,4 @@
-//! `denoised bench-controlnet-stream`: what moving a step's ControlNet residuals to the
+//! `denoised bench controlnet-stream`: what moving a step's ControlNet residuals to the
 //! denoise worker costs (docs/design.md §Adapters), at a real model's sizes, without
 //! ControlNet weights: the ControlNet service's stream (`denoised_actors::controlnet::
 //! stream`) through a real `/dev/shm` arena, the service side on one thread and the

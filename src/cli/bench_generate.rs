@@ -1,4 +1,4 @@
-//! `denoised bench-generate`: what an approximate-cache hit saves end to end, against a
+//! `denoised bench generate`: what an approximate-cache hit saves end to end, against a
 //! running daemon that serves a text-to-image model (e.g. `denoised serve --model
 //! builtin:flux-small-t2i`).
 //!

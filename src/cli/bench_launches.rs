@@ -1,4 +1,4 @@
-//! `bench-step --device emu --report-launches`: kernel launches per double block and per
+//! `bench step --device emu --report-launches`: kernel launches per double block and per
 //! single block of the transformer, counted by the emulator (docs/gpu.md, "The
 //! emulator"). Launches cost a few microseconds each on a GPU whatever they do, so the
 //! memory-bound passes are judged by how many a block takes.

@@ -1,4 +1,4 @@
-//! `denoised bench-lora`: what LoRAs cost (docs/design.md §Adapters), on seeded weights of a
+//! `denoised bench lora`: what LoRAs cost (docs/design.md §Adapters), on seeded weights of a
 //! named config and a random rank-r LoRA on every Linear, in one run; one JSON line.
 //!
 //! - `read_s`, `upload_s`: reading and checking the file; uploading it for the

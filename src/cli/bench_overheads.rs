@@ -1,4 +1,4 @@
-//! `denoised bench-overheads`: the serving runtime's own costs, measured: per-step
+//! `denoised bench overheads`: the serving runtime's own costs, measured: per-step
 //! batch assembly in the denoise loop, the shared-memory handoff of a finished latent,
 //! and (against a running daemon) one message round trip between cluster nodes.
 

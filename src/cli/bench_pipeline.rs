@@ -1,4 +1,4 @@
-//! `denoised bench-pipeline`: per-stage timings of a whole edit (tokenize, encode text,
+//! `denoised bench pipeline`: per-stage timings of a whole edit (tokenize, encode text,
 //! VAE encode, denoise, VAE decode, PNG encode) with seeded components, on a random
 //! image and an irregular mask, on any device. One JSON line.
 

@@ -1,4 +1,4 @@
-//! `denoised bench-cache-quality`: what compressing a template costs an edit.
+//! `denoised bench cache-quality`: what compressing a template costs an edit.
 //!
 //! One template is captured in f32 (a full run of a random image), then stored the
 //! other ways asked for (`fp8`, step strides): exactly what a capture into those

@@ -1,7 +1,7 @@
-//! `denoised bench-serve`: an open-loop load generator against a running daemon's HTTP
+//! `denoised bench serve`: an open-loop load generator against a running daemon's HTTP
 //! API.
 //!
-//! `bench-step` and `bench-pipeline` time the compute of one request in isolation; what
+//! `bench step` and `bench pipeline` time the compute of one request in isolation; what
 //! a deployment needs to know is how the whole daemon behaves under traffic: how long
 //! requests wait, how well the denoiser batches them, what latency tail a given arrival
 //! rate produces. This command registers a few templates, then fires `POST /v1/edits` at
@@ -333,7 +333,7 @@ async fn bench(a: Args) -> CliResult {
             .build()?,
         token: a.token.clone(),
     });
-    eprintln!("bench-serve: waiting for {}/readyz", api.base);
+    eprintln!("bench serve: waiting for {}/readyz", api.base);
     api.wait_ready().await?;
 
     // Templates are registered before the clock starts: capture is a full run.
@@ -364,7 +364,7 @@ async fn bench(a: Args) -> CliResult {
             "seed": a.seed.wrapping_add(k as u64),
         });
         let t = api.template(body).await?;
-        eprintln!("bench-serve: template {} ({}x{})", t.id, t.width, t.height);
+        eprintln!("bench serve: template {} ({}x{})", t.id, t.width, t.height);
         templates.push(t);
     }
 
@@ -416,7 +416,7 @@ async fn bench(a: Args) -> CliResult {
     lat.sort_by(f64::total_cmp);
     let mut queue: Vec<f64> = ok.iter().map(|s| s.timings.queue_s).collect();
     queue.sort_by(f64::total_cmp);
-    // The wait for a denoise worker and the run on it: what `denoised simulate` models.
+    // The wait for a denoise worker and the run on it: what `denoised bench simulate` models.
     let mut on_denoise: Vec<f64> = ok
         .iter()
         .map(|s| s.timings.queue_s + s.timings.denoise_s)

@@ -1,4 +1,4 @@
-//! `denoised bench-pipeline --sparse-vae`: the VAE of an edit, dense against
+//! `denoised bench pipeline --sparse-vae`: the VAE of an edit, dense against
 //! spatially sparse (SIGE), per mask ratio and sparse mode; one JSON line each.
 //!
 //! The template is a random image (encoder) and a random latent (decoder), traced once.

@@ -1,4 +1,4 @@
-//! `denoised bench-step`: times transformer steps of a named config with seeded random
+//! `denoised bench step`: times transformer steps of a named config with seeded random
 //! weights and prints one JSON line per measurement. Figures in docs/performance.md
 //! come from here.
 //!

@@ -1,4 +1,4 @@
-//! `denoised forward`: one transformer forward on tensors from a safetensors file.
+//! `denoised bench forward`: one transformer forward on tensors from a safetensors file.
 
 use std::path::PathBuf;
 

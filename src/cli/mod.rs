@@ -24,6 +24,8 @@ mod profile_lora;
 mod selftest;
 mod serve;
 mod simulate;
+#[cfg(test)]
+mod tests;
 
 use clap::{Parser, Subcommand};
 use denoised_cuda::{DeviceSpec, Resolved};
@@ -43,78 +45,43 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// The commands that operate the service; the benchmarks and tools are under `bench`.
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Run one transformer forward on named input tensors and write `output`.
+    /// Run the daemon: a supervisor, its worker processes and the HTTP API.
     ///
-    /// Inputs use the tensor names of the reference cases: hidden_states,
-    /// encoder_hidden_states, pooled_projections, timestep, guidance, img_ids, txt_ids.
-    /// If the input file also holds `output` (a reference case), the result is
-    /// compared with it and the difference printed: the bring-up check for a new
-    /// checkpoint.
-    Forward(forward::Args),
-    /// Time one transformer step of a named config with random weights; prints a JSON line.
-    BenchStep(bench_step::Args),
-    /// Time the masked-query attention op alone (TFLOP/s per mask ratio).
-    BenchAttn(bench_attn::Args),
-    /// Edit an image: inpaint the masked region from a prompt (FLUX.1 Fill). With
-    /// --template, only the masked tokens are computed.
+    /// The supervisor starts the router (HTTP API), preprocess, denoise, postprocess,
+    /// cache and ControlNet processes, and restarts any that die.
+    Serve(serve::ServeArgs),
+    /// Edit an image: inpaint the masked region from a prompt (FLUX.1 Fill).
+    ///
+    /// With --template, only the masked tokens are computed, against a captured template.
     Edit(edit::EditArgs),
-    /// Generate an image from a prompt (FLUX.1-dev or -schnell, as diffusers'
-    /// FluxPipeline).
+    /// Generate an image from a prompt (FLUX.1-dev or -schnell).
+    ///
+    /// Equal to diffusers' FluxPipeline.
     Generate(generate::GenerateArgs),
-    /// Template management.
+    /// Template management: capture a template that edits reuse.
     #[command(subcommand)]
     Template(TemplateCommand),
-    /// Time each stage of a whole edit with seeded components; prints a JSON line.
-    BenchPipeline(bench_pipeline::Args),
-    /// What compressed template forms (fp8, step sharing) change in edits against the
-    /// f32 template: latent error and PSNR inside the mask; JSON lines.
-    BenchCacheQuality(bench_quality::Args),
-    /// The approximate cache's eviction policies on a synthetic text-to-image prompt
-    /// trace at equal capacity: hit rate per K and steps saved; one JSON line each.
-    BenchApproxCache(bench_approx::Args),
-    /// What an approximate-cache hit saves end to end against a running daemon serving
-    /// a text-to-image model: a miss then a hit of the same prompt, per round; the hit's
-    /// latency against the (N - K) / N bound; one JSON line.
-    BenchGenerate(bench_generate::Args),
-    /// What LoRAs cost on seeded weights: read, upload, merge and unmerge times, the
-    /// unmerged step's overhead, and the time to first step of a request whose LoRA
-    /// loads at a throttled bandwidth (synchronous against bounded asynchronous
-    /// loading); one JSON line.
-    BenchLora(bench_lora::Args),
-    /// What moving a step's ControlNet residuals to the denoise worker costs at a real
-    /// model's sizes: the service's shared-memory stream, block by block, against one
-    /// cluster message; one JSON line.
-    BenchControlnetStream(bench_controlnet::Args),
-    /// Simulate a cluster of denoise workers (the real routing policies and batching
-    /// scheduler, step times from a profile); one JSON line per policy.
-    Simulate(simulate::Args),
-    /// Load-test a running daemon: open-loop Poisson arrivals of edits with mask sizes
-    /// from a trace; reports latency percentiles, server stage timings and batch sizes.
-    BenchServe(bench_serve::Args),
-    /// Measure this device's latency models for the planner (compute against FLOPs,
-    /// loads against bytes per cache tier), report R², and write the profile file
-    /// that `[denoise] profile` names.
+    /// Measure this device's latency models and write the planner's profile file.
+    ///
+    /// Compute against FLOPs, loads against bytes per cache tier; reports R² and writes
+    /// the profile file that `[denoise] profile` names.
     Profile(profile::Args),
-    /// K of bounded asynchronous LoRA loading for a model and a LoRA: the first step
-    /// whose latents with and without it fall below a cosine similarity; one JSON line
-    /// (`--write` records it beside the adapter for the daemon).
-    ProfileLora(profile_lora::Args),
-    /// Print the template cache size of models at a resolution (computed, not allocated).
-    Footprint(footprint::Args),
+    /// Verify a GPU in one run; prints a table, exits nonzero on a failure.
+    ///
+    /// Kernels and the transformer against their references, the identity invariant,
+    /// a daemon round trip on the device, and step and attention benchmarks at FLUX.1
+    /// size.
+    Selftest(selftest::Args),
     /// List the compute devices this machine offers.
     Devices,
-    /// Measure the serving runtime's own overheads: batch assembly per step, the
-    /// shared-memory latent handoff, a cluster message round trip.
-    BenchOverheads(bench_overheads::Args),
-    /// Run the daemon: a supervisor that starts the router (HTTP API), preprocess,
-    /// denoise, postprocess and cache processes, and restarts any that die.
-    Serve(serve::ServeArgs),
-    /// Verify a GPU in one run: kernels and the transformer against their references,
-    /// the identity invariant, a daemon round trip on the device, and step and
-    /// attention benchmarks at FLUX.1 size; prints a table, exits nonzero on a failure.
-    Selftest(selftest::Args),
+    /// Print the template cache size of models at a resolution (computed, not allocated).
+    Footprint(footprint::Args),
+    /// Benchmarks and tools: time the parts, load-test a daemon, simulate a cluster.
+    #[command(subcommand)]
+    Bench(BenchCommand),
     /// One process of the daemon (started by `serve`; not for direct use).
     #[command(hide = true)]
     Worker(serve::WorkerArgs),
@@ -126,35 +93,117 @@ pub enum TemplateCommand {
     Capture(edit::CaptureArgs),
 }
 
+/// `denoised bench NAME`: the benchmarks (most print JSON lines) and the tools for
+/// whoever develops or sizes the service.
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Time one transformer step of a named config with seeded weights (mask-aware too).
+    ///
+    /// With mask ratios, also mask-aware edit steps against a cached template, with the
+    /// speedup beside the FLOP bound; one JSON line per measurement.
+    Step(bench_step::Args),
+    /// Time the masked-query attention op alone (TFLOP/s per mask ratio).
+    Attn(bench_attn::Args),
+    /// Time each stage of a whole edit with seeded components (--sparse-vae: the VAE).
+    ///
+    /// Tokenize, text encoders, VAE encode, denoise, VAE decode, PNG encode; one JSON
+    /// line. With --sparse-vae, the VAE of an edit dense against spatially sparse, per
+    /// mask ratio and sparse mode.
+    Pipeline(bench_pipeline::Args),
+    /// What compressed template forms (fp8, step sharing) change in edits.
+    ///
+    /// Latent error and PSNR inside the mask against the f32 template; JSON lines.
+    CacheQuality(bench_quality::Args),
+    /// What LoRAs cost on seeded weights: merge, unmerged steps, asynchronous loading.
+    ///
+    /// Read, upload, merge and unmerge times, the unmerged step's overhead, and the time
+    /// to first step of a request whose LoRA loads at a throttled bandwidth (synchronous
+    /// against bounded asynchronous loading); one JSON line.
+    Lora(bench_lora::Args),
+    /// What moving a step's ControlNet residuals to the denoise worker costs.
+    ///
+    /// At a real model's sizes: the service's shared-memory stream, block by block,
+    /// against one cluster message; one JSON line.
+    ControlnetStream(bench_controlnet::Args),
+    /// The serving runtime's own costs: batch assembly, latent handoff, a message round trip.
+    ///
+    /// Batch assembly per step, the shared-memory latent handoff, a cluster message round
+    /// trip (against a running daemon's cluster port).
+    Overheads(bench_overheads::Args),
+    /// Load-test a running daemon with open-loop Poisson arrivals of edits.
+    ///
+    /// Mask sizes from a trace; reports latency percentiles, server stage timings and
+    /// batch sizes.
+    Serve(bench_serve::Args),
+    /// What an approximate-cache hit saves end to end, against a running daemon.
+    ///
+    /// The daemon serves a text-to-image model: a miss then a hit of the same prompt, per
+    /// round; the hit's latency against the (N - K) / N bound; one JSON line.
+    Generate(bench_generate::Args),
+    /// The approximate cache's eviction policies on a synthetic prompt trace.
+    ///
+    /// At equal capacity: hit rate per K and steps saved; one JSON line each.
+    ApproxCache(bench_approx::Args),
+    /// Simulate a cluster of denoise workers: the real routing policies and scheduler.
+    ///
+    /// The routing policies and the batching scheduler are the daemon's; step times come
+    /// from a profile; one JSON line per policy.
+    Simulate(simulate::Args),
+    /// K of bounded asynchronous LoRA loading for a model and a LoRA; --write keeps it.
+    ///
+    /// K is the first step whose latents with and without the LoRA fall below a cosine
+    /// similarity; one JSON line (`--write` records it beside the adapter, where the
+    /// daemon reads it).
+    ProfileLora(profile_lora::Args),
+    /// Run one transformer forward on named input tensors and write `output`.
+    ///
+    /// Inputs use the tensor names of the reference cases: hidden_states,
+    /// encoder_hidden_states, pooled_projections, timestep, guidance, img_ids, txt_ids.
+    /// If the input file also holds `output` (a reference case), the result is
+    /// compared with it and the difference printed: the bring-up check for a new
+    /// checkpoint.
+    Forward(forward::Args),
+}
+
 pub fn run(cli: Cli) -> CliResult {
-    if cli.threads > 0 {
+    // A daemon process sizes its own pool (its share of the cores, from the supervisor):
+    // the `--threads` it inherits through DENOISED_THREADS is the whole daemon's, and a
+    // pool built here would make its own fail to build.
+    let worker = matches!(cli.command, Command::Worker(_));
+    if cli.threads > 0 && !worker {
         rayon::ThreadPoolBuilder::new()
             .num_threads(cli.threads)
             .build_global()?;
     }
     match cli.command {
-        Command::Forward(a) => forward::run(a),
-        Command::BenchStep(a) => bench_step::run(a),
-        Command::Profile(a) => profile::run(a),
-        Command::ProfileLora(a) => profile_lora::run(a),
-        Command::BenchAttn(a) => bench_attn::run(a),
+        Command::Serve(a) => serve::run_serve(a, cli.threads),
         Command::Edit(a) => edit::run_edit(a),
         Command::Generate(a) => generate::run(a),
         Command::Template(TemplateCommand::Capture(a)) => edit::run_capture(a),
-        Command::BenchPipeline(a) => bench_pipeline::run(a),
-        Command::BenchCacheQuality(a) => bench_quality::run(a),
-        Command::BenchApproxCache(a) => bench_approx::run(a),
-        Command::BenchGenerate(a) => bench_generate::run(a),
-        Command::BenchLora(a) => bench_lora::run(a),
-        Command::BenchControlnetStream(a) => bench_controlnet::run(a),
-        Command::Simulate(a) => simulate::run(a),
-        Command::BenchServe(a) => bench_serve::run(a),
-        Command::Footprint(a) => footprint::run(a),
-        Command::Devices => devices::run(),
-        Command::Serve(a) => serve::run_serve(a, cli.threads),
-        Command::BenchOverheads(a) => bench_overheads::run(a),
+        Command::Profile(a) => profile::run(a),
         Command::Selftest(a) => selftest::run(a),
+        Command::Devices => devices::run(),
+        Command::Footprint(a) => footprint::run(a),
+        Command::Bench(b) => run_bench(b),
         Command::Worker(a) => serve::run_worker(a),
+    }
+}
+
+fn run_bench(b: BenchCommand) -> CliResult {
+    match b {
+        BenchCommand::Step(a) => bench_step::run(a),
+        BenchCommand::Attn(a) => bench_attn::run(a),
+        BenchCommand::Pipeline(a) => bench_pipeline::run(a),
+        BenchCommand::CacheQuality(a) => bench_quality::run(a),
+        BenchCommand::Lora(a) => bench_lora::run(a),
+        BenchCommand::ControlnetStream(a) => bench_controlnet::run(a),
+        BenchCommand::Overheads(a) => bench_overheads::run(a),
+        BenchCommand::Serve(a) => bench_serve::run(a),
+        BenchCommand::Generate(a) => bench_generate::run(a),
+        BenchCommand::ApproxCache(a) => bench_approx::run(a),
+        BenchCommand::Simulate(a) => simulate::run(a),
+        BenchCommand::ProfileLora(a) => profile_lora::run(a),
+        BenchCommand::Forward(a) => forward::run(a),
     }
 }
 
@@ -174,7 +223,7 @@ pub enum Selected {
 }
 
 /// Device and dtype of the commands that run the transformer through the serving
-/// code (`edit`, `template capture`, `forward`).
+/// code (`edit`, `template capture`, `bench forward`).
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelDeviceArgs {
     #[command(flatten)]

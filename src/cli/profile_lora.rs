@@ -1,4 +1,4 @@
-//! `denoised profile-lora`: K of bounded asynchronous loading for one (model, LoRA)
+//! `denoised bench profile-lora`: K of bounded asynchronous loading for one (model, LoRA)
 //! pair (docs/design.md §Adapters). The same generation runs with and without the LoRA in
 //! one batch; K is the first step whose latents with and without it fall below a
 //! cosine similarity (0.99): the steps before it barely depend on the LoRA, so a
@@ -146,7 +146,7 @@ pub fn run(a: Args) -> CliResult {
         std::fs::write(&path, serde_json::to_vec_pretty(&all)?)
             .map_err(|e| format!("{}: {e}", path.display()))?;
         eprintln!(
-            "profile-lora: K = {k} of {} steps, written to {}",
+            "bench profile-lora: K = {k} of {} steps, written to {}",
             a.steps,
             path.display()
         );

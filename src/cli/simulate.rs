@@ -1,4 +1,4 @@
-//! `denoised simulate`: a cluster of denoise workers in simulated time, to compare
+//! `denoised bench simulate`: a cluster of denoise workers in simulated time, to compare
 //! routing policies on fleets bigger than this machine. The real routing policies and
 //! the real batching scheduler run; step times come from a profile (`denoised
 //! profile`). Poisson arrivals at `--rps`, mask ratios drawn from a trace. One JSON line
@@ -68,7 +68,7 @@ pub struct Args {
     pub seed: u64,
     /// Seconds added to every request's latency for what happens outside the denoise
     /// workers (preprocessing, postprocessing, HTTP), to compare with end-to-end
-    /// latencies (bench-serve's `preprocess_mean_s + postprocess_mean_s`).
+    /// latencies (bench serve's `preprocess_mean_s + postprocess_mean_s`).
     #[arg(long, default_value_t = 0.0)]
     pub overhead_s: f64,
     /// One JSON line per policy (the default prints them too; kept for scripts).

@@ -259,15 +259,17 @@ impl Daemon {
 }
 
 impl Daemon {
-    /// `denoised bench-serve` against this daemon (8-step templates); its JSON report.
+    /// `denoised bench serve` against this daemon (8-step templates); its JSON report.
     pub fn bench_serve(&self, args: &[&str]) -> Value {
         let out = Command::new(env!("CARGO_BIN_EXE_denoised"))
-            .args(["bench-serve", "--url", &self.url, "--json", "--steps", "8"])
+            .args([
+                "bench", "serve", "--url", &self.url, "--json", "--steps", "8",
+            ])
             .args(args)
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "bench-serve failed: {stderr}");
+        assert!(out.status.success(), "bench serve failed: {stderr}");
         let stdout = String::from_utf8_lossy(&out.stdout);
         serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
     }

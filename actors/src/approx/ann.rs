@@ -4,7 +4,7 @@
 //!
 //! Below [`ANN_FROM`] prompts under a key the exact SIMD scan is the index: it is exact
 //! and costs about 0.1 us per prompt at CLIP-L's 768 dimensions (0.93 ms at 10,000
-//! prompts, 9.4 ms at 100,000; `denoised bench-approx-cache --index-sizes`, one core).
+//! prompts, 9.4 ms at 100,000; `denoised bench approx-cache --index-sizes`, one core).
 //! The graph's search costs 1.5 ms at 10,000 prompts, 1.8 ms at 30,000 and 2.5 ms at
 //! 100,000: the two cross near 16,384. The few candidates it returns are scored
 //! exactly, so a hit's similarity (and so its K) is always the true cosine of the prompt

@@ -2,7 +2,7 @@
 //! process prepares and finishes its requests itself, on the loop thread, between
 //! steps. Every preparation and every VAE decode then stalls the whole running batch,
 //! which is the cost that disaggregation removes; this mode exists so that the cost is
-//! measured side by side (`denoised bench-serve`, docs/performance.md).
+//! measured side by side (`denoised bench serve`, docs/performance.md).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -1,6 +1,6 @@
 //! Routing policies: which denoise worker takes a request (issue: mask-aware load
 //! balancing). Pure: worker states and a step-cost model in, a worker index out. The
-//! router (once workers report their state) and `denoised simulate` both call it.
+//! router (once workers report their state) and `denoised bench simulate` both call it.
 //!
 //! - `round_robin`: the next worker with room, in turn;
 //! - `least_requests`: the worker with room running the fewest requests;

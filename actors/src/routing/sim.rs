@@ -1,7 +1,7 @@
 //! A discrete-event simulator of a cluster of denoise workers: the real routing
 //! policies ([`Router`]) and the real batching scheduler ([`BatchScheduler`]) on
 //! simulated time, each step priced by a step-cost model (a worker's profile). How the
-//! policies compare on fleets bigger than one machine (`denoised simulate`).
+//! policies compare on fleets bigger than one machine (`denoised bench simulate`).
 //!
 //! A request goes to the worker the policy picks among those with room (running plus
 //! waiting below `max_batch`); when none has room it waits at the router, in arrival

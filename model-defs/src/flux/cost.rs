@@ -1,6 +1,6 @@
 //! FLOP accounting for the Flux transformer, per block and per request.
 //!
-//! The planner and the router price work with these numbers, and `bench-step` turns
+//! The planner and the router price work with these numbers, and `bench step` turns
 //! them into GFLOP/s. Counts are multiply-adds x 2, for the Linear layers and for the
 //! two attention products (QK^T and PV); norms, activations and modulation of a few
 //! rows are left out (well under 1% of a step).

@@ -1,5 +1,5 @@
 //! Forwards over host inputs: the reference cases' batched layout ([`FluxInputs`],
-//! `denoised forward`) and one-off requests ([`FluxRequest`]: the reference tests,
+//! `denoised bench forward`) and one-off requests ([`FluxRequest`]: the reference tests,
 //! ControlNets). Serving uploads a request once instead and steps it with
 //! [`FluxTransformer::forward_step`].
 

@@ -33,7 +33,7 @@ use crate::planner::{valid, Choice};
 
 pub(super) const NORM_EPS: f32 = 1e-6;
 
-/// One request of a batch with host inputs (the reference cases, `denoised forward`).
+/// One request of a batch with host inputs (the reference cases, `denoised bench forward`).
 /// Serving uploads a request once instead ([`RequestTensors`]) and steps it with
 /// [`FluxTransformer::forward_step`].
 pub struct FluxRequest<'a, T> {

@@ -61,7 +61,7 @@ impl VaePass {
 }
 
 /// Sparse runs when it computes at most this share of the dense pass's MACs. On this
-/// CPU (docs/performance.md, `bench-pipeline --sparse-vae`) a sparse MAC costs
+/// CPU (docs/performance.md, `bench pipeline --sparse-vae`) a sparse MAC costs
 /// 1.25-1.6x a dense one (0.62-0.80 of the MAC bound at 512x512), so sparse passes of
 /// 0.52-0.54 of the MACs run 1.37-1.49x faster than dense and 0.6 still about 1.2x; the
 /// break-even is near 0.75.

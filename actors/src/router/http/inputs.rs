@@ -160,7 +160,7 @@ pub fn resolve_loras(
         .collect()
 }
 
-/// The file `denoised profile-lora --write` leaves in an adapter's directory: K per
+/// The file `denoised bench profile-lora --write` leaves in an adapter's directory: K per
 /// model fingerprint.
 pub const BAL_FILE: &str = "bal.json";
 

@@ -133,7 +133,7 @@ pub struct SparseOpts {
 /// The tile side (a storage unit: a layer computes only the region's runs inside its
 /// tiles, and consecutive tiles share one GEMM, see `sparse_conv`). Larger tiles mean
 /// fewer, longer runs and fewer input windows; the cost is the cached pixels copied
-/// into a partly computed tile. Measured at 512x512, m = 0.05 / 0.1 (bench-pipeline
+/// into a partly computed tile. Measured at 512x512, m = 0.05 / 0.1 (bench pipeline
 /// --sparse-vae, local/frozen, share of the MAC bound): tile 8 0.53-0.65, 16 0.60-0.72,
 /// 32 0.65-0.77, 64 0.63-0.74.
 pub const DEFAULT_TILE: usize = 32;
@@ -329,7 +329,7 @@ impl SparseReport {
 
 /// Max abs difference of `a` and `b` (`[1, C, H, W]` alike) at the `keep` pixels
 /// (`[H * W]`) of every channel, and the max abs value of `b` there: how the sparse
-/// passes' error against dense is measured (tests, `bench-pipeline --sparse-vae`).
+/// passes' error against dense is measured (tests, `bench pipeline --sparse-vae`).
 pub fn kept_error(a: &Tensor, b: &Tensor, keep: &[bool]) -> (f32, f32) {
     let plane = keep.len();
     a.data()
