@@ -251,6 +251,10 @@ fn graph(src: &Path) -> BTreeMap<Vec<String>, BTreeSet<Vec<String>>> {
             || me.is_empty();
         let mut deps = BTreeSet::new();
         for p in paths(&without_tests(&code_only(&text))) {
+            // A bare `super` or `crate` names no item (`pub(super)`, `use super::*`).
+            if p.len() < 2 {
+                continue;
+            }
             let abs: Vec<String> = match p[0].as_str() {
                 "crate" => p[1..].to_vec(),
                 "super" | "self" => {

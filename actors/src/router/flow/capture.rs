@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use denoised_models::pipeline::sparse_vae::SparseVaeSetting;
 use denoised_models::planner::CacheMode;
+use denoised_runtime::shm::Handle;
 
 use super::stages::{denoise, finish_req, postprocess, preprocess, with_retries, Held};
 use crate::daemon::unix_now;
@@ -62,6 +63,16 @@ pub async fn capture(
     Ok(info)
 }
 
+/// What a capture run produced: the template's cache, its size, and the VAE traces
+/// its sparse passes will read (none from the inline baseline).
+struct Captured {
+    blob: Handle,
+    width: u32,
+    height: u32,
+    tokens: u32,
+    vae_traces: Vec<Handle>,
+}
+
 async fn capture_once(
     ctx: &Ctx,
     job: JobId,
@@ -88,96 +99,124 @@ async fn capture_once(
         params: params.clone(),
         max_pixels: ctx.config.server.max_pixels as u64,
     };
-    let mut vae_traces = Vec::new();
-    let (blob, width, height, tokens) = if ctx.config.denoise.disaggregate {
-        let prepared = preprocess(ctx, job, prepare, held).await?;
-        let work = DenoiseWork::Capture {
-            mode: input.cache_mode,
-            step_stride: input.step_stride,
-        };
-        let loras = input.loras.clone();
-        let d = denoise(
-            ctx,
-            job,
-            &prepared,
-            params.steps,
-            Vec::new(),
-            work,
-            loras,
-            held,
-        )
-        .await?;
-        let blob = d
-            .cache
-            .clone()
-            .ok_or_else(|| WireError::internal("capture returned no cache"))?;
-        if record {
-            // The decoder's trace is the dense decode of the final latent, recorded
-            // (when sparse decodes of the template's edits can pay).
-            let fin = FinishReq {
-                vae: VaeTraces::Capture,
-                ..finish_req(
-                    job,
-                    &prepared,
-                    &d,
-                    FinishParams::whole_image(ImageFormat::Png),
-                )
-            };
-            let f = postprocess(ctx, job, fin, held).await?;
-            vae_traces.extend(prepared.vae_trace.clone());
-            vae_traces.extend(f.vae_trace);
-        }
-        (
-            blob,
-            prepared.width,
-            prepared.height,
-            prepared.rows * prepared.cols,
-        )
-    } else {
-        let den = ctx.pick(groups::DENOISE, 1).await?;
-        ctx.jobs.stage(job, JobStatus::Denoising, Some(den.clone()));
-        let req = InlineReq {
-            prepare,
-            work: DenoiseWork::Capture {
-                mode: input.cache_mode,
-                step_stride: input.step_stride,
-            },
-            finish: None,
-        };
-        let d = ctx.ask(&den, |p| DenoiseMsg::Inline(Wire(req), p)).await?;
-        held.den.push((den, d.cache.iter().cloned().collect()));
-        let blob = d
-            .cache
-            .ok_or_else(|| WireError::internal("capture returned no cache"))?;
-        (blob, d.width, d.height, d.tokens)
+    let work = DenoiseWork::Capture {
+        mode: input.cache_mode,
+        step_stride: input.step_stride,
     };
+    let c = if ctx.config.denoise.disaggregate {
+        let loras = input.loras.clone();
+        capture_disaggregated(ctx, job, prepare, work, loras, record, held).await?
+    } else {
+        capture_inline(ctx, job, prepare, work, held).await?
+    };
+    store(ctx, input, params, image, c).await
+}
+
+/// The disaggregated capture: preprocess, the capture run on a denoise worker, and
+/// when the sparse VAE may serve the template's edits, the dense decode whose trace
+/// they will read.
+async fn capture_disaggregated(
+    ctx: &Ctx,
+    job: JobId,
+    prepare: PrepareReq,
+    work: DenoiseWork,
+    loras: Vec<WireLora>,
+    record: bool,
+    held: &mut Held,
+) -> Result<Captured, WireError> {
+    let steps = prepare.params.steps;
+    let prepared = preprocess(ctx, job, prepare, held).await?;
+    let d = denoise(ctx, job, &prepared, steps, Vec::new(), work, loras, held).await?;
+    let blob = d
+        .cache
+        .clone()
+        .ok_or_else(|| WireError::internal("capture returned no cache"))?;
+    let mut vae_traces = Vec::new();
+    if record {
+        // The decoder's trace is the dense decode of the final latent, recorded
+        // (when sparse decodes of the template's edits can pay).
+        let whole = FinishParams::whole_image(ImageFormat::Png);
+        let fin = FinishReq {
+            vae: VaeTraces::Capture,
+            ..finish_req(job, &prepared, &d, whole)
+        };
+        let f = postprocess(ctx, job, fin, held).await?;
+        vae_traces.extend(prepared.vae_trace.clone());
+        vae_traces.extend(f.vae_trace);
+    }
+    Ok(Captured {
+        blob,
+        width: prepared.width,
+        height: prepared.height,
+        tokens: prepared.rows * prepared.cols,
+        vae_traces,
+    })
+}
+
+/// The in-process baseline's capture: one denoise worker prepares and runs it.
+async fn capture_inline(
+    ctx: &Ctx,
+    job: JobId,
+    prepare: PrepareReq,
+    work: DenoiseWork,
+    held: &mut Held,
+) -> Result<Captured, WireError> {
+    let den = ctx.pick(groups::DENOISE, 1).await?;
+    ctx.jobs.stage(job, JobStatus::Denoising, Some(den.clone()));
+    let req = InlineReq {
+        prepare,
+        work,
+        finish: None,
+    };
+    let d = ctx.ask(&den, |p| DenoiseMsg::Inline(Wire(req), p)).await?;
+    held.den.push((den, d.cache.iter().cloned().collect()));
+    let blob = d
+        .cache
+        .ok_or_else(|| WireError::internal("capture returned no cache"))?;
+    Ok(Captured {
+        blob,
+        width: d.width,
+        height: d.height,
+        tokens: d.tokens,
+        vae_traces: Vec::new(),
+    })
+}
+
+/// Hands a captured template to the cache process, which answers once it is durable.
+async fn store(
+    ctx: &Ctx,
+    input: &TemplateInput,
+    params: &GenParams,
+    image: Handle,
+    c: Captured,
+) -> Result<TemplateInfo, WireError> {
     let info = TemplateInfo {
         id: input.id.clone(),
         model: ctx.model.clone(),
-        width,
-        height,
-        tokens,
+        width: c.width,
+        height: c.height,
+        tokens: c.tokens,
         steps: params.steps,
         guidance: params.guidance,
         seed: params.seed,
         prompt: params.prompt.clone(),
         max_sequence_length: params.max_sequence_length,
-        cache_bytes: blob.len,
+        cache_bytes: c.blob.len,
         created_unix: unix_now(),
         // The cache fills these in.
         kv_dtype: String::new(),
         cache_mode: String::new(),
         kv_step_stride: input.step_stride,
-        vae_trace_bytes: vae_traces.iter().map(|h| h.len).sum(),
+        vae_trace_bytes: c.vae_traces.iter().map(|h| h.len).sum(),
         tiers: TierBytes::default(),
         loras: input.loras.clone(),
     };
     let cache = ctx.cache().await?;
     let put = PutTemplate {
         info,
-        blob,
+        blob: c.blob,
         image,
-        vae_traces,
+        vae_traces: c.vae_traces,
         replace: input.replace,
     };
     let entry = ctx.ask(&cache, |p| CacheMsg::Put(Wire(put), p)).await?;

@@ -13,6 +13,7 @@ pub mod inputs;
 mod jobs;
 mod openai;
 pub mod openapi;
+mod ops;
 pub mod respond;
 mod routes;
 mod templates;

@@ -16,7 +16,7 @@ use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{adapters, admin, edits, generations, jobs, openai, routes, templates};
+use super::{adapters, admin, edits, generations, jobs, openai, ops, templates};
 use crate::router::state::Ctx;
 
 #[derive(OpenApi)]
@@ -57,9 +57,9 @@ impl Modify for BearerToken {
 /// Every route of the API with its operation.
 pub fn table() -> OpenApiRouter<Arc<Ctx>> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
-        .routes(routes!(routes::healthz))
-        .routes(routes!(routes::readyz))
-        .routes(routes!(routes::metrics))
+        .routes(routes!(ops::healthz))
+        .routes(routes!(ops::readyz))
+        .routes(routes!(ops::metrics))
         .routes(routes!(openapi_json))
         .routes(routes!(
             templates::list_templates,

@@ -1,5 +1,5 @@
-//! The route table of the router's HTTP API (axum), and the layers every route goes
-//! through: the bearer-token check, the metrics and access log, `/metrics`, `/readyz`.
+//! The router's HTTP service (axum): the route table with the layers every route goes
+//! through: the bearer-token check, the metrics and the access log.
 //! docs/api.md documents the API and docs/openapi.json describes it (served at
 //! `/openapi.json`).
 
@@ -9,10 +9,7 @@ use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::{Json, Router};
-use serde::Serialize;
-use serde_json::{json, Value};
-use utoipa::ToSchema;
+use axum::Router;
 
 use super::error::{ApiError, ErrorClass};
 use super::respond::REQUEST_ID;
@@ -117,86 +114,7 @@ async fn observe(State(ctx): State<Arc<Ctx>>, req: Request, next: Next) -> Respo
     r
 }
 
-/// Every process's metrics (docs/metrics.md), as OpenMetrics when the scraper asks for
-/// it (Prometheus does), else in the Prometheus text format.
-#[utoipa::path(get, path = "/metrics", tag = "operations", security(()),
-    responses((status = 200, description = "The metrics.", body = String,
-        content_type = "text/plain")))]
-pub(crate) async fn metrics(State(ctx): State<Arc<Ctx>>, req: Request) -> Response {
-    let openmetrics = req
-        .headers()
-        .get(header::ACCEPT)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.contains("application/openmetrics-text"));
-    let text = ctx.scrape(std::time::Duration::from_secs(2)).await;
-    let (kind, body) = if openmetrics {
-        (crate::metrics::OPENMETRICS, text)
-    } else {
-        (
-            crate::metrics::PROMETHEUS_TEXT,
-            crate::metrics::to_prometheus_text(&text),
-        )
-    };
-    ([(header::CONTENT_TYPE, kind)], body).into_response()
-}
-
 /// Compares in time independent of where the inputs differ (token checks).
 fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// The liveness probe's answer.
-#[derive(Serialize, ToSchema)]
-pub struct Health {
-    /// `ok`.
-    pub status: String,
-}
-
-/// Liveness: the router answers.
-#[utoipa::path(get, path = "/healthz", tag = "operations", security(()),
-    responses((status = 200, body = Health)))]
-pub(crate) async fn healthz() -> Json<Health> {
-    Json(Health {
-        status: "ok".into(),
-    })
-}
-
-/// Readiness: every worker group has its live members, and the daemon is not
-/// draining. Lists the processes and any worker slots the supervisor gave up on.
-#[utoipa::path(get, path = "/readyz", tag = "operations", security(()),
-    responses(
-        (status = 200, description = "Ready.", body = Object),
-        (status = 503, description = "Not ready (starting, draining, or a group short of workers).", body = Object),
-    ))]
-pub(crate) async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
-    let groups = ctx.ready();
-    let draining = ctx.admission.is_draining();
-    let ready = !draining && groups.iter().all(|(_, have, want)| have >= want);
-    let detail: Value = groups
-        .iter()
-        .map(|(g, have, want)| (g.to_string(), json!({"live": have, "want": want})))
-        .collect::<serde_json::Map<_, _>>()
-        .into();
-    let status = if ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    let processes: Vec<_> = ctx
-        .processes
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .values()
-        .cloned()
-        .collect();
-    // Worker slots the supervisor gave up restarting (crash loops), with the reason.
-    let failed = crate::daemon::SupervisorStatus::read(&ctx.status_file).failed;
-    let mut body = json!({"ready": ready, "workers": detail, "processes": processes});
-    if draining {
-        body["draining"] = json!(true);
-    }
-    if !failed.is_empty() {
-        body["failed"] = json!(failed);
-    }
-    (status, Json(body)).into_response()
 }
