@@ -15,7 +15,7 @@
 //! [`FluxTransformer::forward_step`] reads as diffusers' forward: the embedders here,
 //! then `FluxTransformerBlock` and `FluxSingleTransformerBlock` (`blocks.rs`), then
 //! `norm_out` and `proj_out` here; what the blocks share (the batch's packing, the
-//! inactive rows, the observer) is one [`Step`](step::Step) (`step.rs`).
+//! inactive rows, the observer) is one `Step` (`step.rs`).
 
 mod blocks;
 mod step;
