@@ -11,7 +11,16 @@
 //! recomputed (Y mode, see `inactive.rs`). A step's plan says which blocks compute
 //! every token instead (docs/design.md §Planner). With all tokens passed and no cache, this
 //! is exactly `FluxTransformer2DModel.forward`.
+//!
+//! [`FluxTransformer::forward_step`] reads as diffusers' forward: the embedders here,
+//! then `FluxTransformerBlock` and `FluxSingleTransformerBlock` (`blocks.rs`), then
+//! `norm_out` and `proj_out` here; what the blocks share (the batch's packing, the
+//! inactive rows, the observer) is one `Step` (`step.rs`).
 
+mod blocks;
+mod step;
+
+use std::fmt::Display;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::{Mutex, RwLock};
@@ -19,16 +28,16 @@ use std::sync::{Mutex, RwLock};
 use denoised_runtime::backend::Modulation;
 use denoised_runtime::{AttnSeq, Backend, Error, KvSource, QSpan, Result, Rows, Src, Tensor};
 
+use self::step::{Packing, Step, Stream};
 use super::adapters::{Registry, StepLoras};
 use super::config::FluxConfig;
 use super::embed;
 pub use super::host::FluxInputs;
-use super::inactive::{y_cache, Inactive};
+use super::inactive::y_cache;
 pub use super::observer::{ForwardObserver, NoObserver};
-use super::packing::{pack_text, PhaseInputs};
 pub use super::request::{RequestTensors, RestRows, StepRequest};
 use super::template::CacheMode;
-use super::weights::{DoubleLinear, FluxWeights, Linear, Seeded, SingleLinear, Site, Source};
+use super::weights::{FluxWeights, Linear, Seeded, Site, Source};
 use crate::planner::{valid, Choice};
 
 pub(super) const NORM_EPS: f32 = 1e-6;
@@ -185,28 +194,64 @@ impl<B: Backend> FluxTransformer<B> {
         self.backend.linear(x, &l.w, l.b.as_ref())
     }
 
+    /// The Linear `l` at `site` over `x`, plus the step's LoRA deltas there (request
+    /// `r` owning rows `rows(r)` of both).
+    fn linear_lora(
+        &self,
+        lo: &Option<StepLoras<B>>,
+        site: Site,
+        l: &Linear<B>,
+        x: &B::Tensor,
+        rows: &dyn Fn(usize) -> Option<Range<usize>>,
+    ) -> Result<B::Tensor> {
+        let mut y = self.linear(x, l)?;
+        self.lora(lo, site, &mut y, x, None, rows)?;
+        Ok(y)
+    }
+
+    /// [`linear_lora`](Self::linear_lora) over the column block `cols` of `x`, read in
+    /// place (attention writes its output over q's columns of a fused projection).
+    fn linear_cols_lora(
+        &self,
+        lo: &Option<StepLoras<B>>,
+        site: Site,
+        l: &Linear<B>,
+        x: &B::Tensor,
+        cols: Range<usize>,
+        rows: &dyn Fn(usize) -> Option<Range<usize>>,
+    ) -> Result<B::Tensor> {
+        let mut y = self
+            .backend
+            .linear_cols(x, cols.clone(), &l.w, l.b.as_ref())?;
+        self.lora(lo, site, &mut y, x, Some(cols), rows)?;
+        Ok(y)
+    }
+
+    /// Reports a hidden state to an observer that wants them. `name` is formatted only
+    /// then (callers pass `format_args!`): no string is built per block otherwise.
     fn emit(
         &self,
         obs: &mut dyn ForwardObserver<B::Tensor>,
-        name: &str,
+        name: impl Display,
         t: &B::Tensor,
     ) -> Result<()> {
         if obs.wants_hidden() {
-            obs.hidden(name, self.backend.download(t)?);
+            obs.hidden(&name.to_string(), self.backend.download(t)?);
         }
         Ok(())
     }
 
+    /// [`emit`](Self::emit) of the rows `rows` of `t`.
     fn emit_rows(
         &self,
         obs: &mut dyn ForwardObserver<B::Tensor>,
-        name: &str,
+        name: impl Display,
         t: &B::Tensor,
         rows: &[(u32, u32)],
     ) -> Result<()> {
         if obs.wants_hidden() {
             let g = self.backend.gather_rows(&[t], rows)?;
-            obs.hidden(name, self.backend.download(&g)?);
+            obs.hidden(&name.to_string(), self.backend.download(&g)?);
         }
         Ok(())
     }
@@ -220,16 +265,16 @@ impl<B: Backend> FluxTransformer<B> {
     /// templates that pass their inactive rows need the full blocks to be a prefix
     /// (their inactive rows cannot rejoin once they have left); edits of Y templates
     /// pass them always, and may follow any pattern.
+    ///
+    /// The blocks are in `blocks.rs` (one function per diffusers module), the state they
+    /// share in `step.rs`.
     pub fn forward_step(
         &self,
         reqs: &[StepRequest<'_, B::Tensor>],
         plan: &[Choice],
         obs: &mut dyn ForwardObserver<B::Tensor>,
     ) -> Result<Velocity<B::Tensor>> {
-        let c = &self.config;
         let be = &self.backend;
-        let d = c.hidden();
-        let heads = c.num_attention_heads;
         let w = self.w.read().map_err(|_| {
             Error::Invalid("the weights were poisoned by a panic while merging".into())
         })?;
@@ -237,12 +282,40 @@ impl<B: Backend> FluxTransformer<B> {
         let lo = StepLoras::resolve(&self.loras, reqs)?;
         if reqs.is_empty() {
             return Ok(Velocity {
-                packed: be.upload(&Tensor::zeros([0, c.out_channels()]))?,
+                packed: be.upload(&Tensor::zeros([0, self.config.out_channels()]))?,
                 rows: vec![],
             });
         }
+        self.validate(reqs, plan)?;
+        let rows = Packing::new(be, reqs)?;
+        let temb_act = self.time_text_embed(&w, &lo, reqs, obs)?;
+        let mut st = Step {
+            reqs,
+            lo,
+            temb_act,
+            rows,
+            obs,
+        };
+        let (mut x, mut ctx) = self.embed(&w, &mut st)?;
+        for (bi, blk) in w.double.iter().enumerate() {
+            let full = plan[bi] == Choice::Full;
+            st.rows.enter(be, reqs, full, &mut x, Stream::Img)?;
+            self.double_block(&mut st, bi, blk, &mut x, &mut ctx)?;
+        }
+        // The single blocks run over each request's joint [txt; img] rows.
+        let mut h = be.gather_rows(&[&ctx, &x], &st.rows.phase.layout.joint_index)?;
+        drop((x, ctx));
+        for (si, blk) in w.single.iter().enumerate() {
+            let full = plan[self.config.num_layers + si] == Choice::Full;
+            st.rows.enter(be, reqs, full, &mut h, Stream::Joint)?;
+            self.single_block(&mut st, si, blk, &mut h)?;
+        }
+        self.head(&w, &mut st, h)
+    }
 
-        // ---- packing: every request's rows, one matrix per stream ----------------
+    /// Refuses a plan of another length, an edit without image tokens, and a KV-mode
+    /// edit passing its inactive rows to a plan they could not follow.
+    fn validate(&self, reqs: &[StepRequest<'_, B::Tensor>], plan: &[Choice]) -> Result<()> {
         let blocks = self.num_blocks();
         if plan.len() != blocks {
             return Err(Error::Invalid(format!(
@@ -263,31 +336,26 @@ impl<B: Backend> FluxTransformer<B> {
                 )));
             }
         }
-        // Edits' inactive rows start in the image matrix (the embedder computes them),
-        // leave it at the first cached block and, for Y templates, rejoin it at the
-        // next full block. Without such rows the step has one phase.
-        let has_rest = reqs.iter().any(|r| r.rest.is_some());
-        let mut side = Inactive::new(be, reqs)?;
-        let mut phase = PhaseInputs::pack(be, reqs, has_rest, true)?;
-        let text = pack_text(be, reqs)?;
-        let rope_txt = (text.rope_cos.get(), text.rope_sin.get());
-        // Image rows each request keeps when the full phase ends.
-        let keep: Vec<usize> = reqs.iter().map(|r| r.tensors.img_rows()).collect();
-        let mut in_full = has_rest;
+        Ok(())
+    }
 
-        // ---- conditioning vector temb [B, d] ------------------------------------
+    /// diffusers' `time_text_embed` (`CombinedTimestepGuidanceTextProjEmbeddings`): the
+    /// conditioning vector temb `[B, d]`, one row per request. Returns SiLU(temb), the
+    /// input of every block's modulation Linear and of `norm_out`'s.
+    fn time_text_embed(
+        &self,
+        w: &FluxWeights<B>,
+        lo: &Option<StepLoras<B>>,
+        reqs: &[StepRequest<'_, B::Tensor>],
+        obs: &mut dyn ForwardObserver<B::Tensor>,
+    ) -> Result<B::Tensor> {
+        let (c, be) = (&self.config, &self.backend);
         let nb = reqs.len();
         let ts: Vec<f32> = reqs.iter().map(|r| r.timestep * 1000.0).collect();
         let t_proj = Tensor::new([nb, 256], embed::sinusoid(&ts, &self.time_freqs))?;
         self.emit(obs, "timestep_proj", &be.upload(&t_proj)?)?;
-        // The conditioning rows: one per request.
-        let per_req = |r: usize| Some(r..r + 1);
-        let mut temb = self.mlp2(
-            &lo,
-            &be.upload(&t_proj)?,
-            (Site::Time1, &w.time_1),
-            (Site::Time2, &w.time_2),
-        )?;
+        let t = (Site::Time1, &w.time_1);
+        let mut temb = self.mlp2(lo, &be.upload(&t_proj)?, t, (Site::Time2, &w.time_2))?;
         if let Some((g1, g2)) = &w.guidance {
             let gs: Vec<f32> = reqs.iter().map(|r| r.guidance * 1000.0).collect();
             let g_proj = be.upload(&Tensor::new(
@@ -295,7 +363,7 @@ impl<B: Backend> FluxTransformer<B> {
                 embed::sinusoid(&gs, &self.time_freqs),
             )?)?;
             self.emit(obs, "guidance_proj", &g_proj)?;
-            let g = self.mlp2(&lo, &g_proj, (Site::Guidance1, g1), (Site::Guidance2, g2))?;
+            let g = self.mlp2(lo, &g_proj, (Site::Guidance1, g1), (Site::Guidance2, g2))?;
             be.add(&mut temb, &g)?;
         }
         let pooled: Vec<f32> = reqs
@@ -303,373 +371,54 @@ impl<B: Backend> FluxTransformer<B> {
             .flat_map(|r| r.tensors.pooled.iter().copied())
             .collect();
         let pooled = be.upload(&Tensor::new([nb, c.pooled_projection_dim], pooled)?)?;
+        let text = (Site::Text1, &w.text_1);
         be.add(
             &mut temb,
-            &self.mlp2(
-                &lo,
-                &pooled,
-                (Site::Text1, &w.text_1),
-                (Site::Text2, &w.text_2),
-            )?,
+            &self.mlp2(lo, &pooled, text, (Site::Text2, &w.text_2))?,
         )?;
         self.emit(obs, "temb", &temb)?;
-        let temb_act = be.silu(&temb)?;
+        be.silu(&temb)
+    }
 
+    /// `x_embedder` and `context_embedder`: the packed image and text rows in the
+    /// model's width, `(x, ctx)`.
+    fn embed(
+        &self,
+        w: &FluxWeights<B>,
+        st: &mut Step<'_, '_, B>,
+    ) -> Result<(B::Tensor, B::Tensor)> {
+        let phase = &mut st.rows.phase;
         let img_in = phase.img.take().expect("packed with the image input");
-        let mut x = self.linear(img_in.get(), &w.x_embedder)?;
         let lay = &phase.layout;
         let img_rows = |r: usize| Some(lay.img[r].clone());
         let txt_rows = |r: usize| Some(lay.txt[r].clone());
-        self.lora(&lo, Site::XEmbedder, &mut x, img_in.get(), None, &img_rows)?;
+        let (lo, txt) = (&st.lo, st.rows.text.txt.get());
+        let x = self.linear_lora(lo, Site::XEmbedder, &w.x_embedder, img_in.get(), &img_rows)?;
         drop(img_in);
-        let mut ctx = self.linear(text.txt.get(), &w.context_embedder)?;
-        self.lora(
-            &lo,
-            Site::ContextEmbedder,
-            &mut ctx,
-            text.txt.get(),
-            None,
-            &txt_rows,
-        )?;
-        self.emit(obs, "x_embedder", &x)?;
-        self.emit(obs, "context_embedder", &ctx)?;
+        let s_ctx = Site::ContextEmbedder;
+        let ctx = self.linear_lora(lo, s_ctx, &w.context_embedder, txt, &txt_rows)?;
+        self.emit(st.obs, "x_embedder", &x)?;
+        self.emit(st.obs, "context_embedder", &ctx)?;
+        Ok((x, ctx))
+    }
 
-        // ---- double-stream blocks ------------------------------------------------
-        // Fused projections give [q | k | v] per stream; attention reads both streams
-        // in place and writes its output over q, which the output projections read.
-        for (bi, blk) in w.double.iter().enumerate() {
-            let site = |k| Site::Double(bi, k);
-            let full = plan[bi] == Choice::Full;
-            if in_full && !full {
-                if let Some(s) = &mut side {
-                    s.take_from(be, &x, &phase.layout.img)?;
-                }
-                x = be.gather_rows(&[&x], &phase.layout.img_prefix(&keep))?;
-                phase = PhaseInputs::pack(be, reqs, false, false)?;
-                in_full = false;
-            } else if !in_full && full && has_rest {
-                let s = side.as_mut().expect("valid plans rejoin only Y-mode rows");
-                x = s.merge_into(be, &x, &phase.layout.img)?;
-                phase = PhaseInputs::pack(be, reqs, true, false)?;
-                in_full = true;
-            }
-            let lay = &phase.layout;
-            let rope_img = (phase.rope_img.0.get(), phase.rope_img.1.get());
-            let img_rows = |r: usize| Some(lay.img[r].clone());
-            let txt_rows = |r: usize| Some(lay.txt[r].clone());
-            let mut m_img = self.linear(&temb_act, &blk.norm1)?;
-            self.lora(
-                &lo,
-                site(DoubleLinear::Norm1),
-                &mut m_img,
-                &temb_act,
-                None,
-                &per_req,
-            )?;
-            let mut m_txt = self.linear(&temb_act, &blk.norm1_context)?;
-            let s_nc = site(DoubleLinear::Norm1Context);
-            self.lora(&lo, s_nc, &mut m_txt, &temb_act, None, &per_req)?;
-            // The inactive rows' K/V at a cached block of a Y-mode template.
-            let side_kv = match &side {
-                Some(s) if !in_full => {
-                    let (w, b) = (&blk.qkv.w, blk.qkv.b.as_ref());
-                    let lora = self.side_lora(&lo, site(DoubleLinear::Qkv), s, d..3 * d);
-                    Some(s.kv(be, &m_img, w, b, d..3 * d, &blk.norm_k, &lora)?)
-                }
-                _ => None,
-            };
-            let nx = be.layer_norm_modulate(
-                &x,
-                NORM_EPS,
-                modl(&m_img, 0, &lay.img_seg),
-                modl(&m_img, 1, &lay.img_seg),
-            )?;
-            let nc = be.layer_norm_modulate(
-                &ctx,
-                NORM_EPS,
-                modl(&m_txt, 0, &lay.txt_seg),
-                modl(&m_txt, 1, &lay.txt_seg),
-            )?;
-            let mut qkv_i = self.linear(&nx, &blk.qkv)?;
-            self.lora(
-                &lo,
-                site(DoubleLinear::Qkv),
-                &mut qkv_i,
-                &nx,
-                None,
-                &img_rows,
-            )?;
-            let mut qkv_t = self.linear(&nc, &blk.add_qkv)?;
-            self.lora(
-                &lo,
-                site(DoubleLinear::AddQkv),
-                &mut qkv_t,
-                &nc,
-                None,
-                &txt_rows,
-            )?;
-            drop((nx, nc));
-            be.rms_norm_rope(&mut qkv_i, 0..d, &blk.norm_q, NORM_EPS, Some(rope_img))?;
-            be.rms_norm_rope(&mut qkv_i, d..2 * d, &blk.norm_k, NORM_EPS, Some(rope_img))?;
-            be.rms_norm_rope(
-                &mut qkv_t,
-                0..d,
-                &blk.norm_added_q,
-                NORM_EPS,
-                Some(rope_txt),
-            )?;
-            be.rms_norm_rope(
-                &mut qkv_t,
-                d..2 * d,
-                &blk.norm_added_k,
-                NORM_EPS,
-                Some(rope_txt),
-            )?;
-            for (ri, rows) in lay.img.iter().enumerate() {
-                if obs.captures(ri) == Some(CacheMode::Kv) {
-                    obs.block_slab(ri, bi, &be.gather_cols(&qkv_i, rows.clone(), d..3 * d)?)?;
-                }
-            }
-            let seqs = (0..reqs.len())
-                .map(|r| {
-                    self.seq(
-                        &reqs[r],
-                        bi,
-                        in_full,
-                        side_rows(&side_kv, &side, r),
-                        vec![
-                            QSpan {
-                                buf: 0,
-                                rows: lay.txt[r].clone(),
-                            },
-                            QSpan {
-                                buf: 1,
-                                rows: lay.img[r].clone(),
-                            },
-                        ],
-                        vec![(0, lay.txt[r].clone()), (1, lay.img[r].clone())],
-                        d,
-                    )
-                })
-                .collect::<Result<Vec<_>>>()?;
-            be.attention(&mut [&mut qkv_t, &mut qkv_i], 0, d, heads, &seqs)?;
-            drop(seqs);
-            drop(side_kv);
-            let mut a_img = be.linear_cols(&qkv_i, 0..d, &blk.to_out.w, blk.to_out.b.as_ref())?;
-            let s_out = site(DoubleLinear::ToOut);
-            self.lora(&lo, s_out, &mut a_img, &qkv_i, Some(0..d), &img_rows)?;
-            let mut a_txt =
-                be.linear_cols(&qkv_t, 0..d, &blk.to_add_out.w, blk.to_add_out.b.as_ref())?;
-            let s_out = site(DoubleLinear::ToAddOut);
-            self.lora(&lo, s_out, &mut a_txt, &qkv_t, Some(0..d), &txt_rows)?;
-            drop((qkv_i, qkv_t));
-            let p = format!("double_block.{bi}");
-            self.emit(obs, &format!("{p}.attn.hidden_states"), &a_img)?;
-            self.emit(obs, &format!("{p}.attn.encoder_hidden_states"), &a_txt)?;
-            be.gated_residual(&mut x, &a_img, modl(&m_img, 2, &lay.img_seg))?;
-            be.gated_residual(&mut ctx, &a_txt, modl(&m_txt, 2, &lay.txt_seg))?;
-
-            let nx = be.layer_norm_modulate(
-                &x,
-                NORM_EPS,
-                modl(&m_img, 3, &lay.img_seg),
-                modl(&m_img, 4, &lay.img_seg),
-            )?;
-            let ff = self.ff(
-                &lo,
-                &nx,
-                (site(DoubleLinear::FfIn), &blk.ff_in),
-                (site(DoubleLinear::FfOut), &blk.ff_out),
-                &img_rows,
-            )?;
-            self.emit(obs, &format!("{p}.ff"), &ff)?;
-            be.gated_residual(&mut x, &ff, modl(&m_img, 5, &lay.img_seg))?;
-            let nc = be.layer_norm_modulate(
-                &ctx,
-                NORM_EPS,
-                modl(&m_txt, 3, &lay.txt_seg),
-                modl(&m_txt, 4, &lay.txt_seg),
-            )?;
-            let ffc = self.ff(
-                &lo,
-                &nc,
-                (site(DoubleLinear::FfContextIn), &blk.ff_context_in),
-                (site(DoubleLinear::FfContextOut), &blk.ff_context_out),
-                &txt_rows,
-            )?;
-            self.emit(obs, &format!("{p}.ff_context"), &ffc)?;
-            be.gated_residual(&mut ctx, &ffc, modl(&m_txt, 5, &lay.txt_seg))?;
-            for (r, req) in reqs.iter().enumerate() {
-                if let Some((res, s)) = req.control.map(|c| c.double(bi)).transpose()?.flatten() {
-                    // An edit's residual rows are its active rows, which come first.
-                    let rows = lay.img[r].start..lay.img[r].start + keep[r];
-                    be.add_block(&mut x, rows, 0..d, res, s)?;
-                }
-            }
-            if obs.wants_block_images() {
-                obs.block_image(bi, &x)?;
-            }
-            self.emit(obs, &format!("{p}.encoder_hidden_states"), &ctx)?;
-            self.emit(obs, &format!("{p}.hidden_states"), &x)?;
-            for (ri, rows) in lay.img.iter().enumerate() {
-                if obs.captures(ri) == Some(CacheMode::Y) && bi + 1 < blocks {
-                    obs.block_slab(ri, bi, &be.gather_cols(&x, rows.clone(), 0..d)?)?;
-                }
-            }
-            if let Some(s) = side.as_mut().filter(|_| !in_full && bi + 1 < blocks) {
-                s.load(be, reqs, bi)?;
-            }
+    /// `norm_out` (AdaLayerNormContinuous) and `proj_out` over the image rows of the
+    /// joint matrix `h`: the step's velocity.
+    fn head(
+        &self,
+        w: &FluxWeights<B>,
+        st: &mut Step<'_, '_, B>,
+        mut h: B::Tensor,
+    ) -> Result<Velocity<B::Tensor>> {
+        let be = &self.backend;
+        if st.rows.in_full {
+            // The velocity is of the computed rows only.
+            st.rows.leave_full(be, st.reqs, &mut h, Stream::Joint)?;
         }
-
-        // ---- single-stream blocks over the joint [txt; img] rows ------------------
-        // One fused projection gives [k | v | q | mlp]; attention overwrites q, so
-        // columns d.. hold [k.. | attn | mlp] and proj_out reads [attn | mlp] in place.
-        let mut h = be.gather_rows(&[&ctx, &x], &phase.layout.joint_index)?;
-        drop((x, ctx));
-        let nd = c.num_layers;
-        for (si, blk) in w.single.iter().enumerate() {
-            let bi = nd + si;
-            let site = |k| Site::Single(si, k);
-            let full = plan[bi] == Choice::Full;
-            if in_full && !full {
-                if let Some(s) = &mut side {
-                    s.take_from(be, &h, &phase.layout.joint)?;
-                }
-                h = be.gather_rows(&[&h], &phase.layout.joint_prefix(&keep))?;
-                phase = PhaseInputs::pack(be, reqs, false, false)?;
-                in_full = false;
-            } else if !in_full && full && has_rest {
-                let s = side.as_mut().expect("valid plans rejoin only Y-mode rows");
-                h = s.merge_into(be, &h, &phase.layout.joint)?;
-                phase = PhaseInputs::pack(be, reqs, true, false)?;
-                in_full = true;
-            }
-            let lay = &phase.layout;
-            let n_joint = lay.joint_seg.len();
-            let rope_joint = (phase.rope_joint.0.get(), phase.rope_joint.1.get());
-            let joint_rows = |r: usize| Some(lay.joint[r].clone());
-            let mut m = self.linear(&temb_act, &blk.norm)?;
-            self.lora(
-                &lo,
-                site(SingleLinear::Norm),
-                &mut m,
-                &temb_act,
-                None,
-                &per_req,
-            )?;
-            let side_kv = match &side {
-                Some(s) if !in_full => {
-                    let (w, b) = (&blk.qkv_mlp.w, blk.qkv_mlp.b.as_ref());
-                    let lora = self.side_lora(&lo, site(SingleLinear::QkvMlp), s, 0..2 * d);
-                    Some(s.kv(be, &m, w, b, 0..2 * d, &blk.norm_k, &lora)?)
-                }
-                _ => None,
-            };
-            let n = be.layer_norm_modulate(
-                &h,
-                NORM_EPS,
-                modl(&m, 0, &lay.joint_seg),
-                modl(&m, 1, &lay.joint_seg),
-            )?;
-            let mut f = self.linear(&n, &blk.qkv_mlp)?;
-            self.lora(
-                &lo,
-                site(SingleLinear::QkvMlp),
-                &mut f,
-                &n,
-                None,
-                &joint_rows,
-            )?;
-            drop(n);
-            let p = format!("single_block.{si}");
-            if obs.wants_hidden() {
-                obs.hidden(
-                    &format!("{p}.proj_mlp"),
-                    be.download(&be.gather_cols(&f, 0..n_joint, 3 * d..7 * d)?)?,
-                );
-            }
-            be.rms_norm_rope(
-                &mut f,
-                2 * d..3 * d,
-                &blk.norm_q,
-                NORM_EPS,
-                Some(rope_joint),
-            )?;
-            be.rms_norm_rope(&mut f, 0..d, &blk.norm_k, NORM_EPS, Some(rope_joint))?;
-            for (ri, jr) in lay.joint.iter().enumerate() {
-                if obs.captures(ri) == Some(CacheMode::Kv) {
-                    let rows = jr.start + lay.txt[ri].len()..jr.end;
-                    obs.block_slab(ri, bi, &be.gather_cols(&f, rows, 0..2 * d)?)?;
-                }
-            }
-            let seqs = (0..reqs.len())
-                .map(|r| {
-                    self.seq(
-                        &reqs[r],
-                        bi,
-                        in_full,
-                        side_rows(&side_kv, &side, r),
-                        vec![QSpan {
-                            buf: 0,
-                            rows: lay.joint[r].clone(),
-                        }],
-                        vec![(0, lay.joint[r].clone())],
-                        0,
-                    )
-                })
-                .collect::<Result<Vec<_>>>()?;
-            be.attention(&mut [&mut f], 2 * d, d, heads, &seqs)?;
-            drop(seqs);
-            drop(side_kv);
-            if obs.wants_hidden() {
-                obs.hidden(
-                    &format!("{p}.attn"),
-                    be.download(&be.gather_cols(&f, 0..n_joint, 2 * d..3 * d)?)?,
-                );
-            }
-            be.gelu_tanh(&mut f, 3 * d..7 * d)?;
-            let mut out =
-                be.linear_cols(&f, 2 * d..7 * d, &blk.proj_out.w, blk.proj_out.b.as_ref())?;
-            let s_out = site(SingleLinear::ProjOut);
-            self.lora(&lo, s_out, &mut out, &f, Some(2 * d..7 * d), &joint_rows)?;
-            drop(f);
-            be.gated_residual(&mut h, &out, modl(&m, 2, &lay.joint_seg))?;
-            for (r, req) in reqs.iter().enumerate() {
-                if let Some((res, s)) = req.control.map(|c| c.single(si)).transpose()?.flatten() {
-                    let img0 = lay.joint[r].start + lay.txt[r].len();
-                    be.add_block(&mut h, img0..img0 + keep[r], 0..d, res, s)?;
-                }
-            }
-            if obs.wants_block_images() {
-                obs.block_image(bi, &be.gather_rows(&[&h], &lay.img_in_joint)?)?;
-            }
-            self.emit_rows(
-                obs,
-                &format!("{p}.encoder_hidden_states"),
-                &h,
-                &lay.txt_in_joint,
-            )?;
-            self.emit_rows(obs, &format!("{p}.hidden_states"), &h, &lay.img_in_joint)?;
-            for (ri, jr) in lay.joint.iter().enumerate() {
-                if obs.captures(ri) == Some(CacheMode::Y) && bi + 1 < blocks {
-                    let rows = jr.start + lay.txt[ri].len()..jr.end;
-                    obs.block_slab(ri, bi, &be.gather_cols(&h, rows, 0..d)?)?;
-                }
-            }
-            if let Some(s) = side.as_mut().filter(|_| !in_full && bi + 1 < blocks) {
-                s.load(be, reqs, bi)?;
-            }
-        }
-
-        // ---- output head ----------------------------------------------------------
-        if in_full {
-            h = be.gather_rows(&[&h], &phase.layout.joint_prefix(&keep))?;
-            phase = PhaseInputs::pack(be, reqs, false, false)?;
-        }
-        let lay = &phase.layout;
+        let lay = &st.rows.phase.layout;
         let x = be.gather_rows(&[&h], &lay.img_in_joint)?;
-        let mut m = self.linear(&temb_act, &w.norm_out)?;
-        self.lora(&lo, Site::NormOut, &mut m, &temb_act, None, &per_req)?;
+        let per_req = |r: usize| Some(r..r + 1);
+        let m = self.linear_lora(&st.lo, Site::NormOut, &w.norm_out, &st.temb_act, &per_req)?;
         // AdaLayerNormContinuous chunks are (scale, shift): reversed from adaLN-Zero.
         let nx = be.layer_norm_modulate(
             &x,
@@ -677,10 +426,9 @@ impl<B: Backend> FluxTransformer<B> {
             modl(&m, 1, &lay.img_seg),
             modl(&m, 0, &lay.img_seg),
         )?;
-        self.emit(obs, "norm_out", &nx)?;
-        let mut packed = self.linear(&nx, &w.proj_out)?;
+        self.emit(st.obs, "norm_out", &nx)?;
         let img_rows = |r: usize| Some(lay.img[r].clone());
-        self.lora(&lo, Site::ProjOut, &mut packed, &nx, None, &img_rows)?;
+        let packed = self.linear_lora(&st.lo, Site::ProjOut, &w.proj_out, &nx, &img_rows)?;
         Ok(Velocity {
             packed,
             rows: lay.img.clone(),
@@ -752,12 +500,9 @@ impl<B: Backend> FluxTransformer<B> {
         (s2, l2): (Site, &Linear<B>),
     ) -> Result<B::Tensor> {
         let per_req = |r: usize| Some(r..r + 1);
-        let mut h = self.linear(x, l1)?;
-        self.lora(lo, s1, &mut h, x, None, &per_req)?;
+        let h = self.linear_lora(lo, s1, l1, x, &per_req)?;
         let h1 = self.backend.silu(&h)?;
-        let mut y = self.linear(&h1, l2)?;
-        self.lora(lo, s2, &mut y, &h1, None, &per_req)?;
-        Ok(y)
+        self.linear_lora(lo, s2, l2, &h1, &per_req)
     }
 
     /// FeedForward: Linear → GELU(tanh) → Linear. A LoRA on the first Linear adds to
@@ -781,17 +526,6 @@ impl<B: Backend> FluxTransformer<B> {
             }
             _ => be.linear_gelu(x, &l1.w, l1.b.as_ref())?,
         };
-        let mut y = self.linear(&h, l2)?;
-        self.lora(lo, s2, &mut y, &h, None, rows)?;
-        Ok(y)
+        self.linear_lora(lo, s2, l2, &h, rows)
     }
-}
-
-/// A request's rows of the inactive rows' recomputed K/V at a cached block, with them.
-fn side_rows<'s, T>(
-    kv: &'s Option<T>,
-    side: &Option<Inactive<'_, T>>,
-    req: usize,
-) -> Option<(&'s T, Range<usize>)> {
-    Some((kv.as_ref()?, side.as_ref()?.rows[req].clone()?))
 }
