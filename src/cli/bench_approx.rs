@@ -8,7 +8,7 @@
 use clap::Parser;
 use denoised_actors::approx::trace::{generate, TraceSpec};
 use denoised_actors::approx::{
-    store_steps, ApproxCache, ExactKey, Policy, Thresholds, STORE_FRACTIONS,
+    store_steps, ApproxCache, EvictionPolicy, ExactKey, Thresholds, STORE_FRACTIONS,
 };
 
 use super::CliResult;
@@ -62,7 +62,7 @@ fn time_index(n: usize, dim: usize) -> serde_json::Value {
     let trace = generate(&spec);
     let mut cache = ApproxCache::new(
         u64::MAX,
-        Policy::Lru,
+        EvictionPolicy::Lru,
         Thresholds::default(),
         &STORE_FRACTIONS,
     );
@@ -142,7 +142,7 @@ pub fn run(a: Args) -> CliResult {
     let trace = generate(&spec);
     let ks = store_steps(a.steps, &STORE_FRACTIONS);
     for name in &a.policy {
-        let policy: Policy = name.parse()?;
+        let policy: EvictionPolicy = name.parse()?;
         let mut cache = ApproxCache::new(
             a.capacity_states,
             policy,

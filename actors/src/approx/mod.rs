@@ -16,7 +16,7 @@
 //! - **Index.** An exact scan of the prompts with the same exact key (unit vectors,
 //!   one SIMD dot product each), and above [`ann::ANN_FROM`] prompts under a key an HNSW
 //!   graph ([`ann`]) whose candidates are then scored exactly.
-//! - **Eviction** by [`Policy`] within a byte capacity; a prompt whose states are all
+//! - **Eviction** by [`EvictionPolicy`] within a byte capacity; a prompt whose states are all
 //!   evicted leaves the index.
 
 pub mod ann;
@@ -29,14 +29,14 @@ use std::collections::{BTreeMap, HashMap};
 use denoised_runtime::cpu::simd;
 
 use policy::{score, Counters};
-pub use policy::{Policy, HALF_LIFE_LOOKUPS};
+pub use policy::{EvictionPolicy, HALF_LIFE_LOOKUPS};
 
 /// The cache `[approx_cache]` describes (policy and thresholds checked; `None`
 /// when its memory is 0). Its capacity is both tiers', host and disk.
 pub fn from_config(
     c: &denoised_runtime::config::ApproxCacheConfig,
 ) -> Result<Option<ApproxCache>, String> {
-    let policy: Policy = c.policy.parse()?;
+    let policy: EvictionPolicy = c.policy.parse()?;
     let thresholds = Thresholds::new(c.thresholds.clone())?;
     let capacity = c.host_bytes.saturating_add(c.disk_bytes);
     Ok(
@@ -151,7 +151,7 @@ struct Prompt {
 pub struct ApproxCache {
     capacity: u64,
     used: u64,
-    policy: Policy,
+    policy: EvictionPolicy,
     thresholds: Thresholds,
     fractions: Vec<f64>,
     /// Lookups so far: the clock of recency and aging.
@@ -183,7 +183,12 @@ fn fiftieths(k: usize, steps: usize) -> usize {
 }
 
 impl ApproxCache {
-    pub fn new(capacity: u64, policy: Policy, thresholds: Thresholds, fractions: &[f64]) -> Self {
+    pub fn new(
+        capacity: u64,
+        policy: EvictionPolicy,
+        thresholds: Thresholds,
+        fractions: &[f64],
+    ) -> Self {
         ApproxCache {
             capacity,
             used: 0,
@@ -398,7 +403,7 @@ impl ApproxCache {
                     .then(a.3.cmp(&b.3))
             })?;
         let (s, _, id, k) = victim;
-        if self.policy == Policy::Gdsf {
+        if self.policy == EvictionPolicy::Gdsf {
             self.inflation = self.inflation.max(s);
         }
         self.remove(id, k);

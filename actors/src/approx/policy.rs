@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 /// The eviction policy (`[approx_cache] policy`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Policy {
+pub enum EvictionPolicy {
     /// NIRVANA's LCBFU: score = access frequency x K (the steps a hit saves). Its
     /// faults, as the paper's own figures show them: frequencies never age, a new state
     /// (frequency 0) is the first to go however useful it would be, and the benefit
@@ -29,25 +29,25 @@ pub enum Policy {
     Gdsf,
 }
 
-impl Policy {
+impl EvictionPolicy {
     pub fn as_str(self) -> &'static str {
         match self {
-            Policy::Lcbfu => "lcbfu",
-            Policy::Lru => "lru",
-            Policy::Lfu => "lfu",
-            Policy::Gdsf => "gdsf",
+            EvictionPolicy::Lcbfu => "lcbfu",
+            EvictionPolicy::Lru => "lru",
+            EvictionPolicy::Lfu => "lfu",
+            EvictionPolicy::Gdsf => "gdsf",
         }
     }
 }
 
-impl FromStr for Policy {
+impl FromStr for EvictionPolicy {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "lcbfu" => Ok(Policy::Lcbfu),
-            "lru" => Ok(Policy::Lru),
-            "lfu" => Ok(Policy::Lfu),
-            "gdsf" => Ok(Policy::Gdsf),
+            "lcbfu" => Ok(EvictionPolicy::Lcbfu),
+            "lru" => Ok(EvictionPolicy::Lru),
+            "lfu" => Ok(EvictionPolicy::Lfu),
+            "gdsf" => Ok(EvictionPolicy::Gdsf),
             _ => Err(format!(
                 "approximate cache policy {s:?}: expected lcbfu, lru, lfu or gdsf"
             )),
@@ -55,7 +55,7 @@ impl FromStr for Policy {
     }
 }
 
-impl fmt::Display for Policy {
+impl fmt::Display for EvictionPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
@@ -83,12 +83,12 @@ pub const HALF_LIFE_LOOKUPS: f64 = 1000.0;
 
 /// `c`'s score under `policy` at lookup clock `now`; `hit_rate` is the observed share of
 /// lookups a state at `c.k / c.steps` served (GDSF only).
-pub fn score(policy: Policy, c: &Counters, now: u64, hit_rate: f64) -> f64 {
+pub fn score(policy: EvictionPolicy, c: &Counters, now: u64, hit_rate: f64) -> f64 {
     match policy {
-        Policy::Lcbfu => c.hits as f64 * c.k as f64,
-        Policy::Lru => c.touched as f64,
-        Policy::Lfu => c.hits as f64,
-        Policy::Gdsf => {
+        EvictionPolicy::Lcbfu => c.hits as f64 * c.k as f64,
+        EvictionPolicy::Lru => c.touched as f64,
+        EvictionPolicy::Lfu => c.hits as f64,
+        EvictionPolicy::Gdsf => {
             c.base
                 + decayed(c.freq, now.saturating_sub(c.touched))
                     * (c.k as f64 / c.steps.max(1) as f64)

@@ -63,12 +63,12 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn policy() -> impl Strategy<Value = Policy> {
+fn policy() -> impl Strategy<Value = EvictionPolicy> {
     prop_oneof![
-        Just(Policy::Lcbfu),
-        Just(Policy::Lru),
-        Just(Policy::Lfu),
-        Just(Policy::Gdsf)
+        Just(EvictionPolicy::Lcbfu),
+        Just(EvictionPolicy::Lru),
+        Just(EvictionPolicy::Lfu),
+        Just(EvictionPolicy::Gdsf)
     ]
 }
 
@@ -88,13 +88,19 @@ struct Model {
 impl Model {
     /// The brute-force score of LCBFU, LRU and LFU; GDSF's from its counters (its
     /// decay and hit rates are the cache's own arithmetic, checked by the ordering).
-    fn score(&self, cache: &ApproxCache, policy: Policy, id: PromptId, c: &Counters) -> f64 {
+    fn score(
+        &self,
+        cache: &ApproxCache,
+        policy: EvictionPolicy,
+        id: PromptId,
+        c: &Counters,
+    ) -> f64 {
         let s = self.states[&(id, c.k)];
         match policy {
-            Policy::Lcbfu => s.hits as f64 * c.k as f64,
-            Policy::Lru => s.touched as f64,
-            Policy::Lfu => s.hits as f64,
-            Policy::Gdsf => score(policy, c, cache.clock, cache.hit_rate(c.k, c.steps)),
+            EvictionPolicy::Lcbfu => s.hits as f64 * c.k as f64,
+            EvictionPolicy::Lru => s.touched as f64,
+            EvictionPolicy::Lfu => s.hits as f64,
+            EvictionPolicy::Gdsf => score(policy, c, cache.clock, cache.hit_rate(c.k, c.steps)),
         }
     }
 }
@@ -248,7 +254,7 @@ fn lcbfu_evicts_new_states_first_and_gdsf_does_not() {
     // One prompt hit often at K = 14, then a stream of one-off prompts: LCBFU keeps
     // the old prompt's states (score hits x K) and evicts each newcomer's at once on
     // the next insert; GDSF's inflation lets newcomers displace the stale states.
-    for policy in [Policy::Lcbfu, Policy::Gdsf] {
+    for policy in [EvictionPolicy::Lcbfu, EvictionPolicy::Gdsf] {
         let mut c = ApproxCache::new(8 * BYTES, policy, Thresholds::default(), &STORE_FRACTIONS);
         let e = embedding(1, 0);
         let (old, _) = c.insert(ExactKey(0), 1, &e, STEPS, BYTES);
@@ -266,7 +272,7 @@ fn lcbfu_evicts_new_states_first_and_gdsf_does_not() {
         let old_left = c.states_of(old.unwrap()).len();
         let new_left = c.states_of(newest.unwrap()).len();
         match policy {
-            Policy::Lcbfu => assert!(old_left > 0, "LCBFU keeps the frequent prompt"),
+            EvictionPolicy::Lcbfu => assert!(old_left > 0, "LCBFU keeps the frequent prompt"),
             _ => assert!(
                 old_left == 0 && new_left == 5,
                 "GDSF ages it out: {old_left}, {new_left}"
@@ -292,8 +298,13 @@ fn the_graph_index_agrees_with_the_exact_scan() {
     let (key, steps) = (ExactKey(1), 28);
     // Room for 300 prompts of 5 states: evictions start after 300 misses, and the graph
     // (from 100 prompts) is rebuilt as the dead pile up.
-    let mut cache = ApproxCache::new(1500, Policy::Lru, Thresholds::default(), &STORE_FRACTIONS)
-        .with_ann_from(100);
+    let mut cache = ApproxCache::new(
+        1500,
+        EvictionPolicy::Lru,
+        Thresholds::default(),
+        &STORE_FRACTIONS,
+    )
+    .with_ann_from(100);
     let t = Thresholds::default();
     let (mut compared, mut same_k, mut worst) = (0, 0, 0f32);
     for (i, r) in trace.iter().enumerate() {

@@ -207,16 +207,17 @@ pub fn estimate(w: &WorkerView, req: &Incoming, cost: &dyn StepCost) -> Estimate
     }
 }
 
-/// A router's policy and its round-robin position.
+/// Chooses the worker that takes a request: the routing policy, with its round-robin
+/// position (the router's balancer and the cluster simulator both dispatch with it).
 #[derive(Clone, Debug, Default)]
-pub struct Router {
+pub struct Dispatcher {
     pub policy: Policy,
     next: usize,
 }
 
-impl Router {
+impl Dispatcher {
     pub fn new(policy: Policy) -> Self {
-        Router { policy, next: 0 }
+        Dispatcher { policy, next: 0 }
     }
 
     /// The worker to take `req`, among those with room (`None` if none has).

@@ -1,5 +1,5 @@
 //! A discrete-event simulator of a cluster of denoise workers: the real routing
-//! policies ([`Router`]) and the real batching scheduler ([`BatchScheduler`]) on
+//! policies ([`Dispatcher`]) and the real batching scheduler ([`BatchScheduler`]) on
 //! simulated time, each step priced by a step-cost model (a worker's profile). How the
 //! policies compare on fleets bigger than one machine (`denoised bench simulate`).
 //!
@@ -13,7 +13,7 @@ use std::collections::{HashMap, VecDeque};
 
 use denoised_models::flux::cost::StepShape;
 
-use super::{Incoming, Policy, Router, Running, StepCost, WorkerView};
+use super::{Dispatcher, Incoming, Policy, Running, StepCost, WorkerView};
 use crate::scheduler::{BatchConfig, BatchScheduler, SchedRequest, StepPlan};
 
 /// One simulated request.
@@ -66,7 +66,7 @@ pub fn simulate_cluster(
             })
         })
         .collect::<Result<_, String>>()?;
-    let mut router = Router::new(policy);
+    let mut dispatcher = Dispatcher::new(policy);
     let mut host_templates: Vec<u64> = vec![];
     let mut out: Vec<Option<Done>> = vec![None; reqs.len()];
     let mut admit: HashMap<u64, (f64, usize)> = HashMap::new();
@@ -109,7 +109,7 @@ pub fn simulate_cluster(
                 .iter()
                 .map(|w| view(w, reqs, &host_templates, batch))
                 .collect();
-            let Some(wi) = router.choose(&views, &reqs[ri].req, cost) else {
+            let Some(wi) = dispatcher.choose(&views, &reqs[ri].req, cost) else {
                 break;
             };
             queue.pop_front();

@@ -103,22 +103,22 @@ fn a_heavy_mask_goes_to_the_idle_worker() {
     ];
     let heavy = incoming(3800);
     for p in Policy::ALL {
-        let got = Router::new(p).choose(&workers, &heavy, &COST);
+        let got = Dispatcher::new(p).choose(&workers, &heavy, &COST);
         println!("{}: worker {got:?}", p.name());
     }
     assert_eq!(
-        Router::new(Policy::MaskAware).choose(&workers, &heavy, &COST),
+        Dispatcher::new(Policy::MaskAware).choose(&workers, &heavy, &COST),
         Some(2)
     );
     // Without the idle worker, mask_aware takes the one whose batch empties soon;
     // least_requests the one with fewer (but long, heavy) requests.
     let two = &workers[..2];
     assert_eq!(
-        Router::new(Policy::MaskAware).choose(two, &heavy, &COST),
+        Dispatcher::new(Policy::MaskAware).choose(two, &heavy, &COST),
         Some(1)
     );
     assert_eq!(
-        Router::new(Policy::LeastRequests).choose(two, &heavy, &COST),
+        Dispatcher::new(Policy::LeastRequests).choose(two, &heavy, &COST),
         Some(0)
     );
 }
@@ -141,7 +141,7 @@ fn the_delay_to_running_requests_counts() {
     assert!(e0.finish_s < e1.finish_s);
     assert!(e0.cost_s() > e1.cost_s());
     assert_eq!(
-        Router::new(Policy::MaskAware).choose(&ws, &heavy, &COST),
+        Dispatcher::new(Policy::MaskAware).choose(&ws, &heavy, &COST),
         Some(1)
     );
     // An idle worker delays nobody.
@@ -167,7 +167,7 @@ fn template_locality_is_priced() {
     let ws = vec![cold.clone(), on_host.clone(), on_device.clone()];
     // The cold worker is idle but pays a disk load (3 s, far more than sharing 28 steps).
     assert_eq!(
-        Router::new(Policy::MaskAware).choose(&ws, &req, &COST),
+        Dispatcher::new(Policy::MaskAware).choose(&ws, &req, &COST),
         Some(2)
     );
     // A cheap disk makes the idle worker best again.
@@ -180,7 +180,7 @@ fn template_locality_is_priced() {
         ..req
     };
     assert_eq!(
-        Router::new(Policy::MaskAware).choose(&ws, &cheap, &COST),
+        Dispatcher::new(Policy::MaskAware).choose(&ws, &cheap, &COST),
         Some(0)
     );
     let (a, b) = (
@@ -227,21 +227,21 @@ fn ties_go_to_the_lowest_index_and_round_robin_turns() {
         Policy::LeastTokens,
         Policy::MaskAware,
     ] {
-        let mut r = Router::new(p);
+        let mut r = Dispatcher::new(p);
         for _ in 0..3 {
             assert_eq!(r.choose(&ws, &req, &COST), Some(0), "{}", p.name());
         }
     }
     let mut ws = ws;
     ws[1].room = false;
-    let mut rr = Router::new(Policy::RoundRobin);
+    let mut rr = Dispatcher::new(Policy::RoundRobin);
     let picks: Vec<_> = (0..5).map(|_| rr.choose(&ws, &req, &COST)).collect();
     assert_eq!(picks, [Some(0), Some(2), Some(0), Some(2), Some(0)]);
     for w in ws.iter_mut() {
         w.room = false;
     }
     for p in Policy::ALL {
-        assert_eq!(Router::new(p).choose(&ws, &req, &COST), None);
+        assert_eq!(Dispatcher::new(p).choose(&ws, &req, &COST), None);
     }
     assert_eq!("mask_aware".parse::<Policy>(), Ok(Policy::MaskAware));
     assert!("fastest"
@@ -272,7 +272,7 @@ fn decision_time_for_8_workers_of_8_requests() {
         }),
         ..incoming(700)
     };
-    let mut r = Router::new(Policy::MaskAware);
+    let mut r = Dispatcher::new(Policy::MaskAware);
     let n = 2000;
     let t0 = Instant::now();
     let mut sum = 0;
@@ -335,7 +335,7 @@ proptest! {
         }
         // mask_aware picks a worker with the least added latency (up to rounding: the
         // two sums add the same step costs in another order).
-        let got = Router::new(Policy::MaskAware).choose(&ws, &req, &COST);
+        let got = Dispatcher::new(Policy::MaskAware).choose(&ws, &req, &COST);
         let key = |w: &WorkerView| brute_estimate(w, &req, &COST).cost_s();
         let want = best(&key);
         prop_assert_eq!(got.is_some(), want.is_some());
@@ -344,15 +344,15 @@ proptest! {
             prop_assert!(fg <= fb * (1.0 + 1e-9), "worker {g} ({fg}) vs {b} ({fb})");
         }
         prop_assert_eq!(
-            Router::new(Policy::LeastRequests).choose(&ws, &req, &COST),
+            Dispatcher::new(Policy::LeastRequests).choose(&ws, &req, &COST),
             best(&|w| w.running.len() as f64)
         );
         prop_assert_eq!(
-            Router::new(Policy::LeastTokens).choose(&ws, &req, &COST),
+            Dispatcher::new(Policy::LeastTokens).choose(&ws, &req, &COST),
             best(&|w| w.running.iter().map(|r| (r.shape.text + r.shape.active) as f64).sum())
         );
         prop_assert_eq!(
-            Router::new(Policy::RoundRobin).choose(&ws, &req, &COST),
+            Dispatcher::new(Policy::RoundRobin).choose(&ws, &req, &COST),
             ws.iter().position(|w| w.room)
         );
     }

@@ -24,7 +24,9 @@ use ractor::ActorCell;
 use serde_json::{json, Value};
 use tokio::sync::Notify;
 
-use crate::routing::{Incoming, Policy, ProfileCost, Router, Running, TemplateNeed, WorkerView};
+use crate::routing::{
+    Dispatcher, Incoming, Policy, ProfileCost, Running, TemplateNeed, WorkerView,
+};
 use crate::wire::{JobId, TemplateRef, WorkerLoad};
 
 /// What the router knows of one denoise worker.
@@ -70,7 +72,7 @@ impl Worker {
 }
 
 struct State {
-    router: Router,
+    dispatcher: Dispatcher,
     /// By worker (process) name: the name of its actor.
     workers: BTreeMap<String, Worker>,
     /// The latency models routing prices steps with: the first denoise worker's that
@@ -83,7 +85,7 @@ struct State {
 }
 
 /// The decision of [`Balancer::place`].
-pub struct Placed {
+pub struct Placement {
     pub worker: ActorCell,
     pub decision_s: f64,
 }
@@ -101,7 +103,7 @@ impl Balancer {
     pub fn new(model: FluxConfig, policy: Policy, max_batch: usize) -> Self {
         Balancer {
             state: Mutex::new(State {
-                router: Router::new(policy),
+                dispatcher: Dispatcher::new(policy),
                 workers: BTreeMap::new(),
                 profile: Arc::new(Profile::defaults("cpu")),
                 announced: false,
@@ -118,11 +120,11 @@ impl Balancer {
     }
 
     pub fn policy(&self) -> Policy {
-        self.lock().router.policy
+        self.lock().dispatcher.policy
     }
 
     pub fn set_policy(&self, policy: Policy) {
-        self.lock().router = Router::new(policy);
+        self.lock().dispatcher = Dispatcher::new(policy);
     }
 
     /// A denoise worker (re)started: what the router knew of its name is gone with the
@@ -184,7 +186,7 @@ impl Balancer {
         shape: StepShape,
         steps: u32,
         template: Option<&TemplateRef>,
-    ) -> Option<Placed> {
+    ) -> Option<Placement> {
         let t0 = Instant::now();
         let mut st = self.lock();
         if st.queue.front() != Some(&job) {
@@ -223,7 +225,7 @@ impl Balancer {
             config: &self.model,
             profile: &profile,
         };
-        let i = st.router.choose(&views, &req, &cost)?;
+        let i = st.dispatcher.choose(&views, &req, &cost)?;
         let (name, cell) = &members[i];
         st.workers.entry(name.clone()).or_default().sent.push((
             job,
@@ -235,7 +237,7 @@ impl Balancer {
         st.queue.pop_front();
         drop(st);
         self.changed.notify_waiters();
-        Some(Placed {
+        Some(Placement {
             worker: (*cell).clone(),
             decision_s: t0.elapsed().as_secs_f64(),
         })
@@ -251,7 +253,7 @@ impl Balancer {
         job: JobId,
         shape: StepShape,
         steps: u32,
-    ) -> Option<(Placed, Placed)> {
+    ) -> Option<(Placement, Placement)> {
         let a = self.place(members, job, shape, steps, None)?;
         let rest: Vec<ActorCell> = members
             .iter()
@@ -291,7 +293,7 @@ impl Balancer {
             })
             .collect();
         json!({
-            "policy": st.router.policy.name(),
+            "policy": st.dispatcher.policy.name(),
             "waiting": st.queue.len(),
             "profile": st.profile.device,
             "workers": workers,
