@@ -392,6 +392,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
                     dir: env.config.cache.resolved_dir(),
                     disk_bytes: env.config.cache.disk_bytes,
                     noise,
+                    faults,
                 };
                 Actor::spawn(name, CacheActor, args)
                     .await

@@ -117,6 +117,7 @@ impl Actor for DenoiseActor {
     ) -> Result<Self::State, ActorProcessingErr> {
         let options = LoopOptions {
             panic_at_step: a.faults.panic_at_step,
+            slow_step: a.faults.slow_step,
             adapters: Some(a.adapters),
             ..LoopOptions::default()
         };
