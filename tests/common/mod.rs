@@ -98,10 +98,16 @@ impl Daemon {
     /// A daemon started with this config.toml (the directory holding it must outlive
     /// the daemon).
     pub fn with_config(toml: &str) -> (tempfile::TempDir, Daemon) {
+        Self::with_config_env(toml, &[])
+    }
+
+    /// [`Daemon::with_config`] with extra environment variables (e.g.
+    /// `DENOISED_FAULT`).
+    pub fn with_config_env(toml: &str, env: &[(&str, &str)]) -> (tempfile::TempDir, Daemon) {
         let dir = tempfile::tempdir().unwrap();
         let cfg = dir.path().join("config.toml");
         std::fs::write(&cfg, toml).unwrap();
-        let d = Daemon::start(&["--config", cfg.to_str().unwrap()]);
+        let d = Daemon::start_with_env(&["--config", cfg.to_str().unwrap()], env);
         (dir, d)
     }
 
