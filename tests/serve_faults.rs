@@ -385,23 +385,43 @@ fn delete_during_edits_lets_them_finish_and_then_frees_the_template() {
     }
 }
 
+/// The slow device of the deadline test: every batched step sleeps this long first.
+const SLOW_STEP_MS: u64 = 250;
+
 #[test]
 fn a_stage_past_its_deadline_is_a_504_and_the_daemon_goes_on() {
-    let (_dir, d) = Daemon::with_config("[server]\nstage_timeout_seconds = 1\n");
-    // 100 steps take longer than the 1 s deadline of the denoise stage.
+    // A slow device (injected): 12 steps take at least 3 s, three times the 1 s
+    // deadline of the denoise stage, on any machine.
+    let (_dir, d) = Daemon::with_config_env(
+        "[server]\nstage_timeout_seconds = 1\n",
+        &[(
+            "DENOISED_FAULT",
+            &format!("denoise:slow_step_ms={SLOW_STEP_MS}"),
+        )],
+    );
+    let steps = 12;
+    let slow = Duration::from_millis(SLOW_STEP_MS * steps);
     let t0 = Instant::now();
     let (s, v) = d.post(
         "/v1/edits",
-        &json!({"image": image_b64(), "mask": mask_b64(), "steps": 100}),
+        &json!({"image": image_b64(), "mask": mask_b64(), "steps": steps}),
     );
-    let secs = t0.elapsed().as_secs_f64();
-    println!("504 after {secs:.2} s: {}", v["error"]["message"]);
+    let took = t0.elapsed();
+    println!(
+        "504 after {:.2} s (the steps alone take {:.2} s): {}",
+        took.as_secs_f64(),
+        slow.as_secs_f64(),
+        v["error"]["message"]
+    );
     assert_eq!(s, 504, "{v}");
     assert_eq!(v["error"]["code"], "timeout", "{v}");
-    assert!(secs < 5.0, "{secs}");
+    // After the deadline, and before the request could have been denoised.
+    assert!(took >= Duration::from_secs(1), "{took:?}");
+    assert!(took < slow, "{took:?}");
+    // The daemon goes on: one slow step is well within the deadline.
     let (s, v) = d.post(
         "/v1/edits",
-        &json!({"image": image_b64(), "mask": mask_b64(), "steps": 2}),
+        &json!({"image": image_b64(), "mask": mask_b64(), "steps": 1}),
     );
     assert_eq!(s, 200, "{v}");
 }
