@@ -66,6 +66,10 @@ pub struct Daemon {
     /// restarts there).
     pub cache_dir: PathBuf,
     _cache_dir: Option<tempfile::TempDir>,
+    /// How long the daemon took from its start to a ready `/readyz`: every worker
+    /// started and loaded, on this machine under its present load (a yardstick for
+    /// the time a restarted worker may take).
+    pub startup: Duration,
 }
 
 /// `serve` arguments for the denoise worker on the emulator with the pre- and
@@ -130,6 +134,7 @@ impl Daemon {
                     .1,
             ),
         };
+        let started = Instant::now();
         let mut child = Command::new(env!("CARGO_BIN_EXE_denoised"))
             .args(["serve", "--listen", "127.0.0.1:0"])
             .args(args)
@@ -171,6 +176,7 @@ impl Daemon {
             url,
             cache_dir: dir,
             _cache_dir: guard,
+            startup: Duration::ZERO,
             http: Client::builder()
                 .timeout(Duration::from_secs(300))
                 .build()
@@ -184,6 +190,7 @@ impl Daemon {
             assert!(t0.elapsed() < Duration::from_secs(60), "never ready");
             std::thread::sleep(Duration::from_millis(50));
         }
+        d.startup = started.elapsed();
         d
     }
 
