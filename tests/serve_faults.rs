@@ -23,13 +23,14 @@ fn until_ready(d: &Daemon, limit: Duration) -> Duration {
 /// machine under its present load: the daemon's own start (`Daemon::startup`: every
 /// process started and loaded at once) bounds the restart of one process; the `queued`
 /// requests in flight (retried, or waiting behind those) take at most one undisturbed
-/// request's time (`one`) each (they run batched, so this is generous); plus 1 s for
+/// request's time (`one`) each (they run batched, so this is generous); plus 2 s for
 /// the supervisor's backoff (0.25 s after a crash within 5 s of a start), the
-/// reconnections and the client's polling. (Measured on a 2-core machine shared with
-/// other builds: startup 0.5 to 1.0 s, one edit 0.24 s, serving again 0.6 to 2.2 s
-/// after a kill, the denoise worker's the slowest, against bounds of 2.9 to 3.7 s.)
+/// reconnections, the router's polling for a worker with room and the client's.
+/// (Measured on a 2-core machine shared with other builds: startup 0.5 to 1.0 s, one
+/// edit 0.24 s, serving again 0.6 to 2.2 s after a kill, the denoise worker's the
+/// slowest; docs/operations.md's earlier runs saw up to 2.8 s. Bounds: 3.9 to 4.7 s.)
 fn recovery_bound(d: &Daemon, one: Duration, queued: u32) -> Duration {
-    d.startup + one * queued + Duration::from_secs(1)
+    d.startup + one * queued + Duration::from_secs(2)
 }
 
 #[test]
@@ -192,7 +193,9 @@ fn hostile_masks_are_refused_fast_and_the_daemon_keeps_serving() {
 
 /// Kill -9 of each role in turn under a load of concurrent edits: every request ends
 /// within a bounded time (success after a retry, or a clear error), the daemon serves
-/// again within 5 s, shared-memory use returns to its baseline, and a new edit works.
+/// again within what this run's start and edits say a restart and the retries take
+/// ([`recovery_bound`]), shared-memory use returns to its baseline, and a new edit
+/// works.
 #[test]
 fn kill_9_of_each_role_under_load_loses_nothing() {
     const CLIENTS: u32 = 6;
