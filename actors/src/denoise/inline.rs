@@ -15,7 +15,8 @@ use denoised_models::FlowMatchEuler;
 use denoised_runtime::shm::Handle;
 use denoised_runtime::{DType, Tensor};
 
-use super::actor::{unix_now, EventCtx};
+use super::actor::unix_now;
+use super::events::EventCtx;
 use super::{DenoiseRequest, LoopCommand, LoopSender};
 use crate::node::Shm;
 use crate::stages::{self, MaskInput, Pipeline};

@@ -590,4 +590,5 @@ mod tests;
 pub mod actor;
 pub mod adapters;
 pub mod cfg_pair;
+mod events;
 pub mod inline;
