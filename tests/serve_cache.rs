@@ -526,8 +526,9 @@ fn overlapped(m: &Prefetch) -> Result<(), String> {
 /// edit's denoise time, and under a hundredth of the read. Steps that waited on slow
 /// slab reads (a template read at disk speed, or slabs loaded in turn with compute
 /// when each load is not negligible) spend most of their time in the bubble. (Measured:
-/// a few microseconds in some 80 ms of steps, a 1.6 s read.) The bubble cannot tell
-/// when the disk read ran: the denoise stage starts once the template is in memory.
+/// 1 to 3 us in 75 to 220 ms of steps, after a 1.5 s read; with slab reads slowed to
+/// 5 ms each, 68 ms in 156 ms.) The bubble cannot tell when the disk read ran: the
+/// denoise stage starts once the template is in memory.
 fn streamed_from_memory(m: &Prefetch) -> Result<(), String> {
     if m.bubble < m.denoised / 10.0 && m.bubble < m.read / 100.0 {
         Ok(())
