@@ -19,6 +19,21 @@ fn until_ready(d: &Daemon, limit: Duration) -> Duration {
     t0.elapsed()
 }
 
+/// How long serving again after a kill may take, from what this run measured on this
+/// machine under its present load: the daemon's own start (`Daemon::startup`: every
+/// process started and loaded at once) bounds the restart of one process; the `queued`
+/// requests in flight (retried, or waiting behind those) take at most one undisturbed
+/// request's time (`one`) each (they run batched, so this is generous); plus 2 s for
+/// the supervisor's backoff (0.25 s after a crash within 5 s of a start), the
+/// reconnections, the router's polling for a worker with room and the client's.
+/// (Measured on a 2-core machine shared with other builds, this file's tests running
+/// side by side: startup 0.5 to 1.6 s, one edit 0.24 to 0.58 s, serving again 0.6 to
+/// 3.0 s after a kill, against bounds of 4.8 to 6.8 s; docs/operations.md's earlier
+/// runs saw up to 2.8 s.)
+fn recovery_bound(d: &Daemon, one: Duration, queued: u32) -> Duration {
+    d.startup + one * queued + Duration::from_secs(2)
+}
+
 #[test]
 fn a_panic_in_the_denoise_loop_is_retried_like_a_kill() {
     // The first denoise process panics in its loop thread before step 2; its restart
@@ -68,12 +83,15 @@ fn workers_rejoin_a_restarted_router() {
     // SAFETY: plain kill(2) of a child of the daemon.
     unsafe { libc::kill(router as i32, libc::SIGKILL) };
     std::thread::sleep(Duration::from_millis(100));
-    let took = until_ready(&d, Duration::from_secs(30));
+    let took = until_ready(&d, Duration::from_secs(30)) + Duration::from_millis(100);
+    let bound = recovery_bound(&d, Duration::ZERO, 0);
     println!(
-        "serving again {:.2} s after the router was killed",
-        took.as_secs_f64() + 0.1
+        "serving again {:.2} s after the router was killed (started in {:.2} s; bound {:.2} s)",
+        took.as_secs_f64(),
+        d.startup.as_secs_f64(),
+        bound.as_secs_f64()
     );
-    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert!(took < bound, "took {took:?}, bound {bound:?}");
     assert_ne!(d.worker_pid("router"), router);
     // Every worker rejoined and announces itself again.
     let t0 = Instant::now();
@@ -143,15 +161,30 @@ fn hostile_masks_are_refused_fast_and_the_daemon_keeps_serving() {
         ("10,000 polygons", json!(many)),
         ("1,000,000 vertices", json!([huge])),
     ] {
-        let body =
-            serde_json::to_vec(&json!({"image": image_b64(), "polygons": polygons, "steps": 2}))
-                .unwrap();
-        let t0 = Instant::now();
-        let (s, v) = d.post_raw("/v1/edits", body);
-        let secs = t0.elapsed().as_secs_f64();
-        println!("{what}: {s} in {secs:.3} s: {}", v["error"]["message"]);
+        let post = |body: &serde_json::Value| {
+            let body = serde_json::to_vec(body).unwrap();
+            let t0 = Instant::now();
+            let (s, v) = d.post_raw("/v1/edits", body);
+            (s, v, t0.elapsed().as_secs_f64())
+        };
+        // The yardstick, in this run: the same body with a second mask (`boxes`) is
+        // refused as soon as it is parsed, so it costs the upload and the parse alone.
+        let (s, v, parsed) =
+            post(&json!({"image": image_b64(), "polygons": polygons, "boxes": [], "steps": 2}));
+        assert_eq!(s, 400, "{what}: {v}");
+        let (s, v, secs) = post(&json!({"image": image_b64(), "polygons": polygons, "steps": 2}));
+        println!(
+            "{what}: {s} in {secs:.3} s (upload and parse alone: {parsed:.3} s): {}",
+            v["error"]["message"]
+        );
         assert!((400..500).contains(&s), "{what}: {s} {v}");
-        assert!(secs < 1.0, "{what}: {secs:.2} s");
+        // Refused once parsed, before any work: at most twice the yardstick and 0.2 s.
+        // (Measured for the 12 MB body: 0.05 to 0.11 s, its yardstick 0.06 to 0.08 s.
+        // A per-pixel test of every vertex before the check took 3.2 s.)
+        assert!(
+            secs < 2.0 * parsed + 0.2,
+            "{what}: {secs:.3} s, parse {parsed:.3} s"
+        );
     }
     let (s, v) = d.post(
         "/v1/edits",
@@ -162,13 +195,18 @@ fn hostile_masks_are_refused_fast_and_the_daemon_keeps_serving() {
 
 /// Kill -9 of each role in turn under a load of concurrent edits: every request ends
 /// within a bounded time (success after a retry, or a clear error), the daemon serves
-/// again within 5 s, shared-memory use returns to its baseline, and a new edit works.
+/// again within what this run's start and edits say a restart and the retries take
+/// ([`recovery_bound`]), shared-memory use returns to its baseline, and a new edit
+/// works.
 #[test]
 fn kill_9_of_each_role_under_load_loses_nothing() {
+    const CLIENTS: u32 = 6;
     let d = Daemon::start(&[]);
     d.template("t", 8);
     let edit = json!({"template_id": "t", "mask": mask_b64()});
+    let t0 = Instant::now();
     assert_eq!(d.post("/v1/edits", &edit).0, 200);
+    let one = t0.elapsed();
     // Releases are messages: the baseline is taken once they have settled.
     let mut baseline = d.shm_live();
     loop {
@@ -179,10 +217,14 @@ fn kill_9_of_each_role_under_load_loses_nothing() {
         }
         baseline = now;
     }
-    println!("baseline: {baseline:?} (live slices, bytes)");
+    println!(
+        "baseline: {baseline:?} (live slices, bytes); the daemon started in {:.2} s, an edit took {:.2} s",
+        d.startup.as_secs_f64(),
+        one.as_secs_f64()
+    );
     for role in ["preprocess", "denoise", "postprocess", "cache", "router"] {
         let victim = d.worker_pid(role);
-        let clients: Vec<_> = (0..6)
+        let clients: Vec<_> = (0..CLIENTS)
             .map(|_| {
                 let (url, body) = (d.url.clone(), edit.clone());
                 std::thread::spawn(move || {
@@ -239,16 +281,19 @@ fn kill_9_of_each_role_under_load_loses_nothing() {
             std::thread::sleep(Duration::from_millis(50));
             live = d.shm_live();
         }
+        // The clients' edits and the probe's own.
+        let bound = recovery_bound(&d, one, CLIENTS + 1);
         println!(
-            "{role}: statuses {:?}, slowest {:.2} s; serving again {:.2} s after the kill; shm {live:?} after {:.2} s",
+            "{role}: statuses {:?}, slowest {:.2} s; serving again {:.2} s after the kill (bound {:.2} s); shm {live:?} after {:.2} s",
             ended.iter().map(|e| e.0).collect::<Vec<_>>(),
             ended.iter().map(|e| e.1.as_secs_f64()).fold(0.0, f64::max),
             serving.as_secs_f64(),
+            bound.as_secs_f64(),
             t0.elapsed().as_secs_f64()
         );
         assert!(
-            serving < Duration::from_secs(5),
-            "{role}: serving again took {serving:?}"
+            serving < bound,
+            "{role}: serving again took {serving:?}, bound {bound:?}"
         );
         assert_eq!(
             live,
@@ -385,23 +430,43 @@ fn delete_during_edits_lets_them_finish_and_then_frees_the_template() {
     }
 }
 
+/// The slow device of the deadline test: every batched step sleeps this long first.
+const SLOW_STEP_MS: u64 = 250;
+
 #[test]
 fn a_stage_past_its_deadline_is_a_504_and_the_daemon_goes_on() {
-    let (_dir, d) = Daemon::with_config("[server]\nstage_timeout_seconds = 1\n");
-    // 100 steps take longer than the 1 s deadline of the denoise stage.
+    // A slow device (injected): 12 steps take at least 3 s, three times the 1 s
+    // deadline of the denoise stage, on any machine.
+    let (_dir, d) = Daemon::with_config_env(
+        "[server]\nstage_timeout_seconds = 1\n",
+        &[(
+            "DENOISED_FAULT",
+            &format!("denoise:slow_step_ms={SLOW_STEP_MS}"),
+        )],
+    );
+    let steps = 12;
+    let slow = Duration::from_millis(SLOW_STEP_MS * steps);
     let t0 = Instant::now();
     let (s, v) = d.post(
         "/v1/edits",
-        &json!({"image": image_b64(), "mask": mask_b64(), "steps": 100}),
+        &json!({"image": image_b64(), "mask": mask_b64(), "steps": steps}),
     );
-    let secs = t0.elapsed().as_secs_f64();
-    println!("504 after {secs:.2} s: {}", v["error"]["message"]);
+    let took = t0.elapsed();
+    println!(
+        "504 after {:.2} s (the steps alone take {:.2} s): {}",
+        took.as_secs_f64(),
+        slow.as_secs_f64(),
+        v["error"]["message"]
+    );
     assert_eq!(s, 504, "{v}");
     assert_eq!(v["error"]["code"], "timeout", "{v}");
-    assert!(secs < 5.0, "{secs}");
+    // After the deadline, and before the request could have been denoised.
+    assert!(took >= Duration::from_secs(1), "{took:?}");
+    assert!(took < slow, "{took:?}");
+    // The daemon goes on: one slow step is well within the deadline.
     let (s, v) = d.post(
         "/v1/edits",
-        &json!({"image": image_b64(), "mask": mask_b64(), "steps": 2}),
+        &json!({"image": image_b64(), "mask": mask_b64(), "steps": 1}),
     );
     assert_eq!(s, 200, "{v}");
 }

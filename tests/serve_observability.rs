@@ -335,19 +335,19 @@ fn systemd_notifications_ready_watchdog_stopping() {
         msg
     };
     while !recv(&mut seen).contains("READY=1") {}
-    let mut pings = 0;
-    let t0 = Instant::now();
-    while pings < 3 {
+    // The times of the first 5 pings after READY=1, and the 4 intervals between them.
+    let mut pings: Vec<Instant> = Vec::new();
+    while pings.len() < 5 {
         if recv(&mut seen).contains("WATCHDOG=1") {
-            pings += 1;
+            pings.push(Instant::now());
         }
     }
-    let interval = t0.elapsed() / 3;
+    let intervals: Vec<Duration> = pings.windows(2).map(|w| w[1] - w[0]).collect();
     // SAFETY: plain kill(2) of our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     while !recv(&mut seen).contains("STOPPING=1") {}
     let status = child.wait().unwrap();
-    println!("{seen:#?}\nwatchdog every {interval:?}; exit {status}");
+    println!("{seen:#?}\nwatchdog intervals {intervals:?}; exit {status}");
     assert!(status.success(), "{status}");
     let ready = seen.iter().position(|m| m.contains("READY=1")).unwrap();
     let first_ping = seen.iter().position(|m| m.contains("WATCHDOG=1")).unwrap();
@@ -356,8 +356,13 @@ fn systemd_notifications_ready_watchdog_stopping() {
         seen.iter().any(|m| m.contains("STATUS=serving")),
         "{seen:?}"
     );
-    // Twice per WatchdogSec (a second here), with slack for a loaded machine.
-    assert!(interval < Duration::from_millis(900), "{interval:?}");
+    // Twice per WatchdogSec (a second here): every 0.5 s plus the router's liveness
+    // check. A loaded machine delays some pings, never all: the shortest of 4
+    // intervals is under 0.75 s, halfway to the 1 s a daemon that pinged once per
+    // WatchdogSec would show (and systemd would kill). (Measured on a 2-core machine
+    // shared with other builds: 500 to 503 ms each.)
+    let shortest = intervals.iter().min().unwrap();
+    assert!(*shortest < Duration::from_millis(750), "{intervals:?}");
 }
 
 #[test]

@@ -9,13 +9,26 @@
 //! and the supervisor restarts it, exactly as after a kill.
 //!
 //! **Fault injection** (`DENOISED_FAULT`), for tests and drills: a comma-separated list
-//! of `ROLE:FAULT`, e.g. `denoise:panic_at_step=3`. Faults:
+//! of `ROLE:FAULT` or `ROLE:FAULT=N`, e.g. `denoise:panic_at_step=3`. Each process reads
+//! it once, at start ([`Faults::from_env`]); an absent fault costs the code it guards a
+//! branch on a field. Faults:
 //! - `panic_at_step=K` (denoise): the denoise loop thread panics before its K-th
 //!   batched step (counting from 0 since the process started), in the role's first
 //!   process only (incarnation 0), so the restarted worker serves normally and a test
 //!   can check that the request it retried succeeds;
 //! - `exit_at_start_from=K` (any role but the router): every process of the role from
-//!   its K-th restart on exits with status 1 right after starting: a crash loop.
+//!   its K-th restart on exits with status 1 right after starting: a crash loop;
+//! - `slow_step_ms=N` (denoise): the denoise loop sleeps N ms before each batched step,
+//!   in every process of the role: a slow device, for deadlines;
+//! - `slow_read_ms=N` (cache): each read of a template from the disk tier sleeps N ms
+//!   before it starts (counted in its `denoised_template_disk_load_duration_seconds`): a
+//!   slow disk, so that a test can tell a read that overlapped preprocessing from one
+//!   that followed it;
+//! - `no_prefetch` (cache, no value): pinning a template that is only on disk does not
+//!   start its read; the read starts when the router asks for the template's cache
+//!   (`Load`), after preprocessing: the regression the prefetch test must catch.
+
+use std::time::Duration;
 
 use crate::node::Role;
 
@@ -38,7 +51,17 @@ pub fn exit_on_panic(process: String) {
 pub struct Faults {
     pub panic_at_step: Option<u64>,
     pub exit_at_start: bool,
+    /// Denoise: a sleep before each batched step.
+    pub slow_step: Option<Duration>,
+    /// Cache: a sleep before each template read from disk.
+    pub slow_read: Option<Duration>,
+    /// Cache: a pin does not start a template's read from disk.
+    pub no_prefetch: bool,
 }
+
+/// The forms `DENOISED_FAULT` accepts, for its error message.
+const KNOWN: &str = "denoise:panic_at_step=K, ROLE:exit_at_start_from=K, \
+denoise:slow_step_ms=N, cache:slow_read_ms=N or cache:no_prefetch (K >= 0, N >= 1)";
 
 impl Faults {
     pub const VAR: &'static str = "DENOISED_FAULT";
@@ -56,26 +79,32 @@ impl Faults {
     fn parse(spec: &str, role: Role, incarnation: u32) -> Result<Faults, String> {
         let mut f = Faults::default();
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let bad = || {
-                format!(
-                    "{}: `{item}` is not denoise:panic_at_step=K or ROLE:exit_at_start_from=K",
-                    Self::VAR
-                )
-            };
+            let bad = || format!("{}: `{item}` is not one of {KNOWN}", Self::VAR);
             let (r, fault) = item.split_once(':').ok_or_else(bad)?;
             let r: Role = r.parse()?;
-            let (name, value) = fault.split_once('=').ok_or_else(bad)?;
-            let value: u64 = value.parse().map_err(|_| bad())?;
+            // `NAME=N` for the faults with a value, a bare `NAME` for the others.
+            let (name, value) = match fault.split_once('=') {
+                Some((name, v)) => (name, Some(v.parse::<u64>().map_err(|_| bad())?)),
+                None => (fault, None),
+            };
             let mine = r == role;
-            match name {
-                "panic_at_step" if r == Role::Denoise => {
+            let ms = |n: u64| mine.then(|| Duration::from_millis(n));
+            match (name, value) {
+                ("panic_at_step", Some(k)) if r == Role::Denoise => {
                     if mine && incarnation == 0 {
-                        f.panic_at_step = Some(value);
+                        f.panic_at_step = Some(k);
                     }
                 }
-                "exit_at_start_from" if r != Role::Router => {
-                    f.exit_at_start |= mine && u64::from(incarnation) >= value;
+                ("exit_at_start_from", Some(k)) if r != Role::Router => {
+                    f.exit_at_start |= mine && u64::from(incarnation) >= k;
                 }
+                ("slow_step_ms", Some(n)) if r == Role::Denoise && n > 0 => {
+                    f.slow_step = f.slow_step.or(ms(n));
+                }
+                ("slow_read_ms", Some(n)) if r == Role::Cache && n > 0 => {
+                    f.slow_read = f.slow_read.or(ms(n));
+                }
+                ("no_prefetch", None) if r == Role::Cache => f.no_prefetch |= mine,
                 _ => return Err(bad()),
             }
         }
@@ -121,8 +150,45 @@ mod tests {
             "router:exit_at_start_from=1",
             "gpu:panic_at_step=1",
             "denoise:explode=1",
+            "denoise:slow_step_ms=0",
+            "denoise:slow_step_ms",
+            "cache:slow_step_ms=5",
+            "denoise:slow_read_ms=5",
+            "cache:slow_read_ms=-1",
+            "cache:no_prefetch=1",
+            "router:no_prefetch",
+            "cache:prefetch",
         ] {
             assert!(Faults::parse(bad, Role::Denoise, 0).is_err(), "{bad}");
+            assert!(Faults::parse(bad, Role::Cache, 0).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn slow_and_reordering_faults_hold_in_every_incarnation_of_their_role() {
+        let spec = "denoise:slow_step_ms=40,cache:slow_read_ms=1500,cache:no_prefetch";
+        for incarnation in [0, 3] {
+            let d = Faults::parse(spec, Role::Denoise, incarnation).unwrap();
+            assert_eq!(
+                d,
+                Faults {
+                    slow_step: Some(Duration::from_millis(40)),
+                    ..Faults::default()
+                }
+            );
+            let c = Faults::parse(spec, Role::Cache, incarnation).unwrap();
+            assert_eq!(
+                c,
+                Faults {
+                    slow_read: Some(Duration::from_millis(1500)),
+                    no_prefetch: true,
+                    ..Faults::default()
+                }
+            );
+        }
+        assert_eq!(
+            Faults::parse(spec, Role::Preprocess, 0).unwrap(),
+            Faults::default()
+        );
     }
 }

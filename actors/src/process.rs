@@ -10,23 +10,16 @@ use denoised_models::pipeline::prompts::PromptCache;
 use denoised_models::pipeline::sparse_vae::SparseVae;
 use denoised_models::vae::VaeHalves;
 use denoised_runtime::CpuBackend;
-use ractor::Actor;
+use ractor::{Actor, ActorCell};
 
-use crate::denoise::actor::{DenoiseActor, DenoiseArgs};
-use crate::denoise::AdapterOptions;
 use crate::device::{self, Placed};
+use crate::fault::Faults;
 use crate::metrics::actor::MetricsActor;
-use crate::metrics::cache::CacheMetrics;
-use crate::metrics::denoise::DenoiseMetrics;
 use crate::metrics::ProcessRegistry;
 use crate::node::{self, Role, Shm, WorkerEnv};
-use crate::scheduler::BatchConfig;
 use crate::stages::Pipeline;
-use crate::wire::{groups, CacheMsg, DenoiseMsg, RouterMsg, Wire, WorkerInfo};
-use crate::workers::cache::CacheArgs;
-use crate::workers::{
-    cache::CacheActor, postprocess::PostprocessActor, preprocess::PreprocessActor,
-};
+use crate::wire::{groups, CacheMsg, ControlNetMsg, DenoiseMsg, RouterMsg, Wire, WorkerInfo};
+use crate::workers::{postprocess::PostprocessActor, preprocess::PreprocessActor};
 
 /// The components a role computes with (docs/design.md, "Devices and roles"). A denoise
 /// worker of the in-process baseline also runs the CPU stages.
@@ -166,7 +159,7 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
     crate::fault::exit_on_panic(env.name());
     // SAFETY: setting a signal disposition before any thread exists.
     unsafe { libc::signal(libc::SIGINT, libc::SIG_IGN) };
-    let faults = crate::fault::Faults::from_env(role, env.incarnation)?;
+    let faults = Faults::from_env(role, env.incarnation)?;
     if faults.exit_at_start {
         eprintln!("error: {}: fault injection: exiting at start", env.name());
         std::process::exit(1);
@@ -189,240 +182,169 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
             let listen = listen.unwrap_or_else(|| env.config.server.listen.clone());
             return crate::router::run(env, listen).await;
         }
-        if role == Role::Cache {
-            // Before its arena replaces the one a crashed cache process left: the
-            // templates that one had not written to disk yet are written from there.
-            let e = env.clone();
-            tokio::task::spawn_blocking(move || crate::workers::cache::recover::finish_writes(&e))
-                .await
-                .map_err(|e| e.to_string())?;
-        }
-        let shm = Arc::new(Shm::create(&env)?);
-        let loaded = match role {
-            Role::Cache => None,
-            _ => {
-                let e = env.clone();
-                match tokio::task::spawn_blocking(move || load(&e))
-                    .await
-                    .map_err(|e| e.to_string())?
-                {
-                    Ok(l) => Some(l),
-                    Err(e) => {
-                        eprintln!("error: {}: {e}", env.name());
-                        std::process::exit(crate::daemon::EXIT_CANNOT_LOAD);
-                    }
-                }
-            }
-        };
-        // A pre- or postprocess worker's device is its VAE's (the placement's).
-        let vae_device = (matches!(role, Role::Preprocess | Role::Postprocess)
-            && env.device != "cpu")
-            .then(|| (env.device.clone(), env.config.device.dtype.clone()));
-        let info = WorkerInfo {
-            name: env.name(),
-            role: role.name().into(),
-            device: loaded
-                .as_ref()
-                .and_then(|l| l.placed.as_ref())
-                .map(|p| p.device.clone())
-                .or_else(|| vae_device.as_ref().map(|v| v.0.clone()))
-                .unwrap_or_else(|| "cpu".into()),
-            dtype: loaded
-                .as_ref()
-                .and_then(|l| l.placed.as_ref())
-                .map(|p| p.dtype.to_string())
-                .or_else(|| vae_device.as_ref().map(|v| v.1.clone()))
-                .unwrap_or_else(|| "f32".into()),
-            threads: env.threads as u32,
-            components: loaded
-                .as_ref()
-                .map(|l| device::components(&l.pipeline, l.placed.as_ref()))
-                .unwrap_or_default(),
-            device_budget: loaded
-                .as_ref()
-                .and_then(|l| l.placed.as_ref())
-                .and_then(|p| p.budget.clone()),
-            profile: loaded.as_ref().and_then(|l| l.profile.clone()),
-        };
-        tracing::info!(
-            "{}: {} on {} ({}), {:.1} MB of weights",
-            info.name,
-            info.components
-                .iter()
-                .map(|c| c.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-            info.device,
-            info.dtype,
-            info.components.iter().map(|c| c.weight_bytes).sum::<u64>() as f64 / 1e6
-        );
-        let node = node::start_node(&env, 0).await?;
-        node::connect_router(&node, env.router_port, Duration::from_secs(60)).await?;
-        let name = Some(env.name());
-        let mut registry = ProcessRegistry::new(&env.name(), role.name());
-        let spawned = match (role, loaded) {
-            (Role::Preprocess, Some(l)) => {
-                Actor::spawn(name, PreprocessActor::new(), (l.pipeline, shm.clone()))
-                    .await
-                    .map(|(a, _)| (groups::PREPROCESS, a.get_cell()))
-            }
-            (Role::Postprocess, Some(l)) => {
-                Actor::spawn(name, PostprocessActor::new(), (l.pipeline, shm.clone()))
-                    .await
-                    .map(|(a, _)| (groups::POSTPROCESS, a.get_cell()))
-            }
-            (
-                Role::Denoise,
-                Some(Loaded {
-                    pipeline,
-                    placed: Some(placed),
-                    ..
-                }),
-            ) => {
-                let d = &env.config.denoise;
-                let sched = BatchConfig {
-                    max_batch: d.max_batch,
-                    token_budget: d.token_budget,
-                    mode: d.batching,
-                    template_bytes: placed
-                        .budget
-                        .as_ref()
-                        .map_or(u64::MAX, |b| b.template_bytes),
-                };
-                sched.validate().map_err(|e| e.to_string())?;
-                let template_dtype = match env.config.cache.kv_dtype.as_str() {
-                    "" => placed.template_dtype(),
-                    name => denoised_models::flux::template::storage_dtype(name)
-                        .map_err(|e| format!("[cache] kv_dtype: {e}"))?,
-                };
-
-                let stats = placed.stepper.stats();
-                let ad = &env.config.adapters;
-                let adapters = AdapterOptions {
-                    config: pipeline.config.clone(),
-                    slots: ad.device_slots,
-                    throttle_bytes_per_s: (ad.throttle_mib_per_s > 0.0)
-                        .then_some(ad.throttle_mib_per_s * (1u64 << 20) as f64),
-                };
-                let metrics = DenoiseMetrics::register(
-                    registry.registry(),
-                    stats.clone(),
-                    placed.budget.clone(),
-                );
-                Actor::spawn(
-                    name,
-                    DenoiseActor,
-                    DenoiseArgs {
-                        pipeline,
-                        stepper: placed.stepper,
-                        shm: shm.clone(),
-                        sched,
-                        faults,
-                        cache_arena_bytes: env.config.workers.cache_arena_bytes,
-                        template_dtype,
-                        metrics,
-                        stats,
-                        adapters,
-                        adapters_dir: ad.resolved_dir(&env.config.cache),
-                    },
-                )
-                .await
-                .map(|(a, _)| (groups::DENOISE, a.get_cell()))
-            }
-            (Role::ControlNet, Some(l)) => {
-                let source = env.model_source();
-                let encoder = denoised_models::pipeline::control::ControlEncoder::load(&source)
-                    .map_err(|e| format!("loading the VAE encoder for control images: {e}"))?;
-                let ad = &env.config.adapters;
-                let args = crate::controlnet::ControlNetArgs {
-                    shm: shm.clone(),
-                    dir: ad.resolved_controlnets_dir(&env.config.cache),
-                    cache_bytes: ad.controlnet_cache_bytes,
-                    pipeline: l.pipeline,
-                    encoder,
-                    metrics: crate::metrics::controlnet::ControlNetMetrics::register(
-                        registry.registry(),
-                    ),
-                };
-                Actor::spawn(name, crate::controlnet::ControlNetActor, args)
-                    .await
-                    .map(|(a, _)| (groups::CONTROLNET, a.get_cell()))
-            }
-            (Role::Cache, _) => {
-                let metrics = CacheMetrics::register(registry.registry());
-                let source = env.model_source();
-                let model = source.transformer_config().map_err(|e| e.to_string())?;
-                // Noise states are a text-to-image model's (its transformer reads the
-                // packed latents alone).
-                let noise = match model.in_channels == model.out_channels() {
-                    true => crate::approx::from_config(&env.config.approx_cache)?,
-                    false => None,
-                };
-                let a = &env.config.approx_cache;
-                let noise = noise.map(|index| {
-                    let disk = (a.disk_bytes > 0)
-                        .then(|| (env.config.cache.resolved_dir().join("noise"), a.disk_bytes));
-                    let tiers = crate::workers::cache::noise::Tiers {
-                        host_bytes: a.host_bytes,
-                        disk,
-                    };
-                    (index, tiers)
-                });
-                let args = CacheArgs {
-                    shm: shm.clone(),
-                    metrics,
-                    model,
-                    fingerprint: source.fingerprint().map_err(|e| e.to_string())?,
-                    dir: env.config.cache.resolved_dir(),
-                    disk_bytes: env.config.cache.disk_bytes,
-                    noise,
-                };
-                Actor::spawn(name, CacheActor, args)
-                    .await
-                    .map(|(a, _)| (groups::CACHE, a.get_cell()))
-            }
-            _ => unreachable!("router handled above; pipelines loaded for compute roles"),
-        };
-        let (group, cell) = spawned.map_err(|e| e.to_string())?;
-        let (metrics, _) = Actor::spawn(
-            Some(format!("{}-metrics", env.name())),
-            MetricsActor,
-            (Arc::new(registry), shm.clone()),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-        node::register(groups::METRICS, metrics.get_cell());
-        // Announced before joining the group, so that a /readyz that counts this worker
-        // as live has (almost always) its entry too.
-        announce(info.clone()).await;
-        node::register(group, cell.clone());
-        tracing::info!("{} ready", env.name());
-        // When the router is lost, what this worker lent it is freed: its slices (the
-        // cache's templates are not the router's, they stay, but the router's pins on
-        // them go) and a denoise worker's running requests.
-        let lost = move || {
-            if role != Role::Cache {
-                shm.release_all();
-            }
-            match role {
-                Role::Denoise => node::tell(&cell, DenoiseMsg::RouterLost(Wire(()))),
-                Role::Cache => node::tell(&cell, CacheMsg::RouterLost(Wire(()))),
-                Role::ControlNet => {
-                    node::tell(&cell, crate::wire::ControlNetMsg::RouterLost(Wire(())))
-                }
-                _ => {}
-            }
-        };
-        let rejoined = move || {
-            tokio::spawn(announce(info.clone()));
-        };
-        let rejoin = node::stay_connected(node, env.router_port, lost, rejoined);
-        tokio::select! {
-            _ = crate::daemon::terminated() => {}
-            _ = rejoin => {}
-        }
-        Ok(())
+        serve(env, faults).await
     })
+}
+
+/// A worker's life after its settings: its model loaded, its actor started and
+/// announced to the router, until it is told to stop.
+async fn serve(env: WorkerEnv, faults: Faults) -> Result<(), String> {
+    let role = env.role;
+    if role == Role::Cache {
+        // Before its arena replaces the one a crashed cache process left: the
+        // templates that one had not written to disk yet are written from there.
+        let e = env.clone();
+        tokio::task::spawn_blocking(move || crate::workers::cache::recover::finish_writes(&e))
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    let shm = Arc::new(Shm::create(&env)?);
+    let loaded = match role {
+        Role::Cache => None,
+        _ => Some(load_or_exit(&env).await?),
+    };
+    let info = worker_info(&env, loaded.as_ref());
+    tracing::info!(
+        "{}: {} on {} ({}), {:.1} MB of weights",
+        info.name,
+        info.components
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+        info.device,
+        info.dtype,
+        info.components.iter().map(|c| c.weight_bytes).sum::<u64>() as f64 / 1e6
+    );
+    let node = node::start_node(&env, 0).await?;
+    node::connect_router(&node, env.router_port, Duration::from_secs(60)).await?;
+    let mut registry = ProcessRegistry::new(&env.name(), role.name());
+    let (group, cell) = spawn_actor(&env, loaded, shm.clone(), &mut registry, faults).await?;
+    let (metrics, _) = Actor::spawn(
+        Some(format!("{}-metrics", env.name())),
+        MetricsActor,
+        (Arc::new(registry), shm.clone()),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    node::register(groups::METRICS, metrics.get_cell());
+    // Announced before joining the group, so that a /readyz that counts this worker
+    // as live has (almost always) its entry too.
+    announce(info.clone()).await;
+    node::register(group, cell.clone());
+    tracing::info!("{} ready", env.name());
+    // When the router is lost, what this worker lent it is freed: its slices (the
+    // cache's templates are not the router's, they stay, but the router's pins on
+    // them go) and a denoise worker's running requests.
+    let lost = move || {
+        if role != Role::Cache {
+            shm.release_all();
+        }
+        match role {
+            Role::Denoise => node::tell(&cell, DenoiseMsg::RouterLost(Wire(()))),
+            Role::Cache => node::tell(&cell, CacheMsg::RouterLost(Wire(()))),
+            Role::ControlNet => node::tell(&cell, ControlNetMsg::RouterLost(Wire(()))),
+            _ => {}
+        }
+    };
+    let rejoined = move || {
+        tokio::spawn(announce(info.clone()));
+    };
+    let rejoin = node::stay_connected(node, env.router_port, lost, rejoined);
+    tokio::select! {
+        _ = crate::daemon::terminated() => {}
+        _ = rejoin => {}
+    }
+    Ok(())
+}
+
+/// The role's model, loaded off the async threads; a worker that cannot load it exits
+/// with [`crate::daemon::EXIT_CANNOT_LOAD`] (the supervisor then stops at start
+/// instead of restarting it forever).
+async fn load_or_exit(env: &WorkerEnv) -> Result<Loaded, String> {
+    let e = env.clone();
+    match tokio::task::spawn_blocking(move || load(&e))
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        Ok(l) => Ok(l),
+        Err(e) => {
+            eprintln!("error: {}: {e}", env.name());
+            std::process::exit(crate::daemon::EXIT_CANNOT_LOAD);
+        }
+    }
+}
+
+/// What a worker announces to the router: where it computes and what it loaded.
+fn worker_info(env: &WorkerEnv, loaded: Option<&Loaded>) -> WorkerInfo {
+    let role = env.role;
+    let placed = loaded.and_then(|l| l.placed.as_ref());
+    // A pre- or postprocess worker's device is its VAE's (the placement's).
+    let vae_device = (matches!(role, Role::Preprocess | Role::Postprocess) && env.device != "cpu")
+        .then(|| (env.device.clone(), env.config.device.dtype.clone()));
+    WorkerInfo {
+        name: env.name(),
+        role: role.name().into(),
+        device: placed
+            .map(|p| p.device.clone())
+            .or_else(|| vae_device.as_ref().map(|v| v.0.clone()))
+            .unwrap_or_else(|| "cpu".into()),
+        dtype: placed
+            .map(|p| p.dtype.to_string())
+            .or_else(|| vae_device.as_ref().map(|v| v.1.clone()))
+            .unwrap_or_else(|| "f32".into()),
+        threads: env.threads as u32,
+        components: loaded
+            .map(|l| device::components(&l.pipeline, l.placed.as_ref()))
+            .unwrap_or_default(),
+        device_budget: placed.and_then(|p| p.budget.clone()),
+        profile: loaded.and_then(|l| l.profile.clone()),
+    }
+}
+
+/// Starts the role's actor (each role's spawn lives beside its actor) and names the
+/// group it joins.
+async fn spawn_actor(
+    env: &WorkerEnv,
+    loaded: Option<Loaded>,
+    shm: Arc<Shm>,
+    registry: &mut ProcessRegistry,
+    faults: Faults,
+) -> Result<(&'static str, ActorCell), String> {
+    let name = env.name();
+    match (env.role, loaded) {
+        (Role::Preprocess, Some(l)) => {
+            let cell = PreprocessActor::spawn(name, l.pipeline, shm).await?;
+            Ok((groups::PREPROCESS, cell))
+        }
+        (Role::Postprocess, Some(l)) => {
+            let cell = PostprocessActor::spawn(name, l.pipeline, shm).await?;
+            Ok((groups::POSTPROCESS, cell))
+        }
+        (
+            Role::Denoise,
+            Some(Loaded {
+                pipeline,
+                placed: Some(placed),
+                ..
+            }),
+        ) => {
+            let cell =
+                crate::denoise::actor::spawn(env, pipeline, placed, shm, faults, registry).await?;
+            Ok((groups::DENOISE, cell))
+        }
+        (Role::ControlNet, Some(l)) => {
+            let cell = crate::controlnet::spawn(env, l.pipeline, shm, registry).await?;
+            Ok((groups::CONTROLNET, cell))
+        }
+        (Role::Cache, _) => {
+            let cell = crate::workers::cache::start::spawn(env, shm, registry, faults).await?;
+            Ok((groups::CACHE, cell))
+        }
+        (role, _) => Err(format!(
+            "{role}: no model loaded (the router starts no actor here)"
+        )),
+    }
 }
 
 #[cfg(test)]

@@ -66,6 +66,10 @@ pub struct Daemon {
     /// restarts there).
     pub cache_dir: PathBuf,
     _cache_dir: Option<tempfile::TempDir>,
+    /// How long the daemon took from its start to a ready `/readyz`: every worker
+    /// started and loaded, on this machine under its present load (a yardstick for
+    /// the time a restarted worker may take).
+    pub startup: Duration,
 }
 
 /// `serve` arguments for the denoise worker on the emulator with the pre- and
@@ -98,10 +102,16 @@ impl Daemon {
     /// A daemon started with this config.toml (the directory holding it must outlive
     /// the daemon).
     pub fn with_config(toml: &str) -> (tempfile::TempDir, Daemon) {
+        Self::with_config_env(toml, &[])
+    }
+
+    /// [`Daemon::with_config`] with extra environment variables (e.g.
+    /// `DENOISED_FAULT`).
+    pub fn with_config_env(toml: &str, env: &[(&str, &str)]) -> (tempfile::TempDir, Daemon) {
         let dir = tempfile::tempdir().unwrap();
         let cfg = dir.path().join("config.toml");
         std::fs::write(&cfg, toml).unwrap();
-        let d = Daemon::start(&["--config", cfg.to_str().unwrap()]);
+        let d = Daemon::start_with_env(&["--config", cfg.to_str().unwrap()], env);
         (dir, d)
     }
 
@@ -124,6 +134,7 @@ impl Daemon {
                     .1,
             ),
         };
+        let started = Instant::now();
         let mut child = Command::new(env!("CARGO_BIN_EXE_denoised"))
             .args(["serve", "--listen", "127.0.0.1:0"])
             .args(args)
@@ -165,6 +176,7 @@ impl Daemon {
             url,
             cache_dir: dir,
             _cache_dir: guard,
+            startup: Duration::ZERO,
             http: Client::builder()
                 .timeout(Duration::from_secs(300))
                 .build()
@@ -178,6 +190,7 @@ impl Daemon {
             assert!(t0.elapsed() < Duration::from_secs(60), "never ready");
             std::thread::sleep(Duration::from_millis(50));
         }
+        d.startup = started.elapsed();
         d
     }
 

@@ -291,3 +291,27 @@ fn serve(
     }
     sh.shm.release(&[handle]);
 }
+/// Starts the ControlNet service's actor: its weights directory and LRU, the VAE
+/// encoder its control images go through, and its metrics.
+pub async fn spawn(
+    env: &crate::node::WorkerEnv,
+    pipeline: Arc<FluxFill<CpuBackend>>,
+    shm: Arc<Shm>,
+    registry: &mut crate::metrics::ProcessRegistry,
+) -> Result<ractor::ActorCell, String> {
+    let encoder = ControlEncoder::load(&env.model_source())
+        .map_err(|e| format!("loading the VAE encoder for control images: {e}"))?;
+    let ad = &env.config.adapters;
+    let args = ControlNetArgs {
+        shm,
+        dir: ad.resolved_controlnets_dir(&env.config.cache),
+        cache_bytes: ad.controlnet_cache_bytes,
+        pipeline,
+        encoder,
+        metrics: ControlNetMetrics::register(registry.registry()),
+    };
+    let (a, _) = Actor::spawn(Some(env.name()), ControlNetActor, args)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(a.get_cell())
+}

@@ -15,7 +15,7 @@ use denoised_models::FlowMatchEuler;
 use denoised_runtime::shm::Handle;
 use denoised_runtime::{DType, Tensor};
 
-use super::actor::EventCtx;
+use super::events::EventCtx;
 use super::{DenoiseRequest, LoopCommand, LoopSender};
 use crate::daemon::unix_now;
 use crate::node::Shm;

@@ -170,6 +170,9 @@ pub struct LoopOptions {
     /// Fault injection (`DENOISED_FAULT`, see [`crate::fault`]): the loop thread panics
     /// before the step with this number.
     pub panic_at_step: Option<u64>,
+    /// Fault injection: the loop thread sleeps this long before each batched step (a
+    /// slow device).
+    pub slow_step: Option<std::time::Duration>,
     /// LoRAs: requests naming some are refused without.
     pub adapters: Option<AdapterOptions>,
 }
@@ -442,6 +445,9 @@ fn run(
         if options.panic_at_step == Some(plan.step()) {
             panic!("fault injection: panic at step {}", plan.step());
         }
+        if let Some(d) = options.slow_step {
+            std::thread::sleep(d);
+        }
         let ids: Vec<RequestId> = plan
             .ids()
             .iter()
@@ -584,4 +590,5 @@ mod tests;
 pub mod actor;
 pub mod adapters;
 pub mod cfg_pair;
+mod events;
 pub mod inline;

@@ -62,6 +62,21 @@ impl<S> Default for ComputeActor<S> {
     }
 }
 
+impl<S: Stage> ComputeActor<S> {
+    /// Starts a CPU worker's actor (a preprocess or postprocess process's) on its
+    /// pipeline.
+    pub async fn spawn(
+        name: String,
+        pipeline: Arc<Pipeline>,
+        shm: Arc<Shm>,
+    ) -> Result<ractor::ActorCell, String> {
+        let (a, _) = ractor::Actor::spawn(Some(name), Self::new(), (pipeline, shm))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(a.get_cell())
+    }
+}
+
 /// A request, where to answer it, and the router epoch it arrived in.
 type WorkItem<S> = (<S as Stage>::Req, Reply<<S as Stage>::Rep>, u64);
 

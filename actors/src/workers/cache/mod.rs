@@ -41,6 +41,7 @@ pub mod index;
 pub mod messages;
 pub mod noise;
 pub mod recover;
+pub mod start;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -74,6 +75,9 @@ pub struct CacheArgs {
     /// The approximate cache of text-to-image noise states and its tiers (`None`: off,
     /// or a Fill model).
     pub noise: Option<(crate::approx::ApproxCache, noise::Tiers)>,
+    /// Faults to inject (tests and drills; none when serving): `slow_read` and
+    /// `no_prefetch` are this process's.
+    pub faults: crate::fault::Faults,
 }
 
 /// What the cache keeps of a version besides its place in the index.
@@ -124,6 +128,7 @@ pub struct CacheState {
     damaged: std::collections::VecDeque<(u64, WireError)>,
     next_version: u64,
     noise: Option<noise::NoiseStates>,
+    faults: crate::fault::Faults,
 }
 
 /// Damaged versions remembered (more than edits can have pinned at once).
@@ -163,6 +168,7 @@ impl Actor for CacheActor {
             noise: a
                 .noise
                 .map(|(index, tiers)| noise::NoiseStates::new(index, tiers)),
+            faults: a.faults,
         };
         st.rebuild(&a.fingerprint);
         Ok(st)
@@ -663,6 +669,9 @@ impl CacheState {
         self.metrics.lookup(HOST, in_memory);
         if !in_memory {
             self.metrics.lookup(DISK, true);
+        }
+        // (Fault injection: `no_prefetch` leaves the read to the router's `Load`.)
+        if !in_memory && !self.faults.no_prefetch {
             if let Err(e) = self.start_load(v) {
                 tracing::warn!("template cache: cannot load `{id}` now: {}", e.message);
             }
@@ -706,8 +715,12 @@ impl CacheState {
         let id = self.entries[&version].info.id.clone();
         let me = self.myself.clone();
         let metrics = self.metrics.clone();
+        let slow_read = self.faults.slow_read;
         tokio::task::spawn_blocking(move || {
             let t0 = std::time::Instant::now();
+            if let Some(d) = slow_read {
+                std::thread::sleep(d);
+            }
             let r = disk
                 .read_into(&id, version, &bytes)
                 .and_then(|()| match &traces {

@@ -1,0 +1,54 @@
+//! Starting the cache process's actor: the served model's template layout, the disk
+//! tier, and the approximate cache of noise states (a text-to-image model's).
+
+use std::sync::Arc;
+
+use ractor::{Actor, ActorCell};
+
+use super::{noise, CacheActor, CacheArgs};
+use crate::fault::Faults;
+use crate::metrics::cache::CacheMetrics;
+use crate::metrics::ProcessRegistry;
+use crate::node::{Shm, WorkerEnv};
+
+/// Starts the cache actor of this daemon.
+pub async fn spawn(
+    env: &WorkerEnv,
+    shm: Arc<Shm>,
+    registry: &mut ProcessRegistry,
+    faults: Faults,
+) -> Result<ActorCell, String> {
+    let metrics = CacheMetrics::register(registry.registry());
+    let source = env.model_source();
+    let model = source.transformer_config().map_err(|e| e.to_string())?;
+    // Noise states are a text-to-image model's (its transformer reads the packed
+    // latents alone).
+    let noise = match model.in_channels == model.out_channels() {
+        true => crate::approx::from_config(&env.config.approx_cache)?,
+        false => None,
+    };
+    let a = &env.config.approx_cache;
+    let noise = noise.map(|index| {
+        let disk = (a.disk_bytes > 0)
+            .then(|| (env.config.cache.resolved_dir().join("noise"), a.disk_bytes));
+        let tiers = noise::Tiers {
+            host_bytes: a.host_bytes,
+            disk,
+        };
+        (index, tiers)
+    });
+    let args = CacheArgs {
+        shm,
+        metrics,
+        model,
+        fingerprint: source.fingerprint().map_err(|e| e.to_string())?,
+        dir: env.config.cache.resolved_dir(),
+        disk_bytes: env.config.cache.disk_bytes,
+        noise,
+        faults,
+    };
+    let (a, _) = Actor::spawn(Some(env.name()), CacheActor, args)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(a.get_cell())
+}
