@@ -6,6 +6,7 @@
 //! with the serving work.
 
 pub mod approx;
+pub mod batching;
 pub mod budget;
 pub mod controlnet;
 pub mod daemon;
@@ -21,7 +22,6 @@ pub mod process;
 pub mod restarts;
 pub mod router;
 pub mod routing;
-pub mod scheduler;
 pub mod stages;
 pub mod supervisor;
 pub mod wire;

@@ -19,8 +19,8 @@ use ractor::rpc::CallResult;
 use ractor::ActorRef;
 use serde::Serialize;
 
+use crate::batching::BatchConfig;
 use crate::denoise::{DenoiseLoop, DenoiseRequest, Event, LoopOptions};
-use crate::scheduler::BatchConfig;
 use crate::wire::{groups, RouterMsg, Wire};
 
 /// Order statistics of a sample, in seconds.

@@ -18,10 +18,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use denoised_actors::batching::BatchConfig;
 use denoised_actors::denoise::{
     AdapterOptions, DenoiseLoop, DenoiseRequest, Event, LoopOptions, LoraRequest,
 };
-use denoised_actors::scheduler::BatchConfig;
 use denoised_models::flux::adapters::LoraUse;
 use denoised_models::flux::edit::{DenoiseInputs, Mode};
 use denoised_models::flux::embed::image_ids;

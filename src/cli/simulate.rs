@@ -6,9 +6,9 @@
 
 use std::path::PathBuf;
 
+use denoised_actors::batching::BatchConfig;
 use denoised_actors::routing::sim::{simulate_cluster, SimRequest};
 use denoised_actors::routing::{Incoming, Policy, ProfileCost, TemplateNeed};
-use denoised_actors::scheduler::BatchConfig;
 use denoised_models::flux::cost::StepShape;
 use denoised_models::flux::template::TemplateLayout;
 use denoised_models::flux::weights::SplitMix;

@@ -35,9 +35,9 @@ use super::adapters::{adapter_path, AdapterOptions, LoraRequest};
 use super::events::{self, EventCtx};
 use super::inline::{self, InlineCtx, InlineJobs};
 use super::{DenoiseLoop, DenoiseRequest, LoopOptions};
+use crate::batching::BatchConfig;
 use crate::daemon::unix_now;
 use crate::node::{self, Shm};
-use crate::scheduler::BatchConfig;
 use crate::stages::Pipeline;
 use crate::wire::{
     DenoiseMsg, DenoiseReq, DenoiseWork, Denoised, ErrorKind, InputHandles, JobId, Reply,

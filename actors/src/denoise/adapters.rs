@@ -12,6 +12,7 @@
 //! Adapters stay on the device, least recently used first out, up to `slots` of them
 //! that no live request uses.
 
+use crate::wire::JobId;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -25,7 +26,7 @@ use denoised_models::flux::stepper::Stepper;
 use denoised_models::FluxConfig;
 
 use super::{Event, LoopCommand, LoopSender};
-use crate::scheduler::{BatchScheduler, RequestId};
+use crate::batching::BatchScheduler;
 
 /// The file or directory of adapter `name` under `dir`: `NAME.safetensors`, or a
 /// directory `NAME/` (holding `pytorch_lora_weights.safetensors`). Names are plain
@@ -158,9 +159,9 @@ pub(super) struct LoopAdapters {
     resident: HashMap<String, Resident>,
     loading: HashSet<String>,
     /// Requests whose set is not applied yet, with it.
-    pending: HashMap<RequestId, Vec<LoraRequest>>,
+    pending: HashMap<JobId, Vec<LoraRequest>>,
     /// Every live request's set (to release its adapters when it leaves).
-    sets: HashMap<RequestId, Vec<String>>,
+    sets: HashMap<JobId, Vec<String>>,
     slots: usize,
     tick: u64,
 }
@@ -179,7 +180,7 @@ impl LoopAdapters {
     }
 
     /// A request arrives with `loras`: the loads it needs start now.
-    pub fn submit(&mut self, id: RequestId, loras: Vec<LoraRequest>) {
+    pub fn submit(&mut self, id: JobId, loras: Vec<LoraRequest>) {
         if loras.is_empty() {
             return;
         }
@@ -212,7 +213,7 @@ impl LoopAdapters {
         tx: &Sender<Event>,
     ) -> bool {
         let mut changed = false;
-        let ids: Vec<RequestId> = self.pending.keys().copied().collect();
+        let ids: Vec<JobId> = self.pending.keys().copied().collect();
         for id in ids {
             let Some(at) = model.position(id) else {
                 continue; // not admitted yet
@@ -249,9 +250,9 @@ impl LoopAdapters {
         name: String,
         result: Result<Arc<LoraFile>, String>,
         model: &mut dyn Stepper,
-    ) -> Vec<(RequestId, String)> {
+    ) -> Vec<(JobId, String)> {
         self.loading.remove(&name);
-        let users: Vec<RequestId> = self
+        let users: Vec<JobId> = self
             .sets
             .iter()
             .filter(|(_, s)| s.contains(&name))
@@ -280,7 +281,7 @@ impl LoopAdapters {
     }
 
     /// A request left (finished, failed or cancelled): its adapters may go.
-    pub fn leave(&mut self, id: RequestId, model: &mut dyn Stepper) {
+    pub fn leave(&mut self, id: JobId, model: &mut dyn Stepper) {
         self.pending.remove(&id);
         let Some(set) = self.sets.remove(&id) else {
             return;

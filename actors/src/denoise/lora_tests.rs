@@ -17,7 +17,7 @@ use denoised_runtime::Tensor;
 
 use super::tests::{full, gated, inputs, model, next, schedule};
 use super::*;
-use crate::scheduler::Batching;
+use crate::batching::Batching;
 
 const STEPS: usize = 6;
 const SCALE: f32 = 1.5;

@@ -6,7 +6,7 @@
 //! drains commands without waiting while there is work, sends results on an unbounded
 //! channel, and only sleeps on the command channel when it has nothing to run. New
 //! requests join the running batch at the next step; finished ones leave at once
-//! (continuous batching, [`crate::scheduler`]); `Batching::Static` is the baseline.
+//! (continuous batching, [`crate::batching`]); `Batching::Static` is the baseline.
 //!
 //! A submitted request waits on the host; when the scheduler admits it, the stepper
 //! uploads it to the device, where it stays until its final latent is downloaded
@@ -16,6 +16,7 @@
 //! again for each of its requests alone; those that fail alone get the error, the
 //! others go on, and so does the loop. A device fault ends the process instead.
 
+use crate::wire::JobId;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -29,7 +30,7 @@ use denoised_models::flux::template::TemplateCache;
 use denoised_models::FlowMatchEuler;
 use denoised_runtime::Tensor;
 
-use crate::scheduler::{BatchConfig, BatchScheduler, RequestId, SchedRequest, TemplateUse};
+use crate::batching::{BatchConfig, BatchScheduler, SchedRequest, TemplateUse};
 use adapters::LoopAdapters;
 pub use adapters::{AdapterOptions, LoraRequest};
 use denoised_models::flux::control_feed::ControlFeed;
@@ -42,7 +43,7 @@ pub const EXIT_DEVICE_FAULT: i32 = 70;
 /// A request for the loop: its host inputs, its schedule, and what it computes (a full
 /// run, a capture into a template cache, or an edit of one).
 pub struct DenoiseRequest {
-    pub id: RequestId,
+    pub id: JobId,
     pub inputs: Arc<DenoiseInputs>,
     pub schedule: Arc<FlowMatchEuler>,
     pub work: Mode,
@@ -64,7 +65,7 @@ pub struct DenoiseRequest {
 
 pub enum LoopCommand {
     Submit(DenoiseRequest),
-    Cancel(RequestId),
+    Cancel(JobId),
     /// Work to run on the loop thread at the next step boundary. This is how the
     /// non-disaggregated baseline (`[denoise] disaggregate = false`) runs pre- and
     /// post-processing "between steps", stalling the batch exactly as a one-process
@@ -95,14 +96,14 @@ pub enum Event {
     /// A request joined the loop's queue: the rows it computes per step (what the
     /// worker reports to the router) and its steps.
     Submitted {
-        id: RequestId,
+        id: JobId,
         shape: StepShape,
         steps: u32,
     },
     /// One batched step ran: its number, the requests in it, and how long it took.
     Step {
         step: u64,
-        batch: Vec<RequestId>,
+        batch: Vec<JobId>,
         seconds: f64,
         /// Wall-clock time (Unix seconds) the step ended, read on the loop thread: the
         /// event thread may see the event later, so request timelines use this.
@@ -120,28 +121,28 @@ pub enum Event {
     /// A request finished its last step: the final packed latent, and for a capture
     /// the template cache.
     Finished {
-        id: RequestId,
+        id: JobId,
         latents: Tensor,
         cache: Option<TemplateCache>,
     },
     /// A request's packed latents after step `k` (one of its `store_at`), sent before
     /// the step's own event.
     Stored {
-        id: RequestId,
+        id: JobId,
         k: usize,
         latents: Tensor,
     },
     /// A request could not be run; the message says why.
     Failed {
-        id: RequestId,
+        id: JobId,
         error: String,
     },
     Cancelled {
-        id: RequestId,
+        id: JobId,
     },
     /// A request's LoRAs apply from this step of its schedule on.
     LoraApplied {
-        id: RequestId,
+        id: JobId,
         step: usize,
     },
     /// The loader finished reading a LoRA (`error` if it could not), in `seconds`.
@@ -207,7 +208,7 @@ impl DenoiseLoop {
         let _ = self.commands.send(LoopCommand::Submit(req));
     }
 
-    pub fn cancel(&self, id: RequestId) {
+    pub fn cancel(&self, id: JobId) {
         let _ = self.commands.send(LoopCommand::Cancel(id));
     }
 
@@ -233,9 +234,9 @@ impl Drop for DenoiseLoop {
 struct State {
     sched: BatchScheduler,
     /// Submitted requests waiting for admission, with their host inputs.
-    waiting: HashMap<RequestId, DenoiseRequest>,
+    waiting: HashMap<JobId, DenoiseRequest>,
     /// The `store_at` of running requests that have one.
-    stores: HashMap<RequestId, Vec<usize>>,
+    stores: HashMap<JobId, Vec<usize>>,
     adapters: Option<LoopAdapters>,
     tx: Sender<Event>,
 }
@@ -284,7 +285,7 @@ impl State {
     }
 
     /// Drops what the loop keeps of a request that left (cancelled or failed).
-    fn forget(&mut self, id: RequestId, model: &mut dyn Stepper) {
+    fn forget(&mut self, id: JobId, model: &mut dyn Stepper) {
         self.waiting.remove(&id);
         self.stores.remove(&id);
         model.remove(id);
@@ -333,7 +334,7 @@ impl State {
 
     /// Puts the requests the scheduler just admitted on the device; returns those that
     /// could not be (already failed and out of the scheduler).
-    fn admit(&mut self, admitted: &[RequestId], model: &mut dyn Stepper) -> Vec<RequestId> {
+    fn admit(&mut self, admitted: &[JobId], model: &mut dyn Stepper) -> Vec<JobId> {
         let mut failed = Vec::new();
         for &id in admitted {
             let Some(r) = self.waiting.remove(&id) else {
@@ -448,7 +449,7 @@ fn run(
         if let Some(d) = options.slow_step {
             std::thread::sleep(d);
         }
-        let ids: Vec<RequestId> = plan
+        let ids: Vec<JobId> = plan
             .ids()
             .iter()
             .copied()
@@ -511,7 +512,7 @@ fn run(
 /// Sends the latents of the requests of a step that has just reached one of their
 /// `store_at` steps. A download that fails loses only that state (the request goes on;
 /// a device fault ends the process).
-fn store_states(st: &State, model: &dyn Stepper, ids: &[RequestId]) {
+fn store_states(st: &State, model: &dyn Stepper, ids: &[JobId]) {
     for id in ids {
         let (Some(ks), Some(k)) = (st.stores.get(id), model.position(*id)) else {
             continue;
@@ -543,10 +544,10 @@ fn store_states(st: &State, model: &dyn Stepper, ids: &[RequestId]) {
 /// the error is not run twice. A device fault ends the process (see [`device_fault`]).
 fn isolate(
     model: &mut dyn Stepper,
-    ids: &[RequestId],
+    ids: &[JobId],
     before: &[Option<usize>],
     error: denoised_runtime::Error,
-) -> Vec<(RequestId, String)> {
+) -> Vec<(JobId, String)> {
     if model.is_fatal(&error) {
         device_fault(&error);
     }

@@ -17,7 +17,7 @@ use denoised_models::{FlowMatchEuler, FluxConfig, FluxTransformer, ModelSource};
 use denoised_runtime::{CpuBackend, DType, Tensor};
 
 use super::*;
-use crate::scheduler::Batching;
+use crate::batching::Batching;
 
 const SIDE: usize = 8; // 8x8 tokens
 

@@ -14,7 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use denoised_models::flux::cost::StepShape;
 
 use super::{Dispatcher, Incoming, Policy, Running, StepCost, WorkerView};
-use crate::scheduler::{BatchConfig, BatchScheduler, SchedRequest, StepPlan};
+use crate::batching::{BatchConfig, BatchScheduler, SchedRequest, StepPlan};
 
 /// One simulated request.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -181,8 +181,8 @@ fn view(w: &Worker, reqs: &[SimRequest], host: &[u64], batch: BatchConfig) -> Wo
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::batching::simulate;
     use crate::routing::TemplateNeed;
-    use crate::scheduler::simulate;
 
     struct Rows(f64);
     impl StepCost for Rows {

@@ -1,3 +1,4 @@
+use crate::wire::JobId;
 use serde::de::value::{Error as DeError, MapDeserializer, StrDeserializer};
 use serde::de::IntoDeserializer;
 use serde::Deserialize;
@@ -17,12 +18,12 @@ fn sched(max_batch: usize, token_budget: usize, mode: Batching) -> BatchSchedule
     BatchScheduler::new(cfg(max_batch, token_budget, mode)).unwrap()
 }
 
-fn req(id: RequestId, rows: usize, steps: u32) -> SchedRequest {
+fn req(id: JobId, rows: usize, steps: u32) -> SchedRequest {
     SchedRequest::new(id, rows, steps)
 }
 
 /// Plans and completes one step; returns (plan ids, admitted, finished).
-fn step(s: &mut BatchScheduler) -> (Vec<RequestId>, Vec<RequestId>, Vec<RequestId>) {
+fn step(s: &mut BatchScheduler) -> (Vec<JobId>, Vec<JobId>, Vec<JobId>) {
     let plan = s.plan();
     let fin = s.complete_step(&plan);
     (plan.ids().to_vec(), plan.admitted().to_vec(), fin)
@@ -244,7 +245,7 @@ fn double_plan_supersedes_and_completes_the_executed_one() {
 
 // ---- simulation ----
 
-fn outcome(out: &[SimOutcome], id: RequestId) -> SimOutcome {
+fn outcome(out: &[SimOutcome], id: JobId) -> SimOutcome {
     *out.iter().find(|o| o.id == id).unwrap()
 }
 
@@ -401,7 +402,7 @@ mod reference;
 fn bench_plan_complete_step() {
     use std::time::Instant;
     let mut s = sched(64, usize::MAX, Batching::Continuous);
-    let mut next_id: RequestId = 0;
+    let mut next_id: JobId = 0;
     let mut submit = |s: &mut BatchScheduler| {
         // 28 steps, 600..4600 rows; staggered so that ~2 finish per step.
         s.submit(req(next_id, 600 + (next_id as usize * 37) % 4000, 28))

@@ -60,6 +60,7 @@ mod sim;
 #[cfg(test)]
 mod tests;
 
+use crate::wire::JobId;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 
@@ -67,13 +68,10 @@ use serde::{Deserialize, Serialize};
 
 pub use sim::{simulate, SimOutcome};
 
-/// A request's id, unique among the requests a scheduler holds (waiting or running).
-pub type RequestId = u64;
-
 /// What the scheduler knows of a request: plain numbers, no tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SchedRequest {
-    pub id: RequestId,
+    pub id: JobId,
     /// Rows this request adds to a batched step: text tokens T plus active image tokens
     /// A (A = L, all image tokens, for full runs and template captures). The token
     /// budget counts these rows.
@@ -99,7 +97,7 @@ pub struct TemplateUse {
 
 impl SchedRequest {
     /// A new request with no step run yet and arrival stamp 0.
-    pub fn new(id: RequestId, rows_per_step: usize, steps_total: u32) -> Self {
+    pub fn new(id: JobId, rows_per_step: usize, steps_total: u32) -> Self {
         SchedRequest {
             id,
             rows_per_step,
@@ -210,18 +208,14 @@ impl std::error::Error for ConfigError {}
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SubmitError {
     /// A request with this id is already waiting or running.
-    DuplicateId(RequestId),
+    DuplicateId(JobId),
     /// The request has no rows (nothing to compute).
-    ZeroRows(RequestId),
+    ZeroRows(JobId),
     /// The request has no step left (`steps_done >= steps_total`).
-    NoStepsLeft(RequestId),
+    NoStepsLeft(JobId),
     /// The request's template alone needs more device memory than the budget leaves
     /// for templates.
-    TemplateTooLarge {
-        id: RequestId,
-        bytes: u64,
-        budget: u64,
-    },
+    TemplateTooLarge { id: JobId, bytes: u64, budget: u64 },
 }
 
 impl fmt::Display for SubmitError {
@@ -247,7 +241,7 @@ impl std::error::Error for SubmitError {}
 /// [`BatchScheduler::complete_step`] once the step has run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StepPlan {
-    ids: Vec<RequestId>,
+    ids: Vec<JobId>,
     admitted: usize,
     rows: usize,
     step: u64,
@@ -255,18 +249,18 @@ pub struct StepPlan {
     /// plan was made); later admissions are not.
     ticket_end: u64,
     /// Running requests held when the plan was made: not in it, not advanced.
-    held: Vec<RequestId>,
+    held: Vec<JobId>,
 }
 
 impl StepPlan {
     /// The requests to run, in batch order: the ones already running in admission
     /// order, then the newly admitted ones in FIFO order.
-    pub fn ids(&self) -> &[RequestId] {
+    pub fn ids(&self) -> &[JobId] {
         &self.ids
     }
 
     /// The requests that join the batch with this step (a suffix of [`StepPlan::ids`]).
-    pub fn admitted(&self) -> &[RequestId] {
+    pub fn admitted(&self) -> &[JobId] {
         &self.ids[self.ids.len() - self.admitted..]
     }
 
@@ -303,11 +297,11 @@ pub struct BatchScheduler {
     templates: HashMap<u64, (u64, usize)>,
     template_bytes: u64,
     /// Ids waiting or running.
-    live: HashSet<RequestId>,
+    live: HashSet<JobId>,
     next_ticket: u64,
     step: u64,
     /// Running requests paused by [`hold`](Self::hold).
-    held: HashSet<RequestId>,
+    held: HashSet<JobId>,
 }
 
 impl BatchScheduler {
@@ -361,7 +355,7 @@ impl BatchScheduler {
     /// Removes a request, waiting or running; false if it is neither. A running request
     /// cancelled while its step runs is not advanced by [`complete_step`](Self::complete_step)
     /// and not reported as finished.
-    pub fn cancel(&mut self, id: RequestId) -> bool {
+    pub fn cancel(&mut self, id: JobId) -> bool {
         if !self.live.remove(&id) {
             return false;
         }
@@ -384,7 +378,7 @@ impl BatchScheduler {
     pub fn plan(&mut self) -> StepPlan {
         let before = self.running.len();
         self.admit();
-        let held: Vec<RequestId> = match self.held.is_empty() {
+        let held: Vec<JobId> = match self.held.is_empty() {
             true => vec![],
             false => self
                 .running
@@ -416,17 +410,17 @@ impl BatchScheduler {
     }
 
     /// Pauses a running request (see the module's policy); false if it is not running.
-    pub fn hold(&mut self, id: RequestId) -> bool {
+    pub fn hold(&mut self, id: JobId) -> bool {
         self.running.iter().any(|r| r.id == id) && self.held.insert(id)
     }
 
     /// Resumes a held request from the next plan; false if it was not held.
-    pub fn release(&mut self, id: RequestId) -> bool {
+    pub fn release(&mut self, id: JobId) -> bool {
         self.held.remove(&id)
     }
 
     /// Whether a request is held.
-    pub fn is_held(&self, id: RequestId) -> bool {
+    pub fn is_held(&self, id: JobId) -> bool {
         self.held.contains(&id)
     }
 
@@ -462,7 +456,7 @@ impl BatchScheduler {
     /// Records that `plan`'s step has run: advances every request of the plan that is
     /// still running by one step, and removes and returns (in batch order) the ones that
     /// have finished. Panics if `plan` is not from the current step (a plan runs once).
-    pub fn complete_step(&mut self, plan: &StepPlan) -> Vec<RequestId> {
+    pub fn complete_step(&mut self, plan: &StepPlan) -> Vec<JobId> {
         assert_eq!(
             plan.step, self.step,
             "complete_step: plan of step {} given at step {}",
@@ -561,7 +555,7 @@ impl BatchScheduler {
     }
 
     /// Whether a request is waiting or running.
-    pub fn contains(&self, id: RequestId) -> bool {
+    pub fn contains(&self, id: JobId) -> bool {
         self.live.contains(&id)
     }
 }

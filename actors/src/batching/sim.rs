@@ -1,15 +1,16 @@
 //! Discrete-event replay of the scheduler: what the denoise loop would do with a queue,
 //! given a cost model for a step, without a model or a clock.
 
+use crate::wire::JobId;
 use std::collections::HashMap;
 
-use super::{BatchScheduler, RequestId, SchedRequest, SubmitError};
+use super::{BatchScheduler, SchedRequest, SubmitError};
 
 /// When one request was admitted and finished in a simulation (in the time unit of the
 /// latency function).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SimOutcome {
-    pub id: RequestId,
+    pub id: JobId,
     /// Arrival time (the simulation's start for requests the scheduler already held).
     pub arrival: f64,
     /// Start of its first step (the simulation's start for requests already running).
@@ -54,7 +55,7 @@ where
     let mut order: Vec<usize> = (0..arrivals.len()).collect();
     order.sort_by(|&a, &b| arrivals[a].0.total_cmp(&arrivals[b].0));
 
-    let mut out: Vec<(RequestId, f64, Option<f64>, Option<f64>)> = Vec::new();
+    let mut out: Vec<(JobId, f64, Option<f64>, Option<f64>)> = Vec::new();
     out.extend(
         sched
             .running()
@@ -62,8 +63,7 @@ where
             .map(|r| (r.id, start, Some(start), None)),
     );
     out.extend(sched.waiting().map(|r| (r.id, start, None, None)));
-    let mut index: HashMap<RequestId, usize> =
-        out.iter().enumerate().map(|(i, o)| (o.0, i)).collect();
+    let mut index: HashMap<JobId, usize> = out.iter().enumerate().map(|(i, o)| (o.0, i)).collect();
 
     let mut now = start;
     let mut next = 0;

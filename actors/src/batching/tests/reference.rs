@@ -1,6 +1,7 @@
 //! Property tests of the batch scheduler against a brute-force reference that plans
 //! by scanning every request ever submitted.
 
+use crate::wire::JobId;
 use std::collections::{HashMap, HashSet};
 
 use proptest::prelude::*;
@@ -44,7 +45,7 @@ impl Reference {
         v
     }
 
-    fn live(&self, id: RequestId) -> Option<usize> {
+    fn live(&self, id: JobId) -> Option<usize> {
         self.reqs.iter().position(|r| {
             r.req.id == id && matches!(r.state, RefState::Waiting | RefState::Running)
         })
@@ -79,7 +80,7 @@ impl Reference {
         Ok(())
     }
 
-    fn cancel(&mut self, id: RequestId) -> bool {
+    fn cancel(&mut self, id: JobId) -> bool {
         match self.live(id) {
             Some(i) => {
                 self.reqs[i].state = RefState::Cancelled;
@@ -90,14 +91,14 @@ impl Reference {
         }
     }
 
-    fn hold(&mut self, id: RequestId) -> bool {
+    fn hold(&mut self, id: JobId) -> bool {
         match self.live(id) {
             Some(i) if self.reqs[i].state == RefState::Running => self.held.insert(i),
             _ => false,
         }
     }
 
-    fn release(&mut self, id: RequestId) -> bool {
+    fn release(&mut self, id: JobId) -> bool {
         match self.live(id) {
             Some(i) => self.held.remove(&i),
             None => false,
@@ -105,7 +106,7 @@ impl Reference {
     }
 
     /// Returns (plan ids, admitted ids); the plan is every running request afterwards.
-    fn plan(&mut self) -> (Vec<RequestId>, Vec<RequestId>) {
+    fn plan(&mut self) -> (Vec<JobId>, Vec<JobId>) {
         let running = self.in_state(RefState::Running);
         let mut count = running.len();
         let mut rows: usize = running.iter().map(|r| r.req.rows_per_step).sum();
@@ -145,7 +146,7 @@ impl Reference {
 
     /// Advances the running requests of `ids` (by submission index, to tell apart
     /// incarnations of one id) and returns the finished ones in batch order.
-    fn complete(&mut self, subs: &[usize]) -> Vec<RequestId> {
+    fn complete(&mut self, subs: &[usize]) -> Vec<JobId> {
         let mut fin = Vec::new();
         let mut subs = subs.to_vec();
         subs.sort_by_key(|&s| self.reqs[s].adm);
@@ -261,7 +262,7 @@ impl Harness {
         Ok(())
     }
 
-    fn cancel(&mut self, id: RequestId) -> Result<(), TestCaseError> {
+    fn cancel(&mut self, id: JobId) -> Result<(), TestCaseError> {
         prop_assert_eq!(self.s.cancel(id), self.r.cancel(id));
         prop_assert!(!self.s.contains(id));
         prop_assert!(self.s.running().iter().all(|r| r.id != id));
@@ -269,7 +270,7 @@ impl Harness {
         Ok(())
     }
 
-    fn hold(&mut self, id: RequestId, on: bool) -> Result<(), TestCaseError> {
+    fn hold(&mut self, id: JobId, on: bool) -> Result<(), TestCaseError> {
         if on {
             prop_assert_eq!(self.s.hold(id), self.r.hold(id));
         } else {
@@ -282,16 +283,16 @@ impl Harness {
         Ok(())
     }
 
-    fn step(&mut self, cancel: Option<RequestId>) -> Result<(), TestCaseError> {
+    fn step(&mut self, cancel: Option<JobId>) -> Result<(), TestCaseError> {
         let c = self.r.config;
-        let held: Vec<RequestId> = self
+        let held: Vec<JobId> = self
             .s
             .running()
             .iter()
             .map(|r| r.id)
             .filter(|&id| self.s.is_held(id))
             .collect();
-        let prev_running: Vec<RequestId> = self
+        let prev_running: Vec<JobId> = self
             .s
             .running()
             .iter()
@@ -309,7 +310,7 @@ impl Harness {
                     .steps_done
             })
             .collect();
-        let waiting_before: Vec<RequestId> = self.s.waiting().map(|r| r.id).collect();
+        let waiting_before: Vec<JobId> = self.s.waiting().map(|r| r.id).collect();
 
         let plan = self.s.plan();
         let (ref_ids, ref_admitted) = self.r.plan();
@@ -393,7 +394,7 @@ impl Harness {
 
     /// Steps until idle: nothing starves, and each request ran exactly its steps.
     fn drain(&mut self) -> Result<(), TestCaseError> {
-        let held: Vec<RequestId> = self.s.running().iter().map(|r| r.id).collect();
+        let held: Vec<JobId> = self.s.running().iter().map(|r| r.id).collect();
         for id in held {
             self.hold(id, false)?;
         }
@@ -424,17 +425,17 @@ proptest! {
         for op in ops {
             match op {
                 Op::Submit { id, rows, steps, done, template: t } => {
-                    let mut r = req(id as RequestId, rows, steps);
+                    let mut r = req(id as JobId, rows, steps);
                     r.template = t.map(template);
                     r.steps_done = done;
                     r.arrival = h.r.reqs.len() as u64;
                     h.submit(r)?;
                 }
-                Op::Cancel(id) => h.cancel(id as RequestId)?,
+                Op::Cancel(id) => h.cancel(id as JobId)?,
                 Op::Step => h.step(None)?,
-                Op::CancelDuringStep(id) => h.step(Some(id as RequestId))?,
-                Op::Hold(id) => h.hold(id as RequestId, true)?,
-                Op::Release(id) => h.hold(id as RequestId, false)?,
+                Op::CancelDuringStep(id) => h.step(Some(id as JobId))?,
+                Op::Hold(id) => h.hold(id as JobId, true)?,
+                Op::Release(id) => h.hold(id as JobId, false)?,
             }
         }
         h.drain()?;
@@ -450,11 +451,11 @@ proptest! {
     ) {
         let mut s = sched(max_batch, budget, Batching::Continuous);
         let mut admitted_at = HashMap::new();
-        let mut work_ahead: HashMap<RequestId, u32> = HashMap::new();
+        let mut work_ahead: HashMap<JobId, u32> = HashMap::new();
         let mut pending: u32 = 0;
         for (i, &(rows, steps)) in reqs.iter().enumerate() {
             // One arrival per step keeps the queue busy.
-            let id = i as RequestId;
+            let id = i as JobId;
             work_ahead.insert(id, pending);
             pending += steps;
             s.submit(req(id, rows, steps)).unwrap();
@@ -472,7 +473,7 @@ proptest! {
             s.complete_step(&plan);
         }
         for (i, _) in reqs.iter().enumerate() {
-            let id = i as RequestId;
+            let id = i as JobId;
             let at = admitted_at.get(&id).copied();
             prop_assert!(at.is_some(), "request {} never ran", id);
             // Submitted at step i; the work of all earlier requests bounds the wait.
@@ -490,7 +491,7 @@ proptest! {
         let arrivals: Vec<(f64, SchedRequest)> = reqs
             .iter()
             .enumerate()
-            .map(|(i, &(t, rows, steps))| (t as f64, req(i as RequestId, rows, steps)))
+            .map(|(i, &(t, rows, steps))| (t as f64, req(i as JobId, rows, steps)))
             .collect();
         let out = simulate(BatchScheduler::new(c).unwrap(), 0.0, &arrivals, |b| {
             assert!(!b.is_empty() && b.len() <= c.max_batch);
