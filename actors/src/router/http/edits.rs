@@ -35,7 +35,7 @@ pub(crate) struct EditBody {
     image: Option<String>,
     /// The mask: base64 PNG, white where the image changes.
     mask: Option<String>,
-    /// The mask as pixel rectangles `[x0, y0, x1, y1]`.
+    /// The mask as pixel rectangles `[x, y, width, height]`.
     boxes: Option<Vec<[u32; 4]>>,
     /// The mask as polygons of `[x, y]` pixel points.
     polygons: Option<Vec<Vec<[f32; 2]>>>,
