@@ -16,6 +16,7 @@ use denoised_models::flux::stepper::JobKey;
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::template_file::{self, TemplateMeta};
 use denoised_models::mask::TokenMask;
+use denoised_models::pipeline::defaults;
 use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Parts, Timings};
 use denoised_models::pipeline::image::{
     decode_image, decode_mask, encode_png, from_model_space, Mask,
@@ -52,7 +53,7 @@ pub struct Common {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// T5 sequence length.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = defaults::MAX_SEQUENCE_LENGTH as usize)]
     pub max_sequence_length: usize,
     /// Largest accepted image, in pixels (width x height).
     #[arg(long, env = "DENOISED_MAX_PIXELS", default_value_t = 2048 * 2048)]
@@ -317,7 +318,10 @@ pub fn run_edit(a: EditArgs) -> CliResult {
             }
             (m.steps, m.guidance)
         }
-        None => (c.steps.unwrap_or(28), c.guidance.unwrap_or(30.0)),
+        None => (
+            c.steps.unwrap_or(defaults::STEPS as usize),
+            c.guidance.unwrap_or(defaults::EDIT_GUIDANCE),
+        ),
     };
     let opts = EditOptions {
         steps,
@@ -446,8 +450,8 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
     };
     let record = a.sparse_vae == SparseVaeSetting::Auto;
     let opts = EditOptions {
-        steps: c.steps.unwrap_or(28),
-        guidance: c.guidance.unwrap_or(30.0),
+        steps: c.steps.unwrap_or(defaults::STEPS as usize),
+        guidance: c.guidance.unwrap_or(defaults::EDIT_GUIDANCE),
         seed: c.seed,
         max_sequence_length: c.max_sequence_length,
         paste_back: false,

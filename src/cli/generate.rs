@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use denoised_models::flux::edit::{Mode, TrueCfg};
+use denoised_models::pipeline::defaults;
 use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Timings};
 use denoised_models::pipeline::generate::GenerateOptions;
 use denoised_models::ModelSource;
@@ -56,11 +57,11 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub prompt: String,
     /// Denoising steps (FLUX.1-schnell is distilled for 4).
-    #[arg(long, default_value_t = 28)]
+    #[arg(long, default_value_t = defaults::STEPS as usize)]
     pub steps: usize,
     /// Embedded guidance scale (FLUX.1-dev; schnell has no guidance embedding and
     /// ignores it).
-    #[arg(long, default_value_t = 3.5)]
+    #[arg(long, default_value_t = defaults::GENERATION_GUIDANCE)]
     pub guidance: f32,
     /// Seed of the initial noise.
     #[arg(long, default_value_t = 0)]
@@ -73,7 +74,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub width: Option<usize>,
     /// T5 sequence length.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = defaults::MAX_SEQUENCE_LENGTH as usize)]
     pub max_sequence_length: usize,
     #[command(flatten)]
     pub true_cfg: TrueCfgArgs,

@@ -2,6 +2,7 @@
 //! conditioning, latents out through the VAE, paste-back.
 
 pub mod control;
+pub mod defaults;
 pub mod fill;
 pub mod flux_fill;
 pub mod generate;

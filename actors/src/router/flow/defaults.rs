@@ -1,17 +1,13 @@
-//! The values a request gets for what it leaves out, in one place: the HTTP bodies'
-//! serde defaults, the OpenAI routes, the internal bus and the flows all read these.
+//! The values a request gets for what it leaves out: the HTTP bodies' serde defaults,
+//! the OpenAI routes, the internal bus and the flows all read these. The pipeline's
+//! own (steps, guidance, sequence length) are `denoised_models::pipeline::defaults`,
+//! which the command line reads too.
+
+pub use denoised_models::pipeline::defaults::{
+    EDIT_GUIDANCE, GENERATION_GUIDANCE, MAX_SEQUENCE_LENGTH, STEPS,
+};
 
 use crate::wire::{FinishParams, ImageFormat};
-
-/// Denoising steps (FluxFillPipeline's and FluxPipeline's `num_inference_steps`).
-pub const STEPS: u32 = 28;
-/// An edit's or a template's guidance scale (FluxFillPipeline's `guidance_scale`;
-/// distilled guidance).
-pub const EDIT_GUIDANCE: f32 = 30.0;
-/// A generation's guidance scale (FluxPipeline's `guidance_scale`).
-pub const GENERATION_GUIDANCE: f32 = 3.5;
-/// T5's sequence length (`max_sequence_length`), also the most it can be.
-pub const MAX_SEQUENCE_LENGTH: u32 = 512;
 /// Pixels of the soft edge where an edit is pasted back over its source.
 pub const FEATHER: u32 = 3;
 /// An edit's output is pasted back over its source outside the mask.
