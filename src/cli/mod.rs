@@ -38,7 +38,8 @@ pub type CliResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 #[derive(Parser, Debug)]
 #[command(name = "denoised", version, about, long_about = None)]
 pub struct Cli {
-    /// Worker threads for CPU compute (0 = one per core).
+    /// Threads for CPU compute (0: one per core). For `serve`, the threads of each CPU
+    /// compute process (`[device] threads`; 0 splits the cores among them).
     #[arg(long, env = "DENOISED_THREADS", default_value_t = 0, global = true)]
     pub threads: usize,
     #[command(subcommand)]
