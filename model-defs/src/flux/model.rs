@@ -352,10 +352,13 @@ impl<B: Backend> FluxTransformer<B> {
         let (c, be) = (&self.config, &self.backend);
         let nb = reqs.len();
         let ts: Vec<f32> = reqs.iter().map(|r| r.timestep * 1000.0).collect();
-        let t_proj = Tensor::new([nb, 256], embed::sinusoid(&ts, &self.time_freqs))?;
-        self.emit(obs, "timestep_proj", &be.upload(&t_proj)?)?;
+        let t_proj = be.upload(&Tensor::new(
+            [nb, 256],
+            embed::sinusoid(&ts, &self.time_freqs),
+        )?)?;
+        self.emit(obs, "timestep_proj", &t_proj)?;
         let t = (Site::Time1, &w.time_1);
-        let mut temb = self.mlp2(lo, &be.upload(&t_proj)?, t, (Site::Time2, &w.time_2))?;
+        let mut temb = self.mlp2(lo, &t_proj, t, (Site::Time2, &w.time_2))?;
         if let Some((g1, g2)) = &w.guidance {
             let gs: Vec<f32> = reqs.iter().map(|r| r.guidance * 1000.0).collect();
             let g_proj = be.upload(&Tensor::new(

@@ -82,7 +82,11 @@ pub fn document() -> Document {
 
 /// The document as `/openapi.json` serves it (pretty JSON, as committed).
 pub fn document_json() -> String {
-    let mut s = document()
+    pretty(&document())
+}
+
+fn pretty(doc: &Document) -> String {
+    let mut s = doc
         .to_pretty_json()
         .expect("the OpenAPI document serializes");
     s.push('\n');
@@ -93,7 +97,7 @@ static SERVED: OnceLock<String> = OnceLock::new();
 
 /// Keeps the document the router serves (made once, with its route table).
 pub(super) fn serve(doc: Document) {
-    let _ = SERVED.set(doc.to_pretty_json().unwrap_or_default() + "\n");
+    let _ = SERVED.set(pretty(&doc));
 }
 
 /// This API's OpenAPI document (the one docs/openapi.json holds).
