@@ -30,7 +30,7 @@ fn the_one_shot_gpu_script_runs_on_the_emulator() {
         "selftest",
         "attn",
         "step",
-        "step_mma",
+        "step_fa2w",
         "daemon_load",
     ] {
         assert_eq!(
@@ -51,7 +51,7 @@ fn the_one_shot_gpu_script_runs_on_the_emulator() {
         .collect();
     assert_eq!(ratios, [0.1, 0.2, 0.4, 1.0]);
     for a in attn {
-        for key in ["denoised_tflops", "first_kernel_tflops", "queries", "keys"] {
+        for key in ["denoised_tflops", "wide_kernel_tflops", "first_kernel_tflops", "queries", "keys"] {
             assert!(a[key].as_f64().is_some(), "{key} missing: {a}");
         }
         // The PyTorch figures are there on a GPU machine; here torch may be absent.
@@ -63,7 +63,7 @@ fn the_one_shot_gpu_script_runs_on_the_emulator() {
         "full_bf16_ms",
         "edit_m02_bf16_ms",
         "edit_m02_speedup",
-        "full_bf16_first_kernel_ms",
+        "full_bf16_wide_kernel_ms",
     ] {
         assert!(step[key].as_f64().is_some(), "{key} missing: {step}");
     }

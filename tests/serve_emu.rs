@@ -261,6 +261,7 @@ fn twelve_templates_batch_past_eight_on_emu() {
         largest > 8,
         "the edits never shared a batch larger than 8 (largest {largest})"
     );
+    step_times_on_the_device_clock(&d);
     for v in &results {
         let out = png(&edit_image(v));
         // Paste-back: every pixel outside the mask is the template image's.
@@ -274,6 +275,34 @@ fn twelve_templates_batch_past_eight_on_emu() {
             }
         }
     }
+}
+
+/// A device worker times each step on the device's clock (the emulator's host clock;
+/// CUDA events on a GPU) and waits for the step's end, so the device time is within
+/// the step's wall time and is most of it.
+fn step_times_on_the_device_clock(d: &Daemon) {
+    let text = d.metrics();
+    let sample = |name: &str| -> f64 {
+        text.lines()
+            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum()
+    };
+    let (steps, wall) = (
+        sample("denoised_denoise_step_duration_seconds_count"),
+        sample("denoised_denoise_step_duration_seconds_sum"),
+    );
+    let (timed, device) = (
+        sample("denoised_denoise_step_device_duration_seconds_count"),
+        sample("denoised_denoise_step_device_duration_seconds_sum"),
+    );
+    println!(
+        "{steps} steps: {:.2} ms wall, {:.2} ms on the device each",
+        1e3 * wall / steps,
+        1e3 * device / timed
+    );
+    assert!(steps > 0.0 && timed == steps, "{steps} steps, {timed} timed");
+    assert!(device <= wall && device > 0.5 * wall, "device {device} s of {wall} s");
 }
 
 #[test]

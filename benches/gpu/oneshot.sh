@@ -75,7 +75,7 @@ fi
 if [ "$DEV" = emu ]; then
     # Small sizes: the emulator runs a thread per GPU thread. Same steps, same keys.
     STEP_ARGS=(--config flux-tiny --image-tokens 64 --text-tokens 16 --iters 1)
-    ATTN_ARGS=(--heads 2 --head-dim 128 --image-tokens 128 --text-tokens 32 --iters 1 --kernel fa2,mma)
+    ATTN_ARGS=(--heads 2 --head-dim 128 --image-tokens 128 --text-tokens 32 --iters 1 --kernel fa2,fa2w,mma)
     TORCH_ARGS=(--tiny --device cpu --image-tokens 128 --text-tokens 32 --heads 2 --warmup 0 --iters 1)
     LOAD_ARGS=(--requests 2 --templates 1 --steps 2)
     # The other parts run in CI already (tests/gpu_transformer.rs, tests/serve_emu.rs),
@@ -85,7 +85,7 @@ if [ "$DEV" = emu ]; then
     SCALE=4  # the emulator is slow; the limits are the GPU's
 else
     STEP_ARGS=(--config flux1-dev --image-tokens 4096 --text-tokens 512 --iters 10)
-    ATTN_ARGS=(--iters 20 --kernel fa2,mma)
+    ATTN_ARGS=(--iters 20 --kernel fa2,fa2w,mma)
     TORCH_ARGS=()
     LOAD_ARGS=(--requests 16 --steps 8)
     SELFTEST_PARTS=kernels,transformer,vae,text,identity,lora,edit-adapters,daemon
@@ -116,16 +116,16 @@ part machine 30 bash -c "uname -a; nvidia-smi 2>&1 | head -20; '$BIN' devices; e
 #    adapters, a daemon round trip on the device).
 part selftest 150 "$BIN" selftest --device "$DEV" --json "$OUT/selftest.json" \
     --only "$SELFTEST_PARTS"
-# 2. The attention op at FLUX.1's shape (both tensor-core kernels: the FA2 one and the
-#    first version), and SDPA on the same problem.
+# 2. The attention op at FLUX.1's shape (every tensor-core kernel: FA2 with 64- and
+#    128-row blocks, and the first version), and SDPA on the same problem.
 part attn 45 "$BIN" bench attn --device "$DEV" "${ATTN_ARGS[@]}"
 part torch_attn 45 "$PY" "$ROOT/benches/torch_reference.py" attn "${TORCH_ARGS[@]}"
 # 3. One FLUX.1-dev-size step (seeded bf16 weights), full and an m = 0.2 edit, and
 #    diffusers' transformer on the same machine.
 part step 150 "$BIN" bench step --device "$DEV" --dtype bf16 --mask-ratio 1.0,0.2 "${STEP_ARGS[@]}"
 part torch_step 90 "$PY" "$ROOT/benches/torch_reference.py" step "${TORCH_ARGS[@]}"
-# The full step again with the first attention kernel, for the before/after ratio.
-part step_mma 150 env DENOISED_ATTN_KERNEL=mma "$BIN" bench step --device "$DEV" --dtype bf16 --mask-ratio 1.0 "${STEP_ARGS[@]}"
+# The full step again with the 128-row FA2 kernel, to pick the default from.
+part step_fa2w 150 env DENOISED_ATTN_KERNEL=fa2w "$BIN" bench step --device "$DEV" --dtype bf16 --mask-ratio 1.0 "${STEP_ARGS[@]}"
 # 4. A short load on the daemon serving the built-in model on the device.
 daemon_load() {
     local port=18480 cport=18490 log=$WORK/daemon.log

@@ -304,15 +304,15 @@ EMU_EXPORT(attn_mma_bf16_d128, AttnParams)
 // bf16 with the head's scale in registers, and stored to the same swizzled place.
 DEV int swz(int row, int chunk, int d) { return row * d + ((chunk ^ (row & 7)) << 3); }
 
-// Copies rows [r0, r0 + 64) of a K/V tile (or the Q tile: `v` null) into shared
+// Copies rows [r0, r0 + R) of a K/V tile (or the Q tile: `v` null) into shared
 // memory. Thread tid handles rows tid / CH + 128 / CH * i, chunk tid % CH.
-template <int D>
+template <int D, int R = 64>
 DEV void fa2_load_tile(const AttnParams& p, const u32* rows, int r0, int n, int h,
                        unsigned short* ks, unsigned short* vs, bool kv) {
     constexpr int CH = D / 8, RPI = 128 / CH;  // chunks per row, rows per pass
     const int tid = threadIdx.x, ch = tid % CH;
 #pragma unroll
-    for (int i = 0; i < 64 / RPI; i++) {
+    for (int i = 0; i < R / RPI; i++) {
         const int rr = tid / CH + RPI * i, at = swz(rr, ch, D);
         const bool valid = r0 + rr < n;
         const u32 ref = valid ? rows[r0 + rr] : 0u;
@@ -332,10 +332,67 @@ DEV void fa2_load_tile(const AttnParams& p, const u32* rows, int r0, int n, int 
     }
 }
 
-template <int D>
+// One tile of keys for one 16-row m-tile: the scores `s` (scaled, masked past the
+// sequence's keys) become probabilities, the running max/sum of rows g and g + 8 move,
+// and the accumulator `o` is rescaled to the new max. The probabilities stay in `s`.
+template <int D, int BC>
+DEV void fa2_softmax(float (&s)[BC / 8][4], float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
+                     int j0, int kv_len, float scale_log2, int t) {
+    float mx0 = m[0], mx1 = m[1];
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; nt++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int col = j0 + nt * 8 + 2 * t + (i & 1);
+            s[nt][i] = col < kv_len ? s[nt][i] * scale_log2 : NEG_INF;
+        }
+        mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+    }
+    mx0 = quad_max(mx0);  // finite: column j0 of every tile is a real key
+    mx1 = quad_max(mx1);
+    const float a0 = fast_exp2(m[0] - mx0), a1 = fast_exp2(m[1] - mx1);
+    m[0] = mx0;
+    m[1] = mx1;
+    float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; nt++) {
+        s[nt][0] = fast_exp2(s[nt][0] - mx0);
+        s[nt][1] = fast_exp2(s[nt][1] - mx0);
+        s[nt][2] = fast_exp2(s[nt][2] - mx1);
+        s[nt][3] = fast_exp2(s[nt][3] - mx1);
+        rs0 += s[nt][0] + s[nt][1];
+        rs1 += s[nt][2] + s[nt][3];
+    }
+    l[0] = l[0] * a0 + rs0;
+    l[1] = l[1] * a1 + rs1;
+#pragma unroll
+    for (int nd = 0; nd < D / 8; nd++) {
+        o[nd][0] *= a0;
+        o[nd][1] *= a0;
+        o[nd][2] *= a1;
+        o[nd][3] *= a1;
+    }
+}
+
+// WM m-tiles of 16 query rows per warp, so a block takes 64 * WM rows, against key
+// tiles of BC rows. With WM = 1 the warp's Q fragments live in registers for the whole
+// kernel; with WM = 2 (the `fa2w` kernels, FlashAttention-2's own shape: 128-row
+// blocks, 32 rows a warp) they are re-read from shared memory per tile, which the
+// registers of two accumulators need, and every K and V fragment feeds two m-tiles:
+// half the shared-memory reads per FLOP of K and V. Its key tiles are 32 rows at
+// D = 128, as FlashAttention-2 takes them, to keep the scores in registers (64-row
+// tiles spill).
+template <int D, int WM, int BC>
 DEV void attn_fa2(const AttnParams& p) {
-    constexpr int BC = 64, T = BC * D;
-    DYN_SMEM(unsigned short, sm);  // K0 | K1 | V0 | V1, each 64 x D
+    constexpr int T = BC * D;
+    static_assert(WM == 1 || WM == 2, "one or two m-tiles a warp");
+    static_assert(BC == 32 || BC == 64, "key tiles of 32 or 64 rows");
+    static_assert(WM == 2 || BC == 64, "Q is staged in V1: 64 rows");
+    // K0 | K1 | V0 | V1, each BC x D; with WM = 2 then Q, 128 x D. With WM = 1, Q is
+    // staged in V1 and moved to registers before tile 1 needs V1.
+    DYN_SMEM(unsigned short, sm);
+    unsigned short* qs = WM == 1 ? sm + 3 * T : sm + 4 * T;
     int2 tile = ((const int2*)p.tiles)[blockIdx.x];
     AttnSeq sq = ((const AttnSeq*)p.seqs)[tile.x];
     const int h = blockIdx.y, q0 = tile.y;
@@ -343,23 +400,34 @@ DEV void attn_fa2(const AttnParams& p) {
     const u32* kvrows = (const u32*)p.kv_rows + sq.kv_off;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int n_tiles = (sq.kv_len + BC - 1) / BC;
+    const int wr = warp * 16 * WM;  // the warp's first row in the block
 
-    // Q into V1, tile 0 into K0/V0: one group.
-    fa2_load_tile<D>(p, qrows + q0, 0, sq.q_len - q0, h, sm + 3 * T, nullptr, false);
-    fa2_load_tile<D>(p, kvrows, 0, sq.kv_len, h, sm, sm + 2 * T, true);
+    // Q, then tile 0 into K0/V0: one group.
+#pragma unroll
+    for (int half = 0; half < WM; half++)
+        fa2_load_tile<D>(p, qrows + q0 + 64 * half, 0, sq.q_len - q0 - 64 * half, h,
+                         qs + half * 64 * D, nullptr, false);
+    fa2_load_tile<D, BC>(p, kvrows, 0, sq.kv_len, h, sm, sm + 2 * T, true);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    u32 qf[D / 16][4];
+    u32 qf[WM == 1 ? D / 16 : 1][4];
+    if (WM == 1) {
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ks++)
-        ldmatrix_x4(qf[ks], sm + 3 * T + swz(warp * 16 + (lane & 15), 2 * ks + (lane >> 4), D));
-    __syncthreads();  // V1 is tile 1's from here on
+        for (int ks = 0; ks < D / 16; ks++)
+            ldmatrix_x4(qf[ks], qs + swz(wr + (lane & 15), 2 * ks + (lane >> 4), D));
+        __syncthreads();  // V1 is tile 1's from here on
+    }
 
-    float o[D / 8][4];
+    float o[WM][D / 8][4];
+    float m[WM][2], l[WM][2];
 #pragma unroll
-    for (int nd = 0; nd < D / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
-    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+    for (int mt = 0; mt < WM; mt++) {
+#pragma unroll
+        for (int nd = 0; nd < D / 8; nd++) o[mt][nd][0] = o[mt][nd][1] = o[mt][nd][2] = o[mt][nd][3] = 0.f;
+        m[mt][0] = m[mt][1] = NEG_INF;
+        l[mt][0] = l[mt][1] = 0.f;
+    }
 
     for (int j = 0; j < n_tiles; j++) {
         const unsigned short* Kt = sm + (j & 1) * T;
@@ -367,92 +435,82 @@ DEV void attn_fa2(const AttnParams& p) {
         // Prefetch tile j+1 into the buffers tile j-1 used (everyone left them at the
         // barrier that ended the last iteration), then wait for tile j only.
         if (j + 1 < n_tiles)
-            fa2_load_tile<D>(p, kvrows, (j + 1) * BC, sq.kv_len, h, sm + ((j + 1) & 1) * T,
-                             sm + (2 + ((j + 1) & 1)) * T, true);
+            fa2_load_tile<D, BC>(p, kvrows, (j + 1) * BC, sq.kv_len, h, sm + ((j + 1) & 1) * T,
+                                 sm + (2 + ((j + 1) & 1)) * T, true);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
 
-        float s[BC / 8][4];
+        float s[WM][BC / 8][4];
 #pragma unroll
-        for (int nt = 0; nt < BC / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        for (int mt = 0; mt < WM; mt++)
+#pragma unroll
+            for (int nt = 0; nt < BC / 8; nt++) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
 #pragma unroll
         for (int ks = 0; ks < D / 16; ks++) {
+            u32 qa[WM][4];
+#pragma unroll
+            for (int mt = 0; mt < WM; mt++) {
+                if (WM == 1) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) qa[mt][i] = qf[WM == 1 ? ks : 0][i];
+                } else {
+                    ldmatrix_x4(qa[mt], qs + swz(wr + 16 * mt + (lane & 15), 2 * ks + (lane >> 4), D));
+                }
+            }
 #pragma unroll
             for (int nt = 0; nt < BC / 8; nt += 2) {
                 u32 b[4];
                 ldmatrix_x4(b, Kt + swz(nt * 8 + (lane & 7) + ((lane >> 4) << 3), 2 * ks + ((lane >> 3) & 1), D));
-                mma_16816(s[nt], qf[ks], b);
-                mma_16816(s[nt + 1], qf[ks], b + 2);
+#pragma unroll
+                for (int mt = 0; mt < WM; mt++) {
+                    mma_16816(s[mt][nt], qa[mt], b);
+                    mma_16816(s[mt][nt + 1], qa[mt], b + 2);
+                }
             }
         }
-        const int j0 = j * BC;
-        float mx0 = m0, mx1 = m1;
 #pragma unroll
-        for (int nt = 0; nt < BC / 8; nt++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int col = j0 + nt * 8 + 2 * t + (i & 1);
-                s[nt][i] = col < sq.kv_len ? s[nt][i] * p.scale_log2 : NEG_INF;
-            }
-            mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
-        }
-        mx0 = quad_max(mx0);  // finite: column j0 of every tile is a real key
-        mx1 = quad_max(mx1);
-        const float a0 = fast_exp2(m0 - mx0), a1 = fast_exp2(m1 - mx1);
-        m0 = mx0;
-        m1 = mx1;
-        float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < BC / 8; nt++) {
-            s[nt][0] = fast_exp2(s[nt][0] - m0);
-            s[nt][1] = fast_exp2(s[nt][1] - m0);
-            s[nt][2] = fast_exp2(s[nt][2] - m1);
-            s[nt][3] = fast_exp2(s[nt][3] - m1);
-            rs0 += s[nt][0] + s[nt][1];
-            rs1 += s[nt][2] + s[nt][3];
-        }
-        l0 = l0 * a0 + rs0;
-        l1 = l1 * a1 + rs1;
-#pragma unroll
-        for (int nd = 0; nd < D / 8; nd++) {
-            o[nd][0] *= a0;
-            o[nd][1] *= a0;
-            o[nd][2] *= a1;
-            o[nd][3] *= a1;
-        }
+        for (int mt = 0; mt < WM; mt++)
+            fa2_softmax<D, BC>(s[mt], o[mt], m[mt], l[mt], j * BC, sq.kv_len, p.scale_log2, t);
 #pragma unroll
         for (int kk = 0; kk < BC / 16; kk++) {
-            u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                        pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                        pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            u32 a[WM][4];
+#pragma unroll
+            for (int mt = 0; mt < WM; mt++) {
+                a[mt][0] = pack_bf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                a[mt][1] = pack_bf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                a[mt][2] = pack_bf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                a[mt][3] = pack_bf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int nd = 0; nd < D / 8; nd += 2) {
                 u32 b[4];
                 ldmatrix_x4_trans(b, Vt + swz(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), nd + (lane >> 4), D));
-                mma_16816(o[nd], a, b);
-                mma_16816(o[nd + 1], a, b + 2);
+#pragma unroll
+                for (int mt = 0; mt < WM; mt++) {
+                    mma_16816(o[mt][nd], a[mt], b);
+                    mma_16816(o[mt][nd + 1], a[mt], b + 2);
+                }
             }
         }
         __syncthreads();
     }
     cp_async_wait<0>();
-    l0 = quad_sum(l0);
-    l1 = quad_sum(l1);
-    const int qr = warp * 16 + g;
 #pragma unroll
-    for (int half = 0; half < 2; half++) {
-        int row = q0 + qr + 8 * half;
-        float l = half ? l1 : l0, inv = l > 0.f ? 1.f / l : 0.f;
-        if (row < sq.q_len) {
-            u32 ref = qrows[row];
-            const AttnSlot& s = slot_of(p, ref);
-            bf16* dst = (bf16*)s.k + ROW_IDX(ref) * s.stride + h * D;
+    for (int mt = 0; mt < WM; mt++) {
 #pragma unroll
-            for (int nd = 0; nd < D / 8; nd++)
-                *reinterpret_cast<u32*>(dst + nd * 8 + 2 * t) =
-                    pack_bf16x2(o[nd][2 * half] * inv, o[nd][2 * half + 1] * inv);
+        for (int half = 0; half < 2; half++) {
+            const float lh = quad_sum(l[mt][half]), inv = lh > 0.f ? 1.f / lh : 0.f;
+            const int row = q0 + wr + 16 * mt + g + 8 * half;
+            if (row < sq.q_len) {
+                u32 ref = qrows[row];
+                const AttnSlot& s = slot_of(p, ref);
+                bf16* dst = (bf16*)s.k + ROW_IDX(ref) * s.stride + h * D;
+#pragma unroll
+                for (int nd = 0; nd < D / 8; nd++)
+                    *reinterpret_cast<u32*>(dst + nd * 8 + 2 * t) =
+                        pack_bf16x2(o[mt][nd][2 * half] * inv, o[mt][nd][2 * half + 1] * inv);
+            }
         }
     }
 }
@@ -460,7 +518,13 @@ DEV void attn_fa2(const AttnParams& p) {
 // ptxas (sm_90a, NVRTC 13): 254 registers at D = 128 and 164 at D = 64, no spills: 2
 // blocks (8 warps) an SM at D = 128, where the registers and 2 x 64 KB of shared
 // memory both allow 2 (a cap of 168 registers for 3 blocks spilled 188 bytes).
-extern "C" __global__ void __launch_bounds__(128, 2) attn_fa2_bf16_d64(const AttnParams p) { attn_fa2<64>(p); }
+extern "C" __global__ void __launch_bounds__(128, 2) attn_fa2_bf16_d64(const AttnParams p) { attn_fa2<64, 1, 64>(p); }
 EMU_EXPORT(attn_fa2_bf16_d64, AttnParams)
-extern "C" __global__ void __launch_bounds__(128, 2) attn_fa2_bf16_d128(const AttnParams p) { attn_fa2<128>(p); }
+extern "C" __global__ void __launch_bounds__(128, 2) attn_fa2_bf16_d128(const AttnParams p) { attn_fa2<128, 1, 64>(p); }
 EMU_EXPORT(attn_fa2_bf16_d128, AttnParams)
+// 128-row blocks, 32 rows a warp, with Q in shared memory beside K and V double-
+// buffered: 64 KB at D = 128 (32-row key tiles) and 48 KB at D = 64 (64-row ones).
+extern "C" __global__ void __launch_bounds__(128, 2) attn_fa2w_bf16_d64(const AttnParams p) { attn_fa2<64, 2, 64>(p); }
+EMU_EXPORT(attn_fa2w_bf16_d64, AttnParams)
+extern "C" __global__ void __launch_bounds__(128, 2) attn_fa2w_bf16_d128(const AttnParams p) { attn_fa2<128, 2, 32>(p); }
+EMU_EXPORT(attn_fa2w_bf16_d128, AttnParams)

@@ -18,7 +18,8 @@ use crate::params::{row_ref, AttnParams, AttnSlot};
 /// Query rows per block of the tensor-core kernels (4 warps x 16 rows).
 const MMA_TILE: usize = 64;
 /// Key rows per shared-memory tile of the FlashAttention-2 kernel; it keeps K and V
-/// double-buffered: 4 tiles of `FA2_KEYS x head_dim` bf16.
+/// double-buffered: 4 tiles of `FA2_KEYS x head_dim` bf16 (the wide kernel's are half
+/// as tall at head dim 128).
 const FA2_KEYS: usize = 64;
 
 /// Which tensor-core kernel runs bf16 attention at head dims 64 and 128.
@@ -31,15 +32,58 @@ pub enum AttnKernel {
     /// `attn_mma_*`: the first version (synchronous tile loads, V transposed by
     /// scalar stores), kept so that one GPU run can time both on the same machine.
     Mma = 1,
+    /// `attn_fa2w_*`: the FA2 kernel with 128-row blocks (32 query rows a warp), which
+    /// reads half the shared memory per FLOP of K and V; not yet timed on a GPU, so
+    /// not the default until a run says it is faster (docs/gpu.md).
+    Fa2Wide = 2,
 }
 
 impl AttnKernel {
-    /// `DENOISED_ATTN_KERNEL=mma` picks the first version; anything else FA2.
-    pub fn from_env() -> Self {
-        match std::env::var("DENOISED_ATTN_KERNEL").as_deref() {
-            Ok("mma") => AttnKernel::Mma,
-            _ => AttnKernel::Fa2,
+    /// The names `DENOISED_ATTN_KERNEL` and `bench attn --kernel` take.
+    pub const NAMES: [&'static str; 3] = ["fa2", "fa2w", "mma"];
+
+    pub fn named(name: &str) -> Option<Self> {
+        match name {
+            "fa2" => Some(AttnKernel::Fa2),
+            "fa2w" => Some(AttnKernel::Fa2Wide),
+            "mma" => Some(AttnKernel::Mma),
+            _ => None,
         }
+    }
+
+    /// `DENOISED_ATTN_KERNEL=fa2w|mma` picks another kernel; anything else FA2.
+    pub fn from_env() -> Self {
+        std::env::var("DENOISED_ATTN_KERNEL")
+            .ok()
+            .and_then(|n| Self::named(&n))
+            .unwrap_or(AttnKernel::Fa2)
+    }
+
+    /// Query rows per block, and the kernel's name at head dim `hd` (64 or 128).
+    fn tensor_core(self, hd: usize) -> (usize, &'static str) {
+        match (self, hd) {
+            (AttnKernel::Fa2, 64) => (MMA_TILE, "attn_fa2_bf16_d64"),
+            (AttnKernel::Fa2, _) => (MMA_TILE, "attn_fa2_bf16_d128"),
+            (AttnKernel::Fa2Wide, 64) => (2 * MMA_TILE, "attn_fa2w_bf16_d64"),
+            (AttnKernel::Fa2Wide, _) => (2 * MMA_TILE, "attn_fa2w_bf16_d128"),
+            (AttnKernel::Mma, 64) => (MMA_TILE, "attn_mma_bf16_d64"),
+            (AttnKernel::Mma, _) => (MMA_TILE, "attn_mma_bf16_d128"),
+        }
+    }
+
+    /// Dynamic shared memory of a block: FA2's K and V tiles double-buffered, and the
+    /// wide kernel's 128-row Q tile (its key tiles are 32 rows at head dim 128: see
+    /// attention.cu); the first version's is static.
+    fn smem(self, hd: usize) -> u32 {
+        let bytes = match self {
+            AttnKernel::Fa2 => 4 * FA2_KEYS * hd * 2,
+            AttnKernel::Fa2Wide => {
+                let keys = if hd == 128 { FA2_KEYS / 2 } else { FA2_KEYS };
+                4 * keys * hd * 2 + 2 * MMA_TILE * hd * 2
+            }
+            AttnKernel::Mma => 0,
+        };
+        bytes as u32
     }
 }
 
@@ -47,7 +91,8 @@ impl<E: Exec> GpuBackend<E> {
     pub fn attn_kernel(&self) -> AttnKernel {
         match self.attn_kernel.load(std::sync::atomic::Ordering::Relaxed) {
             0 => AttnKernel::Fa2,
-            _ => AttnKernel::Mma,
+            1 => AttnKernel::Mma,
+            _ => AttnKernel::Fa2Wide,
         }
     }
     /// Switches the tensor-core attention kernel (checks and benchmarks run both).
@@ -321,18 +366,11 @@ fn launch<E: Exec>(be: &GpuBackend<E>, l: Launch, heads: usize, hd: usize, es: u
         s.k % a == 0 && s.v % a == 0 && (s.stride as u64 * e) % a == 0
     });
     let mma = be.dtype() == Dt::Bf16 && (hd == 64 || hd == 128) && aligned;
-    let fa2 = be.attn_kernel() == AttnKernel::Fa2;
-    let (tile, name) = match (mma, hd, be.dtype()) {
-        (true, 64, _) if fa2 => (MMA_TILE, "attn_fa2_bf16_d64"),
-        (true, _, _) if fa2 => (MMA_TILE, "attn_fa2_bf16_d128"),
-        (true, 64, _) => (MMA_TILE, "attn_mma_bf16_d64"),
-        (true, _, _) => (MMA_TILE, "attn_mma_bf16_d128"),
-        (false, _, Dt::Bf16) => (SIMT_TILE, "attn_simt_bf16"),
-        (false, _, Dt::F32) => (SIMT_TILE, "attn_simt_f32"),
-    };
-    let smem = match name.starts_with("attn_fa2") {
-        true => (4 * FA2_KEYS * hd * 2) as u32,
-        false => 0,
+    let k = be.attn_kernel();
+    let ((tile, name), smem) = match (mma, be.dtype()) {
+        (true, _) => (k.tensor_core(hd), k.smem(hd)),
+        (false, Dt::Bf16) => ((SIMT_TILE, "attn_simt_bf16"), 0),
+        (false, Dt::F32) => ((SIMT_TILE, "attn_simt_f32"), 0),
     };
     let mut tiles: Vec<u32> = vec![];
     for (si, d) in descs.iter().enumerate() {

@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use denoised_runtime::backend::{stacked_shape, AttnSeq, Backend, Modulation};
-use denoised_runtime::{Conv2dOpts, TextMask};
+use denoised_runtime::{Conv2dOpts, DeviceTimer, TextMask};
 use denoised_runtime::{DType, Error, HostMemory, HostSlice, Result, SlabProvider, Stored, Tensor};
 
 use crate::exec::{Dt, Exec, Grid};
@@ -22,6 +22,7 @@ use crate::tensor::{from_bytes, to_bytes};
 use crate::CudaError;
 
 mod gemm;
+mod timer;
 
 pub struct GpuBackend<E: Exec> {
     /// Shared with the template streams, which queue loads on the same device.
@@ -80,16 +81,6 @@ impl<E: Exec> GpuBackend<E> {
     }
     pub fn exec(&self) -> &Arc<E> {
         &self.exec
-    }
-    /// Runs `f` (which queues work on the compute stream) and returns the GPU time it
-    /// took in seconds, measured with CUDA events (waits for it); `None` on an
-    /// executor without a GPU clock.
-    pub fn gpu_seconds(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<f64>> {
-        let start = self.exec.timing_event().map_err(dev)?;
-        f()?;
-        let Some(start) = start else { return Ok(None) };
-        let end = self.exec.timing_event().map_err(dev)?.expect("a GPU clock");
-        Ok(Some(self.exec.elapsed_ms(&start, &end).map_err(dev)? / 1e3))
     }
     pub fn dtype(&self) -> Dt {
         self.dt
@@ -385,6 +376,10 @@ impl<E: Exec> Backend for GpuBackend<E> {
 
     fn synchronize(&self) -> Result<()> {
         self.exec.synchronize().map_err(dev)
+    }
+
+    fn device_timer(&self) -> Result<Option<Box<dyn DeviceTimer>>> {
+        self.start_timer()
     }
 
     fn add(&self, x: &mut GpuTensor<E>, y: &GpuTensor<E>) -> Result<()> {

@@ -5,6 +5,7 @@
 //! (with bf16 rounding of the result, as cuBLASLt writes bf16). Each GPU thread is
 //! a fiber, so it is far slower than a GPU and meant for tests on small shapes.
 
+use std::time::Instant;
 use std::alloc::{alloc, dealloc, Layout};
 #[cfg(denoised_emu)]
 use std::ffi::{c_void, CString};
@@ -285,8 +286,10 @@ fn load_rounded(dt: Dt, v: f32) -> f32 {
 impl Exec for EmuExec {
     type Mem = EmuMem;
     type Pinned = EmuPinned;
-    /// One stream in effect: every operation completes before the call returns.
-    type Event = ();
+    /// One stream in effect: every operation completes before the call returns, so an
+    /// event is the host's clock when it was recorded, and the time between two of
+    /// them is the emulated work's.
+    type Event = Instant;
 
     fn describe(&self) -> String {
         "cuda-emulator (the kernels on CPU fibers)".into()
@@ -457,17 +460,23 @@ impl Exec for EmuExec {
     unsafe fn store(&self, dst: *mut u8, src: &EmuMem, offset: usize, len: usize) -> Result<()> {
         self.download(src, offset, std::slice::from_raw_parts_mut(dst, len))
     }
-    fn is_done(&self, _: &()) -> Result<bool> {
+    fn is_done(&self, _: &Instant) -> Result<bool> {
         Ok(true)
     }
-    fn sync_event(&self, _: &()) -> Result<()> {
+    fn sync_event(&self, _: &Instant) -> Result<()> {
         Ok(())
     }
-    fn record(&self, _: crate::exec::Stream) -> Result<()> {
+    fn record(&self, _: crate::exec::Stream) -> Result<Instant> {
+        Ok(Instant::now())
+    }
+    fn wait(&self, _: crate::exec::Stream, _: &Instant) -> Result<()> {
         Ok(())
     }
-    fn wait(&self, _: crate::exec::Stream, _: &()) -> Result<()> {
-        Ok(())
+    fn timing_event(&self) -> Result<Option<Instant>> {
+        Ok(Some(Instant::now()))
+    }
+    fn elapsed_ms(&self, start: &Instant, end: &Instant) -> Result<f64> {
+        Ok(end.duration_since(*start).as_secs_f64() * 1e3)
     }
     fn memory(&self) -> Result<MemInfo> {
         let total = self.usage.capacity;

@@ -183,13 +183,14 @@ pub trait Exec: Send + Sync + 'static {
     fn wait(&self, on: Stream, e: &Self::Event) -> Result<()>;
     /// The device's memory now: what the device memory budget starts from.
     fn memory(&self) -> Result<MemInfo>;
-    /// An event with timing recorded on the compute stream now, for measuring GPU time
-    /// between two of them ([`elapsed_ms`](Self::elapsed_ms)); `None` where the
-    /// executor has no GPU clock (the emulator).
+    /// An event with timing recorded on the compute stream now, for measuring device
+    /// time between two of them ([`elapsed_ms`](Self::elapsed_ms)): CUDA events on a
+    /// GPU, the host clock on the emulator (whose work is done when a call returns);
+    /// `None` where an executor has no clock.
     fn timing_event(&self) -> Result<Option<Self::Event>> {
         Ok(None)
     }
-    /// Milliseconds of GPU time between two timing events (waits for the second).
+    /// Milliseconds of device time between two timing events (waits for the second).
     fn elapsed_ms(&self, _start: &Self::Event, _end: &Self::Event) -> Result<f64> {
         Err(CudaError::Driver("this executor has no GPU clock".into()))
     }

@@ -6,9 +6,11 @@
 //!   default pool, whose release threshold is raised to "never", so steady-state
 //!   allocations are pool hits, not driver calls. Frees are stream-ordered too, so a
 //!   temporary may be dropped as soon as its kernels are queued.
-//! - **Loads**: host data goes through a pinned staging buffer in chunks (the driver
-//!   copies pageable memory through its own small bounce buffer, at a fraction of PCIe
-//!   speed).
+//! - **Uploads**: host data is copied into a pinned ring ([`crate::ring`]) and queued
+//!   as asynchronous copies with an event each; the host waits only to reuse bytes a
+//!   queued copy still reads, never for the compute stream as a whole. (The driver
+//!   would copy pageable memory through its own small bounce buffer, at a fraction of
+//!   PCIe speed, and may synchronise the stream to do it.)
 //! - **GEMMs**: cuBLASLt with f32 compute (bf16 or f32 storage) and a bias epilogue;
 //!   descriptors and the heuristic's algorithm are cached per shape.
 //! - **Streams**: `compute` runs kernels and GEMMs in order; `copy` is for cache loads
@@ -35,6 +37,7 @@ use crate::device::{probe, GpuInfo};
 use crate::exec::{Conv, Dt, Exec, Gemm, Grid, MemInfo, Result, Stream};
 use crate::kernels;
 use crate::params::KernelParams;
+use crate::ring::Ring;
 use crate::CudaError;
 
 fn drv(what: &str) -> impl Fn(dr::DriverError) -> CudaError + '_ {
@@ -44,8 +47,8 @@ fn blas(what: &str) -> impl Fn(lt::CublasError) -> CudaError + '_ {
     move |e| CudaError::Driver(format!("{what}: {e:?}"))
 }
 
-/// Bytes of pinned staging for uploads.
-const STAGING_BYTES: usize = 64 << 20;
+/// Bytes of the pinned upload ring (copies of up to a quarter of it each).
+const RING_BYTES: usize = 64 << 20;
 /// cuBLASLt workspace (what it needs for split-K on large GEMMs).
 const WORKSPACE_BYTES: usize = 32 << 20;
 /// Most cached GEMM plans. The row count is part of a plan's key and varies with each
@@ -54,9 +57,6 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 const MAX_PLANS: usize = 4096;
 /// Dynamic shared memory a launch may use without raising the kernel's limit.
 const DEFAULT_SMEM: u32 = 48 << 10;
-
-/// Uploads below this go straight from pageable memory (no staging round trip).
-const SMALL_UPLOAD: usize = 256 << 10;
 
 pub struct CudaExec {
     ctx: Arc<CudaContext>,
@@ -68,11 +68,27 @@ pub struct CudaExec {
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Kernels whose dynamic shared memory limit was raised, and to what.
     smem_allowed: Mutex<HashMap<&'static str, u32>>,
-    staging: Mutex<PinnedHostSlice<u8>>,
+    uploads: Mutex<Uploads>,
     blas: Mutex<Blas>,
     /// cuDNN, opened at the first convolution; `None` where it is absent or failed
     /// to open (the backend's im2col path runs then).
     cudnn: OnceLock<Option<Mutex<Cudnn>>>,
+}
+
+/// The pinned upload ring, its placement, and events free for reuse.
+struct Uploads {
+    pinned: PinnedHostSlice<u8>,
+    ring: Ring<CudaEvent>,
+    spare: Vec<CudaEvent>,
+}
+
+impl Drop for Uploads {
+    fn drop(&mut self) {
+        // The pinned bytes are freed next: no copy may still read them.
+        if let Some(last) = self.ring.drained().last() {
+            let _ = last.synchronize();
+        }
+    }
 }
 
 struct Blas {
@@ -142,7 +158,7 @@ pub enum Priority {
 }
 
 impl CudaExec {
-    /// Opens device `ordinal`: context, streams, pool, staging, cuBLASLt. Its compute
+    /// Opens device `ordinal`: context, streams, pool, upload ring, cuBLASLt. Its compute
     /// stream has the device's highest priority: the denoise loop's.
     pub fn new(ordinal: usize) -> Result<CudaExec> {
         Self::open(ordinal, Priority::High)
@@ -207,8 +223,8 @@ impl CudaExec {
             }
         }
         // SAFETY: plain host allocation; bytes are written before being read.
-        let staging =
-            unsafe { ctx.alloc_pinned::<u8>(STAGING_BYTES) }.map_err(drv("cuMemHostAlloc"))?;
+        let pinned =
+            unsafe { ctx.alloc_pinned::<u8>(RING_BYTES) }.map_err(drv("cuMemHostAlloc"))?;
         let workspace = compute
             .alloc_zeros::<u8>(WORKSPACE_BYTES)
             .map_err(drv("workspace"))?;
@@ -223,7 +239,11 @@ impl CudaExec {
             modules: Mutex::default(),
             functions: Mutex::default(),
             smem_allowed: Mutex::default(),
-            staging: Mutex::new(staging),
+            uploads: Mutex::new(Uploads {
+                pinned,
+                ring: Ring::new(RING_BYTES),
+                spare: Vec::new(),
+            }),
             blas: Mutex::new(Blas {
                 handle,
                 workspace,
@@ -486,29 +506,38 @@ impl Exec for CudaExec {
         // calls bind it themselves).
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let base = self.addr(dst) + offset as u64;
-        let s = self.compute.cu_stream();
-        if bytes.len() <= SMALL_UPLOAD {
-            // SAFETY: in bounds (callers size allocations); pageable async copies
-            // consume the source before returning.
-            return unsafe { dr::memcpy_htod_async(base, bytes, s) }
-                .map_err(drv("cuMemcpyHtoDAsync"));
-        }
-        let mut staging = self.staging.lock().unwrap();
-        for (i, chunk) in bytes.chunks(STAGING_BYTES).enumerate() {
-            // The previous chunk's copy must finish before its staging bytes change.
-            self.compute
-                .synchronize()
-                .map_err(drv("cuStreamSynchronize"))?;
-            let st = staging.as_mut_slice().map_err(drv("pinned"))?;
-            st[..chunk.len()].copy_from_slice(chunk);
-            let at = base + (i * STAGING_BYTES) as u64;
-            // SAFETY: pinned source stays alive and unchanged until the next sync.
-            unsafe { dr::memcpy_htod_async(at, &st[..chunk.len()], s) }
+        let mut up = self.uploads.lock().unwrap();
+        let Uploads {
+            pinned,
+            ring,
+            spare,
+        } = &mut *up;
+        let mut at_dst = base;
+        for chunk in bytes.chunks(ring.chunk()) {
+            let (at, retired) = ring.reserve(chunk.len());
+            // The newest copy that read these bytes; the older ones finished before it.
+            if let Some(last) = retired.last() {
+                last.synchronize().map_err(drv("cuEventSynchronize"))?;
+            }
+            spare.extend(retired);
+            let st = &mut pinned.as_mut_slice().map_err(drv("pinned"))?[at..at + chunk.len()];
+            st.copy_from_slice(chunk);
+            // SAFETY: in bounds (callers size allocations); the pinned bytes stay
+            // unchanged until the event recorded below has passed (the ring's contract).
+            unsafe { dr::memcpy_htod_async(at_dst, st, self.compute.cu_stream()) }
                 .map_err(drv("cuMemcpyHtoDAsync"))?;
+            let event = match spare.pop() {
+                Some(e) => e,
+                None => self
+                    .ctx
+                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                    .map_err(drv("cuEventCreate"))?,
+            };
+            event.record(&self.compute).map_err(drv("cuEventRecord"))?;
+            ring.queued(at..at + chunk.len(), event);
+            at_dst += chunk.len() as u64;
         }
-        self.compute
-            .synchronize()
-            .map_err(drv("cuStreamSynchronize"))
+        Ok(())
     }
 
     fn download(&self, src: &CudaSlice<u8>, offset: usize, out: &mut [u8]) -> Result<()> {
@@ -595,7 +624,12 @@ impl Exec for CudaExec {
     fn synchronize(&self) -> Result<()> {
         self.compute
             .synchronize()
-            .map_err(drv("cuStreamSynchronize"))
+            .map_err(drv("cuStreamSynchronize"))?;
+        // Every queued upload has been made: its events are free again.
+        let mut up = self.uploads.lock().unwrap();
+        let done = up.ring.drained();
+        up.spare.extend(done);
+        Ok(())
     }
 
     unsafe fn register(&self, base: *mut u8, len: usize, read_only: bool) -> Result<CudaPinned> {

@@ -69,6 +69,8 @@ pub const MODULES: &[Module] = &[
             "attn_mma_bf16_d128",
             "attn_fa2_bf16_d64",
             "attn_fa2_bf16_d128",
+            "attn_fa2w_bf16_d64",
+            "attn_fa2w_bf16_d128",
         ],
     },
     Module {

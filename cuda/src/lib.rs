@@ -25,6 +25,7 @@ pub mod exec;
 mod fp8;
 pub mod gpu;
 mod host;
+mod ring;
 mod image;
 pub mod kernels;
 pub mod params;

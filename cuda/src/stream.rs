@@ -259,6 +259,7 @@ impl<E: Exec> Drop for StreamedTemplate<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
     use crate::emu::{EmuExec, EmuMem, EmuPinned};
     use crate::exec::{Dt, Gemm, Grid, MemInfo};
     use crate::params::KernelParams;
@@ -283,7 +284,7 @@ mod tests {
     impl Exec for Logged {
         type Mem = EmuMem;
         type Pinned = EmuPinned;
-        type Event = ();
+        type Event = Instant;
         fn describe(&self) -> String {
             self.emu.describe()
         }
@@ -343,17 +344,17 @@ mod tests {
         ) -> crate::exec::Result<()> {
             self.emu.store(dst, src, offset, len)
         }
-        fn is_done(&self, e: &()) -> crate::exec::Result<bool> {
+        fn is_done(&self, e: &Instant) -> crate::exec::Result<bool> {
             self.emu.is_done(e)
         }
-        fn sync_event(&self, e: &()) -> crate::exec::Result<()> {
+        fn sync_event(&self, e: &Instant) -> crate::exec::Result<()> {
             self.emu.sync_event(e)
         }
-        fn record(&self, on: Stream) -> crate::exec::Result<()> {
+        fn record(&self, on: Stream) -> crate::exec::Result<Instant> {
             self.log.lock().unwrap().push(Op::Record(on));
             self.emu.record(on)
         }
-        fn wait(&self, on: Stream, e: &()) -> crate::exec::Result<()> {
+        fn wait(&self, on: Stream, e: &Instant) -> crate::exec::Result<()> {
             self.log.lock().unwrap().push(Op::Wait(on));
             self.emu.wait(on, e)
         }

@@ -56,7 +56,7 @@ fn gpu_kernels_match_cpu() {
     assert_all_pass(&kernels(open).unwrap());
 }
 
-/// The FlashAttention-2 kernel's shared-memory layout (swizzled rows, ldmatrix phases,
+/// The FlashAttention-2 kernels' shared-memory layout (swizzled rows, ldmatrix phases,
 /// cp.async phases) is free of bank conflicts, counted as the hardware serves accesses
 /// (emu.h); the first kernel, with its transposed V tile, is not (the counter works).
 #[test]
@@ -107,7 +107,7 @@ fn the_fa2_attention_kernel_has_no_bank_conflicts() {
         be.attention(&mut [&mut q], 0, w, heads, &seqs).unwrap();
     };
     let mut counted = vec![];
-    for k in [AttnKernel::Fa2, AttnKernel::Mma] {
+    for k in [AttnKernel::Fa2, AttnKernel::Fa2Wide, AttnKernel::Mma] {
         be.set_attn_kernel(k);
         count_shared(true);
         run(1, 128);
@@ -121,7 +121,12 @@ fn the_fa2_attention_kernel_has_no_bank_conflicts() {
             .find(|c| c.kernel == name)
             .unwrap_or_else(|| panic!("{name} did not run: {counted:?}"))
     };
-    for name in ["attn_fa2_bf16_d128", "attn_fa2_bf16_d64"] {
+    for name in [
+        "attn_fa2_bf16_d128",
+        "attn_fa2_bf16_d64",
+        "attn_fa2w_bf16_d128",
+        "attn_fa2w_bf16_d64",
+    ] {
         let c = of(name);
         assert!(c.shared_accesses > 0, "{c:?}");
         assert_eq!(c.bank_conflicts, 0, "{c:?}");

@@ -90,6 +90,14 @@ pub struct Modulation<'a, T> {
     pub seg: &'a [u32],
 }
 
+/// A running measurement of device work ([`Backend::device_timer`]).
+pub trait DeviceTimer: Send {
+    /// Marks the end of the timed work, waits until the device has done it, and
+    /// returns the seconds it took on the device. An error in that work (a kernel
+    /// fault) surfaces here, so it is attributed to what was timed.
+    fn stop(self: Box<Self>) -> Result<f64>;
+}
+
 /// Numerical backend. `Tensor` is the backend's own buffer type; the model never looks
 /// inside it except through these methods.
 pub trait Backend: Send + Sync {
@@ -238,6 +246,14 @@ pub trait Backend: Send + Sync {
     /// computes synchronously, so the default does nothing.
     fn synchronize(&self) -> Result<()> {
         Ok(())
+    }
+
+    /// Starts timing the work queued from now on with the device's own clock (CUDA
+    /// events on a GPU), where the work runs asynchronously to the caller; `None`
+    /// where each call has finished its work when it returns (the CPU), so the host
+    /// clock already measures it.
+    fn device_timer(&self) -> Result<Option<Box<dyn DeviceTimer>>> {
+        Ok(None)
     }
 
     /// `x[:, cols] += alpha * v[v_rows, :]`, computed in f32 and stored in `x`'s type:

@@ -21,7 +21,8 @@ pub mod tensor;
 pub mod weights;
 
 pub use backend::{
-    AttnSeq, Backend, Conv2dOpts, KvSource, Modulation, QSpan, Rows, SlabProvider, SlabShape, Src,
+    AttnSeq, Backend, Conv2dOpts, DeviceTimer, KvSource, Modulation, QSpan, Rows, SlabProvider,
+    SlabShape, Src,
     TextMask,
 };
 pub use cpu::CpuBackend;

@@ -42,9 +42,10 @@ pub struct Args {
     /// Storage type on a GPU (bf16 uses the tensor-core kernel for head dims 64/128).
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
     pub dtype: String,
-    /// Tensor-core kernels to time, comma-separated: fa2 (the default kernel) and/or
-    /// mma (the first version), one after the other on the same device.
-    #[arg(long, value_delimiter = ',', default_value = "fa2", value_parser = ["fa2", "mma"])]
+    /// Tensor-core kernels to time, comma-separated: fa2 (the default kernel), fa2w
+    /// (128-row blocks, 32 rows a warp) and/or mma (the first version), one after the
+    /// other on the same device.
+    #[arg(long, value_delimiter = ',', default_value = "fa2", value_parser = AttnKernel::NAMES)]
     pub kernel: Vec<String>,
     /// With `--device emu`: count every kernel's shared-memory accesses and bank
     /// conflicts as the hardware would serve them, and its launches; one JSON line per
@@ -54,11 +55,7 @@ pub struct Args {
 }
 
 fn kernel_of(name: &str) -> AttnKernel {
-    if name == "mma" {
-        AttnKernel::Mma
-    } else {
-        AttnKernel::Fa2
-    }
+    AttnKernel::named(name).expect("clap checked the name")
 }
 
 pub fn run(a: Args) -> CliResult {
@@ -198,7 +195,7 @@ pub fn measure<B: Backend>(
             be.synchronize()?;
             ts.push(match gpu {
                 Some(s) => {
-                    clock = "cuda events";
+                    clock = "device events";
                     s
                 }
                 None => t0.elapsed().as_secs_f64(),

@@ -133,6 +133,9 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
             } => {
                 let m = &ctx.metrics;
                 m.step.observe(seconds);
+                if let Some(d) = report.device_s {
+                    m.step_device.observe(d);
+                }
                 m.full_blocks.observe(report.full_blocks as f64);
                 if let Some(p) = report.predicted_s {
                     m.predicted.observe(p);

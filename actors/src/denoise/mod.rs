@@ -363,7 +363,7 @@ impl State {
             }
             if let Err(e) = admitted {
                 if model.is_fatal(&e) {
-                    device_fault(&e);
+                    device_fault(&e, format_args!("the admission of request {id:x}"));
                 }
                 self.sched.cancel(id);
                 if let Some(a) = &mut self.adapters {
@@ -485,7 +485,7 @@ fn run(
                 Ok((latents, cache)) => Event::Finished { id, latents, cache },
                 Err(e) => {
                     if model.is_fatal(&e) {
-                        device_fault(&e);
+                        device_fault(&e, format_args!("the result of request {id:x}"));
                     }
                     Event::Failed {
                         id,
@@ -530,7 +530,7 @@ fn store_states(st: &State, model: &dyn Stepper, ids: &[JobId]) {
             }
             Err(e) => {
                 if model.is_fatal(&e) {
-                    device_fault(&e);
+                    device_fault(&e, format_args!("storing the state of request {id:x}"));
                 }
                 tracing::warn!("request {id:x}: its state after step {k} is not stored: {e}");
             }
@@ -549,7 +549,7 @@ fn isolate(
     error: denoised_runtime::Error,
 ) -> Vec<(JobId, String)> {
     if model.is_fatal(&error) {
-        device_fault(&error);
+        device_fault(&error, format_args!("a step of requests {ids:x?}"));
     }
     if let [id] = ids {
         tracing::warn!("denoise step of request {id:x} failed: {error}");
@@ -566,7 +566,7 @@ fn isolate(
         }
         if let Err(e) = model.step(&[id]) {
             if model.is_fatal(&e) {
-                device_fault(&e);
+                device_fault(&e, format_args!("request {id:x} stepped alone"));
             }
             tracing::warn!("denoise step of request {id:x} failed: {e}");
             failed.push((id, e.to_string()));
@@ -578,8 +578,10 @@ fn isolate(
 /// The device is gone for this process (a sticky CUDA error). Exit without answering:
 /// the router sees the worker lost and retries its requests on the restarted worker,
 /// as after a kill.
-fn device_fault(e: &denoised_runtime::Error) -> ! {
-    tracing::error!("device fault, the worker exits to be restarted: {e}");
+fn device_fault(e: &denoised_runtime::Error, during: std::fmt::Arguments) -> ! {
+    // A step waits for its end on the device (`Stepper::step`), so a kernel fault is
+    // reported by the step that caused it, and `during` names its requests.
+    tracing::error!("device fault during {during}; the worker exits to be restarted: {e}");
     std::process::exit(EXIT_DEVICE_FAULT);
 }
 

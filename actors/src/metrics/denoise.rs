@@ -27,6 +27,8 @@ pub type Outcome = [(&'static str, &'static str); 1];
 #[derive(Clone)]
 pub struct DenoiseMetrics {
     pub step: Histogram,
+    /// The step's time on the device's own clock (GPU workers: CUDA events).
+    pub step_device: Histogram,
     /// The planner's predicted step latency, the blocks it computed in full, and the
     /// time compute waited for template loads.
     pub predicted: Histogram,
@@ -54,6 +56,7 @@ impl DenoiseMetrics {
     ) -> Self {
         let m = DenoiseMetrics {
             step: Histogram::new(STEP_SECONDS.iter().copied()),
+            step_device: Histogram::new(STEP_SECONDS.iter().copied()),
             predicted: Histogram::new(STEP_SECONDS.iter().copied()),
             full_blocks: Histogram::new(FULL_BLOCKS.iter().copied()),
             bubble: Histogram::new(BUBBLE_SECONDS.iter().copied()),
@@ -71,6 +74,12 @@ impl DenoiseMetrics {
             "Duration of one batched denoising step",
             Unit::Seconds,
             m.step.clone(),
+        );
+        r.register_with_unit(
+            "denoise_step_device_duration",
+            "Duration of one batched denoising step on the device's own clock (GPU workers: CUDA events); the rest of denoise_step_duration is the host's",
+            Unit::Seconds,
+            m.step_device.clone(),
         );
         r.register_with_unit(
             "denoise_step_predicted_duration",

@@ -354,9 +354,9 @@ fn check_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
     // attention: head dims 64 and 128 take the tensor-core kernel in bf16; 16 the
     // SIMT one. Queries span two buffers; keys come from both (by range) and from an
     // external "cache" by index, in two sequences of different lengths.
-    // In bf16 both tensor-core kernels are checked (the FA2 one runs by default).
+    // In bf16 every tensor-core kernel is checked (the FA2 one runs by default).
     let kernels: &[AttnKernel] = match dt {
-        Dt::Bf16 => &[AttnKernel::Fa2, AttnKernel::Mma],
+        Dt::Bf16 => &[AttnKernel::Fa2, AttnKernel::Fa2Wide, AttnKernel::Mma],
         Dt::F32 => &[AttnKernel::Fa2],
     };
     let before = gpu.attn_kernel();

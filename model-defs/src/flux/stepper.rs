@@ -65,6 +65,9 @@ pub struct StepReport {
     pub predicted_s: Option<f64>,
     /// Time compute waited for template loads, where the device measures it.
     pub bubble_s: Option<f64>,
+    /// The step's time on the device, by its own clock (CUDA events), where the device
+    /// runs asynchronously to the loop ([`Backend::device_timer`]).
+    pub device_s: Option<f64>,
 }
 
 /// How often the device's memory in use is read (a driver call).
@@ -383,13 +386,26 @@ where
             .filter(|(id, _)| ids.contains(id))
             .map(|(_, j)| j)
             .collect();
+        let timer = self.model.backend().device_timer()?;
         let r = step_batch_with(&self.model, &mut batch, &self.templates, &choices);
+        // Waiting for the step's end on the device: the loop never queues a step before
+        // the previous one has run, so its step time is the device's (not the time to
+        // queue the kernels), its progress and cancellations are the device's, and a
+        // kernel fault surfaces in the step that caused it (the batch is then retried
+        // one request at a time, each step waited for the same way). The cost is the
+        // host's planning of the next step (`denoise_step_duration` less
+        // `denoise_step_device_duration`).
+        let device_s = match (&r, timer) {
+            (Ok(()), Some(t)) => Some(t.stop()?),
+            _ => None,
+        };
         let bubble = self.templates.take_wait();
         self.sample_memory();
         r.map(|()| StepReport {
             full_blocks: plan.as_ref().map_or(0, |p| p.full_blocks()),
             predicted_s: plan.map(|p| p.latency),
             bubble_s: bubble.map(|d| d.as_secs_f64()),
+            device_s,
         })
     }
 
