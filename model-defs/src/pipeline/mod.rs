@@ -8,6 +8,7 @@ pub mod flux_fill;
 pub mod generate;
 pub mod image;
 pub mod paste;
+pub mod preview;
 pub mod prompts;
 pub mod sparse_vae;
 pub mod stage_memory;

@@ -1,0 +1,86 @@
+//! Preview factors fitted to a VAE (the tiny reference pipeline's, as diffusers wrote
+//! it), and previews of its latents against what its decoder makes of them.
+//!
+//! The bounds are measured figures with a margin (docs/performance.md, "Previews"): the
+//! tiny VAE has seeded random weights, far less linear than FLUX's trained one, so a
+//! linear map predicts it only roughly; these are floors that tell a fit from a guess.
+
+use denoised_models::pipeline::image::{decode_image, to_model_space, ImageLimits};
+use denoised_models::pipeline::preview::{
+    downsample, noise_samples, quality, samples, synthetic_images, PreviewFactors,
+};
+use denoised_models::vae::AutoencoderKL;
+use denoised_runtime::fixtures::{fixtures_dir, tiny_model_dir, RefCase};
+use denoised_runtime::Tensor;
+
+fn fitted(vae: &AutoencoderKL) -> PreviewFactors {
+    let f = vae.config().vae_scale_factor();
+    let mut codec = |x: &Tensor| {
+        let (mean, _) = vae.encode(x)?;
+        Ok((vae.normalize(&mean), vae.decode(&mean)?))
+    };
+    let c = vae.config().latent_channels;
+    let mut train = samples(&synthetic_images(20, 64, 1), f, &mut codec).unwrap();
+    let mut decode = |z: &Tensor| vae.decode(&vae.denormalize(z));
+    train.extend(noise_samples(20, c, 32, f, 1, &mut decode).unwrap());
+    PreviewFactors::fit(&train, c).unwrap()
+}
+
+#[test]
+fn factors_fitted_to_the_vae_predict_its_decoder_on_unseen_images() {
+    let vae = AutoencoderKL::load(tiny_model_dir().join("vae")).unwrap();
+    let factors = fitted(&vae);
+    let f = vae.config().vae_scale_factor();
+    let mut codec = |x: &Tensor| {
+        let (mean, _) = vae.encode(x)?;
+        Ok((vae.normalize(&mean), vae.decode(&mean)?))
+    };
+    // Unseen: other synthetic images, and the fixture photograph-like input.
+    let mut held_out = synthetic_images(10, 64, 2);
+    let bytes = std::fs::read(fixtures_dir().join("cases/e2e_input.png")).unwrap();
+    let limits = ImageLimits {
+        max_pixels: 1 << 20,
+        multiple_of: 4,
+    };
+    held_out.push(decode_image(&bytes, &limits).unwrap());
+    let test = samples(&held_out, f, &mut codec).unwrap();
+    let (pred, target): (Vec<f32>, Vec<f32>) = test
+        .iter()
+        .flat_map(|s| factors.project(&s.latent).into_iter().zip(s.rgb.clone()))
+        .unzip();
+    let q = quality(&pred, &target);
+    println!(
+        "preview fit on 20 images, {} unseen: PSNR {:.2} dB, correlation {:.4}",
+        held_out.len(),
+        q.psnr_db,
+        q.correlation
+    );
+    // Measured: PSNR 17.62 dB, correlation 0.647 (deterministic inputs).
+    assert!(q.correlation > 0.62 && q.psnr_db > 17.3, "{q:?}");
+}
+
+/// The preview of the reference pipeline's final latent (diffusers' packed latents
+/// after the last step, through [`PreviewFactors::preview`] as the server makes it)
+/// resembles diffusers' decoded image.
+#[test]
+fn the_preview_of_the_final_latent_resembles_the_decoded_image() {
+    let vae = AutoencoderKL::load(tiny_model_dir().join("vae")).unwrap();
+    let factors = fitted(&vae);
+    let case = RefCase::open("e2e").unwrap();
+    let packed = case.tensor("step3.latents");
+    let decoded = case.tensor("decoded");
+    let (h, w) = (decoded.shape()[2], decoded.shape()[3]);
+    let f = vae.config().vae_scale_factor();
+    let target = downsample(decoded.data(), w, h, f);
+    let preview = factors.preview(packed.data(), 64, h / f, w / f).unwrap();
+    assert_eq!((preview.width, preview.height), (w / f, h / f));
+    let q = quality(&to_model_space(&preview), &target);
+    println!(
+        "preview of the e2e case's final latent against its decoded image: PSNR {:.2} dB, correlation {:.4}",
+        q.psnr_db, q.correlation
+    );
+    // Measured: PSNR 16.74 dB, correlation 0.599. Deterministic inputs, so the bound
+    // sits close: a preview read with its 2x2 patches transposed scores 16.23 dB and
+    // 0.544, the weights given to the wrong channels (rotated by one) 16.25 dB and 0.535.
+    assert!(q.correlation > 0.58 && q.psnr_db > 16.5, "{q:?}");
+}
