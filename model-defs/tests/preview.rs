@@ -84,3 +84,75 @@ fn the_preview_of_the_final_latent_resembles_the_decoded_image() {
     // 0.544, the weights given to the wrong channels (rotated by one) 16.25 dB and 0.535.
     assert!(q.correlation > 0.58 && q.psnr_db > 16.5, "{q:?}");
 }
+
+mod clean_estimate {
+    use std::sync::Arc;
+
+    use denoised_models::flux::edit::{step_batch_with, DeviceTemplates, Job, Mode};
+    use denoised_models::flux::template::{TemplateCache, TemplateLayout};
+    use denoised_models::planner::Choice;
+    use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
+    use denoised_models::FluxTransformer;
+    use denoised_runtime::fixtures::{tiny_model_dir, RefCase};
+    use denoised_runtime::{CpuBackend, DType, Tensor};
+
+    fn rel(a: &[f32], b: &[f32]) -> f32 {
+        let d = a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+        d / b.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+    }
+
+    /// After each step, the estimate equals diffusers' `latents - sigma_next *
+    /// noise_pred` (its x0 prediction), though the job never keeps its velocity; an
+    /// edit's inactive tokens show the template's result.
+    #[test]
+    fn the_clean_estimate_is_diffusers_x0_prediction() {
+        let m = FluxTransformer::load(CpuBackend::new(), tiny_model_dir().join("transformer"))
+            .unwrap();
+        let case = RefCase::open("e2e").unwrap();
+        let inputs = denoised_models::fixtures::e2e_denoise_inputs(&case);
+        let s = FlowMatchEuler::new(&SchedulerConfig::default(), 4, 256).unwrap();
+        let plan = vec![Choice::Cached; m.num_blocks()];
+        let none = DeviceTemplates::<Tensor>::new();
+        let sigmas = case.tensor("sigmas");
+        let layout = TemplateLayout::for_model(&m.config, 256, 4, DType::F32);
+        let capture = Mode::Capture(TemplateCache::new(layout).unwrap());
+        let mut job = Job::new(&m, &inputs, Arc::new(s.clone()), capture).unwrap();
+        let mut worst = 0.0f32;
+        for k in 0..4 {
+            let before = job.computed_latents(&m).unwrap();
+            step_batch_with(&m, &mut [&mut job], &none, &plan).unwrap();
+            let x0 = job.clean_estimate(&m, &before).unwrap();
+            let (lat, v) = (
+                case.tensor(&format!("step{k}.latents")),
+                case.tensor(&format!("step{k}.noise_pred")),
+            );
+            let sn = sigmas.data()[k + 1];
+            let want: Vec<f32> = lat.data().iter().zip(v.data()).map(|(l, v)| l - sn * v).collect();
+            worst = worst.max(rel(x0.data(), &want));
+        }
+        println!("clean estimate against diffusers' x0 prediction: {worst:.2e} relative");
+        assert!(worst < 1e-3, "{worst}");
+        let (_, cache) = job.finish(&m).unwrap();
+        let cache = Arc::new(cache.unwrap());
+
+        // An edit of a few tokens: every other token shows the template's result.
+        let active: Vec<bool> = (0..256).map(|i| i % 9 == 0).collect();
+        let mask = denoised_models::mask::TokenMask::from_tokens(16, 16, &active).unwrap();
+        let edit = Mode::Edit {
+            mask: Arc::new(mask),
+            cache: cache.clone(),
+        };
+        let slabs = DeviceTemplates::resident(m.backend(), &[&cache]).unwrap();
+        let mut job = Job::new(&m, &inputs, Arc::new(s), edit).unwrap();
+        let before = job.computed_latents(&m).unwrap();
+        step_batch_with(&m, &mut [&mut job], &slabs, &plan).unwrap();
+        let x0 = job.clean_estimate(&m, &before).unwrap();
+        let fin = cache.latent(3).unwrap();
+        for (t, &a) in active.iter().enumerate() {
+            if !a {
+                assert_eq!(x0.row(t), fin.row(t), "token {t}");
+            }
+        }
+        assert_ne!(x0.row(0), fin.row(0), "an active token shows the edit");
+    }
+}

@@ -388,7 +388,6 @@ impl<T> Job<T> {
             )));
         }
         let be = model.backend();
-        let c = self.latent_channels;
         let mine = self.computed_latents(model)?;
         match self.mode {
             Mode::Full => Ok((mine, None)),
@@ -397,17 +396,54 @@ impl<T> Job<T> {
                 cache.mark_complete();
                 Ok((mine, Some(cache)))
             }
-            Mode::Edit { cache, .. } => {
-                let mut out = cache.latent(self.schedule.steps() - 1)?;
-                debug_assert_eq!(out.shape(), [self.tokens, c]);
-                let data = out.data_mut();
-                for (r, &t) in self.active.iter().enumerate() {
-                    let t = t as usize;
-                    data[t * c..(t + 1) * c].copy_from_slice(mine.row(r));
-                }
-                Ok((out, None))
-            }
+            Mode::Edit { .. } => Ok((self.over_template(&mine)?, None)),
         }
+    }
+
+    /// An edit's computed rows `mine` over the template's final latent (its inactive
+    /// tokens' result); other jobs' rows are the whole grid already.
+    fn over_template(&self, mine: &Tensor) -> Result<Tensor> {
+        let Mode::Edit { cache, .. } = &self.mode else {
+            return Ok(mine.clone());
+        };
+        let c = self.latent_channels;
+        let mut out = cache.latent(self.schedule.steps() - 1)?;
+        debug_assert_eq!(out.shape(), [self.tokens, c]);
+        let data = out.data_mut();
+        for (r, &t) in self.active.iter().enumerate() {
+            let t = t as usize;
+            data[t * c..(t + 1) * c].copy_from_slice(mine.row(r));
+        }
+        Ok(out)
+    }
+
+    /// The model's estimate of the clean latent after the step just taken, over the
+    /// full grid, from the computed latents `before` that step
+    /// ([`computed_latents`](Self::computed_latents)) and after it: on the straight
+    /// flow-matching path `x_s = x0 + s (noise - x0)` the step moved by `dt * v`, so
+    /// `x0 = after - s_next * v` with `v = (after - before) / dt`. This holds whatever
+    /// made the velocity (true CFG, a partner's), so the step itself is untouched. An
+    /// edit's inactive tokens show the template's result. For previews.
+    pub fn clean_estimate<B: Backend<Tensor = T>>(
+        &self,
+        model: &FluxTransformer<B>,
+        before: &Tensor,
+    ) -> Result<Tensor> {
+        if self.step == 0 || before.shape() != [self.active.len(), self.latent_channels] {
+            return Err(Error::Invalid(format!(
+                "a clean estimate at step {} from latents of shape {:?}",
+                self.step,
+                before.shape()
+            )));
+        }
+        let sig = &self.schedule.sigmas;
+        let (next, dt) = (sig[self.step], sig[self.step] - sig[self.step - 1]);
+        let mut x0 = self.computed_latents(model)?;
+        let k = next / dt;
+        for (a, b) in x0.data_mut().iter_mut().zip(before.data()) {
+            *a -= k * (*a - b);
+        }
+        self.over_template(&x0)
     }
 }
 

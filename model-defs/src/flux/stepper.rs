@@ -97,6 +97,9 @@ pub trait Stepper: Send {
     fn skip_to(&mut self, id: JobKey, k: usize) -> Result<()>;
     /// A job's packed latents now, downloaded (the approximate cache's stores).
     fn latents(&self, id: JobKey) -> Result<Tensor>;
+    /// The job's estimate of its clean latent over the full grid after its latest
+    /// step, given its [`latents`](Self::latents) before that step (for previews).
+    fn clean_estimate(&self, id: JobKey, before: &Tensor) -> Result<Tensor>;
     /// Drops a job (cancelled or failed).
     fn remove(&mut self, id: JobKey);
     /// The backend's name, for logs.
@@ -436,6 +439,13 @@ where
             .get(&id)
             .ok_or_else(|| no_job(id))?
             .computed_latents(&self.model)
+    }
+
+    fn clean_estimate(&self, id: JobKey, before: &Tensor) -> Result<Tensor> {
+        self.jobs
+            .get(&id)
+            .ok_or_else(|| no_job(id))?
+            .clean_estimate(&self.model, before)
     }
 
     fn remove(&mut self, id: JobKey) {
