@@ -36,6 +36,7 @@ impl Actor for RouterActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             RouterMsg::Progress(Wire(p)) => ctx.jobs.progress(p.job, p.step),
+            RouterMsg::Preview(Wire(p)) => ctx.jobs.preview(p.job, p.step, p.jpeg),
             RouterMsg::Announce(Wire(info)) => {
                 if info.role == "denoise" {
                     ctx.balancer.announce(&info.name, info.profile.clone());
@@ -63,6 +64,7 @@ impl Actor for RouterActor {
                     ctx,
                     permit,
                     "edit",
+                    0,
                     0,
                     move |ctx, job| async move { edit(&ctx, job, &input).await },
                     |job, o| EditReply::new(job, o, ImageFormat::Png, false),

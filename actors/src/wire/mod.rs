@@ -338,6 +338,9 @@ pub struct DenoiseReq {
     /// Its LoRAs.
     #[serde(default)]
     pub loras: Vec<WireLora>,
+    /// A preview of its clean-latent estimate after every this many steps (0: none).
+    #[serde(default)]
+    pub preview_every: u32,
 }
 
 /// What a request saw in the denoise loop.
@@ -559,6 +562,16 @@ pub struct Progress {
     pub batch: u32,
 }
 
+/// A preview of a request's running latent, denoise → router after one of its steps:
+/// a small JPEG of the model's clean-latent estimate (`crate::denoise::events`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Preview {
+    pub job: JobId,
+    pub step: u32,
+    pub steps: u32,
+    pub jpeg: Vec<u8>,
+}
+
 /// A denoise worker's load, reported to the router after each of its steps and each
 /// change of its requests, so that the router places a request on fresh data without
 /// asking anyone (`crate::routing`).
@@ -631,6 +644,8 @@ pub struct WorkerInfo {
 pub enum RouterMsg {
     /// A denoise worker reports a request's step.
     Progress(Wire<Progress>),
+    /// A denoise worker sends a preview of a request's latent.
+    Preview(Wire<Preview>),
     /// A worker process says what it loaded.
     Announce(Wire<WorkerInfo>),
     /// A denoise worker reports its load.

@@ -8,10 +8,10 @@
 use denoised_runtime::{Error, Result, Tensor};
 
 use super::fill::{normalize_and_pack, posterior_sample};
-use super::flux_fill::vae_config;
+use super::flux_fill::load_vae;
 use super::image::{to_model_space, Rgb8};
 use crate::flux::weights::SplitMix;
-use crate::source::{ModelSource, BUILTIN_SEED};
+use crate::source::ModelSource;
 use crate::vae::model::AutoencoderKL;
 use crate::vae::VaeHalves;
 
@@ -31,15 +31,9 @@ impl ControlEncoder {
     /// The VAE encoder of `source` (a diffusers directory's `vae/`, or a built-in's
     /// seeded VAE, as its pipeline builds it).
     pub fn load(source: &ModelSource) -> Result<Self> {
-        let vae = match source {
-            ModelSource::Dir(d) => AutoencoderKL::load_halves(d.join("vae"), VaeHalves::ENCODER)?,
-            builtin => AutoencoderKL::seeded_halves(
-                vae_config(builtin)?,
-                BUILTIN_SEED ^ 1,
-                VaeHalves::ENCODER,
-            )?,
-        };
-        Ok(ControlEncoder { vae })
+        Ok(ControlEncoder {
+            vae: load_vae(source, VaeHalves::ENCODER)?,
+        })
     }
 
     /// `image`'s packed control latents, `[N, 4c]`. The posterior sample takes its

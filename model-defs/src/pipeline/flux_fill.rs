@@ -303,6 +303,15 @@ pub fn vae_config(source: &ModelSource) -> Result<VaeConfig> {
     }
 }
 
+/// The `halves` of the VAE of `source`: a diffusers directory's `vae/`, or a built-in's
+/// seeded VAE as its pipeline builds it.
+pub fn load_vae(source: &ModelSource, halves: VaeHalves) -> Result<AutoencoderKL> {
+    match source {
+        ModelSource::Dir(d) => AutoencoderKL::load_halves(d.join("vae"), halves),
+        builtin => AutoencoderKL::seeded_halves(vae_config(builtin)?, BUILTIN_SEED ^ 1, halves),
+    }
+}
+
 /// Files of the built-in model that cannot be generated from a seed: the configs and
 /// the two tokenizers of the reference fixture model (trained on a small corpus; 400 KB).
 mod builtin_files {
@@ -363,11 +372,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 } else {
                     None
                 };
-                (
-                    AutoencoderKL::load_halves(d.join("vae"), parts.vae)?,
-                    text,
-                    scheduler_config(source)?,
-                )
+                (load_vae(source, parts.vae)?, text, scheduler_config(source)?)
             }
             builtin => {
                 let text = if parts.text {
@@ -376,8 +381,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 } else {
                     None
                 };
-                let vae = AutoencoderKL::seeded_halves(vae_config(builtin)?, seed ^ 1, parts.vae)?;
-                (vae, text, SchedulerConfig::default())
+                (load_vae(builtin, parts.vae)?, text, SchedulerConfig::default())
             }
         };
         Self::assemble(config, transformer, vae, text, scheduler, fingerprint)

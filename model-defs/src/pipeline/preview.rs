@@ -16,6 +16,7 @@ use denoised_runtime::{Error, Result, Tensor};
 
 use super::fill::unpack_latent_rows;
 use crate::flux::weights::SplitMix;
+use crate::vae::AutoencoderKL;
 use super::image::{from_model_space, to_model_space, Rgb8};
 
 /// `rgb = bias + sum_c weight[c] * latent[c]`, in the pipeline's [-1, 1] image space, of
@@ -121,6 +122,30 @@ impl PreviewFactors {
             bias: x[channels].map(|v| v as f32),
         })
     }
+}
+
+/// Side of the fit's images: small, so that a large VAE fits in seconds on a CPU, and
+/// a multiple of every VAE's scale factor times the latent packing's 2.
+pub const FIT_SIDE: usize = 64;
+
+/// Factors fitted to `vae` (both halves) on 20 synthetic images and 20 noise latents,
+/// and how well they predict its decoder on 10 images the fit did not see.
+pub fn fit_vae(vae: &AutoencoderKL) -> Result<(PreviewFactors, FitQuality)> {
+    let (f, c) = (vae.config().vae_scale_factor(), vae.config().latent_channels);
+    let mut codec = |x: &Tensor| {
+        let (mean, _) = vae.encode(x)?;
+        Ok((vae.normalize(&mean), vae.decode(&mean)?))
+    };
+    let mut decode = |z: &Tensor| vae.decode(&vae.denormalize(z));
+    let mut train = samples(&synthetic_images(20, FIT_SIDE, 1), f, &mut codec)?;
+    train.extend(noise_samples(20, c, FIT_SIDE / f, f, 1, &mut decode)?);
+    let factors = PreviewFactors::fit(&train, c)?;
+    let test = samples(&synthetic_images(10, FIT_SIDE, 2), f, &mut codec)?;
+    let (pred, target): (Vec<f32>, Vec<f32>) = test
+        .iter()
+        .flat_map(|s| factors.project(&s.latent).into_iter().zip(s.rgb.iter().copied()))
+        .unzip();
+    Ok((factors, quality(&pred, &target)))
 }
 
 /// Solves `a x = b` (a symmetric positive definite, `k x k`) by Gaussian elimination

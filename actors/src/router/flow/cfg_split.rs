@@ -80,6 +80,7 @@ pub(crate) async fn run(
     let (slot, slice) = ctx.shm.alloc_host(pair_bytes(rows, cols))?;
     // SAFETY: a slice just allocated, seen by nobody else yet.
     unsafe { slice.bytes_mut() }.fill(0);
+    let preview_every = ctx.jobs.preview_every(job).await;
     let branch = |positive: bool| {
         let mut inputs = prepared.inputs.clone();
         if !positive {
@@ -107,6 +108,8 @@ pub(crate) async fn run(
                 }),
             },
             loras: loras.clone(),
+            // The positive branch previews the pair's latent (both branches hold it).
+            preview_every: if positive { preview_every } else { 0 },
         }
     };
     ctx.jobs

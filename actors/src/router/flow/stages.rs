@@ -130,6 +130,7 @@ pub(crate) async fn denoise(
         active,
         work,
         loras,
+        preview_every: ctx.jobs.preview_every(job).await,
     };
     let d = send_denoise(ctx, &den, routed_s, req).await?;
     held.den.push((den, d.handles()));

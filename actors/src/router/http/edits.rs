@@ -16,7 +16,7 @@ use super::inputs::{
     check_cfg, check_guidance, check_seq_len, check_steps, default_seq_len, no_cfg,
     resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
 };
-use super::respond::{accepted, joined, with_id, JobAccepted};
+use super::respond::{respond, JobAccepted, Reply};
 use crate::router::flow::defaults;
 use crate::router::flow::edit::{edit, EditInput, MaskIn, Source};
 use crate::router::flow::generate::true_cfg_of;
@@ -63,6 +63,13 @@ pub(crate) struct EditBody {
     /// Answer 202 at once with a job to poll.
     #[serde(default, rename = "async")]
     run_async: bool,
+    /// Answer with the job's events (`text/event-stream`: `status`, `step`, `preview`,
+    /// then `done` with this reply's JSON, or `error`).
+    #[serde(default)]
+    stream: bool,
+    /// A preview of the image every this many steps (`preview` events; 0: none).
+    #[serde(default)]
+    preview_every: u32,
     #[serde(default)]
     loras: Vec<LoraRef>,
     #[serde(default)]
@@ -81,7 +88,8 @@ fn feather() -> u32 {
     defaults::FEATHER
 }
 
-fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, bool)> {
+fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, Reply)> {
+    let reply = Reply::of(b.run_async, b.stream)?;
     let loras = resolve_loras(ctx, &b.loras, b.template_id.is_some())?;
     let controlnets = resolve_controlnets(ctx, &b.controlnets)?;
     check_cfg(b.true_cfg_scale)?;
@@ -138,14 +146,15 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, bool)> {
         negative_prompt: b.negative_prompt,
         true_cfg_scale: b.true_cfg_scale,
     };
-    Ok((input, b.run_async))
+    Ok((input, reply))
 }
 
 /// Edits an image: a template's (mask-aware) or an inline one (a full FLUX.1 Fill run).
 #[utoipa::path(post, path = "/v1/edits", tag = "edits",
     request_body(content = EditBody, content_type = "application/json"),
     responses(
-        (status = 200, description = "The edited image.", body = EditReply,
+        (status = 200, description = "The edited image. With `stream`, the job's events instead (`GET /v1/jobs/{id}/events`).",
+            content((EditReply = "application/json"), (String = "text/event-stream")),
             headers(("x-request-id" = String, description = "The request's id."))),
         (status = 202, description = "`async`: the job to poll.", body = JobAccepted),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
@@ -162,27 +171,24 @@ pub(crate) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> Ap
     check_steps(&ctx, b.steps)?;
     check_guidance(b.guidance)?;
     check_seq_len(b.max_sequence_length)?;
-    let (input, run_async) = edit_input(&ctx, b)?;
+    let preview_every = b.preview_every;
+    let (input, reply) = edit_input(&ctx, b)?;
     let format = input.finish.format;
     let steps = input.steps.unwrap_or(0);
     // A synchronous client gets the image in its response; the job table keeps only the
     // description then (no second copy of the image for the TTL).
+    let keep = reply.keeps_result();
     let Submitted { job, task } = submit(
         &ctx,
         permit,
         "edit",
         steps,
+        preview_every,
         move |ctx, job| async move { edit(&ctx, job, &input).await },
-        move |job, o| EditReply::new(job, o, format, run_async),
+        move |job, o| EditReply::new(job, o, format, keep),
     );
-    if run_async {
-        return Ok(accepted(job));
-    }
-    match joined(task).await {
-        Ok(out) => Ok(with_id(
-            job,
-            Json(EditReply::new(job, &out, format, true)).into_response(),
-        )),
-        Err(e) => Ok(with_id(job, e.into_response())),
-    }
+    respond(&ctx, job, task, reply, move |out| {
+        Json(EditReply::new(job, out, format, true)).into_response()
+    })
+    .await
 }

@@ -17,7 +17,7 @@ use super::inputs::{
     check_cfg, check_guidance, check_seq_len, check_steps, default_seq_len, no_cfg,
     resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
 };
-use super::respond::{accepted, joined, with_id, JobAccepted};
+use super::respond::{respond, JobAccepted, Reply};
 use crate::router::flow::generate::{generate, ApproxMode, GenerateInput, GenerateOutput};
 use crate::router::service::{admit, submit, GenerationReply, Submitted};
 use crate::router::state::admission::Permit;
@@ -48,6 +48,13 @@ pub(crate) struct GenerationBody {
     /// Answer 202 at once with a job to poll.
     #[serde(default, rename = "async")]
     run_async: bool,
+    /// Answer with the job's events (`text/event-stream`: `status`, `step`, `preview`,
+    /// then `done` with this reply's JSON, or `error`).
+    #[serde(default)]
+    stream: bool,
+    /// A preview of the image every this many steps (`preview` events; 0: none).
+    #[serde(default)]
+    preview_every: u32,
     #[serde(default)]
     loras: Vec<LoraRef>,
     /// True CFG: runs with a negative prompt and `true_cfg_scale` above 1.
@@ -70,12 +77,15 @@ pub(crate) fn check(
     check_seq_len(seq)
 }
 
-/// Starts one generation as a job of the job table, holding `permit` until it ends.
+/// Starts one generation as a job of the job table, holding `permit` until it ends
+/// (the table keeps its image when `keep_image`; a preview every `preview_every`
+/// steps).
 pub(crate) fn start(
     ctx: &Arc<Ctx>,
     permit: Permit,
     input: GenerateInput,
     keep_image: bool,
+    preview_every: u32,
 ) -> Submitted<GenerateOutput> {
     let steps = input.steps.unwrap_or(0);
     let format = input.format;
@@ -84,6 +94,7 @@ pub(crate) fn start(
         permit,
         "generation",
         steps,
+        preview_every,
         move |c, job| async move { generate(&c, job, &input).await },
         move |job, o| GenerationReply::new(job, o, format, keep_image),
     )
@@ -93,7 +104,8 @@ pub(crate) fn start(
 #[utoipa::path(post, path = "/v1/generations", tag = "generations",
     request_body(content = GenerationBody, content_type = "application/json"),
     responses(
-        (status = 200, description = "The generated image.", body = GenerationReply,
+        (status = 200, description = "The generated image. With `stream`, the job's events instead (`GET /v1/jobs/{id}/events`).",
+            content((GenerationReply = "application/json"), (String = "text/event-stream")),
             headers(("x-request-id" = String, description = "The request's id."))),
         (status = 202, description = "`async`: the job to poll.", body = JobAccepted),
         (status = 400, description = "Bad input, or a Fill model (it edits only).", body = ErrorBody),
@@ -124,17 +136,12 @@ pub(crate) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request)
         true_cfg_scale: b.true_cfg_scale,
         controlnets: resolve_controlnets(&ctx, &b.controlnets)?,
     };
+    let reply = Reply::of(b.run_async, b.stream)?;
     // A synchronous client gets the image in its response; the job table keeps only
     // the description then.
-    let Submitted { job, task } = start(&ctx, permit, input, b.run_async);
-    if b.run_async {
-        return Ok(accepted(job));
-    }
-    match joined(task).await {
-        Ok(out) => Ok(with_id(
-            job,
-            Json(GenerationReply::new(job, &out, format, true)).into_response(),
-        )),
-        Err(e) => Ok(with_id(job, e.into_response())),
-    }
+    let Submitted { job, task } = start(&ctx, permit, input, reply.keeps_result(), b.preview_every);
+    respond(&ctx, job, task, reply, move |out| {
+        Json(GenerationReply::new(job, out, format, true)).into_response()
+    })
+    .await
 }

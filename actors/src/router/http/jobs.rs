@@ -17,14 +17,17 @@ use crate::router::state::jobs::JobStatus;
 use crate::router::state::Ctx;
 use crate::wire::{DenoiseMsg, ErrorKind, Wire, WireError};
 
-fn job_id(s: &str) -> ApiResult<u64> {
-    parse_job_name(s).ok_or_else(|| {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!("unknown job `{s}`"),
-        )
-    })
+pub(crate) fn job_id(s: &str) -> ApiResult<u64> {
+    parse_job_name(s).ok_or_else(|| unknown(s))
+}
+
+/// 404 for the job named `s`.
+pub(crate) fn unknown(s: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        format!("unknown job `{s}`"),
+    )
 }
 
 /// A job: its stage and progress, and once it ends its result (an async request's
@@ -89,11 +92,7 @@ pub(crate) async fn get_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>)
             };
             return Ok(Json(lost).into_response());
         }
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!("unknown job `{id}`"),
-        ));
+        return Err(unknown(&id));
     };
     let reply = JobReply {
         id: view.id,
@@ -119,13 +118,7 @@ pub(crate) async fn get_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>)
     ))]
 pub(crate) async fn cancel_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
     let job = job_id(&id)?;
-    let (before, worker) = ctx.jobs.cancel(job).await.ok_or_else(|| {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!("unknown job `{id}`"),
-        )
-    })?;
+    let (before, worker) = ctx.jobs.cancel(job).await.ok_or_else(|| unknown(&id))?;
     if before.is_final() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,

@@ -6,6 +6,7 @@
 mod adapters;
 mod admin;
 mod edits;
+mod events;
 pub mod error;
 mod extract;
 mod generations;

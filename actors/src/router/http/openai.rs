@@ -311,6 +311,7 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             permit,
             "edit",
             steps,
+            0,
             move |c, job| async move { edit(&c, job, &input).await },
             |job, o| EditReply::new(job, o, ImageFormat::Png, false),
         ));
@@ -443,7 +444,7 @@ async fn generations(ctx: Arc<Ctx>, req: Request) -> ApiResult {
                 true_cfg_scale: b.true_cfg_scale,
                 controlnets: controlnets.clone(),
             };
-            start(&ctx, permit, input, false)
+            start(&ctx, permit, input, false, 0)
         })
         .collect();
     let mut data = Vec::new();

@@ -16,7 +16,7 @@ use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{adapters, admin, edits, generations, jobs, openai, ops, templates};
+use super::{adapters, admin, edits, events, generations, jobs, openai, ops, templates};
 use crate::router::state::Ctx;
 
 #[derive(OpenApi)]
@@ -71,6 +71,7 @@ pub fn table() -> OpenApiRouter<Arc<Ctx>> {
         .routes(routes!(openai::images_generations))
         .routes(routes!(openai::images_edits))
         .routes(routes!(jobs::get_job, jobs::cancel_job))
+        .routes(routes!(events::job_events))
         .routes(routes!(adapters::list, adapters::upload))
         .routes(routes!(admin::get_routing, admin::put_routing))
 }

@@ -135,6 +135,7 @@ pub(crate) async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -
         permit,
         "template",
         steps,
+        0,
         move |ctx, job| async move { capture(&ctx, job, &input).await },
         |_, info| info.clone(),
     );

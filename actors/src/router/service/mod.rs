@@ -46,8 +46,9 @@ pub struct Submitted<T> {
     pub task: JoinHandle<Result<T, WireError>>,
 }
 
-/// Starts one flow as a job of the job table (`kind`, `steps` as far as known), on its
-/// own task that owns `permit` until the flow ends. `flow` runs the work; `describe`
+/// Starts one flow as a job of the job table (`kind`, `steps` as far as known, a
+/// preview every `preview_every` steps or none), on its own task that owns `permit`
+/// until the flow ends. `flow` runs the work; `describe`
 /// makes what the job table keeps of a success (the description; the image only for
 /// an async request, whose client reads it there).
 pub fn submit<T, D, Fut>(
@@ -55,6 +56,7 @@ pub fn submit<T, D, Fut>(
     permit: Permit,
     kind: &'static str,
     steps: u32,
+    preview_every: u32,
     flow: impl FnOnce(Arc<Ctx>, JobId) -> Fut,
     describe: impl FnOnce(JobId, &T) -> D + Send + 'static,
 ) -> Submitted<T>
@@ -64,7 +66,7 @@ where
     Fut: Future<Output = Result<T, WireError>> + Send + 'static,
 {
     let job = ctx.next_job();
-    ctx.jobs.create(job, kind, steps);
+    ctx.jobs.create(job, kind, steps, preview_every);
     let run = flow(ctx.clone(), job);
     let ctx = ctx.clone();
     let task = spawn_request(job, async move {

@@ -2,6 +2,12 @@
 //! for async jobs the result until it expires. One local actor owns the table; HTTP
 //! handlers, request flows and the router actor (progress from denoise workers) talk
 //! to it through [`Jobs`], a small handle.
+//!
+//! A job can be watched ([`Jobs::watch`]): each watcher gets the job's events (its
+//! stages, steps, previews, and its end) on a bounded channel. A watcher that falls
+//! behind misses steps and previews, never the end (it reads the final view from the
+//! table when its channel closes); one that goes away is dropped at the next event, and
+//! every watcher is dropped when the job ends, so nothing outlives the job.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -9,6 +15,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort};
 use ractor_cluster::RactorMessage;
 use serde::Serialize;
+use tokio::sync::mpsc;
 
 use crate::daemon::{job_name, unix_now};
 use crate::wire::{JobId, WireError};
@@ -55,13 +62,48 @@ struct Entry {
     worker: Option<ActorCell>,
     cancel: bool,
     finished: Option<Instant>,
+    /// A preview every this many steps (0: none), as the request asked.
+    preview_every: u32,
+    created: Instant,
+    watchers: Vec<mpsc::Sender<JobEvent>>,
+}
+
+/// What a watcher of a job sees, in order.
+#[derive(Clone, Debug)]
+pub enum JobEvent {
+    Status(JobStatus),
+    Step {
+        step: u32,
+        steps: u32,
+        elapsed_s: f64,
+    },
+    Preview {
+        step: u32,
+        steps: u32,
+        jpeg: std::sync::Arc<Vec<u8>>,
+    },
+}
+
+/// Events a watcher may have unread before it misses steps and previews.
+const WATCH_BACKLOG: usize = 64;
+
+impl Entry {
+    /// Sends `e` to every watcher still there (a full channel misses it).
+    fn tell(&mut self, e: JobEvent) {
+        self.watchers.retain(|w| match w.try_send(e.clone()) {
+            Ok(()) | Err(mpsc::error::TrySendError::Full(_)) => true,
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        });
+    }
 }
 
 #[derive(RactorMessage)]
 pub enum JobsMsg {
-    Create(JobId, &'static str, u32),
+    /// A new job: its kind, its steps as far as known, and its preview interval.
+    Create(JobId, &'static str, u32, u32),
     Stage(JobId, JobStatus, Option<ActorCell>),
     Progress(JobId, u32),
+    Preview(JobId, u32, Vec<u8>),
     /// The step count, once the flow knows it (a template edit takes the template's).
     Steps(JobId, u32),
     Finish(JobId, Result<serde_json::Value, WireError>),
@@ -70,6 +112,9 @@ pub enum JobsMsg {
     /// to tell, if any.
     Cancel(JobId, RpcReplyPort<Option<(JobStatus, Option<ActorCell>)>>),
     IsCancelled(JobId, RpcReplyPort<bool>),
+    PreviewEvery(JobId, RpcReplyPort<u32>),
+    /// The job now, and its events from here on (none for a job that has ended).
+    Watch(JobId, RpcReplyPort<Option<(JobView, Option<mpsc::Receiver<JobEvent>>)>>),
 }
 
 /// Handle to the job table.
@@ -84,8 +129,25 @@ impl Jobs {
             .map_err(|e| e.to_string())?;
         Ok(Jobs(r))
     }
-    pub fn create(&self, id: JobId, kind: &'static str, steps: u32) {
-        let _ = self.0.cast(JobsMsg::Create(id, kind, steps));
+    pub fn create(&self, id: JobId, kind: &'static str, steps: u32, preview_every: u32) {
+        let _ = self
+            .0
+            .cast(JobsMsg::Create(id, kind, steps, preview_every));
+    }
+    pub fn preview(&self, id: JobId, step: u32, jpeg: Vec<u8>) {
+        let _ = self.0.cast(JobsMsg::Preview(id, step, jpeg));
+    }
+    /// The preview interval the job's request asked for (0: none).
+    pub async fn preview_every(&self, id: JobId) -> u32 {
+        self.ask(|p| JobsMsg::PreviewEvery(id, p)).await.unwrap_or(0)
+    }
+    /// The job as it is, and a channel of its events from here on (`None` after it
+    /// ended); `None` for an unknown job.
+    pub async fn watch(&self, id: JobId) -> Option<(JobView, Option<mpsc::Receiver<JobEvent>>)> {
+        self.ask(|p| JobsMsg::Watch(id, p)).await.flatten()
+    }
+    async fn ask<T: Send + 'static>(&self, m: impl FnOnce(RpcReplyPort<T>) -> JobsMsg) -> Option<T> {
+        self.0.call(m, None).await.ok().and_then(|r| r.success_or(()).ok())
     }
     pub fn stage(&self, id: JobId, s: JobStatus, worker: Option<ActorCell>) {
         let _ = self.0.cast(JobsMsg::Stage(id, s, worker));
@@ -100,27 +162,14 @@ impl Jobs {
         let _ = self.0.cast(JobsMsg::Finish(id, r));
     }
     pub async fn get(&self, id: JobId) -> Option<JobView> {
-        self.0
-            .call(|p| JobsMsg::Get(id, p), None)
-            .await
-            .ok()
-            .and_then(|r| r.success_or(()).ok())
-            .flatten()
+        self.ask(|p| JobsMsg::Get(id, p)).await.flatten()
     }
     pub async fn cancel(&self, id: JobId) -> Option<(JobStatus, Option<ActorCell>)> {
-        self.0
-            .call(|p| JobsMsg::Cancel(id, p), None)
-            .await
-            .ok()
-            .and_then(|r| r.success_or(()).ok())
-            .flatten()
+        self.ask(|p| JobsMsg::Cancel(id, p)).await.flatten()
     }
     pub async fn is_cancelled(&self, id: JobId) -> bool {
-        self.0
-            .call(|p| JobsMsg::IsCancelled(id, p), None)
+        self.ask(|p| JobsMsg::IsCancelled(id, p))
             .await
-            .ok()
-            .and_then(|r| r.success_or(()).ok())
             .unwrap_or(false)
     }
 }
@@ -180,7 +229,7 @@ impl Actor for JobsActor {
         t: &mut Table,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            JobsMsg::Create(id, kind, steps) => {
+            JobsMsg::Create(id, kind, steps, preview_every) => {
                 t.expire();
                 t.jobs.insert(
                     id,
@@ -198,14 +247,18 @@ impl Actor for JobsActor {
                         worker: None,
                         cancel: false,
                         finished: None,
+                        preview_every,
+                        created: Instant::now(),
+                        watchers: Vec::new(),
                     },
                 );
             }
             JobsMsg::Stage(id, s, worker) => {
                 if let Some(j) = t.jobs.get_mut(&id) {
-                    if !j.view.status.is_final() {
+                    if !j.view.status.is_final() && j.view.status != s {
                         j.view.status = s;
                         j.worker = worker;
+                        j.tell(JobEvent::Status(s));
                     }
                 }
             }
@@ -217,13 +270,43 @@ impl Actor for JobsActor {
             JobsMsg::Progress(id, step) => {
                 if let Some(j) = t.jobs.get_mut(&id) {
                     j.view.step = j.view.step.max(step);
+                    let (step, steps) = (j.view.step, j.view.steps);
+                    let elapsed_s = j.created.elapsed().as_secs_f64();
+                    j.tell(JobEvent::Step {
+                        step,
+                        steps,
+                        elapsed_s,
+                    });
                 }
+            }
+            JobsMsg::Preview(id, step, jpeg) => {
+                if let Some(j) = t.jobs.get_mut(&id).filter(|j| !j.watchers.is_empty()) {
+                    let steps = j.view.steps;
+                    let jpeg = std::sync::Arc::new(jpeg);
+                    j.tell(JobEvent::Preview { step, steps, jpeg });
+                }
+            }
+            JobsMsg::PreviewEvery(id, reply) => {
+                let _ = reply.send(t.jobs.get(&id).map_or(0, |j| j.preview_every));
+            }
+            JobsMsg::Watch(id, reply) => {
+                let r = t.jobs.get_mut(&id).map(|j| {
+                    let rx = (!j.view.status.is_final()).then(|| {
+                        let (tx, rx) = mpsc::channel(WATCH_BACKLOG);
+                        j.watchers.push(tx);
+                        rx
+                    });
+                    (j.view.clone(), rx)
+                });
+                let _ = reply.send(r);
             }
             JobsMsg::Finish(id, r) => {
                 if let Some(j) = t.jobs.get_mut(&id).filter(|j| j.finished.is_none()) {
                     j.finished = Some(Instant::now());
                     t.finished.push_back(id);
                     j.worker = None;
+                    // Watchers read the end from the table once their channel closes.
+                    j.watchers.clear();
                     match r {
                         Ok(v) => {
                             j.view.status = JobStatus::Succeeded;
@@ -281,6 +364,9 @@ mod tests {
             worker: None,
             cancel: false,
             finished,
+            preview_every: 0,
+            created: Instant::now(),
+            watchers: Vec::new(),
         }
     }
 
