@@ -124,6 +124,9 @@ part torch_attn 45 "$PY" "$ROOT/benches/torch_reference.py" attn "${TORCH_ARGS[@
 #    diffusers' transformer on the same machine.
 part step 150 "$BIN" bench step --device "$DEV" --dtype bf16 --mask-ratio 1.0,0.2 "${STEP_ARGS[@]}"
 part torch_step 90 "$PY" "$ROOT/benches/torch_reference.py" step "${TORCH_ARGS[@]}"
+# The full step with fp8 transformer weights (E4M3, a scale per output channel; the
+# quality figures are in docs/performance.md), beside the bf16 one above.
+part step_fp8 150 "$BIN" bench step --device "$DEV" --dtype bf16 --weight-dtype fp8 --mask-ratio 1.0 "${STEP_ARGS[@]}"
 # The full step again with the first attention kernel, for the before/after ratio.
 part step_mma 150 env DENOISED_ATTN_KERNEL=mma "$BIN" bench step --device "$DEV" --dtype bf16 --mask-ratio 1.0 "${STEP_ARGS[@]}"
 # 4. A short load on the daemon serving the built-in model on the device.

@@ -82,6 +82,7 @@ def main():
     full = next((l for l in steps if l.get("mask_ratio") == 1.0), None)
     edit = next((l for l in steps if l.get("mask_ratio") not in (None, 1.0)), None)
     mma = next((l for l in lines("step_mma") if l.get("mask_ratio") == 1.0), None)
+    fp8 = next((l for l in lines("step_fp8") if l.get("mask_ratio") == 1.0), None)
     torch_step = next((l for l in lines("torch_step") if l.get("what") == "torch_full_step"), None)
     full_s = (full and full["median_s"]) or (edit and edit.get("full_median_s"))
     step = {
@@ -90,8 +91,8 @@ def main():
         "edit_m02_bf16_ms": edit and edit["median_s"] * 1e3,
         "edit_m02_speedup": edit and edit.get("speedup"),
         "edit_m02_fraction_of_bound": edit and edit.get("fraction_of_bound"),
-        "full_fp8_ms": None,
-        "full_fp8_note": "fp8 transformer weights are not built yet (issue 35)",
+        "full_fp8_ms": fp8 and fp8["median_s"] * 1e3,
+        "full_fp8_over_bf16": (fp8 and full_s) and fp8["median_s"] / full_s,
         "full_bf16_first_kernel_ms": mma and mma["median_s"] * 1e3,
         "diffusers_full_bf16_ms": torch_step and torch_step["median_s"] * 1e3,
         "diffusers_over_denoised": (full_s and torch_step) and full_s / torch_step["median_s"],
@@ -141,7 +142,7 @@ def main():
     s.append(f"step ({step['config']}): full bf16 {fmt(step['full_bf16_ms'])} ms, m=0.2 edit {fmt(step['edit_m02_bf16_ms'])} ms"
              f" (speedup {fmt(step['edit_m02_speedup'], '.2f')}), diffusers full {fmt(step['diffusers_full_bf16_ms'])} ms"
              f" (diffusers/denoised {fmt(step['diffusers_over_denoised'], '.2f')}); full with the first attention kernel"
-             f" {fmt(step['full_bf16_first_kernel_ms'])} ms; fp8: not built")
+             f" {fmt(step['full_bf16_first_kernel_ms'])} ms; full with fp8 weights {fmt(step['full_fp8_ms'])} ms")
     s.append(f"daemon: {daemon['requests']} requests, {daemon['errors']} errors, {fmt(daemon['throughput_rps'], '.2f')} RPS,"
              f" p50 {fmt(daemon['p50_s'], '.2f')} s, p95 {fmt(daemon['p95_s'], '.2f')} s")
     s.append("targets: " + (json.dumps(targets) if on_gpu else "not checked on the emulator"))
