@@ -31,6 +31,7 @@ fn the_one_shot_gpu_script_runs_on_the_emulator() {
         "attn",
         "step",
         "step_fa2w",
+        "step_fp8",
         "daemon_load",
     ] {
         assert_eq!(
@@ -57,17 +58,19 @@ fn the_one_shot_gpu_script_runs_on_the_emulator() {
         // The PyTorch figures are there on a GPU machine; here torch may be absent.
         assert!(a.get("sdpa_tflops").is_some(), "{a}");
     }
-    // The step figures, and the fp8 one named (not built yet).
+    // The step figures, fp8 weights' beside bf16's.
     let step = &report["step"];
     for key in [
         "full_bf16_ms",
         "edit_m02_bf16_ms",
         "edit_m02_speedup",
         "full_bf16_wide_kernel_ms",
+        "full_fp8_ms",
+        "full_fp8_over_bf16",
     ] {
         assert!(step[key].as_f64().is_some(), "{key} missing: {step}");
     }
-    for key in ["full_fp8_ms", "diffusers_full_bf16_ms"] {
+    for key in ["diffusers_full_bf16_ms"] {
         assert!(step.get(key).is_some(), "{key} not named: {step}");
     }
     // The daemon served the load without errors.

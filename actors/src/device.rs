@@ -65,6 +65,16 @@ pub fn parse_dtype(s: &str) -> Result<Dt, String> {
     }
 }
 
+/// `[device] weight_dtype` (`--weight-dtype`): whether the transformer's large Linear
+/// weights are fp8 (`fp8`), or in the device dtype (empty, `bf16`, `f32`).
+pub fn parse_weight_dtype(s: &str) -> Result<bool, String> {
+    match s {
+        "fp8" => Ok(true),
+        "" | "bf16" | "f32" => Ok(false),
+        other => Err(format!("weight dtype `{other}`: use fp8 or bf16")),
+    }
+}
+
 pub fn dtype_name(dt: Dt) -> &'static str {
     match dt {
         Dt::Bf16 => "bf16",
@@ -96,6 +106,16 @@ impl Placed {
     }
 }
 
+/// The backend of a process's host parts. On the CPU the transformer is one of them,
+/// so fp8 weights are set here: the CPU computes their reference
+/// (`CpuBackend::with_fp8_weights`).
+pub fn host_backend(device: DeviceSpec, fp8_weights: bool) -> CpuBackend {
+    match fp8_weights && device == DeviceSpec::Cpu {
+        true => CpuBackend::new().with_fp8_weights(),
+        false => CpuBackend::new(),
+    }
+}
+
 /// The parts of the pipeline a process keeps on the host when its transformer
 /// computes on `device`: with a GPU, none of the transformer.
 pub fn host_parts(device: DeviceSpec, parts: Parts) -> Parts {
@@ -109,10 +129,15 @@ pub fn host_parts(device: DeviceSpec, parts: Parts) -> Parts {
 /// (loaded with the host parts); on a GPU or the emulator it is loaded from `source`
 /// straight into device memory, and the device's memory budget is computed for steps
 /// within `limits` (an error if they cannot fit).
+///
+/// With `fp8_weights`, the transformer's large Linears are fp8 (the CPU's come from
+/// `cpu`, loaded with a `CpuBackend::with_fp8_weights`); a GPU without fp8 tensor
+/// cores refuses them.
 pub fn place(
     source: &ModelSource,
     device: DeviceSpec,
     dtype: Dt,
+    fp8_weights: bool,
     cpu: &FluxFill<CpuBackend>,
     limits: StepLimits,
 ) -> Result<Placed, String> {
@@ -122,7 +147,7 @@ pub fn place(
             let t = cpu.shared_transformer().map_err(err)?;
             let component = Component {
                 name: "transformer".into(),
-                weight_bytes: 4 * t.params(),
+                weight_bytes: t.weight_bytes(4, false),
             };
             Ok(Placed {
                 // Templates beyond the budget are streamed from the cache's arena by a
@@ -141,7 +166,8 @@ pub fn place(
         }
         DeviceSpec::Emu => {
             let exec = EmuExec::open().map_err(|e| e.to_string())?;
-            on_gpu(source, exec, dtype, "emu".into(), cpu, limits)
+            let backend = GpuBackend::new(exec, dtype).with_fp8_weights(fp8_weights);
+            on_gpu(source, backend, "emu".into(), cpu, limits)
         }
         DeviceSpec::Cuda(n) => {
             let exec = CudaExec::new(n).map_err(|e| format!("cuda:{n}: {e}"))?;
@@ -149,7 +175,8 @@ pub fn place(
             // the first request does not pay for NVRTC.
             exec.warm_up().map_err(|e| format!("cuda:{n}: {e}"))?;
             let name = exec.describe();
-            on_gpu(source, exec, dtype, name, cpu, limits)
+            let backend = GpuBackend::new(exec, dtype).with_fp8_weights(fp8_weights);
+            on_gpu(source, backend, name, cpu, limits)
         }
         DeviceSpec::Auto => Err("device `auto` must be resolved before placing a model".into()),
     }
@@ -219,16 +246,16 @@ fn stage_bytes(
 
 fn on_gpu<E: Exec + 'static>(
     source: &ModelSource,
-    exec: E,
-    dt: Dt,
+    backend: GpuBackend<E>,
     device: String,
     cpu: &FluxFill<CpuBackend>,
     limits: StepLimits,
 ) -> Result<Placed, String> {
+    let (dt, fp8) = (backend.dtype(), backend.fp8_weights());
     let model = source
-        .load_transformer(GpuBackend::new(exec, dt))
+        .load_transformer(backend)
         .map_err(|e| format!("loading the transformer of `{source}` on {device}: {e}"))?;
-    let weights = model.params() * dt.size() as u64;
+    let weights = model.weight_bytes(dt.size(), fp8);
     let mem = model
         .backend()
         .exec()

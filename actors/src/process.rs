@@ -9,7 +9,6 @@ use denoised_models::pipeline::flux_fill::{FluxFill, Parts};
 use denoised_models::pipeline::prompts::PromptCache;
 use denoised_models::pipeline::sparse_vae::SparseVae;
 use denoised_models::vae::VaeHalves;
-use denoised_runtime::CpuBackend;
 use ractor::{Actor, ActorCell};
 
 use crate::device::{self, Placed};
@@ -55,7 +54,9 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
         device,
         role_parts(env.role, env.config.denoise.disaggregate),
     );
-    let mut pipeline = FluxFill::load_parts(&source, CpuBackend::new(), parts)
+    let fp8_weights = device::parse_weight_dtype(&env.config.device.weight_dtype)?;
+    let cpu = device::host_backend(device, fp8_weights);
+    let mut pipeline = FluxFill::load_parts(&source, cpu, parts)
         .map_err(|e| format!("loading model `{source}`: {e}"))?;
     let pc = &env.config.pipeline;
     pipeline.sparse_vae = SparseVae::new(pc.sparse_vae, pc.sparse_vae_trace_bytes as usize);
@@ -76,7 +77,7 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
                 resident_template_bytes: env.config.denoise.resident_template_bytes,
                 stages_on_device: env.stages_on_device,
             };
-            let mut placed = device::place(&source, device, dt, &pipeline, limits)?;
+            let mut placed = device::place(&source, device, dt, fp8_weights, &pipeline, limits)?;
             merge_adapters(env, &pipeline, &mut placed)?;
             let p =
                 device::planner_profile(&env.config.denoise.profile, &placed.stepper.backend())?;
@@ -351,6 +352,7 @@ async fn spawn_actor(
 mod tests {
     use super::*;
     use denoised_models::ModelSource;
+    use denoised_runtime::CpuBackend;
 
     /// Copies the reference model directory without the given component directories
     /// (their weight files, or the whole directory for tokenizers), so loading can only

@@ -126,6 +126,9 @@ part step 150 "$BIN" bench step --device "$DEV" --dtype bf16 --mask-ratio 1.0,0.
 part torch_step 90 "$PY" "$ROOT/benches/torch_reference.py" step "${TORCH_ARGS[@]}"
 # The full step again with the 128-row FA2 kernel, to pick the default from.
 part step_fa2w 150 env DENOISED_ATTN_KERNEL=fa2w "$BIN" bench step --device "$DEV" --dtype bf16 --mask-ratio 1.0 "${STEP_ARGS[@]}"
+# The full step with fp8 transformer weights (E4M3, a scale per output channel; the
+# quality figures are in docs/performance.md), beside the bf16 one above.
+part step_fp8 150 "$BIN" bench step --device "$DEV" --dtype bf16 --weight-dtype fp8 --mask-ratio 1.0 "${STEP_ARGS[@]}"
 # 4. A short load on the daemon serving the built-in model on the device.
 daemon_load() {
     local port=18480 cport=18490 log=$WORK/daemon.log

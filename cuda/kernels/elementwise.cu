@@ -195,6 +195,35 @@ EW_KERNEL(fp8_scales_bf16, fp8_scales_k, bf16)
 EW_KERNEL(fp8_quantize_f32, fp8_quantize_k, float)
 EW_KERNEL(fp8_quantize_bf16, fp8_quantize_k, bf16)
 
+// FP8 E4M3 activations of an fp8 GEMM, as `denoised_runtime::fp8::quantize_rows` does
+// on the host: one block per row of x (rows `cols` elements apart), its columns
+// c0..c1; the row's scale `amax / 448` (1 for a row of zeros) to table[row], then
+// each value over it into y's row (c1 - c0 bytes, packed: the GEMM's k-major operand).
+template <class T>
+DEV void fp8_rows_k(const EwParams& p) {
+    __shared__ float red[32];
+    __shared__ float inv;
+    const int w = p.c1 - p.c0;
+    const T* x = (const T*)p.x + (long long)blockIdx.x * p.cols + p.c0;
+    float m = 0.f;
+    for (int i = threadIdx.x; i < w; i += blockDim.x) m = fmaxf(m, fabsf(to_f32(x[i])));
+    m = warp_max(m);
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int i = 1; i < (int)(blockDim.x / 32); i++) m = fmaxf(m, red[i]);
+        const float s = m > 0.f ? m / 448.f : 1.f;
+        ((float*)p.table)[blockIdx.x] = s;
+        inv = 1.f / s;
+    }
+    __syncthreads();
+    unsigned char* y = (unsigned char*)p.y + (long long)blockIdx.x * w;
+    for (int i = threadIdx.x; i < w; i += blockDim.x) y[i] = (unsigned char)f32_to_fp8(to_f32(x[i]) * inv);
+}
+
+EW_KERNEL(fp8_rows_f32, fp8_rows_k, float)
+EW_KERNEL(fp8_rows_bf16, fp8_rows_k, bf16)
+
 // Sinusoidal timestep/guidance embedding, `cat(cos, sin)` (flip_sin_to_cos as in Flux).
 template <class T>
 DEV void timestep_embed(const TimestepParams& p) {

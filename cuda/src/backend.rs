@@ -41,6 +41,9 @@ pub struct GpuBackend<E: Exec> {
     pub(crate) conv_library: bool,
     /// Which tensor-core attention kernel runs (`crate::attention::AttnKernel`).
     pub(crate) attn_kernel: std::sync::atomic::AtomicU8,
+    /// `[device] weight_dtype = "fp8"`: the transformer's large Linears go to the
+    /// device as fp8 (`crate::fp8`).
+    fp8_weights: bool,
 }
 
 /// A segment-id array, its device copy and that copy's address.
@@ -71,7 +74,14 @@ impl<E: Exec> GpuBackend<E> {
             attn_kernel: std::sync::atomic::AtomicU8::new(
                 crate::attention::AttnKernel::from_env() as u8
             ),
+            fp8_weights: false,
         }
+    }
+    /// This backend with the transformer's large Linears in fp8
+    /// (`Backend::fp8_weights`); loading them fails on a device without fp8 GEMMs.
+    pub fn with_fp8_weights(mut self, on: bool) -> Self {
+        self.fp8_weights = on;
+        self
     }
     /// This backend with image ops chunked to `bytes` of workspace (tests use a few
     /// KiB to run the many-chunk path on small images).
@@ -237,6 +247,14 @@ impl<E: Exec> Backend for GpuBackend<E> {
 
     fn upload_weight_stored(&self, parts: &[Stored<'_>]) -> Result<GpuTensor<E>> {
         self.upload_stored(parts)
+    }
+
+    fn fp8_weights(&self) -> bool {
+        self.fp8_weights
+    }
+
+    fn upload_weight_fp8(&self, parts: &[Stored<'_>]) -> Result<GpuTensor<E>> {
+        self.upload_fp8_weight(parts)
     }
 
     fn download(&self, t: &GpuTensor<E>) -> Result<Tensor> {
@@ -605,7 +623,10 @@ impl<E: Exec> Backend for GpuBackend<E> {
 
     fn download_weight(&self, w: &GpuTensor<E>) -> Result<Tensor> {
         // Weights stay in PyTorch's [out, in] layout on the device (see upload_weight).
-        self.download(w)
+        match w.row_scales {
+            0 => self.download(w),
+            _ => self.download_fp8_weight(w),
+        }
     }
 
     fn memory_in_use(&self) -> Option<u64> {

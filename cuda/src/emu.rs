@@ -266,6 +266,12 @@ fn load(dt: Dt, base: u64, i: usize) -> f32 {
     }
 }
 
+/// The value of the E4M3 byte at `base + i`.
+fn fp8_load(base: u64, i: usize) -> f32 {
+    // SAFETY: as in `load`.
+    denoised_runtime::fp8::DECODE[unsafe { *(base as *const u8).add(i) } as usize]
+}
+
 fn store(dt: Dt, base: u64, i: usize, v: f32) {
     // SAFETY: callers index inside allocations described by a checked Gemm or Conv.
     unsafe {
@@ -372,6 +378,13 @@ impl Exec for EmuExec {
         if COUNTING.load(Ordering::Relaxed) {
             GEMMS.fetch_add(1, Ordering::Relaxed);
         }
+        // The operands: elements of `dt`, or E4M3 bytes whose row scales multiply the
+        // sum (exact products: two 4-bit significands), as cuBLASLt's outer-vector
+        // scaling does.
+        let operand = |base: u64, i: usize| match g.fp8 {
+            None => load(g.dt, base, i),
+            Some(_) => fp8_load(base, i),
+        };
         let rows: Vec<Vec<f32>> = (0..g.n)
             .into_par_iter()
             .map(|r| {
@@ -379,7 +392,10 @@ impl Exec for EmuExec {
                     .map(|c| {
                         let mut acc = 0f32;
                         for i in 0..g.k {
-                            acc += load(g.dt, g.x, r * g.ldx + i) * load(g.dt, g.w, c * g.k + i);
+                            acc += operand(g.x, r * g.ldx + i) * operand(g.w, c * g.k + i);
+                        }
+                        if let Some(s) = g.fp8 {
+                            acc = acc * load(Dt::F32, s.x, r) * load(Dt::F32, s.w, c);
                         }
                         let v = acc + g.bias.map_or(0.0, |b| load(g.dt, b, c));
                         if g.gelu {
@@ -399,6 +415,11 @@ impl Exec for EmuExec {
                 store(g.dt, g.out, r * g.m + c, v);
             }
         }
+        Ok(())
+    }
+    /// The emulator runs fp8 GEMMs as an sm_90 device would (its host GEMM above),
+    /// into f32 too: the reference mode compares them with the CPU's.
+    fn check_fp8(&self, _out: Dt) -> Result<()> {
         Ok(())
     }
     fn conv_library(&self) -> Option<String> {

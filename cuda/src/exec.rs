@@ -60,6 +60,10 @@ impl Grid {
 /// `C[n, m] = X[n, k] @ W[m, k]^T (+ bias[m])`, then GELU (tanh) when `gelu`,
 /// row-major, all of type `dt`, f32 accumulation. `x` rows are `ldx` elements apart (a
 /// column block of a wider matrix).
+///
+/// With `fp8`, X and W are E4M3 bytes with a f32 scale per row of each (a token's,
+/// an output channel's): `C[r, c] = sx[r] * sw[c] * sum_i X[r, i] W[c, i]` (+ bias,
+/// GELU), written in `dt` as before (the bias is `dt` too).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Gemm {
     pub dt: Dt,
@@ -72,6 +76,14 @@ pub struct Gemm {
     pub bias: Option<u64>,
     pub gelu: bool,
     pub out: u64,
+    pub fp8: Option<Fp8Scales>,
+}
+
+/// The scale vectors of an fp8 [`Gemm`]: `n` f32 values for X's rows and `m` for W's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Fp8Scales {
+    pub x: u64,
+    pub w: u64,
 }
 
 /// A 2-D convolution for a vendor library (cuDNN), without bias: input `x` `[n, h, w, c]`
@@ -138,6 +150,15 @@ pub trait Exec: Send + Sync + 'static {
     /// Launches kernel `name` (see `kernels::MODULES`) with one parameter struct.
     fn launch<P: KernelParams>(&self, name: &'static str, g: Grid, params: &P) -> Result<()>;
     fn gemm(&self, g: &Gemm) -> Result<()>;
+    /// Whether this device runs fp8 GEMMs ([`Gemm::fp8`]) writing `out`: an error
+    /// saying why not (the device and its compute capability) where it has no fp8
+    /// tensor cores.
+    fn check_fp8(&self, _out: Dt) -> Result<()> {
+        Err(CudaError::NoDevice(format!(
+            "{} has no fp8 GEMM",
+            self.describe()
+        )))
+    }
     /// The convolution library [`conv`](Self::conv) runs on, if this executor has one
     /// (for logs and the self-test: docs/gpu.md says which path ran).
     fn conv_library(&self) -> Option<String> {

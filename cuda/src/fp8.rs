@@ -1,13 +1,21 @@
-//! fp8 template slabs on the device: uploaded as they are (E4M3 bytes, then a f32
-//! scale per column group, the host slab's own layout, which the attention kernels
-//! read), and quantised on the device when a capture stores one.
+//! fp8 E4M3 on the device.
+//!
+//! - Template slabs: uploaded as they are (E4M3 bytes, then a f32 scale per column
+//!   group, the host slab's own layout, which the attention kernels read), and
+//!   quantised on the device when a capture stores one.
+//! - Linear weights (`[device] weight_dtype = "fp8"`): quantised once at load, on the
+//!   host, with a scale per output channel (`fp8::quantize_rows`); each GEMM on one
+//!   quantises its input per row on the device (`fp8_rows_*`) and runs the fp8 GEMM
+//!   (`Gemm::fp8`), whose output is the device dtype.
 
-use denoised_runtime::fp8::check_matrix;
-use denoised_runtime::{Error, HostSlice, Result};
+use denoised_runtime::fp8::{check_matrix, quantize_rows, DECODE};
+use denoised_runtime::{Error, HostSlice, Result, Stored, Tensor};
 
 use crate::backend::{dev, kernel_name, matrix, GpuBackend, GpuTensor};
+use crate::exec::Dt;
 use crate::exec::{Exec, Grid};
 use crate::params::EwParams;
+use crate::tensor::from_bytes;
 
 impl<E: Exec> GpuBackend<E> {
     /// `Backend::upload_fp8`: the slab's bytes and scales in one upload.
@@ -68,5 +76,74 @@ impl<E: Exec> GpuBackend<E> {
             &p,
         )?;
         self.host.store(self.exec(), q.shared_mem(), 0, dst)
+    }
+}
+
+impl<E: Exec> GpuBackend<E> {
+    /// `Backend::upload_weight_fp8`: the stacked parts quantised on the host (once, at
+    /// load), bytes and scales in one upload. Refused where the device has no fp8
+    /// GEMM, naming it.
+    pub(crate) fn upload_fp8_weight(&self, parts: &[Stored<'_>]) -> Result<GpuTensor<E>> {
+        self.exec().check_fp8(self.dtype()).map_err(dev)?;
+        let shape = denoised_runtime::backend::stacked_shape(parts)?;
+        let (rows, cols) = match shape[..] {
+            [r, c] => (r, c),
+            _ => return Err(Error::shape("upload_weight_fp8", format!("{shape:?}"))),
+        };
+        let mut values = Vec::with_capacity(rows * cols);
+        for p in parts {
+            values.extend_from_slice(p.to_f32()?.data());
+        }
+        let (bytes, scales) = quantize_rows(&values, cols);
+        drop(values);
+        let w = GpuTensor::alloc_fp8_rows(&**self.exec(), rows, cols, self.dtype())?;
+        let mut all = bytes;
+        all.resize(w.row_scales_offset(), 0);
+        all.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
+        self.exec().upload(w.mem(), 0, &all).map_err(dev)?;
+        Ok(w)
+    }
+
+    /// The values an fp8 weight stands for, `[out, in]` f32 (a merged adapter starts
+    /// from them).
+    pub(crate) fn download_fp8_weight(&self, w: &GpuTensor<E>) -> Result<Tensor> {
+        let (rows, cols) = matrix("download_weight", w)?;
+        let mut all = vec![0u8; w.row_scales_offset() + 4 * rows];
+        self.exec().download(w.mem(), 0, &mut all).map_err(dev)?;
+        let scales = from_bytes(Dt::F32, &all[w.row_scales_offset()..]);
+        let values = all[..rows * cols]
+            .chunks_exact(cols.max(1))
+            .zip(&scales)
+            .flat_map(|(row, s)| row.iter().map(move |&b| DECODE[b as usize] * s))
+            .collect();
+        Tensor::new([rows, cols], values)
+    }
+
+    /// The input of an fp8 GEMM: columns `cols` of `x`'s rows as packed E4M3 rows with
+    /// a scale each, one block per row.
+    pub(crate) fn quantize_rows(
+        &self,
+        x: &GpuTensor<E>,
+        cols: std::ops::Range<usize>,
+    ) -> Result<GpuTensor<E>> {
+        let (rows, width) = matrix("linear", x)?;
+        let q = GpuTensor::alloc_fp8_rows(&**self.exec(), rows, cols.len(), x.dtype())?;
+        let p = EwParams {
+            x: x.addr(),
+            y: q.addr(),
+            table: q.row_scales,
+            rows: rows as i32,
+            cols: width as i32,
+            c0: cols.start as i32,
+            c1: cols.end as i32,
+            ..Default::default()
+        };
+        let per_row = Grid {
+            grid: [rows as u32, 1, 1],
+            block: [256, 1, 1],
+            smem: 0,
+        };
+        self.launch(kernel_name("fp8_rows", x.dtype()), per_row, &p)?;
+        Ok(q)
     }
 }

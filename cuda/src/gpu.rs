@@ -12,7 +12,9 @@
 //!   would copy pageable memory through its own small bounce buffer, at a fraction of
 //!   PCIe speed, and may synchronise the stream to do it.)
 //! - **GEMMs**: cuBLASLt with f32 compute (bf16 or f32 storage) and a bias epilogue;
-//!   descriptors and the heuristic's algorithm are cached per shape.
+//!   descriptors and the heuristic's algorithm are cached per shape. fp8 weights
+//!   (sm_89 and newer) run E4M3 x E4M3 with a f32 scale per row of each operand
+//!   (`OUTER_VEC_32F`), writing bf16.
 //! - **Streams**: `compute` runs kernels and GEMMs in order; `copy` is for cache loads
 //!   (the planner's prefetch), synchronised with events.
 //!
@@ -108,6 +110,7 @@ struct PlanKey {
     ldx: usize,
     bias: bool,
     gelu: bool,
+    fp8: bool,
     /// Byte alignment of W, X and the output (cuBLASLt may pick kernels that assume
     /// more alignment than a column-block view of X has, unless told).
     align: [u32; 3],
@@ -361,6 +364,7 @@ impl CudaExec {
             ldx: g.ldx,
             bias: g.bias.is_some(),
             gelu: g.gelu,
+            fp8: g.fp8.is_some(),
             align: [alignment(g.w), alignment(g.x), alignment(g.out)],
         };
         if !b.plans.contains_key(&key) {
@@ -378,9 +382,16 @@ impl CudaExec {
                 ltsys::cudaDataType_t::CUDA_R_32F,
             )
             .map_err(blas("cublasLtMatmulDescCreate"))?;
-            let a = lt::create_matrix_layout(ty, g.k as u64, g.m as u64, g.k as i64)
+            // fp8: the same "TN" form, which is the only one cuBLASLt's fp8 kernels
+            // take (both operands k-major). A is W, so its outer scale vector is W's
+            // per-output-channel scales (m) and B's is X's per-token scales (n).
+            let operand = match key.fp8 {
+                true => ltsys::cudaDataType_t::CUDA_R_8F_E4M3,
+                false => ty,
+            };
+            let a = lt::create_matrix_layout(operand, g.k as u64, g.m as u64, g.k as i64)
                 .map_err(blas("layout A"))?;
-            let bl = lt::create_matrix_layout(ty, g.k as u64, g.n as u64, g.ldx as i64)
+            let bl = lt::create_matrix_layout(operand, g.k as u64, g.n as u64, g.ldx as i64)
                 .map_err(blas("layout B"))?;
             let c = lt::create_matrix_layout(ty, g.m as u64, g.n as u64, g.m as i64)
                 .map_err(blas("layout C"))?;
@@ -401,6 +412,22 @@ impl CudaExec {
                     std::mem::size_of_val(&t),
                 )
                 .map_err(blas("TRANSA"))?;
+                if key.fp8 {
+                    let mode = ltsys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+                    use ltsys::cublasLtMatmulDescAttributes_t::*;
+                    for attr in [
+                        CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                        CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                    ] {
+                        lt::set_matmul_desc_attribute(
+                            desc,
+                            attr,
+                            &mode as *const _ as *const c_void,
+                            std::mem::size_of_val(&mode),
+                        )
+                        .map_err(blas("SCALE_MODE"))?;
+                    }
+                }
                 use ltsys::cublasLtEpilogue_t::*;
                 // cuBLASLt's GELU is the tanh approximation, as Flux uses; the
                 // linear_gelu check in tests/kernels.rs holds it to the CPU reference.
@@ -587,6 +614,21 @@ impl Exec for CudaExec {
                 )
                 .map_err(blas("BIAS_POINTER"))?;
             }
+            if let Some(s) = g.fp8 {
+                use ltsys::cublasLtMatmulDescAttributes_t::*;
+                for (attr, ptr) in [
+                    (CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, s.w),
+                    (CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, s.x),
+                ] {
+                    lt::set_matmul_desc_attribute(
+                        plan.desc,
+                        attr,
+                        &ptr as *const u64 as *const c_void,
+                        8,
+                    )
+                    .map_err(blas("SCALE_POINTER"))?;
+                }
+            }
             lt::matmul(
                 handle,
                 plan.desc,
@@ -607,6 +649,22 @@ impl Exec for CudaExec {
             )
             .map_err(blas("cublasLtMatmul"))
         }
+    }
+
+    fn check_fp8(&self, out: Dt) -> Result<()> {
+        if out != Dt::Bf16 {
+            return Err(CudaError::Driver(
+                "fp8 weights write bf16 activations: use them with dtype bf16".into(),
+            ));
+        }
+        let (major, minor) = self.info.compute_capability;
+        if (major, minor) < (8, 9) {
+            return Err(CudaError::NoDevice(format!(
+                "fp8 weights need fp8 tensor cores (sm_89 or newer); cuda:{} {} is sm_{major}{minor}",
+                self.info.ordinal, self.info.name
+            )));
+        }
+        Ok(())
     }
 
     fn conv_library(&self) -> Option<String> {

@@ -17,7 +17,15 @@ pub struct GpuTensor<E: Exec> {
     /// group, the host slab's own layout): the address of its scales. Only attention
     /// reads such a tensor (as a K/V source); 0 for every other tensor.
     pub(crate) fp8_scales: u64,
+    /// An fp8 Linear weight, or the quantised input of its GEMM (`rows x cols` E4M3
+    /// bytes, then a f32 scale per row at [`ROW_SCALES_ALIGN`]): the address of its
+    /// scales; `dt` is then the dtype the GEMM writes. 0 for every other tensor.
+    pub(crate) row_scales: u64,
 }
+
+/// Where an fp8-rows tensor's scales start: cuBLASLt wants its scale vectors aligned
+/// (16 bytes at least); 256 is what every allocation already has.
+const ROW_SCALES_ALIGN: usize = 256;
 
 impl<E: Exec> GpuTensor<E> {
     /// A tensor of undefined contents.
@@ -31,7 +39,28 @@ impl<E: Exec> GpuTensor<E> {
             shape,
             dt,
             fp8_scales: 0,
+            row_scales: 0,
         })
+    }
+
+    /// A matrix of fp8 rows of undefined contents: `rows x cols` E4M3 bytes, then a
+    /// f32 scale per row; a GEMM on it writes `dt`.
+    pub(crate) fn alloc_fp8_rows(exec: &E, rows: usize, cols: usize, dt: Dt) -> Result<Self> {
+        let at = (rows * cols).next_multiple_of(ROW_SCALES_ALIGN);
+        let mem = exec.alloc(at + 4 * rows).map_err(dev)?;
+        let addr = exec.addr(&mem);
+        Ok(GpuTensor {
+            mem: Arc::new(mem),
+            addr,
+            shape: vec![rows, cols],
+            dt,
+            fp8_scales: 0,
+            row_scales: addr + at as u64,
+        })
+    }
+    /// Byte offset of an fp8-rows tensor's scales in its allocation.
+    pub(crate) fn row_scales_offset(&self) -> usize {
+        (self.row_scales - self.addr) as usize
     }
 
     /// An fp8 slab of undefined contents: `rows x cols` bytes, then `groups` f32
@@ -45,6 +74,7 @@ impl<E: Exec> GpuTensor<E> {
             shape: vec![rows, cols],
             dt: Dt::Bf16,
             fp8_scales: addr + (rows * cols) as u64,
+            row_scales: 0,
         })
     }
     /// The address of an fp8 slab's scales (0 for other tensors).
@@ -90,6 +120,7 @@ impl<E: Exec> GpuTensor<E> {
             shape,
             dt: self.dt,
             fp8_scales: self.fp8_scales,
+            row_scales: self.row_scales,
         }
     }
 }

@@ -126,6 +126,24 @@ pub trait Backend: Send + Sync {
         self.upload_weight(&stack_f32(parts)?)
     }
 
+    /// Whether the transformer's large Linear weights go to this backend as fp8
+    /// E4M3 ([`Backend::upload_weight_fp8`]): `[device] weight_dtype = "fp8"`. The
+    /// model asks, site by site, and uploads the others as usual.
+    fn fp8_weights(&self) -> bool {
+        false
+    }
+    /// [`Backend::upload_weight_stored`], quantised to fp8 E4M3 with a scale per
+    /// output channel (`crate::fp8::quantize_rows`); `linear` on such a weight
+    /// quantises its input per row with the same rule. Where there are fp8 tensor
+    /// cores this halves the weights' bytes and runs fp8 GEMMs; the CPU computes the
+    /// reference (the same rounding, then its f32 GEMM).
+    fn upload_weight_fp8(&self, _parts: &[Stored<'_>]) -> Result<Self::Weight> {
+        Err(crate::Error::Invalid(format!(
+            "{} has no fp8 weights",
+            self.name()
+        )))
+    }
+
     fn shape<'a>(&self, t: &'a Self::Tensor) -> &'a [usize];
 
     /// `x[n,k] @ w[o,k]^T + b[o]` (PyTorch Linear layout).
@@ -550,7 +568,7 @@ pub fn write_host(dst: &HostSlice, bytes: &[u8]) -> Result<()> {
 }
 
 /// `parts` stacked as one f32 host tensor.
-fn stack_f32(parts: &[Stored<'_>]) -> Result<Tensor> {
+pub(crate) fn stack_f32(parts: &[Stored<'_>]) -> Result<Tensor> {
     let shape = stacked_shape(parts)?;
     let mut data = Vec::with_capacity(shape.iter().product());
     for p in parts {

@@ -436,6 +436,10 @@ pub struct DeviceConfig {
     pub device: String,
     /// Storage dtype on a GPU: `bf16` or `f32`.
     pub dtype: String,
+    /// The transformer's large Linear weights: `fp8` (E4M3 with a scale per output
+    /// channel, on GPUs with fp8 tensor cores; the CPU computes the reference), or
+    /// empty / `bf16` / `f32` for the device dtype.
+    pub weight_dtype: String,
     /// Threads of each CPU compute process; 0 = the cores split among them.
     pub threads: usize,
 }
@@ -445,6 +449,7 @@ impl Default for DeviceConfig {
         DeviceConfig {
             device: "auto".into(),
             dtype: "bf16".into(),
+            weight_dtype: String::new(),
             threads: 0,
         }
     }

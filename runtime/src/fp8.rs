@@ -152,6 +152,40 @@ pub fn dequantize(bytes: &[u8], cols: usize, scales: &[f32]) -> Vec<f32> {
         .collect()
 }
 
+/// Quantises a row-major `[rows, cols]` matrix with a scale per row (`amax / 448`,
+/// 1 for a row of zeros, as [`quantize`] does per group): the fp8 weights' format (a
+/// row is an output channel of a `[out, in]` Linear weight) and the activations'
+/// (a row is a token). Per-row scales make a block of rows (a Y-mode step's K|V
+/// outputs) a plain offset into the bytes and the scales.
+pub fn quantize_rows(values: &[f32], cols: usize) -> (Vec<u8>, Vec<f32>) {
+    assert!(
+        cols > 0 && values.len() % cols == 0,
+        "fp8::quantize_rows: {} values of {cols} columns",
+        values.len()
+    );
+    let mut bytes = Vec::with_capacity(values.len());
+    let mut scales = Vec::with_capacity(values.len() / cols);
+    for row in values.chunks_exact(cols) {
+        let (b, s) = quantize(row, cols, 1);
+        bytes.extend(b);
+        scales.push(s[0]);
+    }
+    (bytes, scales)
+}
+
+/// The values [`quantize_rows`] stands for: each row rounded to E4M3 under its own
+/// scale, as f32. This is the CPU reference of fp8 weights (docs/gpu.md, "fp8
+/// weights"): weights and activations rounded this way, then the f32 GEMM, is what
+/// the device's fp8 GEMM computes up to f32 summation order.
+pub fn round_rows(values: &[f32], cols: usize) -> Vec<f32> {
+    let (bytes, scales) = quantize_rows(values, cols);
+    bytes
+        .chunks_exact(cols)
+        .zip(&scales)
+        .flat_map(|(row, s)| row.iter().map(move |&b| DECODE[b as usize] * s))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -263,5 +297,18 @@ mod tests {
         }
         let (zb, zs) = quantize(&[0.0; 8], 8, 2);
         assert_eq!((zb, zs), (vec![0; 8], vec![1.0, 1.0]));
+    }
+
+    #[test]
+    fn rows_have_their_own_scales() {
+        let vals = [1.0, -2.0, 0.5, 0.001, 0.002, -0.004, 0.0, 0.0, 0.0];
+        let (bytes, scales) = quantize_rows(&vals, 3);
+        assert_eq!(scales, vec![2.0 / MAX, 0.004 / MAX, 1.0]);
+        assert_eq!(bytes[1], 0xFE, "the row's largest magnitude is -448");
+        let back = round_rows(&vals, 3);
+        for (v, b) in vals.iter().zip(&back) {
+            assert!((v - b).abs() <= v.abs() / 16.0, "{v} -> {b}");
+        }
+        assert_eq!(&back[6..], &[0.0; 3]);
     }
 }

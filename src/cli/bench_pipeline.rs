@@ -14,7 +14,6 @@ use denoised_models::mask::TokenMask;
 use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Parts, Timings};
 use denoised_models::pipeline::image::{encode_png, Mask, Rgb8};
 use denoised_models::ModelSource;
-use denoised_runtime::CpuBackend;
 
 use super::{CliResult, ModelDeviceArgs};
 
@@ -97,7 +96,8 @@ pub fn run(a: Args) -> CliResult {
     let n = a.size;
     let t0 = Instant::now();
     let parts = device::host_parts(spec, Parts::ALL);
-    let mut p = FluxFill::load_parts(&source, CpuBackend::new(), parts)?;
+    let fp8_weights = a.device.fp8_weights()?;
+    let mut p = FluxFill::load_parts(&source, device::host_backend(spec, fp8_weights), parts)?;
     p.limits.max_pixels = p.limits.max_pixels.max(n * n);
     let limits = StepLimits {
         max_batch: 1,
@@ -110,7 +110,7 @@ pub fn run(a: Args) -> CliResult {
             postprocess: (spec != DeviceSpec::Cpu) as usize,
         },
     };
-    let mut placed = device::place(&source, spec, dt, &p, limits)?;
+    let mut placed = device::place(&source, spec, dt, fp8_weights, &p, limits)?;
     device::place_stages(spec, dt, &mut p)?;
     let load_s = t0.elapsed().as_secs_f64();
     let mut rng = SplitMix::new(5);

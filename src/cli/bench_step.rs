@@ -68,6 +68,10 @@ pub struct Args {
     /// The CPU always computes in f32.
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
     pub dtype: String,
+    /// The transformer's large Linear weights: bf16 (the device dtype) or fp8 (E4M3
+    /// with a scale per output channel; the CPU computes the fp8 reference).
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "fp8"])]
+    pub weight_dtype: String,
     /// Where edits read the template's K/V from: `memory` (resident on the device),
     /// `host` (streamed from host memory: on a GPU from pinned memory on the copy
     /// stream, on the CPU by a loader thread) or `disk` (a template file, page cache
@@ -297,7 +301,10 @@ pub fn run(a: Args) -> CliResult {
             bench(
                 &a,
                 cfg,
-                CpuBackend::new(),
+                match a.weight_dtype == "fp8" {
+                    true => CpuBackend::new().with_fp8_weights(),
+                    false => CpuBackend::new(),
+                },
                 DType::F32,
                 |be, cache, tier, whole| {
                     Ok(match (tier, whole) {
@@ -342,7 +349,7 @@ pub fn measure_gpu<E: Exec>(
     exec: E,
 ) -> CliResult<Vec<serde_json::Value>> {
     let dt = if a.dtype == "f32" { Dt::F32 } else { Dt::Bf16 };
-    let be = GpuBackend::new(exec, dt);
+    let be = GpuBackend::new(exec, dt).with_fp8_weights(a.weight_dtype == "fp8");
     let storage = be.storage_dtype();
     if a.cache_tier == "disk" {
         return Err("on a GPU the disk tier is read through the host tier (the cache process prefetches it): use --cache-tier host".into());
@@ -487,7 +494,7 @@ where
         let mut v = serde_json::json!({
             "config": a.config, "image_tokens": l, "text_tokens": t, "mask_ratio": ratio,
             "batch": batch, "min_s": tm.min, "median_s": tm.median, "gflops": flops / tm.median / 1e9,
-            "backend": backend_name, "bubble_s": tm.bubble,
+            "backend": backend_name, "bubble_s": tm.bubble, "weight_dtype": a.weight_dtype,
         });
         if let (Some(o), serde_json::Value::Object(e)) = (v.as_object_mut(), extra) {
             o.extend(e);

@@ -158,7 +158,9 @@ pub(super) fn load_pipeline(
 ) -> CliResult<(FluxFill<CpuBackend>, Placed)> {
     let device = dev.spec()?;
     let parts = device::host_parts(device, Parts::ALL);
-    let mut p = FluxFill::load_parts(model, CpuBackend::new(), parts)?;
+    let fp8_weights = dev.fp8_weights()?;
+    let cpu = device::host_backend(device, fp8_weights);
+    let mut p = FluxFill::load_parts(model, cpu, parts)?;
     p.limits.max_pixels = max_pixels;
     // One request at a time: the budget only has to hold the largest one.
     let limits = device::StepLimits {
@@ -173,7 +175,7 @@ pub(super) fn load_pipeline(
             postprocess: (device != DeviceSpec::Cpu) as usize,
         },
     };
-    let placed = device::place(model, device, dev.dtype()?, &p, limits)?;
+    let placed = device::place(model, device, dev.dtype()?, fp8_weights, &p, limits)?;
     if device != DeviceSpec::Cpu {
         eprintln!("transformer on {} ({})", placed.device, placed.dtype);
         // The VAE and the text encoders too, as the daemon's pre- and postprocess

@@ -232,6 +232,11 @@ pub struct ModelDeviceArgs {
     /// Storage dtype on a GPU or the emulator: bf16 or f32 (the CPU computes in f32).
     #[arg(long, env = "DENOISED_DTYPE", default_value = "bf16")]
     pub dtype: String,
+    /// The transformer's large Linear weights: `fp8` (E4M3 with a scale per output
+    /// channel; GPUs with fp8 tensor cores, sm_89+, the emulator, and the CPU as the
+    /// reference computation) or `bf16` (the device dtype).
+    #[arg(long, env = "DENOISED_WEIGHT_DTYPE", default_value = "bf16")]
+    pub weight_dtype: String,
 }
 
 impl ModelDeviceArgs {
@@ -246,6 +251,13 @@ impl ModelDeviceArgs {
 
     pub fn dtype(&self) -> CliResult<denoised_cuda::Dt> {
         Ok(denoised_actors::device::parse_dtype(&self.dtype)?)
+    }
+
+    /// Whether `--weight-dtype` asks for fp8 weights.
+    pub fn fp8_weights(&self) -> CliResult<bool> {
+        Ok(denoised_actors::device::parse_weight_dtype(
+            &self.weight_dtype,
+        )?)
     }
 }
 

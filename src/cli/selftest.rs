@@ -272,6 +272,7 @@ fn bench_steps(t: Target) -> CliResult<Vec<Check>> {
             device: DeviceSpec::Emu,
         },
         dtype: "bf16".into(),
+        weight_dtype: "bf16".into(),
         cache_tier: "memory".into(),
         plan: vec!["pipelined".into()],
         profile: None,

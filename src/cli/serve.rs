@@ -60,6 +60,10 @@ pub struct ServeArgs {
     /// `[device] dtype`: bf16 or f32, the storage dtype on a GPU.
     #[arg(long, env = "DENOISED_DTYPE")]
     pub dtype: Option<String>,
+    /// `[device] weight_dtype`: fp8 (the transformer's large Linears in E4M3 with a
+    /// scale per output channel; GPUs with fp8 tensor cores) or bf16 (the device dtype).
+    #[arg(long, env = "DENOISED_WEIGHT_DTYPE")]
+    pub weight_dtype: Option<String>,
     /// `[cluster] port`: the router's cluster node port (0: a free one).
     #[arg(long, env = "DENOISED_CLUSTER_PORT")]
     pub cluster_port: Option<u16>,
@@ -151,12 +155,16 @@ impl ServeArgs {
         if let Some(d) = &self.dtype {
             c.device.dtype = d.clone();
         }
+        if let Some(d) = &self.weight_dtype {
+            c.device.weight_dtype = d.clone();
+        }
         if threads > 0 {
             c.device.threads = threads;
         }
         // Fail here, before any process starts, on a bad device or dtype.
         denoised_cuda::parse_list(&c.device.device)?;
         denoised_actors::device::parse_dtype(&c.device.dtype)?;
+        denoised_actors::device::parse_weight_dtype(&c.device.weight_dtype)?;
         if let Some(p) = self.cluster_port {
             c.cluster.port = p;
         }

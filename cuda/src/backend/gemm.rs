@@ -7,13 +7,13 @@ use denoised_runtime::backend::Modulation;
 use denoised_runtime::{Error, Result};
 
 use super::{dev, matrix, GpuBackend, GpuTensor};
-use crate::exec::{Exec, Gemm};
+use crate::exec::{Exec, Fp8Scales, Gemm};
 
 impl<E: Exec> GpuBackend<E> {
     /// One GEMM over the column block `cols` of `x` and the output features `outs` of
     /// `w` (all of them, or the row block a Y-mode step recomputes: the weight is
     /// `[out, in]` row-major, so a block of outputs is read in place at an offset),
-    /// with the bias and GELU epilogues.
+    /// with the bias and GELU epilogues. An fp8 weight runs the fp8 GEMM.
     pub(super) fn gemm(
         &self,
         x: &GpuTensor<E>,
@@ -37,22 +37,37 @@ impl<E: Exec> GpuBackend<E> {
         }
         let out = self.empty(vec![n, outs.len()])?;
         let sz = self.dt.size() as u64;
-        if n > 0 && !outs.is_empty() {
-            self.exec
-                .gemm(&Gemm {
-                    dt: self.dt,
-                    n,
-                    m: outs.len(),
-                    k,
-                    x: x.addr + cols.start as u64 * sz,
-                    ldx: kx,
-                    w: w.addr + (outs.start * k) as u64 * sz,
-                    bias: b.map(|b| b.addr + outs.start as u64 * sz),
-                    gelu,
-                    out: out.addr,
-                })
-                .map_err(dev)?;
+        if n == 0 || outs.is_empty() {
+            return Ok(out);
         }
+        let mut g = Gemm {
+            dt: self.dt,
+            n,
+            m: outs.len(),
+            k,
+            x: x.addr + cols.start as u64 * sz,
+            ldx: kx,
+            w: w.addr + (outs.start * k) as u64 * sz,
+            bias: b.map(|b| b.addr + outs.start as u64 * sz),
+            gelu,
+            out: out.addr,
+            fp8: None,
+        };
+        // An fp8 weight multiplies fp8 inputs: x's column block quantised per row
+        // into a packed temporary (freed in stream order after the GEMM). A block of
+        // output channels is an offset into the bytes and into the scales.
+        let quantised;
+        if w.row_scales != 0 {
+            quantised = self.quantize_rows(x, cols)?;
+            g.x = quantised.addr;
+            g.ldx = k;
+            g.w = w.addr + (outs.start * k) as u64;
+            g.fp8 = Some(Fp8Scales {
+                x: quantised.row_scales,
+                w: w.row_scales + 4 * outs.start as u64,
+            });
+        }
+        self.exec.gemm(&g).map_err(dev)?;
         Ok(out)
     }
 

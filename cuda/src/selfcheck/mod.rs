@@ -11,6 +11,7 @@
 //! bf16 for both sides, so what remains is bf16 rounding of outputs and intermediates:
 //! 2^-8 = 3.9e-3 per rounding, a few roundings deep).
 
+mod fp8;
 mod image;
 mod text;
 
@@ -205,6 +206,8 @@ fn check_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
     let want = cpu.linear_out(&x, &cpu.upload_weight(&w)?, Some(&b), 3..11)?;
     let got = gpu.linear_out(&up(&x)?, &gpu.upload_weight(&w)?, Some(&up(&b)?), 3..11)?;
     close(out, "linear_out+bias", dt, &down(&got)?, &want);
+
+    fp8::check_fp8_linear(out, gpu, &mut rng)?;
 
     // LayerNorm + modulation per segment
     let x = rng.tensor(&[9, 96], 2.0);

@@ -15,13 +15,13 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 
-use denoised_runtime::{Backend, Error, Result, Tensor};
+use denoised_runtime::{Backend, Error, Result, Stored, Tensor};
 
 use super::inactive::Inactive;
 use super::lora::{merge_site, LoraAdapter, LoraFile};
 use super::model::FluxTransformer;
 use super::request::StepRequest;
-use super::weights::{upload_site_weight, Site};
+use super::weights::{upload_site_weight, upload_weight_at, Site};
 
 /// A LoRA registered on a transformer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -173,7 +173,9 @@ impl<B: Backend> FluxTransformer<B> {
             let lin = w
                 .site_mut(site)
                 .ok_or_else(|| Error::Invalid(format!("{site:?} is not in this model")))?;
-            lin.w = self.backend().upload_weight(&host)?;
+            // In the site's format: a merged fp8 site is quantised again.
+            let parts = [Stored::from_tensor("merged", &host)];
+            lin.w = upload_weight_at(self.backend(), site, &parts)?;
             merged.push(site);
         }
         // The reads faulted the sites' mapped pages back in; the uploads hold them now.

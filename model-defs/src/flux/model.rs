@@ -144,6 +144,12 @@ impl<B: Backend> FluxTransformer<B> {
             .sum()
     }
 
+    /// Bytes of the weights on a device of `dtype_bytes` an element, with or without
+    /// fp8 weights ([`super::weights::weight_bytes`]).
+    pub fn weight_bytes(&self, dtype_bytes: usize, fp8: bool) -> u64 {
+        super::weights::weight_bytes(&self.config, dtype_bytes, fp8)
+    }
+
     fn from_parts(
         backend: B,
         config: FluxConfig,

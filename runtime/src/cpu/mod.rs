@@ -24,7 +24,13 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 #[derive(Clone, Debug, Default)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    /// `[device] weight_dtype = "fp8"` on the CPU: the transformer's large Linears
+    /// compute the fp8 reference (`Backend::upload_weight_fp8`). It saves neither
+    /// memory nor time here (the weights stay f32, and each linear rounds its input
+    /// first); it is how fp8 weights' quality is measured without a GPU.
+    fp8_weights: bool,
+}
 
 /// A Linear weight stored transposed, `[in, out]` row-major: gemm streams it with unit
 /// stride along the output dimension, measurably faster than reading the PyTorch
@@ -33,6 +39,10 @@ pub struct CpuBackend;
 pub struct CpuWeight {
     /// `[in, out]`.
     t: Tensor,
+    /// An fp8 weight's reference: `t` holds the E4M3-rounded values (a scale per
+    /// output channel), and each linear rounds its input rows the same way first
+    /// (`crate::fp8::round_rows`).
+    fp8: bool,
 }
 
 impl CpuWeight {
@@ -46,7 +56,11 @@ impl CpuWeight {
 
 impl CpuBackend {
     pub fn new() -> Self {
-        CpuBackend
+        CpuBackend::default()
+    }
+    /// This backend with the transformer's large Linears as the fp8 reference.
+    pub fn with_fp8_weights(self) -> Self {
+        CpuBackend { fp8_weights: true }
     }
 }
 
@@ -98,6 +112,20 @@ fn matrix_dims(op: &'static str, t: &Tensor) -> Result<(usize, usize)> {
         ));
     }
     Ok((t.shape()[0], t.shape()[1]))
+}
+
+/// The input of an fp8 linear: columns `cols` of each row of `x` (rows `width` apart),
+/// rounded to E4M3 with a scale per row, as the device's activation kernel does.
+fn fp8_input(x: &[f32], width: usize, cols: Range<usize>) -> std::borrow::Cow<'_, [f32]> {
+    let k = cols.len();
+    let mut block = Vec::with_capacity(x.len() / width.max(1) * k);
+    for row in x.chunks_exact(width.max(1)) {
+        block.extend_from_slice(&row[cols.clone()]);
+    }
+    if k == 0 {
+        return block.into();
+    }
+    crate::fp8::round_rows(&block, k).into()
 }
 
 impl Backend for CpuBackend {
@@ -163,6 +191,21 @@ impl Backend for CpuBackend {
         }
         Ok(CpuWeight {
             t: Tensor::new([k, o], t)?,
+            fp8: false,
+        })
+    }
+
+    fn fp8_weights(&self) -> bool {
+        self.fp8_weights
+    }
+
+    fn upload_weight_fp8(&self, parts: &[crate::Stored<'_>]) -> Result<CpuWeight> {
+        let w = crate::backend::stack_f32(parts)?;
+        let (_, k) = matrix_dims("upload_weight_fp8", &w)?;
+        let rounded = Tensor::new(w.shape().to_vec(), crate::fp8::round_rows(w.data(), k))?;
+        Ok(CpuWeight {
+            fp8: true,
+            ..self.upload_weight(&rounded)?
         })
     }
 
@@ -199,10 +242,14 @@ impl Backend for CpuBackend {
                 ));
             }
         }
+        let (data, xw, c0) = match w.fp8 {
+            true => (fp8_input(x.data(), xw, cols), k, 0),
+            false => (std::borrow::Cow::Borrowed(x.data()), xw, cols.start),
+        };
         let out = matmul::linear(
-            x.data(),
+            &data,
             xw,
-            cols.start,
+            c0,
             k,
             matmul::MatRef::row_major(w.t.data(), o),
             o,
@@ -238,7 +285,11 @@ impl Backend for CpuBackend {
             cs: 1,
         };
         let bias = b.map(|b| &b.data()[outs.clone()]);
-        let out = matmul::linear(x.data(), k, 0, k, wt, outs.len(), bias);
+        let data = match w.fp8 {
+            true => fp8_input(x.data(), k, 0..k),
+            false => std::borrow::Cow::Borrowed(x.data()),
+        };
+        let out = matmul::linear(&data, k, 0, k, wt, outs.len(), bias);
         Tensor::new([n, outs.len()], out)
     }
 
