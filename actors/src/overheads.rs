@@ -93,6 +93,7 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
             work: Mode::Full,
             start_at: 0,
             store_at: Vec::new(),
+            preview: None,
             loras: vec![],
             true_cfg: None,
             control: None,
@@ -119,6 +120,7 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
             Ok(
                 Event::Submitted { .. }
                 | Event::Stored { .. }
+                | Event::Preview { .. }
                 | Event::LoraApplied { .. }
                 | Event::LoraLoaded { .. },
             ) => {}

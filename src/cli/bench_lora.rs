@@ -200,6 +200,7 @@ pub fn run(a: Args) -> CliResult {
         next_id += 1;
         let t0 = Instant::now();
         lp.submit(DenoiseRequest {
+            preview: None,
             id: next_id,
             inputs: inp.clone(),
             schedule: schedule.clone(),

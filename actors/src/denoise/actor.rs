@@ -73,6 +73,8 @@ pub struct DenoiseArgs {
     /// How the loop serves LoRAs, and the directory requests name them in.
     pub adapters: AdapterOptions,
     pub adapters_dir: PathBuf,
+    /// Draws previews (its factors fitted to the model's VAE).
+    pub(super) previews: super::preview::Previewer,
 }
 
 /// Captures running in the loop: the arena slice each one writes its template into.
@@ -130,6 +132,7 @@ impl Actor for DenoiseActor {
             name,
             max_batch: a.sched.max_batch as u32,
             stats: a.stats,
+            previews: a.previews,
         };
         events::spawn(events, ctx)?;
         let inline = InlineCtx {
@@ -343,6 +346,11 @@ impl DenoiseState {
             true_cfg,
             control,
             partner,
+            preview: (req.preview_every > 0).then_some(crate::denoise::PreviewSpec {
+                every: req.preview_every as usize,
+                rows: req.rows as usize,
+                cols: req.cols as usize,
+            }),
             loras: req
                 .loras
                 .iter()
@@ -552,6 +560,7 @@ pub async fn spawn(
         stats,
         adapters,
         adapters_dir: ad.resolved_dir(&env.config.cache),
+        previews: super::preview::Previewer::start(env.model_source()),
     };
     let (a, _) = Actor::spawn(Some(env.name()), DenoiseActor, args)
         .await

@@ -23,8 +23,8 @@ use crate::daemon::job_name;
 use crate::node::{self, Shm};
 use crate::stages::Pipeline;
 use crate::wire::{
-    groups, DenoiseMsg, DenoiseStats, Denoised, ErrorKind, JobId, LoadEntry, Progress, RouterMsg,
-    Wire, WireError, WorkerLoad,
+    groups, DenoiseMsg, DenoiseStats, Denoised, ErrorKind, JobId, LoadEntry, Preview, Progress,
+    RouterMsg, Wire, WireError, WorkerLoad,
 };
 
 /// Starts the event thread, which runs until the loop (the sender of `events`) is
@@ -49,6 +49,7 @@ pub(super) struct EventCtx {
     pub name: String,
     pub max_batch: u32,
     pub stats: Arc<StepperStats>,
+    pub previews: super::preview::Previewer,
 }
 
 /// Tells the router this worker's load (see [`WorkerLoad`]): after every step and
@@ -208,6 +209,21 @@ fn drain_events(events: Receiver<Event>, ctx: EventCtx) {
                 match error {
                     None => tracing::info!(lora = %name, seconds, "LoRA loaded"),
                     Some(e) => tracing::warn!(lora = %name, seconds, "LoRA not loaded: {e}"),
+                }
+            }
+            Event::Preview {
+                id,
+                k,
+                latents,
+                spec,
+            } => {
+                if let (Some(jpeg), Some(r)) = (ctx.previews.draw(&latents, spec), router()) {
+                    let p = Preview {
+                        job: id,
+                        step: k as u32,
+                        jpeg,
+                    };
+                    node::tell(&r, RouterMsg::Preview(Wire(p)));
                 }
             }
             Event::Stored { id, k, latents } => match ctx.shm.write_tensor(&latents) {

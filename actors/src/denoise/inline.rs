@@ -126,6 +126,7 @@ pub fn submit(
                 work,
                 start_at: 0,
                 store_at: Vec::new(),
+                preview: None,
                 loras: vec![],
                 true_cfg: None,
                 control: None,

@@ -61,6 +61,16 @@ pub struct DenoiseRequest {
     pub control: Option<Arc<dyn ControlFeed>>,
     /// True CFG's other branch on another worker (a split generation).
     pub partner: Option<Arc<dyn CfgPartner>>,
+    /// Previews of its running latent ([`Event::Preview`]), if asked.
+    pub preview: Option<PreviewSpec>,
+}
+
+/// A request's previews: after every `every` steps, of its `rows x cols` token grid.
+#[derive(Clone, Copy, Debug)]
+pub struct PreviewSpec {
+    pub every: usize,
+    pub rows: usize,
+    pub cols: usize,
 }
 
 pub enum LoopCommand {
@@ -124,6 +134,14 @@ pub enum Event {
         id: JobId,
         latents: Tensor,
         cache: Option<TemplateCache>,
+    },
+    /// A request's estimate of its clean latent over its full grid after step `k`
+    /// (packed `[L, C]`), for a preview; sent before the step's own event.
+    Preview {
+        id: JobId,
+        k: usize,
+        latents: Tensor,
+        spec: PreviewSpec,
     },
     /// A request's packed latents after step `k` (one of its `store_at`), sent before
     /// the step's own event.
@@ -237,6 +255,8 @@ struct State {
     waiting: HashMap<JobId, DenoiseRequest>,
     /// The `store_at` of running requests that have one.
     stores: HashMap<JobId, Vec<usize>>,
+    /// The previews of running requests that asked for them.
+    previews: HashMap<JobId, PreviewSpec>,
     adapters: Option<LoopAdapters>,
     tx: Sender<Event>,
 }
@@ -288,6 +308,7 @@ impl State {
     fn forget(&mut self, id: JobId, model: &mut dyn Stepper) {
         self.waiting.remove(&id);
         self.stores.remove(&id);
+        self.previews.remove(&id);
         model.remove(id);
         if let Some(a) = &mut self.adapters {
             a.leave(id, model);
@@ -361,6 +382,9 @@ impl State {
             if admitted.is_ok() && !r.store_at.is_empty() {
                 self.stores.insert(id, r.store_at);
             }
+            if let (true, Some(p)) = (admitted.is_ok(), r.preview) {
+                self.previews.insert(id, p);
+            }
             if let Err(e) = admitted {
                 if model.is_fatal(&e) {
                     device_fault(&e, format_args!("the admission of request {id:x}"));
@@ -392,6 +416,7 @@ fn run(
         sched,
         waiting: HashMap::new(),
         stores: HashMap::new(),
+        previews: HashMap::new(),
         adapters,
         tx,
     };
@@ -458,6 +483,11 @@ fn run(
         // Where each job was before the step: after a failure, those that did not
         // advance are retried alone.
         let before: Vec<Option<usize>> = ids.iter().map(|&id| model.position(id)).collect();
+        // The latents before the step of the requests whose preview falls after it.
+        let preview_from = match st.previews.is_empty() {
+            true => Vec::new(),
+            false => previews_due(&st, &*model, &ids),
+        };
         let assembly_seconds = t0.elapsed().as_secs_f64();
         let report = match model.step(&ids) {
             Ok(r) => r,
@@ -473,11 +503,15 @@ fn run(
         if !st.stores.is_empty() {
             store_states(&st, &*model, &ids);
         }
+        if !preview_from.is_empty() {
+            send_previews(&st, &*model, preview_from);
+        }
         let finished = st.sched.complete_step(&plan);
         // Finished results go out first, so whoever sees a step's event has already been
         // sent everything that step produced. Each result is downloaded here, once.
         for id in finished {
             st.stores.remove(&id);
+            st.previews.remove(&id);
             if let Some(a) = &mut st.adapters {
                 a.leave(id, &mut *model);
             }
@@ -538,6 +572,46 @@ fn store_states(st: &State, model: &dyn Stepper, ids: &[JobId]) {
     }
 }
 
+/// The requests of a step whose preview falls after it (every `every` steps, not the
+/// last: its result follows), with their latents before it: a small download each,
+/// at a boundary where the device is idle.
+fn previews_due(st: &State, model: &dyn Stepper, ids: &[JobId]) -> Vec<(JobId, Tensor)> {
+    ids.iter()
+        .filter_map(|&id| {
+            let every = st.previews.get(&id)?.every;
+            let next = model.position(id)? + 1;
+            (next % every == 0)
+                .then(|| model.latents(id).ok())
+                .flatten()
+                .map(|t| (id, t))
+        })
+        .collect()
+}
+
+/// Sends the previews of the requests that took their step: the model's estimate of
+/// each clean latent, for the event thread to draw. A preview that fails is skipped.
+fn send_previews(st: &State, model: &dyn Stepper, from: Vec<(JobId, Tensor)>) {
+    for (id, before) in from {
+        let (Some(&spec), Some(k)) = (st.previews.get(&id), model.position(id)) else {
+            continue;
+        };
+        if model.done(id) {
+            continue;
+        }
+        match model.clean_estimate(id, &before) {
+            Ok(latents) => {
+                let _ = st.tx.send(Event::Preview {
+                    id,
+                    k,
+                    latents,
+                    spec,
+                });
+            }
+            Err(e) => tracing::debug!("request {id:x}: no preview after step {k}: {e}"),
+        }
+    }
+}
+
 /// After a batched step failed with `error`: runs the step again for each request
 /// alone, so that one bad request cannot fail its batch-mates, and returns those that
 /// fail alone (the whole batch if it was one request). A job that did advance before
@@ -594,4 +668,5 @@ pub mod actor;
 pub mod adapters;
 pub mod cfg_pair;
 mod events;
+mod preview;
 pub mod inline;

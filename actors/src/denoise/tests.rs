@@ -113,6 +113,7 @@ pub(super) fn full(id: u64, seed: u64, steps: usize) -> DenoiseRequest {
         work: Mode::Full,
         start_at: 0,
         store_at: Vec::new(),
+        preview: None,
         loras: vec![],
         true_cfg: None,
         control: None,
@@ -208,6 +209,7 @@ fn cancel_and_bad_requests_do_not_stop_the_loop() {
         },
         start_at: 0,
         store_at: Vec::new(),
+        preview: None,
         loras: vec![],
         true_cfg: None,
         control: None,
@@ -227,6 +229,7 @@ fn cancel_and_bad_requests_do_not_stop_the_loop() {
                 Event::Finished { id, .. } => format!("finished {id}"),
                 Event::Step { batch, .. } => format!("step {batch:?}"),
                 Event::Stored { id, k, .. } => format!("stored {id} after {k}"),
+                Event::Preview { id, k, .. } => format!("preview {id} after {k}"),
                 Event::Submitted { .. } => unreachable!("next() skips them"),
                 ev @ (Event::LoraApplied { .. } | Event::LoraLoaded { .. }) => {
                     unreachable!("no request names a LoRA: {ev:?}")
@@ -263,6 +266,7 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
         work: Mode::Capture(TemplateCache::new(layout).unwrap()),
         start_at: 0,
         store_at: Vec::new(),
+        preview: None,
         loras: vec![],
         true_cfg: None,
         control: None,
@@ -282,6 +286,7 @@ fn capture_then_edit_through_the_loop_keeps_the_identity() {
         work: Mode::Edit { mask, cache },
         start_at: 0,
         store_at: Vec::new(),
+        preview: None,
         loras: vec![],
         true_cfg: None,
         control: None,
@@ -314,6 +319,7 @@ fn a_request_whose_step_fails_does_not_fail_its_batch_mates() {
         },
         start_at: 0,
         store_at: Vec::new(),
+        preview: None,
         loras: vec![],
         true_cfg: None,
         control: None,
@@ -376,6 +382,7 @@ fn a_run_resumed_from_any_stored_state_ends_bit_identical() {
         } else {
             Vec::new()
         },
+        preview: None,
         loras: vec![],
         true_cfg: None,
         control: None,
@@ -446,4 +453,63 @@ fn a_run_resumed_from_any_stored_state_ends_bit_identical() {
         let rel = out[&(20 + *k as u64)].max_abs_diff(&full).unwrap() / peak;
         assert!(rel <= 1e-6, "resumed after {k} in a batch: {rel:e}");
     }
+}
+
+/// A request that asks for previews every 2 of 5 steps gets one after steps 2 and 4
+/// (not after its last: its result follows), each before its step's event and over
+/// the full grid, and ends exactly as the same request without previews.
+#[test]
+fn previews_come_at_their_interval_and_change_nothing() {
+    const STEPS: usize = 5;
+    let lp = DenoiseLoop::spawn(
+        Box::new(ModelStepper::unbounded(model(), 4)),
+        BatchConfig::default(),
+        LoopOptions::default(),
+    )
+    .unwrap();
+    let (inp, s) = (inputs(4), schedule(STEPS));
+    let request = |id: u64, every: usize| DenoiseRequest {
+        id,
+        inputs: inp.clone(),
+        schedule: s.clone(),
+        work: Mode::Full,
+        start_at: 0,
+        store_at: Vec::new(),
+        preview: (every > 0).then_some(crate::denoise::PreviewSpec {
+            every,
+            rows: SIDE,
+            cols: SIDE,
+        }),
+        loras: vec![],
+        true_cfg: None,
+        control: None,
+        partner: None,
+    };
+    let run = |id: u64, every: usize| {
+        lp.submit(request(id, every));
+        let (mut seen, mut out) = (vec![], None);
+        while out.is_none() {
+            match next(&lp) {
+                Event::Step { .. } => seen.push("step".to_string()),
+                Event::Preview { k, latents, .. } => {
+                    assert_eq!(latents.shape(), inp.latents.shape(), "the full grid");
+                    seen.push(format!("preview {k}"));
+                }
+                Event::Finished { latents, .. } => out = Some(latents),
+                Event::Failed { error, .. } => panic!("{error}"),
+                _ => {}
+            }
+        }
+        (seen, out.unwrap())
+    };
+    let (seen, with) = run(1, 2);
+    // (The last step's own event comes after its result.)
+    assert_eq!(
+        seen,
+        ["step", "preview 2", "step", "step", "preview 4", "step"],
+        "{seen:?}"
+    );
+    let (seen, without) = run(2, 0);
+    assert!(seen.iter().all(|e| e == "step"), "{seen:?}");
+    assert_eq!(with.data(), without.data());
 }

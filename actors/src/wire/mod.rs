@@ -567,8 +567,8 @@ pub struct Progress {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Preview {
     pub job: JobId,
+    /// The step it follows (1-based: steps done).
     pub step: u32,
-    pub steps: u32,
     pub jpeg: Vec<u8>,
 }
 
