@@ -59,7 +59,8 @@ impl Grid {
 
 /// `C[n, m] = X[n, k] @ W[m, k]^T (+ bias[m])`, then GELU (tanh) when `gelu`,
 /// row-major, all of type `dt`, f32 accumulation. `x` rows are `ldx` elements apart (a
-/// column block of a wider matrix).
+/// column block of a wider matrix), and `out` rows `ldo` apart (a column block of a
+/// wider output: one projection split into GEMMs with different epilogues).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Gemm {
     pub dt: Dt,
@@ -72,6 +73,7 @@ pub struct Gemm {
     pub bias: Option<u64>,
     pub gelu: bool,
     pub out: u64,
+    pub ldo: usize,
 }
 
 /// A 2-D convolution for a vendor library (cuDNN), without bias: input `x` `[n, h, w, c]`

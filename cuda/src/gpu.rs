@@ -90,6 +90,7 @@ struct PlanKey {
     m: usize,
     k: usize,
     ldx: usize,
+    ldo: usize,
     bias: bool,
     gelu: bool,
     /// Byte alignment of W, X and the output (cuBLASLt may pick kernels that assume
@@ -339,6 +340,7 @@ impl CudaExec {
             m: g.m,
             k: g.k,
             ldx: g.ldx,
+            ldo: g.ldo,
             bias: g.bias.is_some(),
             gelu: g.gelu,
             align: [alignment(g.w), alignment(g.x), alignment(g.out)],
@@ -362,7 +364,7 @@ impl CudaExec {
                 .map_err(blas("layout A"))?;
             let bl = lt::create_matrix_layout(ty, g.k as u64, g.n as u64, g.ldx as i64)
                 .map_err(blas("layout B"))?;
-            let c = lt::create_matrix_layout(ty, g.m as u64, g.n as u64, g.m as i64)
+            let c = lt::create_matrix_layout(ty, g.m as u64, g.n as u64, g.ldo as i64)
                 .map_err(blas("layout C"))?;
             let mut plan = Plan {
                 desc,

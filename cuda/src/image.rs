@@ -189,6 +189,7 @@ impl<E: Exec> GpuBackend<E> {
                     bias: Some(b.addr()),
                     gelu: false,
                     out: out.addr() + (p0 * o * sz) as u64,
+                    ldo: o,
                 })
                 .map_err(dev)
         };
@@ -352,6 +353,7 @@ impl<E: Exec> GpuBackend<E> {
                         bias: None,
                         gelu: false,
                         out: scores.addr(),
+                        ldo: px,
                     })
                     .map_err(dev)?;
                 let s = ImgParams {
@@ -376,6 +378,7 @@ impl<E: Exec> GpuBackend<E> {
                         bias: None,
                         gelu: false,
                         out: attn.addr() + (((rows.start + q0) * c) * sz) as u64,
+                        ldo: c,
                     })
                     .map_err(dev)?;
             }
