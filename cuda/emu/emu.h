@@ -332,6 +332,8 @@ inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); r
 struct int2 { int x, y; };
 struct alignas(8) uint2 { unsigned x, y; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 #define DYN_SMEM(T, name) T* name = reinterpret_cast<T*>(emu::cur->dyn_smem.data())
 #define EMU_EXPORT(name, P)                                                            \

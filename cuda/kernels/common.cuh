@@ -62,6 +62,66 @@ DEV u32 pack_bf16x2(float lo, float hi) {
     return r;
 #endif
 }
+// ---- runs of values: 16-byte accesses on the memory-bound passes ----
+// A pass reads and writes its rows in runs of V values converted to f32: V = 8 is one
+// 16-byte access for bf16 (two for f32), taken where every pointer is 16-byte aligned
+// and every row a multiple of 8 wide; V = 1 (or 2, for RoPE's pairs) is the scalar
+// fallback for the rest. Kernels write one body templated on V and pick V at run time.
+DEV bool aligned16(u64 a) { return (a & 15) == 0; }
+template <int V, class T>
+DEV void load_run(const T* p, float* v) {
+    if constexpr (V == 8 && sizeof(T) == 2) {
+        uint4 u = *reinterpret_cast<const uint4*>(p);
+        const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[2 * i] = __uint_as_float(w[i] << 16);
+            v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    } else if constexpr (V == 8) {
+        float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+        v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; i++) v[i] = to_f32(p[i]);
+    }
+}
+template <int V, class T>
+DEV void store_run(T* p, const float* v) {
+    if constexpr (V == 8 && sizeof(T) == 2) {
+        uint4 u = {pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
+                   pack_bf16x2(v[6], v[7])};
+        *reinterpret_cast<uint4*>(p) = u;
+    } else if constexpr (V == 8) {
+        reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+        reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; i++) p[i] = from_f32<T>(v[i]);
+    }
+}
+// The value a store of type T keeps: what a later pass reading it back sees.
+template <class T>
+DEV float rounded(float x) { return to_f32(from_f32<T>(x)); }
+// The run length as a type, so that one generic lambda serves both paths.
+template <int N>
+struct Run {
+    static constexpr int n = N;
+};
+// Grid-stride over n flat elements in 32-bit indices: runs of 8 where `vec`, then the
+// rest one at a time; f(first element, Run<V>).
+template <class F>
+DEV void for_runs(u32 n, bool vec, F f) {
+    const u32 tid = blockIdx.x * blockDim.x + threadIdx.x, step = gridDim.x * blockDim.x;
+    u32 done = 0;
+    if (vec) {
+        done = n / 8 * 8;
+        for (u32 i = tid; i < n / 8; i += step) f(i * 8, Run<8>());
+    }
+    for (u32 i = done + tid; i < n; i += step) f(i, Run<1>());
+}
+
 // exp2f becomes ex2.approx under --use_fast_math: exact enough for softmax.
 DEV float fast_exp2(float x) { return exp2f(x); }
 
@@ -197,21 +257,25 @@ struct EwParams {
 };
 
 // LayerNorm (no affine) + adaLN modulation per row segment, with optional fused
-// gather of input rows and scatter of output rows.
+// gather of input rows and scatter of output rows; residual_ln_modulate first adds
+// the gated residual `x += gate[seg] * y` in place.
 struct LnModParams {
     u64 x, out;
     u64 shift, scale;       // tables offset to their chunk
     u64 seg;                // const u32* per output row
     u64 in_index;           // optional const u32*: out row r reads x row in_index[r]
     u64 out_index;          // optional const u32*: out row r is written to out_index[r]
+    u64 y, gate;            // residual_ln_modulate: y [rows, width], gate table at its chunk
     int rows, width, table_cols;
     float eps;
 };
 
-// Per-head RMSNorm with weight, then optional interleaved RoPE (cos/sin [rows, hd]).
+// Per-head RMSNorm with weight, then optional interleaved RoPE (cos/sin [rows, hd]),
+// over up to two column ranges (q and k), each with its weight: range i is heads[i]
+// heads from column c0[i] (heads[1] = 0 for one range).
 struct RmsRopeParams {
-    u64 x, weight, cos, sin;  // cos == 0: no RoPE
-    int rows, stride, c0, heads, head_dim;
+    u64 x, weight[2], cos, sin;  // cos == 0: no RoPE
+    int rows, stride, c0[2], heads[2], head_dim;
     float eps;
 };
 

@@ -11,30 +11,56 @@ DEV float silu_f(float x) { return x / (1.0f + __expf(-x)); }
 #define GRID_STRIDE(i, n) \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
 
+// The memory-bound passes below go in runs of 8 values (16-byte accesses, see
+// load_run) where their pointers are 16-byte aligned and their rows a multiple of 8
+// wide, else one value at a time; indices are 32-bit (`n` is an int), one division
+// per run at most.
+
 // x[r, c0..c1] = gelu(x[r, c0..c1])
 template <class T>
 DEV void gelu_cols(const EwParams& p) {
     T* x = (T*)p.x;
-    int w = p.c1 - p.c0;
-    GRID_STRIDE(i, (long long)p.rows * w) {
-        long long r = i / w, c = p.c0 + i % w;
-        T* v = x + r * p.cols + c;
-        *v = from_f32<T>(gelu_tanh_f(to_f32(*v)));
-    }
+    const u32 w = p.c1 - p.c0;
+    bool vec = w % 8 == 0 && p.c0 % 8 == 0 && p.cols % 8 == 0 && aligned16(p.x);
+    for_runs((u32)p.rows * w, vec, [&](u32 i, auto run) {
+        constexpr int V = decltype(run)::n;
+        u32 r = i / w;
+        T* at = x + r * (u32)p.cols + p.c0 + (i - r * w);
+        float v[V];
+        load_run<V>(at, v);
+#pragma unroll
+        for (int j = 0; j < V; j++) v[j] = gelu_tanh_f(v[j]);
+        store_run<V>(at, v);
+    });
 }
 // y = silu(x), n elements
 template <class T>
 DEV void silu_n(const EwParams& p) {
     const T* x = (const T*)p.x;
     T* y = (T*)p.y;
-    GRID_STRIDE(i, p.n) { y[i] = from_f32<T>(silu_f(to_f32(x[i]))); }
+    for_runs(p.n, aligned16(p.x | p.y), [&](u32 i, auto run) {
+        constexpr int V = decltype(run)::n;
+        float v[V];
+        load_run<V>(x + i, v);
+#pragma unroll
+        for (int j = 0; j < V; j++) v[j] = silu_f(v[j]);
+        store_run<V>(y + i, v);
+    });
 }
 // x += y, n elements
 template <class T>
 DEV void add_n(const EwParams& p) {
     T* x = (T*)p.x;
     const T* y = (const T*)p.y;
-    GRID_STRIDE(i, p.n) { x[i] = from_f32<T>(to_f32(x[i]) + to_f32(y[i])); }
+    for_runs(p.n, aligned16(p.x | p.y), [&](u32 i, auto run) {
+        constexpr int V = decltype(run)::n;
+        float a[V], b[V];
+        load_run<V>(x + i, a);
+        load_run<V>(y + i, b);
+#pragma unroll
+        for (int j = 0; j < V; j++) a[j] += b[j];
+        store_run<V>(x + i, a);
+    });
 }
 // x[r, c] += bias[c] (+ y[r, c] when y is given) over a [rows, cols] matrix: the
 // epilogue of a library convolution (cuDNN writes the bare convolution), one rounding.
@@ -56,11 +82,20 @@ DEV void gated_residual_rows(const EwParams& p) {
     const T* y = (const T*)p.y;
     const T* table = (const T*)p.table;
     const u32* seg = (const u32*)p.seg;
-    GRID_STRIDE(i, (long long)p.rows * p.cols) {
-        long long r = i / p.cols, c = i % p.cols;
-        float g = to_f32(table[(long long)seg[r] * p.table_cols + c]);
-        x[i] = from_f32<T>(to_f32(x[i]) + g * to_f32(y[i]));
-    }
+    const u32 w = p.cols;
+    bool vec = w % 8 == 0 && p.table_cols % 8 == 0 && aligned16(p.x | p.y | p.table);
+    for_runs((u32)p.rows * w, vec, [&](u32 i, auto run) {
+        constexpr int V = decltype(run)::n;
+        u32 r = i / w;
+        const T* g = table + (long long)seg[r] * p.table_cols + (i - r * w);
+        float a[V], b[V], c[V];
+        load_run<V>(x + i, a);
+        load_run<V>(y + i, b);
+        load_run<V>(g, c);
+#pragma unroll
+        for (int j = 0; j < V; j++) a[j] += c[j] * b[j];
+        store_run<V>(x + i, a);
+    });
 }
 // x[r, c0 + c] += alpha * y[r, c] over [rows, c1 - c0], y dense: a request's Euler
 // update (y is its window of the batch's packed velocity), f32 arithmetic.
@@ -79,7 +114,12 @@ template <class S, class D>
 DEV void convert_n(const EwParams& p) {
     const S* x = (const S*)p.x;
     D* y = (D*)p.y;
-    GRID_STRIDE(i, p.n) { y[i] = from_f32<D>(to_f32(x[i])); }
+    for_runs(p.n, aligned16(p.x | p.y), [&](u32 i, auto run) {
+        constexpr int V = decltype(run)::n;
+        float v[V];
+        load_run<V>(x + i, v);
+        store_run<V>(y + i, v);
+    });
 }
 
 // T5's gated-GELU: y[r, c] = gelu_tanh(x[r, c]) * x[r, cols + c] over [rows, cols],

@@ -10,18 +10,19 @@ use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use denoised_runtime::backend::{stacked_shape, AttnSeq, Backend, Modulation};
+use denoised_runtime::backend::{stacked_shape, AttnSeq, Backend, HeadNorm, Modulation};
 use denoised_runtime::{Conv2dOpts, DeviceTimer, TextMask};
 use denoised_runtime::{DType, Error, HostMemory, HostSlice, Result, SlabProvider, Stored, Tensor};
 
 use crate::exec::{Dt, Exec, Grid};
 use crate::host::HostIo;
-use crate::params::*;
+use crate::params::{EwParams, GatherParams, KernelParams};
 pub use crate::tensor::GpuTensor;
 use crate::tensor::{from_bytes, to_bytes};
 use crate::CudaError;
 
 mod gemm;
+mod norm;
 mod timer;
 
 pub struct GpuBackend<E: Exec> {
@@ -152,7 +153,7 @@ impl<E: Exec> GpuBackend<E> {
             n: t.len() as i32,
             ..Default::default()
         };
-        self.launch(name, Grid::linear(t.len(), 256), &p)?;
+        self.launch(name, Grid::linear(t.len().div_ceil(8), 256), &p)?;
         Ok(out)
     }
 
@@ -292,9 +293,9 @@ impl<E: Exec> Backend for GpuBackend<E> {
         x: &GpuTensor<E>,
         w: &GpuTensor<E>,
         b: Option<&GpuTensor<E>>,
+        gelu_from: usize,
     ) -> Result<GpuTensor<E>> {
-        let k = x.cols();
-        self.gemm(x, 0..k, w, None, b, true)
+        self.gemm_gelu_from(x, w, b, gelu_from)
     }
 
     fn layer_norm_modulate(
@@ -304,80 +305,29 @@ impl<E: Exec> Backend for GpuBackend<E> {
         shift: Modulation<'_, GpuTensor<E>>,
         scale: Modulation<'_, GpuTensor<E>>,
     ) -> Result<GpuTensor<E>> {
-        let (rows, width) = matrix("layer_norm_modulate", x)?;
-        let (sh, tc) = self.seg_table("layer_norm_modulate", &shift, rows, width)?;
-        let (sc, tc2) = self.seg_table("layer_norm_modulate", &scale, rows, width)?;
-        if tc != tc2 || shift.seg != scale.seg {
-            return Err(Error::shape(
-                "layer_norm_modulate",
-                "shift and scale must share a table layout and segment ids",
-            ));
-        }
-        let out = self.empty(vec![rows, width])?;
-        let (_seg, seg) = self.segments(shift.seg)?;
-        let g = Grid::linear(rows * 32, ROW_BLOCK);
-        let p = LnModParams {
-            x: x.addr,
-            out: out.addr,
-            shift: sh,
-            scale: sc,
-            seg,
-            in_index: 0,
-            out_index: 0,
-            rows: rows as i32,
-            width: width as i32,
-            table_cols: tc,
-            eps,
-        };
-        self.launch(self.kernel("ln_modulate"), g, &p)?;
-        Ok(out)
+        self.ln_modulate(x, None, eps, shift, scale)
+    }
+
+    fn residual_layer_norm_modulate(
+        &self,
+        x: &mut GpuTensor<E>,
+        y: &GpuTensor<E>,
+        gate: Modulation<'_, GpuTensor<E>>,
+        eps: f32,
+        shift: Modulation<'_, GpuTensor<E>>,
+        scale: Modulation<'_, GpuTensor<E>>,
+    ) -> Result<GpuTensor<E>> {
+        self.ln_modulate(x, Some((y, gate)), eps, shift, scale)
     }
 
     fn rms_norm_rope(
         &self,
         x: &mut GpuTensor<E>,
-        cols: Range<usize>,
-        weight: &GpuTensor<E>,
+        heads: &[HeadNorm<'_, GpuTensor<E>>],
         eps: f32,
         rope: Option<(&GpuTensor<E>, &GpuTensor<E>)>,
     ) -> Result<()> {
-        let (rows, width) = matrix("rms_norm_rope", x)?;
-        let hd = weight.len();
-        if cols.end > width || hd == 0 || cols.len() % hd != 0 || hd % 2 != 0 {
-            return Err(Error::shape(
-                "rms_norm_rope",
-                format!("columns {cols:?} of {width} in heads of {hd}"),
-            ));
-        }
-        if let Some((c, s)) = rope {
-            if c.shape != [rows, hd] || s.shape != [rows, hd] {
-                return Err(Error::shape(
-                    "rms_norm_rope",
-                    format!(
-                        "rope tables {:?}/{:?}, expected [{rows}, {hd}]",
-                        c.shape, s.shape
-                    ),
-                ));
-            }
-        }
-        let heads = cols.len() / hd;
-        let p = RmsRopeParams {
-            x: x.addr,
-            weight: weight.addr,
-            cos: rope.map_or(0, |r| r.0.addr),
-            sin: rope.map_or(0, |r| r.1.addr),
-            rows: rows as i32,
-            stride: width as i32,
-            c0: cols.start as i32,
-            heads: heads as i32,
-            head_dim: hd as i32,
-            eps,
-        };
-        self.launch(
-            self.kernel("rms_rope"),
-            Grid::linear(rows * heads * 32, ROW_BLOCK),
-            &p,
-        )
+        self.rms_rope(x, heads, eps, rope)
     }
 
     fn attention(
@@ -413,7 +363,11 @@ impl<E: Exec> Backend for GpuBackend<E> {
             n: x.len() as i32,
             ..Default::default()
         };
-        self.launch(self.kernel("add"), Grid::linear(x.len(), 256), &p)
+        self.launch(
+            self.kernel("add"),
+            Grid::linear(x.len().div_ceil(8), 256),
+            &p,
+        )
     }
 
     fn gelu_tanh(&self, x: &mut GpuTensor<E>, cols: Range<usize>) -> Result<()> {
@@ -434,7 +388,7 @@ impl<E: Exec> Backend for GpuBackend<E> {
         };
         self.launch(
             self.kernel("gelu_tanh"),
-            Grid::linear(rows * cols.len(), 256),
+            Grid::linear((rows * cols.len()).div_ceil(8), 256),
             &p,
         )
     }
@@ -447,7 +401,11 @@ impl<E: Exec> Backend for GpuBackend<E> {
             n: x.len() as i32,
             ..Default::default()
         };
-        self.launch(self.kernel("silu"), Grid::linear(x.len(), 256), &p)?;
+        self.launch(
+            self.kernel("silu"),
+            Grid::linear(x.len().div_ceil(8), 256),
+            &p,
+        )?;
         Ok(out)
     }
 
@@ -457,30 +415,7 @@ impl<E: Exec> Backend for GpuBackend<E> {
         y: &GpuTensor<E>,
         gate: Modulation<'_, GpuTensor<E>>,
     ) -> Result<()> {
-        let (rows, width) = matrix("gated_residual", x)?;
-        if x.shape != y.shape {
-            return Err(Error::shape(
-                "gated_residual",
-                format!("{:?} vs {:?}", x.shape, y.shape),
-            ));
-        }
-        let (table, table_cols) = self.seg_table("gated_residual", &gate, rows, width)?;
-        let (_seg, seg) = self.segments(gate.seg)?;
-        let p = EwParams {
-            x: x.addr,
-            y: y.addr,
-            table,
-            seg,
-            rows: rows as i32,
-            cols: width as i32,
-            table_cols,
-            ..Default::default()
-        };
-        self.launch(
-            self.kernel("gated_residual"),
-            Grid::linear(rows * width, 256),
-            &p,
-        )
+        self.gated_residual_rows(x, y, gate)
     }
 
     fn gather_rows(&self, srcs: &[&GpuTensor<E>], index: &[(u32, u32)]) -> Result<GpuTensor<E>> {

@@ -412,7 +412,7 @@ impl Exec for EmuExec {
             .collect();
         for (r, row) in rows.iter().enumerate() {
             for (c, &v) in row.iter().enumerate() {
-                store(g.dt, g.out, r * g.m + c, v);
+                store(g.dt, g.out, r * g.ldo + c, v);
             }
         }
         Ok(())

@@ -59,7 +59,8 @@ impl Grid {
 
 /// `C[n, m] = X[n, k] @ W[m, k]^T (+ bias[m])`, then GELU (tanh) when `gelu`,
 /// row-major, all of type `dt`, f32 accumulation. `x` rows are `ldx` elements apart (a
-/// column block of a wider matrix).
+/// column block of a wider matrix), and `out` rows `ldo` apart (a column block of a
+/// wider output: one projection split into GEMMs with different epilogues).
 ///
 /// With `fp8`, X and W are E4M3 bytes with a f32 scale per row of each (a token's,
 /// an output channel's): `C[r, c] = sx[r] * sw[c] * sum_i X[r, i] W[c, i]` (+ bias,
@@ -76,6 +77,7 @@ pub struct Gemm {
     pub bias: Option<u64>,
     pub gelu: bool,
     pub out: u64,
+    pub ldo: usize,
     pub fp8: Option<Fp8Scales>,
 }
 

@@ -108,6 +108,7 @@ struct PlanKey {
     m: usize,
     k: usize,
     ldx: usize,
+    ldo: usize,
     bias: bool,
     gelu: bool,
     fp8: bool,
@@ -362,6 +363,7 @@ impl CudaExec {
             m: g.m,
             k: g.k,
             ldx: g.ldx,
+            ldo: g.ldo,
             bias: g.bias.is_some(),
             gelu: g.gelu,
             fp8: g.fp8.is_some(),
@@ -393,7 +395,7 @@ impl CudaExec {
                 .map_err(blas("layout A"))?;
             let bl = lt::create_matrix_layout(operand, g.k as u64, g.n as u64, g.ldx as i64)
                 .map_err(blas("layout B"))?;
-            let c = lt::create_matrix_layout(ty, g.m as u64, g.n as u64, g.m as i64)
+            let c = lt::create_matrix_layout(ty, g.m as u64, g.n as u64, g.ldo as i64)
                 .map_err(blas("layout C"))?;
             let mut plan = Plan {
                 desc,

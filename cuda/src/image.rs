@@ -189,6 +189,7 @@ impl<E: Exec> GpuBackend<E> {
                     bias: Some(b.addr()),
                     gelu: false,
                     out: out.addr() + (p0 * o * sz) as u64,
+                    ldo: o,
                     fp8: None,
                 })
                 .map_err(dev)
@@ -353,6 +354,7 @@ impl<E: Exec> GpuBackend<E> {
                         bias: None,
                         gelu: false,
                         out: scores.addr(),
+                        ldo: px,
                         fp8: None,
                     })
                     .map_err(dev)?;
@@ -378,6 +380,7 @@ impl<E: Exec> GpuBackend<E> {
                         bias: None,
                         gelu: false,
                         out: attn.addr() + (((rows.start + q0) * c) * sz) as u64,
+                        ldo: c,
                         fp8: None,
                     })
                     .map_err(dev)?;

@@ -51,6 +51,8 @@ pub const MODULES: &[Module] = &[
         kernels: &[
             "ln_modulate_f32",
             "ln_modulate_bf16",
+            "residual_ln_modulate_f32",
+            "residual_ln_modulate_bf16",
             "rms_rope_f32",
             "rms_rope_bf16",
             "gather_f32",

@@ -52,6 +52,8 @@ pub struct LnModParams {
     pub seg: u64,
     pub in_index: u64,
     pub out_index: u64,
+    pub y: u64,
+    pub gate: u64,
     pub rows: i32,
     pub width: i32,
     pub table_cols: i32,
@@ -62,13 +64,13 @@ pub struct LnModParams {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RmsRopeParams {
     pub x: u64,
-    pub weight: u64,
+    pub weight: [u64; 2],
     pub cos: u64,
     pub sin: u64,
     pub rows: i32,
     pub stride: i32,
-    pub c0: i32,
-    pub heads: i32,
+    pub c0: [i32; 2],
+    pub heads: [i32; 2],
     pub head_dim: i32,
     pub eps: f32,
 }

@@ -158,6 +158,7 @@ impl<E: Exec> GpuBackend<E> {
                     bias: None,
                     gelu: false,
                     out,
+                    ldo: m,
                     fp8: None,
                 })
                 .map_err(dev)

@@ -33,9 +33,18 @@ fn emulated_kernels_match_cpu() {
     // and its im2col path (the chunked run) are both checked.
     let exec = EmuExec::default().with_conv_library();
     let checks = kernels(|| Ok(exec.clone())).unwrap();
-    // 18 op checks and 5 fp8-weight checks per dtype, the fused LayerNorm (2) and the
-    // timestep embedding: a check that stops running shows here.
-    assert!(checks.len() >= 49, "only {} checks ran", checks.len());
+    // 18 op checks and 5 fp8-weight checks per dtype, 13 of the fused block passes per
+    // dtype (both widths: 16-byte runs and the scalar fallback), the fused LayerNorm
+    // (2) and the timestep embedding: a check that stops running shows here.
+    assert!(checks.len() >= 75, "only {} checks ran", checks.len());
+    let fused = checks
+        .iter()
+        .filter(|c| c.name.contains(" w45 ") || c.name.contains(" w96 "));
+    assert_eq!(
+        fused.count(),
+        16,
+        "the fused residual/LayerNorm checks at both widths"
+    );
     assert_all_pass(&checks);
     // Per dtype: 3 of the 5 geometries are the library's, each with and without a
     // residual; the VAE's upsample and asymmetric convolutions fell back.

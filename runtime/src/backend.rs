@@ -98,6 +98,14 @@ pub trait DeviceTimer: Send {
     fn stop(self: Box<Self>) -> Result<f64>;
 }
 
+/// Columns `cols` of a fused projection, whole heads, that
+/// [`Backend::rms_norm_rope`] normalises with `weight` (`[head_dim]`).
+#[derive(Clone, Debug)]
+pub struct HeadNorm<'a, T> {
+    pub cols: Range<usize>,
+    pub weight: &'a T,
+}
+
 /// Numerical backend. `Tensor` is the backend's own buffer type; the model never looks
 /// inside it except through these methods.
 pub trait Backend: Send + Sync {
@@ -179,18 +187,21 @@ pub trait Backend: Send + Sync {
         outs: Range<usize>,
     ) -> Result<Self::Tensor>;
 
-    /// `gelu_tanh(linear(x, w, b))`: the first half of a FeedForward. Device backends
-    /// fuse the GELU into the GEMM's epilogue instead of a second pass over the
-    /// (4x wide) hidden activations.
+    /// `linear(x, w, b)` with GELU (tanh) over its output columns `gelu_from..`: the
+    /// first half of a FeedForward (`gelu_from` 0), or a fused projection whose tail is
+    /// one (the single block's `[q | k | v | mlp]`). Device backends fuse the GELU into
+    /// the GEMM's epilogue (a second GEMM for the columns before `gelu_from`, into the
+    /// same output) instead of a second pass over the (4x wide) hidden activations.
     fn linear_gelu(
         &self,
         x: &Self::Tensor,
         w: &Self::Weight,
         b: Option<&Self::Tensor>,
+        gelu_from: usize,
     ) -> Result<Self::Tensor> {
         let mut h = self.linear(x, w, b)?;
         let width = self.shape(&h).last().copied().unwrap_or(0);
-        self.gelu_tanh(&mut h, 0..width)?;
+        self.gelu_tanh(&mut h, gelu_from.min(width)..width)?;
         Ok(h)
     }
 
@@ -203,14 +214,30 @@ pub trait Backend: Send + Sync {
         scale: Modulation<'_, Self::Tensor>,
     ) -> Result<Self::Tensor>;
 
-    /// Per-head RMSNorm with a learned `[head_dim]` weight over columns `cols` of `x`,
-    /// in place, optionally followed by interleaved RoPE with per-row `cos`/`sin`
-    /// tables `[rows, head_dim]`.
+    /// `x += gate[seg] * y` ([`gated_residual`](Self::gated_residual)), then the
+    /// [`layer_norm_modulate`](Self::layer_norm_modulate) of the updated `x`: the
+    /// adaLN-Zero residual and the next norm of the same rows, one pass on a device.
+    fn residual_layer_norm_modulate(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        gate: Modulation<'_, Self::Tensor>,
+        eps: f32,
+        shift: Modulation<'_, Self::Tensor>,
+        scale: Modulation<'_, Self::Tensor>,
+    ) -> Result<Self::Tensor> {
+        self.gated_residual(x, y, gate)?;
+        self.layer_norm_modulate(x, eps, shift, scale)
+    }
+
+    /// Per-head RMSNorm over column ranges of `x` (q and k of a fused projection), each
+    /// with its learned `[head_dim]` weight, in place, optionally followed by
+    /// interleaved RoPE with per-row `cos`/`sin` tables `[rows, head_dim]`. Device
+    /// backends do all the ranges in one launch.
     fn rms_norm_rope(
         &self,
         x: &mut Self::Tensor,
-        cols: Range<usize>,
-        weight: &Self::Tensor,
+        heads: &[HeadNorm<'_, Self::Tensor>],
         eps: f32,
         rope: Option<(&Self::Tensor, &Self::Tensor)>,
     ) -> Result<()>;

@@ -21,9 +21,8 @@ pub mod tensor;
 pub mod weights;
 
 pub use backend::{
-    AttnSeq, Backend, Conv2dOpts, DeviceTimer, KvSource, Modulation, QSpan, Rows, SlabProvider,
-    SlabShape, Src,
-    TextMask,
+    AttnSeq, Backend, Conv2dOpts, DeviceTimer, HeadNorm, KvSource, Modulation, QSpan, Rows,
+    SlabProvider, SlabShape, Src, TextMask,
 };
 pub use cpu::CpuBackend;
 pub use error::{Error, Result};

@@ -10,10 +10,8 @@ use super::{dev, matrix, GpuBackend, GpuTensor};
 use crate::exec::{Exec, Fp8Scales, Gemm};
 
 impl<E: Exec> GpuBackend<E> {
-    /// One GEMM over the column block `cols` of `x` and the output features `outs` of
-    /// `w` (all of them, or the row block a Y-mode step recomputes: the weight is
-    /// `[out, in]` row-major, so a block of outputs is read in place at an offset),
-    /// with the bias and GELU epilogues. An fp8 weight runs the fp8 GEMM.
+    /// One GEMM into a new `[rows, outputs]` matrix (see [`gemm_into`](Self::gemm_into);
+    /// `outs` is the row block a Y-mode step recomputes).
     pub(super) fn gemm(
         &self,
         x: &GpuTensor<E>,
@@ -23,22 +21,71 @@ impl<E: Exec> GpuBackend<E> {
         b: Option<&GpuTensor<E>>,
         gelu: bool,
     ) -> Result<GpuTensor<E>> {
+        let (n, m) = (x.rows(), outs.as_ref().map_or(w.rows(), |o| o.len()));
+        let out = self.empty(vec![n, m])?;
+        self.gemm_into(x, cols, w, outs, b, gelu, (&out, 0))?;
+        Ok(out)
+    }
+
+    /// `linear(x, w, b)` with GELU over the output columns `gelu_from..`: two GEMMs
+    /// into one output where both parts are non-empty, the second with the GELU
+    /// epilogue, so the GELU costs no pass of its own.
+    pub(super) fn gemm_gelu_from(
+        &self,
+        x: &GpuTensor<E>,
+        w: &GpuTensor<E>,
+        b: Option<&GpuTensor<E>>,
+        gelu_from: usize,
+    ) -> Result<GpuTensor<E>> {
+        let (k, m) = (x.cols(), w.rows());
+        let from = gelu_from.min(m);
+        if from == 0 || from == m {
+            return self.gemm(x, 0..k, w, None, b, from == 0);
+        }
+        let out = self.empty(vec![x.rows(), m])?;
+        self.gemm_into(x, 0..k, w, Some(0..from), b, false, (&out, 0))?;
+        self.gemm_into(x, 0..k, w, Some(from..m), b, true, (&out, from))?;
+        Ok(out)
+    }
+
+    /// One GEMM over the column block `cols` of `x` and the output features `outs` of
+    /// `w` (all of them, or a row block: the weight is `[out, in]` row-major, so a
+    /// block of outputs is read in place at an offset), with the bias and GELU
+    /// epilogues, written to `out.0` from its column `out.1` on. An fp8 weight runs
+    /// the fp8 GEMM (with the single block's split, x is quantised once per part).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_into(
+        &self,
+        x: &GpuTensor<E>,
+        cols: Range<usize>,
+        w: &GpuTensor<E>,
+        outs: Option<Range<usize>>,
+        b: Option<&GpuTensor<E>>,
+        gelu: bool,
+        (out, out_col): (&GpuTensor<E>, usize),
+    ) -> Result<()> {
         let (n, kx) = matrix("linear", x)?;
         let (m, k) = matrix("linear", w)?;
         let outs = outs.unwrap_or(0..m);
-        if cols.end > kx || cols.len() != k || outs.end > m || b.is_some_and(|b| b.len() != m) {
+        let (on, ow) = matrix("linear", out)?;
+        if cols.end > kx
+            || cols.len() != k
+            || outs.end > m
+            || b.is_some_and(|b| b.len() != m)
+            || on != n
+            || out_col + outs.len() > ow
+        {
             return Err(Error::shape(
                 "linear",
                 format!(
-                    "x {:?} columns {cols:?} against outputs {outs:?} of weight {:?}",
-                    x.shape, w.shape
+                    "x {:?} columns {cols:?} against outputs {outs:?} of weight {:?} into {:?} at column {out_col}",
+                    x.shape, w.shape, out.shape
                 ),
             ));
         }
-        let out = self.empty(vec![n, outs.len()])?;
         let sz = self.dt.size() as u64;
         if n == 0 || outs.is_empty() {
-            return Ok(out);
+            return Ok(());
         }
         let mut g = Gemm {
             dt: self.dt,
@@ -50,7 +97,8 @@ impl<E: Exec> GpuBackend<E> {
             w: w.addr + (outs.start * k) as u64 * sz,
             bias: b.map(|b| b.addr + outs.start as u64 * sz),
             gelu,
-            out: out.addr,
+            out: out.addr + out_col as u64 * sz,
+            ldo: ow,
             fp8: None,
         };
         // An fp8 weight multiplies fp8 inputs: x's column block quantised per row
@@ -67,8 +115,7 @@ impl<E: Exec> GpuBackend<E> {
                 w: w.row_scales + 4 * outs.start as u64,
             });
         }
-        self.exec.gemm(&g).map_err(dev)?;
-        Ok(out)
+        self.exec.gemm(&g).map_err(dev)
     }
 
     /// The device address and row stride of a modulation chunk, its segments checked.

@@ -90,8 +90,8 @@ pub(super) fn check_fp8_linear<E: Exec>(
 
     let x = ragged(rng, 29, 32, 2.0);
     let xg = gpu.upload(&x)?;
-    let want = cpu.linear_gelu(&x, &wc, Some(&b))?;
-    let got = gpu.linear_gelu(&xg, &wg, Some(&bg))?;
+    let want = cpu.linear_gelu(&x, &wc, Some(&b), 0)?;
+    let got = gpu.linear_gelu(&xg, &wg, Some(&bg), 0)?;
     close(
         out,
         "fp8 linear+bias+gelu_tanh",

@@ -12,12 +12,15 @@
 //! 2^-8 = 3.9e-3 per rounding, a few roundings deep).
 
 mod fp8;
+mod fused;
 mod image;
 mod text;
 
 use std::ops::Range;
 
-use denoised_runtime::backend::{AttnSeq, Backend, KvSource, Modulation, QSpan, Rows, Src};
+use denoised_runtime::backend::{
+    AttnSeq, Backend, HeadNorm, KvSource, Modulation, QSpan, Rows, Src,
+};
 use denoised_runtime::{CpuBackend, Error, Result, Tensor};
 
 use crate::attention::AttnKernel;
@@ -101,6 +104,7 @@ pub fn kernels<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
     for dt in [Dt::F32, Dt::Bf16] {
         let gpu = GpuBackend::new(make()?, dt);
         check_ops(&mut out, &gpu)?;
+        fused::check_fused_ops(&mut out, &gpu)?;
         // Convolutions on the executor's library where it has one (cuDNN), ...
         image::check_image_ops(&mut out, &gpu, "")?;
         text::check_text_ops(&mut out, &gpu)?;
@@ -198,8 +202,8 @@ fn check_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
 
     // linear + GELU (the fused epilogue on a GPU; it must be the tanh approximation)
     let x = rng.tensor(&[29, 16], 1.0);
-    let want = cpu.linear_gelu(&x, &cpu.upload_weight(&w)?, Some(&b))?;
-    let got = gpu.linear_gelu(&up(&x)?, &gpu.upload_weight(&w)?, Some(&up(&b)?))?;
+    let want = cpu.linear_gelu(&x, &cpu.upload_weight(&w)?, Some(&b), 0)?;
+    let got = gpu.linear_gelu(&up(&x)?, &gpu.upload_weight(&w)?, Some(&up(&b)?), 0)?;
     close(out, "linear+bias+gelu_tanh", dt, &down(&got)?, &want);
 
     // linear over a block of output features (Y-mode K/V recompute), with bias
@@ -234,14 +238,17 @@ fn check_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
         let mut xc = rng.tensor(&[6, 160], 3.0);
         let mut xg = up(&xc)?;
         let (gc, gs) = (up(&cos)?, up(&sin)?);
-        cpu.rms_norm_rope(&mut xc, 32..128, &wt, 1e-6, rope.then_some((&cos, &sin)))?;
-        gpu.rms_norm_rope(
-            &mut xg,
-            32..128,
-            &up(&wt)?,
-            1e-6,
-            rope.then_some((&gc, &gs)),
-        )?;
+        let cpu_heads = [HeadNorm {
+            cols: 32..128,
+            weight: &wt,
+        }];
+        cpu.rms_norm_rope(&mut xc, &cpu_heads, 1e-6, rope.then_some((&cos, &sin)))?;
+        let gw = up(&wt)?;
+        let gpu_heads = [HeadNorm {
+            cols: 32..128,
+            weight: &gw,
+        }];
+        gpu.rms_norm_rope(&mut xg, &gpu_heads, 1e-6, rope.then_some((&gc, &gs)))?;
         close(
             out,
             if rope { "rms_norm+rope" } else { "rms_norm" },
@@ -637,6 +644,7 @@ fn check_fused_ln_and_convert<E: Exec>(out: &mut Vec<Check>, exec: &E) -> Result
         width: width as i32,
         table_cols: 2 * width as i32,
         eps: 1e-6,
+        ..Default::default()
     };
     exec.launch("ln_modulate_f32", Grid::linear(rows * 32, 128), &p)
         .map_err(dev)?;
@@ -649,8 +657,9 @@ fn check_fused_ln_and_convert<E: Exec>(out: &mut Vec<Check>, exec: &E) -> Result
         &Tensor::new([8, width], want)?,
     );
 
-    // f32 -> bf16 -> f32 against the half crate (round to nearest even).
-    let v: Vec<f32> = (0..1000)
+    // f32 -> bf16 -> f32 against the half crate (round to nearest even); 1003 values,
+    // so the kernels' runs of 8 and their scalar tail both run.
+    let v: Vec<f32> = (0..1003)
         .map(|i| (i as f32 - 500.0) * 0.37e-3 * (1.0 + i as f32))
         .collect();
     let (ma, mb, mc) = (

@@ -18,7 +18,7 @@
 
 use std::ops::Range;
 
-use denoised_runtime::backend::Modulation;
+use denoised_runtime::backend::{HeadNorm, Modulation};
 use denoised_runtime::{Backend, Error, Result};
 
 use super::model::BlockCache;
@@ -158,8 +158,10 @@ impl<'a, T> Inactive<'a, T> {
         lora(&mut out, &n)?;
         be.rms_norm_rope(
             &mut out,
-            0..d,
-            k_norm,
+            &[HeadNorm {
+                cols: 0..d,
+                weight: k_norm,
+            }],
             super::model::NORM_EPS,
             Some((self.rope.0.get(), self.rope.1.get())),
         )?;

@@ -215,6 +215,31 @@ impl<B: Backend> FluxTransformer<B> {
         Ok(y)
     }
 
+    /// [`linear_lora`](Self::linear_lora) with GELU (tanh) over its output columns
+    /// `gelu_from..`. A LoRA delta adds to the pre-activation, so the GELU is in the
+    /// GEMM's epilogue ([`Backend::linear_gelu`]) only where no LoRA of the step
+    /// touches `site`; else it is a pass after the delta.
+    fn linear_gelu_lora(
+        &self,
+        lo: &Option<StepLoras<B>>,
+        site: Site,
+        l: &Linear<B>,
+        x: &B::Tensor,
+        gelu_from: usize,
+        rows: &dyn Fn(usize) -> Option<Range<usize>>,
+    ) -> Result<B::Tensor> {
+        let be = &self.backend;
+        match lo {
+            Some(lr) if lr.touches(site.index(&self.config)) => {
+                let mut h = self.linear_lora(lo, site, l, x, rows)?;
+                let width = be.shape(&h).last().copied().unwrap_or(0);
+                be.gelu_tanh(&mut h, gelu_from.min(width)..width)?;
+                Ok(h)
+            }
+            _ => be.linear_gelu(x, &l.w, l.b.as_ref(), gelu_from),
+        }
+    }
+
     /// [`linear_lora`](Self::linear_lora) over the column block `cols` of `x`, read in
     /// place (attention writes its output over q's columns of a fused projection).
     fn linear_cols_lora(
@@ -514,8 +539,7 @@ impl<B: Backend> FluxTransformer<B> {
         self.linear_lora(lo, s2, l2, &h1, &per_req)
     }
 
-    /// FeedForward: Linear → GELU(tanh) → Linear. A LoRA on the first Linear adds to
-    /// its pre-activation, so the fused GEMM+GELU is used only when none does.
+    /// FeedForward: Linear → GELU(tanh) → Linear.
     fn ff(
         &self,
         lo: &Option<StepLoras<B>>,
@@ -524,17 +548,7 @@ impl<B: Backend> FluxTransformer<B> {
         (s2, l2): (Site, &Linear<B>),
         rows: &dyn Fn(usize) -> Option<Range<usize>>,
     ) -> Result<B::Tensor> {
-        let be = &self.backend;
-        let h = match lo {
-            Some(l) if l.touches(s1.index(&self.config)) => {
-                let mut h = self.linear(x, l1)?;
-                self.lora(lo, s1, &mut h, x, None, rows)?;
-                let width = be.shape(&h).last().copied().unwrap_or(0);
-                be.gelu_tanh(&mut h, 0..width)?;
-                h
-            }
-            _ => be.linear_gelu(x, &l1.w, l1.b.as_ref())?,
-        };
+        let h = self.linear_gelu_lora(lo, s1, l1, x, 0, rows)?;
         self.linear_lora(lo, s2, l2, &h, rows)
     }
 }

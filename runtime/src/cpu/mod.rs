@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::backend::{AttnSeq, Backend, Conv2dOpts, Modulation, Src, TextMask};
+use crate::backend::{AttnSeq, Backend, Conv2dOpts, HeadNorm, Modulation, Src, TextMask};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -319,39 +319,42 @@ impl Backend for CpuBackend {
     fn rms_norm_rope(
         &self,
         x: &mut Tensor,
-        cols: Range<usize>,
-        weight: &Tensor,
+        heads: &[HeadNorm<'_, Tensor>],
         eps: f32,
         rope: Option<(&Tensor, &Tensor)>,
     ) -> Result<()> {
         let (n, width) = matrix_dims("rms_norm_rope", x)?;
-        let hd = weight.len();
-        if hd == 0 || cols.end > width || cols.len() % hd != 0 || hd % 2 != 0 {
-            return Err(Error::shape(
-                "rms_norm_rope",
-                format!("columns {cols:?} of width {width} vs head_dim {hd}"),
-            ));
-        }
-        if let Some((c, s)) = rope {
-            if c.shape() != [n, hd] || s.shape() != [n, hd] {
+        for HeadNorm { cols, weight } in heads {
+            let hd = weight.len();
+            if hd == 0 || cols.end > width || cols.len() % hd != 0 || hd % 2 != 0 {
                 return Err(Error::shape(
                     "rms_norm_rope",
-                    format!(
-                        "rope tables {:?}/{:?} for {n} rows of head_dim {hd}",
-                        c.shape(),
-                        s.shape()
-                    ),
+                    format!("columns {cols:?} of width {width} vs head_dim {hd}"),
                 ));
             }
+            if let Some((c, s)) = rope {
+                if c.shape() != [n, hd] || s.shape() != [n, hd] {
+                    return Err(Error::shape(
+                        "rms_norm_rope",
+                        format!(
+                            "rope tables {:?}/{:?} for {n} rows of head_dim {hd}",
+                            c.shape(),
+                            s.shape()
+                        ),
+                    ));
+                }
+            }
         }
-        norm::rms_norm_rope(
-            x.data_mut(),
-            width,
-            cols,
-            weight.data(),
-            eps,
-            rope.map(|(c, s)| (c.data(), s.data())),
-        );
+        for HeadNorm { cols, weight } in heads {
+            norm::rms_norm_rope(
+                x.data_mut(),
+                width,
+                cols.clone(),
+                weight.data(),
+                eps,
+                rope.map(|(c, s)| (c.data(), s.data())),
+            );
+        }
         Ok(())
     }
 

@@ -15,7 +15,7 @@
 
 use std::ops::Range;
 
-use denoised_runtime::{AttnSeq, Backend, QSpan, Result};
+use denoised_runtime::{AttnSeq, Backend, HeadNorm, QSpan, Result};
 
 use super::super::inactive::Inactive;
 use super::super::weights::{DoubleBlock, DoubleLinear, Linear, SingleBlock, SingleLinear, Site};
@@ -33,7 +33,7 @@ struct Ada<T> {
 impl<B: Backend> FluxTransformer<B> {
     /// `FluxTransformerBlock`: the image rows `x` and the text rows `ctx`, updated in
     /// place. Per stream, adaLN-Zero: norm1 → joint attention → gated residual, then
-    /// norm2 → FeedForward → gated residual.
+    /// norm2 (in one pass with that residual) → FeedForward → gated residual.
     pub(super) fn double_block(
         &self,
         st: &mut Step<'_, '_, B>,
@@ -42,7 +42,6 @@ impl<B: Backend> FluxTransformer<B> {
         x: &mut B::Tensor,
         ctx: &mut B::Tensor,
     ) -> Result<()> {
-        let be = &self.backend;
         let site = |k| Site::Double(bi, k);
         // The conditioning rows: one per request.
         let per_req = |r: usize| Some(r..r + 1);
@@ -56,10 +55,7 @@ impl<B: Backend> FluxTransformer<B> {
         let p = format_args!("double_block.{bi}.attn");
         self.emit(st.obs, format_args!("{p}.hidden_states"), &a_img)?;
         self.emit(st.obs, format_args!("{p}.encoder_hidden_states"), &a_txt)?;
-        let lay = &st.rows.phase.layout;
-        be.gated_residual(x, &a_img, modl(&m.img, 2, &lay.img_seg))?;
-        be.gated_residual(ctx, &a_txt, modl(&m.txt, 2, &lay.txt_seg))?;
-        self.double_ff(st, bi, blk, &m, x, ctx)?;
+        self.double_ff(st, bi, blk, &m, (x, a_img), (ctx, a_txt))?;
         self.after_double(st, bi, x, ctx)
     }
 
@@ -147,23 +143,29 @@ impl<B: Backend> FluxTransformer<B> {
             st.rows.phase.rope_img.1.get(),
         ));
         let rope_txt = Some((text.rope_cos.get(), text.rope_sin.get()));
-        be.rms_norm_rope(&mut qkv_i, 0..d, &blk.norm_q, NORM_EPS, rope_img)?;
-        be.rms_norm_rope(&mut qkv_i, d..2 * d, &blk.norm_k, NORM_EPS, rope_img)?;
-        be.rms_norm_rope(&mut qkv_t, 0..d, &blk.norm_added_q, NORM_EPS, rope_txt)?;
-        be.rms_norm_rope(&mut qkv_t, d..2 * d, &blk.norm_added_k, NORM_EPS, rope_txt)?;
+        let (q, k) = (0..d, d..2 * d);
+        let img = [hn(q.clone(), &blk.norm_q), hn(k.clone(), &blk.norm_k)];
+        be.rms_norm_rope(&mut qkv_i, &img, NORM_EPS, rope_img)?;
+        let txt = [hn(q, &blk.norm_added_q), hn(k, &blk.norm_added_k)];
+        be.rms_norm_rope(&mut qkv_t, &txt, NORM_EPS, rope_txt)?;
         Ok((qkv_i, qkv_t))
     }
 
-    /// The MLP half of a double block, per stream: `norm2` (adaLN chunks 3 and 4), the
-    /// FeedForward, and its gated residual (chunk 5).
+    /// The rest of a double block, per stream `(rows, attention output)`: the
+    /// attention's gated residual (adaLN chunk 2) and `norm2` (chunks 3 and 4) in one
+    /// pass (nothing reads the rows between them: the observer has seen the attention
+    /// output, and ControlNet, observer and capture come after the block), the
+    /// FeedForward, and its gated residual (chunk 5). That last residual is not fused
+    /// with the next block's `norm1`: the ControlNet residuals, the observer and a
+    /// Y-mode capture read the block's output between them.
     fn double_ff(
         &self,
         st: &mut Step<'_, '_, B>,
         bi: usize,
         blk: &DoubleBlock<B>,
         m: &Ada<B::Tensor>,
-        x: &mut B::Tensor,
-        ctx: &mut B::Tensor,
+        (x, a_img): (&mut B::Tensor, B::Tensor),
+        (ctx, a_txt): (&mut B::Tensor, B::Tensor),
     ) -> Result<()> {
         let be = &self.backend;
         let site = |k| Site::Double(bi, k);
@@ -171,7 +173,13 @@ impl<B: Backend> FluxTransformer<B> {
         let img_rows = |r: usize| Some(lay.img[r].clone());
         let txt_rows = |r: usize| Some(lay.txt[r].clone());
         let (mi, mt) = ((&m.img, &lay.img_seg), (&m.txt, &lay.txt_seg));
-        let nx = be.layer_norm_modulate(x, NORM_EPS, modl(mi.0, 3, mi.1), modl(mi.0, 4, mi.1))?;
+        let (g, sh, sc) = (
+            modl(mi.0, 2, mi.1),
+            modl(mi.0, 3, mi.1),
+            modl(mi.0, 4, mi.1),
+        );
+        let nx = be.residual_layer_norm_modulate(x, &a_img, g, NORM_EPS, sh, sc)?;
+        drop(a_img);
         let (f_in, f_out) = (site(DoubleLinear::FfIn), site(DoubleLinear::FfOut));
         let ff = self.ff(
             &st.lo,
@@ -182,7 +190,13 @@ impl<B: Backend> FluxTransformer<B> {
         )?;
         self.emit(st.obs, format_args!("double_block.{bi}.ff"), &ff)?;
         be.gated_residual(x, &ff, modl(mi.0, 5, mi.1))?;
-        let nc = be.layer_norm_modulate(ctx, NORM_EPS, modl(mt.0, 3, mt.1), modl(mt.0, 4, mt.1))?;
+        let (g, sh, sc) = (
+            modl(mt.0, 2, mt.1),
+            modl(mt.0, 3, mt.1),
+            modl(mt.0, 4, mt.1),
+        );
+        let nc = be.residual_layer_norm_modulate(ctx, &a_txt, g, NORM_EPS, sh, sc)?;
+        drop(a_txt);
         let ffc = self.ff(
             &st.lo,
             &nc,
@@ -231,9 +245,10 @@ impl<B: Backend> FluxTransformer<B> {
     }
 
     /// `FluxSingleTransformerBlock` over the joint `[txt; img]` rows `h`, updated in
-    /// place. One fused projection gives `[k | v | q | mlp]`; attention overwrites q,
-    /// so columns `d..` hold `[k.. | attn | mlp]` and `proj_out` reads `[attn | mlp]`
-    /// in place.
+    /// place. One fused projection gives `[k | v | q | gelu(mlp)]`; attention
+    /// overwrites q, so columns `d..` hold `[k.. | attn | gelu(mlp)]` and `proj_out`
+    /// reads `[attn | gelu(mlp)]` in place. Its gated residual is not fused with the
+    /// next block's norm, for the reasons [`double_ff`](Self::double_ff) gives.
     pub(super) fn single_block(
         &self,
         st: &mut Step<'_, '_, B>,
@@ -246,13 +261,12 @@ impl<B: Backend> FluxTransformer<B> {
         let per_req = |r: usize| Some(r..r + 1);
         let s_norm = site(SingleLinear::Norm);
         let m = self.linear_lora(&st.lo, s_norm, &blk.norm, &st.temb_act, &per_req)?;
-        let mut f = self.single_attention(st, si, blk, &m, h)?;
+        let f = self.single_attention(st, si, blk, &m, h)?;
         if st.obs.wants_hidden() {
             let n_joint = st.rows.phase.layout.joint_seg.len();
             let attn = be.download(&be.gather_cols(&f, 0..n_joint, 2 * d..3 * d)?)?;
             st.obs.hidden(&format!("single_block.{si}.attn"), attn);
         }
-        be.gelu_tanh(&mut f, 3 * d..7 * d)?;
         let lay = &st.rows.phase.layout;
         let joint_rows = |r: usize| Some(lay.joint[r].clone());
         let s_out = site(SingleLinear::ProjOut);
@@ -263,9 +277,10 @@ impl<B: Backend> FluxTransformer<B> {
         self.after_single(st, si, h)
     }
 
-    /// A single block's `norm` (adaLN chunks 0 and 1), fused projection, RMSNorm and
-    /// RoPE of q and k, and attention per request over its joint rows and the cached
-    /// tokens' K/V: the projection with the attention output over q.
+    /// A single block's `norm` (adaLN chunks 0 and 1), fused projection (GELU of the
+    /// mlp columns included), RMSNorm and RoPE of q and k, and attention per request
+    /// over its joint rows and the cached tokens' K/V: the projection with the
+    /// attention output over q.
     fn single_attention(
         &self,
         st: &mut Step<'_, '_, B>,
@@ -283,15 +298,21 @@ impl<B: Backend> FluxTransformer<B> {
         let (seg, n_joint) = (&lay.joint_seg, lay.joint_seg.len());
         let joint_rows = |r: usize| Some(lay.joint[r].clone());
         let n = be.layer_norm_modulate(h, NORM_EPS, modl(m, 0, seg), modl(m, 1, seg))?;
-        let mut f = self.linear_lora(&st.lo, s_qkv, &blk.qkv_mlp, &n, &joint_rows)?;
+        let (l, mlp) = (&blk.qkv_mlp, 3 * d..7 * d);
+        let mut f = if st.obs.wants_hidden() {
+            // The observer reports the mlp columns before their GELU (`proj_mlp`).
+            let mut f = self.linear_lora(&st.lo, s_qkv, l, &n, &joint_rows)?;
+            let pre = be.download(&be.gather_cols(&f, 0..n_joint, mlp.clone())?)?;
+            st.obs.hidden(&format!("single_block.{si}.proj_mlp"), pre);
+            be.gelu_tanh(&mut f, mlp)?;
+            f
+        } else {
+            self.linear_gelu_lora(&st.lo, s_qkv, l, &n, mlp.start, &joint_rows)?
+        };
         drop(n);
-        if st.obs.wants_hidden() {
-            let mlp = be.download(&be.gather_cols(&f, 0..n_joint, 3 * d..7 * d)?)?;
-            st.obs.hidden(&format!("single_block.{si}.proj_mlp"), mlp);
-        }
         let rope = Some((phase.rope_joint.0.get(), phase.rope_joint.1.get()));
-        be.rms_norm_rope(&mut f, 2 * d..3 * d, &blk.norm_q, NORM_EPS, rope)?;
-        be.rms_norm_rope(&mut f, 0..d, &blk.norm_k, NORM_EPS, rope)?;
+        let qk = [hn(2 * d..3 * d, &blk.norm_q), hn(0..d, &blk.norm_k)];
+        be.rms_norm_rope(&mut f, &qk, NORM_EPS, rope)?;
         for (ri, jr) in lay.joint.iter().enumerate() {
             if st.obs.captures(ri) == Some(CacheMode::Kv) {
                 let rows = jr.start + lay.txt[ri].len()..jr.end;
@@ -312,7 +333,7 @@ impl<B: Backend> FluxTransformer<B> {
         let seqs = self.seqs(st, bi, &side_kv, spans, 0)?;
         let heads = self.config.num_attention_heads;
         be.attention(&mut [&mut f], 2 * d, d, heads, &seqs)?;
-        // The K/V they read (`seqs`, `side_kv`) are dropped here, before the GELU.
+        // The K/V they read (`seqs`, `side_kv`) are dropped here, before `proj_out`.
         Ok(f)
     }
 
@@ -405,4 +426,9 @@ fn side_rows<'s, T>(
     req: usize,
 ) -> Option<(&'s T, Range<usize>)> {
     Some((kv.as_ref()?, side.as_ref()?.rows[req].clone()?))
+}
+
+/// The RMSNorm of the heads in columns `cols`, with `weight`.
+fn hn<T>(cols: Range<usize>, weight: &T) -> HeadNorm<'_, T> {
+    HeadNorm { cols, weight }
 }
