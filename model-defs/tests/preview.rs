@@ -149,3 +149,20 @@ mod clean_estimate {
         assert_ne!(x0.row(0), fin.row(0), "an active token shows the edit");
     }
 }
+
+/// How long the fit takes for a VAE of FLUX.1's shape (seeded weights) on this
+/// machine's CPU: what a denoise worker spends once at its start.
+/// `cargo test --release -p denoised-models --test preview -- --ignored --nocapture`
+#[test]
+#[ignore = "a timing (about a minute on 2 cores)"]
+fn fitting_a_flux1_size_vae_takes_seconds() {
+    let vae = AutoencoderKL::seeded(denoised_models::vae::VaeConfig::flux1(), 1).unwrap();
+    let t = std::time::Instant::now();
+    let (_, q) = fit_vae(&vae).unwrap();
+    println!(
+        "fit_vae on a FLUX.1-size VAE (seeded): {:.1} s, PSNR {:.2} dB, correlation {:.4}",
+        t.elapsed().as_secs_f64(),
+        q.psnr_db,
+        q.correlation
+    );
+}

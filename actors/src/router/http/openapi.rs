@@ -149,6 +149,7 @@ mod tests {
             ("/v1/images/generations", vec!["post"]),
             ("/v1/images/edits", vec!["post"]),
             ("/v1/jobs/{id}", vec!["get", "delete"]),
+            ("/v1/jobs/{id}/events", vec!["get"]),
             ("/v1/adapters", vec!["get", "post"]),
             ("/admin/routing", vec!["get", "put"]),
         ];
