@@ -51,6 +51,18 @@ fn a_streamed_edit_sees_every_step_previews_and_the_same_result() {
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
     streamed["preview_every"] = json!(2);
+    // The denoise worker fits its preview factors in the background after it starts
+    // (2 s for the built-in VAE here): previews begin once they are ready.
+    let t0 = Instant::now();
+    loop {
+        let r = client().post(format!("{}/v1/edits", d.url)).json(&streamed).send().unwrap();
+        if read_events(r, None).iter().any(|e| e.0 == "preview") {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "no previews after a minute");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    println!("previews began {:.1} s after the template", t0.elapsed().as_secs_f64());
     let r = client()
         .post(format!("{}/v1/edits", d.url))
         .json(&streamed)
@@ -69,6 +81,11 @@ fn a_streamed_edit_sees_every_step_previews_and_the_same_result() {
         .map(|e| e.1["step"].as_u64().unwrap())
         .collect();
     assert_eq!(steps, [1, 2, 3, 4, 5, 6], "every step, in order");
+    // Each preview right after its step.
+    for (i, e) in events.iter().enumerate().filter(|(_, e)| e.0 == "preview") {
+        let prev = &events[i - 1];
+        assert_eq!((prev.0.as_str(), &prev.1["step"]), ("step", &e.1["step"]), "{names:?}");
+    }
     assert!(events.iter().filter(|e| e.0 == "step").all(|e| e.1["steps"] == 6));
     let previews: Vec<&Value> = events.iter().filter(|e| e.0 == "preview").map(|e| &e.1).collect();
     let at: Vec<u64> = previews.iter().map(|p| p["step"].as_u64().unwrap()).collect();

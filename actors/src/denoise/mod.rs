@@ -136,7 +136,7 @@ pub enum Event {
         cache: Option<TemplateCache>,
     },
     /// A request's estimate of its clean latent over its full grid after step `k`
-    /// (packed `[L, C]`), for a preview; sent before the step's own event.
+    /// (packed `[L, C]`), for a preview; sent after the step's own event.
     Preview {
         id: JobId,
         k: usize,
@@ -503,9 +503,6 @@ fn run(
         if !st.stores.is_empty() {
             store_states(&st, &*model, &ids);
         }
-        if !preview_from.is_empty() {
-            send_previews(&st, &*model, preview_from);
-        }
         let finished = st.sched.complete_step(&plan);
         // Finished results go out first, so whoever sees a step's event has already been
         // sent everything that step produced. Each result is downloaded here, once.
@@ -540,6 +537,10 @@ fn run(
             waiting: st.sched.num_waiting(),
             report,
         });
+        // After the step's event, so that a watcher sees a step, then its preview.
+        if !preview_from.is_empty() {
+            send_previews(&st, &*model, preview_from);
+        }
     }
 }
 

@@ -456,7 +456,7 @@ fn a_run_resumed_from_any_stored_state_ends_bit_identical() {
 }
 
 /// A request that asks for previews every 2 of 5 steps gets one after steps 2 and 4
-/// (not after its last: its result follows), each before its step's event and over
+/// (not after its last: its result follows), each after its step's event and over
 /// the full grid, and ends exactly as the same request without previews.
 #[test]
 fn previews_come_at_their_interval_and_change_nothing() {
@@ -506,7 +506,7 @@ fn previews_come_at_their_interval_and_change_nothing() {
     // (The last step's own event comes after its result.)
     assert_eq!(
         seen,
-        ["step", "preview 2", "step", "step", "preview 4", "step"],
+        ["step", "step", "preview 2", "step", "step", "preview 4"],
         "{seen:?}"
     );
     let (seen, without) = run(2, 0);
