@@ -513,3 +513,67 @@ fn previews_come_at_their_interval_and_change_nothing() {
     assert!(seen.iter().all(|e| e == "step"), "{seen:?}");
     assert_eq!(with.data(), without.data());
 }
+
+/// The loop's cost of previews: the same request with previews (after every step, and
+/// every 4) and with none, in alternating runs on the built-in model (the cheapest
+/// steps, so the largest share), compared by the median time of a whole run (submit to
+/// its last step's event: the previews' downloads and drawing hand-off included).
+/// `cargo test --release -p denoised-actors --lib preview_cost -- --ignored --nocapture`
+#[test]
+#[ignore = "a timing"]
+fn preview_cost_in_the_loop() {
+    const STEPS: usize = 8;
+    let lp = DenoiseLoop::spawn(
+        Box::new(ModelStepper::unbounded(model(), 4)),
+        BatchConfig::default(),
+        LoopOptions::default(),
+    )
+    .unwrap();
+    let (inp, s) = (inputs(4), schedule(STEPS));
+    let everys = [0usize, 1, 4];
+    let mut times: Vec<Vec<f64>> = vec![vec![]; everys.len()];
+    for round in 0..90u64 {
+        let which = round as usize % everys.len();
+        let every = everys[which];
+        let t0 = std::time::Instant::now();
+        lp.submit(DenoiseRequest {
+            id: round,
+            inputs: inp.clone(),
+            schedule: s.clone(),
+            work: Mode::Full,
+            start_at: 0,
+            store_at: Vec::new(),
+            preview: (every > 0).then_some(crate::denoise::PreviewSpec {
+                every,
+                rows: SIDE,
+                cols: SIDE,
+            }),
+            loras: vec![],
+            true_cfg: None,
+            control: None,
+            partner: None,
+        });
+        let mut steps = 0;
+        while steps < STEPS {
+            if let Event::Step { .. } = next(&lp) {
+                steps += 1;
+            }
+        }
+        times[which].push(t0.elapsed().as_secs_f64() / STEPS as f64);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    let off = median(&mut times[0]);
+    for (i, every) in everys.iter().enumerate().skip(1) {
+        let on = median(&mut times[i]);
+        println!(
+            "time per step, median of {} runs: previews off {:.3} ms, every {every} step(s) {:.3} ms: {:+.2}%",
+            times[0].len(),
+            off * 1e3,
+            on * 1e3,
+            100.0 * (on / off - 1.0)
+        );
+    }
+}
