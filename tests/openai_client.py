@@ -4,7 +4,8 @@ Run by tests/openai_client.rs (which starts the daemon and checks the images):
     python3 tests/openai_client.py edit URL IMAGE.png MASK.png OUT_PREFIX
     python3 tests/openai_client.py generate URL OUT_PREFIX
 Each writes OUT_PREFIX.0.png and OUT_PREFIX.1.png and prints the reply's model name
-(a generation also prints each image's approx_cache extension, as JSON lines).
+(a generation also prints each image's approx_cache extension, as JSON lines). Each
+also streams one image with `stream=True, partial_images=2` and checks the events.
 """
 
 import base64
@@ -14,6 +15,28 @@ import openai
 from openai import OpenAI
 
 import json
+import time
+
+
+def streamed(call, kind, plain_b64):
+    """Streams `call` (stream=True, partial_images=2) until its partial images come
+    (the daemon's preview factors are fitted in the background at its start), then
+    checks the events: `kind.partial_image` x2 with indexes 0 and 1, then
+    `kind.completed` whose image is the non-streamed one."""
+    deadline = time.time() + 60
+    while True:
+        events = list(call())
+        partial = [e for e in events if e.type == f"{kind}.partial_image"]
+        if len(partial) == 2 or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    types = [e.type for e in events]
+    assert [e.partial_image_index for e in partial] == [0, 1], types
+    assert types[-1] == f"{kind}.completed", types
+    for e in partial:
+        assert e.output_format == "jpeg" and base64.b64decode(e.b64_json)[:2] == b"\xff\xd8", e
+    assert events[-1].b64_json == plain_b64, "the streamed image is the plain one"
+    print(json.dumps({"stream": types}), file=sys.stderr)
 
 
 def generate(client, out):
@@ -30,6 +53,14 @@ def generate(client, out):
     assert len(r.data) == 2, r
     again = client.images.generate(
         n=1, extra_body={"seed": 7, "steps": 6, "approx_cache": "exact"}, **kw
+    )
+    streamed(
+        lambda: client.images.generate(
+            n=1, stream=True, partial_images=2,
+            extra_body={"seed": 7, "steps": 6, "approx_cache": "off"}, **kw
+        ),
+        "image_generation",
+        r.data[0].b64_json,
     )
     for i, d in enumerate(list(r.data) + list(again.data)):
         with open(f"{out}.{i}.png", "wb") as f:
@@ -63,6 +94,22 @@ with open(image, "rb") as im, open(mask, "rb") as mk:
         extra_body={"seed": 3, "steps": 4},
     )
 assert len(r.data) == 2, r
+
+
+def stream_edit():
+    with open(image, "rb") as im, open(mask, "rb") as mk:
+        return list(client.images.edit(
+            model="any-name", image=im, mask=mk, prompt="a red ball", n=1, size="64x64",
+            stream=True, partial_images=2, extra_body={"seed": 3, "steps": 6},
+        ))
+
+
+with open(image, "rb") as im, open(mask, "rb") as mk:
+    six = client.images.edit(
+        model="any-name", image=im, mask=mk, prompt="a red ball", n=1, size="64x64",
+        response_format="b64_json", extra_body={"seed": 3, "steps": 6},
+    )
+streamed(stream_edit, "image_edit", six.data[0].b64_json)
 for i, d in enumerate(r.data):
     with open(f"{out}.{i}.png", "wb") as f:
         f.write(base64.b64decode(d.b64_json))

@@ -8,6 +8,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use crate::router::flow::edit::{edit, EditInput};
 use crate::router::service::{submit, EditReply, Submitted};
+use crate::router::state::jobs::Previews;
 use crate::router::state::Ctx;
 use crate::wire::{BusEditResult, ImageFormat, RouterMsg, Wire, WireError};
 
@@ -65,7 +66,7 @@ impl Actor for RouterActor {
                     permit,
                     "edit",
                     0,
-                    0,
+                    Previews::None,
                     move |ctx, job| async move { edit(&ctx, job, &input).await },
                     |job, o| EditReply::new(job, o, ImageFormat::Png, false),
                 );

@@ -21,6 +21,7 @@ use crate::router::flow::defaults;
 use crate::router::flow::edit::{edit, EditInput, MaskIn, Source};
 use crate::router::flow::generate::true_cfg_of;
 use crate::router::service::{admit, submit, EditReply, Submitted};
+use crate::router::state::jobs::Previews;
 use crate::router::state::Ctx;
 use crate::wire::{FinishParams, ImageFormat};
 
@@ -183,7 +184,7 @@ pub(crate) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> Ap
         permit,
         "edit",
         steps,
-        preview_every,
+        Previews::Every(preview_every),
         move |ctx, job| async move { edit(&ctx, job, &input).await },
         move |job, o| EditReply::new(job, o, format, keep),
     );

@@ -9,6 +9,10 @@
 //! (`{"error": {"code", "message"}}`). The stream ends with the job. A client that goes
 //! away drops its end of the job table's channel, which the table forgets at the next
 //! event or when the job ends: the job runs on and nothing is kept for it.
+//!
+//! OpenAI's streamed images (`stream: true` on `/v1/images/*`) are the same events in
+//! OpenAI's shapes ([`Flavour::OpenAi`]): a `*.partial_image` per preview, then
+//! `*.completed` with the image.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -39,48 +43,103 @@ use crate::wire::JobId;
     ))]
 pub(crate) async fn job_events(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
     let job = job_id(&id)?;
-    match events(&ctx, job).await {
+    match events(&ctx, job, Flavour::Native).await {
         Some(r) => Ok(r),
         None => Err(super::jobs::unknown(&id)),
     }
 }
 
+/// How a job's events are written.
+#[derive(Clone, Debug)]
+pub(crate) enum Flavour {
+    /// The native API's (module docs).
+    Native,
+    /// OpenAI's streamed images: `{kind}.partial_image` for each preview (at most
+    /// `partials` of them), then `{kind}.completed` with the image of `size`.
+    OpenAi {
+        kind: &'static str,
+        partials: u32,
+        size: String,
+    },
+}
+
 /// The SSE reply of `job` (`None`: no such job).
-pub(crate) async fn events(ctx: &Arc<Ctx>, job: JobId) -> Option<Response> {
+pub(crate) async fn events(ctx: &Arc<Ctx>, job: JobId, flavour: Flavour) -> Option<Response> {
     let (view, rx) = ctx.jobs.watch(job).await?;
-    let first = status(view.status);
-    let state = Stream1 {
+    let first = match flavour {
+        Flavour::Native => Some(Ok(status(view.status))),
+        Flavour::OpenAi { .. } => None,
+    };
+    let state = Watch {
         ctx: ctx.clone(),
         job,
         rx,
         ended: false,
+        flavour,
+        partials: 0,
     };
     let rest = stream::unfold(state, next);
-    let all = stream::iter([Ok(first)]).chain(rest);
+    let all = stream::iter(first).chain(rest);
     let sse = Sse::new(all).keep_alive(KeepAlive::default());
     Some(with_id(job, sse.into_response()))
 }
 
-struct Stream1 {
+/// A watcher's stream state.
+struct Watch {
     ctx: Arc<Ctx>,
     job: JobId,
     rx: Option<mpsc::Receiver<JobEvent>>,
     ended: bool,
+    flavour: Flavour,
+    /// OpenAI's partial images sent so far.
+    partials: u32,
 }
 
-async fn next(mut s: Stream1) -> Option<(Result<Event, Infallible>, Stream1)> {
+async fn next(mut s: Watch) -> Option<(Result<Event, Infallible>, Watch)> {
     if s.ended {
         return None;
     }
-    if let Some(rx) = &mut s.rx {
-        if let Some(e) = rx.recv().await {
-            return Some((Ok(event(e)), s));
+    while let Some(rx) = &mut s.rx {
+        let Some(e) = rx.recv().await else { break };
+        if let Some(ev) = s.write(e) {
+            return Some((Ok(ev), s));
         }
     }
     // The job ended (its channel closed, or it had ended before): its last event.
     s.ended = true;
     let view = s.ctx.jobs.get(s.job).await;
-    Some((Ok(end(view)), s))
+    let last = match &s.flavour {
+        Flavour::Native => end(view),
+        Flavour::OpenAi { kind, size, .. } => openai_end(kind, size, view),
+    };
+    Some((Ok(last), s))
+}
+
+impl Watch {
+    /// `e` as this stream writes it, if it does.
+    fn write(&mut self, e: JobEvent) -> Option<Event> {
+        let Flavour::OpenAi {
+            kind,
+            partials,
+            size,
+        } = &self.flavour
+        else {
+            return Some(event(e));
+        };
+        let JobEvent::Preview { jpeg, .. } = e else {
+            return None;
+        };
+        if self.partials >= *partials {
+            return None;
+        }
+        let index = self.partials;
+        self.partials += 1;
+        let name = format!("{kind}.partial_image");
+        let b64 = base64::engine::general_purpose::STANDARD.encode(&*jpeg);
+        let mut v = openai_image(&name, size, &b64, "jpeg");
+        v["partial_image_index"] = json!(index);
+        Some(data(Event::default().event(name), &v))
+    }
 }
 
 fn status(st: JobStatus) -> Event {
@@ -126,6 +185,48 @@ fn end(view: Option<JobView>) -> Event {
             Event::default().event("error"),
             &json!({"error": {"code": "not_found", "message": "the job's result expired"}}),
         ),
+    }
+}
+
+/// The fields OpenAI's image events share; `quality` and `background` have no meaning
+/// here and take the values OpenAI's defaults give.
+fn openai_image(kind: &str, size: &str, b64: &str, format: &str) -> serde_json::Value {
+    json!({
+        "type": kind, "b64_json": b64, "created_at": crate::daemon::unix_now() as u64,
+        "size": size, "quality": "auto", "background": "opaque", "output_format": format,
+    })
+}
+
+/// `{kind}.completed` with the image, or OpenAI's error.
+fn openai_end(kind: &str, size: &str, view: Option<JobView>) -> Event {
+    let result = view
+        .as_ref()
+        .filter(|v| v.status == JobStatus::Succeeded)
+        .and_then(|v| v.result.as_ref());
+    let image = result.and_then(|r| r["image"].as_str());
+    match image {
+        Some(b64) => {
+            let name = format!("{kind}.completed");
+            let r = result.expect("an image comes with its result");
+            let size = match (r["width"].as_u64(), r["height"].as_u64()) {
+                (Some(w), Some(h)) => format!("{w}x{h}"),
+                _ => size.to_string(),
+            };
+            let mut v = openai_image(&name, &size, b64, "png");
+            let none = json!({"image_tokens": 0, "text_tokens": 0});
+            v["usage"] = json!({"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+                "input_tokens_details": none});
+            data(Event::default().event(name), &v)
+        }
+        None => {
+            let e = match view.and_then(|v| v.error) {
+                Some(e) => ApiError::from(e),
+                None => ApiError::from(crate::wire::WireError::internal("the job's result expired")),
+            };
+            let d = e.detail();
+            let body = json!({"type": "error", "error": {"message": d.message, "type": d.code, "code": d.code}});
+            data(Event::default().event("error"), &body)
+        }
     }
 }
 

@@ -21,6 +21,7 @@ use super::respond::{respond, JobAccepted, Reply};
 use crate::router::flow::generate::{generate, ApproxMode, GenerateInput, GenerateOutput};
 use crate::router::service::{admit, submit, GenerationReply, Submitted};
 use crate::router::state::admission::Permit;
+use crate::router::state::jobs::Previews;
 use crate::router::state::Ctx;
 use crate::wire::ImageFormat;
 
@@ -78,14 +79,13 @@ pub(crate) fn check(
 }
 
 /// Starts one generation as a job of the job table, holding `permit` until it ends
-/// (the table keeps its image when `keep_image`; a preview every `preview_every`
-/// steps).
+/// (the table keeps its image when `keep_image`).
 pub(crate) fn start(
     ctx: &Arc<Ctx>,
     permit: Permit,
     input: GenerateInput,
     keep_image: bool,
-    preview_every: u32,
+    previews: Previews,
 ) -> Submitted<GenerateOutput> {
     let steps = input.steps.unwrap_or(0);
     let format = input.format;
@@ -94,7 +94,7 @@ pub(crate) fn start(
         permit,
         "generation",
         steps,
-        preview_every,
+        previews,
         move |c, job| async move { generate(&c, job, &input).await },
         move |job, o| GenerationReply::new(job, o, format, keep_image),
     )
@@ -139,7 +139,8 @@ pub(crate) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request)
     let reply = Reply::of(b.run_async, b.stream)?;
     // A synchronous client gets the image in its response; the job table keeps only
     // the description then.
-    let Submitted { job, task } = start(&ctx, permit, input, reply.keeps_result(), b.preview_every);
+    let previews = Previews::Every(b.preview_every);
+    let Submitted { job, task } = start(&ctx, permit, input, reply.keeps_result(), previews);
     respond(&ctx, job, task, reply, move |out| {
         Json(GenerationReply::new(job, out, format, true)).into_response()
     })

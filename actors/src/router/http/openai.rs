@@ -41,6 +41,7 @@ use super::inputs::{
     check_cfg, check_guidance, check_seq_len, check_steps, default_seq_len, no_cfg,
     resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
 };
+use super::events::{events, Flavour};
 use super::respond::joined;
 use crate::daemon::job_name;
 use crate::router::flow::defaults;
@@ -48,8 +49,9 @@ use crate::router::flow::edit::{edit, EditInput, MaskIn, Source};
 use crate::router::flow::generate::{ApproxMode, ApproxOutcome, GenerateInput};
 use crate::router::service::{admit, encode_b64, submit, units, EditReply, Submitted};
 use crate::router::state::admission::RETRY_AFTER_S;
+use crate::router::state::jobs::Previews;
 use crate::router::state::Ctx;
-use crate::wire::{ImageFormat, StageTimings, WireError};
+use crate::wire::{ImageFormat, JobId, StageTimings, WireError};
 
 /// The most images one request asks for (OpenAI's limit).
 pub(crate) const MAX_N: u32 = 10;
@@ -127,6 +129,10 @@ pub struct ImagesEditForm {
     /// A mask-aware edit of this template: its image is the source, and the uploaded
     /// image only carries the mask when there is no `mask`.
     template_id: Option<String>,
+    /// `true`: stream `image_edit.partial_image` events (`partial_images` of them, 0-3)
+    /// and `image_edit.completed` (`text/event-stream`; one image a request).
+    stream: Option<bool>,
+    partial_images: Option<u32>,
 }
 
 /// The error reply of the OpenAI routes.
@@ -159,7 +165,8 @@ pub(crate) fn openai_error(e: ApiError) -> Response {
 #[utoipa::path(post, path = "/v1/images/edits", tag = "openai",
     request_body(content = ImagesEditForm, content_type = "multipart/form-data"),
     responses(
-        (status = 200, body = ImagesReply),
+        (status = 200, description = "The images; with `stream`, OpenAI's image events instead.",
+            content((ImagesReply = "application/json"), (String = "text/event-stream"))),
         (status = 400, body = OpenAiError), (status = 401, body = ErrorBody),
         (status = 404, description = "Unknown template.", body = OpenAiError),
         (status = 413, body = OpenAiError), (status = 429, body = OpenAiError),
@@ -182,6 +189,47 @@ struct Form {
     guidance: Option<f32>,
     max_sequence_length: u32,
     template_id: Option<String>,
+    stream: Option<Streamed>,
+}
+
+/// OpenAI's `stream: true`, with its `partial_images` (0-3).
+#[derive(Clone, Copy)]
+struct Streamed {
+    partials: u32,
+}
+
+/// `stream` and `partial_images` as OpenAI takes them: one image per streamed request.
+fn streamed(stream: bool, partial_images: Option<u32>, n: u32) -> ApiResult<Option<Streamed>> {
+    let partials = partial_images.unwrap_or(0);
+    if partials > 3 {
+        return Err(ApiError::bad("`partial_images` must be 0 to 3"));
+    }
+    match (stream, n) {
+        (false, _) if partial_images.is_some_and(|p| p > 0) => {
+            Err(ApiError::bad("`partial_images` needs `stream`"))
+        }
+        (false, _) => Ok(None),
+        (true, 1) => Ok(Some(Streamed { partials })),
+        (true, _) => Err(ApiError::bad("`stream` takes one image a request (`n` = 1)")),
+    }
+}
+
+/// The streamed reply of an OpenAI request's one job.
+async fn stream_reply(
+    ctx: &Arc<Ctx>,
+    job: JobId,
+    kind: &'static str,
+    s: Streamed,
+    size: String,
+) -> ApiResult {
+    let flavour = Flavour::OpenAi {
+        kind,
+        partials: s.partials,
+        size,
+    };
+    events(ctx, job, flavour)
+        .await
+        .ok_or_else(|| ApiError::from(WireError::internal("the job left the table")))
 }
 
 fn number<T: std::str::FromStr>(name: &str, v: &str) -> ApiResult<T> {
@@ -213,8 +261,9 @@ async fn form(ctx: &Ctx, req: Request) -> ApiResult<Form> {
         guidance: None,
         max_sequence_length: defaults::MAX_SEQUENCE_LENGTH,
         template_id: None,
+        stream: None,
     };
-    let mut prompt = None;
+    let (mut prompt, mut stream, mut partials) = (None, false, None);
     for (name, v) in text {
         match name.as_str() {
             "prompt" => prompt = Some(v),
@@ -237,6 +286,8 @@ async fn form(ctx: &Ctx, req: Request) -> ApiResult<Form> {
             "guidance" => f.guidance = Some(number("guidance", &v)?),
             "max_sequence_length" => f.max_sequence_length = number("max_sequence_length", &v)?,
             "template_id" => f.template_id = Some(v),
+            "stream" => stream = v.trim() == "true",
+            "partial_images" => partials = Some(number("partial_images", &v)?),
             // `model` (one model is served), `user`, and OpenAI's rendering options
             // (quality, background, ...) that have no meaning here.
             _ => {}
@@ -246,6 +297,7 @@ async fn form(ctx: &Ctx, req: Request) -> ApiResult<Form> {
     if f.n == 0 || f.n > MAX_N {
         return Err(ApiError::bad(format!("`n` must be 1 to {MAX_N}")));
     }
+    f.stream = streamed(stream, partials, f.n)?;
     Ok(f)
 }
 
@@ -306,15 +358,20 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             true_cfg_scale: defaults::TRUE_CFG_SCALE,
         };
         let steps = input.steps.unwrap_or(0);
+        let previews = f.stream.map_or(Previews::None, |s| Previews::Count(s.partials));
+        let keep = f.stream.is_some();
         tasks.push(submit(
             &ctx,
             permit,
             "edit",
             steps,
-            0,
+            previews,
             move |c, job| async move { edit(&c, job, &input).await },
-            |job, o| EditReply::new(job, o, ImageFormat::Png, false),
+            move |job, o| EditReply::new(job, o, ImageFormat::Png, keep),
         ));
+    }
+    if let Some(s) = f.stream {
+        return stream_reply(&ctx, tasks[0].job, "image_edit", s, format!("{w}x{h}")).await;
     }
     let mut data = Vec::new();
     for Submitted { job, task } in tasks {
@@ -372,6 +429,11 @@ pub(crate) struct ImagesBody {
     true_cfg_scale: f32,
     #[serde(default)]
     controlnets: Vec<ControlNetRef>,
+    /// Streams `image_generation.partial_image` events (`partial_images` of them, 0-3)
+    /// and `image_generation.completed` (`text/event-stream`; one image a request).
+    #[serde(default)]
+    stream: bool,
+    partial_images: Option<u32>,
 }
 
 fn one() -> u32 {
@@ -382,7 +444,8 @@ fn one() -> u32 {
 #[utoipa::path(post, path = "/v1/images/generations", tag = "openai",
     request_body(content = ImagesBody, content_type = "application/json"),
     responses(
-        (status = 200, body = ImagesReply),
+        (status = 200, description = "The images; with `stream`, OpenAI's image events instead.",
+            content((ImagesReply = "application/json"), (String = "text/event-stream"))),
         (status = 400, body = OpenAiError), (status = 401, body = ErrorBody),
         (status = 413, body = OpenAiError), (status = 429, body = OpenAiError),
         (status = 500, body = OpenAiError), (status = 503, body = OpenAiError),
@@ -424,6 +487,8 @@ async fn generations(ctx: Arc<Ctx>, req: Request) -> ApiResult {
     let loras = resolve_loras(&ctx, &b.loras, false)?;
     let controlnets = resolve_controlnets(&ctx, &b.controlnets)?;
     check_cfg(b.true_cfg_scale)?;
+    let stream = streamed(b.stream, b.partial_images, b.n)?;
+    let previews = stream.map_or(Previews::None, |s| Previews::Count(s.partials));
     // One unit per image, each held by its own flow until it ends.
     let tasks: Vec<_> = units(permit, b.n)?
         .into_iter()
@@ -444,9 +509,13 @@ async fn generations(ctx: Arc<Ctx>, req: Request) -> ApiResult {
                 true_cfg_scale: b.true_cfg_scale,
                 controlnets: controlnets.clone(),
             };
-            start(&ctx, permit, input, false, 0)
+            start(&ctx, permit, input, stream.is_some(), previews)
         })
         .collect();
+    if let Some(s) = stream {
+        let size = b.size.clone().unwrap_or_else(|| "auto".into());
+        return stream_reply(&ctx, tasks[0].job, "image_generation", s, size).await;
+    }
     let mut data = Vec::new();
     let mut dims = (0, 0);
     for Submitted { job, task } in tasks {

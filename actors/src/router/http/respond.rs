@@ -65,7 +65,7 @@ pub(crate) async fn respond<T>(
     match reply {
         Reply::Async => Ok(accepted(job)),
         // The job was just created, so it is in the table.
-        Reply::Stream => super::events::events(ctx, job)
+        Reply::Stream => super::events::events(ctx, job, super::events::Flavour::Native)
             .await
             .ok_or_else(|| super::jobs::unknown(&job_name(job))),
         Reply::Sync => Ok(with_id(

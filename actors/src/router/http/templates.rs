@@ -20,6 +20,7 @@ use super::respond::{accepted, joined, with_id, JobAccepted};
 use crate::router::flow::capture::{capture, TemplateInput};
 use crate::router::flow::defaults;
 use crate::router::service::{admit, submit, Submitted};
+use crate::router::state::jobs::Previews;
 use crate::router::state::Ctx;
 use crate::wire::{TemplateInfo, WireError};
 
@@ -135,7 +136,7 @@ pub(crate) async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -
         permit,
         "template",
         steps,
-        0,
+        Previews::None,
         move |ctx, job| async move { capture(&ctx, job, &input).await },
         |_, info| info.clone(),
     );

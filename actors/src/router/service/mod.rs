@@ -20,6 +20,7 @@ use tokio::task::JoinHandle;
 
 use crate::daemon::job_name;
 use crate::router::state::admission::Permit;
+use crate::router::state::jobs::Previews;
 use crate::router::state::Ctx;
 use crate::wire::{JobId, WireError};
 
@@ -46,9 +47,9 @@ pub struct Submitted<T> {
     pub task: JoinHandle<Result<T, WireError>>,
 }
 
-/// Starts one flow as a job of the job table (`kind`, `steps` as far as known, a
-/// preview every `preview_every` steps or none), on its own task that owns `permit`
-/// until the flow ends. `flow` runs the work; `describe`
+/// Starts one flow as a job of the job table (`kind`, `steps` as far as known, the
+/// `previews` its request asked for), on its own task that owns `permit` until the
+/// flow ends. `flow` runs the work; `describe`
 /// makes what the job table keeps of a success (the description; the image only for
 /// an async request, whose client reads it there).
 pub fn submit<T, D, Fut>(
@@ -56,7 +57,7 @@ pub fn submit<T, D, Fut>(
     permit: Permit,
     kind: &'static str,
     steps: u32,
-    preview_every: u32,
+    previews: Previews,
     flow: impl FnOnce(Arc<Ctx>, JobId) -> Fut,
     describe: impl FnOnce(JobId, &T) -> D + Send + 'static,
 ) -> Submitted<T>
@@ -66,7 +67,7 @@ where
     Fut: Future<Output = Result<T, WireError>> + Send + 'static,
 {
     let job = ctx.next_job();
-    ctx.jobs.create(job, kind, steps, preview_every);
+    ctx.jobs.create(job, kind, steps, previews);
     let run = flow(ctx.clone(), job);
     let ctx = ctx.clone();
     let task = spawn_request(job, async move {

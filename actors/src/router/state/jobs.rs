@@ -62,10 +62,34 @@ struct Entry {
     worker: Option<ActorCell>,
     cancel: bool,
     finished: Option<Instant>,
-    /// A preview every this many steps (0: none), as the request asked.
-    preview_every: u32,
+    /// The previews the request asked for.
+    previews: Previews,
     created: Instant,
     watchers: Vec<mpsc::Sender<JobEvent>>,
+}
+
+/// The previews a request asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Previews {
+    #[default]
+    None,
+    /// One every this many steps (the native routes' `preview_every`).
+    Every(u32),
+    /// This many, spread over the steps (OpenAI's `partial_images`): one every
+    /// `ceil(steps / (n + 1))` steps, which makes at most `n` before the last step
+    /// (exactly `n` when `n + 1` divides the steps; OpenAI allows fewer).
+    Count(u32),
+}
+
+impl Previews {
+    /// The interval for a job of `steps` steps (0: none).
+    pub fn every(self, steps: u32) -> u32 {
+        match self {
+            Previews::None | Previews::Every(0) | Previews::Count(0) => 0,
+            Previews::Every(k) => k,
+            Previews::Count(n) => steps.div_ceil(n + 1).max(1),
+        }
+    }
 }
 
 /// What a watcher of a job sees, in order.
@@ -99,8 +123,8 @@ impl Entry {
 
 #[derive(RactorMessage)]
 pub enum JobsMsg {
-    /// A new job: its kind, its steps as far as known, and its preview interval.
-    Create(JobId, &'static str, u32, u32),
+    /// A new job: its kind, its steps as far as known, and its previews.
+    Create(JobId, &'static str, u32, Previews),
     Stage(JobId, JobStatus, Option<ActorCell>),
     Progress(JobId, u32),
     Preview(JobId, u32, Vec<u8>),
@@ -129,15 +153,14 @@ impl Jobs {
             .map_err(|e| e.to_string())?;
         Ok(Jobs(r))
     }
-    pub fn create(&self, id: JobId, kind: &'static str, steps: u32, preview_every: u32) {
-        let _ = self
-            .0
-            .cast(JobsMsg::Create(id, kind, steps, preview_every));
+    pub fn create(&self, id: JobId, kind: &'static str, steps: u32, previews: Previews) {
+        let _ = self.0.cast(JobsMsg::Create(id, kind, steps, previews));
     }
     pub fn preview(&self, id: JobId, step: u32, jpeg: Vec<u8>) {
         let _ = self.0.cast(JobsMsg::Preview(id, step, jpeg));
     }
-    /// The preview interval the job's request asked for (0: none).
+    /// The preview interval of the job's request, for its steps as the table knows
+    /// them by now (0: none).
     pub async fn preview_every(&self, id: JobId) -> u32 {
         self.ask(|p| JobsMsg::PreviewEvery(id, p)).await.unwrap_or(0)
     }
@@ -229,7 +252,7 @@ impl Actor for JobsActor {
         t: &mut Table,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            JobsMsg::Create(id, kind, steps, preview_every) => {
+            JobsMsg::Create(id, kind, steps, previews) => {
                 t.expire();
                 t.jobs.insert(
                     id,
@@ -247,7 +270,7 @@ impl Actor for JobsActor {
                         worker: None,
                         cancel: false,
                         finished: None,
-                        preview_every,
+                        previews,
                         created: Instant::now(),
                         watchers: Vec::new(),
                     },
@@ -287,7 +310,8 @@ impl Actor for JobsActor {
                 }
             }
             JobsMsg::PreviewEvery(id, reply) => {
-                let _ = reply.send(t.jobs.get(&id).map_or(0, |j| j.preview_every));
+                let every = t.jobs.get(&id).map_or(0, |j| j.previews.every(j.view.steps));
+                let _ = reply.send(every);
             }
             JobsMsg::Watch(id, reply) => {
                 let r = t.jobs.get_mut(&id).map(|j| {
@@ -364,7 +388,7 @@ mod tests {
             worker: None,
             cancel: false,
             finished,
-            preview_every: 0,
+            previews: Previews::None,
             created: Instant::now(),
             watchers: Vec::new(),
         }
@@ -372,6 +396,27 @@ mod tests {
 
     /// Finished jobs beyond the cap go oldest first, expired ones go whatever the cap,
     /// and unfinished ones always stay; against what must stay, computed directly.
+    /// `partial_images` of n gives at most n previews before the last step (OpenAI
+    /// allows fewer), at least one, and n when n + 1 divides the steps; against
+    /// counting them directly. (No single interval gives exactly n always: 9 steps
+    /// make 2 of 3 at every 3 steps, 4 at every 2.)
+    #[test]
+    fn a_count_of_previews_spreads_at_most_that_many_over_the_steps() {
+        for steps in 1..60u32 {
+            for n in 1..=3u32 {
+                let every = Previews::Count(n).every(steps);
+                let made = (1..steps).filter(|k| k % every == 0).count() as u32;
+                assert!(made <= n, "{steps} steps, {n} asked: {made}");
+                assert!(steps < 2 || made >= 1, "{steps} steps, {n} asked");
+                if steps % (n + 1) == 0 {
+                    assert_eq!(made, n, "{steps} steps, {n} asked");
+                }
+            }
+        }
+        assert_eq!(Previews::Every(3).every(10), 3);
+        assert_eq!(Previews::None.every(10), 0);
+    }
+
     #[test]
     fn the_table_keeps_the_newest_finished_jobs_within_cap_and_ttl() {
         let now = Instant::now();
