@@ -583,3 +583,27 @@ fn bench_pipeline_times_every_stage_on_any_device() {
         println!("{device}: {v}");
     }
 }
+
+/// `--preview FILE` writes the image as it denoises (one pixel per latent pixel: 32x32
+/// for the tiny model's 64x64 at its VAE's factor 2) and changes nothing in the result;
+/// a preview of an unknown kind of file is refused with a clear error.
+#[test]
+fn the_preview_file_is_written_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, with, preview) = (
+        dir.path().join("out.png"),
+        dir.path().join("with.png"),
+        dir.path().join("preview.jpg"),
+    );
+    let (image, mask) = (case("e2e_input.png"), case("e2e_mask.png"));
+    let base = [
+        "edit", "--image", s(&image), "--mask", s(&mask), "--prompt", PROMPT, "--steps", "4",
+    ];
+    ok(&[&base[..], &["--out", s(&out)]].concat());
+    ok(&[&base[..], &["--out", s(&with), "--preview", s(&preview)]].concat());
+    assert_eq!(png_file(&out), png_file(&with), "a preview changes the result");
+    let p = image::open(&preview).unwrap();
+    assert_eq!((p.width(), p.height()), (32, 32));
+    let bad = dir.path().join("preview.gif");
+    fails(&[&base[..], &["--out", s(&out), "--preview", s(&bad)]].concat(), ".png or .jpg");
+}

@@ -28,6 +28,8 @@ use denoised_runtime::weights::SafetensorsFile;
 use denoised_runtime::{CpuBackend, HostSlice, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use super::preview::PreviewFile;
+
 use super::adapters::LoraArgs;
 use super::controlnet::ControlNetArgs;
 use super::generate::TrueCfgArgs;
@@ -61,6 +63,10 @@ pub struct Common {
     /// Print per-stage timings as one JSON line on stdout.
     #[arg(long)]
     pub timings: bool,
+    /// Write a preview of the image as it denoises to this file (.png or .jpg),
+    /// replaced after every step.
+    #[arg(long, value_name = "FILE")]
+    pub preview: Option<PathBuf>,
     #[command(flatten)]
     pub device: ModelDeviceArgs,
     #[command(flatten)]
@@ -205,8 +211,9 @@ pub(super) fn read_noise(path: &Path) -> CliResult<Noise> {
     Ok(noise)
 }
 
-/// Runs a request to the end on the placed model with a progress bar: its final
-/// latent and, for a capture, its template.
+/// Runs a request to the end on the placed model with a progress bar (and a preview
+/// file rewritten after each step, when asked): its final latent and, for a capture,
+/// its template.
 /// `loras`: the unmerged LoRAs it runs with (uploaded by `LoraArgs::apply`); `cfg`:
 /// true CFG's negative branch; `control`: ControlNet residuals.
 pub(super) fn denoise(
@@ -215,6 +222,7 @@ pub(super) fn denoise(
     schedule: FlowMatchEuler,
     mode: Mode,
     (loras, cfg, control): (&[LoraUse], Option<&TrueCfg>, Option<Arc<dyn ControlFeed>>),
+    preview: Option<&PreviewFile>,
     t: &mut Timings,
 ) -> CliResult<(Tensor, Option<TemplateCache>)> {
     const ONE: JobKey = 0;
@@ -230,8 +238,12 @@ pub(super) fn denoise(
         st.set_control_feed(ONE, feed)?;
     }
     while !st.done(ONE) {
+        let before = preview.map(|_| st.latents(ONE)).transpose()?;
         st.step(&[ONE])?;
         pb.inc(1);
+        if let (Some(p), Some(before)) = (preview, before.filter(|_| !st.done(ONE))) {
+            p.write(&st.clean_estimate(ONE, &before)?)?;
+        }
     }
     let out = st.finish(ONE)?;
     pb.finish_and_clear();
@@ -352,6 +364,8 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     }
     let cfg = a.true_cfg.prepare(&p, c.max_sequence_length, &mut t)?;
     let schedule = p.schedule(steps, image.width, image.height)?;
+    let size = (image.width, image.height);
+    let preview = PreviewFile::new(c.preview.as_deref(), &c.model, size, p.vae_scale_factor())?;
     let control = |active: Option<Vec<u32>>| {
         let size = (c.seed, image.width, image.height);
         let cn = &a.controlnet;
@@ -375,6 +389,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                 schedule,
                 mode,
                 (&lora.uses, cfg.as_ref(), control),
+                preview.as_ref(),
                 &mut t,
             )?
             .0
@@ -417,6 +432,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
                 schedule,
                 mode,
                 (&lora.uses, cfg.as_ref(), control),
+                preview.as_ref(),
                 &mut t,
             )?
             .0
@@ -467,12 +483,15 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
         TemplateLayout::for_model(&p.config, rows * cols, opts.steps, placed.template_dtype())
             .with_mode(a.cache_mode.parse()?);
     let mode = Mode::Capture(TemplateCache::new(layout)?);
+    let size = (image.width, image.height);
+    let preview = PreviewFile::new(c.preview.as_deref(), &c.model, size, p.vae_scale_factor())?;
     let (latents, cache) = denoise(
         &mut placed,
         &prepared.inputs,
         schedule,
         mode,
         (&lora.uses, None, None),
+        preview.as_ref(),
         &mut t,
     )?;
     let cache = cache.ok_or("the capture run returned no template cache")?;

@@ -13,6 +13,7 @@ use denoised_runtime::CpuBackend;
 use super::adapters::LoraArgs;
 use super::controlnet::ControlNetArgs;
 use super::edit::{denoise, load_pipeline, read_noise, report, write_png};
+use super::preview::PreviewFile;
 use super::{CliResult, ModelDeviceArgs};
 
 /// True classifier-free guidance (FluxPipeline's `negative_prompt` and
@@ -88,6 +89,10 @@ pub struct GenerateArgs {
     /// Print per-stage timings as one JSON line on stdout.
     #[arg(long)]
     pub timings: bool,
+    /// Write a preview of the image as it denoises to this file (.png or .jpg),
+    /// replaced after every step.
+    #[arg(long, value_name = "FILE")]
+    pub preview: Option<PathBuf>,
     #[command(flatten)]
     pub device: ModelDeviceArgs,
     #[command(flatten)]
@@ -133,7 +138,18 @@ pub fn run(a: GenerateArgs) -> CliResult {
             .feed(&a.model, &prepared.inputs, &schedule, size, &p.limits, None)?;
     let mode = Mode::Full;
     let extra = (&lora.uses[..], cfg.as_ref(), control);
-    let latents = denoise(&mut placed, &prepared.inputs, schedule, mode, extra, &mut t)?.0;
+    let size = (opts.width, opts.height);
+    let preview = PreviewFile::new(a.preview.as_deref(), &a.model, size, p.vae_scale_factor())?;
+    let latents = denoise(
+        &mut placed,
+        &prepared.inputs,
+        schedule,
+        mode,
+        extra,
+        preview.as_ref(),
+        &mut t,
+    )?
+    .0;
     // The whole image is generated: nothing to paste back.
     let finish = EditOptions {
         paste_back: false,

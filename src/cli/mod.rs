@@ -19,6 +19,7 @@ mod edit;
 mod footprint;
 mod forward;
 mod generate;
+mod preview;
 mod profile;
 mod profile_lora;
 mod selftest;
