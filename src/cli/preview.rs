@@ -23,7 +23,7 @@ pub(super) struct PreviewFile {
 
 impl PreviewFile {
     /// For an image of `width x height` (pixels) of `model`, whose VAE scales by
-    /// `vae_factor`: the factors are fitted to its VAE first (a few seconds).
+    /// `vae_factor`: the factors are fitted to its VAE first (2 s for the built-in model's, 17 s for a FLUX.1-size VAE on 2 cores).
     pub fn new(
         path: Option<&Path>,
         model: &ModelSource,
