@@ -208,15 +208,7 @@ fn kill_9_of_each_role_under_load_loses_nothing() {
     assert_eq!(d.post("/v1/edits", &edit).0, 200);
     let one = t0.elapsed();
     // Releases are messages: the baseline is taken once they have settled.
-    let mut baseline = d.shm_live();
-    loop {
-        std::thread::sleep(Duration::from_millis(300));
-        let now = d.shm_live();
-        if now == baseline {
-            break;
-        }
-        baseline = now;
-    }
+    let baseline = d.shm_settled();
     println!(
         "baseline: {baseline:?} (live slices, bytes); the daemon started in {:.2} s, an edit took {:.2} s",
         d.startup.as_secs_f64(),

@@ -126,15 +126,7 @@ fn a_client_that_leaves_a_stream_leaves_nothing_behind() {
     let mut body = json!({"template_id": "t", "mask": mask_b64(), "seed": 4});
     assert_eq!(d.post("/v1/edits", &body).0, 200);
     // Releases are messages: the baseline is taken once they have settled.
-    let mut baseline = d.shm_live();
-    loop {
-        std::thread::sleep(Duration::from_millis(300));
-        let now = d.shm_live();
-        if now == baseline {
-            break;
-        }
-        baseline = now;
-    }
+    let baseline = d.shm_settled();
     body["async"] = json!(true);
     body["preview_every"] = json!(1);
     let (s, job) = d.post("/v1/edits", &body);

@@ -329,6 +329,21 @@ impl Daemon {
         self.rss_by_process().iter().map(|p| p.1).sum()
     }
 
+    /// [`shm_live`](Self::shm_live) once it has settled (releases are messages, so
+    /// the count moves for a moment after a request's reply): the same in two reads
+    /// 300 ms apart.
+    pub fn shm_settled(&self) -> (u32, u64) {
+        let mut before = self.shm_live();
+        loop {
+            std::thread::sleep(Duration::from_millis(300));
+            let now = self.shm_live();
+            if now == before {
+                return now;
+            }
+            before = now;
+        }
+    }
+
     /// Live slices and their bytes in all of the daemon's shared-memory arenas.
     pub fn shm_live(&self) -> (u32, u64) {
         self.shm_by_arena()

@@ -455,22 +455,16 @@ fn a_run_resumed_from_any_stored_state_ends_bit_identical() {
     }
 }
 
-/// A request that asks for previews every 2 of 5 steps gets one after steps 2 and 4
-/// (not after its last: its result follows), each after its step's event and over
-/// the full grid, and ends exactly as the same request without previews.
-#[test]
-fn previews_come_at_their_interval_and_change_nothing() {
-    const STEPS: usize = 5;
-    let lp = DenoiseLoop::spawn(
-        Box::new(ModelStepper::unbounded(model(), 4)),
-        BatchConfig::default(),
-        LoopOptions::default(),
-    )
-    .unwrap();
-    let (inp, s) = (inputs(4), schedule(STEPS));
-    let request = |id: u64, every: usize| DenoiseRequest {
+/// A full run of `inputs` with a preview every `every` steps (0: none).
+fn previewed(
+    id: u64,
+    inputs: &Arc<DenoiseInputs>,
+    s: &Arc<FlowMatchEuler>,
+    every: usize,
+) -> DenoiseRequest {
+    DenoiseRequest {
         id,
-        inputs: inp.clone(),
+        inputs: inputs.clone(),
         schedule: s.clone(),
         work: Mode::Full,
         start_at: 0,
@@ -484,9 +478,24 @@ fn previews_come_at_their_interval_and_change_nothing() {
         true_cfg: None,
         control: None,
         partner: None,
-    };
+    }
+}
+
+/// A request that asks for previews every 2 of 5 steps gets one after steps 2 and 4
+/// (not after its last: its result follows), each after its step's event and over
+/// the full grid, and ends exactly as the same request without previews.
+#[test]
+fn previews_come_at_their_interval_and_change_nothing() {
+    const STEPS: usize = 5;
+    let lp = DenoiseLoop::spawn(
+        Box::new(ModelStepper::unbounded(model(), 4)),
+        BatchConfig::default(),
+        LoopOptions::default(),
+    )
+    .unwrap();
+    let (inp, s) = (inputs(4), schedule(STEPS));
     let run = |id: u64, every: usize| {
-        lp.submit(request(id, every));
+        lp.submit(previewed(id, &inp, &s, every));
         let (mut seen, mut out) = (vec![], None);
         while out.is_none() {
             match next(&lp) {
@@ -536,23 +545,7 @@ fn preview_cost_in_the_loop() {
         let which = round as usize % everys.len();
         let every = everys[which];
         let t0 = std::time::Instant::now();
-        lp.submit(DenoiseRequest {
-            id: round,
-            inputs: inp.clone(),
-            schedule: s.clone(),
-            work: Mode::Full,
-            start_at: 0,
-            store_at: Vec::new(),
-            preview: (every > 0).then_some(crate::denoise::PreviewSpec {
-                every,
-                rows: SIDE,
-                cols: SIDE,
-            }),
-            loras: vec![],
-            true_cfg: None,
-            control: None,
-            partner: None,
-        });
+        lp.submit(previewed(round, &inp, &s, every));
         let mut steps = 0;
         while steps < STEPS {
             if let Event::Step { .. } = next(&lp) {
