@@ -27,7 +27,6 @@ use tokio::sync::mpsc;
 
 use super::error::{ApiError, ApiResult, ErrorBody};
 use super::jobs::job_id;
-use super::respond::with_id;
 use crate::router::state::jobs::{JobEvent, JobStatus, JobView};
 use crate::router::state::Ctx;
 use crate::wire::JobId;
@@ -63,7 +62,8 @@ pub(crate) enum Flavour {
     },
 }
 
-/// The SSE reply of `job` (`None`: no such job).
+/// The SSE reply of `job` (`None`: no such job). The routes that create the job add
+/// its `x-request-id` header (`super::respond`).
 pub(crate) async fn events(ctx: &Arc<Ctx>, job: JobId, flavour: Flavour) -> Option<Response> {
     let (view, rx) = ctx.jobs.watch(job).await?;
     let first = match flavour {
@@ -81,7 +81,7 @@ pub(crate) async fn events(ctx: &Arc<Ctx>, job: JobId, flavour: Flavour) -> Opti
     let rest = stream::unfold(state, next);
     let all = stream::iter(first).chain(rest);
     let sse = Sse::new(all).keep_alive(KeepAlive::default());
-    Some(with_id(job, sse.into_response()))
+    Some(sse.into_response())
 }
 
 /// A watcher's stream state.

@@ -42,7 +42,7 @@ use super::inputs::{
     resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
 };
 use super::events::{events, Flavour};
-use super::respond::joined;
+use super::respond::{joined, with_id};
 use crate::daemon::job_name;
 use crate::router::flow::defaults;
 use crate::router::flow::edit::{edit, EditInput, MaskIn, Source};
@@ -229,6 +229,7 @@ async fn stream_reply(
     };
     events(ctx, job, flavour)
         .await
+        .map(|r| with_id(job, r))
         .ok_or_else(|| ApiError::from(WireError::internal("the job left the table")))
 }
 

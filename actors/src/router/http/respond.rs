@@ -67,6 +67,7 @@ pub(crate) async fn respond<T>(
         // The job was just created, so it is in the table.
         Reply::Stream => super::events::events(ctx, job, super::events::Flavour::Native)
             .await
+            .map(|r| with_id(job, r))
             .ok_or_else(|| super::jobs::unknown(&job_name(job))),
         Reply::Sync => Ok(with_id(
             job,
