@@ -2,7 +2,7 @@
 //! `POST /v1/edits` and `/v1/generations` with `"stream": true`.
 //!
 //! Events, in order: `status` (`{"status"}`: queued, preprocessing, denoising,
-//! postprocessing), `step` (`{"step", "steps", "elapsed_s"}` after each denoising
+//! postprocessing; while it waits, with `ahead`: the jobs before it in the queue), `step` (`{"step", "steps", "elapsed_s"}` after each denoising
 //! step), `preview` (`{"step", "steps", "format": "jpeg", "image"}`, base64, every
 //! `preview_every` steps when the request asked), and last `done` (the same JSON as the
 //! request's non-streamed reply, as `GET /v1/jobs/{id}` keeps it) or `error`
@@ -65,15 +65,15 @@ pub(crate) enum Flavour {
 /// The SSE reply of `job` (`None`: no such job). The routes that create the job add
 /// its `x-request-id` header (`super::respond`).
 pub(crate) async fn events(ctx: &Arc<Ctx>, job: JobId, flavour: Flavour) -> Option<Response> {
-    let (view, rx) = ctx.jobs.watch(job).await?;
+    let w = ctx.jobs.watch(job).await?;
     let first = match flavour {
-        Flavour::Native => Some(Ok(status(view.status))),
+        Flavour::Native => Some(Ok(status(w.view.status, w.ahead))),
         Flavour::OpenAi { .. } => None,
     };
     let state = Watch {
         ctx: ctx.clone(),
         job,
-        rx,
+        rx: w.events,
         ended: false,
         flavour,
         partials: 0,
@@ -142,13 +142,18 @@ impl Watch {
     }
 }
 
-fn status(st: JobStatus) -> Event {
-    data(Event::default().event("status"), &json!({ "status": st }))
+/// `status`, with `ahead` (the jobs in the queue before it) while the job waits.
+fn status(st: JobStatus, ahead: Option<u32>) -> Event {
+    let mut v = json!({ "status": st });
+    if let Some(n) = ahead {
+        v["ahead"] = json!(n);
+    }
+    data(Event::default().event("status"), &v)
 }
 
 fn event(e: JobEvent) -> Event {
     match e {
-        JobEvent::Status(st) => status(st),
+        JobEvent::Status(st, ahead) => status(st, ahead),
         JobEvent::Step {
             step,
             steps,

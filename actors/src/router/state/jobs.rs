@@ -95,7 +95,9 @@ impl Previews {
 /// What a watcher of a job sees, in order.
 #[derive(Clone, Debug)]
 pub enum JobEvent {
-    Status(JobStatus),
+    /// Its status, and while it waits (queued or preprocessing) the jobs accepted
+    /// before it that wait too: its place in the queue.
+    Status(JobStatus, Option<u32>),
     Step {
         step: u32,
         steps: u32,
@@ -138,7 +140,21 @@ pub enum JobsMsg {
     IsCancelled(JobId, RpcReplyPort<bool>),
     PreviewEvery(JobId, RpcReplyPort<u32>),
     /// The job now, and its events from here on (none for a job that has ended).
-    Watch(JobId, RpcReplyPort<Option<(JobView, Option<mpsc::Receiver<JobEvent>>)>>),
+    Watch(JobId, RpcReplyPort<Option<Watched>>),
+}
+
+/// A job as a new watcher finds it.
+pub struct Watched {
+    pub view: JobView,
+    /// Its place in the queue while it waits (see [`JobEvent::Status`]).
+    pub ahead: Option<u32>,
+    /// Its events from here on; `None` for a job that has ended.
+    pub events: Option<mpsc::Receiver<JobEvent>>,
+}
+
+/// Whether a job of this status waits for its turn (admitted, not yet denoising).
+fn waits(s: JobStatus) -> bool {
+    matches!(s, JobStatus::Queued | JobStatus::Preprocessing)
 }
 
 /// Handle to the job table.
@@ -164,9 +180,9 @@ impl Jobs {
     pub async fn preview_every(&self, id: JobId) -> u32 {
         self.ask(|p| JobsMsg::PreviewEvery(id, p)).await.unwrap_or(0)
     }
-    /// The job as it is, and a channel of its events from here on (`None` after it
-    /// ended); `None` for an unknown job.
-    pub async fn watch(&self, id: JobId) -> Option<(JobView, Option<mpsc::Receiver<JobEvent>>)> {
+    /// The job as it is, and a channel of its events from here on; `None` for an
+    /// unknown job.
+    pub async fn watch(&self, id: JobId) -> Option<Watched> {
         self.ask(|p| JobsMsg::Watch(id, p)).await.flatten()
     }
     async fn ask<T: Send + 'static>(&self, m: impl FnOnce(RpcReplyPort<T>) -> JobsMsg) -> Option<T> {
@@ -208,6 +224,30 @@ struct Table {
 }
 
 impl Table {
+    /// The waiting jobs accepted before `id`, while `id` waits.
+    fn ahead(&self, id: JobId) -> Option<u32> {
+        let j = self.jobs.get(&id).filter(|j| waits(j.view.status))?;
+        let before = |o: &Entry| waits(o.view.status) && o.created < j.created;
+        Some(self.jobs.values().filter(|o| before(o)).count() as u32)
+    }
+
+    /// A job left the queue: every watched job still in it moves up (one pass over the
+    /// table per watched waiting job, which admission bounds).
+    fn queue_moved(&mut self) {
+        let watched: Vec<(JobId, JobStatus)> = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| !j.watchers.is_empty() && waits(j.view.status))
+            .map(|(&id, j)| (id, j.view.status))
+            .collect();
+        for (id, status) in watched {
+            let ahead = self.ahead(id);
+            if let Some(j) = self.jobs.get_mut(&id) {
+                j.tell(JobEvent::Status(status, ahead));
+            }
+        }
+    }
+
     /// Drops finished jobs older than the TTL, and the oldest beyond `max_finished`.
     /// Unfinished jobs are bounded by admission (`[server] max_queued_requests`), so
     /// the table is too. Amortised O(1) per job: each finished id is popped once.
@@ -277,11 +317,19 @@ impl Actor for JobsActor {
                 );
             }
             JobsMsg::Stage(id, s, worker) => {
-                if let Some(j) = t.jobs.get_mut(&id) {
-                    if !j.view.status.is_final() && j.view.status != s {
-                        j.view.status = s;
-                        j.worker = worker;
-                        j.tell(JobEvent::Status(s));
+                let Some(j) = t.jobs.get_mut(&id) else {
+                    return Ok(());
+                };
+                if !j.view.status.is_final() && j.view.status != s {
+                    let left = waits(j.view.status) && !waits(s);
+                    j.view.status = s;
+                    j.worker = worker;
+                    let ahead = t.ahead(id);
+                    if let Some(j) = t.jobs.get_mut(&id) {
+                        j.tell(JobEvent::Status(s, ahead));
+                    }
+                    if left {
+                        t.queue_moved();
                     }
                 }
             }
@@ -314,17 +362,23 @@ impl Actor for JobsActor {
                 let _ = reply.send(every);
             }
             JobsMsg::Watch(id, reply) => {
+                let ahead = t.ahead(id);
                 let r = t.jobs.get_mut(&id).map(|j| {
-                    let rx = (!j.view.status.is_final()).then(|| {
+                    let events = (!j.view.status.is_final()).then(|| {
                         let (tx, rx) = mpsc::channel(WATCH_BACKLOG);
                         j.watchers.push(tx);
                         rx
                     });
-                    (j.view.clone(), rx)
+                    Watched {
+                        view: j.view.clone(),
+                        ahead,
+                        events,
+                    }
                 });
                 let _ = reply.send(r);
             }
             JobsMsg::Finish(id, r) => {
+                let was_waiting = t.jobs.get(&id).is_some_and(|j| waits(j.view.status));
                 if let Some(j) = t.jobs.get_mut(&id).filter(|j| j.finished.is_none()) {
                     j.finished = Some(Instant::now());
                     t.finished.push_back(id);
@@ -346,6 +400,9 @@ impl Actor for JobsActor {
                             j.view.error = Some(e);
                         }
                     }
+                }
+                if was_waiting {
+                    t.queue_moved();
                 }
             }
             JobsMsg::Get(id, reply) => {
@@ -396,6 +453,35 @@ mod tests {
 
     /// Finished jobs beyond the cap go oldest first, expired ones go whatever the cap,
     /// and unfinished ones always stay; against what must stay, computed directly.
+    /// A watcher of a waiting job learns its place in the queue, and sees it move up
+    /// when a job accepted before it starts denoising or ends; a job accepted after it
+    /// does not count.
+    #[tokio::test]
+    async fn a_waiting_job_sees_its_place_in_the_queue_move() {
+        let jobs = Jobs::start(Duration::from_secs(60), 10).await.unwrap();
+        for id in 1..=4 {
+            jobs.create(id, "edit", 4, Previews::None);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let w = jobs.watch(3).await.unwrap();
+        assert_eq!(w.ahead, Some(2));
+        let mut rx = w.events.unwrap();
+        jobs.stage(1, JobStatus::Preprocessing, None);
+        jobs.stage(1, JobStatus::Denoising, None);
+        jobs.finish(2, Err(WireError::internal("gone")));
+        let mut seen = vec![];
+        while seen.len() < 2 {
+            match tokio::time::timeout(Duration::from_secs(5), rx.recv()).await {
+                Ok(Some(JobEvent::Status(JobStatus::Queued, ahead))) => seen.push(ahead),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(seen, [Some(1), Some(0)]);
+        jobs.stage(3, JobStatus::Denoising, None);
+        let e = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await;
+        assert!(matches!(e, Ok(Some(JobEvent::Status(JobStatus::Denoising, None)))), "{e:?}");
+    }
+
     /// `partial_images` of n gives at most n previews before the last step (OpenAI
     /// allows fewer), at least one, and n when n + 1 divides the steps; against
     /// counting them directly. (No single interval gives exactly n always: 9 steps
