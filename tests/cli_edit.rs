@@ -597,13 +597,28 @@ fn the_preview_file_is_written_and_changes_nothing() {
     );
     let (image, mask) = (case("e2e_input.png"), case("e2e_mask.png"));
     let base = [
-        "edit", "--image", s(&image), "--mask", s(&mask), "--prompt", PROMPT, "--steps", "4",
+        "edit",
+        "--image",
+        s(&image),
+        "--mask",
+        s(&mask),
+        "--prompt",
+        PROMPT,
+        "--steps",
+        "4",
     ];
     ok(&[&base[..], &["--out", s(&out)]].concat());
     ok(&[&base[..], &["--out", s(&with), "--preview", s(&preview)]].concat());
-    assert_eq!(png_file(&out), png_file(&with), "a preview changes the result");
+    assert_eq!(
+        png_file(&out),
+        png_file(&with),
+        "a preview changes the result"
+    );
     let p = image::open(&preview).unwrap();
     assert_eq!((p.width(), p.height()), (32, 32));
     let bad = dir.path().join("preview.gif");
-    fails(&[&base[..], &["--out", s(&out), "--preview", s(&bad)]].concat(), ".png or .jpg");
+    fails(
+        &[&base[..], &["--out", s(&out), "--preview", s(&bad)]].concat(),
+        ".png or .jpg",
+    );
 }

@@ -52,7 +52,13 @@ fn the_one_shot_gpu_script_runs_on_the_emulator() {
         .collect();
     assert_eq!(ratios, [0.1, 0.2, 0.4, 1.0]);
     for a in attn {
-        for key in ["denoised_tflops", "wide_kernel_tflops", "first_kernel_tflops", "queries", "keys"] {
+        for key in [
+            "denoised_tflops",
+            "wide_kernel_tflops",
+            "first_kernel_tflops",
+            "queries",
+            "keys",
+        ] {
             assert!(a[key].as_f64().is_some(), "{key} missing: {a}");
         }
         // The PyTorch figures are there on a GPU machine; here torch may be absent.

@@ -301,8 +301,14 @@ fn step_times_on_the_device_clock(d: &Daemon) {
         1e3 * wall / steps,
         1e3 * device / timed
     );
-    assert!(steps > 0.0 && timed == steps, "{steps} steps, {timed} timed");
-    assert!(device <= wall && device > 0.5 * wall, "device {device} s of {wall} s");
+    assert!(
+        steps > 0.0 && timed == steps,
+        "{steps} steps, {timed} timed"
+    );
+    assert!(
+        device <= wall && device > 0.5 * wall,
+        "device {device} s of {wall} s"
+    );
 }
 
 #[test]

@@ -55,14 +55,24 @@ fn a_streamed_edit_sees_every_step_previews_and_the_same_result() {
     // (2 s for the built-in VAE here): previews begin once they are ready.
     let t0 = Instant::now();
     loop {
-        let r = client().post(format!("{}/v1/edits", d.url)).json(&streamed).send().unwrap();
+        let r = client()
+            .post(format!("{}/v1/edits", d.url))
+            .json(&streamed)
+            .send()
+            .unwrap();
         if read_events(r, None).iter().any(|e| e.0 == "preview") {
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(60), "no previews after a minute");
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no previews after a minute"
+        );
         std::thread::sleep(Duration::from_millis(500));
     }
-    println!("previews began {:.1} s after the template", t0.elapsed().as_secs_f64());
+    println!(
+        "previews began {:.1} s after the template",
+        t0.elapsed().as_secs_f64()
+    );
     let r = client()
         .post(format!("{}/v1/edits", d.url))
         .json(&streamed)
@@ -84,11 +94,25 @@ fn a_streamed_edit_sees_every_step_previews_and_the_same_result() {
     // Each preview right after its step.
     for (i, e) in events.iter().enumerate().filter(|(_, e)| e.0 == "preview") {
         let prev = &events[i - 1];
-        assert_eq!((prev.0.as_str(), &prev.1["step"]), ("step", &e.1["step"]), "{names:?}");
+        assert_eq!(
+            (prev.0.as_str(), &prev.1["step"]),
+            ("step", &e.1["step"]),
+            "{names:?}"
+        );
     }
-    assert!(events.iter().filter(|e| e.0 == "step").all(|e| e.1["steps"] == 6));
-    let previews: Vec<&Value> = events.iter().filter(|e| e.0 == "preview").map(|e| &e.1).collect();
-    let at: Vec<u64> = previews.iter().map(|p| p["step"].as_u64().unwrap()).collect();
+    assert!(events
+        .iter()
+        .filter(|e| e.0 == "step")
+        .all(|e| e.1["steps"] == 6));
+    let previews: Vec<&Value> = events
+        .iter()
+        .filter(|e| e.0 == "preview")
+        .map(|e| &e.1)
+        .collect();
+    let at: Vec<u64> = previews
+        .iter()
+        .map(|p| p["step"].as_u64().unwrap())
+        .collect();
     assert_eq!(at, [2, 4], "a preview every 2 steps, none after the last");
     let limits = ImageLimits {
         max_pixels: 1 << 22,
@@ -101,7 +125,10 @@ fn a_streamed_edit_sees_every_step_previews_and_the_same_result() {
         assert_eq!(img.width, img.height, "the square input's shape");
         images.push(img.data);
     }
-    assert_ne!(images[0], images[1], "the preview changes as the image denoises");
+    assert_ne!(
+        images[0], images[1],
+        "the preview changes as the image denoises"
+    );
     let statuses: Vec<&str> = events
         .iter()
         .filter(|e| e.0 == "status")
@@ -113,8 +140,14 @@ fn a_streamed_edit_sees_every_step_previews_and_the_same_result() {
     // The same edit, not streamed: the same image.
     let (s, plain) = d.post("/v1/edits", &body);
     assert_eq!(s, 200, "{plain}");
-    assert_eq!(done["image"], plain["image"], "the streamed result is the plain one");
-    assert_eq!((&done["width"], &done["height"]), (&plain["width"], &plain["height"]));
+    assert_eq!(
+        done["image"], plain["image"],
+        "the streamed result is the plain one"
+    );
+    assert_eq!(
+        (&done["width"], &done["height"]),
+        (&plain["width"], &plain["height"])
+    );
 }
 
 /// `GET /v1/jobs/{id}/events` of an async job, and a client that goes away mid-stream:
@@ -166,7 +199,10 @@ fn a_client_that_leaves_a_stream_leaves_nothing_behind() {
     let events = read_events(r, None);
     let names: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
     assert_eq!(names, ["status", "done"], "{events:?}");
-    assert!(events[1].1["image"].is_string(), "an async job keeps its image");
+    assert!(
+        events[1].1["image"].is_string(),
+        "an async job keeps its image"
+    );
     assert_eq!(
         client()
             .get(format!("{}/v1/jobs/job_ffffffffffffffff/events", d.url))

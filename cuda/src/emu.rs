@@ -5,12 +5,12 @@
 //! (with bf16 rounding of the result, as cuBLASLt writes bf16). Each GPU thread is
 //! a fiber, so it is far slower than a GPU and meant for tests on small shapes.
 
-use std::time::Instant;
 use std::alloc::{alloc, dealloc, Layout};
 #[cfg(denoised_emu)]
 use std::ffi::{c_void, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use rayon::prelude::*;
 

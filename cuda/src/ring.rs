@@ -54,7 +54,11 @@ impl<E> Ring<E> {
     /// for reuse once waited for.
     pub fn reserve(&mut self, len: usize) -> (usize, Vec<E>) {
         assert!(len <= self.chunk(), "{len} bytes in a ring of {}", self.cap);
-        let at = if self.head + len > self.cap { 0 } else { self.head };
+        let at = if self.head + len > self.cap {
+            0
+        } else {
+            self.head
+        };
         let want = at..at + len;
         let newest = self
             .inflight
@@ -141,7 +145,10 @@ mod tests {
         assert_eq!(s.waits, 0);
         s.upload(100);
         assert_eq!((s.waits, s.ring.inflight.len()), (1, MAX_INFLIGHT));
-        assert!(!s.copies[0].1 && s.copies[1].1, "only the oldest was retired");
+        assert!(
+            !s.copies[0].1 && s.copies[1].1,
+            "only the oldest was retired"
+        );
     }
 
     #[test]
@@ -160,9 +167,10 @@ mod tests {
                 let waits = s.waits;
                 let r = s.upload(len);
                 if s.waits > waits {
-                    let overlapped = s.copies[..before.len()].iter().zip(&before).any(
-                        |((o, _), &running)| running && o.start < r.end && r.start < o.end,
-                    );
+                    let overlapped = s.copies[..before.len()]
+                        .iter()
+                        .zip(&before)
+                        .any(|((o, _), &running)| running && o.start < r.end && r.start < o.end);
                     assert!(overlapped, "waited for {r:?} with nothing in its way");
                 }
             }

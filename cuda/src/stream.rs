@@ -259,10 +259,10 @@ impl<E: Exec> Drop for StreamedTemplate<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Instant;
     use crate::emu::{EmuExec, EmuMem, EmuPinned};
     use crate::exec::{Dt, Gemm, Grid, MemInfo};
     use crate::params::KernelParams;
+    use std::time::Instant;
 
     /// What the stream queued, in order.
     #[derive(Debug)]

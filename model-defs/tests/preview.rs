@@ -15,7 +15,10 @@ use denoised_runtime::Tensor;
 
 fn fitted(vae: &AutoencoderKL) -> PreviewFactors {
     let (factors, q) = fit_vae(vae).unwrap();
-    println!("fit_vae: PSNR {:.2} dB, correlation {:.4} on its own unseen images", q.psnr_db, q.correlation);
+    println!(
+        "fit_vae: PSNR {:.2} dB, correlation {:.4} on its own unseen images",
+        q.psnr_db, q.correlation
+    );
     factors
 }
 
@@ -90,7 +93,10 @@ mod clean_estimate {
     use denoised_runtime::{CpuBackend, DType, Tensor};
 
     fn rel(a: &[f32], b: &[f32]) -> f32 {
-        let d = a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+        let d = a
+            .iter()
+            .zip(b)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
         d / b.iter().fold(0.0f32, |m, v| m.max(v.abs()))
     }
 
@@ -99,8 +105,8 @@ mod clean_estimate {
     /// edit's inactive tokens show the template's result.
     #[test]
     fn the_clean_estimate_is_diffusers_x0_prediction() {
-        let m = FluxTransformer::load(CpuBackend::new(), tiny_model_dir().join("transformer"))
-            .unwrap();
+        let m =
+            FluxTransformer::load(CpuBackend::new(), tiny_model_dir().join("transformer")).unwrap();
         let case = RefCase::open("e2e").unwrap();
         let inputs = denoised_models::fixtures::e2e_denoise_inputs(&case);
         let s = FlowMatchEuler::new(&SchedulerConfig::default(), 4, 256).unwrap();
@@ -120,7 +126,12 @@ mod clean_estimate {
                 case.tensor(&format!("step{k}.noise_pred")),
             );
             let sn = sigmas.data()[k + 1];
-            let want: Vec<f32> = lat.data().iter().zip(v.data()).map(|(l, v)| l - sn * v).collect();
+            let want: Vec<f32> = lat
+                .data()
+                .iter()
+                .zip(v.data())
+                .map(|(l, v)| l - sn * v)
+                .collect();
             worst = worst.max(rel(x0.data(), &want));
         }
         println!("clean estimate against diffusers' x0 prediction: {worst:.2e} relative");

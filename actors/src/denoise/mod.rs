@@ -669,5 +669,5 @@ pub mod actor;
 pub mod adapters;
 pub mod cfg_pair;
 mod events;
-mod preview;
 pub mod inline;
+mod preview;

@@ -46,7 +46,9 @@ impl Previewer {
                     );
                     let _ = factors.set(f);
                 }
-                Err(e) => tracing::warn!("no previews: the preview factors could not be fitted: {e}"),
+                Err(e) => {
+                    tracing::warn!("no previews: the preview factors could not be fitted: {e}")
+                }
             }
         };
         if let Err(e) = std::thread::Builder::new()

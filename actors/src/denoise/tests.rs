@@ -564,7 +564,11 @@ fn preview_cost_in_the_loop() {
         v.sort_by(|a, b| a.total_cmp(b));
         v[v.len() / 2]
     };
-    println!("time per step without previews: median {:.3} ms over {} runs", 1e3 * median(&mut off), off.len());
+    println!(
+        "time per step without previews: median {:.3} ms over {} runs",
+        1e3 * median(&mut off),
+        off.len()
+    );
     for (i, every) in [1, 4].into_iter().enumerate() {
         println!(
             "previews every {every} step(s): median ratio to the same round's run without {:+.2}%",

@@ -372,7 +372,11 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 } else {
                     None
                 };
-                (load_vae(source, parts.vae)?, text, scheduler_config(source)?)
+                (
+                    load_vae(source, parts.vae)?,
+                    text,
+                    scheduler_config(source)?,
+                )
             }
             builtin => {
                 let text = if parts.text {
@@ -381,7 +385,11 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 } else {
                     None
                 };
-                (load_vae(builtin, parts.vae)?, text, SchedulerConfig::default())
+                (
+                    load_vae(builtin, parts.vae)?,
+                    text,
+                    SchedulerConfig::default(),
+                )
             }
         };
         Self::assemble(config, transformer, vae, text, scheduler, fingerprint)

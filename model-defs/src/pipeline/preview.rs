@@ -15,9 +15,9 @@
 use denoised_runtime::{Error, Result, Tensor};
 
 use super::fill::unpack_latent_rows;
+use super::image::{from_model_space, to_model_space, Rgb8};
 use crate::flux::weights::SplitMix;
 use crate::vae::AutoencoderKL;
-use super::image::{from_model_space, to_model_space, Rgb8};
 
 /// `rgb = bias + sum_c weight[c] * latent[c]`, in the pipeline's [-1, 1] image space, of
 /// latents normalised as the transformer sees them (`(z - shift) * scale`).
@@ -115,10 +115,7 @@ impl PreviewFactors {
         }
         let x = solve(ata, aty, k)?;
         Ok(PreviewFactors {
-            weight: x[..channels]
-                .iter()
-                .map(|r| r.map(|v| v as f32))
-                .collect(),
+            weight: x[..channels].iter().map(|r| r.map(|v| v as f32)).collect(),
             bias: x[channels].map(|v| v as f32),
         })
     }
@@ -131,7 +128,10 @@ pub const FIT_SIDE: usize = 64;
 /// Factors fitted to `vae` (both halves) on 20 synthetic images and 20 noise latents,
 /// and how well they predict its decoder on 10 images the fit did not see.
 pub fn fit_vae(vae: &AutoencoderKL) -> Result<(PreviewFactors, FitQuality)> {
-    let (f, c) = (vae.config().vae_scale_factor(), vae.config().latent_channels);
+    let (f, c) = (
+        vae.config().vae_scale_factor(),
+        vae.config().latent_channels,
+    );
     let mut codec = |x: &Tensor| {
         let (mean, _) = vae.encode(x)?;
         Ok((vae.normalize(&mean), vae.decode(&mean)?))
@@ -143,7 +143,12 @@ pub fn fit_vae(vae: &AutoencoderKL) -> Result<(PreviewFactors, FitQuality)> {
     let test = samples(&synthetic_images(10, FIT_SIDE, 2), f, &mut codec)?;
     let (pred, target): (Vec<f32>, Vec<f32>) = test
         .iter()
-        .flat_map(|s| factors.project(&s.latent).into_iter().zip(s.rgb.iter().copied()))
+        .flat_map(|s| {
+            factors
+                .project(&s.latent)
+                .into_iter()
+                .zip(s.rgb.iter().copied())
+        })
         .unzip();
     Ok((factors, quality(&pred, &target)))
 }
@@ -156,7 +161,9 @@ fn solve(mut a: Vec<f64>, mut b: Vec<[f64; 3]>, k: usize) -> Result<Vec<[f64; 3]
             .max_by(|&x, &y| a[x * k + col].abs().total_cmp(&a[y * k + col].abs()))
             .unwrap();
         if a[p * k + col].abs() < 1e-300 {
-            return Err(Error::Invalid("preview fit: the latents do not vary".into()));
+            return Err(Error::Invalid(
+                "preview fit: the latents do not vary".into(),
+            ));
         }
         for j in 0..k {
             a.swap(col * k + j, p * k + j);
@@ -215,7 +222,8 @@ pub fn downsample(planar: &[f32], width: usize, height: usize, f: usize) -> Vec<
     for c in 0..3 {
         for y in 0..h * f {
             for x in 0..w * f {
-                out[c * w * h + (y / f) * w + x / f] += planar[c * width * height + y * width + x] * inv;
+                out[c * w * h + (y / f) * w + x / f] +=
+                    planar[c * width * height + y * width + x] * inv;
             }
         }
     }
@@ -283,12 +291,8 @@ pub fn synthetic_images(count: usize, size: usize, seed: u64) -> Vec<Rgb8> {
     };
     (0..count)
         .map(|_| {
-            let waves: Vec<[f32; 6]> = (0..9)
-                .map(|_| std::array::from_fn(|_| next()))
-                .collect();
-            let shapes: Vec<[f32; 6]> = (0..3)
-                .map(|_| std::array::from_fn(|_| next()))
-                .collect();
+            let waves: Vec<[f32; 6]> = (0..9).map(|_| std::array::from_fn(|_| next())).collect();
+            let shapes: Vec<[f32; 6]> = (0..3).map(|_| std::array::from_fn(|_| next())).collect();
             let mut data = Vec::with_capacity(size * size * 3);
             for y in 0..size {
                 for x in 0..size {
@@ -296,7 +300,8 @@ pub fn synthetic_images(count: usize, size: usize, seed: u64) -> Vec<Rgb8> {
                     for c in 0..3 {
                         let mut val = 0.5f32;
                         for wv in &waves[3 * c..3 * c + 3] {
-                            let (fx, fy, ph, amp) = (wv[0] * 6.0, wv[1] * 6.0, wv[2] * 6.3, wv[3] * 0.35);
+                            let (fx, fy, ph, amp) =
+                                (wv[0] * 6.0, wv[1] * 6.0, wv[2] * 6.3, wv[3] * 0.35);
                             val += amp * (fx * u * 6.3 + fy * v * 6.3 + ph).sin();
                         }
                         for sh in &shapes {
@@ -346,7 +351,12 @@ mod tests {
             })
             .collect();
         let fit = PreviewFactors::fit(&samples, 4).unwrap();
-        for (a, b) in fit.weight.iter().flatten().zip(truth.weight.iter().flatten()) {
+        for (a, b) in fit
+            .weight
+            .iter()
+            .flatten()
+            .zip(truth.weight.iter().flatten())
+        {
             assert!((a - b).abs() < 1e-4, "{fit:?}");
         }
         for (a, b) in fit.bias.iter().zip(&truth.bias) {

@@ -226,7 +226,9 @@ fn openai_end(kind: &str, size: &str, view: Option<JobView>) -> Event {
         None => {
             let e = match view.and_then(|v| v.error) {
                 Some(e) => ApiError::from(e),
-                None => ApiError::from(crate::wire::WireError::internal("the job's result expired")),
+                None => {
+                    ApiError::from(crate::wire::WireError::internal("the job's result expired"))
+                }
             };
             let d = e.detail();
             let body = json!({"type": "error", "error": {"message": d.message, "type": d.code, "code": d.code}});

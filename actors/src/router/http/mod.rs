@@ -6,8 +6,8 @@
 mod adapters;
 mod admin;
 mod edits;
-mod events;
 pub mod error;
+mod events;
 mod extract;
 mod generations;
 pub mod inputs;

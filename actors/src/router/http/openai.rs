@@ -35,13 +35,13 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::error::{ApiError, ApiResult, ErrorBody, ErrorClass};
+use super::events::{events, Flavour};
 use super::extract::{body, parse, read_multipart};
 use super::generations::{check, start};
 use super::inputs::{
     check_cfg, check_guidance, check_seq_len, check_steps, default_seq_len, no_cfg,
     resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
 };
-use super::events::{events, Flavour};
 use super::respond::{joined, with_id};
 use crate::daemon::job_name;
 use crate::router::flow::defaults;
@@ -210,7 +210,9 @@ fn streamed(stream: bool, partial_images: Option<u32>, n: u32) -> ApiResult<Opti
         }
         (false, _) => Ok(None),
         (true, 1) => Ok(Some(Streamed { partials })),
-        (true, _) => Err(ApiError::bad("`stream` takes one image a request (`n` = 1)")),
+        (true, _) => Err(ApiError::bad(
+            "`stream` takes one image a request (`n` = 1)",
+        )),
     }
 }
 
@@ -359,7 +361,9 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             true_cfg_scale: defaults::TRUE_CFG_SCALE,
         };
         let steps = input.steps.unwrap_or(0);
-        let previews = f.stream.map_or(Previews::None, |s| Previews::Count(s.partials));
+        let previews = f
+            .stream
+            .map_or(Previews::None, |s| Previews::Count(s.partials));
         let keep = f.stream.is_some();
         tasks.push(submit(
             &ctx,

@@ -4,7 +4,6 @@
 
 use std::sync::Arc;
 
-
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;

@@ -178,15 +178,24 @@ impl Jobs {
     /// The preview interval of the job's request, for its steps as the table knows
     /// them by now (0: none).
     pub async fn preview_every(&self, id: JobId) -> u32 {
-        self.ask(|p| JobsMsg::PreviewEvery(id, p)).await.unwrap_or(0)
+        self.ask(|p| JobsMsg::PreviewEvery(id, p))
+            .await
+            .unwrap_or(0)
     }
     /// The job as it is, and a channel of its events from here on; `None` for an
     /// unknown job.
     pub async fn watch(&self, id: JobId) -> Option<Watched> {
         self.ask(|p| JobsMsg::Watch(id, p)).await.flatten()
     }
-    async fn ask<T: Send + 'static>(&self, m: impl FnOnce(RpcReplyPort<T>) -> JobsMsg) -> Option<T> {
-        self.0.call(m, None).await.ok().and_then(|r| r.success_or(()).ok())
+    async fn ask<T: Send + 'static>(
+        &self,
+        m: impl FnOnce(RpcReplyPort<T>) -> JobsMsg,
+    ) -> Option<T> {
+        self.0
+            .call(m, None)
+            .await
+            .ok()
+            .and_then(|r| r.success_or(()).ok())
     }
     pub fn stage(&self, id: JobId, s: JobStatus, worker: Option<ActorCell>) {
         let _ = self.0.cast(JobsMsg::Stage(id, s, worker));
@@ -358,7 +367,10 @@ impl Actor for JobsActor {
                 }
             }
             JobsMsg::PreviewEvery(id, reply) => {
-                let every = t.jobs.get(&id).map_or(0, |j| j.previews.every(j.view.steps));
+                let every = t
+                    .jobs
+                    .get(&id)
+                    .map_or(0, |j| j.previews.every(j.view.steps));
                 let _ = reply.send(every);
             }
             JobsMsg::Watch(id, reply) => {
@@ -479,7 +491,10 @@ mod tests {
         assert_eq!(seen, [Some(1), Some(0)]);
         jobs.stage(3, JobStatus::Denoising, None);
         let e = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await;
-        assert!(matches!(e, Ok(Some(JobEvent::Status(JobStatus::Denoising, None)))), "{e:?}");
+        assert!(
+            matches!(e, Ok(Some(JobEvent::Status(JobStatus::Denoising, None)))),
+            "{e:?}"
+        );
     }
 
     /// `partial_images` of n gives at most n previews before the last step (OpenAI
