@@ -276,6 +276,29 @@ fn the_playground_page_asks_for_the_token_the_api_wants() {
         v["steps"], true,
         "a template edit takes the template's steps"
     );
+    // Registering the uploaded image as a template, with the kept token.
+    b.send_keys("#image-file", case("e2e_input.png").to_str().unwrap());
+    wait_js(
+        &b,
+        "return document.getElementById('before').naturalWidth === 64",
+        "the uploaded image",
+        Duration::from_secs(30),
+    );
+    b.send_keys("#template-id", "mine");
+    b.click("#template-register");
+    wait_js(
+        &b,
+        "return [...document.getElementById('template-select').options].some(o => o.value === 'mine')",
+        "the registered template in the list",
+        Duration::from_secs(60),
+    );
+    let r = d
+        .http
+        .get(format!("{}/v1/templates/mine", d.url))
+        .bearer_auth(TOKEN)
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
     b.screenshot(&screenshots_dir().join("token.png"));
 }
 
