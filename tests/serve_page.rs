@@ -280,8 +280,9 @@ fn the_playground_page_asks_for_the_token_the_api_wants() {
     b.send_keys("#image-file", case("e2e_input.png").to_str().unwrap());
     wait_js(
         &b,
-        "return document.getElementById('before').naturalWidth === 64",
-        "the uploaded image",
+        "return document.getElementById('before').naturalWidth === 64 \
+         && document.getElementById('template-select').value === ''",
+        "the uploaded image, in place of the template",
         Duration::from_secs(30),
     );
     b.send_keys("#template-id", "mine");

@@ -103,6 +103,7 @@ async function onImageFile(file) {
   setSource({ image: png.split(",")[1], template: null, width: img.naturalWidth, height: img.naturalHeight });
   $("image-canvas").getContext("2d").drawImage(img, 0, 0);
   $("before").src = png;
+  $("template-select").value = ""; // the upload is the source now, not a template
   $("source-info").textContent = `${file.name}: ${img.naturalWidth}x${img.naturalHeight}`;
 }
 
