@@ -15,6 +15,7 @@ mod jobs;
 mod openai;
 pub mod openapi;
 mod ops;
+mod page;
 pub mod respond;
 mod routes;
 mod templates;

@@ -22,6 +22,8 @@ pub fn app(ctx: Arc<Ctx>) -> Router {
     let (routes, doc) = super::openapi::table().split_for_parts();
     super::openapi::serve(doc);
     routes
+        // The playground page: public static files, not part of the API's document.
+        .merge(super::page::router())
         .method_not_allowed_fallback(|| async {
             ApiError::new(
                 StatusCode::METHOD_NOT_ALLOWED,
