@@ -306,7 +306,11 @@ function setProgress(step, steps) {
 }
 
 function onEvent(name, data) {
-  if (name === "status") say(data.status + "…");
+  if (name === "status") {
+    // While it waits, `ahead` is its place in the queue.
+    const ahead = data.ahead ? ` (${data.ahead} ahead in the queue)` : "";
+    say(data.status + "…" + ahead);
+  }
   else if (name === "step") {
     setProgress(data.step, data.steps);
     say(`denoising: step ${data.step}/${data.steps} (${data.elapsed_s.toFixed(1)} s)`);
