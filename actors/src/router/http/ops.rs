@@ -59,7 +59,10 @@ pub(crate) async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
         .collect();
     // Worker slots the supervisor gave up restarting (crash loops), with the reason.
     let failed = crate::daemon::SupervisorStatus::read(&ctx.status_file).failed;
-    let mut body = json!({"ready": ready, "workers": detail, "processes": processes});
+    // The requests admitted and not yet answered, against the limit (a 429 beyond it).
+    let queue = json!({"in_flight": ctx.admission.in_flight(), "limit": ctx.admission.limit()});
+    let mut body =
+        json!({"ready": ready, "workers": detail, "processes": processes, "queue": queue});
     if draining {
         body["draining"] = json!(true);
     }

@@ -68,6 +68,10 @@ impl Admission {
     }
 
     /// Units (flows) admitted and not yet finished.
+    /// `[server] max_queued_requests`.
+    pub fn limit(&self) -> usize {
+        self.0.limit
+    }
     pub fn in_flight(&self) -> usize {
         self.0.in_flight.load(Ordering::Acquire)
     }

@@ -65,7 +65,8 @@ async function showServer() {
       .map(([g, w]) => `${g.replace("denoised.", "")} ${w.live}/${w.want}`).join(", ");
     const devices = (s.processes || []).map((p) => `${p.name}: ${p.device}`).join(", ");
     const failed = Object.keys(s.failed || {}).length ? " — failed: " + Object.keys(s.failed).join(", ") : "";
-    $("server").textContent = `${s.ready ? "ready" : "not ready"} · workers ${groups} · ${devices}${failed}`;
+    const q = s.queue ? ` · requests ${s.queue.in_flight}/${s.queue.limit}` : "";
+    $("server").textContent = `${s.ready ? "ready" : "not ready"} · workers ${groups} · ${devices}${q}${failed}`;
   } catch (e) {
     $("server").textContent = "server unreachable";
   }
