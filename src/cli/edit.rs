@@ -365,7 +365,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     let cfg = a.true_cfg.prepare(&p, c.max_sequence_length, &mut t)?;
     let schedule = p.schedule(steps, image.width, image.height)?;
     let size = (image.width, image.height);
-    let preview = PreviewFile::new(c.preview.as_deref(), &c.model, size, p.vae_scale_factor())?;
+    let preview = PreviewFile::new(c.preview.as_deref(), &c.model, &p.vae, size)?;
     let control = |active: Option<Vec<u32>>| {
         let size = (c.seed, image.width, image.height);
         let cn = &a.controlnet;
@@ -484,7 +484,7 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
             .with_mode(a.cache_mode.parse()?);
     let mode = Mode::Capture(TemplateCache::new(layout)?);
     let size = (image.width, image.height);
-    let preview = PreviewFile::new(c.preview.as_deref(), &c.model, size, p.vae_scale_factor())?;
+    let preview = PreviewFile::new(c.preview.as_deref(), &c.model, &p.vae, size)?;
     let (latents, cache) = denoise(
         &mut placed,
         &prepared.inputs,

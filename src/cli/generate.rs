@@ -139,7 +139,7 @@ pub fn run(a: GenerateArgs) -> CliResult {
     let mode = Mode::Full;
     let extra = (&lora.uses[..], cfg.as_ref(), control);
     let size = (opts.width, opts.height);
-    let preview = PreviewFile::new(a.preview.as_deref(), &a.model, size, p.vae_scale_factor())?;
+    let preview = PreviewFile::new(a.preview.as_deref(), &a.model, &p.vae, size)?;
     let latents = denoise(
         &mut placed,
         &prepared.inputs,

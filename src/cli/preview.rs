@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use denoised_models::pipeline::flux_fill::load_vae;
 use denoised_models::pipeline::image::{encode_jpeg, encode_png};
 use denoised_models::pipeline::preview::{fit_vae, PreviewFactors};
-use denoised_models::vae::VaeHalves;
+use denoised_models::vae::{AutoencoderKL, VaeHalves};
 use denoised_models::ModelSource;
 use denoised_runtime::Tensor;
 
@@ -22,13 +22,15 @@ pub(super) struct PreviewFile {
 }
 
 impl PreviewFile {
-    /// For an image of `width x height` (pixels) of `model`, whose VAE scales by
-    /// `vae_factor`: the factors are fitted to its VAE first (2 s for the built-in model's, 17 s for a FLUX.1-size VAE on 2 cores).
+    /// For an image of `width x height` (pixels) of `model`: the factors are fitted to
+    /// its VAE first (2 s for the built-in model's, 17 s for a FLUX.1-size VAE on 2
+    /// cores): `vae`, the pipeline's, when it holds both halves (a Fill model's), else
+    /// both loaded for the fit (a text-to-image pipeline loads no encoder).
     pub fn new(
         path: Option<&Path>,
         model: &ModelSource,
+        vae: &AutoencoderKL,
         (width, height): (usize, usize),
-        vae_factor: usize,
     ) -> CliResult<Option<PreviewFile>> {
         let Some(path) = path else { return Ok(None) };
         let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
@@ -37,7 +39,16 @@ impl PreviewFile {
             "jpg" | "jpeg" => true,
             _ => return Err(format!("--preview {}: a .png or .jpg file", path.display()).into()),
         };
-        let (factors, q) = fit_vae(&load_vae(model, VaeHalves::BOTH)?)?;
+        let loaded;
+        let vae = match vae.halves() {
+            VaeHalves::BOTH => vae,
+            _ => {
+                loaded = load_vae(model, VaeHalves::BOTH)?;
+                &loaded
+            }
+        };
+        let vae_factor = vae.config().vae_scale_factor();
+        let (factors, q) = fit_vae(vae)?;
         tracing::info!(
             "preview factors: PSNR {:.1} dB, correlation {:.3} against the decoder",
             q.psnr_db,

@@ -42,6 +42,15 @@ impl<E: Exec> GpuBackend<E> {
         if from == 0 || from == m {
             return self.gemm(x, 0..k, w, None, b, from == 0);
         }
+        // With fp8 weights both parts read x in fp8: quantised once, here.
+        let quantised;
+        let x = match w.row_scales {
+            0 => x,
+            _ => {
+                quantised = self.quantize_rows(x, 0..k)?;
+                &quantised
+            }
+        };
         let out = self.empty(vec![x.rows(), m])?;
         self.gemm_into(x, 0..k, w, Some(0..from), b, false, (&out, 0))?;
         self.gemm_into(x, 0..k, w, Some(from..m), b, true, (&out, from))?;
@@ -52,7 +61,7 @@ impl<E: Exec> GpuBackend<E> {
     /// `w` (all of them, or a row block: the weight is `[out, in]` row-major, so a
     /// block of outputs is read in place at an offset), with the bias and GELU
     /// epilogues, written to `out.0` from its column `out.1` on. An fp8 weight runs
-    /// the fp8 GEMM (with the single block's split, x is quantised once per part).
+    /// the fp8 GEMM, on x quantised here unless it already is (fp8 rows).
     #[allow(clippy::too_many_arguments)]
     fn gemm_into(
         &self,
@@ -106,12 +115,18 @@ impl<E: Exec> GpuBackend<E> {
         // output channels is an offset into the bytes and into the scales.
         let quantised;
         if w.row_scales != 0 {
-            quantised = self.quantize_rows(x, cols)?;
-            g.x = quantised.addr;
+            let q = match x.row_scales {
+                0 => {
+                    quantised = self.quantize_rows(x, cols)?;
+                    &quantised
+                }
+                _ => x,
+            };
+            g.x = q.addr;
             g.ldx = k;
             g.w = w.addr + (outs.start * k) as u64;
             g.fp8 = Some(Fp8Scales {
-                x: quantised.row_scales,
+                x: q.row_scales,
                 w: w.row_scales + 4 * outs.start as u64,
             });
         }

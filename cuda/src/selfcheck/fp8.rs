@@ -100,6 +100,18 @@ pub(super) fn check_fp8_linear<E: Exec>(
         &want,
     );
 
+    // GELU from an output column on: the single block's split GEMM, x quantised once
+    // for both parts.
+    let want = cpu.linear_gelu(&x, &wc, Some(&b), 7)?;
+    let got = gpu.linear_gelu(&xg, &wg, Some(&bg), 7)?;
+    close(
+        out,
+        "fp8 linear+bias, gelu_tanh from column 7",
+        dt,
+        &gpu.download(&got)?,
+        &want,
+    );
+
     let want = cpu.linear_out(&x, &wc, Some(&b), 5..19)?;
     let got = gpu.linear_out(&xg, &wg, Some(&bg), 5..19)?;
     close(out, "fp8 linear_out+bias", dt, &gpu.download(&got)?, &want);

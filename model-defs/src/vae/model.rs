@@ -61,6 +61,14 @@ impl AutoencoderKL {
         Ok(AutoencoderKL { config, weights })
     }
 
+    /// The halves this VAE holds.
+    pub fn halves(&self) -> VaeHalves {
+        VaeHalves {
+            encoder: self.weights.encoder.is_some(),
+            decoder: self.weights.decoder.is_some(),
+        }
+    }
+
     /// A VAE with deterministic random weights (see `weights::SeededVae` for the
     /// distributions).
     pub fn seeded(config: VaeConfig, seed: u64) -> Result<Self> {
