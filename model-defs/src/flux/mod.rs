@@ -7,6 +7,7 @@
 //! - [`edit`]: jobs and the batched step; [`slabs`]: where edits read cached slabs from.
 
 pub mod adapters;
+pub mod bfl;
 pub mod config;
 pub mod control_feed;
 pub mod controlnet;
