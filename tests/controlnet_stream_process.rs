@@ -42,7 +42,7 @@ struct Setup {
 }
 
 fn setup() -> Setup {
-    let source = ModelSource::Dir(fixtures_dir().join("flux-dev-tiny"));
+    let source = ModelSource::dir(fixtures_dir().join("flux-dev-tiny"));
     let fill = FluxFill::load(&source, CpuBackend::new()).unwrap();
     let opts = GenerateOptions {
         steps: STEPS,

@@ -124,13 +124,11 @@ pub struct WorkerEnv {
 impl WorkerEnv {
     pub const VAR: &'static str = "DENOISED_WORKER_ENV";
 
-    /// `[model] source` (parsing cannot fail: any other string is a directory).
+    /// `[model]`: the source and its single-file components (checked by `denoised
+    /// serve` before any worker starts).
     pub fn model_source(&self) -> denoised_models::ModelSource {
-        self.config
-            .model
-            .source
-            .parse()
-            .unwrap_or_else(|e| match e {})
+        denoised_models::ModelSource::from_config(&self.config.model)
+            .expect("[model] was checked when the daemon started")
     }
 
     pub fn from_env() -> Result<Self, String> {

@@ -406,7 +406,7 @@ mod tests {
         ];
         for (role, dropped, want) in cases {
             let dir = model_without(&dropped);
-            let source = ModelSource::Dir(dir.path().to_path_buf());
+            let source = ModelSource::dir(dir.path());
             let p = FluxFill::load_parts(&source, CpuBackend::new(), role_parts(role, true))
                 .unwrap_or_else(|e| panic!("{role} opened another role's files: {e}"));
             assert_eq!(names(&p), want, "{role}");

@@ -2,12 +2,19 @@
 //!
 //! The built-in model has the fixture model's config and deterministic seeded weights,
 //! so the daemon and every CLI command run on a fresh machine with no model files.
+//!
+//! A directory's transformer, VAE and T5 can each come from a single file instead
+//! ([`ComponentFiles`]: `--transformer`, `--vae`, `--text-encoder-2`): the files most
+//! FLUX users hold (BFL's single files, fp8 files, GGUF quantisations). The directory
+//! still gives the tokenizers, CLIP, the scheduler, and the config fields a file's
+//! shapes cannot tell.
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use denoised_runtime::{Backend, Error, Result};
 
+use crate::flux::single_file::TransformerFile;
 use crate::flux::{FluxConfig, FluxTransformer};
 
 /// Seed of the built-in model's weights. Changing it changes every built-in output.
@@ -26,8 +33,33 @@ pub enum ModelSource {
     /// `builtin:flux-small-t2i`: `builtin:flux-small` as a text-to-image pipeline.
     BuiltinSmallT2i,
     /// A diffusers pipeline directory (with `transformer/`) or a transformer
-    /// directory itself.
-    Dir(PathBuf),
+    /// directory itself, and the components single files replace.
+    Dir(ModelDir),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelDir {
+    pub root: PathBuf,
+    pub files: ComponentFiles,
+}
+
+/// Single files that replace a directory's components (`[model] transformer`, `vae`,
+/// `text_encoder_2`; the CLI's `--transformer`, `--vae`, `--text-encoder-2`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ComponentFiles {
+    /// A FLUX transformer: BFL or diffusers layout, safetensors (bf16, f16, f32, fp8)
+    /// or GGUF.
+    pub transformer: Option<PathBuf>,
+    /// An AutoencoderKL: BFL's `ae.safetensors` or a diffusers-layout file.
+    pub vae: Option<PathBuf>,
+    /// A T5 encoder: safetensors in transformers' layout, or GGUF.
+    pub text_encoder_2: Option<PathBuf>,
+}
+
+impl ComponentFiles {
+    pub fn is_empty(&self) -> bool {
+        self == &ComponentFiles::default()
+    }
 }
 
 impl FromStr for ModelSource {
@@ -42,7 +74,7 @@ impl FromStr for ModelSource {
         } else if s == "builtin:flux-small-t2i" {
             ModelSource::BuiltinSmallT2i
         } else {
-            ModelSource::Dir(PathBuf::from(s))
+            ModelSource::dir(s)
         })
     }
 }
@@ -54,7 +86,20 @@ impl std::fmt::Display for ModelSource {
             ModelSource::BuiltinSmall => write!(f, "builtin:flux-small"),
             ModelSource::BuiltinT2i => write!(f, "builtin:t2i"),
             ModelSource::BuiltinSmallT2i => write!(f, "builtin:flux-small-t2i"),
-            ModelSource::Dir(p) => write!(f, "{}", p.display()),
+            ModelSource::Dir(d) => {
+                write!(f, "{}", d.root.display())?;
+                let files = &d.files;
+                for (what, p) in [
+                    ("transformer", &files.transformer),
+                    ("vae", &files.vae),
+                    ("text_encoder_2", &files.text_encoder_2),
+                ] {
+                    if let Some(p) = p {
+                        write!(f, " ({what} {})", p.display())?;
+                    }
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -84,6 +129,45 @@ pub fn transformer_dir(dir: &Path) -> Result<PathBuf> {
 }
 
 impl ModelSource {
+    /// A diffusers directory with no component replaced.
+    pub fn dir(root: impl Into<PathBuf>) -> Self {
+        ModelSource::Dir(ModelDir {
+            root: root.into(),
+            files: ComponentFiles::default(),
+        })
+    }
+
+    /// This source with `files` replacing its components. Only a directory's can be
+    /// replaced: it gives the tokenizers, CLIP and the scheduler a file does not.
+    pub fn with_files(self, files: ComponentFiles) -> Result<Self> {
+        match self {
+            _ if files.is_empty() => Ok(self),
+            ModelSource::Dir(d) => Ok(ModelSource::Dir(ModelDir { files, ..d })),
+            builtin => Err(Error::Invalid(format!(
+                "single-file components ({files:?}) need a model directory (--model DIR: it gives the tokenizers, CLIP and the scheduler), not `{builtin}`"
+            ))),
+        }
+    }
+
+    /// `[model]` of config.toml: `source` and its single-file components.
+    pub fn from_config(m: &denoised_runtime::config::ModelConfig) -> Result<Self> {
+        let file = |s: &String| (!s.is_empty()).then(|| PathBuf::from(s));
+        let source: ModelSource = m.source.parse().unwrap_or_else(|e| match e {});
+        source.with_files(ComponentFiles {
+            transformer: file(&m.transformer),
+            vae: file(&m.vae),
+            text_encoder_2: file(&m.text_encoder_2),
+        })
+    }
+
+    /// The directory, for a directory source.
+    pub fn model_dir(&self) -> Option<&ModelDir> {
+        match self {
+            ModelSource::Dir(d) => Some(d),
+            _ => None,
+        }
+    }
+
     /// Whether it is one of the seeded models at benchmark scale (`flux-small`), whose
     /// encoders and VAE are CLIP-L, a T5 of width 768 and FLUX.1's VAE; the tiny
     /// built-ins take the fixture model's. `None` for a directory.
@@ -108,59 +192,90 @@ impl ModelSource {
                 Ok(format!("seeded-flux-small-t2i-{BUILTIN_SEED:016x}"))
             }
             ModelSource::Dir(d) => {
-                let t = transformer_dir(d)?;
                 let mut h = crc32fast::Hasher::new();
-                let mut files: Vec<PathBuf> = std::fs::read_dir(&t)
-                    .map_err(|e| Error::io(&t, e))?
-                    .filter_map(|e| e.ok().map(|e| e.path()))
-                    .filter(|p| {
-                        p.extension()
-                            .is_some_and(|x| x == "safetensors" || x == "json")
-                    })
-                    .collect();
-                files.sort();
-                const EDGE: u64 = 64 * 1024;
-                for f in files {
-                    use std::io::{Read, Seek, SeekFrom};
-                    let mut file = std::fs::File::open(&f).map_err(|e| Error::io(&f, e))?;
-                    let len = file.metadata().map_err(|e| Error::io(&f, e))?.len();
-                    h.update(f.file_name().unwrap_or_default().as_encoded_bytes());
-                    h.update(&len.to_le_bytes());
-                    let mut buf = vec![0u8; EDGE.min(len) as usize];
-                    file.read_exact(&mut buf).map_err(|e| Error::io(&f, e))?;
-                    h.update(&buf);
-                    if len > EDGE {
-                        // The tail, not overlapping the head.
-                        let tail = EDGE.min(len - EDGE);
-                        file.seek(SeekFrom::Start(len - tail))
-                            .map_err(|e| Error::io(&f, e))?;
-                        buf.resize(tail as usize, 0);
-                        file.read_exact(&mut buf).map_err(|e| Error::io(&f, e))?;
-                        h.update(&buf);
+                let mut files: Vec<PathBuf> = match &d.files.transformer {
+                    Some(f) => vec![f.clone()],
+                    None => {
+                        let t = transformer_dir(&d.root)?;
+                        std::fs::read_dir(&t)
+                            .map_err(|e| Error::io(&t, e))?
+                            .filter_map(|e| e.ok().map(|e| e.path()))
+                            .filter(|p| {
+                                p.extension()
+                                    .is_some_and(|x| x == "safetensors" || x == "json")
+                            })
+                            .collect()
                     }
+                };
+                files.sort();
+                for f in files {
+                    hash_file_edges(&mut h, &f)?;
                 }
                 Ok(format!("dir-{:08x}", h.finalize()))
             }
         }
     }
 
-    /// The transformer's config, without its weights.
+    /// The transformer's config, without its weights (a single file's header is read
+    /// for its shapes).
     pub fn transformer_config(&self) -> Result<FluxConfig> {
         match self {
             ModelSource::Builtin => Ok(FluxConfig::tiny()),
             ModelSource::BuiltinSmall => Ok(FluxConfig::small()),
             ModelSource::BuiltinT2i => Ok(FluxConfig::tiny().text_to_image()),
             ModelSource::BuiltinSmallT2i => Ok(FluxConfig::small().text_to_image()),
-            ModelSource::Dir(d) => FluxConfig::from_file(transformer_dir(d)?.join("config.json")),
+            ModelSource::Dir(d) => match &d.files.transformer {
+                Some(f) => Ok(TransformerFile::open(f, d.transformer_hint().as_ref())?.config),
+                None => FluxConfig::from_file(transformer_dir(&d.root)?.join("config.json")),
+            },
         }
     }
 
     pub fn load_transformer<B: Backend>(&self, backend: B) -> Result<FluxTransformer<B>> {
         match self {
-            ModelSource::Dir(d) => FluxTransformer::load(backend, transformer_dir(d)?),
+            ModelSource::Dir(d) => match &d.files.transformer {
+                Some(f) => {
+                    let file = TransformerFile::open(f, d.transformer_hint().as_ref())?;
+                    FluxTransformer::from_source(backend, file.config.clone(), Box::new(file))
+                }
+                None => FluxTransformer::load(backend, transformer_dir(&d.root)?),
+            },
             _ => FluxTransformer::seeded(backend, self.transformer_config()?, BUILTIN_SEED),
         }
     }
+}
+
+impl ModelDir {
+    /// The directory's own transformer config, if it has one: what a single file's
+    /// shapes cannot tell (its RoPE axes).
+    pub fn transformer_hint(&self) -> Option<FluxConfig> {
+        let dir = transformer_dir(&self.root).ok()?;
+        FluxConfig::from_file(dir.join("config.json")).ok()
+    }
+}
+
+/// Hashes a file's name, size, and first and last 64 KiB: cheap on a 24 GB checkpoint,
+/// and different for a fine-tune.
+fn hash_file_edges(h: &mut crc32fast::Hasher, f: &Path) -> Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    const EDGE: u64 = 64 * 1024;
+    let mut file = std::fs::File::open(f).map_err(|e| Error::io(f, e))?;
+    let len = file.metadata().map_err(|e| Error::io(f, e))?.len();
+    h.update(f.file_name().unwrap_or_default().as_encoded_bytes());
+    h.update(&len.to_le_bytes());
+    let mut buf = vec![0u8; EDGE.min(len) as usize];
+    file.read_exact(&mut buf).map_err(|e| Error::io(f, e))?;
+    h.update(&buf);
+    if len > EDGE {
+        // The tail, not overlapping the head.
+        let tail = EDGE.min(len - EDGE);
+        file.seek(SeekFrom::Start(len - tail))
+            .map_err(|e| Error::io(f, e))?;
+        buf.resize(tail as usize, 0);
+        file.read_exact(&mut buf).map_err(|e| Error::io(f, e))?;
+        h.update(&buf);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -169,7 +284,7 @@ mod tests {
 
     #[test]
     fn fingerprints_tell_models_apart() {
-        let fixture = ModelSource::Dir(denoised_runtime::fixtures::tiny_model_dir());
+        let fixture = ModelSource::dir(denoised_runtime::fixtures::tiny_model_dir());
         let a = fixture.fingerprint().unwrap();
         assert_eq!(a, fixture.fingerprint().unwrap(), "stable");
         assert_ne!(a, ModelSource::Builtin.fingerprint().unwrap());
@@ -184,7 +299,7 @@ mod tests {
             std::fs::copy(&p, t.join(p.file_name().unwrap())).unwrap();
         }
         assert_eq!(
-            ModelSource::Dir(dir.path().into()).fingerprint().unwrap(),
+            ModelSource::dir(dir.path()).fingerprint().unwrap(),
             a,
             "same bytes, same fingerprint"
         );
@@ -194,7 +309,7 @@ mod tests {
         bytes[n - 10] ^= 0x40;
         std::fs::write(&shard, bytes).unwrap();
         assert_ne!(
-            ModelSource::Dir(dir.path().into()).fingerprint().unwrap(),
+            ModelSource::dir(dir.path()).fingerprint().unwrap(),
             a
         );
     }

@@ -59,7 +59,7 @@ impl Case {
         )
         .unwrap();
         let dir = fixtures_dir().join(meta["model_dir"].as_str().unwrap());
-        let source = ModelSource::Dir(dir.clone());
+        let source = ModelSource::dir(dir.clone());
         let fill = FluxFill::load(&source, CpuBackend::new()).unwrap();
         let m = fill.shared_transformer().unwrap();
         let f =

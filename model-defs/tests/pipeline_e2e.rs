@@ -23,7 +23,7 @@ fn cols(t: &Tensor, range: std::ops::Range<usize>) -> Tensor {
 #[test]
 fn end_to_end_matches_diffusers() {
     let case = RefCase::open("e2e").unwrap();
-    let mut p = FluxFill::load(&ModelSource::Dir(tiny_model_dir()), CpuBackend::new()).unwrap();
+    let mut p = FluxFill::load(&ModelSource::dir(tiny_model_dir()), CpuBackend::new()).unwrap();
     // Torch's own sinusoid frequencies, so the strict tier applies (see the
     // transformer tests); the suggested tier holds without them too.
     p.transformer_mut()
@@ -127,7 +127,7 @@ fn end_to_end_matches_diffusers() {
 #[test]
 fn paste_back_keeps_every_unmasked_pixel() {
     let case = RefCase::open("e2e").unwrap();
-    let p = FluxFill::load(&ModelSource::Dir(tiny_model_dir()), CpuBackend::new()).unwrap();
+    let p = FluxFill::load(&ModelSource::dir(tiny_model_dir()), CpuBackend::new()).unwrap();
     let image = decode_image(&read("e2e_input.png"), &p.limits).unwrap();
     let mask = decode_mask(&read("e2e_mask.png"), 64, 64, &p.limits).unwrap();
     let opts = EditOptions {

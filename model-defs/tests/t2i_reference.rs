@@ -87,7 +87,7 @@ fn text_to_image_loop_matches_diffusers_flux_pipeline() {
         // The pipeline directory as FluxPipeline saved it: its kind is read from the
         // transformer's channels; its encoders, tokenizers and VAE are the Fill
         // fixture's.
-        let fill = FluxFill::load(&ModelSource::Dir(dir.clone()), CpuBackend::new()).unwrap();
+        let fill = FluxFill::load(&ModelSource::dir(dir.clone()), CpuBackend::new()).unwrap();
         assert_eq!(fill.kind, PipelineKind::TextToImage);
         let m = fill.shared_transformer().unwrap();
         let m = &*m;

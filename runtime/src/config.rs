@@ -419,12 +419,22 @@ pub struct ClusterConfig {
 pub struct ModelConfig {
     /// A diffusers model directory, or `builtin`.
     pub source: String,
+    /// A single file in place of the directory's transformer: BFL's
+    /// `flux1-fill-dev.safetensors`, an fp8 file, a GGUF quantisation. Empty: none.
+    pub transformer: String,
+    /// A single file in place of the directory's VAE (BFL's `ae.safetensors`).
+    pub vae: String,
+    /// A single file in place of the directory's T5 (safetensors or GGUF).
+    pub text_encoder_2: String,
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig {
             source: "builtin".into(),
+            transformer: String::new(),
+            vae: String::new(),
+            text_encoder_2: String::new(),
         }
     }
 }

@@ -40,6 +40,10 @@ pub enum Error {
     UnsupportedDType { name: String, dtype: String },
     #[error("{dir}: unexpected tensors not used by this model config: {names}")]
     UnexpectedTensors { dir: PathBuf, names: String },
+    /// A checkpoint file whose contents do not make a model: unknown keys, a layout
+    /// that is not recognised, a config its shapes cannot give.
+    #[error("{path}: {reason}")]
+    BadCheckpoint { path: PathBuf, reason: String },
     #[error("{path}: not a usable LoRA: {reason}")]
     BadAdapter { path: PathBuf, reason: String },
     #[error("shape error in {op}: {reason}")]

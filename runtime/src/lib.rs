@@ -7,6 +7,7 @@
 //! actors in `denoised-actors`.
 
 pub mod backend;
+pub mod checkpoint;
 pub mod config;
 pub mod cpu;
 pub mod direct;

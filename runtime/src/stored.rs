@@ -88,6 +88,66 @@ impl<'a> Stored<'a> {
     }
 }
 
+impl<'a> Stored<'a> {
+    /// Rows `r` of the first dimension: borrowed from the same buffer as `self` when
+    /// that is borrowed (a mapped file), else copied.
+    pub fn rows(&self, r: std::ops::Range<usize>) -> Result<Stored<'a>> {
+        let rows = self.shape.first().copied().unwrap_or(0);
+        if r.start > r.end || r.end > rows {
+            return Err(Error::shape(
+                "Stored::rows",
+                format!("`{}`: rows {r:?} of {rows}", self.name),
+            ));
+        }
+        let row_bytes = self.bytes.len() / rows.max(1);
+        let mut shape = self.shape.clone();
+        shape[0] = r.len();
+        Ok(Stored {
+            name: self.name.clone(),
+            shape,
+            dtype: self.dtype,
+            bytes: match &self.bytes {
+                Cow::Borrowed(b) => Cow::Borrowed(&b[r.start * row_bytes..r.end * row_bytes]),
+                Cow::Owned(v) => Cow::Owned(v[r.start * row_bytes..r.end * row_bytes].to_vec()),
+            },
+        })
+    }
+
+    /// A per-tensor scale (fp8 weights only).
+    pub fn with_scale(self, _scale: f32) -> Result<Self> {
+        Err(Error::UnsupportedDType {
+            name: self.name,
+            dtype: format!("{:?} with a scale", self.dtype),
+        })
+    }
+
+    /// `parts` stacked along the first dimension (one dtype), in an owned buffer.
+    pub fn concat_rows(parts: &[Stored<'_>]) -> Result<Stored<'static>> {
+        let first = parts
+            .first()
+            .ok_or_else(|| Error::Invalid("concat_rows of nothing".into()))?;
+        let mut shape = first.shape.clone();
+        shape[0] = 0;
+        let mut bytes = Vec::new();
+        for p in parts {
+            if p.dtype != first.dtype || p.shape[1..] != first.shape[1..] {
+                return Err(Error::shape(
+                    "Stored::concat_rows",
+                    format!("`{}` {:?} {:?} vs {:?} {:?}", p.name, p.shape, p.dtype, first.shape, first.dtype),
+                ));
+            }
+            shape[0] += p.shape[0];
+            bytes.extend_from_slice(&p.bytes);
+        }
+        Ok(Stored {
+            name: first.name.clone(),
+            shape,
+            dtype: first.dtype,
+            bytes: Cow::Owned(bytes),
+        })
+    }
+}
+
 fn check_float(name: &str, dtype: DType) -> Result<()> {
     match dtype {
         DType::F32 | DType::BF16 | DType::F16 => Ok(()),

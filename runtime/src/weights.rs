@@ -69,6 +69,11 @@ impl SafetensorsFile {
         &self.path
     }
 
+    /// Bytes of the tensor data (the file less its header).
+    pub fn data_bytes(&self) -> u64 {
+        (self.mmap.len() - self.data_start) as u64
+    }
+
     /// Drops this process's resident pages of the map, keeping it readable: a later
     /// read faults the same bytes back in from the file (the page cache). Tensors are
     /// read from the map once, while loading, and copied into the backend's layout;
@@ -364,19 +369,13 @@ impl WeightStore {
     /// a checkpoint for a different architecture or config.
     pub fn check_all_used<'a>(&self, used: impl IntoIterator<Item = &'a str>) -> Result<()> {
         let used: BTreeSet<&str> = used.into_iter().collect();
-        let mut extra: Vec<&str> = self.names().filter(|n| !used.contains(n)).collect();
+        let extra: Vec<&str> = self.names().filter(|n| !used.contains(n)).collect();
         if extra.is_empty() {
             return Ok(());
         }
-        extra.sort();
-        let more = if extra.len() > 5 {
-            format!(" (and {} more)", extra.len() - 5)
-        } else {
-            String::new()
-        };
         Err(Error::UnexpectedTensors {
             dir: self.dir.clone(),
-            names: format!("{}{more}", extra[..extra.len().min(5)].join(", ")),
+            names: crate::checkpoint::first_few(extra),
         })
     }
 }

@@ -41,6 +41,8 @@ pub struct Common {
     /// Model: a diffusers FLUX.1 Fill directory, or `builtin`.
     #[arg(long, env = "DENOISED_MODEL", default_value = "builtin")]
     pub model: ModelSource,
+    #[command(flatten)]
+    pub components: super::ComponentArgs,
     /// The prompt. Longer prompts are truncated to the encoders' maximum length, as
     /// diffusers does (with a warning).
     #[arg(long, default_value = "")]

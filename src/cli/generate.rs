@@ -53,6 +53,8 @@ pub struct GenerateArgs {
     /// `builtin:t2i` / `builtin:flux-small-t2i` (seeded, no files).
     #[arg(long, env = "DENOISED_MODEL", default_value = "builtin:t2i")]
     pub model: ModelSource,
+    #[command(flatten)]
+    pub components: super::ComponentArgs,
     /// The prompt. Longer prompts are truncated to the encoders' maximum length, as
     /// diffusers does (with a warning).
     #[arg(long)]

@@ -19,6 +19,7 @@ mod edit;
 mod footprint;
 mod forward;
 mod generate;
+mod inspect;
 mod preview;
 mod profile;
 mod profile_lora;
@@ -28,8 +29,11 @@ mod simulate;
 #[cfg(test)]
 mod tests;
 
+use std::path::PathBuf;
+
 use clap::{Parser, Subcommand};
 use denoised_cuda::{DeviceSpec, Resolved};
+use denoised_models::ModelSource;
 use denoised_runtime::CpuBackend;
 
 pub type CliResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
@@ -81,6 +85,9 @@ pub enum Command {
     Devices,
     /// Print the template cache size of models at a resolution (computed, not allocated).
     Footprint(footprint::Args),
+    /// Tell what a checkpoint file is: transformer, VAE, T5 or LoRA, its key layout,
+    /// stored types or quantisation, the config its shapes give, and its bytes.
+    Inspect(inspect::Args),
     /// Benchmarks and tools: time the parts, load-test a daemon, simulate a cluster.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -179,9 +186,19 @@ pub fn run(cli: Cli) -> CliResult {
     }
     match cli.command {
         Command::Serve(a) => serve::run_serve(a, cli.threads),
-        Command::Edit(a) => edit::run_edit(a),
-        Command::Generate(a) => generate::run(a),
-        Command::Template(TemplateCommand::Capture(a)) => edit::run_capture(a),
+        Command::Edit(mut a) => {
+            a.common.model = a.common.components.apply(a.common.model)?;
+            edit::run_edit(a)
+        }
+        Command::Generate(mut a) => {
+            a.model = a.components.apply(a.model)?;
+            generate::run(a)
+        }
+        Command::Template(TemplateCommand::Capture(mut a)) => {
+            a.common.model = a.common.components.apply(a.common.model)?;
+            edit::run_capture(a)
+        }
+        Command::Inspect(a) => inspect::run(a),
         Command::Profile(a) => profile::run(a),
         Command::Selftest(a) => selftest::run(a),
         Command::Devices => devices::run(),
@@ -222,6 +239,34 @@ pub struct DeviceArgs {
 pub enum Selected {
     Cpu,
     Cuda(Box<denoised_cuda::CudaExec>),
+}
+
+/// Single files in place of a model directory's components (`[model] transformer`,
+/// `vae`, `text_encoder_2` in config.toml).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ComponentArgs {
+    /// The transformer from one file: BFL's single file (`flux1-fill-dev.safetensors`),
+    /// an fp8 file, a GGUF quantisation, or a diffusers-layout file. `denoised inspect`
+    /// tells what a file is.
+    #[arg(long, env = "DENOISED_TRANSFORMER", value_name = "FILE")]
+    pub transformer: Option<PathBuf>,
+    /// The VAE from one file (BFL's `ae.safetensors`).
+    #[arg(long, env = "DENOISED_VAE", value_name = "FILE")]
+    pub vae: Option<PathBuf>,
+    /// The T5 encoder from one file (safetensors or GGUF).
+    #[arg(long = "text-encoder-2", env = "DENOISED_TEXT_ENCODER_2", value_name = "FILE")]
+    pub text_encoder_2: Option<PathBuf>,
+}
+
+impl ComponentArgs {
+    /// `model` with these files in place of its components.
+    pub fn apply(&self, model: ModelSource) -> CliResult<ModelSource> {
+        Ok(model.with_files(denoised_models::source::ComponentFiles {
+            transformer: self.transformer.clone(),
+            vae: self.vae.clone(),
+            text_encoder_2: self.text_encoder_2.clone(),
+        })?)
+    }
 }
 
 /// Device and dtype of the commands that run the transformer through the serving

@@ -18,6 +18,10 @@ pub struct ServeArgs {
     /// `builtin:flux-small`.
     #[arg(long, env = "DENOISED_MODEL")]
     pub model: Option<String>,
+    /// `[model] transformer`, `vae`, `text_encoder_2`: single files in place of the
+    /// directory's components.
+    #[command(flatten)]
+    pub components: super::ComponentArgs,
     /// `[server] listen`: address of the HTTP API (port 0 picks a free port; the
     /// chosen address is printed).
     #[arg(long, env = "DENOISED_LISTEN")]
@@ -108,6 +112,16 @@ impl ServeArgs {
         };
         if let Some(m) = &self.model {
             c.model.source = m.clone();
+        }
+        let path = |p: &PathBuf| p.display().to_string();
+        if let Some(p) = &self.components.transformer {
+            c.model.transformer = path(p);
+        }
+        if let Some(p) = &self.components.vae {
+            c.model.vae = path(p);
+        }
+        if let Some(p) = &self.components.text_encoder_2 {
+            c.model.text_encoder_2 = path(p);
         }
         if let Some(l) = &self.listen {
             c.server.listen = l.clone();
@@ -226,8 +240,11 @@ impl ServeArgs {
             return Err("[server] max_queued_requests must be at least 1".into());
         }
         // Fail here, with the path, rather than in every worker.
-        let source: denoised_models::ModelSource = c.model.source.parse()?;
+        let source = denoised_models::ModelSource::from_config(&c.model)?;
         source.fingerprint()?;
+        // A single file's header: its layout, config and keys are checked here too.
+        source.transformer_config()?;
+        denoised_models::pipeline::flux_fill::vae_config(&source)?;
         Ok(c)
     }
 }

@@ -23,6 +23,7 @@ mod packing;
 pub mod plan;
 pub mod request;
 pub mod slabs;
+pub mod single_file;
 pub mod stepper;
 pub mod template;
 pub mod template_file;

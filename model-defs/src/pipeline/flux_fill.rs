@@ -30,6 +30,7 @@ use crate::source::{ModelSource, BUILTIN_SEED};
 use crate::text::device::PromptEncoder;
 use crate::text::{ClipTextConfig, ClipTextModel, ClipTokenizer, T5Config, T5Encoder, T5Tokenizer};
 use crate::vae::sparse::Half;
+use crate::vae::single_file::VaeFile;
 use crate::vae::{AutoencoderKL, DenseCoder, VaeConfig, VaeHalves};
 
 /// Per-request options, with FluxFillPipeline's defaults.
@@ -273,8 +274,8 @@ pub(crate) fn text_configs(source: &ModelSource) -> Result<(ClipTextConfig, T5Co
         |what: &str, e: serde_json::Error| Error::Invalid(format!("built-in {what} config: {e}"));
     Ok(match source {
         ModelSource::Dir(d) => (
-            ClipTextConfig::from_file(d.join("text_encoder/config.json"))?,
-            T5Config::from_file(d.join("text_encoder_2/config.json"))?,
+            ClipTextConfig::from_file(d.root.join("text_encoder/config.json"))?,
+            T5Config::from_file(d.root.join("text_encoder_2/config.json"))?,
         ),
         _ if source.builtin_small() == Some(true) => (ClipTextConfig::clip_l(), small_t5()),
         _ => (
@@ -288,7 +289,7 @@ pub(crate) fn text_configs(source: &ModelSource) -> Result<(ClipTextConfig, T5Co
 pub fn scheduler_config(source: &ModelSource) -> Result<SchedulerConfig> {
     match source {
         ModelSource::Dir(d) => {
-            SchedulerConfig::from_file(d.join("scheduler/scheduler_config.json"))
+            SchedulerConfig::from_file(d.root.join("scheduler/scheduler_config.json"))
         }
         _ => Ok(SchedulerConfig::default()),
     }
@@ -297,7 +298,10 @@ pub fn scheduler_config(source: &ModelSource) -> Result<SchedulerConfig> {
 /// The VAE's config of `source`, without its weights.
 pub fn vae_config(source: &ModelSource) -> Result<VaeConfig> {
     match source {
-        ModelSource::Dir(d) => VaeConfig::from_file(d.join("vae/config.json")),
+        ModelSource::Dir(d) => match &d.files.vae {
+            Some(f) => Ok(VaeFile::open(f, vae_hint(&d.root).as_ref())?.config),
+            None => VaeConfig::from_file(d.root.join("vae/config.json")),
+        },
         _ if source.builtin_small() == Some(true) => Ok(VaeConfig::flux1()),
         _ => Ok(VaeConfig::tiny()),
     }
@@ -307,9 +311,18 @@ pub fn vae_config(source: &ModelSource) -> Result<VaeConfig> {
 /// seeded VAE as its pipeline builds it.
 pub fn load_vae(source: &ModelSource, halves: VaeHalves) -> Result<AutoencoderKL> {
     match source {
-        ModelSource::Dir(d) => AutoencoderKL::load_halves(d.join("vae"), halves),
+        ModelSource::Dir(d) => match &d.files.vae {
+            Some(f) => AutoencoderKL::load_file(f, vae_hint(&d.root).as_ref(), halves),
+            None => AutoencoderKL::load_halves(d.root.join("vae"), halves),
+        },
         builtin => AutoencoderKL::seeded_halves(vae_config(builtin)?, BUILTIN_SEED ^ 1, halves),
     }
+}
+
+/// The directory's own VAE config, if it has one: what a single file's shapes cannot
+/// tell (GroupNorm's groups, the latent scale and shift).
+fn vae_hint(root: &std::path::Path) -> Option<VaeConfig> {
+    VaeConfig::from_file(root.join("vae/config.json")).ok()
 }
 
 /// Files of the built-in model that cannot be generated from a seed: the configs and
@@ -363,11 +376,18 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         let (vae, text, scheduler) = match source {
             ModelSource::Dir(d) => {
                 let text = if parts.text {
+                    let t5 = match &d.files.text_encoder_2 {
+                        Some(f) => T5Encoder::load_file(
+                            f,
+                            T5Config::from_file(d.root.join("text_encoder_2/config.json"))?,
+                        )?,
+                        None => T5Encoder::load(d.root.join("text_encoder_2"))?,
+                    };
                     Some(TextEncoders {
-                        clip_tokenizer: ClipTokenizer::from_dir(d.join("tokenizer"))?,
-                        clip: Arc::new(ClipTextModel::load(d.join("text_encoder"))?),
-                        t5_tokenizer: T5Tokenizer::from_dir(d.join("tokenizer_2"))?,
-                        t5: Arc::new(T5Encoder::load(d.join("text_encoder_2"))?),
+                        clip_tokenizer: ClipTokenizer::from_dir(d.root.join("tokenizer"))?,
+                        clip: Arc::new(ClipTextModel::load(d.root.join("text_encoder"))?),
+                        t5_tokenizer: T5Tokenizer::from_dir(d.root.join("tokenizer_2"))?,
+                        t5: Arc::new(t5),
                     })
                 } else {
                     None

@@ -15,6 +15,7 @@ pub mod clip;
 pub mod device;
 mod ops;
 pub mod t5;
+pub mod t5_file;
 pub mod tokenizer;
 
 pub use clip::{ClipTextConfig, ClipTextModel};

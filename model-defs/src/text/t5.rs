@@ -223,6 +223,24 @@ impl T5Encoder {
         Ok(model)
     }
 
+    /// Loads a single T5 file (see [`super::t5_file`]) of `config`'s shapes.
+    pub fn load_file(path: impl AsRef<Path>, config: T5Config) -> Result<Self> {
+        let file = super::t5_file::T5File::open(path.as_ref())?;
+        let embed_name = if file.contains(SHARED) || !file.contains(EMBED_TOKENS) {
+            SHARED
+        } else {
+            EMBED_TOKENS
+        };
+        let mut used = Vec::new();
+        let model = Self::build(config, &file, embed_name, &mut used)?;
+        if file.contains(EMBED_TOKENS) {
+            used.push(EMBED_TOKENS.to_string());
+        }
+        file.check_all_used(&used)?;
+        file.release();
+        Ok(model)
+    }
+
     /// Seeded random weights with the fixture generator's distributions.
     pub fn seeded(config: T5Config, seed: u64) -> Result<Self> {
         config.validate().map_err(Error::Invalid)?;

@@ -15,6 +15,7 @@ pub mod config;
 pub mod crop;
 pub mod dense;
 pub mod model;
+pub mod single_file;
 pub mod sparse;
 pub mod weights;
 

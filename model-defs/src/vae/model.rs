@@ -61,6 +61,20 @@ impl AutoencoderKL {
         Ok(AutoencoderKL { config, weights })
     }
 
+    /// Loads the `halves` of a single-file VAE (BFL's `ae.safetensors`), its config
+    /// inferred from the shapes with `hint`'s for what shapes cannot tell (see
+    /// [`super::single_file`]).
+    pub fn load_file(
+        path: impl AsRef<Path>,
+        hint: Option<&VaeConfig>,
+        halves: VaeHalves,
+    ) -> Result<Self> {
+        let file = super::single_file::VaeFile::open(path.as_ref(), hint)?;
+        let config = file.config.clone();
+        let weights = VaeWeights::load_file(&config, &file, halves)?;
+        Ok(AutoencoderKL { config, weights })
+    }
+
     /// The halves this VAE holds.
     pub fn halves(&self) -> VaeHalves {
         VaeHalves {

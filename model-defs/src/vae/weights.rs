@@ -204,6 +204,24 @@ impl VaeWeights {
         Ok(w)
     }
 
+    /// Loads from a single file (see `super::single_file`), which has checked at open
+    /// that every key it holds is one of this config's.
+    pub fn load_file(cfg: &VaeConfig, file: &dyn Source, halves: VaeHalves) -> Result<Self> {
+        let w = Self::build(cfg, file, halves)?;
+        file.release();
+        Ok(w)
+    }
+
+    /// diffusers' names of every tensor of `cfg`'s VAE, both halves.
+    pub fn param_names(cfg: &VaeConfig) -> Result<Vec<String>> {
+        let rec = Recording {
+            inner: &Zeros,
+            names: RefCell::new(Vec::new()),
+        };
+        Self::build(cfg, &rec, VaeHalves::BOTH)?;
+        Ok(rec.names.into_inner())
+    }
+
     /// Deterministic random weights (the built-in model, tests, benchmarks).
     pub fn seeded(cfg: &VaeConfig, seed: u64, halves: VaeHalves) -> Result<Self> {
         Self::build(
