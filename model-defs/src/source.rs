@@ -308,9 +308,6 @@ mod tests {
         let n = bytes.len();
         bytes[n - 10] ^= 0x40;
         std::fs::write(&shard, bytes).unwrap();
-        assert_ne!(
-            ModelSource::dir(dir.path()).fingerprint().unwrap(),
-            a
-        );
+        assert_ne!(ModelSource::dir(dir.path()).fingerprint().unwrap(), a);
     }
 }

@@ -27,7 +27,9 @@ fn read(path: PathBuf) -> Vec<u8> {
 
 /// The tiny directory with `files` in place of its components.
 fn source(files: ComponentFiles) -> ModelSource {
-    ModelSource::dir(tiny_model_dir()).with_files(files).unwrap()
+    ModelSource::dir(tiny_model_dir())
+        .with_files(files)
+        .unwrap()
 }
 
 fn transformer(file: &str) -> ModelSource {
@@ -92,7 +94,10 @@ fn assert_diffusers(case: &str, img: &Rgb8) {
         "{case}: max level diff {worst}, {off} of {} values differ",
         img.data.len()
     );
-    assert!(worst <= 1, "{case}: levels differ by {worst} from diffusers");
+    assert!(
+        worst <= 1,
+        "{case}: levels differ by {worst} from diffusers"
+    );
 }
 
 #[test]
@@ -109,7 +114,10 @@ fn bfl_single_files_give_the_directory_image_bit_for_bit() {
         .zip(&dir_latents)
         .filter(|(a, b)| a.to_bits() != b.to_bits())
         .count();
-    assert_eq!(differ, 0, "final latents differ from the directory's at {differ} values");
+    assert_eq!(
+        differ, 0,
+        "final latents differ from the directory's at {differ} values"
+    );
     assert!(img == dir_img, "the image differs from the directory's");
     assert_diffusers("bfl", &img);
 }

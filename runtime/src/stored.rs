@@ -133,7 +133,10 @@ impl<'a> Stored<'a> {
             if p.dtype != first.dtype || p.shape[1..] != first.shape[1..] {
                 return Err(Error::shape(
                     "Stored::concat_rows",
-                    format!("`{}` {:?} {:?} vs {:?} {:?}", p.name, p.shape, p.dtype, first.shape, first.dtype),
+                    format!(
+                        "`{}` {:?} {:?} vs {:?} {:?}",
+                        p.name, p.shape, p.dtype, first.shape, first.dtype
+                    ),
                 ));
             }
             shape[0] += p.shape[0];

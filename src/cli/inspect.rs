@@ -86,7 +86,8 @@ pub fn inspect(a: &Args) -> CliResult<Value> {
         })
     } else if has("token_embd.") || has("encoder.block.") {
         let t5 = T5File::open(&a.file)?;
-        let layout = match t5.contains("shared.weight") && file.info("token_embd.weight").is_some() {
+        let layout = match t5.contains("shared.weight") && file.info("token_embd.weight").is_some()
+        {
             true => "llama.cpp",
             false => "transformers",
         };

@@ -254,7 +254,11 @@ pub struct ComponentArgs {
     #[arg(long, env = "DENOISED_VAE", value_name = "FILE")]
     pub vae: Option<PathBuf>,
     /// The T5 encoder from one file (safetensors or GGUF).
-    #[arg(long = "text-encoder-2", env = "DENOISED_TEXT_ENCODER_2", value_name = "FILE")]
+    #[arg(
+        long = "text-encoder-2",
+        env = "DENOISED_TEXT_ENCODER_2",
+        value_name = "FILE"
+    )]
     pub text_encoder_2: Option<PathBuf>,
 }
 

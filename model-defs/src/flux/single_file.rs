@@ -79,7 +79,11 @@ impl TransformerFile {
             )));
         };
         let prefix = match layout {
-            Layout::Bfl if names.iter().any(|n| n.starts_with("model.diffusion_model.")) => {
+            Layout::Bfl
+                if names
+                    .iter()
+                    .any(|n| n.starts_with("model.diffusion_model.")) =>
+            {
                 "model.diffusion_model."
             }
             _ => "",
@@ -170,7 +174,9 @@ fn infer_config(
     let need = |k: &str, dims: usize| -> std::result::Result<Vec<usize>, String> {
         match shape(k) {
             Some(s) if s.len() == dims => Ok(s),
-            Some(s) => Err(format!("`{prefix}{k}` has shape {s:?}, expected {dims} dims")),
+            Some(s) => Err(format!(
+                "`{prefix}{k}` has shape {s:?}, expected {dims} dims"
+            )),
             None => Err(format!("no `{prefix}{k}`: not a complete FLUX transformer")),
         }
     };
@@ -186,7 +192,13 @@ fn infer_config(
         let full = format!("{prefix}{blocks}");
         names
             .iter()
-            .filter_map(|n| n.strip_prefix(&full)?.split('.').next()?.parse::<usize>().ok())
+            .filter_map(|n| {
+                n.strip_prefix(&full)?
+                    .split('.')
+                    .next()?
+                    .parse::<usize>()
+                    .ok()
+            })
             .max()
             .map_or(0, |m| m + 1)
     };

@@ -29,8 +29,8 @@ use crate::scheduler::{FlowMatchEuler, SchedulerConfig};
 use crate::source::{ModelSource, BUILTIN_SEED};
 use crate::text::device::PromptEncoder;
 use crate::text::{ClipTextConfig, ClipTextModel, ClipTokenizer, T5Config, T5Encoder, T5Tokenizer};
-use crate::vae::sparse::Half;
 use crate::vae::single_file::VaeFile;
+use crate::vae::sparse::Half;
 use crate::vae::{AutoencoderKL, DenseCoder, VaeConfig, VaeHalves};
 
 /// Per-request options, with FluxFillPipeline's defaults.

@@ -24,6 +24,19 @@ impl T5File {
     pub fn open(path: &Path) -> Result<Self> {
         let file = checkpoint::open(path)?;
         let llama = file.info("token_embd.weight").is_some();
+        if !llama
+            && file
+                .info("encoder.block.0.layer.0.SelfAttention.q.weight")
+                .is_none()
+        {
+            return Err(Error::BadCheckpoint {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "not a T5 encoder: no `encoder.block.0.layer.0.SelfAttention.q.weight` (transformers' names) or `token_embd.weight` (llama.cpp's); it has {}",
+                    checkpoint::first_few(file.names().iter().map(String::as_str).collect())
+                ),
+            });
+        }
         Ok(T5File { file, llama })
     }
 

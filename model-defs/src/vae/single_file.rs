@@ -49,7 +49,10 @@ impl VaeFile {
             .unwrap_or("")
             .to_string();
         let key = |n: &str| format!("{prefix}{n}");
-        let layout = if file.info(&key("encoder.down.0.block.0.conv1.weight")).is_some() {
+        let layout = if file
+            .info(&key("encoder.down.0.block.0.conv1.weight"))
+            .is_some()
+        {
             Layout::Ldm
         } else if file
             .info(&key("encoder.down_blocks.0.resnets.0.conv1.weight"))
@@ -165,14 +168,19 @@ fn infer_config(
         ),
     };
     let shape = |k: &str| file.info(&format!("{prefix}{k}")).map(|(s, _)| s);
-    let need = |k: &str| {
-        shape(k).ok_or_else(|| format!("no `{prefix}{k}`: not a complete AutoencoderKL"))
-    };
+    let need =
+        |k: &str| shape(k).ok_or_else(|| format!("no `{prefix}{k}`: not a complete AutoencoderKL"));
     let count = |under: &str| {
         let full = format!("{prefix}{under}");
         names
             .iter()
-            .filter_map(|n| n.strip_prefix(&full)?.split('.').next()?.parse::<usize>().ok())
+            .filter_map(|n| {
+                n.strip_prefix(&full)?
+                    .split('.')
+                    .next()?
+                    .parse::<usize>()
+                    .ok()
+            })
             .max()
             .map_or(0, |m| m + 1)
     };
