@@ -246,8 +246,18 @@ impl<E: Exec> Backend for GpuBackend<E> {
         Ok(out)
     }
 
+    /// GGUF-quantised parts (all of one type) stay quantised on the device
+    /// (`crate::quant`); others are copied or converted into the device dtype (fp8
+    /// and mixed parts dequantised on the host, a chunk at a time).
     fn upload_weight_stored(&self, parts: &[Stored<'_>]) -> Result<GpuTensor<E>> {
-        self.upload_stored(parts)
+        match self.upload_quant_weight(parts)? {
+            Some(w) => Ok(w),
+            None => self.upload_stored(parts),
+        }
+    }
+
+    fn weight_bytes(&self, w: &GpuTensor<E>) -> u64 {
+        self.resident_weight_bytes(w)
     }
 
     fn fp8_weights(&self) -> bool {
@@ -557,6 +567,9 @@ impl<E: Exec> Backend for GpuBackend<E> {
     }
 
     fn download_weight(&self, w: &GpuTensor<E>) -> Result<Tensor> {
+        if w.quant.is_some() {
+            return self.download_quant_weight(w);
+        }
         // Weights stay in PyTorch's [out, in] layout on the device (see upload_weight).
         match w.row_scales {
             0 => self.download(w),

@@ -237,6 +237,39 @@ fn block_q6_k(b: &[u8], o: &mut [f32]) {
     }
 }
 
+/// Pseudo-random blocks of `ty` for `n` values (a multiple of the block size), with
+/// modest positive f16 scales (0.001 to 0.011) so every value is finite: inputs for
+/// tests and device self-checks (gguf-py cannot quantise K-quants to make real ones).
+pub fn random_blocks(ty: QuantType, n: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut next = move || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (s >> 33) as u32
+    };
+    let (bb, nb) = (ty.block_bytes(), n / ty.block_elems());
+    let mut bytes: Vec<u8> = (0..nb * bb).map(|_| next() as u8).collect();
+    for blk in bytes.chunks_exact_mut(bb) {
+        let mut scale = || {
+            f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5)
+                .to_bits()
+                .to_le_bytes()
+        };
+        match ty {
+            QuantType::Q6_K => blk[bb - 2..].copy_from_slice(&scale()),
+            QuantType::Q4_K | QuantType::Q5_K => {
+                blk[0..2].copy_from_slice(&scale());
+                blk[2..4].copy_from_slice(&scale());
+            }
+            _ => blk[0..2].copy_from_slice(&scale()),
+        }
+    }
+    bytes
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

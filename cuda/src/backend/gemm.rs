@@ -76,6 +76,7 @@ impl<E: Exec> GpuBackend<E> {
         let (n, kx) = matrix("linear", x)?;
         let (m, k) = matrix("linear", w)?;
         let outs = outs.unwrap_or(0..m);
+        let bias_start = outs.start;
         let (on, ow) = matrix("linear", out)?;
         if cols.end > kx
             || cols.len() != k
@@ -96,6 +97,16 @@ impl<E: Exec> GpuBackend<E> {
         if n == 0 || outs.is_empty() {
             return Ok(());
         }
+        // A quantised weight: its rows `outs` expanded into a scratch matrix (freed in
+        // stream order after the GEMM), which the GEMM then reads from row 0.
+        let dense;
+        let (w, outs) = match w.quant {
+            Some(_) => {
+                dense = self.dequantize_rows(w, outs.clone())?;
+                (&dense, 0..outs.len())
+            }
+            None => (w, outs),
+        };
         let mut g = Gemm {
             dt: self.dt,
             n,
@@ -104,7 +115,7 @@ impl<E: Exec> GpuBackend<E> {
             x: x.addr + cols.start as u64 * sz,
             ldx: kx,
             w: w.addr + (outs.start * k) as u64 * sz,
-            bias: b.map(|b| b.addr + outs.start as u64 * sz),
+            bias: b.map(|b| b.addr + bias_start as u64 * sz),
             gelu,
             out: out.addr + out_col as u64 * sz,
             ldo: ow,

@@ -14,6 +14,7 @@
 mod fp8;
 mod fused;
 mod image;
+mod quant;
 mod text;
 
 use std::ops::Range;
@@ -212,6 +213,8 @@ fn check_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
     close(out, "linear_out+bias", dt, &down(&got)?, &want);
 
     fp8::check_fp8_linear(out, gpu, &mut rng)?;
+    quant::check_quant_linear(out, gpu, &mut rng)?;
+    quant::check_stored_fp8_weight(out, gpu, &mut rng)?;
 
     // LayerNorm + modulation per segment
     let x = rng.tensor(&[9, 96], 2.0);

@@ -254,7 +254,15 @@ impl Backend for CpuBackend {
     fn upload_weight_fp8(&self, parts: &[crate::Stored<'_>]) -> Result<CpuWeight> {
         let w = crate::backend::stack_f32(parts)?;
         let (_, k) = matrix_dims("upload_weight_fp8", &w)?;
-        let rounded = Tensor::new(w.shape().to_vec(), crate::fp8::round_rows(w.data(), k))?;
+        // Parts already fp8 (a checkpoint's E4M3 bytes and per-tensor scale) are the
+        // values a device uses as they are; others are rounded per output row.
+        let all_fp8 = parts
+            .iter()
+            .all(|p| matches!(p.format(), crate::StoredFormat::Fp8 { .. }));
+        let rounded = match all_fp8 {
+            true => w,
+            false => Tensor::new(w.shape().to_vec(), crate::fp8::round_rows(w.data(), k))?,
+        };
         Ok(CpuWeight {
             fp8: true,
             ..self.upload_weight(&rounded)?

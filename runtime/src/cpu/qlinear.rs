@@ -28,33 +28,41 @@ pub struct QuantMatrix {
     pub bytes: Vec<u8>,
 }
 
+/// `(type, rows, cols)` of `parts` stacked along rows, if they are all 2-D GGUF blocks
+/// of one type with one column count; `None` when any is not quantised or they
+/// differ (the caller dequantises them then).
+pub fn stacked_quant(parts: &[Stored<'_>]) -> Result<Option<(QuantType, usize, usize)>> {
+    let Some(StoredFormat::Quant(ty)) = parts.first().map(|p| p.format()) else {
+        return Ok(None);
+    };
+    let cols = match parts[0].shape[..] {
+        [_, c] => c,
+        _ => {
+            return Err(Error::shape(
+                "upload_weight_stored",
+                format!(
+                    "`{}`: a quantised weight of shape {:?}",
+                    parts[0].name, parts[0].shape
+                ),
+            ))
+        }
+    };
+    let mut rows = 0;
+    for p in parts {
+        match (p.format(), &p.shape[..]) {
+            (StoredFormat::Quant(t), [r, c]) if t == ty && *c == cols => rows += r,
+            _ => return Ok(None),
+        }
+    }
+    Ok(Some((ty, rows, cols)))
+}
+
 impl QuantMatrix {
-    /// The parts stacked along rows, if they are all 2-D and of one quantised type
-    /// with the same column count; `None` when they are not quantised.
+    /// The parts stacked along rows ([`stacked_quant`]), or `None`.
     pub fn from_parts(parts: &[Stored<'_>]) -> Result<Option<Self>> {
-        let Some(StoredFormat::Quant(ty)) = parts.first().map(|p| p.format()) else {
+        let Some((ty, rows, cols)) = stacked_quant(parts)? else {
             return Ok(None);
         };
-        let cols = match parts[0].shape[..] {
-            [_, c] => c,
-            _ => {
-                return Err(Error::shape(
-                    "upload_weight_stored",
-                    format!(
-                        "`{}`: a quantised weight of shape {:?}",
-                        parts[0].name, parts[0].shape
-                    ),
-                ))
-            }
-        };
-        let mut rows = 0;
-        for p in parts {
-            match (p.format(), &p.shape[..]) {
-                (StoredFormat::Quant(t), [r, c]) if t == ty && *c == cols => rows += r,
-                // Mixed parts: the caller dequantises them all.
-                _ => return Ok(None),
-            }
-        }
         let mut bytes = Vec::with_capacity(rows * ty.bytes_for(cols, &parts[0].name)?);
         for p in parts {
             bytes.extend_from_slice(&p.bytes);
@@ -158,36 +166,8 @@ mod tests {
     use crate::backend::Backend;
     use crate::cpu::CpuBackend;
 
-    /// Random blocks of `ty` for a `[rows, cols]` matrix, with small positive f16
-    /// scales (so values stay in a modest range).
-    pub(crate) fn random_blocks(ty: QuantType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-        let mut s = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        let mut next = move || {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (s >> 33) as u32
-        };
-        let (bb, nb) = (ty.block_bytes(), rows * cols / ty.block_elems());
-        let mut bytes: Vec<u8> = (0..nb * bb).map(|_| next() as u8).collect();
-        for blk in bytes.chunks_exact_mut(bb) {
-            let mut scale = || {
-                half::f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5)
-                    .to_bits()
-                    .to_le_bytes()
-            };
-            match ty {
-                QuantType::Q6_K => blk[bb - 2..].copy_from_slice(&scale()),
-                QuantType::Q4_K | QuantType::Q5_K => {
-                    blk[0..2].copy_from_slice(&scale());
-                    blk[2..4].copy_from_slice(&scale());
-                }
-                _ => blk[0..2].copy_from_slice(&scale()),
-            }
-        }
-        bytes
+    fn random_blocks(ty: QuantType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        quant::random_blocks(ty, rows * cols, seed)
     }
 
     fn max_rel(a: &[f32], b: &[f32]) -> f32 {
