@@ -45,6 +45,9 @@ pub struct GpuBackend<E: Exec> {
     /// `[device] weight_dtype = "fp8"`: the transformer's large Linears go to the
     /// device as fp8 (`crate::fp8`).
     fp8_weights: bool,
+    /// Output rows of a GGUF-quantised weight one GEMM expands at a time
+    /// (`crate::quant`).
+    pub(crate) quant_tile_rows: usize,
 }
 
 /// A segment-id array, its device copy and that copy's address.
@@ -76,7 +79,14 @@ impl<E: Exec> GpuBackend<E> {
                 crate::attention::AttnKernel::from_env() as u8
             ),
             fp8_weights: false,
+            quant_tile_rows: crate::quant::TILE_ROWS,
         }
+    }
+    /// This backend expanding quantised weights `rows` output rows at a time (tests
+    /// use a few to run the many-tile path on small weights).
+    pub fn with_quant_tile_rows(mut self, rows: usize) -> Self {
+        self.quant_tile_rows = rows.max(1);
+        self
     }
     /// This backend with the transformer's large Linears in fp8
     /// (`Backend::fp8_weights`); loading them fails on a device without fp8 GEMMs.

@@ -2,9 +2,11 @@
 //! (Q4_K: 4.5 bits a weight), and a GEMM with such a weight first expands the output
 //! rows it needs into a scratch matrix of the device dtype with the `dequant_*`
 //! kernel (kernels/quant.cu, bit-exact with `denoised_runtime::quant::dequantize`,
-//! then rounded to bf16 on a bf16 device) and runs the usual GEMM on it. The scratch
-//! is allocated per GEMM and freed in stream order after it, so at most one weight's
-//! dense copy (a few tens of MB for FLUX's largest) is live per GEMM in flight.
+//! then rounded to bf16 on a bf16 device) and runs the usual GEMM on it, a tile of
+//! [`TILE_ROWS`] output rows at a time. Each tile's scratch is allocated from the
+//! stream-ordered pool (cuMemAllocAsync) and freed after its GEMM, so the next tile
+//! reuses it: at most `TILE_ROWS x in` dense values (24 MiB in bf16 for FLUX's
+//! in = 3072) are live per GEMM, whatever the weight's size.
 
 use std::ops::Range;
 
@@ -15,6 +17,10 @@ use crate::backend::{dev, matrix, GpuBackend};
 use crate::exec::{Dt, Exec, Grid};
 use crate::params::EwParams;
 use crate::tensor::GpuTensor;
+
+/// Output rows expanded per tile: FLUX's single-block projection (21504 outputs) is
+/// six GEMMs of up to 4096 outputs, each still large enough to fill the device.
+pub(crate) const TILE_ROWS: usize = 4096;
 
 /// The dequantising kernel of `ty` writing `dt`.
 fn kernel(ty: QuantType, dt: Dt) -> &'static str {

@@ -117,6 +117,15 @@ impl<E: Exec> GpuTensor<E> {
     pub(crate) fn len(&self) -> usize {
         self.shape.iter().product()
     }
+    /// Elements `start..start + len` of a vector (a bias's block), sharing its memory.
+    pub(crate) fn offset_view(&self, start: usize, len: usize) -> Self {
+        debug_assert!(start + len <= self.len() && self.quant.is_none() && self.row_scales == 0);
+        GpuTensor {
+            addr: self.addr + (start * self.dt.size()) as u64,
+            shape: vec![len],
+            ..self.view(self.shape.clone())
+        }
+    }
     /// The same memory under another shape of as many elements (image tensors are
     /// `[B, C, H, W]` to the model and `[B*H*W, C]` matrices to the GEMMs).
     pub(crate) fn view(&self, shape: Vec<usize>) -> Self {

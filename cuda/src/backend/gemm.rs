@@ -76,7 +76,6 @@ impl<E: Exec> GpuBackend<E> {
         let (n, kx) = matrix("linear", x)?;
         let (m, k) = matrix("linear", w)?;
         let outs = outs.unwrap_or(0..m);
-        let bias_start = outs.start;
         let (on, ow) = matrix("linear", out)?;
         if cols.end > kx
             || cols.len() != k
@@ -97,16 +96,27 @@ impl<E: Exec> GpuBackend<E> {
         if n == 0 || outs.is_empty() {
             return Ok(());
         }
-        // A quantised weight: its rows `outs` expanded into a scratch matrix (freed in
-        // stream order after the GEMM), which the GEMM then reads from row 0.
-        let dense;
-        let (w, outs) = match w.quant {
-            Some(_) => {
-                dense = self.dequantize_rows(w, outs.clone())?;
-                (&dense, 0..outs.len())
+        // A quantised weight: its rows `outs` expanded a tile at a time into a scratch
+        // matrix (freed in stream order after its GEMM, so the pool hands the next
+        // tile the same memory), each tile one GEMM into its columns of `out`.
+        if w.quant.is_some() {
+            let tile = self.quant_tile_rows;
+            for t0 in outs.clone().step_by(tile) {
+                let t = t0..(t0 + tile).min(outs.end);
+                let dense = self.dequantize_rows(w, t.clone())?;
+                let bias = b.map(|b| b.offset_view(t.start, t.len()));
+                self.gemm_into(
+                    x,
+                    cols.clone(),
+                    &dense,
+                    None,
+                    bias.as_ref(),
+                    gelu,
+                    (out, out_col + (t.start - outs.start)),
+                )?;
             }
-            None => (w, outs),
-        };
+            return Ok(());
+        }
         let mut g = Gemm {
             dt: self.dt,
             n,
@@ -115,7 +125,7 @@ impl<E: Exec> GpuBackend<E> {
             x: x.addr + cols.start as u64 * sz,
             ldx: kx,
             w: w.addr + (outs.start * k) as u64 * sz,
-            bias: b.map(|b| b.addr + bias_start as u64 * sz),
+            bias: b.map(|b| b.addr + outs.start as u64 * sz),
             gelu,
             out: out.addr + out_col as u64 * sz,
             ldo: ow,

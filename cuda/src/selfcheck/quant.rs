@@ -27,6 +27,7 @@ pub(super) fn check_quant_linear<E: Exec>(
     out: &mut Vec<Check>,
     gpu: &GpuBackend<E>,
     rng: &mut Rng,
+    how: &str,
 ) -> Result<()> {
     let dt = gpu.dtype();
     let cpu = CpuBackend::new();
@@ -48,7 +49,7 @@ pub(super) fn check_quant_linear<E: Exec>(
         );
         let bytes = (b1.len() + b2.len()) as u64;
         out.push(Check::within(
-            format!("{ty} weight resident bytes over its blocks' ({dt:?})"),
+            format!("{ty} weight resident bytes over its blocks' ({dt:?}){how}"),
             "extra bytes",
             gpu.weight_bytes(&wg).abs_diff(bytes) as f64,
             0.0,
@@ -67,7 +68,7 @@ pub(super) fn check_quant_linear<E: Exec>(
             + want.len().abs_diff(dense.len());
         out.push(Check::within(
             format!(
-                "dequant_{} kernel vs host, bits ({dt:?})",
+                "dequant_{} kernel vs host, bits ({dt:?}){how}",
                 ty.name().to_lowercase()
             ),
             "values differing",
@@ -81,7 +82,7 @@ pub(super) fn check_quant_linear<E: Exec>(
         let got = gpu.linear_cols(&xg, 9..9 + k, &wg, Some(&bg))?;
         close(
             out,
-            &format!("{ty} linear_cols+bias"),
+            &format!("{ty} linear_cols+bias{how}"),
             dt,
             &gpu.download(&got)?,
             &want,
@@ -93,7 +94,7 @@ pub(super) fn check_quant_linear<E: Exec>(
         let got = gpu.linear_out(&xg, &wg, Some(&bg), 5..33)?;
         close(
             out,
-            &format!("{ty} linear_out+bias"),
+            &format!("{ty} linear_out+bias{how}"),
             dt,
             &gpu.download(&got)?,
             &want,
@@ -102,14 +103,14 @@ pub(super) fn check_quant_linear<E: Exec>(
         let got = gpu.linear_gelu(&xg, &wg, Some(&bg), 11)?;
         close(
             out,
-            &format!("{ty} linear+bias, gelu_tanh from column 11"),
+            &format!("{ty} linear+bias, gelu_tanh from column 11{how}"),
             dt,
             &gpu.download(&got)?,
             &want,
         );
         let same = gpu.download_weight(&wg)?.data() == all.as_slice();
         out.push(Check::within(
-            format!("{ty} weight download ({dt:?})"),
+            format!("{ty} weight download ({dt:?}){how}"),
             "values differing",
             if same { 0.0 } else { 1.0 },
             0.0,
