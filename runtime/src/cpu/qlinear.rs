@@ -128,8 +128,33 @@ pub fn linear(
     }
     assert!(x.len() >= (n - 1) * x_cols + c0 + k, "qlinear: x too small");
     assert!(outs.end <= w.rows, "qlinear: outputs beyond the weight");
-    let dst = OutPtr(out.as_mut_ptr());
     let tiles = o.div_ceil(TILE);
+    if tiles < rayon::current_num_threads() {
+        // Too few tiles to share: one at a time, each GEMM split over the threads.
+        let mut tile = vec![0f32; TILE.min(o) * k];
+        for t in 0..tiles {
+            let (a, b) = (t * TILE, ((t + 1) * TILE).min(o));
+            let tile = &mut tile[..(b - a) * k];
+            w.dequantize_rows(outs.start + a..outs.start + b, tile);
+            matmul::matmul(
+                n,
+                b - a,
+                k,
+                &mut out[a..],
+                o,
+                matmul::MatRef {
+                    data: &x[c0..],
+                    rs: x_cols,
+                    cs: 1,
+                },
+                matmul::MatRef::transposed(tile, k),
+                bias.is_some(),
+                true,
+            );
+        }
+        return out;
+    }
+    let dst = OutPtr(out.as_mut_ptr());
     (0..tiles).into_par_iter().for_each_init(
         || vec![0f32; TILE * k],
         |scratch, t| {
@@ -232,6 +257,36 @@ mod tests {
             );
             assert!(max_rel(got.data(), want.data()) < tol, "{ty} linear_gelu");
         }
+    }
+
+    #[test]
+    fn a_weight_of_one_tile_splits_its_gemm_instead() {
+        let be = CpuBackend::new();
+        let (o, k, n) = (40, 256, 33);
+        let b = random_blocks(QuantType::Q4_K, o, k, 9);
+        let p = [Stored::quantised("w", vec![o, k], QuantType::Q4_K, &b).unwrap()];
+        let (qw, fw) = (
+            be.upload_weight_stored(&p).unwrap(),
+            be.upload_weight(&crate::backend::stack_f32(&p).unwrap())
+                .unwrap(),
+        );
+        let x = Tensor::new(
+            [n, k],
+            (0..n * k).map(|j| (j % 29) as f32 * 0.01 - 0.1).collect(),
+        )
+        .unwrap();
+        let bias = Tensor::new([o], (0..o).map(|j| j as f32).collect()).unwrap();
+        let (got, want) = (
+            be.linear_out(&x, &qw, Some(&bias), 3..31).unwrap(),
+            be.linear_out(&x, &fw, Some(&bias), 3..31).unwrap(),
+        );
+        assert!(max_rel(got.data(), want.data()) < 1e-5);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let one = pool.install(|| be.linear_out(&x, &qw, Some(&bias), 3..31).unwrap());
+        assert!(max_rel(one.data(), want.data()) < 1e-5);
     }
 
     #[test]
