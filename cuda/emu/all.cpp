@@ -7,6 +7,7 @@
 #include "../kernels/norm.cu"
 #include "../kernels/attention.cu"
 #include "../kernels/image.cu"
+#include "../kernels/quant.cu"
 
 // Runs kernel `name` on the CPU. Returns 0, or -1 when no kernel has that name.
 extern "C" int denoised_emu_launch(const char* name, const unsigned* grid, const unsigned* block,

@@ -62,6 +62,17 @@ DEV u32 pack_bf16x2(float lo, float hi) {
     return r;
 #endif
 }
+// f32 product and difference, each rounded on its own: never contracted into a fused
+// multiply-add (NVRTC contracts `a * b - c` by default), for results that must match
+// the host bit for bit (the dequantisers). The emulator's host compiler does not
+// contract (ISO C++ mode, and no FMA in baseline x86-64).
+#ifdef DENOISED_EMU
+DEV float mul_rn(float a, float b) { return a * b; }
+DEV float sub_rn(float a, float b) { return a - b; }
+#else
+DEV float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+DEV float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+#endif
 // ---- runs of values: 16-byte accesses on the memory-bound passes ----
 // A pass reads and writes its rows in runs of V values converted to f32: V = 8 is one
 // 16-byte access for bf16 (two for f32), taken where every pointer is 16-byte aligned

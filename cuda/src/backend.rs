@@ -45,6 +45,9 @@ pub struct GpuBackend<E: Exec> {
     /// `[device] weight_dtype = "fp8"`: the transformer's large Linears go to the
     /// device as fp8 (`crate::fp8`).
     fp8_weights: bool,
+    /// Output rows of a GGUF-quantised weight one GEMM expands at a time
+    /// (`crate::quant`).
+    pub(crate) quant_tile_rows: usize,
 }
 
 /// A segment-id array, its device copy and that copy's address.
@@ -76,7 +79,14 @@ impl<E: Exec> GpuBackend<E> {
                 crate::attention::AttnKernel::from_env() as u8
             ),
             fp8_weights: false,
+            quant_tile_rows: crate::quant::TILE_ROWS,
         }
+    }
+    /// This backend expanding quantised weights `rows` output rows at a time (tests
+    /// use a few to run the many-tile path on small weights).
+    pub fn with_quant_tile_rows(mut self, rows: usize) -> Self {
+        self.quant_tile_rows = rows.max(1);
+        self
     }
     /// This backend with the transformer's large Linears in fp8
     /// (`Backend::fp8_weights`); loading them fails on a device without fp8 GEMMs.
@@ -246,8 +256,18 @@ impl<E: Exec> Backend for GpuBackend<E> {
         Ok(out)
     }
 
+    /// GGUF-quantised parts (all of one type) stay quantised on the device
+    /// (`crate::quant`); others are copied or converted into the device dtype (fp8
+    /// and mixed parts dequantised on the host, a chunk at a time).
     fn upload_weight_stored(&self, parts: &[Stored<'_>]) -> Result<GpuTensor<E>> {
-        self.upload_stored(parts)
+        match self.upload_quant_weight(parts)? {
+            Some(w) => Ok(w),
+            None => self.upload_stored(parts),
+        }
+    }
+
+    fn weight_bytes(&self, w: &GpuTensor<E>) -> u64 {
+        self.resident_weight_bytes(w)
     }
 
     fn fp8_weights(&self) -> bool {
@@ -557,6 +577,9 @@ impl<E: Exec> Backend for GpuBackend<E> {
     }
 
     fn download_weight(&self, w: &GpuTensor<E>) -> Result<Tensor> {
+        if w.quant.is_some() {
+            return self.download_quant_weight(w);
+        }
         // Weights stay in PyTorch's [out, in] layout on the device (see upload_weight).
         match w.row_scales {
             0 => self.download(w),

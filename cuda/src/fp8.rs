@@ -79,9 +79,20 @@ impl<E: Exec> GpuBackend<E> {
     }
 }
 
+/// The bytes of fp8 parts stacked, with each part's scale for each of its rows.
+fn fp8_parts(parts: &[Stored<'_>]) -> (Vec<u8>, Vec<f32>) {
+    let mut bytes = Vec::new();
+    let mut scales = Vec::new();
+    for p in parts {
+        bytes.extend_from_slice(&p.bytes);
+        scales.extend(std::iter::repeat_n(p.scale, p.shape[0]));
+    }
+    (bytes, scales)
+}
+
 impl<E: Exec> GpuBackend<E> {
     /// `Backend::upload_weight_fp8`: the stacked parts quantised on the host (once, at
-    /// load), bytes and scales in one upload. Refused where the device has no fp8
+    /// load), bytes and scales in one upload; parts already fp8 keep their bytes. Refused where the device has no fp8
     /// GEMM, naming it.
     pub(crate) fn upload_fp8_weight(&self, parts: &[Stored<'_>]) -> Result<GpuTensor<E>> {
         self.exec().check_fp8(self.dtype()).map_err(dev)?;
@@ -90,12 +101,19 @@ impl<E: Exec> GpuBackend<E> {
             [r, c] => (r, c),
             _ => return Err(Error::shape("upload_weight_fp8", format!("{shape:?}"))),
         };
-        let mut values = Vec::with_capacity(rows * cols);
-        for p in parts {
-            values.extend_from_slice(p.to_f32()?.data());
-        }
-        let (bytes, scales) = quantize_rows(&values, cols);
-        drop(values);
+        let (bytes, scales) = match crate::quant::all_fp8(parts) {
+            // A checkpoint's own E4M3 bytes (ComfyUI's fp8 files) are used as they
+            // are, its per-tensor scale broadcast over the part's rows: no second
+            // rounding.
+            true => fp8_parts(parts),
+            false => {
+                let mut values = Vec::with_capacity(rows * cols);
+                for p in parts {
+                    values.extend_from_slice(p.to_f32()?.data());
+                }
+                quantize_rows(&values, cols)
+            }
+        };
         let w = GpuTensor::alloc_fp8_rows(&**self.exec(), rows, cols, self.dtype())?;
         let mut all = bytes;
         all.resize(w.row_scales_offset(), 0);

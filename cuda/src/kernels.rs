@@ -96,6 +96,24 @@ pub const MODULES: &[Module] = &[
             "copy2d_bf16",
         ],
     },
+    Module {
+        name: "quant.cu",
+        source: include_str!("../kernels/quant.cu"),
+        kernels: &[
+            "dequant_q8_0_f32",
+            "dequant_q8_0_bf16",
+            "dequant_q4_0_f32",
+            "dequant_q4_0_bf16",
+            "dequant_q5_0_f32",
+            "dequant_q5_0_bf16",
+            "dequant_q4_k_f32",
+            "dequant_q4_k_bf16",
+            "dequant_q5_k_f32",
+            "dequant_q5_k_bf16",
+            "dequant_q6_k_f32",
+            "dequant_q6_k_bf16",
+        ],
+    },
 ];
 
 impl Module {

@@ -28,6 +28,7 @@ mod host;
 mod image;
 pub mod kernels;
 pub mod params;
+mod quant;
 mod ring;
 pub mod selfcheck;
 pub mod stream;

@@ -21,6 +21,10 @@ pub struct GpuTensor<E: Exec> {
     /// bytes, then a f32 scale per row at [`ROW_SCALES_ALIGN`]): the address of its
     /// scales; `dt` is then the dtype the GEMM writes. 0 for every other tensor.
     pub(crate) row_scales: u64,
+    /// A GGUF-quantised Linear weight: `shape` is its `[out, in]` values, the memory
+    /// holds their blocks (`crate::quant`), and `dt` is the dtype its GEMMs
+    /// dequantise into. `None` for every other tensor.
+    pub(crate) quant: Option<denoised_runtime::QuantType>,
 }
 
 /// Where an fp8-rows tensor's scales start: cuBLASLt wants its scale vectors aligned
@@ -40,6 +44,7 @@ impl<E: Exec> GpuTensor<E> {
             dt,
             fp8_scales: 0,
             row_scales: 0,
+            quant: None,
         })
     }
 
@@ -56,6 +61,7 @@ impl<E: Exec> GpuTensor<E> {
             dt,
             fp8_scales: 0,
             row_scales: addr + at as u64,
+            quant: None,
         })
     }
     /// Byte offset of an fp8-rows tensor's scales in its allocation.
@@ -75,6 +81,7 @@ impl<E: Exec> GpuTensor<E> {
             dt: Dt::Bf16,
             fp8_scales: addr + (rows * cols) as u64,
             row_scales: 0,
+            quant: None,
         })
     }
     /// The address of an fp8 slab's scales (0 for other tensors).
@@ -110,6 +117,15 @@ impl<E: Exec> GpuTensor<E> {
     pub(crate) fn len(&self) -> usize {
         self.shape.iter().product()
     }
+    /// Elements `start..start + len` of a vector (a bias's block), sharing its memory.
+    pub(crate) fn offset_view(&self, start: usize, len: usize) -> Self {
+        debug_assert!(start + len <= self.len() && self.quant.is_none() && self.row_scales == 0);
+        GpuTensor {
+            addr: self.addr + (start * self.dt.size()) as u64,
+            shape: vec![len],
+            ..self.view(self.shape.clone())
+        }
+    }
     /// The same memory under another shape of as many elements (image tensors are
     /// `[B, C, H, W]` to the model and `[B*H*W, C]` matrices to the GEMMs).
     pub(crate) fn view(&self, shape: Vec<usize>) -> Self {
@@ -121,6 +137,7 @@ impl<E: Exec> GpuTensor<E> {
             dt: self.dt,
             fp8_scales: self.fp8_scales,
             row_scales: self.row_scales,
+            quant: self.quant,
         }
     }
 }

@@ -61,3 +61,51 @@ fn stored_parts_stack_on_the_device_in_its_dtype() {
         .expect("shapes [4, 6] and [6] do not stack");
     assert!(e.to_string().contains("`bias`"), "{e}");
 }
+
+/// A GGUF file's quantised tensors stay quantised on the device and stand for the
+/// values gguf-py gives them (`tests/fixtures/gen_gguf_types.py`).
+#[test]
+fn gguf_tensors_stay_quantised_on_the_device() {
+    use denoised_runtime::gguf::GgufFile;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/formats");
+    let g = GgufFile::open(dir.join("types.gguf")).unwrap();
+    let want = SafetensorsFile::open(dir.join("types_expected.safetensors")).unwrap();
+    for dt in [Dt::Bf16, Dt::F32] {
+        let be = GpuBackend::new(EmuExec::default(), dt);
+        for ty in ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"] {
+            let name = format!("t.{ty}");
+            let s = g.stored(&name).unwrap();
+            let w = be.upload_weight_stored(std::slice::from_ref(&s)).unwrap();
+            assert_eq!(be.weight_bytes(&w), s.bytes.len() as u64, "{name}");
+            let expected = want.tensor_f32(&name).unwrap();
+            assert_eq!(be.download_weight(&w).unwrap(), expected, "{name} {dt:?}");
+            // x = e_0 + 2 e_5: the linear reads columns 0 and 5 of each row.
+            let mut x = vec![0f32; 512];
+            x[0] = 1.0;
+            x[5] = 2.0;
+            let y = be
+                .download(
+                    &be.linear(
+                        &be.upload(&Tensor::new([1, 512], x).unwrap()).unwrap(),
+                        &w,
+                        None,
+                    )
+                    .unwrap(),
+                )
+                .unwrap();
+            let round = |v: f32| match dt {
+                Dt::Bf16 => half::bf16::from_f32(v).to_f32(),
+                Dt::F32 => v,
+            };
+            for r in 0..4 {
+                let e = expected.data();
+                let want = round(round(e[r * 512]) + 2.0 * round(e[r * 512 + 5]));
+                assert!(
+                    (y.data()[r] - want).abs() <= 1e-2 * want.abs().max(1e-3),
+                    "{name} {dt:?} row {r}: {} vs {want}",
+                    y.data()[r]
+                );
+            }
+        }
+    }
+}

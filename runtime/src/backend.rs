@@ -130,8 +130,19 @@ pub trait Backend: Send + Sync {
         self.upload(&stack_f32(parts)?)
     }
     /// [`Backend::upload_stored`] for a Linear weight (`[out, in]` parts).
+    /// The parts may be GGUF-quantised or fp8 ([`crate::StoredFormat`]): backends
+    /// that keep such weights compressed override this; the default dequantises.
     fn upload_weight_stored(&self, parts: &[Stored<'_>]) -> Result<Self::Weight> {
         self.upload_weight(&stack_f32(parts)?)
+    }
+
+    /// Bytes a weight occupies on this backend (quantised blocks, fp8 bytes and
+    /// scales, or its dense values), for memory reports. The default downloads it
+    /// and counts f32 values: backends override it with what they hold.
+    fn weight_bytes(&self, w: &Self::Weight) -> u64 {
+        self.download_weight(w)
+            .map(|t| 4 * t.len() as u64)
+            .unwrap_or(0)
     }
 
     /// Whether the transformer's large Linear weights go to this backend as fp8

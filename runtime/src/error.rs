@@ -24,6 +24,15 @@ pub enum Error {
         needed: usize,
         actual: usize,
     },
+    #[error("{path}: not a valid GGUF file: {reason}")]
+    BadGguf { path: PathBuf, reason: String },
+    #[error("{path}: tensor `{tensor}` is {ty}: {ty} is not supported (supported: {supported})")]
+    UnsupportedQuant {
+        path: PathBuf,
+        tensor: String,
+        ty: String,
+        supported: String,
+    },
     #[error("{path}: cannot write: {reason}")]
     Write { path: PathBuf, reason: String },
     #[error("{path}: bad config: {reason}")]

@@ -127,7 +127,8 @@ impl SafetensorsFile {
         ))
     }
 
-    /// A floating-point tensor (F32, BF16, F16 or F64) converted to f32.
+    /// A floating-point tensor (F32, BF16, F16, F8_E4M3 or F64) converted to f32
+    /// (fp8 unscaled: a `scale_weight` beside it is the caller's to apply).
     pub fn tensor_f32(&self, name: &str) -> Result<Tensor> {
         let (bytes, dtype, shape) = self.raw(name)?;
         let data = match dtype {
@@ -135,18 +136,20 @@ impl SafetensorsFile {
                 .chunks_exact(8)
                 .map(|b| f64::from_le_bytes(b.try_into().unwrap()) as f32)
                 .collect(),
-            _ => convert_weight(name, bytes, dtype)?,
+            _ => return self.weight(name),
         };
         Tensor::new(shape.to_vec(), data)
     }
 
-    /// A weight tensor: only the dtypes checkpoints use (F32, BF16, F16).
+    /// A weight tensor: only the dtypes checkpoints use (F32, BF16, F16, and
+    /// F8_E4M3, decoded unscaled).
     pub fn weight(&self, name: &str) -> Result<Tensor> {
-        let (bytes, dtype, shape) = self.raw(name)?;
-        Tensor::new(shape.to_vec(), convert_weight(name, bytes, dtype)?)
+        self.stored(name)?.to_f32()
     }
 
-    /// A weight tensor in its stored dtype, borrowed from the map (no copy).
+    /// A weight tensor in its stored dtype, borrowed from the map (no copy). An
+    /// F8_E4M3 tensor comes with scale 1: [`Stored::with_scale`] applies a
+    /// checkpoint's `scale_weight`.
     pub fn stored(&self, name: &str) -> Result<Stored<'_>> {
         let (bytes, dtype, shape) = self.raw(name)?;
         Stored::new(name, shape.to_vec(), float_dtype(name, dtype)?, bytes)
@@ -187,16 +190,13 @@ impl SafetensorsFile {
     }
 }
 
-fn convert_weight(name: &str, bytes: &[u8], dtype: Dtype) -> Result<Vec<f32>> {
-    Ok(crate::stored::to_f32(bytes, float_dtype(name, dtype)?))
-}
-
-/// A checkpoint's float dtype as ours (weights are F32, BF16 or F16).
+/// A checkpoint's float dtype as ours (weights are F32, BF16, F16 or F8_E4M3).
 fn float_dtype(name: &str, dtype: Dtype) -> Result<DType> {
     Ok(match dtype {
         Dtype::F32 => DType::F32,
         Dtype::BF16 => DType::BF16,
         Dtype::F16 => DType::F16,
+        Dtype::F8_E4M3 => DType::F8E4M3,
         other => {
             return Err(Error::UnsupportedDType {
                 name: name.to_string(),

@@ -96,6 +96,27 @@ impl<E: Exec> GpuBackend<E> {
         if n == 0 || outs.is_empty() {
             return Ok(());
         }
+        // A quantised weight: its rows `outs` expanded a tile at a time into a scratch
+        // matrix (freed in stream order after its GEMM, so the pool hands the next
+        // tile the same memory), each tile one GEMM into its columns of `out`.
+        if w.quant.is_some() {
+            let tile = self.quant_tile_rows;
+            for t0 in outs.clone().step_by(tile) {
+                let t = t0..(t0 + tile).min(outs.end);
+                let dense = self.dequantize_rows(w, t.clone())?;
+                let bias = b.map(|b| b.offset_view(t.start, t.len()));
+                self.gemm_into(
+                    x,
+                    cols.clone(),
+                    &dense,
+                    None,
+                    bias.as_ref(),
+                    gelu,
+                    (out, out_col + (t.start - outs.start)),
+                )?;
+            }
+            return Ok(());
+        }
         let mut g = Gemm {
             dt: self.dt,
             n,

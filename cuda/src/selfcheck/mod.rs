@@ -14,6 +14,7 @@
 mod fp8;
 mod fused;
 mod image;
+mod quant;
 mod text;
 
 use std::ops::Range;
@@ -110,6 +111,10 @@ pub fn kernels<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
         text::check_text_ops(&mut out, &gpu)?;
         // ... and on im2col + GEMM in chunks of a few rows: the patch-matrix and
         // score loops run many times.
+        // Quantised weights expanded 16 output rows at a time: several tiles per GEMM,
+        // the last one partial.
+        let tiled = GpuBackend::new(make()?, dt).with_quant_tile_rows(16);
+        quant::check_quant_linear(&mut out, &tiled, &mut Rng(5), ", tiles of 16")?;
         let small = GpuBackend::new(make()?, dt)
             .with_image_workspace(2048)
             .im2col_only();
@@ -212,6 +217,8 @@ fn check_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
     close(out, "linear_out+bias", dt, &down(&got)?, &want);
 
     fp8::check_fp8_linear(out, gpu, &mut rng)?;
+    quant::check_quant_linear(out, gpu, &mut rng, "")?;
+    quant::check_stored_fp8_weight(out, gpu, &mut rng)?;
 
     // LayerNorm + modulation per segment
     let x = rng.tensor(&[9, 96], 2.0);

@@ -9,6 +9,7 @@ pub mod conv;
 pub mod image_attention;
 pub mod matmul;
 pub mod norm;
+pub mod qlinear;
 pub mod simd;
 pub mod sparse_conv;
 pub mod stream;
@@ -35,22 +36,55 @@ pub struct CpuBackend {
 /// A Linear weight stored transposed, `[in, out]` row-major: gemm streams it with unit
 /// stride along the output dimension, measurably faster than reading the PyTorch
 /// `[out, in]` layout through strides (up to ~25% on 2-thread flux-small GEMMs).
+///
+/// A GGUF-quantised weight ([`CpuBackend::upload_weight_stored`] of quantised parts)
+/// stays quantised instead (`quant`, `t` then empty): its linears dequantise tiles
+/// of output rows on the fly ([`qlinear`]).
 #[derive(Clone, Debug)]
 pub struct CpuWeight {
-    /// `[in, out]`.
+    /// `[in, out]`; `[0, 0]` for a quantised weight.
     t: Tensor,
     /// An fp8 weight's reference: `t` holds the E4M3-rounded values (a scale per
     /// output channel), and each linear rounds its input rows the same way first
     /// (`crate::fp8::round_rows`).
     fp8: bool,
+    /// The `[out, in]` GGUF blocks of a quantised weight.
+    quant: Option<Arc<qlinear::QuantMatrix>>,
 }
 
 impl CpuWeight {
     pub fn in_features(&self) -> usize {
-        self.t.shape()[0]
+        match &self.quant {
+            Some(q) => q.cols,
+            None => self.t.shape()[0],
+        }
     }
     pub fn out_features(&self) -> usize {
-        self.t.shape()[1]
+        match &self.quant {
+            Some(q) => q.rows,
+            None => self.t.shape()[1],
+        }
+    }
+    /// Whether the weight is held as GGUF blocks.
+    pub fn is_quantised(&self) -> bool {
+        self.quant.is_some()
+    }
+    /// Bytes the weight occupies in memory (its blocks, or its f32 values).
+    pub fn resident_bytes(&self) -> u64 {
+        match &self.quant {
+            Some(q) => q.bytes.len() as u64,
+            None => 4 * self.t.len() as u64,
+        }
+    }
+    /// The `[in, out]` f32 values (dequantised and transposed for a quantised weight:
+    /// the ops without a quantised path, e.g. the VAE's image attention).
+    fn transposed_f32(&self) -> Result<std::borrow::Cow<'_, Tensor>> {
+        match &self.quant {
+            None => Ok(std::borrow::Cow::Borrowed(&self.t)),
+            Some(q) => Ok(std::borrow::Cow::Owned(
+                CpuBackend::new().upload_weight(&q.to_f32()?)?.t,
+            )),
+        }
     }
 }
 
@@ -192,7 +226,25 @@ impl Backend for CpuBackend {
         Ok(CpuWeight {
             t: Tensor::new([k, o], t)?,
             fp8: false,
+            quant: None,
         })
+    }
+
+    /// GGUF-quantised parts (all of one type) stay quantised, stacked along rows;
+    /// others (fp8 ones included) are converted to f32 once, here.
+    fn upload_weight_stored(&self, parts: &[crate::Stored<'_>]) -> Result<CpuWeight> {
+        match qlinear::QuantMatrix::from_parts(parts)? {
+            Some(q) => Ok(CpuWeight {
+                t: Tensor::zeros([0, 0]),
+                fp8: false,
+                quant: Some(Arc::new(q)),
+            }),
+            None => self.upload_weight(&crate::backend::stack_f32(parts)?),
+        }
+    }
+
+    fn weight_bytes(&self, w: &CpuWeight) -> u64 {
+        w.resident_bytes()
     }
 
     fn fp8_weights(&self) -> bool {
@@ -202,7 +254,15 @@ impl Backend for CpuBackend {
     fn upload_weight_fp8(&self, parts: &[crate::Stored<'_>]) -> Result<CpuWeight> {
         let w = crate::backend::stack_f32(parts)?;
         let (_, k) = matrix_dims("upload_weight_fp8", &w)?;
-        let rounded = Tensor::new(w.shape().to_vec(), crate::fp8::round_rows(w.data(), k))?;
+        // Parts already fp8 (a checkpoint's E4M3 bytes and per-tensor scale) are the
+        // values a device uses as they are; others are rounded per output row.
+        let all_fp8 = parts
+            .iter()
+            .all(|p| matches!(p.format(), crate::StoredFormat::Fp8 { .. }));
+        let rounded = match all_fp8 {
+            true => w,
+            false => Tensor::new(w.shape().to_vec(), crate::fp8::round_rows(w.data(), k))?,
+        };
         Ok(CpuWeight {
             fp8: true,
             ..self.upload_weight(&rounded)?
@@ -242,6 +302,10 @@ impl Backend for CpuBackend {
                 ));
             }
         }
+        if let Some(q) = &w.quant {
+            let out = qlinear::linear(x.data(), xw, cols.start, q, 0..o, b.map(|b| b.data()));
+            return Tensor::new([n, o], out);
+        }
         let (data, xw, c0) = match w.fp8 {
             true => (fp8_input(x.data(), xw, cols), k, 0),
             false => (std::borrow::Cow::Borrowed(x.data()), xw, cols.start),
@@ -277,6 +341,10 @@ impl Backend for CpuBackend {
                     b.map(|b| b.shape())
                 ),
             ));
+        }
+        if let Some(q) = &w.quant {
+            let out = qlinear::linear(x.data(), k, 0, q, outs.clone(), b.map(|b| b.data()));
+            return Tensor::new([n, outs.len()], out);
         }
         // The transposed weight's column block: a strided view, no copy.
         let wt = matmul::MatRef {
@@ -553,6 +621,9 @@ impl Backend for CpuBackend {
     }
 
     fn download_weight(&self, w: &CpuWeight) -> Result<Tensor> {
+        if let Some(q) = &w.quant {
+            return q.to_f32();
+        }
         let (k, o) = (w.t.shape()[0], w.t.shape()[1]);
         let mut out = vec![0.0; o * k];
         for (j, row) in w.t.data().chunks_exact(o.max(1)).enumerate() {
@@ -611,8 +682,9 @@ impl Backend for CpuBackend {
         out_b: &Tensor,
     ) -> Result<Tensor> {
         // `out.t` is `[C_in, C_out]`: its transposed view is the `[C_out, C_in]` matrix.
-        let out_w = matmul::MatRef::transposed(out.t.data(), out.out_features());
-        image_attention::image_attention(x, normed, qkv.t.data(), qkv_b.data(), out_w, out_b.data())
+        let (qkv_t, out_t) = (qkv.transposed_f32()?, out.transposed_f32()?);
+        let out_w = matmul::MatRef::transposed(out_t.data(), out.out_features());
+        image_attention::image_attention(x, normed, qkv_t.data(), qkv_b.data(), out_w, out_b.data())
             .map(|(y, _)| y)
     }
 
