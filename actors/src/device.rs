@@ -145,10 +145,7 @@ pub fn place(
     match device {
         DeviceSpec::Cpu => {
             let t = cpu.shared_transformer().map_err(err)?;
-            let component = Component {
-                name: "transformer".into(),
-                weight_bytes: t.weight_bytes(4, false),
-            };
+            let component = Component::with_forms("transformer", t.memory());
             Ok(Placed {
                 // Templates beyond the budget are streamed from the cache's arena by a
                 // loader thread.
@@ -251,11 +248,12 @@ fn on_gpu<E: Exec + 'static>(
     cpu: &FluxFill<CpuBackend>,
     limits: StepLimits,
 ) -> Result<Placed, String> {
-    let (dt, fp8) = (backend.dtype(), backend.fp8_weights());
+    let dt = backend.dtype();
     let model = source
         .load_transformer(backend)
         .map_err(|e| format!("loading the transformer of `{source}` on {device}: {e}"))?;
-    let weights = model.weight_bytes(dt.size(), fp8);
+    let held = model.memory();
+    let weights = held.values().sum();
     let mem = model
         .backend()
         .exec()
@@ -286,10 +284,7 @@ fn on_gpu<E: Exec + 'static>(
     })
     .map_err(|e| format!("{device}: {e}"))?;
     tracing::info!("device memory budget on {device}: {}", budget.describe());
-    let component = Component {
-        name: "transformer".into(),
-        weight_bytes: weights,
-    };
+    let component = Component::with_forms("transformer", held);
     Ok(Placed {
         stepper: Box::new(ModelStepper::new(
             std::sync::Arc::new(model),

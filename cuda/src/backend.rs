@@ -270,6 +270,22 @@ impl<E: Exec> Backend for GpuBackend<E> {
         self.resident_weight_bytes(w)
     }
 
+    fn weight_form(&self, w: &GpuTensor<E>) -> &'static str {
+        match (w.quant, w.row_scales, w.dt) {
+            (Some(ty), _, _) => ty.name(),
+            (None, 0, Dt::F32) => "f32",
+            (None, 0, Dt::Bf16) => "bf16",
+            (None, _, _) => "fp8",
+        }
+    }
+
+    fn dense_dtype(&self) -> DType {
+        match self.dt {
+            Dt::F32 => DType::F32,
+            Dt::Bf16 => DType::BF16,
+        }
+    }
+
     fn fp8_weights(&self) -> bool {
         self.fp8_weights
     }

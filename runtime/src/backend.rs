@@ -145,6 +145,17 @@ pub trait Backend: Send + Sync {
             .unwrap_or(0)
     }
 
+    /// The form a weight is held in, for memory reports: `f32`, `bf16`, `fp8`, or a
+    /// GGUF type's name (`Q4_K`) for a weight kept quantised.
+    fn weight_form(&self, _w: &Self::Weight) -> &'static str {
+        "f32"
+    }
+
+    /// The dtype of this backend's dense tensors (activations, biases, norms).
+    fn dense_dtype(&self) -> crate::DType {
+        crate::DType::F32
+    }
+
     /// Whether the transformer's large Linear weights go to this backend as fp8
     /// E4M3 ([`Backend::upload_weight_fp8`]): `[device] weight_dtype = "fp8"`. The
     /// model asks, site by site, and uploads the others as usual.

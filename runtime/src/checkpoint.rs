@@ -3,9 +3,10 @@
 //! quantisations city96 and llama.cpp write). Model loaders map names and shapes over
 //! [`TensorFile`] and never ask which container it is.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
 use crate::stored::Stored;
 use crate::weights::SafetensorsFile;
 
@@ -79,11 +80,43 @@ pub fn open(path: impl AsRef<Path>) -> Result<Box<dyn TensorFile>> {
     Ok(Box::new(SafetensorsFile::open(path)?))
 }
 
+/// A GGUF file whose every tensor is of a type denoised reads: a type it does not
+/// (Q2_K, IQ4_XS, ...) is refused at open, naming the tensor and the type, rather
+/// than at the first read of that tensor.
 fn open_gguf(path: &Path) -> Result<Box<dyn TensorFile>> {
-    Err(Error::BadConfig {
-        path: PathBuf::from(path),
-        reason: "GGUF files are not supported by this build".into(),
-    })
+    let f = GgufFile::open(path)?;
+    for n in f.names() {
+        f.stored(&n)?;
+    }
+    Ok(Box::new(f))
+}
+
+impl TensorFile for GgufFile {
+    fn path(&self) -> &Path {
+        GgufFile::path(self)
+    }
+    fn container(&self) -> &'static str {
+        "gguf"
+    }
+    fn names(&self) -> Vec<String> {
+        GgufFile::names(self)
+    }
+    fn info(&self, name: &str) -> Option<(Vec<usize>, String)> {
+        GgufFile::info(self, name)
+    }
+    fn stored(&self, name: &str) -> Result<Stored<'_>> {
+        GgufFile::stored(self, name)
+    }
+    fn release_pages(&self) -> std::io::Result<()> {
+        GgufFile::release_pages(self)
+    }
+    fn data_bytes(&self) -> u64 {
+        self.names()
+            .iter()
+            .filter_map(|n| GgufFile::stored(self, n).ok())
+            .map(|t| t.bytes.len() as u64)
+            .sum()
+    }
 }
 
 /// The first five of `names` (sorted), and how many more: how an error lists the keys

@@ -155,9 +155,10 @@ impl<'a> Stored<'a> {
         }
     }
 
-    /// The rows `r` of the first dimension, borrowed. Every row of a quantised
+    /// The rows `r` of the first dimension: borrowed from the same buffer as `self`
+    /// when that is borrowed (a mapped file), else copied. Every row of a quantised
     /// tensor is whole blocks (its inner dimension is a multiple of the block size).
-    pub fn rows(&self, r: Range<usize>) -> Result<Stored<'_>> {
+    pub fn rows(&self, r: Range<usize>) -> Result<Stored<'a>> {
         let rows =
             self.shape.first().copied().ok_or_else(|| {
                 Error::shape("Stored::rows", format!("`{}` is a scalar", self.name))
@@ -175,7 +176,10 @@ impl<'a> Stored<'a> {
             name: self.name.clone(),
             shape,
             dtype: self.dtype,
-            bytes: Cow::Borrowed(&self.bytes[r.start * rb..r.end * rb]),
+            bytes: match &self.bytes {
+                Cow::Borrowed(b) => Cow::Borrowed(&b[r.start * rb..r.end * rb]),
+                Cow::Owned(v) => Cow::Owned(v[r.start * rb..r.end * rb].to_vec()),
+            },
             quant: self.quant,
             scale: self.scale,
         })
@@ -247,39 +251,7 @@ impl<'a> Stored<'a> {
     }
 }
 
-impl<'a> Stored<'a> {
-    /// Rows `r` of the first dimension: borrowed from the same buffer as `self` when
-    /// that is borrowed (a mapped file), else copied.
-    pub fn rows(&self, r: std::ops::Range<usize>) -> Result<Stored<'a>> {
-        let rows = self.shape.first().copied().unwrap_or(0);
-        if r.start > r.end || r.end > rows {
-            return Err(Error::shape(
-                "Stored::rows",
-                format!("`{}`: rows {r:?} of {rows}", self.name),
-            ));
-        }
-        let row_bytes = self.bytes.len() / rows.max(1);
-        let mut shape = self.shape.clone();
-        shape[0] = r.len();
-        Ok(Stored {
-            name: self.name.clone(),
-            shape,
-            dtype: self.dtype,
-            bytes: match &self.bytes {
-                Cow::Borrowed(b) => Cow::Borrowed(&b[r.start * row_bytes..r.end * row_bytes]),
-                Cow::Owned(v) => Cow::Owned(v[r.start * row_bytes..r.end * row_bytes].to_vec()),
-            },
-        })
-    }
-
-    /// A per-tensor scale (fp8 weights only).
-    pub fn with_scale(self, _scale: f32) -> Result<Self> {
-        Err(Error::UnsupportedDType {
-            name: self.name,
-            dtype: format!("{:?} with a scale", self.dtype),
-        })
-    }
-
+impl Stored<'_> {
     /// `parts` stacked along the first dimension (one dtype), in an owned buffer.
     pub fn concat_rows(parts: &[Stored<'_>]) -> Result<Stored<'static>> {
         let first = parts
@@ -289,7 +261,7 @@ impl<'a> Stored<'a> {
         shape[0] = 0;
         let mut bytes = Vec::new();
         for p in parts {
-            if p.dtype != first.dtype || p.shape[1..] != first.shape[1..] {
+            if p.format() != first.format() || p.shape[1..] != first.shape[1..] {
                 return Err(Error::shape(
                     "Stored::concat_rows",
                     format!(
@@ -306,6 +278,8 @@ impl<'a> Stored<'a> {
             shape,
             dtype: first.dtype,
             bytes: Cow::Owned(bytes),
+            quant: first.quant,
+            scale: first.scale,
         })
     }
 }

@@ -4,6 +4,7 @@
 //! for the cache tiers starts here.
 
 use denoised_models::flux::template::{storage_dtype, CacheMode, TemplateLayout};
+use denoised_models::flux::weights::weight_forms;
 use denoised_models::vae::sparse::Half;
 use denoised_models::vae::{AutoencoderKL, VaeConfig};
 use denoised_models::FluxConfig;
@@ -110,6 +111,7 @@ pub fn run(a: Args) -> CliResult {
                     "vae_trace_encoder_bytes": traces.map(|t| t.0),
                     "vae_trace_decoder_bytes": traces.map(|t| t.1),
                     "with_vae_traces_gib": traces.map(|(e, d)| (l.total_bytes() as u64 + e + d) as f64 / GIB),
+                    "transformer_weight_bytes": weight_forms(&cfg),
                 })
             );
         }

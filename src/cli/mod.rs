@@ -13,6 +13,7 @@ mod bench_quality;
 mod bench_serve;
 mod bench_sparse_vae;
 mod bench_step;
+mod bench_weights;
 mod controlnet;
 mod devices;
 mod edit;
@@ -111,6 +112,9 @@ pub enum BenchCommand {
     /// With mask ratios, also mask-aware edit steps against a cached template, with the
     /// speedup beside the FLOP bound; one JSON line per measurement.
     Step(bench_step::Args),
+    /// Load the same transformer from several checkpoint files (f32, fp8, GGUF, ...) and
+    /// report each one's resident memory and CPU step time, ratios to the first.
+    Weights(bench_weights::Args),
     /// Time the masked-query attention op alone (TFLOP/s per mask ratio).
     Attn(bench_attn::Args),
     /// Time each stage of a whole edit with seeded components (--sparse-vae: the VAE).
@@ -211,6 +215,7 @@ pub fn run(cli: Cli) -> CliResult {
 fn run_bench(b: BenchCommand) -> CliResult {
     match b {
         BenchCommand::Step(a) => bench_step::run(a),
+        BenchCommand::Weights(a) => bench_weights::run(a),
         BenchCommand::Attn(a) => bench_attn::run(a),
         BenchCommand::Pipeline(a) => bench_pipeline::run(a),
         BenchCommand::CacheQuality(a) => bench_quality::run(a),

@@ -144,10 +144,13 @@ impl<B: Backend> FluxTransformer<B> {
             .sum()
     }
 
-    /// Bytes of the weights on a device of `dtype_bytes` an element, with or without
-    /// fp8 weights ([`super::weights::weight_bytes`]).
-    pub fn weight_bytes(&self, dtype_bytes: usize, fp8: bool) -> u64 {
-        super::weights::weight_bytes(&self.config, dtype_bytes, fp8)
+    /// Bytes of the weights as this backend holds them, by form (`bf16`, `fp8`, `Q8_0`,
+    /// ...): what `/readyz` and `denoised bench weights` report.
+    pub fn memory(&self) -> std::collections::BTreeMap<String, u64> {
+        match self.w.read() {
+            Ok(w) => w.memory(&self.backend),
+            Err(_) => Default::default(),
+        }
     }
 
     fn from_parts(

@@ -329,6 +329,30 @@ pub fn weight_bytes(c: &FluxConfig, dtype_bytes: usize, fp8: bool) -> u64 {
     (all - fp8_elems) * dtype_bytes as u64 + fp8_elems + 4 * scales
 }
 
+/// Bytes of `c`'s weights on a bf16 device in each form a checkpoint can give them:
+/// `bf16`, `fp8` ([`weight_bytes`]), and each GGUF type, quantised as city96's files
+/// are (every Linear weight whose rows are whole blocks; the others and the 1-D
+/// tensors in bf16). What `denoised footprint` reports, from the config alone.
+pub fn weight_forms(c: &FluxConfig) -> std::collections::BTreeMap<String, u64> {
+    let mut m = std::collections::BTreeMap::new();
+    m.insert("bf16".to_string(), weight_bytes(c, 2, false));
+    m.insert("fp8".to_string(), weight_bytes(c, 2, true));
+    for q in denoised_runtime::quant::QuantType::ALL {
+        let bytes: usize = param_specs(c)
+            .iter()
+            .map(|(_, s)| {
+                let n: usize = s.iter().product();
+                match s.as_slice() {
+                    [_, k] if k % q.block_elems() == 0 => q.bytes_for(n, "").unwrap_or(2 * n),
+                    _ => 2 * n,
+                }
+            })
+            .sum();
+        m.insert(q.name().to_string(), bytes as u64);
+    }
+    m
+}
+
 /// Host tensors by name, from a directory or a generator. Every model's loader takes
 /// one, so the built-in (seeded) models and real checkpoints share one code path.
 pub trait Source {
@@ -551,6 +575,58 @@ impl<B: Backend> FluxWeights<B> {
             norm_out: lin(Site::NormOut)?,
             proj_out: lin(Site::ProjOut)?,
         })
+    }
+
+    /// Bytes of the weights by the form the backend holds them in (`bf16`, `fp8`,
+    /// `Q4_K`, ...): the Linear weights by their own form, biases and norm weights in
+    /// the backend's dense dtype.
+    pub fn memory(&self, be: &B) -> std::collections::BTreeMap<String, u64> {
+        let mut lins: Vec<&Linear<B>> = vec![
+            &self.x_embedder,
+            &self.context_embedder,
+            &self.time_1,
+            &self.time_2,
+            &self.text_1,
+            &self.text_2,
+            &self.norm_out,
+            &self.proj_out,
+        ];
+        if let Some((g1, g2)) = &self.guidance {
+            lins.extend([g1, g2]);
+        }
+        let mut vecs: Vec<&B::Tensor> = Vec::new();
+        for b in &self.double {
+            lins.extend([
+                &b.norm1,
+                &b.norm1_context,
+                &b.qkv,
+                &b.add_qkv,
+                &b.to_out,
+                &b.to_add_out,
+                &b.ff_in,
+                &b.ff_out,
+                &b.ff_context_in,
+                &b.ff_context_out,
+            ]);
+            vecs.extend([&b.norm_q, &b.norm_k, &b.norm_added_q, &b.norm_added_k]);
+        }
+        for b in &self.single {
+            lins.extend([&b.norm, &b.qkv_mlp, &b.proj_out]);
+            vecs.extend([&b.norm_q, &b.norm_k]);
+        }
+        vecs.extend(lins.iter().filter_map(|l| l.b.as_ref()));
+        let mut m = std::collections::BTreeMap::new();
+        for l in lins {
+            *m.entry(be.weight_form(&l.w).to_string()).or_default() += be.weight_bytes(&l.w);
+        }
+        let dense = be.dense_dtype();
+        let elems: usize = vecs
+            .iter()
+            .map(|t| be.shape(t).iter().product::<usize>())
+            .sum();
+        *m.entry(format!("{dense:?}").to_lowercase()).or_default() +=
+            (elems * dense.size_bytes()) as u64;
+        m
     }
 
     /// The Linear of `site` (`None` for a guidance site of a model without one).

@@ -186,6 +186,20 @@ impl Parts {
 pub struct Component {
     pub name: String,
     pub weight_bytes: u64,
+    /// The bytes by the form they are held in (`f32`, `bf16`, `fp8`, `Q4_K`, ...).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub forms: std::collections::BTreeMap<String, u64>,
+}
+
+impl Component {
+    /// A component whose weights are held in `forms` (bytes by form).
+    pub fn with_forms(name: &str, forms: std::collections::BTreeMap<String, u64>) -> Self {
+        Component {
+            name: name.into(),
+            weight_bytes: forms.values().sum(),
+            forms,
+        }
+    }
 }
 
 /// Which diffusers pipeline a checkpoint is for, from its transformer's input
@@ -567,6 +581,10 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             v.push(Component {
                 name: name.into(),
                 weight_bytes,
+                forms: match weight_bytes {
+                    0 => Default::default(),
+                    b => [("f32".to_string(), b)].into(),
+                },
             })
         };
         if let Some(t) = &self.text {

@@ -247,6 +247,11 @@ impl Backend for CpuBackend {
         w.resident_bytes()
     }
 
+    fn weight_form(&self, w: &CpuWeight) -> &'static str {
+        // An fp8 weight's reference holds its rounded values in f32.
+        w.quant.as_ref().map_or("f32", |q| q.ty.name())
+    }
+
     fn fp8_weights(&self) -> bool {
         self.fp8_weights
     }
