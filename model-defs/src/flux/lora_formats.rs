@@ -219,7 +219,9 @@ pub(super) fn unknown_keys(format: LoraFormat, keys: &[String]) -> String {
     if let Some((k, why)) = keys.iter().find_map(|k| refusal(k).map(|w| (k, w))) {
         return format!("`{k}`: {why}");
     }
-    let shown: Vec<String> = keys.iter().take(4).map(|k| format!("`{k}`")).collect();
+    let mut sorted: Vec<&String> = keys.iter().collect();
+    sorted.sort();
+    let shown: Vec<String> = sorted.iter().take(4).map(|k| format!("`{k}`")).collect();
     let more = if keys.len() > 4 {
         format!(" (and {} more)", keys.len() - 4)
     } else {
