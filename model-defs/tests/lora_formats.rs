@@ -379,3 +379,66 @@ fn bad_layout_files_are_refused_by_name() {
         }
     }
 }
+
+/// The factors diffusers 0.42.1 drops from kohya files without a word (the embedders'
+/// and the final layer's, left without the `transformer.` prefix by its converter)
+/// apply here, at `alpha / r`, exactly as the same factors in the BFL layout.
+#[test]
+fn kohya_embedders_and_final_layer_apply_like_the_bfl_layout() {
+    let cfg = tiny_config();
+    let d = cfg.hidden();
+    let dir = tempfile::tempdir().unwrap();
+    let seq = |shape: [usize; 2], k: f32| {
+        let n = shape[0] * shape[1];
+        Tensor::new(shape, (0..n).map(|i| (i as f32 * k).sin()).collect()).unwrap()
+    };
+    let mods = [
+        (
+            "final_layer.adaLN_modulation.1",
+            seq([4, d], 0.37),
+            seq([2 * d, 4], 0.11),
+        ),
+        ("img_in", seq([4, cfg.in_channels], 0.53), seq([d, 4], 0.29)),
+        (
+            "guidance_in.in_layer",
+            seq([4, 256], 0.71),
+            seq([d, 4], 0.13),
+        ),
+    ];
+    let alpha = Tensor::new(Vec::<usize>::new(), vec![2.0]).unwrap();
+    let (mut kohya, mut bfl): (Vec<(String, &Tensor)>, Vec<(String, &Tensor)>) = (vec![], vec![]);
+    for (name, down, up) in &mods {
+        let k = format!("lora_unet_{}", name.replace('.', "_"));
+        kohya.push((format!("{k}.lora_down.weight"), down));
+        kohya.push((format!("{k}.lora_up.weight"), up));
+        kohya.push((format!("{k}.alpha"), &alpha));
+        bfl.push((format!("diffusion_model.{name}.lora_A.weight"), down));
+        bfl.push((format!("diffusion_model.{name}.lora_B.weight"), up));
+    }
+    let open = |label: &str, tensors: &[(String, &Tensor)]| {
+        let path = dir.path().join(format!("{label}.safetensors"));
+        let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), *t)).collect();
+        write_safetensors(&path, &named).unwrap();
+        LoraFile::open(&path, &cfg).unwrap()
+    };
+    let (k, b) = (open("kohya", &kohya), open("bfl", &bfl));
+    assert_eq!((k.format, b.format), (LoraFormat::Kohya, LoraFormat::Bfl));
+    assert_eq!(k.modules.len(), 3);
+    for (x, y) in k.modules.iter().zip(&b.modules) {
+        assert_eq!((&x.name, x.site, &x.rows), (&y.name, y.site, &y.rows));
+        assert_eq!((x.down.data(), x.up.data()), (y.down.data(), y.up.data()));
+        assert_eq!((x.scale, y.scale), (0.5, 1.0), "{}", x.name);
+    }
+    let names: Vec<&str> = k.modules.iter().map(|m| m.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "x_embedder",
+            "time_text_embed.guidance_embedder.linear_1",
+            "norm_out.linear"
+        ]
+    );
+    // norm_out.linear is diffusers' scale|shift: BFL rows d..2d first.
+    let up = &mods[0].2;
+    assert_eq!(&k.modules[2].up.data()[..d * 4], &up.data()[d * 4..]);
+}
