@@ -14,7 +14,8 @@
 //!   (img qkv, txt qkv, img proj, txt proj; the single blocks' q|k|v of `linear1` and
 //!   `linear2`), scale 1 (XLabs files hold no alpha; diffusers uses 1).
 //! - **BFL**: `<BFL name>.lora_A.weight` / `.lora_B.weight` (and `.alpha`, as kohya),
-//!   optionally prefixed `diffusion_model.`, `model.diffusion_model.` or `transformer.`.
+//!   optionally prefixed `diffusion_model.`, `model.diffusion_model.`, `transformer.` or
+//!   `base_model.model.` (fal's Kontext LoRAs).
 //!
 //! A BFL Linear's factor pair is split onto the diffusers Linears it stacks through the
 //! one table, [`super::bfl::linears`]: each part gets the shared `down` and its rows
@@ -58,8 +59,13 @@ const BFL_ROOTS: [&str; 8] = [
     "guidance_in.",
 ];
 
-/// Prefixes BFL-named keys carry (ComfyUI, ai-toolkit).
-const BFL_PREFIXES: [&str; 3] = ["model.diffusion_model.", "diffusion_model.", "transformer."];
+/// Prefixes BFL-named keys carry (ComfyUI, ai-toolkit, fal's Kontext trainer).
+const BFL_PREFIXES: [&str; 4] = [
+    "model.diffusion_model.",
+    "diffusion_model.",
+    "transformer.",
+    "base_model.model.",
+];
 
 fn strip_bfl_prefix(key: &str) -> &str {
     BFL_PREFIXES
@@ -389,9 +395,15 @@ mod tests {
             LoraFormat::Bfl
         );
         assert_eq!(
-            f("transformer.transformer_blocks.0.attn.to_q.lora_A.weight"),
-            LoraFormat::Peft
+            f("base_model.model.single_blocks.3.linear2.lora_A.weight"),
+            LoraFormat::Bfl
         );
+        for peft in [
+            "transformer.transformer_blocks.0.attn.to_q.lora_A.weight",
+            "base_model.model.transformer_blocks.0.attn.to_q.lora_A.weight",
+        ] {
+            assert_eq!(f(peft), LoraFormat::Peft);
+        }
     }
 
     #[test]
