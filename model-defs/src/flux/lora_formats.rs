@@ -260,7 +260,7 @@ pub(super) fn read(
     bad: &dyn Fn(String) -> Error,
 ) -> Result<Vec<LoraModule>> {
     let resolver = Resolver::new(cfg);
-    // By BFL name (and part count), in the order of the file.
+    // By BFL name (and part count), in key order.
     let mut pairs: Vec<((String, usize), Pair)> = Vec::new();
     let mut unknown = Vec::new();
     let mut names = st.names();
