@@ -193,6 +193,25 @@ fn generations_with_loras_equal_the_cli_and_uploads_are_checked() {
     assert_eq!(s, 400, "{v}");
     let msg = v["error"]["message"].as_str().unwrap();
     assert!(msg.contains("junk"), "{msg}");
+    // The kohya, XLabs and BFL layouts upload (and serve) like PEFT files; a file of
+    // other tensors is refused with its keys named.
+    let kohya = std::fs::read(fixtures().join("loras/formats/kohya.safetensors")).unwrap();
+    let (s, v) = d.post_raw("/v1/adapters?name=kohya", kohya);
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(
+        (v["rank"].as_u64(), v["modules"].as_u64()),
+        (Some(6), Some(46))
+    );
+    let (s, v) = generate(&d, json!([{"id": "kohya", "scale": 0.8}]), "off");
+    assert_eq!(s, 200, "{v}");
+    let not_lora = std::fs::read(fixtures().join("cases/lora_formats_dev.safetensors")).unwrap();
+    let (s, v) = d.post_raw("/v1/adapters?name=latents", not_lora);
+    assert_eq!(s, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("are not PEFT/diffusers LoRA factors") && msg.contains("`initial_latents`"),
+        "{msg}"
+    );
     let (_, list) = d.get("/v1/adapters");
     let names: Vec<&str> = list["data"]
         .as_array()
@@ -202,7 +221,7 @@ fn generations_with_loras_equal_the_cli_and_uploads_are_checked() {
         .collect();
     assert_eq!(
         names,
-        ["detail-2", "style"],
+        ["detail-2", "kohya", "style"],
         "a refused upload leaves nothing"
     );
 

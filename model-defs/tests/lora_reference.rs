@@ -301,7 +301,7 @@ fn bad_lora_files_are_refused_by_name() {
                 "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight".into(),
                 &a,
             )],
-            "not a PEFT/diffusers LoRA key",
+            "has lora_down but no lora_up",
         ),
         (
             "no up",

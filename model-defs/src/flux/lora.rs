@@ -6,6 +6,9 @@
 //! (`alpha_pattern` per module, `alpha / sqrt(r)` with rsLoRA). A file without metadata
 //! has scale 1 (diffusers' convention), or `alpha / r` from `<module>.alpha` tensors.
 //!
+//! The kohya, XLabs and BFL layouts most FLUX LoRAs circulate in are converted onto the
+//! same diffusers module names by [`super::lora_formats`].
+//!
 //! A module maps onto our weights by its site (the Linear the forward runs, a fused
 //! projection for `to_q|to_k|to_v` and the single blocks' `to_k|to_v|to_q|proj_mlp`)
 //! and its rows within it, from the one table in `weights.rs`.
@@ -23,6 +26,7 @@ use denoised_runtime::weights::SafetensorsFile;
 use denoised_runtime::{Backend, Error, Result, Tensor};
 
 use super::config::FluxConfig;
+use super::lora_formats::{self, LoraFormat};
 use super::weights::Site;
 
 /// diffusers' file name inside an adapter directory.
@@ -57,6 +61,8 @@ pub struct LoraFile {
     pub path: PathBuf,
     /// Ordered by site, then rows.
     pub modules: Vec<LoraModule>,
+    /// The key layout it was read from.
+    pub format: LoraFormat,
     /// Identity of its contents (names, factors and scales): what template keys record
     /// of an adapter, so a file renamed is the same adapter and one retrained is not.
     pub fingerprint: String,
@@ -64,9 +70,11 @@ pub struct LoraFile {
 
 impl LoraFile {
     /// Reads `path`: a `.safetensors` file, or a directory holding
-    /// `pytorch_lora_weights.safetensors`. Every tensor must be a transformer LoRA
-    /// factor of a Linear of `cfg`'s model with matching shapes; anything else (a text
-    /// encoder's LoRA, DoRA, LoRA biases, kohya key names) is refused by name.
+    /// `pytorch_lora_weights.safetensors`, in the PEFT/diffusers layout or the kohya,
+    /// XLabs or BFL one ([`LoraFormat::detect`], [`super::lora_formats`]). Every tensor
+    /// must be a transformer LoRA factor of a Linear of `cfg`'s model with matching
+    /// shapes; anything else (a text encoder's LoRA, DoRA, LoRA biases, unknown keys) is
+    /// refused by name.
     pub fn open(path: impl AsRef<Path>, cfg: &FluxConfig) -> Result<Self> {
         let path = path.as_ref();
         let file = if path.is_dir() {
@@ -79,81 +87,13 @@ impl LoraFile {
             path: file.clone(),
             reason,
         };
-        let meta = st
-            .metadata_value(METADATA_KEY)
-            .map(|m| PeftConfig::parse(m).map_err(&bad))
-            .transpose()?;
+        let names = st.names();
         let sites = module_sites(cfg);
-        let (mut downs, mut ups, mut alphas) = (HashMap::new(), HashMap::new(), HashMap::new());
-        for name in st.names() {
-            let Some(key) = ["transformer.", "base_model.model."]
-                .iter()
-                .find_map(|p| name.strip_prefix(p))
-            else {
-                return Err(bad(if name.starts_with("text_encoder") {
-                    format!("`{name}` adapts a text encoder; only transformer LoRAs are served")
-                } else {
-                    format!(
-                        "`{name}` is not a PEFT/diffusers LoRA key (`transformer.<module>.lora_A.weight`); \
-                         convert other formats with diffusers' `load_lora_weights` + `save_lora_weights`"
-                    )
-                }));
-            };
-            if let Some(m) = key.strip_suffix(".lora_A.weight") {
-                downs.insert(m.to_string(), st.weight(&name)?);
-            } else if let Some(m) = key.strip_suffix(".lora_B.weight") {
-                ups.insert(m.to_string(), st.weight(&name)?);
-            } else if let Some(m) = key.strip_suffix(".alpha") {
-                let a = st.tensor_f32(&name)?;
-                if a.data().len() != 1 {
-                    return Err(bad(format!("`{name}` is not a scalar")));
-                }
-                alphas.insert(m.to_string(), a.data()[0]);
-            } else {
-                let what = if key.contains("lora_magnitude_vector") {
-                    "DoRA is not supported"
-                } else if key.contains(".lora_B.bias") {
-                    "LoRA biases are not supported"
-                } else {
-                    "not a LoRA factor"
-                };
-                return Err(bad(format!("`{name}`: {what}")));
-            }
-        }
-        let mut modules = Vec::with_capacity(downs.len());
-        for (m, down) in downs {
-            let up = ups
-                .remove(&m)
-                .ok_or_else(|| bad(format!("`{m}` has lora_A but no lora_B")))?;
-            let &(site, ref rows, input) = sites
-                .get(m.as_str())
-                .ok_or_else(|| bad(format!("`{m}` is not a Linear of this transformer")))?;
-            let r = down.rows();
-            if down.shape() != [r, input] || up.shape() != [rows.len(), r] || r == 0 {
-                return Err(bad(format!(
-                    "`{m}`: lora_A {:?} and lora_B {:?} do not fit a [{}, {input}] Linear",
-                    down.shape(),
-                    up.shape(),
-                    rows.len()
-                )));
-            }
-            let scale = match (&meta, alphas.get(&m)) {
-                (Some(c), _) => c.scale(&m, r),
-                (None, Some(a)) => a / r as f32,
-                (None, None) => 1.0,
-            };
-            modules.push(LoraModule {
-                name: m,
-                site,
-                rows: rows.clone(),
-                down,
-                up,
-                scale,
-            });
-        }
-        if let Some(m) = ups.keys().next() {
-            return Err(bad(format!("`{m}` has lora_B but no lora_A")));
-        }
+        let format = LoraFormat::detect(&names);
+        let mut modules = match format {
+            LoraFormat::Peft => read_peft(&st, &names, &sites, &bad)?,
+            f => lora_formats::read(&st, f, cfg, &sites, &bad)?,
+        };
         if modules.is_empty() {
             return Err(bad("no transformer LoRA tensors".into()));
         }
@@ -172,6 +112,7 @@ impl LoraFile {
         Ok(LoraFile {
             path: file,
             modules,
+            format,
             fingerprint: format!("lora-{:08x}-{params}", h.finalize()),
         })
     }
@@ -188,6 +129,81 @@ impl LoraFile {
     pub fn rank(&self) -> usize {
         self.modules.iter().map(LoraModule::rank).max().unwrap_or(0)
     }
+}
+
+/// The modules of a PEFT/diffusers file (the keys `names` of `st`).
+fn read_peft(
+    st: &SafetensorsFile,
+    names: &[String],
+    sites: &HashMap<String, (Site, Range<usize>, usize)>,
+    bad: &dyn Fn(String) -> Error,
+) -> Result<Vec<LoraModule>> {
+    let meta = st
+        .metadata_value(METADATA_KEY)
+        .map(|m| PeftConfig::parse(m).map_err(bad))
+        .transpose()?;
+    let (mut downs, mut ups, mut alphas) = (HashMap::new(), HashMap::new(), HashMap::new());
+    let mut unknown = Vec::new();
+    for name in names {
+        let key = ["transformer.", "base_model.model."]
+            .iter()
+            .find_map(|p| name.strip_prefix(p));
+        let Some(key) = key.filter(|_| lora_formats::refusal(name).is_none()) else {
+            unknown.push(name.clone());
+            continue;
+        };
+        if let Some(m) = key.strip_suffix(".lora_A.weight") {
+            downs.insert(m.to_string(), st.weight(name)?);
+        } else if let Some(m) = key.strip_suffix(".lora_B.weight") {
+            ups.insert(m.to_string(), st.weight(name)?);
+        } else if let Some(m) = key.strip_suffix(".alpha") {
+            let a = st.tensor_f32(name)?;
+            if a.data().len() != 1 {
+                return Err(bad(format!("`{name}` is not a scalar")));
+            }
+            alphas.insert(m.to_string(), a.data()[0]);
+        } else {
+            unknown.push(name.clone());
+        }
+    }
+    if !unknown.is_empty() {
+        return Err(bad(lora_formats::unknown_keys(LoraFormat::Peft, &unknown)));
+    }
+    let mut modules = Vec::with_capacity(downs.len());
+    for (m, down) in downs {
+        let up = ups
+            .remove(&m)
+            .ok_or_else(|| bad(format!("`{m}` has lora_A but no lora_B")))?;
+        let &(site, ref rows, input) = sites
+            .get(m.as_str())
+            .ok_or_else(|| bad(format!("`{m}` is not a Linear of this transformer")))?;
+        let r = down.rows();
+        if down.shape() != [r, input] || up.shape() != [rows.len(), r] || r == 0 {
+            return Err(bad(format!(
+                "`{m}`: lora_A {:?} and lora_B {:?} do not fit a [{}, {input}] Linear",
+                down.shape(),
+                up.shape(),
+                rows.len()
+            )));
+        }
+        let scale = match (&meta, alphas.get(&m)) {
+            (Some(c), _) => c.scale(&m, r),
+            (None, Some(a)) => a / r as f32,
+            (None, None) => 1.0,
+        };
+        modules.push(LoraModule {
+            name: m,
+            site,
+            rows: rows.clone(),
+            down,
+            up,
+            scale,
+        });
+    }
+    if let Some(m) = ups.keys().next() {
+        return Err(bad(format!("`{m}` has lora_B but no lora_A")));
+    }
+    Ok(modules)
 }
 
 /// The key of a LoRA set with its scales, in order (e.g. `lora-1a2b3c4d-5120*0.8`):
@@ -343,15 +359,30 @@ impl<B: Backend> LoraAdapter<B> {
             let mut down = Vec::with_capacity(group.iter().map(|m| m.down.len()).sum());
             let mut parts = Vec::with_capacity(n);
             let mut r0 = 0;
-            for m in group {
-                down.extend_from_slice(m.down.data());
+            for (k, m) in group.iter().enumerate() {
+                // The parts of a fused factor (kohya/XLabs/BFL `qkv`, `linear1`) share
+                // their down projection: it is stacked, and computed, once.
+                let shared = group[..k]
+                    .iter()
+                    .zip(&parts)
+                    .find(|(o, _)| {
+                        o.down.shape() == m.down.shape() && o.down.data() == m.down.data()
+                    })
+                    .map(|(_, p): (_, &Part<B>)| p.r.clone());
+                let r = match shared {
+                    Some(r) => r,
+                    None => {
+                        down.extend_from_slice(m.down.data());
+                        r0 += m.rank();
+                        r0 - m.rank()..r0
+                    }
+                };
                 parts.push(Part {
-                    r: r0..r0 + m.rank(),
+                    r,
                     up: be.upload_weight(&m.up)?,
                     rows: m.rows.clone(),
                     scale: m.scale,
                 });
-                r0 += m.rank();
             }
             sites[site.index(cfg)] = Some(SitePatch {
                 down: be.upload_weight(&Tensor::new([r0, input], down)?)?,

@@ -17,6 +17,7 @@ pub mod embed;
 mod host;
 mod inactive;
 pub mod lora;
+pub mod lora_formats;
 pub mod model;
 mod observer;
 mod packing;
