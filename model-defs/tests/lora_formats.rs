@@ -146,7 +146,7 @@ struct Setup {
 fn setup() -> Setup {
     let meta = meta();
     let dir = fixtures_dir().join(meta["model_dir"].as_str().unwrap());
-    let fill = FluxFill::load(&ModelSource::Dir(dir.clone()), CpuBackend::new()).unwrap();
+    let fill = FluxFill::load(&ModelSource::dir(dir.clone()), CpuBackend::new()).unwrap();
     let model = fill.shared_transformer().unwrap();
     let p = &meta["params"];
     let steps = p["num_inference_steps"].as_u64().unwrap() as usize;
