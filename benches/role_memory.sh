@@ -9,7 +9,10 @@
 # (RssShmem, reserved at start), and the compute workers' total against the directory's
 # size. All figures in MB (10^6 bytes), as the weights in /readyz.
 #
-# Usage: benches/role_memory.sh [MODEL_DIR] [DEVICE]     (DEVICE: cpu by default)
+# With TRANSFORMER=FILE the transformer comes from that single file (`[model] transformer`:
+# a BFL safetensors, fp8 or GGUF file; benches/make_flux_small_formats.py writes flux-small's).
+#
+# Usage: [TRANSFORMER=FILE] benches/role_memory.sh [MODEL_DIR] [DEVICE]     (DEVICE: cpu by default)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-target/flux-small-dir}
@@ -24,6 +27,7 @@ cfg=$(mktemp)
 cat >"$cfg" <<TOML
 [model]
 source = "$dir"
+transformer = "${TRANSFORMER:-}"
 [device]
 device = "$device"
 [workers]
@@ -62,4 +66,4 @@ done
 printf 'directory %s MB; compute workers together %s MB = %.2fx the directory\n' \
     $((dir_bytes / 1000000)) "$(mb $compute)" \
     "$(echo "scale=3; $compute * 1024 / $dir_bytes" | bc)"
-curl -s "$url/readyz" | python3 -c 'import json,sys; [print(p["name"], p["device"], p["dtype"], p["threads"], [(c["name"], round(c["weight_bytes"]/1e6,1)) for c in p["components"]]) for p in json.load(sys.stdin)["processes"]]'
+curl -s "$url/readyz" | python3 -c 'import json,sys; [print(p["name"], p["device"], p["dtype"], p["threads"], [(c["name"], round(c["weight_bytes"]/1e6,1), {f: round(b/1e6,1) for f, b in c.get("forms", {}).items()}) for c in p["components"]]) for p in json.load(sys.stdin)["processes"]]'

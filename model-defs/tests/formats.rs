@@ -143,3 +143,69 @@ fn gguf_transformers_equal_diffusers_gguf() {
         assert_diffusers(case, &img);
     }
 }
+
+#[test]
+fn t5_single_files() {
+    let t5 = |file: &str| {
+        source(ComponentFiles {
+            text_encoder_2: Some(formats().join(file)),
+            ..Default::default()
+        })
+    };
+    let (dir_img, dir_latents) = e2e(&ModelSource::dir(tiny_model_dir()));
+    // transformers' names in one file: the directory's weights, bit for bit.
+    let (img, latents) = e2e(&t5("t5-tiny.safetensors"));
+    assert!(
+        latents == dir_latents && img == dir_img,
+        "T5 single file differs from the directory"
+    );
+    // llama.cpp's names in a GGUF, Q8_0.
+    let (img, _) = e2e(&t5("t5-tiny-Q8_0.gguf"));
+    assert_diffusers("t5_q8_0", &img);
+}
+
+/// A LoRA merged into a quantised transformer makes its sites dense while merged, and
+/// unmerging restores them quantised, exactly as loaded.
+#[test]
+fn lora_merge_on_a_quantised_transformer_restores_it() {
+    use denoised_models::flux::lora::LoraFile;
+    use denoised_models::flux::weights::{DoubleLinear, Site};
+    use denoised_runtime::weights::write_safetensors;
+    use denoised_runtime::Tensor;
+
+    let m = transformer("flux1-fill-tiny-Q8_0.gguf")
+        .load_transformer(CpuBackend::new())
+        .unwrap();
+    let before = m.memory();
+    assert!(before.contains_key("Q8_0"), "{before:?}");
+    let site = Site::Double(0, DoubleLinear::Qkv);
+    let w0 = m.site_weight(site).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let lora = dir.path().join("lora.safetensors");
+    let (r, d) = (2, m.config.hidden());
+    let down = Tensor::new([r, d], (0..r * d).map(|i| (i % 7) as f32 * 0.01).collect()).unwrap();
+    let up = Tensor::new([d, r], (0..r * d).map(|i| (i % 5) as f32 * 0.01).collect()).unwrap();
+    let p = "transformer.transformer_blocks.0.attn.to_q";
+    write_safetensors(
+        &lora,
+        &[
+            (&format!("{p}.lora_A.weight"), &down),
+            (&format!("{p}.lora_B.weight"), &up),
+        ],
+    )
+    .unwrap();
+    let file = LoraFile::open(&lora, &m.config).unwrap();
+    m.merge_loras(&[(&file, 1.0)]).unwrap();
+    let merged = m.memory();
+    assert!(merged["Q8_0"] < before["Q8_0"], "{merged:?}");
+    assert!(
+        m.site_weight(site).unwrap() != w0,
+        "the merge changed nothing"
+    );
+    m.unmerge().unwrap();
+    assert_eq!(m.memory(), before);
+    assert!(
+        m.site_weight(site).unwrap() == w0,
+        "unmerged weights differ from the loaded"
+    );
+}
