@@ -1,6 +1,7 @@
 //! The FLUX.1 Fill pipeline around the transformer: images and masks in, Fill
 //! conditioning, latents out through the VAE, paste-back.
 
+mod components;
 pub mod control;
 pub mod defaults;
 pub mod fill;

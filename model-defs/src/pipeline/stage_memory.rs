@@ -12,7 +12,8 @@
 
 use denoised_runtime::Result;
 
-use super::flux_fill::{text_configs, vae_config};
+use super::components::text_configs;
+use super::flux_fill::vae_config;
 use crate::source::ModelSource;
 use crate::text::{ClipTextConfig, T5Config};
 use crate::vae::weights::{VaeHalves, VaeWeights};
