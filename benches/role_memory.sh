@@ -40,7 +40,7 @@ log=$(mktemp)
 sup=$!
 trap 'kill $sup 2>/dev/null || true; wait $sup 2>/dev/null || true; rm -f "$cfg" "$log"' EXIT
 url=""
-for _ in $(seq 1 600); do
+for _ in $(seq 1 3000); do
     url=$(grep -o 'listening on http://[0-9.:]*' "$log" | head -1 | sed 's/listening on //') || true
     [ -n "$url" ] && curl -sf "$url/readyz" >/dev/null && break
     sleep 0.2
@@ -48,7 +48,7 @@ done
 [ -n "$url" ] || { cat "$log"; exit 1; }
 sleep 1
 dir_bytes=$(du -sb "$dir" | cut -f1)
-mb() { echo $(($1 * 1024 / 1000000)); }
+mb() { echo $((${1:-0} * 1024 / 1000000)); }
 printf '%-14s %12s %12s %12s %12s %12s\n' process weights+heap '(anon' 'file)' arena total
 compute=0
 for pid in $(pgrep -P "$sup"); do

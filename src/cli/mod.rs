@@ -112,8 +112,7 @@ pub enum BenchCommand {
     /// With mask ratios, also mask-aware edit steps against a cached template, with the
     /// speedup beside the FLOP bound; one JSON line per measurement.
     Step(bench_step::Args),
-    /// Load the same transformer from several checkpoint files (f32, fp8, GGUF, ...) and
-    /// report each one's resident memory and CPU step time, ratios to the first.
+    /// Memory and CPU step time of one transformer from several files (f32, fp8, GGUF)
     Weights(bench_weights::Args),
     /// Time the masked-query attention op alone (TFLOP/s per mask ratio).
     Attn(bench_attn::Args),

@@ -6,7 +6,7 @@ use clap::CommandFactory;
 use super::Cli;
 
 /// What `denoised --help` lists, in order.
-const OPERATE: [&str; 9] = [
+const OPERATE: [&str; 10] = [
     "serve",
     "edit",
     "generate",
@@ -15,12 +15,14 @@ const OPERATE: [&str; 9] = [
     "selftest",
     "devices",
     "footprint",
+    "inspect",
     "bench",
 ];
 
 /// What `denoised bench --help` lists, in order.
-const MEASURE: [&str; 13] = [
+const MEASURE: [&str; 14] = [
     "step",
+    "weights",
     "attn",
     "pipeline",
     "cache-quality",

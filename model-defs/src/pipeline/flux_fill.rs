@@ -186,7 +186,8 @@ pub struct Component {
     pub name: String,
     pub weight_bytes: u64,
     /// The bytes by the form they are held in (`f32`, `bf16`, `fp8`, `Q4_K`, ...).
-    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    /// Always serialised: components cross the cluster in postcard, which is not
+    /// self-describing (a skipped field would shift every field after it).
     pub forms: std::collections::BTreeMap<String, u64>,
 }
 
