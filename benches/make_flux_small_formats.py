@@ -30,15 +30,7 @@ torch.manual_seed(0)
 cfg = dict(patch_size=1, in_channels=384, out_channels=64, num_layers=4, num_single_layers=8,
            attention_head_dim=64, num_attention_heads=12, joint_attention_dim=768,
            pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=[16, 24, 24])
-m = FluxTransformer2DModel(**cfg).eval()
-with torch.no_grad():
-    for n, p in m.named_parameters():
-        if p.ndim == 2:
-            p.copy_(torch.randn(p.shape) / p.shape[1] ** 0.5)
-        elif n.endswith("bias"):
-            p.copy_(torch.randn(p.shape) * 0.05)
-        else:
-            p.copy_(1 + 0.15 * torch.randn(p.shape))
+m = g.seed_weights(FluxTransformer2DModel(**cfg).eval())
 bfl = g.to_bfl(m.state_dict(), cfg["num_layers"], cfg["num_single_layers"])
 save_file(bfl, os.path.join(out, "flux-small-f32.safetensors"))
 save_file({k: v.to(torch.bfloat16) for k, v in bfl.items()}, os.path.join(out, "flux-small-bf16.safetensors"))

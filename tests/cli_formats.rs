@@ -64,6 +64,19 @@ fn inspect_tells_what_each_file_is() {
     assert_eq!(k["config"]["num_attention_heads"], 2);
     assert!(k["dtypes"]["Q4_K"].as_u64().unwrap() > 0, "{k}");
 
+    // LoRAs: the layout, and against a model whether it fits.
+    let dev = fixtures().join("flux-dev-tiny");
+    for (file, layout) in [("kohya", "kohya"), ("xlabs", "xlabs"), ("bfl", "bfl")] {
+        let path = fixtures().join(format!("loras/formats/{file}.safetensors"));
+        let out = ok(&["inspect", s(&path), "--model", s(&dev)]);
+        let l: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(
+            (l["component"].as_str(), l["layout"].as_str()),
+            (Some("lora"), Some(layout))
+        );
+        assert!(l["fits_model"]["modules"].as_u64().unwrap() > 0, "{l}");
+    }
+
     let (success, _, stderr) = denoised(&["inspect", s(&formats("unsupported-Q2_K.gguf"))]);
     assert!(!success);
     assert!(

@@ -212,6 +212,32 @@ fn generations_with_loras_equal_the_cli_and_uploads_are_checked() {
         msg.contains("are not PEFT/diffusers LoRA factors") && msg.contains("`initial_latents`"),
         "{msg}"
     );
+    // A LoRA whose shapes do not fit the served model: refused by key and shape, and the
+    // daemon keeps serving.
+    let misfit = {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("misfit.safetensors");
+        let p = "transformer.transformer_blocks.0.attn.to_q";
+        let (a, b) = (
+            denoised_runtime::Tensor::zeros(vec![4, 999]),
+            denoised_runtime::Tensor::zeros(vec![64, 4]),
+        );
+        denoised_runtime::weights::write_safetensors(
+            &path,
+            &[
+                (&format!("{p}.lora_A.weight"), &a),
+                (&format!("{p}.lora_B.weight"), &b),
+            ],
+        )
+        .unwrap();
+        std::fs::read(&path).unwrap()
+    };
+    let (s, v) = d.post_raw("/v1/adapters?name=misfit", misfit);
+    assert_eq!(s, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("misfit") && msg.contains("999"), "{msg}");
+    let (s, v) = generate(&d, json!([{"id": "kohya"}]), "off");
+    assert_eq!(s, 200, "after the refused uploads: {v}");
     let (_, list) = d.get("/v1/adapters");
     let names: Vec<&str> = list["data"]
         .as_array()

@@ -129,3 +129,19 @@ pub fn first_few(mut names: Vec<&str>) -> String {
     };
     format!("{}{more}", names[..names.len().min(5)].join(", "))
 }
+
+/// How many numbered modules `<under>N.` the keys hold: one past the largest `N` (the
+/// blocks of a transformer, the levels of a VAE).
+pub fn indexed_count(names: &[String], under: &str) -> usize {
+    names
+        .iter()
+        .filter_map(|n| {
+            n.strip_prefix(under)?
+                .split('.')
+                .next()?
+                .parse::<usize>()
+                .ok()
+        })
+        .max()
+        .map_or(0, |m| m + 1)
+}

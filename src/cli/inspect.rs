@@ -5,6 +5,8 @@
 
 use std::path::PathBuf;
 
+use denoised_models::flux::lora::LoraFile;
+use denoised_models::flux::lora_formats::LoraFormat;
 use denoised_models::flux::single_file::TransformerFile;
 use denoised_models::text::t5_file::T5File;
 use denoised_models::vae::single_file::VaeFile;
@@ -53,7 +55,22 @@ pub fn inspect(a: &Args) -> CliResult<Value> {
     });
     let has = |p: &str| names.iter().any(|n| n.starts_with(p) || n.contains(p));
     let component = if has("lora") || names.iter().any(|n| n.ends_with(".alpha")) {
-        json!({"component": "lora", "use": "--lora FILE[:SCALE], `loras` in requests, /v1/adapters"})
+        let layout = LoraFormat::detect(&names);
+        let mut v = json!({
+            "component": "lora",
+            "layout": format!("{layout:?}").to_lowercase(),
+            "use": "--lora FILE[:SCALE], `loras` in requests, /v1/adapters",
+        });
+        // Against the model, when given: whether it fits, and what it adapts.
+        if let Some(m) = &a.model {
+            v["fits_model"] = match LoraFile::open(&a.file, &m.transformer_config()?) {
+                Ok(l) => {
+                    json!({"modules": l.modules.len(), "rank": l.rank(), "params": l.params()})
+                }
+                Err(e) => json!({"error": e.to_string()}),
+            };
+        }
+        v
     } else if denoised_models::flux::bfl::is_bfl(names.iter().map(String::as_str))
         || has("transformer_blocks.")
     {

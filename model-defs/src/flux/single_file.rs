@@ -187,21 +187,7 @@ fn infer_config(
     let guidance_embeds = shape(keys[3]).is_some();
     let hd = need(keys[4], 1)?[0];
     let out_channels = need(keys[5], 2)?[0];
-    // The number of blocks: one past the largest index among `<prefix><blocks>N.` keys.
-    let count = |blocks: &str| {
-        let full = format!("{prefix}{blocks}");
-        names
-            .iter()
-            .filter_map(|n| {
-                n.strip_prefix(&full)?
-                    .split('.')
-                    .next()?
-                    .parse::<usize>()
-                    .ok()
-            })
-            .max()
-            .map_or(0, |m| m + 1)
-    };
+    let count = |blocks: &str| checkpoint::indexed_count(names, &format!("{prefix}{blocks}"));
     if hd == 0 || d % hd != 0 {
         return Err(format!(
             "hidden size {d} is not a multiple of the head dim {hd}"

@@ -170,20 +170,7 @@ fn infer_config(
     let shape = |k: &str| file.info(&format!("{prefix}{k}")).map(|(s, _)| s);
     let need =
         |k: &str| shape(k).ok_or_else(|| format!("no `{prefix}{k}`: not a complete AutoencoderKL"));
-    let count = |under: &str| {
-        let full = format!("{prefix}{under}");
-        names
-            .iter()
-            .filter_map(|n| {
-                n.strip_prefix(&full)?
-                    .split('.')
-                    .next()?
-                    .parse::<usize>()
-                    .ok()
-            })
-            .max()
-            .map_or(0, |m| m + 1)
-    };
+    let count = |under: &str| checkpoint::indexed_count(names, &format!("{prefix}{under}"));
     let levels = count(down);
     let block_out_channels = (0..levels)
         .map(|i| need(&format!("{down}{i}.{block}.0.conv1.weight")).map(|s| s[0]))
