@@ -46,7 +46,7 @@ pub struct GpuBackend<E: Exec> {
     /// device as fp8 (`crate::fp8`).
     fp8_weights: bool,
     /// Output rows of a GGUF-quantised weight one GEMM expands at a time
-    /// (`crate::quant`).
+    /// (`crate::quant`); 0: as many as fit [`crate::quant::TILE_BYTES`].
     pub(crate) quant_tile_rows: usize,
 }
 
@@ -79,7 +79,7 @@ impl<E: Exec> GpuBackend<E> {
                 crate::attention::AttnKernel::from_env() as u8
             ),
             fp8_weights: false,
-            quant_tile_rows: crate::quant::TILE_ROWS,
+            quant_tile_rows: 0,
         }
     }
     /// This backend expanding quantised weights `rows` output rows at a time (tests

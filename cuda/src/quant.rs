@@ -3,10 +3,12 @@
 //! rows it needs into a scratch matrix of the device dtype with the `dequant_*`
 //! kernel (kernels/quant.cu, bit-exact with `denoised_runtime::quant::dequantize`,
 //! then rounded to bf16 on a bf16 device) and runs the usual GEMM on it, a tile of
-//! [`TILE_ROWS`] output rows at a time. Each tile's scratch is allocated from the
-//! stream-ordered pool (cuMemAllocAsync) and freed after its GEMM, so the next tile
-//! reuses it: at most `TILE_ROWS x in` dense values (24 MiB in bf16 for FLUX's
-//! in = 3072) are live per GEMM, whatever the weight's size.
+//! output rows at a time ([`tile_rows`]: as many as fit [`TILE_BYTES`], a multiple of
+//! 256). Each tile's scratch is allocated from the stream-ordered pool
+//! (cuMemAllocAsync) and freed after its GEMM, so the next tile reuses it: at most
+//! about 32 MiB of dense values are live per GEMM, whatever the weight's size (FLUX's
+//! bf16 rows of in = 3072: 5376 rows a tile, so its largest projection, 21504 outputs,
+//! is four GEMMs, each still large enough to fill the device).
 
 use std::ops::Range;
 
@@ -18,9 +20,18 @@ use crate::exec::{Dt, Exec, Grid};
 use crate::params::EwParams;
 use crate::tensor::GpuTensor;
 
-/// Output rows expanded per tile: FLUX's single-block projection (21504 outputs) is
-/// six GEMMs of up to 4096 outputs, each still large enough to fill the device.
-pub(crate) const TILE_ROWS: usize = 4096;
+/// Bytes of dense scratch one tile of a quantised GEMM may take.
+pub(crate) const TILE_BYTES: usize = 32 << 20;
+
+/// Output rows expanded per tile for rows of `k` values of `elem` bytes: `fixed` if
+/// set (tests), else as many as fit [`TILE_BYTES`], rounded down to a multiple of
+/// 256 (at least 256).
+pub(crate) fn tile_rows(fixed: usize, k: usize, elem: usize) -> usize {
+    match fixed {
+        0 => (TILE_BYTES / (k * elem).max(1) / 256 * 256).max(256),
+        n => n,
+    }
+}
 
 /// The dequantising kernel of `ty` writing `dt`.
 fn kernel(ty: QuantType, dt: Dt) -> &'static str {
@@ -133,4 +144,17 @@ pub(crate) fn all_fp8(parts: &[Stored<'_>]) -> bool {
         && parts
             .iter()
             .all(|p| matches!(p.format(), StoredFormat::Fp8 { .. }) && p.shape.len() == 2)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn tiles_fit_their_byte_budget() {
+        use super::{tile_rows, TILE_BYTES};
+        // FLUX rows (in 3072) in bf16: 5376 rows, its 21504-output projection in four.
+        assert_eq!(tile_rows(0, 3072, 2), 5376);
+        assert!(tile_rows(0, 15360, 2) * 15360 * 2 <= TILE_BYTES);
+        assert_eq!(tile_rows(0, 1 << 30, 4), 256);
+        assert_eq!(tile_rows(16, 3072, 2), 16);
+    }
 }

@@ -100,7 +100,7 @@ impl<E: Exec> GpuBackend<E> {
         // matrix (freed in stream order after its GEMM, so the pool hands the next
         // tile the same memory), each tile one GEMM into its columns of `out`.
         if w.quant.is_some() {
-            let tile = self.quant_tile_rows;
+            let tile = crate::quant::tile_rows(self.quant_tile_rows, k, self.dt.size());
             for t0 in outs.clone().step_by(tile) {
                 let t = t0..(t0 + tile).min(outs.end);
                 let dense = self.dequantize_rows(w, t.clone())?;
