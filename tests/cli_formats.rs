@@ -64,6 +64,17 @@ fn inspect_tells_what_each_file_is() {
     assert_eq!(k["config"]["num_attention_heads"], 2);
     assert!(k["dtypes"]["Q4_K"].as_u64().unwrap() > 0, "{k}");
 
+    for (file, layout) in [
+        ("t5-tiny.safetensors", "transformers"),
+        ("t5-tiny-Q8_0.gguf", "llama.cpp"),
+    ] {
+        let t = inspect(file);
+        assert_eq!(
+            (t["component"].as_str(), t["layout"].as_str()),
+            (Some("t5"), Some(layout))
+        );
+    }
+
     // LoRAs: the layout, and against a model whether it fits.
     let dev = fixtures().join("flux-dev-tiny");
     for (file, layout) in [("kohya", "kohya"), ("xlabs", "xlabs"), ("bfl", "bfl")] {

@@ -145,3 +145,15 @@ pub fn indexed_count(names: &[String], under: &str) -> usize {
         .max()
         .map_or(0, |m| m + 1)
 }
+
+/// The stored types of a file's tensors (`BF16`, `F8_E4M3`, `Q4_K`, ...) and how many
+/// of each.
+pub fn stored_types(f: &dyn TensorFile) -> std::collections::BTreeMap<String, usize> {
+    let mut n = std::collections::BTreeMap::new();
+    for k in f.names() {
+        if let Some((_, t)) = f.info(&k) {
+            *n.entry(t).or_default() += 1;
+        }
+    }
+    n
+}

@@ -61,7 +61,7 @@ pub fn run(a: Args) -> CliResult {
     for path in &a.transformer {
         let before = rss_bytes();
         let file = TransformerFile::open(path, Some(&hint))?;
-        let dtypes = file.dtypes();
+        let dtypes = denoised_runtime::checkpoint::stored_types(file.file());
         let config = file.config.clone();
         let m = FluxTransformer::from_source(CpuBackend::new(), config, Box::new(file))?;
         let grown = rss_bytes().saturating_sub(before);

@@ -11,7 +11,7 @@ use denoised_models::flux::single_file::TransformerFile;
 use denoised_models::text::t5_file::T5File;
 use denoised_models::vae::single_file::VaeFile;
 use denoised_models::ModelSource;
-use denoised_runtime::checkpoint::{self, TensorFile};
+use denoised_runtime::checkpoint;
 use serde_json::{json, Value};
 
 use super::CliResult;
@@ -31,17 +31,6 @@ pub fn run(a: Args) -> CliResult {
     Ok(())
 }
 
-/// The stored types of a file's tensors, with counts.
-fn dtypes(f: &dyn TensorFile) -> Value {
-    let mut n: std::collections::BTreeMap<String, usize> = Default::default();
-    for k in f.names() {
-        if let Some((_, t)) = f.info(&k) {
-            *n.entry(t).or_default() += 1;
-        }
-    }
-    json!(n)
-}
-
 pub fn inspect(a: &Args) -> CliResult<Value> {
     let file = checkpoint::open(&a.file)?;
     let names = file.names();
@@ -51,7 +40,7 @@ pub fn inspect(a: &Args) -> CliResult<Value> {
         "container": file.container(),
         "tensors": names.len(),
         "bytes": file.data_bytes(),
-        "dtypes": dtypes(file.as_ref()),
+        "dtypes": checkpoint::stored_types(file.as_ref()),
     });
     let has = |p: &str| names.iter().any(|n| n.starts_with(p) || n.contains(p));
     let component = if has("lora") || names.iter().any(|n| n.ends_with(".alpha")) {
@@ -103,12 +92,7 @@ pub fn inspect(a: &Args) -> CliResult<Value> {
         })
     } else if has("token_embd.") || has("encoder.block.") {
         let t5 = T5File::open(&a.file)?;
-        let layout = match t5.contains("shared.weight") && file.info("token_embd.weight").is_some()
-        {
-            true => "llama.cpp",
-            false => "transformers",
-        };
-        json!({"component": "t5", "layout": layout, "use": "--text-encoder-2 FILE"})
+        json!({"component": "t5", "layout": t5.layout(), "use": "--text-encoder-2 FILE"})
     } else {
         json!({"component": "unknown"})
     };

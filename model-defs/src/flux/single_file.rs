@@ -19,7 +19,7 @@ use denoised_runtime::{Error, Result, Stored, Tensor};
 
 use super::bfl;
 use super::config::FluxConfig;
-use super::weights::{param_specs, Source};
+use super::weights::{param_specs, released, Source};
 
 /// The key layout of a transformer file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,17 +124,6 @@ impl TransformerFile {
 
     pub fn file(&self) -> &dyn TensorFile {
         self.file.as_ref()
-    }
-
-    /// The stored types of the file's tensors and how many of each.
-    pub fn dtypes(&self) -> Vec<(String, usize)> {
-        let mut n: std::collections::BTreeMap<String, usize> = Default::default();
-        for k in self.file.names() {
-            if let Some((_, t)) = self.file.info(&k) {
-                *n.entry(t).or_default() += 1;
-            }
-        }
-        n.into_iter().collect()
     }
 }
 
@@ -329,11 +318,6 @@ impl Source for TransformerFile {
     }
 
     fn release(&self) {
-        if let Err(e) = self.file.release_pages() {
-            tracing::warn!(
-                "could not release the mapped pages of {}: {e}",
-                self.file.path().display()
-            );
-        }
+        released(self.file.path(), self.file.release_pages());
     }
 }

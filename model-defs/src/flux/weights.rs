@@ -419,13 +419,18 @@ impl Source for WeightStore {
         WeightStore::stored(self, name, shape)
     }
     fn release(&self) {
-        // Advisory: a failure leaves the pages resident, never the weights wrong.
-        if let Err(e) = self.release_pages() {
-            tracing::warn!(
-                "could not release the mapped pages of {}: {e}",
-                self.dir().display()
-            );
-        }
+        released(self.dir(), self.release_pages());
+    }
+}
+
+/// Logs a failed release of a mapped checkpoint's pages (`Source::release`). Advisory:
+/// a failure leaves the pages resident, never the weights wrong.
+pub(crate) fn released(what: &Path, r: std::io::Result<()>) {
+    if let Err(e) = r {
+        tracing::warn!(
+            "could not release the mapped pages of {}: {e}",
+            what.display()
+        );
     }
 }
 

@@ -12,7 +12,7 @@ use std::path::Path;
 use denoised_runtime::checkpoint::{self, TensorFile};
 use denoised_runtime::{Error, Result, Tensor};
 
-use crate::flux::weights::Source;
+use crate::flux::weights::{released, Source};
 
 pub struct T5File {
     file: Box<dyn TensorFile>,
@@ -38,6 +38,14 @@ impl T5File {
             });
         }
         Ok(T5File { file, llama })
+    }
+
+    /// `llama.cpp` (a GGUF's `enc.blk.N.*`) or `transformers`.
+    pub fn layout(&self) -> &'static str {
+        match self.llama {
+            true => "llama.cpp",
+            false => "transformers",
+        }
     }
 
     pub fn file(&self) -> &dyn TensorFile {
@@ -121,6 +129,6 @@ impl Source for T5File {
     }
 
     fn release(&self) {
-        let _ = self.file.release_pages();
+        released(self.file.path(), self.file.release_pages());
     }
 }

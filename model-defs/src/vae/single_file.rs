@@ -18,7 +18,7 @@ use denoised_runtime::{Error, Result, Tensor};
 
 use super::config::VaeConfig;
 use super::weights::VaeWeights;
-use crate::flux::weights::Source;
+use crate::flux::weights::{released, Source};
 
 /// The key layout of a VAE file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -222,12 +222,7 @@ impl Source for VaeFile {
     }
 
     fn release(&self) {
-        if let Err(e) = self.file.release_pages() {
-            tracing::warn!(
-                "could not release the mapped pages of {}: {e}",
-                self.file.path().display()
-            );
-        }
+        released(self.file.path(), self.file.release_pages());
     }
 }
 
