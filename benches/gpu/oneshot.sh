@@ -13,6 +13,15 @@
 #
 # `DENOISED_ONESHOT_DEVICE=emu benches/gpu/oneshot.sh OUT_DIR` rehearses every step on
 # the CPU emulator at small sizes, with the same keys (tests/gpu_oneshot.rs runs it).
+#
+# `ONESHOT_PARTS=a,b` runs only the parts named (a second, shorter run after a fix); the
+# part `attn_ncu` (Nsight Compute's report on one FA2 attention launch at FLUX.1's full
+# shape) runs only when named there.
+#
+# `ONESHOT_DEADLINE_S=N` bounds the parts to N seconds in all: a part gets what is left of
+# that if it is less than its own limit, and parts that would start with under 15 s left
+# are skipped (named so in the report). A lease's command limit then cuts no part mid-way
+# and the report is still written.
 set -uo pipefail
 
 OUT=${1:?usage: benches/gpu/oneshot.sh OUT_DIR}
@@ -33,6 +42,8 @@ PY=${PYTHON:-python3}
 export DENOISED_FIXTURES=${DENOISED_FIXTURES:-$ROOT/tests/fixtures}
 WORK=$(mktemp -d)
 export DENOISED_KERNEL_CACHE=$WORK/kernels
+DEADLINE=${ONESHOT_DEADLINE_S:-0}
+START=$(date +%s)
 LOG=$OUT/oneshot.log
 PARTS=$OUT/parts.tsv
 : >"$LOG"
@@ -95,13 +106,28 @@ fi
 
 # part NAME TIMEOUT_S CMD...: runs CMD under its timeout, its output into NAME.out and
 # the log, and records NAME, exit status and seconds.
+ONLY=${ONESHOT_PARTS:-}
 part() {
     local name=$1 limit=$2
     shift 2
-    local t0 rc
+    if [ -n "$ONLY" ]; then
+        case ",$ONLY," in *",$name,"*) ;; *) return ;; esac
+    elif [ "$name" = attn_ncu ]; then
+        return
+    fi
+    local t0 rc lim=$((limit * SCALE))
+    if [ "$DEADLINE" -gt 0 ]; then
+        local left=$((START + DEADLINE - $(date +%s)))
+        if [ "$left" -lt 15 ]; then
+            echo "=== $name: skipped, ${left} s left of ONESHOT_DEADLINE_S=$DEADLINE" | tee -a "$LOG"
+            printf '%s\t125\t0\n' "$name" >>"$PARTS"
+            return
+        fi
+        [ "$left" -lt "$lim" ] && lim=$left
+    fi
     t0=$(date +%s%N)
-    echo "=== $name (limit ${limit} s): $*" | tee -a "$LOG"
-    timeout --kill-after=10 "$((limit * SCALE))" "$@" >"$WORK/$name.out" 2>&1
+    echo "=== $name (limit ${lim} s): $*" | tee -a "$LOG"
+    timeout --kill-after=10 "$lim" "$@" >"$WORK/$name.out" 2>&1
     rc=$?
     cat "$WORK/$name.out" >>"$LOG"
     local secs=$(( ($(date +%s%N) - t0) / 1000000 ))
@@ -119,6 +145,10 @@ part selftest 150 "$BIN" selftest --device "$DEV" --json "$OUT/selftest.json" \
 # 2. The attention op at FLUX.1's shape (every tensor-core kernel: FA2 with 64- and
 #    128-row blocks, and the first version), and SDPA on the same problem.
 part attn 45 "$BIN" bench attn --device "$DEV" "${ATTN_ARGS[@]}"
+part attn_ncu 90 ncu --target-processes all --kernel-name regex:attn_fa2 --launch-skip 1 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \
+    "$BIN" bench attn --device "$DEV" --iters 3 --kernel fa2 --mask-ratio 1.0
 part torch_attn 45 "$PY" "$ROOT/benches/torch_reference.py" attn "${TORCH_ARGS[@]}"
 # 3. One FLUX.1-dev-size step (seeded bf16 weights), full and an m = 0.2 edit, and
 #    diffusers' transformer on the same machine.

@@ -35,7 +35,7 @@ def main():
         for row in f:
             name, rc, secs = row.rstrip("\n").split("\t")
             parts[name] = {"exit": int(rc), "seconds": float(secs),
-                           "status": "ok" if rc == "0" else ("timeout" if rc in ("124", "137") else "failed")}
+                           "status": {"0": "ok", "124": "timeout", "137": "timeout", "125": "skipped (deadline)"}.get(rc, "failed")}
 
     def lines(name):
         return json_lines(os.path.join(work, name + ".out"))

@@ -301,6 +301,13 @@ struct GatherParams {
     int rows, cols, r0, c0;
 };
 
+// A GEMM's epilogue as its own pass: dst[r, c] = act(src[r, c] * xs[r] * ws[c] + bias[c])
+// over rows x cols; xs, ws (f32) and bias (T) left out where 0.
+struct EpilogueParams {
+    u64 src, dst, xs, ws, bias;
+    int rows, cols, ld_src, ld_dst, gelu, pad;
+};
+
 // Sinusoidal embedding: out[b] = [cos(x_b * f_i)..., sin(x_b * f_i)...].
 struct TimestepParams {
     u64 xs, freqs, out;  // f32, f32, T

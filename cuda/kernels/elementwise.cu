@@ -264,6 +264,30 @@ DEV void fp8_rows_k(const EwParams& p) {
 EW_KERNEL(fp8_rows_f32, fp8_rows_k, float)
 EW_KERNEL(fp8_rows_bf16, fp8_rows_k, bf16)
 
+// A GEMM's scales, bias and GELU after a bare GEMM into `src` (see EpilogueParams):
+// the operations of cuBLASLt's epilogue in its order (the emulator's GEMM), GELU on
+// the value rounded to T as a separate pass sees it.
+template <class T>
+DEV void linear_epilogue(const EpilogueParams& p) {
+    const T* src = (const T*)p.src;
+    T* dst = (T*)p.dst;
+    const float* xs = (const float*)p.xs;
+    const float* ws = (const float*)p.ws;
+    const T* b = (const T*)p.bias;
+    GRID_STRIDE(i, (long long)p.rows * p.cols) {
+        const long long r = i / p.cols, c = i - r * p.cols;
+        float v = to_f32(src[r * p.ld_src + c]);
+        if (xs) v = v * xs[r] * ws[c];
+        if (b) v += to_f32(b[c]);
+        if (p.gelu) v = gelu_tanh_f(to_f32(from_f32<T>(v)));
+        dst[r * p.ld_dst + c] = from_f32<T>(v);
+    }
+}
+extern "C" __global__ void linear_epilogue_f32(const EpilogueParams p) { linear_epilogue<float>(p); }
+EMU_EXPORT(linear_epilogue_f32, EpilogueParams)
+extern "C" __global__ void linear_epilogue_bf16(const EpilogueParams p) { linear_epilogue<bf16>(p); }
+EMU_EXPORT(linear_epilogue_bf16, EpilogueParams)
+
 // Sinusoidal timestep/guidance embedding, `cat(cos, sin)` (flip_sin_to_cos as in Flux).
 template <class T>
 DEV void timestep_embed(const TimestepParams& p) {

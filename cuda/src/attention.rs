@@ -33,8 +33,8 @@ pub enum AttnKernel {
     /// scalar stores), kept so that one GPU run can time both on the same machine.
     Mma = 1,
     /// `attn_fa2w_*`: the FA2 kernel with 128-row blocks (32 query rows a warp), which
-    /// reads half the shared memory per FLOP of K and V; not yet timed on a GPU, so
-    /// not the default until a run says it is faster (docs/gpu.md).
+    /// reads half the shared memory per FLOP of K and V: the default, faster than
+    /// `Fa2` at every FLUX.1 shape on an H100 (4-11%; docs/performance.md).
     Fa2Wide = 2,
 }
 
@@ -51,12 +51,12 @@ impl AttnKernel {
         }
     }
 
-    /// `DENOISED_ATTN_KERNEL=fa2w|mma` picks another kernel; anything else FA2.
+    /// `DENOISED_ATTN_KERNEL=fa2|mma` picks another kernel; anything else the wide FA2.
     pub fn from_env() -> Self {
         std::env::var("DENOISED_ATTN_KERNEL")
             .ok()
             .and_then(|n| Self::named(&n))
-            .unwrap_or(AttnKernel::Fa2)
+            .unwrap_or(AttnKernel::Fa2Wide)
     }
 
     /// Query rows per block, and the kernel's name at head dim `hd` (64 or 128).

@@ -110,9 +110,9 @@ pub const AVAILABLE: bool = cfg!(denoised_emu);
 
 /// `sizeof` of the C++ parameter structs, in `params.rs` order.
 #[cfg(denoised_emu)]
-pub fn param_sizes() -> [usize; 7] {
-    let mut out = [0 as std::ffi::c_ulong; 7];
-    // SAFETY: writes exactly 7 values.
+pub fn param_sizes() -> [usize; 8] {
+    let mut out = [0 as std::ffi::c_ulong; 8];
+    // SAFETY: writes exactly 8 values.
     unsafe { denoised_emu_param_sizes(out.as_mut_ptr()) };
     out.map(|v| v as usize)
 }
@@ -127,6 +127,8 @@ pub struct EmuExec {
     /// Whether [`Exec::conv`] runs (a host convolution standing in for cuDNN); off by
     /// default, so the backend's im2col path is what the emulator exercises.
     conv_library: bool,
+    /// Whether GEMMs are refused where cuBLASLt refused them on the first H100 run.
+    cublaslt_limits: bool,
 }
 
 struct Usage {
@@ -185,7 +187,17 @@ impl EmuExec {
                 library_convs: AtomicU64::new(0),
             }),
             conv_library: false,
+            cublaslt_limits: false,
         }
+    }
+
+    /// This emulator refusing, with [`CudaError::Unsupported`], the GEMMs cuBLASLt 13.0
+    /// refused on an H100 (docs/performance.md, "The first GPU run"): fp8 with
+    /// outer-vector scales, a bias not 16-byte aligned, an output or row stride not a
+    /// multiple of 16 bytes. How tests run the backend's bare-GEMM path without one.
+    pub fn with_cublaslt_limits(mut self) -> Self {
+        self.cublaslt_limits = true;
+        self
     }
 
     /// This emulator with a host convolution standing in for cuDNN behind
@@ -378,6 +390,18 @@ impl Exec for EmuExec {
         if COUNTING.load(Ordering::Relaxed) {
             GEMMS.fetch_add(1, Ordering::Relaxed);
         }
+        let sz = g.dt.size() as u64;
+        if self.cublaslt_limits
+            && (g.fp8.is_some_and(|s| s.x != 0)
+                || g.bias.is_some_and(|b| b % 16 != 0)
+                || g.out % 16 != 0
+                || (g.ldo as u64 * sz) % 16 != 0)
+        {
+            return Err(CudaError::Unsupported(format!(
+                "{}x{}x{} as asked (emulated cuBLASLt limits)",
+                g.m, g.n, g.k
+            )));
+        }
         // The operands: elements of `dt`, or E4M3 bytes whose row scales multiply the
         // sum (exact products: two 4-bit significands), as cuBLASLt's outer-vector
         // scaling does.
@@ -394,7 +418,7 @@ impl Exec for EmuExec {
                         for i in 0..g.k {
                             acc += operand(g.x, r * g.ldx + i) * operand(g.w, c * g.k + i);
                         }
-                        if let Some(s) = g.fp8 {
+                        if let Some(s) = g.fp8.filter(|s| s.x != 0) {
                             acc = acc * load(Dt::F32, s.x, r) * load(Dt::F32, s.w, c);
                         }
                         let v = acc + g.bias.map_or(0.0, |b| load(g.dt, b, c));

@@ -81,7 +81,8 @@ pub struct Gemm {
     pub fp8: Option<Fp8Scales>,
 }
 
-/// The scale vectors of an fp8 [`Gemm`]: `n` f32 values for X's rows and `m` for W's.
+/// The scale vectors of an fp8 [`Gemm`]: `n` f32 values for X's rows and `m` for W's;
+/// both 0 for unit scales (a bare GEMM, whose scales a pass applies after).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Fp8Scales {
     pub x: u64,
@@ -151,6 +152,8 @@ pub trait Exec: Send + Sync + 'static {
     fn download(&self, src: &Self::Mem, offset: usize, out: &mut [u8]) -> Result<()>;
     /// Launches kernel `name` (see `kernels::MODULES`) with one parameter struct.
     fn launch<P: KernelParams>(&self, name: &'static str, g: Grid, params: &P) -> Result<()>;
+    /// Runs `g`; [`CudaError::Unsupported`](crate::CudaError::Unsupported) where the
+    /// library has no algorithm for it as asked (the backend then runs it bare).
     fn gemm(&self, g: &Gemm) -> Result<()>;
     /// Whether this device runs fp8 GEMMs ([`Gemm::fp8`]) writing `out`: an error
     /// saying why not (the device and its compute capability) where it has no fp8

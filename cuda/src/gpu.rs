@@ -49,6 +49,18 @@ fn blas(what: &str) -> impl Fn(lt::CublasError) -> CudaError + '_ {
     move |e| CudaError::Driver(format!("{what}: {e:?}"))
 }
 
+/// cuBLASLt refusing a GEMM as asked (no algorithm from the heuristic, or a launch
+/// answered NOT_SUPPORTED or INVALID_VALUE): what the backend's bare path takes over.
+fn refused(what: &str, e: lt::CublasError) -> CudaError {
+    use ltsys::cublasStatus_t::*;
+    match e.0 {
+        CUBLAS_STATUS_NOT_SUPPORTED | CUBLAS_STATUS_INVALID_VALUE => {
+            CudaError::Unsupported(format!("{what}: {e:?}"))
+        }
+        _ => CudaError::Driver(format!("{what}: {e:?}")),
+    }
+}
+
 /// Bytes of the pinned upload ring (copies of up to a quarter of it each).
 const RING_BYTES: usize = 64 << 20;
 /// cuBLASLt workspace (what it needs for split-K on large GEMMs).
@@ -96,7 +108,9 @@ impl Drop for Uploads {
 struct Blas {
     handle: ltsys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
-    plans: HashMap<PlanKey, Plan>,
+    /// Plans by key; `None` where cuBLASLt had no algorithm, so a GEMM it refused
+    /// once is refused again without asking (the backend runs those bare).
+    plans: HashMap<PlanKey, Option<Plan>>,
 }
 // SAFETY: the handle is used only under the executor's mutex.
 unsafe impl Send for Blas {}
@@ -112,9 +126,36 @@ struct PlanKey {
     bias: bool,
     gelu: bool,
     fp8: bool,
-    /// Byte alignment of W, X and the output (cuBLASLt may pick kernels that assume
-    /// more alignment than a column-block view of X has, unless told).
-    align: [u32; 3],
+    /// fp8 with outer-vector scales (else unit scales: a bare fp8 GEMM).
+    scaled: bool,
+    /// Byte alignment of W, X, the output (cuBLASLt may pick kernels that assume
+    /// more alignment than a column-block view of X has, unless told) and the bias
+    /// (which it cannot be told: a launch refused for a misaligned bias refuses only
+    /// that alignment's key).
+    align: [u32; 4],
+}
+
+impl PlanKey {
+    fn of(g: &Gemm) -> PlanKey {
+        PlanKey {
+            dt: g.dt,
+            n: g.n,
+            m: g.m,
+            k: g.k,
+            ldx: g.ldx,
+            ldo: g.ldo,
+            bias: g.bias.is_some(),
+            gelu: g.gelu,
+            fp8: g.fp8.is_some(),
+            scaled: g.fp8.is_some_and(|s| s.x != 0),
+            align: [
+                alignment(g.w),
+                alignment(g.x),
+                alignment(g.out),
+                g.bias.map_or(256, alignment),
+            ],
+        }
+    }
 }
 
 /// The largest power of two (up to 256) dividing a device address.
@@ -357,122 +398,148 @@ impl CudaExec {
     }
 
     fn plan<'a>(&self, b: &'a mut Blas, g: &Gemm) -> Result<&'a Plan> {
-        let key = PlanKey {
-            dt: g.dt,
-            n: g.n,
-            m: g.m,
-            k: g.k,
-            ldx: g.ldx,
-            ldo: g.ldo,
-            bias: g.bias.is_some(),
-            gelu: g.gelu,
-            fp8: g.fp8.is_some(),
-            align: [alignment(g.w), alignment(g.x), alignment(g.out)],
-        };
+        let key = PlanKey::of(g);
         if !b.plans.contains_key(&key) {
             if b.plans.len() >= MAX_PLANS {
                 b.plans.clear();
             }
-            let ty = match g.dt {
-                Dt::F32 => ltsys::cudaDataType_t::CUDA_R_32F,
-                Dt::Bf16 => ltsys::cudaDataType_t::CUDA_R_16BF,
-            };
-            // Column-major view of row-major data: D^T[m, n] = W[m, k] * X^T[k, n],
-            // with W read as the transpose of its [k, m] column-major storage.
-            let desc = lt::create_matmul_desc(
-                ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                ltsys::cudaDataType_t::CUDA_R_32F,
-            )
-            .map_err(blas("cublasLtMatmulDescCreate"))?;
-            // fp8: the same "TN" form, which is the only one cuBLASLt's fp8 kernels
-            // take (both operands k-major). A is W, so its outer scale vector is W's
-            // per-output-channel scales (m) and B's is X's per-token scales (n).
-            let operand = match key.fp8 {
-                true => ltsys::cudaDataType_t::CUDA_R_8F_E4M3,
-                false => ty,
-            };
-            let a = lt::create_matrix_layout(operand, g.k as u64, g.m as u64, g.k as i64)
-                .map_err(blas("layout A"))?;
-            let bl = lt::create_matrix_layout(operand, g.k as u64, g.n as u64, g.ldx as i64)
-                .map_err(blas("layout B"))?;
-            let c = lt::create_matrix_layout(ty, g.m as u64, g.n as u64, g.ldo as i64)
-                .map_err(blas("layout C"))?;
-            let mut plan = Plan {
-                desc,
-                a,
-                b: bl,
-                c,
-                algo: unsafe { std::mem::zeroed() },
-            };
-            // SAFETY: attributes are plain values of the documented types.
-            unsafe {
-                let t: i32 = 1; // CUBLAS_OP_T
-                lt::set_matmul_desc_attribute(
-                    desc,
-                    ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                    &t as *const _ as *const c_void,
-                    std::mem::size_of_val(&t),
-                )
-                .map_err(blas("TRANSA"))?;
-                if key.fp8 {
-                    let mode = ltsys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
-                    use ltsys::cublasLtMatmulDescAttributes_t::*;
-                    for attr in [
-                        CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
-                        CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
-                    ] {
-                        lt::set_matmul_desc_attribute(
-                            desc,
-                            attr,
-                            &mode as *const _ as *const c_void,
-                            std::mem::size_of_val(&mode),
-                        )
-                        .map_err(blas("SCALE_MODE"))?;
-                    }
+            let plan = match build_plan(b.handle, &key) {
+                Ok(p) => Some(p),
+                Err(CudaError::Unsupported(why)) => {
+                    tracing::debug!("GEMM {}x{}x{}: {why}", key.m, key.n, key.k);
+                    None
                 }
-                use ltsys::cublasLtEpilogue_t::*;
-                // cuBLASLt's GELU is the tanh approximation, as Flux uses; the
-                // linear_gelu check in tests/kernels.rs holds it to the CPU reference.
-                let epi = match (g.bias.is_some(), g.gelu) {
-                    (true, true) => CUBLASLT_EPILOGUE_GELU_BIAS,
-                    (true, false) => CUBLASLT_EPILOGUE_BIAS,
-                    (false, true) => CUBLASLT_EPILOGUE_GELU,
-                    (false, false) => CUBLASLT_EPILOGUE_DEFAULT,
-                };
-                lt::set_matmul_desc_attribute(
-                    desc,
-                    ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                    &epi as *const _ as *const c_void,
-                    std::mem::size_of_val(&epi),
-                )
-                .map_err(blas("EPILOGUE"))?;
-                let pref = lt::create_matmul_pref().map_err(blas("pref"))?;
-                let ws = WORKSPACE_BYTES as u64;
-                lt::set_matmul_pref_attribute(
-                    pref,
-                    ltsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                    &ws as *const u64 as *const c_void,
-                    8,
-                )
-                .map_err(blas("pref workspace"))?;
-                use ltsys::cublasLtMatmulPreferenceAttributes_t::*;
-                for (attr, a) in [
-                    (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align[0]),
-                    (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align[1]),
-                    (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2]),
-                    (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[2]),
-                ] {
-                    lt::set_matmul_pref_attribute(pref, attr, &a as *const u32 as *const c_void, 4)
-                        .map_err(blas("pref alignment"))?;
-                }
-                let h = lt::get_matmul_algo_heuristic(b.handle, desc, a, bl, c, c, pref);
-                let _ = lt::destroy_matmul_pref(pref);
-                plan.algo = h.map_err(blas("no cuBLASLt algorithm for this GEMM"))?.algo;
-            }
+                Err(e) => return Err(e),
+            };
             b.plans.insert(key, plan);
         }
-        Ok(&b.plans[&key])
+        b.plans[&key].as_ref().ok_or_else(|| {
+            CudaError::Unsupported(format!(
+                "no cuBLASLt algorithm for GEMM {}x{}x{} (bias {}, GELU {}, fp8 {}, scaled {})",
+                key.m, key.n, key.k, key.bias, key.gelu, key.fp8, key.scaled
+            ))
+        })
     }
+}
+
+/// A cuBLASLt plan for `key`: its epilogue, and for fp8 its scale mode, asked for as
+/// they are ([`CudaError::Unsupported`] where cuBLASLt has no algorithm).
+fn build_plan(handle: ltsys::cublasLtHandle_t, key: &PlanKey) -> Result<Plan> {
+    let ty = match key.dt {
+        Dt::F32 => ltsys::cudaDataType_t::CUDA_R_32F,
+        Dt::Bf16 => ltsys::cudaDataType_t::CUDA_R_16BF,
+    };
+    // Column-major view of row-major data: D^T[m, n] = W[m, k] * X^T[k, n],
+    // with W read as the transpose of its [k, m] column-major storage.
+    let desc = lt::create_matmul_desc(
+        ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ltsys::cudaDataType_t::CUDA_R_32F,
+    )
+    .map_err(blas("cublasLtMatmulDescCreate"))?;
+    // fp8: the same "TN" form, which is the only one cuBLASLt's fp8 kernels
+    // take (both operands k-major). A is W, so its outer scale vector is W's
+    // per-output-channel scales (m) and B's is X's per-token scales (n).
+    let operand = match key.fp8 {
+        true => ltsys::cudaDataType_t::CUDA_R_8F_E4M3,
+        false => ty,
+    };
+    let a = lt::create_matrix_layout(operand, key.k as u64, key.m as u64, key.k as i64)
+        .map_err(blas("layout A"))?;
+    let bl = lt::create_matrix_layout(operand, key.k as u64, key.n as u64, key.ldx as i64)
+        .map_err(blas("layout B"))?;
+    let c = lt::create_matrix_layout(ty, key.m as u64, key.n as u64, key.ldo as i64)
+        .map_err(blas("layout C"))?;
+    let mut plan = Plan {
+        desc,
+        a,
+        b: bl,
+        c,
+        algo: unsafe { std::mem::zeroed() },
+    };
+    // SAFETY: attributes are plain values of the documented types.
+    unsafe {
+        let t: i32 = 1; // CUBLAS_OP_T
+        lt::set_matmul_desc_attribute(
+            desc,
+            ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+            &t as *const _ as *const c_void,
+            std::mem::size_of_val(&t),
+        )
+        .map_err(blas("TRANSA"))?;
+        if key.fp8 {
+            // Hopper's fp8 MMA accumulates in fewer bits than f32 unless cuBLASLt
+            // promotes the partial sums every few k-steps; fast accumulation skips the
+            // promotion, as inference fp8 GEMMs do (TensorRT, Transformer Engine's
+            // forward pass). The self-test holds the result to the CPU's fp8
+            // reference.
+            let fast: i8 = 1;
+            lt::set_matmul_desc_attribute(
+                desc,
+                ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                &fast as *const _ as *const c_void,
+                std::mem::size_of_val(&fast),
+            )
+            .map_err(blas("FAST_ACCUM"))?;
+        }
+        if key.scaled {
+            let mode =
+                ltsys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+            use ltsys::cublasLtMatmulDescAttributes_t::*;
+            for attr in [
+                CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+            ] {
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    attr,
+                    &mode as *const _ as *const c_void,
+                    std::mem::size_of_val(&mode),
+                )
+                .map_err(blas("SCALE_MODE"))?;
+            }
+        }
+        use ltsys::cublasLtEpilogue_t::*;
+        // cuBLASLt's GELU is the tanh approximation, as Flux uses; the
+        // linear_gelu check in tests/kernels.rs holds it to the CPU reference.
+        let epi = match (key.bias, key.gelu) {
+            (true, true) => CUBLASLT_EPILOGUE_GELU_BIAS,
+            (true, false) => CUBLASLT_EPILOGUE_BIAS,
+            (false, true) => CUBLASLT_EPILOGUE_GELU,
+            (false, false) => CUBLASLT_EPILOGUE_DEFAULT,
+        };
+        lt::set_matmul_desc_attribute(
+            desc,
+            ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+            &epi as *const _ as *const c_void,
+            std::mem::size_of_val(&epi),
+        )
+        .map_err(blas("EPILOGUE"))?;
+        let pref = lt::create_matmul_pref().map_err(blas("pref"))?;
+        let ws = WORKSPACE_BYTES as u64;
+        lt::set_matmul_pref_attribute(
+            pref,
+            ltsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &ws as *const u64 as *const c_void,
+            8,
+        )
+        .map_err(blas("pref workspace"))?;
+        use ltsys::cublasLtMatmulPreferenceAttributes_t::*;
+        for (attr, a) in [
+            (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align[0]),
+            (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align[1]),
+            (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2]),
+            (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[2]),
+        ] {
+            lt::set_matmul_pref_attribute(pref, attr, &a as *const u32 as *const c_void, 4)
+                .map_err(blas("pref alignment"))?;
+        }
+        let h = lt::get_matmul_algo_heuristic(handle, desc, a, bl, c, c, pref);
+        let _ = lt::destroy_matmul_pref(pref);
+        plan.algo = h
+            .map_err(|e| refused("no cuBLASLt algorithm for this GEMM", e))?
+            .algo;
+    }
+    Ok(plan)
 }
 
 /// Host memory page-locked by [`Exec::register`], unregistered when dropped.
@@ -616,7 +683,7 @@ impl Exec for CudaExec {
                 )
                 .map_err(blas("BIAS_POINTER"))?;
             }
-            if let Some(s) = g.fp8 {
+            if let Some(s) = g.fp8.filter(|s| s.x != 0) {
                 use ltsys::cublasLtMatmulDescAttributes_t::*;
                 for (attr, ptr) in [
                     (CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, s.w),
@@ -649,8 +716,14 @@ impl Exec for CudaExec {
                 WORKSPACE_BYTES,
                 self.compute.cu_stream() as *mut _,
             )
-            .map_err(blas("cublasLtMatmul"))
         }
+        .map_err(|e| refused("cublasLtMatmul", e))
+        .inspect_err(|e| {
+            // A launch refused it: ask no more for this key.
+            if matches!(e, CudaError::Unsupported(_)) {
+                guard.plans.insert(PlanKey::of(g), None);
+            }
+        })
     }
 
     fn check_fp8(&self, out: Dt) -> Result<()> {

@@ -177,22 +177,20 @@ impl<E: Exec> GpuBackend<E> {
         let k = kh * kw * c;
         let sz = self.dtype().size();
         let gemm = |x: u64, rows: usize, p0: usize| {
-            self.exec()
-                .gemm(&Gemm {
-                    dt: self.dtype(),
-                    n: rows,
-                    m: o,
-                    k,
-                    x,
-                    ldx: k,
-                    w: w.addr(),
-                    bias: Some(b.addr()),
-                    gelu: false,
-                    out: out.addr() + (p0 * o * sz) as u64,
-                    ldo: o,
-                    fp8: None,
-                })
-                .map_err(dev)
+            self.run_gemm(&Gemm {
+                dt: self.dtype(),
+                n: rows,
+                m: o,
+                k,
+                x,
+                ldx: k,
+                w: w.addr(),
+                bias: Some(b.addr()),
+                gelu: false,
+                out: out.addr() + (p0 * o * sz) as u64,
+                ldo: o,
+                fp8: None,
+            })
         };
         if kh * kw == 1 && opts.stride == 1 && !opts.upsample2x && opts.pad == [0; 4] {
             // A 1x1 convolution reads the pixel rows as they are.
@@ -342,22 +340,20 @@ impl<E: Exec> GpuBackend<E> {
             for q0 in (0..px).step_by(chunk) {
                 let nq = chunk.min(px - q0);
                 let qrow = (rows.start + q0) * 3 * c;
-                self.exec()
-                    .gemm(&Gemm {
-                        dt: self.dtype(),
-                        n: nq,
-                        m: px,
-                        k: c,
-                        x: proj.addr() + (qrow * sz) as u64,
-                        ldx: 3 * c,
-                        w: kk.addr(),
-                        bias: None,
-                        gelu: false,
-                        out: scores.addr(),
-                        ldo: px,
-                        fp8: None,
-                    })
-                    .map_err(dev)?;
+                self.run_gemm(&Gemm {
+                    dt: self.dtype(),
+                    n: nq,
+                    m: px,
+                    k: c,
+                    x: proj.addr() + (qrow * sz) as u64,
+                    ldx: 3 * c,
+                    w: kk.addr(),
+                    bias: None,
+                    gelu: false,
+                    out: scores.addr(),
+                    ldo: px,
+                    fp8: None,
+                })?;
                 let s = ImgParams {
                     x: scores.addr(),
                     rows: nq as i32,
@@ -368,22 +364,20 @@ impl<E: Exec> GpuBackend<E> {
                 i32_of(OP, nq * px)?;
                 let g = Grid::linear(nq.div_ceil(4) * 128, 128);
                 self.launch(self.kernel("softmax_rows"), g, &s)?;
-                self.exec()
-                    .gemm(&Gemm {
-                        dt: self.dtype(),
-                        n: nq,
-                        m: c,
-                        k: px,
-                        x: scores.addr(),
-                        ldx: px,
-                        w: vt.addr(),
-                        bias: None,
-                        gelu: false,
-                        out: attn.addr() + (((rows.start + q0) * c) * sz) as u64,
-                        ldo: c,
-                        fp8: None,
-                    })
-                    .map_err(dev)?;
+                self.run_gemm(&Gemm {
+                    dt: self.dtype(),
+                    n: nq,
+                    m: c,
+                    k: px,
+                    x: scores.addr(),
+                    ldx: px,
+                    w: vt.addr(),
+                    bias: None,
+                    gelu: false,
+                    out: attn.addr() + (((rows.start + q0) * c) * sz) as u64,
+                    ldo: c,
+                    fp8: None,
+                })?;
             }
         }
         let mut y = self

@@ -41,6 +41,8 @@ pub const MODULES: &[Module] = &[
             "fp8_quantize_bf16",
             "fp8_rows_f32",
             "fp8_rows_bf16",
+            "linear_epilogue_f32",
+            "linear_epilogue_bf16",
             "timestep_embed_f32",
             "timestep_embed_bf16",
         ],

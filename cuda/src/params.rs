@@ -23,7 +23,8 @@ params!(
     GatherParams,
     TimestepParams,
     AttnParams,
-    ImgParams
+    ImgParams,
+    EpilogueParams
 );
 
 #[repr(C)]
@@ -88,6 +89,25 @@ pub struct GatherParams {
     pub cols: i32,
     pub r0: i32,
     pub c0: i32,
+}
+
+/// A GEMM's epilogue as a pass of its own (`linear_epilogue_*`), where cuBLASLt has no
+/// algorithm with it: `dst[r, c] = act(src[r, c] * xs[r] * ws[c] + bias[c])` over
+/// `rows x cols`, each of `xs`, `ws` and `bias` left out where 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EpilogueParams {
+    pub src: u64,
+    pub dst: u64,
+    pub xs: u64,
+    pub ws: u64,
+    pub bias: u64,
+    pub rows: i32,
+    pub cols: i32,
+    pub ld_src: i32,
+    pub ld_dst: i32,
+    pub gelu: i32,
+    pub pad: i32,
 }
 
 #[repr(C)]

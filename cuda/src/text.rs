@@ -10,7 +10,7 @@
 
 use denoised_runtime::{Error, Result, TextMask};
 
-use crate::backend::{dev, matrix, GpuBackend, GpuTensor};
+use crate::backend::{matrix, GpuBackend, GpuTensor};
 use crate::exec::{Exec, Gemm, Grid};
 use crate::params::{EwParams, ImgParams, LnModParams};
 
@@ -146,22 +146,20 @@ impl<E: Exec> GpuBackend<E> {
         let scores = self.empty(vec![len, len])?;
         let o = self.empty(vec![len, hd])?;
         let gemm = |x: u64, ldx: usize, n: usize, m: usize, kk: usize, w: u64, out: u64| {
-            self.exec()
-                .gemm(&Gemm {
-                    dt: self.dtype(),
-                    n,
-                    m,
-                    k: kk,
-                    x,
-                    ldx,
-                    w,
-                    bias: None,
-                    gelu: false,
-                    out,
-                    ldo: m,
-                    fp8: None,
-                })
-                .map_err(dev)
+            self.run_gemm(&Gemm {
+                dt: self.dtype(),
+                n,
+                m,
+                k: kk,
+                x,
+                ldx,
+                w,
+                bias: None,
+                gelu: false,
+                out,
+                ldo: m,
+                fp8: None,
+            })
         };
         for h in 0..heads {
             let col = |c: usize| qkv.addr() + (c + h * hd) as u64 * sz;

@@ -21,8 +21,28 @@ fn param_structs_match_cpp() {
         size_of::<TimestepParams>(),
         size_of::<AttnParams>(),
         size_of::<ImgParams>(),
+        size_of::<EpilogueParams>(),
     ];
     assert_eq!(rust, denoised_cuda::emu::param_sizes());
+}
+
+#[test]
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
+fn kernels_match_cpu_where_cublaslt_refuses() {
+    // cuBLASLt on the first H100 refused outer-vector-scaled fp8 and some misaligned
+    // biases and outputs: the backend then runs the GEMM bare into an aligned scratch
+    // and applies scales, bias and GELU in a pass (`linear_epilogue_*`). The emulator
+    // refusing the same forms puts every GEMM check through that path.
+    let exec = EmuExec::default().with_cublaslt_limits();
+    let checks = kernels(|| Ok(exec.clone())).unwrap();
+    assert!(checks.len() >= 75, "only {} checks ran", checks.len());
+    assert!(
+        checks
+            .iter()
+            .any(|c| c.name.starts_with("fp8 linear+bias+gelu")),
+        "the fp8 checks ran"
+    );
+    assert_all_pass(&checks);
 }
 
 #[test]

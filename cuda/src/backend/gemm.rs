@@ -6,8 +6,9 @@ use std::ops::Range;
 use denoised_runtime::backend::Modulation;
 use denoised_runtime::{Error, Result};
 
-use super::{dev, matrix, GpuBackend, GpuTensor};
-use crate::exec::{Exec, Fp8Scales, Gemm};
+use super::{dev, kernel_name, matrix, GpuBackend, GpuTensor};
+use crate::exec::{Exec, Fp8Scales, Gemm, Grid};
+use crate::params::EpilogueParams;
 
 impl<E: Exec> GpuBackend<E> {
     /// One GEMM into a new `[rows, outputs]` matrix (see [`gemm_into`](Self::gemm_into);
@@ -51,7 +52,16 @@ impl<E: Exec> GpuBackend<E> {
                 &quantised
             }
         };
-        let out = self.empty(vec![x.rows(), m])?;
+        let mut out = self.empty(vec![x.rows(), m])?;
+        // cuBLASLt's fp8 GEMMs on an H100 refused a block of 7 outputs, even bare
+        // (14 and 24 ran): an fp8 split whose parts are not multiples of 16 wide (no
+        // FLUX width is) is one GEMM and a GELU pass over its columns instead.
+        if w.row_scales != 0 && (from % 16 != 0 || (m - from) % 16 != 0) {
+            self.gemm_into(x, 0..k, w, None, b, false, (&out, 0))?;
+            use denoised_runtime::backend::Backend;
+            self.gelu_tanh(&mut out, from..m)?;
+            return Ok(out);
+        }
         self.gemm_into(x, 0..k, w, Some(0..from), b, false, (&out, 0))?;
         self.gemm_into(x, 0..k, w, Some(from..m), b, true, (&out, from))?;
         Ok(out)
@@ -151,7 +161,54 @@ impl<E: Exec> GpuBackend<E> {
                 w: w.row_scales + 4 * outs.start as u64,
             });
         }
-        self.exec.gemm(&g).map_err(dev)
+        self.run_gemm(&g)
+    }
+
+    /// Runs `g` on the executor, or bare with the epilogue as a pass of its own where
+    /// the GEMM library refuses it as asked.
+    pub(crate) fn run_gemm(&self, g: &Gemm) -> Result<()> {
+        match self.exec.gemm(g) {
+            Err(crate::CudaError::Unsupported(_)) => self.gemm_bare(g),
+            other => other.map_err(dev),
+        }
+    }
+
+    /// `g` where the GEMM library refused it as asked (cuBLASLt on an H100 has no
+    /// outer-vector-scaled fp8 and refused some misaligned biases and outputs,
+    /// docs/gpu.md): the bare GEMM (unit scales, no epilogue) into an aligned scratch
+    /// matrix from the pool, then one pass applying scales, bias and GELU on the way
+    /// to `g`'s output.
+    fn gemm_bare(&self, g: &Gemm) -> Result<()> {
+        let ld = g.m.next_multiple_of(8);
+        let raw = self.empty(vec![g.n, ld])?;
+        let bare = Gemm {
+            bias: None,
+            gelu: false,
+            out: raw.addr,
+            ldo: ld,
+            fp8: g.fp8.map(|_| Fp8Scales { x: 0, w: 0 }),
+            ..*g
+        };
+        self.exec.gemm(&bare).map_err(dev)?;
+        let scales = g.fp8.filter(|s| s.x != 0);
+        let p = EpilogueParams {
+            src: raw.addr,
+            dst: g.out,
+            xs: scales.map_or(0, |s| s.x),
+            ws: scales.map_or(0, |s| s.w),
+            bias: g.bias.unwrap_or(0),
+            rows: g.n as i32,
+            cols: g.m as i32,
+            ld_src: ld as i32,
+            ld_dst: g.ldo as i32,
+            gelu: g.gelu as i32,
+            pad: 0,
+        };
+        self.launch(
+            kernel_name("linear_epilogue", self.dt),
+            Grid::linear(g.n * g.m, 256),
+            &p,
+        )
     }
 
     /// The device address and row stride of a modulation chunk, its segments checked.

@@ -96,31 +96,54 @@ pub fn assert_all_pass(checks: &[Check]) {
 }
 
 /// Every kernel on `gpu`'s executor in both dtypes against the CPU backend. `make`
-/// opens the executor (one backend per dtype).
+/// opens the executor (one backend per dtype). A group of checks that stops on an
+/// error is reported as a failed check of its own and the others still run.
 pub fn kernels<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
     let mut out = Vec::new();
     let exec = make()?;
-    check_timestep(&mut out, &exec)?;
-    check_fused_ln_and_convert(&mut out, &exec)?;
+    group(&mut out, "timestep embedding", |o| check_timestep(o, &exec));
+    group(&mut out, "fused LayerNorm", |o| {
+        check_fused_ln_and_convert(o, &exec)
+    });
     for dt in [Dt::F32, Dt::Bf16] {
         let gpu = GpuBackend::new(make()?, dt);
-        check_ops(&mut out, &gpu)?;
-        fused::check_fused_ops(&mut out, &gpu)?;
+        group(&mut out, &format!("ops ({dt:?})"), |o| check_ops(o, &gpu));
+        group(&mut out, &format!("fused ops ({dt:?})"), |o| {
+            fused::check_fused_ops(o, &gpu)
+        });
         // Convolutions on the executor's library where it has one (cuDNN), ...
-        image::check_image_ops(&mut out, &gpu, "")?;
-        text::check_text_ops(&mut out, &gpu)?;
-        // ... and on im2col + GEMM in chunks of a few rows: the patch-matrix and
-        // score loops run many times.
+        group(&mut out, &format!("image ops ({dt:?})"), |o| {
+            image::check_image_ops(o, &gpu, "")
+        });
+        group(&mut out, &format!("text ops ({dt:?})"), |o| {
+            text::check_text_ops(o, &gpu)
+        });
         // Quantised weights expanded 16 output rows at a time: several tiles per GEMM,
         // the last one partial.
         let tiled = GpuBackend::new(make()?, dt).with_quant_tile_rows(16);
-        quant::check_quant_linear(&mut out, &tiled, &mut Rng(5), ", tiles of 16")?;
+        group(
+            &mut out,
+            &format!("quantised linear, tiles ({dt:?})"),
+            |o| quant::check_quant_linear(o, &tiled, &mut Rng(5), ", tiles of 16"),
+        );
+        // ... and on im2col + GEMM in chunks of a few rows: the patch-matrix and
+        // score loops run many times.
         let small = GpuBackend::new(make()?, dt)
             .with_image_workspace(2048)
             .im2col_only();
-        image::check_image_ops(&mut out, &small, ", chunked")?;
+        group(&mut out, &format!("image ops, chunked ({dt:?})"), |o| {
+            image::check_image_ops(o, &small, ", chunked")
+        });
     }
     Ok(out)
+}
+
+/// Runs one group of checks; an error it stops on becomes a failed check named after
+/// the group (the first GPU run lost every kernel check to one cuBLASLt error).
+fn group(out: &mut Vec<Check>, name: &str, run: impl FnOnce(&mut Vec<Check>) -> Result<()>) {
+    if let Err(e) = run(out) {
+        out.push(Check::fail(format!("{name}: stopped"), e.to_string()));
+    }
 }
 
 struct Rng(u64);
@@ -216,9 +239,15 @@ fn check_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
     let got = gpu.linear_out(&up(&x)?, &gpu.upload_weight(&w)?, Some(&up(&b)?), 3..11)?;
     close(out, "linear_out+bias", dt, &down(&got)?, &want);
 
-    fp8::check_fp8_linear(out, gpu, &mut rng)?;
-    quant::check_quant_linear(out, gpu, &mut rng, "")?;
-    quant::check_stored_fp8_weight(out, gpu, &mut rng)?;
+    group(out, &format!("fp8 linear ({dt:?})"), |o| {
+        fp8::check_fp8_linear(o, gpu, &mut rng)
+    });
+    group(out, &format!("quantised linear ({dt:?})"), |o| {
+        quant::check_quant_linear(o, gpu, &mut rng, "")
+    });
+    group(out, &format!("stored fp8 weight ({dt:?})"), |o| {
+        quant::check_stored_fp8_weight(o, gpu, &mut rng)
+    });
 
     // LayerNorm + modulation per segment
     let x = rng.tensor(&[9, 96], 2.0);
