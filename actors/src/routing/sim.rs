@@ -1,18 +1,25 @@
-//! A discrete-event simulator of a cluster of denoise workers: the real routing
-//! policies ([`Dispatcher`]) and the real batching scheduler ([`BatchScheduler`]) on
-//! simulated time, each step priced by a step-cost model (a worker's profile). How the
-//! policies compare on fleets bigger than one machine (`denoised bench simulate`).
+//! A discrete-event simulator of denoise workers, alone or in pods: the real routing
+//! policies (between pods [`PodRouter`], inside a pod [`Dispatcher`]) and the real
+//! batching scheduler ([`BatchScheduler`]) on simulated time, each step priced by a
+//! step-cost model (a worker's profile). How the policies compare on fleets bigger
+//! than one machine (`denoised simulate`).
 //!
-//! A request goes to the worker the policy picks among those with room (running plus
-//! waiting below `max_batch`); when none has room it waits at the router, in arrival
-//! order, until a step ends somewhere. A worker whose device lacks a request's template
-//! pays its load (from the host tier if some worker loaded it before, else from disk)
-//! in the step that admits the request.
+//! A request goes, on arrival, to the pod the pod policy picks (forwarded whole, as a
+//! router does), and waits in that pod's queue. It goes to the worker the in-pod policy
+//! picks among those with room (running plus waiting below `max_batch`); when none has
+//! room it waits, in arrival order, until a step ends there. A worker pays for its
+//! request's template in the step that admits it: nothing if its device holds it, a
+//! host-tier or disk load if its pod's memory or disk does, a transfer if another pod
+//! holds it, else a recapture. The template then lands on the worker's device and in
+//! its pod's memory and disk (written through), each tier keeping the most recently
+//! used templates up to its capacity.
 
 use std::collections::{HashMap, VecDeque};
 
 use denoised_models::flux::cost::StepShape;
 
+pub use super::pods::Source;
+use super::pods::{miss_source, MissPrices, PodPolicy, PodRouter, PodView};
 use super::{Dispatcher, Incoming, Policy, Running, StepCost, WorkerView};
 use crate::batching::{BatchConfig, BatchScheduler, SchedRequest, StepPlan};
 
@@ -29,7 +36,10 @@ pub struct Done {
     pub arrival: f64,
     pub admit: f64,
     pub finish: f64,
+    pub pod: usize,
+    /// The worker, within its pod.
     pub worker: usize,
+    pub source: Source,
 }
 
 impl Done {
@@ -38,15 +48,97 @@ impl Done {
     }
 }
 
+/// The fleet: pods of workers, and what each tier holds and costs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Fleet {
+    pub pods: usize,
+    pub workers_per_pod: usize,
+    /// Templates each tier keeps (least recently used out first); `None`: no limit.
+    pub device_templates: Option<usize>,
+    pub host_templates: Option<usize>,
+    pub disk_templates: Option<usize>,
+    /// Where the templates are at the start.
+    pub placement: Placement,
+    pub miss: MissPrices,
+}
+
+impl Fleet {
+    /// One pod of `workers` with unlimited tiers and every template on its disk: one
+    /// host's daemon.
+    pub fn one_pod(workers: usize) -> Fleet {
+        Fleet {
+            pods: 1,
+            workers_per_pod: workers,
+            device_templates: None,
+            host_templates: None,
+            disk_templates: None,
+            placement: Placement::EveryDisk,
+            // No peers, and every template on the disk.
+            miss: MissPrices {
+                fetch_s: f64::INFINITY,
+                recapture_s: f64::INFINITY,
+            },
+        }
+    }
+}
+
+/// Where the templates start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// On every pod's disk (one host's daemon and its cache directory).
+    EveryDisk,
+    /// Template v on the disk of pod v mod pods (each captured once, somewhere).
+    OnePod,
+    /// Nowhere: a template's first request captures it.
+    Nowhere,
+}
+
+/// Templates in one tier, most recently used last.
+struct Tier {
+    cap: Option<usize>,
+    items: Vec<u64>,
+}
+
+impl Tier {
+    fn new(cap: Option<usize>) -> Tier {
+        Tier { cap, items: vec![] }
+    }
+    fn contains(&self, v: u64) -> bool {
+        self.items.contains(&v)
+    }
+    /// Marks `v` used now, adding it (and dropping the least recently used beyond the
+    /// capacity) if it was not there.
+    fn touch(&mut self, v: u64) {
+        if let Some(i) = self.items.iter().position(|&x| x == v) {
+            self.items.remove(i);
+        }
+        self.items.push(v);
+        if let Some(cap) = self.cap {
+            while self.items.len() > cap {
+                self.items.remove(0);
+            }
+        }
+    }
+}
+
 struct Worker {
     sched: BatchScheduler,
     /// The step in flight and when it ends.
     step: Option<(StepPlan, f64)>,
-    device_templates: Vec<u64>,
+    device: Tier,
 }
 
-/// Runs `reqs` (in arrival order) on `workers` workers with `batch` limits, routed by
-/// `policy`, every step priced by `cost`. One outcome per request, in input order.
+struct Pod {
+    workers: Vec<Worker>,
+    queue: VecDeque<usize>,
+    dispatcher: Dispatcher,
+    host: Tier,
+    disk: Tier,
+}
+
+/// Runs `reqs` (in arrival order) on `workers` workers of one pod with `batch` limits,
+/// routed by `policy`, every step priced by `cost`. One outcome per request, in input
+/// order.
 pub fn simulate_cluster(
     reqs: &[SimRequest],
     workers: usize,
@@ -54,71 +146,153 @@ pub fn simulate_cluster(
     policy: Policy,
     cost: &dyn StepCost,
 ) -> Result<Vec<Done>, String> {
-    if workers == 0 {
-        return Err("a cluster of no workers".into());
+    simulate_pods(
+        reqs,
+        &Fleet::one_pod(workers),
+        batch,
+        (PodPolicy::RoundRobin, policy),
+        cost,
+    )
+}
+
+/// Runs `reqs` (in arrival order) on `fleet`, routed between pods and inside each by
+/// `policies`, every step priced by `cost`. One outcome per request, in input order.
+pub fn simulate_pods(
+    reqs: &[SimRequest],
+    fleet: &Fleet,
+    batch: BatchConfig,
+    (pod_policy, policy): (PodPolicy, Policy),
+    cost: &dyn StepCost,
+) -> Result<Vec<Done>, String> {
+    if fleet.pods == 0 || fleet.workers_per_pod == 0 {
+        return Err("a fleet of no workers".into());
     }
-    let mut ws: Vec<Worker> = (0..workers)
+    let mut pods: Vec<Pod> = (0..fleet.pods)
         .map(|_| {
-            Ok(Worker {
-                sched: BatchScheduler::new(batch).map_err(|e| e.to_string())?,
-                step: None,
-                device_templates: vec![],
+            Ok(Pod {
+                workers: (0..fleet.workers_per_pod)
+                    .map(|_| {
+                        Ok(Worker {
+                            sched: BatchScheduler::new(batch).map_err(|e| e.to_string())?,
+                            step: None,
+                            device: Tier::new(fleet.device_templates),
+                        })
+                    })
+                    .collect::<Result<_, String>>()?,
+                queue: VecDeque::new(),
+                dispatcher: Dispatcher::new(policy),
+                host: Tier::new(fleet.host_templates),
+                disk: Tier::new(fleet.disk_templates),
             })
         })
         .collect::<Result<_, String>>()?;
-    let mut dispatcher = Dispatcher::new(policy);
-    let mut host_templates: Vec<u64> = vec![];
+    if fleet.placement == Placement::OnePod {
+        for t in reqs.iter().filter_map(|r| r.req.template) {
+            let p = &mut pods[t.version as usize % fleet.pods];
+            if !p.disk.contains(t.version) {
+                p.disk.touch(t.version);
+            }
+        }
+    }
+    let mut router = PodRouter::new(pod_policy);
     let mut out: Vec<Option<Done>> = vec![None; reqs.len()];
-    let mut admit: HashMap<u64, (f64, usize)> = HashMap::new();
-    let mut queue: VecDeque<usize> = VecDeque::new();
+    let mut admit: HashMap<u64, (f64, usize, Source)> = HashMap::new();
     let (mut now, mut next) = (0.0f64, 0usize);
     loop {
         // The next event: the earliest step end, else the next arrival (a step ending
         // at an arrival's time goes first, freeing room for it).
-        let end = ws
+        let end = pods
             .iter()
             .enumerate()
-            .filter_map(|(i, w)| w.step.as_ref().map(|(_, t)| (i, *t)))
-            .min_by(|a, b| a.1.total_cmp(&b.1));
+            .flat_map(|(pi, p)| {
+                p.workers
+                    .iter()
+                    .enumerate()
+                    .filter_map(move |(wi, w)| w.step.as_ref().map(|(_, t)| (pi, wi, *t)))
+            })
+            .min_by(|a, b| a.2.total_cmp(&b.2));
         let arrival = reqs.get(next).map(|r| r.arrival);
-        match (end, arrival) {
-            (Some((wi, t)), a) if a.is_none_or(|a| t <= a) => {
+        let pi = match (end, arrival) {
+            (Some((pi, wi, t)), a) if a.is_none_or(|a| t <= a) => {
                 now = t;
-                let (plan, _) = ws[wi].step.take().expect("a step in flight");
-                for id in ws[wi].sched.complete_step(&plan) {
-                    let (admitted, worker) = admit[&id];
+                let w = &mut pods[pi].workers[wi];
+                let (plan, _) = w.step.take().expect("a step in flight");
+                for id in w.sched.complete_step(&plan) {
+                    let (admitted, worker, source) = admit[&id];
                     out[id as usize] = Some(Done {
                         arrival: reqs[id as usize].arrival,
                         admit: admitted,
                         finish: now,
+                        pod: pi,
                         worker,
+                        source,
                     });
                 }
+                pi
             }
             (_, Some(a)) => {
                 now = now.max(a);
-                queue.push_back(next);
+                let pi = match fleet.pods {
+                    1 => 0,
+                    _ => {
+                        let r = reqs[next].req;
+                        let views: Vec<PodView> = pods
+                            .iter()
+                            .map(|p| pod_view(p, reqs, batch, pod_disk(p, fleet, r)))
+                            .collect();
+                        router
+                            .choose(&views, &reqs[next].req, fleet.miss, cost)
+                            .ok_or("no pod is up")?
+                    }
+                };
+                pods[pi].queue.push_back(next);
                 next += 1;
+                pi
             }
-            _ if queue.is_empty() => break,
+            _ if pods.iter().all(|p| p.queue.is_empty()) => break,
             _ => return Err("requests wait with every worker idle".into()),
-        }
-        // Route what waits, in order, while some worker has room.
-        while let Some(&ri) = queue.front() {
-            let views: Vec<WorkerView> = ws
+        };
+        // The pod the event touched: route what waits there, in order, while some
+        // worker has room, then start its idle workers' steps.
+        let held_elsewhere = |pods: &[Pod], v: u64| {
+            pods.iter()
+                .enumerate()
+                .any(|(i, p)| i != pi && (p.host.contains(v) || p.disk.contains(v)))
+        };
+        while let Some(&ri) = pods[pi].queue.front() {
+            let p = &pods[pi];
+            let views: Vec<WorkerView> = p
+                .workers
                 .iter()
-                .map(|w| view(w, reqs, &host_templates, batch))
+                .map(|w| view(w, reqs, &p.host.items, batch))
                 .collect();
-            let Some(wi) = dispatcher.choose(&views, &reqs[ri].req, cost) else {
+            let peer = reqs[ri]
+                .req
+                .template
+                .is_some_and(|t| held_elsewhere(&pods, t.version));
+            let r = super::pods::in_pod(
+                &reqs[ri].req,
+                &PodView {
+                    up: true,
+                    disk_templates: pod_disk(&pods[pi], fleet, reqs[ri].req),
+                    ..PodView::default()
+                },
+                peer,
+                fleet.miss,
+            );
+            let Some(wi) = pods[pi].dispatcher.choose(&views, &r, cost) else {
                 break;
             };
-            queue.pop_front();
-            let r = &reqs[ri].req;
-            let sr = SchedRequest::new(ri as u64, r.shape.text + r.shape.active, r.steps);
-            ws[wi].sched.submit(sr).map_err(|e| e.to_string())?;
+            pods[pi].queue.pop_front();
+            let s = r.shape;
+            let sr = SchedRequest::new(ri as u64, s.text + s.active, r.steps);
+            pods[pi].workers[wi]
+                .sched
+                .submit(sr)
+                .map_err(|e| e.to_string())?;
         }
-        // Idle workers with work start a step.
-        for (wi, w) in ws.iter_mut().enumerate() {
+        for wi in 0..pods[pi].workers.len() {
+            let w = &mut pods[pi].workers[wi];
             if w.step.is_some() || w.sched.is_idle() {
                 continue;
             }
@@ -128,19 +302,11 @@ pub fn simulate_cluster(
             }
             let mut load = 0.0;
             for &id in plan.admitted() {
-                admit.insert(id, (now, wi));
-                if let Some(t) = reqs[id as usize].req.template {
-                    if !w.device_templates.contains(&t.version) {
-                        load += if host_templates.contains(&t.version) {
-                            t.host_load_s
-                        } else {
-                            t.disk_load_s
-                        };
-                        w.device_templates.push(t.version);
-                        host_templates.push(t.version);
-                    }
-                }
+                let (source, s) = acquire(&mut pods, pi, wi, fleet, reqs[id as usize].req);
+                load += s;
+                admit.insert(id, (now, wi, source));
             }
+            let w = &mut pods[pi].workers[wi];
             let shapes: Vec<StepShape> = w
                 .sched
                 .running()
@@ -155,6 +321,63 @@ pub fn simulate_cluster(
         .enumerate()
         .map(|(i, d)| d.ok_or_else(|| format!("request {i} never finished")))
         .collect()
+}
+
+/// The templates on pod `p`'s disk that `req` could read: its own, where every
+/// template starts on every disk.
+fn pod_disk(p: &Pod, fleet: &Fleet, req: Incoming) -> Vec<u64> {
+    match ((fleet.placement == Placement::EveryDisk), req.template) {
+        (true, Some(t)) => vec![t.version],
+        _ => p.disk.items.clone(),
+    }
+}
+
+/// Brings `req`'s template to worker `wi` of pod `pi`: where it came from and the
+/// seconds it took. It lands on the device and in the pod's memory and disk.
+fn acquire(pods: &mut [Pod], pi: usize, wi: usize, fleet: &Fleet, req: Incoming) -> (Source, f64) {
+    let Some(t) = req.template else {
+        return (Source::None, 0.0);
+    };
+    let v = t.version;
+    let p = &pods[pi];
+    let (source, s) = if p.workers[wi].device.contains(v) {
+        (Source::Device, 0.0)
+    } else if p.host.contains(v) {
+        (Source::Host, t.host_load_s)
+    } else {
+        let on_disk = (fleet.placement == Placement::EveryDisk) || p.disk.contains(v);
+        let peer = pods
+            .iter()
+            .enumerate()
+            .any(|(i, q)| i != pi && (q.host.contains(v) || q.disk.contains(v)));
+        miss_source(on_disk, peer, &t, fleet.miss)
+    };
+    let p = &mut pods[pi];
+    p.workers[wi].device.touch(v);
+    p.host.touch(v);
+    p.disk.touch(v);
+    (source, s)
+}
+
+/// What pod `p` reports to a router: its workers' views and its disk's templates.
+fn pod_view(p: &Pod, reqs: &[SimRequest], batch: BatchConfig, disk: Vec<u64>) -> PodView {
+    PodView {
+        up: true,
+        workers: p
+            .workers
+            .iter()
+            .map(|w| view(w, reqs, &p.host.items, batch))
+            .collect(),
+        queued: p
+            .queue
+            .iter()
+            .map(|&i| Running {
+                shape: reqs[i].req.shape,
+                steps_left: reqs[i].req.steps,
+            })
+            .collect(),
+        disk_templates: disk,
+    }
 }
 
 /// What worker `w` reports to the router: room, its requests (running and waiting)
@@ -173,7 +396,7 @@ fn view(w: &Worker, reqs: &[SimRequest], host: &[u64], batch: BatchConfig) -> Wo
     WorkerView {
         room: running.len() < batch.max_batch,
         running,
-        device_templates: w.device_templates.clone(),
+        device_templates: w.device.items.clone(),
         host_templates: host.to_vec(),
     }
 }

@@ -357,3 +357,168 @@ proptest! {
         );
     }
 }
+
+fn arb_pod() -> impl Strategy<Value = pods::PodView> {
+    (
+        any::<bool>(),
+        prop::collection::vec(arb_worker(), 1..5),
+        prop::collection::vec((0usize..4096, 1u32..30), 0..4),
+        prop::collection::vec(0u64..4, 0..3),
+    )
+        .prop_map(|(up, workers, queued, disk)| pods::PodView {
+            up,
+            workers,
+            queued: queued
+                .into_iter()
+                .map(|(a, steps_left)| Running {
+                    shape: shape(a),
+                    steps_left,
+                })
+                .collect(),
+            disk_templates: disk,
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Each pod policy against its definition, written out: the first pod that is up
+    /// minimising the best worker's finish (the template priced by its best tier in
+    /// that pod: device, host, disk, a peer's copy, or a recapture) plus the queued
+    /// work shared over the pod's workers.
+    #[test]
+    fn pod_policies_equal_brute_force(
+        ps in prop::collection::vec(arb_pod(), 1..6),
+        active in 0usize..4096,
+        steps in 1u32..40,
+        tpl in prop::option::of((0u64..4, 0.0f64..2.0, 0.0f64..5.0)),
+        (fetch_s, recapture_s) in (0.0f64..6.0, 0.0f64..8.0),
+    ) {
+        use pods::{Held, MissPrices, PodPolicy, PodRouter};
+        let req = Incoming {
+            shape: shape(active),
+            steps,
+            template: tpl.map(|(version, host_load_s, disk_load_s)| TemplateNeed {
+                version,
+                host_load_s,
+                disk_load_s,
+            }),
+        };
+        let miss = MissPrices { fetch_s, recapture_s };
+        let held = |p: &pods::PodView, v: u64| {
+            if p.workers.iter().any(|w| w.device_templates.contains(&v)) {
+                Held::Device
+            } else if p.workers.iter().any(|w| w.host_templates.contains(&v)) {
+                Held::Host
+            } else if p.disk_templates.contains(&v) {
+                Held::Disk
+            } else {
+                Held::Absent
+            }
+        };
+        let key = |i: usize, with_template: bool| {
+            let p = &ps[i];
+            let r = match (with_template, req.template) {
+                (true, Some(t)) => {
+                    let peer = ps.iter().enumerate().any(|(j, q)| {
+                        j != i && q.up && held(q, t.version) != Held::Absent
+                    });
+                    let mut miss_s = recapture_s;
+                    if p.disk_templates.contains(&t.version) {
+                        miss_s = miss_s.min(t.disk_load_s);
+                    }
+                    if peer {
+                        miss_s = miss_s.min(fetch_s);
+                    }
+                    Incoming {
+                        template: Some(TemplateNeed { disk_load_s: miss_s, ..t }),
+                        ..req
+                    }
+                }
+                _ => Incoming { template: None, ..req },
+            };
+            let best = p
+                .workers
+                .iter()
+                .map(|w| brute_estimate(w, &r, &COST).finish_s)
+                .fold(f64::INFINITY, f64::min);
+            let queued: f64 = p.queued.iter().map(|q| q.steps_left as f64 * COST.step_s(&[q.shape])).sum();
+            best + queued / p.workers.len() as f64
+        };
+        for (policy, with_template) in [(PodPolicy::LeastLoaded, false), (PodPolicy::TemplateAware, true)] {
+            let got = PodRouter::new(policy).choose(&ps, &req, miss, &COST);
+            let up: Vec<usize> = (0..ps.len()).filter(|&i| ps[i].up).collect();
+            prop_assert_eq!(got.is_some(), !up.is_empty());
+            if let Some(g) = got {
+                prop_assert!(ps[g].up);
+                let kg = key(g, with_template);
+                for &i in &up {
+                    let ki = key(i, with_template);
+                    prop_assert!(kg <= ki * (1.0 + 1e-9) + 1e-12, "{}: pod {g} ({kg}) vs {i} ({ki})", policy.name());
+                }
+            }
+        }
+        prop_assert_eq!(
+            PodRouter::new(PodPolicy::RoundRobin).choose(&ps, &req, miss, &COST),
+            ps.iter().position(|p| p.up)
+        );
+    }
+}
+
+/// A pod holding the template on a worker's device wins over an idle pod that must
+/// fetch it, until its queue costs more than the fetch; least_loaded ignores templates.
+#[test]
+fn template_aware_prefers_the_pod_holding_the_template() {
+    use pods::{MissPrices, PodPolicy, PodRouter, PodView};
+    let busy_with_template = |queued: usize| PodView {
+        up: true,
+        workers: vec![WorkerView {
+            device_templates: vec![7],
+            ..WorkerView::idle()
+        }],
+        queued: vec![
+            Running {
+                shape: shape(400),
+                steps_left: 28,
+            };
+            queued
+        ],
+        disk_templates: vec![],
+    };
+    let idle = PodView {
+        up: true,
+        workers: vec![WorkerView::idle()],
+        ..PodView::default()
+    };
+    let req = Incoming {
+        shape: shape(400),
+        steps: 28,
+        template: Some(TemplateNeed {
+            version: 7,
+            host_load_s: 0.5,
+            disk_load_s: 2.0,
+        }),
+    };
+    let miss = MissPrices {
+        fetch_s: 1.0,
+        recapture_s: 5.0,
+    };
+    let one = COST.step_s(&[shape(400)]) * 28.0;
+    let pick = |p: PodPolicy, q: usize| {
+        PodRouter::new(p).choose(&[idle.clone(), busy_with_template(q)], &req, miss, &COST)
+    };
+    // One queued request (about `one` seconds) costs less than the 1 s fetch.
+    assert!(one < 1.0, "{one}");
+    assert_eq!(pick(PodPolicy::TemplateAware, 1), Some(1));
+    assert_eq!(pick(PodPolicy::LeastLoaded, 1), Some(0));
+    // Enough queued work outweighs the fetch.
+    let q = (1.0 / one).ceil() as usize + 1;
+    assert_eq!(pick(PodPolicy::TemplateAware, q), Some(0));
+    // A pod that is down is never picked.
+    let mut down = busy_with_template(0);
+    down.up = false;
+    assert_eq!(
+        PodRouter::new(PodPolicy::TemplateAware).choose(&[down, idle.clone()], &req, miss, &COST),
+        Some(1)
+    );
+}
