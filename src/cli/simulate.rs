@@ -233,12 +233,12 @@ pub fn run(a: Args) -> CliResult {
             });
             line.extend(extra.as_object().cloned().unwrap_or_default());
             if a.pods > 1 {
-                let peer = done.iter().filter(|d| d.source == Source::Peer).count();
+                let transfers = done.iter().filter(|d| d.transfer).count();
                 let pods = serde_json::json!({
                     "pods": a.pods, "pod_policy": pp.name(), "templates": a.templates,
                     "template_skew": a.template_skew, "template_bytes": bytes,
                     "fetch_s": miss.fetch_s, "recapture_s": miss.recapture_s,
-                    "bytes_transferred": peer as f64 * bytes,
+                    "transfers": transfers, "bytes_transferred": transfers as f64 * bytes,
                 });
                 line.extend(pods.as_object().cloned().unwrap_or_default());
             }

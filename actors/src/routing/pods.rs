@@ -5,14 +5,16 @@
 //! policy ([`super::Dispatcher`]) places the request on a worker.
 //!
 //! - `round_robin`: the next pod that is up, in turn;
-//! - `least_loaded`: the pod whose best worker would finish the request soonest, its
-//!   template ignored (the load its workers report, priced by [`super::estimate`]);
+//! - `least_loaded`: the pod whose best worker the request would cost the least
+//!   latency, by the in-pod policy's own key ([`super::estimate`]: its finish and the
+//!   delay it adds to the running requests), its template ignored, after the requests
+//!   queued at the pod;
 //! - `template_aware` (the default): the same, with the template's price in that pod
-//!   added: nothing where a worker's device holds it, a host-tier load where the pod's
-//!   memory does, a disk load where its disk does, a transfer from a peer where another
-//!   pod holds it, a recapture (all its steps) where none does. The template is the
-//!   load: a FLUX.1-Fill-dev template at 1024x1024 and 28 steps is 40 GB in fp8, so
-//!   where it lives decides where its edits should run.
+//!   ([`in_pod`]): nothing where a worker's device holds it, a host-tier load where the
+//!   pod's memory does, else the cheapest of a disk load, a transfer from a peer (the
+//!   request waits at the pod while it comes) and a recapture (all its steps). The
+//!   template is the load: a FLUX.1-Fill-dev template at 1024x1024 and 28 steps is
+//!   40 GB in fp8, so where it lives decides where its edits should run.
 //!
 //! Ties go to the lowest pod index.
 
@@ -86,13 +88,15 @@ impl Held {
 
 /// What a pod reports: whether it answers, its workers (as each reports itself, the
 /// pod's host tier in their `host_templates`), the requests waiting at its router for a
-/// worker with room, and the templates on its disk.
+/// worker with room, the templates on its disk, and those on their way from a peer
+/// (with the seconds left).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PodView {
     pub up: bool,
     pub workers: Vec<WorkerView>,
     pub queued: Vec<Running>,
     pub disk_templates: Vec<u64>,
+    pub fetching: Vec<(u64, f64)>,
 }
 
 impl PodView {
@@ -186,21 +190,42 @@ pub fn miss_source(
     })
 }
 
-/// `req` as pod `p` would see it: what its workers pay for the template when neither
-/// their device nor the pod's host tier holds it ([`miss_source`]: what [`estimate`]
-/// charges as its `disk_load_s`).
-pub fn in_pod(req: &Incoming, p: &PodView, peer_holds: bool, miss: MissPrices) -> Incoming {
-    let template = req.template.map(|t| TemplateNeed {
-        disk_load_s: miss_source(p.disk_templates.contains(&t.version), peer_holds, &t, miss).1,
-        ..t
-    });
-    Incoming { template, ..*req }
+/// `req` as pod `p` would see it, and how long it would wait before a worker could take
+/// it. A template in the pod's memory or on a device costs what the in-pod estimate
+/// charges. Otherwise the cheapest of [`miss_source`]: from its disk or by recapture, a
+/// load in the step that admits it (stalling that step's batch, as [`estimate`]
+/// charges); from a peer, a transfer into the pod's memory while the request waits at
+/// the pod (the router fetches on arrival; no worker stalls), then a host load. A
+/// template already on its way costs the seconds it has left.
+pub fn in_pod(req: &Incoming, p: &PodView, peer_holds: bool, miss: MissPrices) -> (Incoming, f64) {
+    let Some(t) = req.template else {
+        return (*req, 0.0);
+    };
+    let held = p
+        .workers
+        .iter()
+        .any(|w| w.device_templates.contains(&t.version) || w.host_templates.contains(&t.version));
+    let arriving = p.fetching.iter().find(|f| f.0 == t.version).map(|f| f.1);
+    let (disk_load_s, wait) = match (held, arriving) {
+        (true, _) => (t.disk_load_s, 0.0),
+        (false, Some(left)) => (t.host_load_s, left),
+        (false, None) => {
+            match miss_source(p.disk_templates.contains(&t.version), peer_holds, &t, miss) {
+                (Source::Peer, s) => (t.host_load_s, s),
+                (_, s) => (s, 0.0),
+            }
+        }
+    };
+    let template = Some(TemplateNeed { disk_load_s, ..t });
+    (Incoming { template, ..*req }, wait)
 }
 
-/// Seconds until `req` would finish on pod `p`'s best worker, by the same estimate as
-/// the in-pod policy (`template`: with its price in that pod, else without it), after
-/// the requests queued at the pod: their work, alone, shared over its workers.
-pub fn pod_finish_s(
+/// Seconds of latency `req` would cost on pod `p`'s best worker, by the in-pod policy's
+/// own key (its finish and the delay it adds to the running requests; `template`: with
+/// the template's price in that pod, else without it), after any wait for the
+/// template and the requests queued at the pod (their work, alone, shared over its
+/// workers).
+pub fn pod_cost_s(
     p: &PodView,
     req: &Incoming,
     peer_holds: bool,
@@ -208,12 +233,15 @@ pub fn pod_finish_s(
     template: bool,
     cost: &dyn StepCost,
 ) -> f64 {
-    let r = match template {
+    let (r, wait) = match template {
         true => in_pod(req, p, peer_holds, miss),
-        false => Incoming {
-            template: None,
-            ..*req
-        },
+        false => (
+            Incoming {
+                template: None,
+                ..*req
+            },
+            0.0,
+        ),
     };
     let queued: f64 = p
         .queued
@@ -223,9 +251,9 @@ pub fn pod_finish_s(
     let best = p
         .workers
         .iter()
-        .map(|w| estimate(w, &r, cost).finish_s)
+        .map(|w| estimate(w, &r, cost).cost_s())
         .fold(f64::INFINITY, f64::min);
-    best + queued / p.workers.len().max(1) as f64
+    wait + best + queued / p.workers.len().max(1) as f64
 }
 
 /// Chooses the pod that runs a request, with its round-robin position.
@@ -268,7 +296,7 @@ impl PodRouter {
             .filter(|&i| pods[i].up)
             .map(|i| {
                 let peer = holders_n > usize::from(holders[i]);
-                (i, pod_finish_s(&pods[i], req, peer, miss, template, cost))
+                (i, pod_cost_s(&pods[i], req, peer, miss, template, cost))
             })
             .fold(None, |best: Option<(usize, f64)>, (i, k)| match best {
                 Some((_, b)) if b <= k => best,

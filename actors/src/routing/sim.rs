@@ -39,7 +39,11 @@ pub struct Done {
     pub pod: usize,
     /// The worker, within its pod.
     pub worker: usize,
+    /// Where its template came from: `Peer` where it waited for a transfer to its pod
+    /// (the one it started, or one under way), else the tier its worker read.
     pub source: Source,
+    /// Whether its arrival started a transfer of its template to its pod.
+    pub transfer: bool,
 }
 
 impl Done {
@@ -134,6 +138,8 @@ struct Pod {
     dispatcher: Dispatcher,
     host: Tier,
     disk: Tier,
+    /// Templates on their way from a peer, and when each arrives.
+    fetching: Vec<(u64, f64)>,
 }
 
 /// Runs `reqs` (in arrival order) on `workers` workers of one pod with `batch` limits,
@@ -183,6 +189,7 @@ pub fn simulate_pods(
                 dispatcher: Dispatcher::new(policy),
                 host: Tier::new(fleet.host_templates),
                 disk: Tier::new(fleet.disk_templates),
+                fetching: vec![],
             })
         })
         .collect::<Result<_, String>>()?;
@@ -197,10 +204,14 @@ pub fn simulate_pods(
     let mut router = PodRouter::new(pod_policy);
     let mut out: Vec<Option<Done>> = vec![None; reqs.len()];
     let mut admit: HashMap<u64, (f64, usize, Source)> = HashMap::new();
+    // When each routed request can go to a worker: at once, or when the transfer of
+    // its template from a peer to its pod ends.
+    let mut ready: Vec<f64> = vec![0.0; reqs.len()];
+    let mut via_peer: Vec<(bool, bool)> = vec![(false, false); reqs.len()];
     let (mut now, mut next) = (0.0f64, 0usize);
     loop {
-        // The next event: the earliest step end, else the next arrival (a step ending
-        // at an arrival's time goes first, freeing room for it).
+        // The next event: the earliest step end, transfer end or arrival; at one time,
+        // step ends first (freeing room), then transfers, then arrivals.
         let end = pods
             .iter()
             .enumerate()
@@ -211,40 +222,62 @@ pub fn simulate_pods(
                     .filter_map(move |(wi, w)| w.step.as_ref().map(|(_, t)| (pi, wi, *t)))
             })
             .min_by(|a, b| a.2.total_cmp(&b.2));
+        let fetched = pods
+            .iter()
+            .enumerate()
+            .flat_map(|(pi, p)| p.fetching.iter().map(move |&(v, t)| (pi, v, t)))
+            .min_by(|a, b| a.2.total_cmp(&b.2));
         let arrival = reqs.get(next).map(|r| r.arrival);
-        let pi = match (end, arrival) {
-            (Some((pi, wi, t)), a) if a.is_none_or(|a| t <= a) => {
+        let first = |t: f64, others: [Option<f64>; 2]| others.iter().flatten().all(|&o| t <= o);
+        let pi = match (end, fetched, arrival) {
+            (Some((pi, wi, t)), f, a) if first(t, [f.map(|f| f.2), a]) => {
                 now = t;
                 let w = &mut pods[pi].workers[wi];
                 let (plan, _) = w.step.take().expect("a step in flight");
                 for id in w.sched.complete_step(&plan) {
                     let (admitted, worker, source) = admit[&id];
+                    let (peer, transfer) = via_peer[id as usize];
                     out[id as usize] = Some(Done {
                         arrival: reqs[id as usize].arrival,
                         admit: admitted,
                         finish: now,
                         pod: pi,
                         worker,
-                        source,
+                        source: if peer { Source::Peer } else { source },
+                        // A template evicted from the pod's memory while its request
+                        // waited is transferred again in the admitting step.
+                        transfer: transfer || source == Source::Peer,
                     });
                 }
                 pi
             }
-            (_, Some(a)) => {
+            (_, Some((pi, v, t)), a) if first(t, [a, None]) => {
+                // The template is in the pod's memory and on its disk.
+                now = t;
+                let p = &mut pods[pi];
+                p.fetching.retain(|f| f.0 != v);
+                p.host.touch(v);
+                p.disk.touch(v);
+                pi
+            }
+            (_, _, Some(a)) => {
                 now = now.max(a);
+                let r = reqs[next].req;
                 let pi = match fleet.pods {
                     1 => 0,
                     _ => {
-                        let r = reqs[next].req;
                         let views: Vec<PodView> = pods
                             .iter()
-                            .map(|p| pod_view(p, reqs, batch, pod_disk(p, fleet, r)))
+                            .map(|p| pod_view(p, reqs, batch, fleet, r, now))
                             .collect();
                         router
-                            .choose(&views, &reqs[next].req, fleet.miss, cost)
+                            .choose(&views, &r, fleet.miss, cost)
                             .ok_or("no pod is up")?
                     }
                 };
+                let (at, started) = fetch_if_cheapest(&mut pods, pi, fleet, r, now);
+                ready[next] = at;
+                via_peer[next] = (at > now, started);
                 pods[pi].queue.push_back(next);
                 next += 1;
                 pi
@@ -252,38 +285,30 @@ pub fn simulate_pods(
             _ if pods.iter().all(|p| p.queue.is_empty()) => break,
             _ => return Err("requests wait with every worker idle".into()),
         };
-        // The pod the event touched: route what waits there, in order, while some
-        // worker has room, then start its idle workers' steps.
-        let held_elsewhere = |pods: &[Pod], v: u64| {
-            pods.iter()
-                .enumerate()
-                .any(|(i, p)| i != pi && (p.host.contains(v) || p.disk.contains(v)))
-        };
-        while let Some(&ri) = pods[pi].queue.front() {
+        // The pod the event touched: route what waits there and can go (its template
+        // arrived), in order, while some worker has room, then start its idle
+        // workers' steps.
+        loop {
             let p = &pods[pi];
+            let Some(qi) = p.queue.iter().position(|&ri| ready[ri] <= now) else {
+                break;
+            };
+            let ri = p.queue[qi];
             let views: Vec<WorkerView> = p
                 .workers
                 .iter()
                 .map(|w| view(w, reqs, &p.host.items, batch))
                 .collect();
-            let peer = reqs[ri]
-                .req
+            let r = reqs[ri].req;
+            let peer = r
                 .template
-                .is_some_and(|t| held_elsewhere(&pods, t.version));
-            let r = super::pods::in_pod(
-                &reqs[ri].req,
-                &PodView {
-                    up: true,
-                    disk_templates: pod_disk(&pods[pi], fleet, reqs[ri].req),
-                    ..PodView::default()
-                },
-                peer,
-                fleet.miss,
-            );
+                .is_some_and(|t| held_elsewhere(&pods, pi, t.version));
+            let pv = pod_view(p, reqs, batch, fleet, r, now);
+            let (r, _) = super::pods::in_pod(&r, &pv, peer, fleet.miss);
             let Some(wi) = pods[pi].dispatcher.choose(&views, &r, cost) else {
                 break;
             };
-            pods[pi].queue.pop_front();
+            pods[pi].queue.remove(qi);
             let s = r.shape;
             let sr = SchedRequest::new(ri as u64, s.text + s.active, r.steps);
             pods[pi].workers[wi]
@@ -323,6 +348,45 @@ pub fn simulate_pods(
         .collect()
 }
 
+/// Whether a pod other than `pi` holds template `v` (in memory or on disk).
+fn held_elsewhere(pods: &[Pod], pi: usize, v: u64) -> bool {
+    pods.iter()
+        .enumerate()
+        .any(|(i, p)| i != pi && (p.host.contains(v) || p.disk.contains(v)))
+}
+
+/// On a request's arrival at pod `pi`: where the pod lacks its template and a peer's
+/// copy is the cheapest way to get it, the transfer starts (one per template and pod).
+/// When the request can go to a worker, and whether it started a transfer.
+fn fetch_if_cheapest(
+    pods: &mut [Pod],
+    pi: usize,
+    fleet: &Fleet,
+    req: Incoming,
+    now: f64,
+) -> (f64, bool) {
+    let Some(t) = req.template else {
+        return (now, false);
+    };
+    let v = t.version;
+    let p = &pods[pi];
+    if let Some(&(_, at)) = p.fetching.iter().find(|f| f.0 == v) {
+        return (at, false);
+    }
+    if p.host.contains(v) || p.workers.iter().any(|w| w.device.contains(v)) {
+        return (now, false);
+    }
+    let on_disk = (fleet.placement == Placement::EveryDisk) || p.disk.contains(v);
+    let peer = held_elsewhere(pods, pi, v);
+    match miss_source(on_disk, peer, &t, fleet.miss) {
+        (Source::Peer, s) => {
+            pods[pi].fetching.push((v, now + s));
+            (now + s, true)
+        }
+        _ => (now, false),
+    }
+}
+
 /// The templates on pod `p`'s disk that `req` could read: its own, where every
 /// template starts on every disk.
 fn pod_disk(p: &Pod, fleet: &Fleet, req: Incoming) -> Vec<u64> {
@@ -359,8 +423,16 @@ fn acquire(pods: &mut [Pod], pi: usize, wi: usize, fleet: &Fleet, req: Incoming)
     (source, s)
 }
 
-/// What pod `p` reports to a router: its workers' views and its disk's templates.
-fn pod_view(p: &Pod, reqs: &[SimRequest], batch: BatchConfig, disk: Vec<u64>) -> PodView {
+/// What pod `p` reports to a router about `req`: its workers' views, its queue, the
+/// templates on its disk and those on their way.
+fn pod_view(
+    p: &Pod,
+    reqs: &[SimRequest],
+    batch: BatchConfig,
+    fleet: &Fleet,
+    req: Incoming,
+    now: f64,
+) -> PodView {
     PodView {
         up: true,
         workers: p
@@ -376,7 +448,8 @@ fn pod_view(p: &Pod, reqs: &[SimRequest], batch: BatchConfig, disk: Vec<u64>) ->
                 steps_left: reqs[i].req.steps,
             })
             .collect(),
-        disk_templates: disk,
+        disk_templates: pod_disk(p, fleet, req),
+        fetching: p.fetching.iter().map(|&(v, at)| (v, at - now)).collect(),
     }
 }
 
@@ -473,6 +546,63 @@ mod tests {
                 assert_eq!((g.admit, g.finish), (w.admit, w.finish), "{}", p.name());
             }
         }
+    }
+
+    /// Two pods of one worker, the template on pod 0's disk, round robin between pods:
+    /// the request sent to pod 1 waits there for the transfer (and starts it); the one
+    /// on pod 0 loads from its disk in its step. The next request to pod 1 finds the
+    /// template in its memory.
+    #[test]
+    fn a_transfer_delays_only_its_request() {
+        let batch = BatchConfig {
+            max_batch: 4,
+            ..BatchConfig::default()
+        };
+        let mut reqs = requests(3, 0.001, 5);
+        for r in reqs.iter_mut() {
+            r.req.template = Some(TemplateNeed {
+                version: 0,
+                host_load_s: 0.1,
+                disk_load_s: 0.5,
+            });
+        }
+        reqs[2].arrival = 10.0;
+        let fleet = Fleet {
+            pods: 2,
+            workers_per_pod: 1,
+            device_templates: Some(1),
+            host_templates: None,
+            disk_templates: None,
+            placement: Placement::OnePod,
+            miss: MissPrices {
+                fetch_s: 1.0,
+                recapture_s: 9.0,
+            },
+        };
+        let d = simulate_pods(
+            &reqs,
+            &fleet,
+            batch,
+            (PodPolicy::RoundRobin, Policy::MaskAware),
+            &Rows(2e-5),
+        )
+        .unwrap();
+        assert_eq!(
+            (d[0].pod, d[0].source, d[0].transfer),
+            (0, Source::Disk, false)
+        );
+        assert_eq!(
+            (d[1].pod, d[1].source, d[1].transfer),
+            (1, Source::Peer, true)
+        );
+        assert!(
+            (d[1].admit - (reqs[1].arrival + 1.0)).abs() < 1e-9,
+            "{:?}",
+            d[1]
+        );
+        assert!(d[0].admit == reqs[0].arrival, "{:?}", d[0]);
+        // Round robin sends the third to pod 0 again: its device holds the template.
+        assert_eq!((d[2].pod, d[2].source), (0, Source::Device));
     }
 
     #[test]

@@ -364,8 +364,9 @@ fn arb_pod() -> impl Strategy<Value = pods::PodView> {
         prop::collection::vec(arb_worker(), 1..5),
         prop::collection::vec((0usize..4096, 1u32..30), 0..4),
         prop::collection::vec(0u64..4, 0..3),
+        prop::collection::vec((0u64..4, 0.0f64..3.0), 0..2),
     )
-        .prop_map(|(up, workers, queued, disk)| pods::PodView {
+        .prop_map(|(up, workers, queued, disk, fetching)| pods::PodView {
             up,
             workers,
             queued: queued
@@ -376,6 +377,7 @@ fn arb_pod() -> impl Strategy<Value = pods::PodView> {
                 })
                 .collect(),
             disk_templates: disk,
+            fetching,
         })
 }
 
@@ -418,32 +420,49 @@ proptest! {
         };
         let key = |i: usize, with_template: bool| {
             let p = &ps[i];
-            let r = match (with_template, req.template) {
+            let (r, wait) = match (with_template, req.template) {
                 (true, Some(t)) => {
                     let peer = ps.iter().enumerate().any(|(j, q)| {
                         j != i && q.up && held(q, t.version) != Held::Absent
                     });
-                    let mut miss_s = recapture_s;
-                    if p.disk_templates.contains(&t.version) {
-                        miss_s = miss_s.min(t.disk_load_s);
-                    }
-                    if peer {
-                        miss_s = miss_s.min(fetch_s);
-                    }
-                    Incoming {
-                        template: Some(TemplateNeed { disk_load_s: miss_s, ..t }),
-                        ..req
-                    }
+                    let in_memory = matches!(held(p, t.version), Held::Device | Held::Host);
+                    let arriving = p.fetching.iter().find(|f| f.0 == t.version);
+                    // (in-step load where no worker's memory has it, wait at the pod)
+                    let (load, wait) = if in_memory {
+                        (t.disk_load_s, 0.0)
+                    } else if let Some(&(_, left)) = arriving {
+                        (t.host_load_s, left)
+                    } else {
+                        // (price, in-step load, wait), ties to the first: disk, peer, recapture
+                        let mut options = vec![];
+                        if p.disk_templates.contains(&t.version) {
+                            options.push((t.disk_load_s, t.disk_load_s, 0.0));
+                        }
+                        if peer {
+                            options.push((fetch_s, t.host_load_s, fetch_s));
+                        }
+                        options.push((recapture_s, recapture_s, 0.0));
+                        let best = options.iter().map(|o| o.0).fold(f64::INFINITY, f64::min);
+                        let o = options.iter().find(|o| o.0 == best).unwrap();
+                        (o.1, o.2)
+                    };
+                    (
+                        Incoming {
+                            template: Some(TemplateNeed { disk_load_s: load, ..t }),
+                            ..req
+                        },
+                        wait,
+                    )
                 }
-                _ => Incoming { template: None, ..req },
+                _ => (Incoming { template: None, ..req }, 0.0),
             };
             let best = p
                 .workers
                 .iter()
-                .map(|w| brute_estimate(w, &r, &COST).finish_s)
+                .map(|w| brute_estimate(w, &r, &COST).cost_s())
                 .fold(f64::INFINITY, f64::min);
             let queued: f64 = p.queued.iter().map(|q| q.steps_left as f64 * COST.step_s(&[q.shape])).sum();
-            best + queued / p.workers.len() as f64
+            wait + best + queued / p.workers.len() as f64
         };
         for (policy, with_template) in [(PodPolicy::LeastLoaded, false), (PodPolicy::TemplateAware, true)] {
             let got = PodRouter::new(policy).choose(&ps, &req, miss, &COST);
@@ -484,6 +503,7 @@ fn template_aware_prefers_the_pod_holding_the_template() {
             queued
         ],
         disk_templates: vec![],
+        fetching: vec![],
     };
     let idle = PodView {
         up: true,
