@@ -28,6 +28,7 @@ pub mod slabs;
 pub mod stepper;
 pub mod template;
 pub mod template_file;
+pub mod template_transfer;
 pub mod weights;
 
 pub use config::FluxConfig;

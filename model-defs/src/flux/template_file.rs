@@ -33,8 +33,8 @@ pub const VERSION: u32 = 5;
 /// Versions this build reads: 1 had no `kv_dtype` (always f32), 2 one checksum, 3 no
 /// `cache_mode` (always KV), 4 no `heads` (never fp8).
 const READS: [u32; 5] = [1, 2, 3, 4, 5];
-const HEADER: &str = "template.json";
-const DATA: &str = "cache.bin";
+pub(crate) const HEADER: &str = "template.json";
+pub(crate) const DATA: &str = "cache.bin";
 /// The template's VAE traces, when it has them (the sparse VAE's; format and checksums
 /// in `crate::vae::sparse::stored`). Optional, so every version above reads without.
 pub const VAE_TRACES: &str = "vae.bin";
@@ -110,7 +110,7 @@ fn bad(dir: &Path, reason: impl Into<String>) -> Error {
 
 /// The checksummed regions of a layout's flat image: each (step, block) slab, then the
 /// latents; their byte ranges in order.
-fn regions(l: &TemplateLayout) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+pub(crate) fn regions(l: &TemplateLayout) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
     let slab = l.slab_bytes();
     (0..l.slab_count())
         .map(move |i| i * slab..(i + 1) * slab)
@@ -196,6 +196,17 @@ pub struct FileHeader {
     pub meta: TemplateMeta,
     pub layout: TemplateLayout,
     header: Header,
+}
+
+impl FileHeader {
+    /// The file's format version.
+    pub fn version(&self) -> u32 {
+        self.header.version
+    }
+    /// The CRC-32 of each region ([`regions`]; version 3 and later, else empty).
+    pub fn slab_crc32(&self) -> &[u32] {
+        &self.header.slab_crc32
+    }
 }
 
 /// Reads only the metadata of a template directory.
