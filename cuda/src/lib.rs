@@ -18,6 +18,7 @@
 pub mod attention;
 pub mod backend;
 pub mod compile;
+mod cublaslt;
 mod cudnn;
 pub mod device;
 pub mod emu;

@@ -75,17 +75,6 @@ pub enum Held {
     Absent,
 }
 
-impl Held {
-    pub fn name(self) -> &'static str {
-        match self {
-            Held::Device => "device",
-            Held::Host => "host",
-            Held::Disk => "disk",
-            Held::Absent => "absent",
-        }
-    }
-}
-
 /// What a pod reports: whether it answers, its workers (as each reports itself, the
 /// pod's host tier in their `host_templates`), the requests waiting at its router for a
 /// worker with room, the templates on its disk, and those on their way from a peer

@@ -294,18 +294,13 @@ pub fn simulate_pods(
                 break;
             };
             let ri = p.queue[qi];
-            let views: Vec<WorkerView> = p
-                .workers
-                .iter()
-                .map(|w| view(w, reqs, &p.host.items, batch))
-                .collect();
             let r = reqs[ri].req;
             let peer = r
                 .template
                 .is_some_and(|t| held_elsewhere(&pods, pi, t.version));
             let pv = pod_view(p, reqs, batch, fleet, r, now);
             let (r, _) = super::pods::in_pod(&r, &pv, peer, fleet.miss);
-            let Some(wi) = pods[pi].dispatcher.choose(&views, &r, cost) else {
+            let Some(wi) = pods[pi].dispatcher.choose(&pv.workers, &r, cost) else {
                 break;
             };
             pods[pi].queue.remove(qi);
