@@ -381,7 +381,7 @@ fn no_worker_module_imports_the_router() {
 }
 
 /// The router's layers import downwards only: edges (http, bus, watchdog, the process
-/// entry in router/mod.rs) → service → flow → state.
+/// entry in router/mod.rs, the mesh toward peer pods) → service → flow → state.
 #[test]
 fn the_router_layers_import_downwards_only() {
     let g = graph(&actors_src());
@@ -390,7 +390,7 @@ fn the_router_layers_import_downwards_only() {
             return None;
         }
         Some(match m.get(1).map(String::as_str) {
-            None | Some("http") | Some("bus") | Some("watchdog") => 3,
+            None | Some("http") | Some("bus") | Some("mesh") | Some("watchdog") => 3,
             Some("service") => 2,
             Some("flow") => 1,
             Some("state") => 0,

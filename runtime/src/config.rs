@@ -402,16 +402,103 @@ impl Default for DenoiseConfig {
     }
 }
 
-/// `[cluster]`: the ractor_cluster transport between the processes.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+/// `[cluster]`: the ractor_cluster transport between the processes, and between pods
+/// (docs/cluster.md).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ClusterConfig {
     /// TCP port of the router's cluster node on 127.0.0.1; 0 picks a free one (logged).
     pub port: u16,
-    /// Shared secret of the cluster; empty generates a random one per start.
+    /// Shared secret of the cluster; empty generates a random one per start (a pod of
+    /// a cluster needs the one its peers have).
     pub cookie: String,
     /// Directory of the shared-memory arenas; empty means /dev/shm.
     pub shm_dir: String,
+    /// This pod's name among its peers; empty: the host name.
+    pub pod: String,
+    /// `IP:PORT` of this pod's listener for its peers; empty: off (a single pod).
+    pub listen: String,
+    /// The peers: `HOST:PORT`, or `dns:NAME:PORT` for every address NAME resolves to
+    /// (a Kubernetes headless service), re-resolved as pods come and go.
+    pub peers: Vec<String>,
+    /// PEM files: the cluster's CA, and this pod's certificate and key (all three or
+    /// none). With them, pods speak TLS and refuse a peer whose certificate the CA did
+    /// not sign.
+    pub tls_ca: String,
+    pub tls_cert: String,
+    pub tls_key: String,
+    /// How many pods keep a copy of each template on their disk (1: the one that
+    /// captured it).
+    pub template_replicas: u32,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            port: 0,
+            cookie: String::new(),
+            shm_dir: String::new(),
+            pod: String::new(),
+            listen: String::new(),
+            peers: Vec::new(),
+            tls_ca: String::new(),
+            tls_cert: String::new(),
+            tls_key: String::new(),
+            template_replicas: 1,
+        }
+    }
+}
+
+impl ClusterConfig {
+    /// Whether this daemon is a pod of a cluster (its peer listener is on).
+    pub fn is_pod(&self) -> bool {
+        !self.listen.is_empty()
+    }
+
+    /// Whether pods speak TLS to each other.
+    pub fn tls(&self) -> bool {
+        !self.tls_ca.is_empty()
+    }
+
+    /// The keys' consistency, before any process starts.
+    pub fn check(&self) -> Result<(), String> {
+        let tls = [&self.tls_ca, &self.tls_cert, &self.tls_key];
+        if tls.iter().any(|f| f.is_empty()) && tls.iter().any(|f| !f.is_empty()) {
+            return Err("[cluster] tls_ca, tls_cert and tls_key go together".into());
+        }
+        if self.template_replicas == 0 {
+            return Err("[cluster] template_replicas must be at least 1".into());
+        }
+        if !self.is_pod() {
+            if !self.peers.is_empty() || self.tls() {
+                return Err("[cluster] peers and tls_* need [cluster] listen".into());
+            }
+            return Ok(());
+        }
+        self.listen
+            .parse::<std::net::SocketAddr>()
+            .map_err(|e| format!("[cluster] listen {:?}: {e} (IP:PORT)", self.listen))?;
+        if self.cookie.is_empty() {
+            return Err(
+                "[cluster] listen needs [cluster] cookie: the pods of a cluster share it".into(),
+            );
+        }
+        for p in &self.peers {
+            let hostport = p.strip_prefix("dns:").unwrap_or(p);
+            match hostport.rsplit_once(':') {
+                Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
+                _ => {
+                    return Err(format!(
+                        "[cluster] peers: {p:?} is not HOST:PORT or dns:NAME:PORT"
+                    ))
+                }
+            }
+        }
+        for f in tls.into_iter().filter(|f| !f.is_empty()) {
+            std::fs::metadata(f).map_err(|e| format!("[cluster] {f}: {e}"))?;
+        }
+        Ok(())
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

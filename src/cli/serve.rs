@@ -74,6 +74,15 @@ pub struct ServeArgs {
     /// `[cluster] cookie`: the cluster's shared secret (empty: random per start).
     #[arg(long, env = "DENOISED_COOKIE", hide_env_values = true)]
     pub cookie: Option<String>,
+    /// `[cluster] pod`: this pod's name among its peers (empty: the host name).
+    #[arg(long, env = "DENOISED_POD")]
+    pub pod: Option<String>,
+    /// `[cluster] listen`: IP:PORT of this pod's listener for its peers (off when empty).
+    #[arg(long, env = "DENOISED_CLUSTER_LISTEN")]
+    pub cluster_listen: Option<String>,
+    /// `[cluster] peers`: HOST:PORT or dns:NAME:PORT, comma-separated.
+    #[arg(long, env = "DENOISED_PEERS", value_delimiter = ',')]
+    pub peers: Option<Vec<String>>,
     /// `[server] log_format`: text or json.
     #[arg(long, env = "DENOISED_LOG_FORMAT")]
     pub log_format: Option<String>,
@@ -184,6 +193,20 @@ impl ServeArgs {
         }
         if let Some(k) = &self.cookie {
             c.cluster.cookie = k.clone();
+        }
+        if let Some(p) = &self.pod {
+            c.cluster.pod = p.clone();
+        }
+        if let Some(l) = &self.cluster_listen {
+            c.cluster.listen = l.clone();
+        }
+        if let Some(p) = &self.peers {
+            c.cluster.peers = p.clone();
+        }
+        c.cluster.check()?;
+        if c.cluster.is_pod() && c.cluster.pod.is_empty() {
+            // Every process of the daemon gets the same name (in a StatefulSet: its pod's).
+            c.cluster.pod = denoised_actors::node::host_name();
         }
         if let Some(f) = &self.log_format {
             c.server.log_format = f.clone();

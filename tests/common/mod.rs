@@ -122,6 +122,17 @@ impl Daemon {
     }
 
     fn spawn(args: &[&str], env: &[(&str, &str)], stderr: Stdio) -> Daemon {
+        Self::spawn_at("127.0.0.1:0", args, env, stderr)
+    }
+
+    /// A daemon whose HTTP API listens on `listen` (a loopback address of its own: the
+    /// pods of tests/serve_cluster.rs), its log lines going to `log`.
+    pub fn start_at(listen: &str, args: &[&str], env: &[(&str, &str)], log: &Path) -> Daemon {
+        let f = std::fs::File::create(log).unwrap();
+        Self::spawn_at(listen, args, env, Stdio::from(f))
+    }
+
+    fn spawn_at(listen: &str, args: &[&str], env: &[(&str, &str)], stderr: Stdio) -> Daemon {
         // Unless the test names one, a disk tier of its own.
         let named = env.iter().any(|(k, _)| *k == "DENOISED_CACHE_DIR");
         let guard = (!named).then(cache_dir);
@@ -136,7 +147,7 @@ impl Daemon {
         };
         let started = Instant::now();
         let mut child = Command::new(env!("CARGO_BIN_EXE_denoised"))
-            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(["serve", "--listen", listen])
             .args(args)
             .env("DENOISED_LOG", "warn")
             .env("DENOISED_CACHE_DIR", &dir)

@@ -48,6 +48,12 @@ pub struct RouterMetrics {
     /// the denoising steps the hits skipped.
     pub approx_lookups: Family<[(&'static str, &'static str); 1], Counter>,
     pub approx_skipped: Counter,
+    /// Between pods (docs/cluster.md): edits forwarded to a peer, by pod and result;
+    /// edits peers forwarded here; load reports received, by pod; peers seen up.
+    pub pod_forwards: Family<[(&'static str, String); 2], Counter>,
+    pub pod_forwarded_in: Counter,
+    pub pod_reports: Family<[(&'static str, String); 1], Counter>,
+    pub pods_up: Gauge,
 }
 
 impl RouterMetrics {
@@ -72,7 +78,31 @@ impl RouterMetrics {
             generation_stage: Family::new_with_constructor(latency),
             approx_lookups: Family::default(),
             approx_skipped: Counter::default(),
+            pod_forwards: Family::default(),
+            pod_forwarded_in: Counter::default(),
+            pod_reports: Family::default(),
+            pods_up: Gauge::default(),
         };
+        r.register(
+            "pod_forwards",
+            "Edits this router forwarded whole to another pod, by pod and result (ok, error, lost: the pod went away)",
+            m.pod_forwards.clone(),
+        );
+        r.register(
+            "pod_forwarded_in",
+            "Edits other pods forwarded to this one",
+            m.pod_forwarded_in.clone(),
+        );
+        r.register(
+            "pod_reports",
+            "Load reports received from each peer pod",
+            m.pod_reports.clone(),
+        );
+        r.register(
+            "pods_up",
+            "Peer pods this router sees up",
+            m.pods_up.clone(),
+        );
         r.register(
             "http_requests",
             "HTTP requests answered, by route and status",
@@ -200,7 +230,7 @@ impl RouterMetrics {
                 .inc();
         }
         self.prompt_cache
-            .get_or_create(&[("result", t.prompt_cache)])
+            .get_or_create(&[("result", t.prompt_cache.name())])
             .inc();
     }
 }

@@ -18,6 +18,7 @@
 pub mod bus;
 pub mod flow;
 pub mod http;
+mod mesh;
 pub mod service;
 pub mod state;
 mod watchdog;
@@ -60,6 +61,15 @@ pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
     let balancer = Balancer::new(flux, policy, env.config.denoise.max_batch);
     let mut ctx = Ctx::new(&env, shm, jobs, fingerprint, balancer);
     ctx.adapters = Some(adapters);
+    if env.config.cluster.is_pod() {
+        // A forwarded edit runs through the three stages on its pod.
+        let forward_timeout = Duration::from_secs(3 * server.stage_timeout_seconds);
+        ctx.pods = Some(state::pods::Pods::new(
+            env.config.cluster.pod.clone(),
+            forward_timeout,
+            ctx.metrics.clone(),
+        ));
+    }
     // A text-to-image model (its transformer reads the packed latents alone) serves
     // generations.
     if text_to_image {
@@ -90,6 +100,9 @@ pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
         env.router_port
     );
     tracing::info!("HTTP API on http://{addr}");
+    if ctx.pods.is_some() {
+        mesh::join(ctx.clone(), addr.to_string()).await?;
+    }
     tokio::spawn(watchdog::run(ctx.clone(), router.clone(), addr.to_string()));
     // Graceful drain on SIGTERM: /readyz turns 503 and new requests get 503 at once,
     // the requests in flight finish (up to `[server] drain_timeout_seconds`), then the

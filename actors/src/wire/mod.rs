@@ -52,6 +52,7 @@ pub type Res<T> = Wire<Result<T, WireError>>;
 pub type Reply<T> = RpcReplyPort<Res<T>>;
 
 mod error;
+pub mod pods;
 pub use error::{ErrorKind, WireError};
 
 /// How the region to repaint is given.
@@ -292,7 +293,7 @@ impl WireLora {
 
 /// How long a served request spent in each stage (the reply's `timings`, and the
 /// router's stage histograms).
-#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct StageTimings {
     pub queue_s: f64,
     pub preprocess_s: f64,
@@ -308,7 +309,33 @@ pub struct StageTimings {
     /// `hit` when the prompt's embeddings came from the preprocess worker's prompt
     /// cache (the text encoders did not run), else `miss`.
     #[schema(value_type = String)]
-    pub prompt_cache: &'static str,
+    pub prompt_cache: PromptCache,
+}
+
+/// Whether a request's prompt embeddings came from the prompt cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PromptCache {
+    Hit,
+    Miss,
+}
+
+impl PromptCache {
+    pub fn of(hit: bool) -> Self {
+        if hit {
+            PromptCache::Hit
+        } else {
+            PromptCache::Miss
+        }
+    }
+
+    /// Its name (the metrics' `result` label).
+    pub fn name(self) -> &'static str {
+        match self {
+            PromptCache::Hit => "hit",
+            PromptCache::Miss => "miss",
+        }
+    }
 }
 
 impl StageTimings {

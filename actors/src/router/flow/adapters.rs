@@ -2,17 +2,8 @@
 //! resolved at the HTTP edge, `crate::router::http::inputs`; the denoise workers load
 //! and apply them, `crate::denoise::adapters`).
 
-use serde::Serialize;
-
+pub use crate::wire::pods::LoraApplied;
 use crate::wire::WireLora;
-
-/// A LoRA as a reply reports it: the step of the request's schedule it applied from.
-#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
-pub struct LoraApplied {
-    pub id: String,
-    pub scale: f64,
-    pub applied_at_step: Option<u32>,
-}
 
 /// The reply's `loras` of a request that ran with `loras`, whose set applied at `at`.
 pub fn applied(loras: &[WireLora], at: Option<u32>) -> Vec<LoraApplied> {

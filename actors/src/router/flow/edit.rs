@@ -9,15 +9,15 @@ use std::time::Instant;
 use denoised_models::pipeline::sparse_vae::VaePass;
 use denoised_runtime::shm::Handle;
 
-use super::adapters::LoraApplied;
 use super::controlnets::ControlNetInput;
 use super::defaults;
 use super::generate::{true_cfg_of, TrueCfgOutcome};
 use super::stages::{
-    denoise, finish_req, hit_or_miss, postprocess, preprocess, stage_timings, with_retries, Held,
+    denoise, finish_req, postprocess, preprocess, stage_timings, with_retries, Held,
 };
 use crate::router::state::jobs::JobStatus;
 use crate::router::state::Ctx;
+use crate::wire::pods::{PodEdit, PodMask};
 use crate::wire::*;
 
 /// Where an edit's image comes from.
@@ -74,31 +74,81 @@ impl EditInput {
         }
     }
 
+    /// The edit as it is forwarded to another pod: a template edit without LoRAs or
+    /// ControlNets of its own (`None` for others, which run where they arrive).
+    pub fn to_pod(&self) -> Option<PodEdit> {
+        let Source::Template(template) = &self.source else {
+            return None;
+        };
+        if !self.loras.is_empty() || !self.controlnets.is_empty() {
+            return None;
+        }
+        Some(PodEdit {
+            template: template.clone(),
+            mask: match &self.mask {
+                MaskIn::Image(b) => PodMask::Image(b.clone()),
+                MaskIn::Boxes(b) => PodMask::Boxes(b.clone()),
+                MaskIn::Polygons(p) => PodMask::Polygons(p.clone()),
+            },
+            steps: self.steps,
+            guidance: self.guidance,
+            prompt: self.prompt.clone(),
+            seed: self.seed,
+            dilation: self.dilation,
+            max_sequence_length: self.max_sequence_length,
+            finish: self.finish.clone(),
+            negative_prompt: self.negative_prompt.clone(),
+            true_cfg_scale: self.true_cfg_scale,
+        })
+    }
+
+    /// A forwarded edit as the pod that runs it takes it.
+    pub fn from_pod(e: PodEdit) -> Self {
+        EditInput {
+            source: Source::Template(e.template),
+            mask: match e.mask {
+                PodMask::Image(b) => MaskIn::Image(b),
+                PodMask::Boxes(b) => MaskIn::Boxes(b),
+                PodMask::Polygons(p) => MaskIn::Polygons(p),
+            },
+            steps: e.steps,
+            guidance: e.guidance,
+            prompt: e.prompt,
+            seed: e.seed,
+            dilation: e.dilation,
+            max_sequence_length: e.max_sequence_length,
+            finish: e.finish,
+            loras: vec![],
+            controlnets: vec![],
+            negative_prompt: e.negative_prompt,
+            true_cfg_scale: e.true_cfg_scale,
+        }
+    }
+
     /// The negative prompt and scale when true CFG runs.
     pub fn true_cfg(&self) -> Option<(&str, f32)> {
         true_cfg_of(self.negative_prompt.as_deref(), self.true_cfg_scale)
     }
 }
 
-pub struct EditOutput {
-    pub image: Vec<u8>,
-    pub width: u32,
-    pub height: u32,
-    pub tokens: u32,
-    pub active: u32,
-    pub pixel_ratio: f64,
-    pub prompt_truncated: bool,
-    pub timings: StageTimings,
-    pub stats: DenoiseStats,
-    pub attempts: usize,
-    /// The LoRAs it ran with, and the step they applied from.
-    pub loras: Vec<LoraApplied>,
-    /// How true CFG ran, when it did (always batched in one worker for an edit).
-    pub true_cfg: Option<TrueCfgOutcome>,
+pub use crate::wire::pods::EditOutput;
+
+/// Runs an edit to its encoded image: in this pod, or, for a template this pod does
+/// not hold and a peer does, on that peer (forwarded whole; docs/cluster.md).
+pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput, WireError> {
+    match edit_here(ctx, job, input).await {
+        Err(e) if e.kind == ErrorKind::NotFound => match (&ctx.pods, input.to_pod()) {
+            (Some(pods), Some(fwd)) if pods.holder(&fwd.template, &[]).is_some() => {
+                pods.forward(fwd).await
+            }
+            _ => Err(e),
+        },
+        r => r,
+    }
 }
 
-/// Runs an edit to its encoded image.
-pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput, WireError> {
+/// Runs an edit in this pod (a forwarded one too: it is never forwarded again).
+pub async fn edit_here(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput, WireError> {
     let t0 = Instant::now();
     // The template (404 before any work), and the steps and guidance it fixes.
     // Pinned: a DELETE (or replacement) while this edit runs does not pull the
@@ -111,10 +161,11 @@ pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput
     if let Some(t) = &template {
         ctx.unpin(t).await;
     }
-    if let Ok(o) = &r {
+    r.map(|mut o| {
         ctx.metrics.observe_edit(&o.timings, o.tokens, o.active);
-    }
-    r
+        o.pod = ctx.pod_name().to_string();
+        o
+    })
 }
 
 async fn edit_pinned(
@@ -325,12 +376,13 @@ async fn edit_inline(
             total_s: 0.0,
             vae_encode: VaePass::Dense,
             vae_decode: VaePass::Dense,
-            prompt_cache: hit_or_miss(d.prompt_cache_hit),
+            prompt_cache: PromptCache::of(d.prompt_cache_hit),
         },
         stats: d.stats,
         attempts: 1,
         loras: vec![],
         true_cfg: None,
+        pod: String::new(),
     })
 }
 
@@ -419,5 +471,6 @@ async fn edit_disaggregated(
         stats: d.stats,
         attempts: 1,
         true_cfg,
+        pod: String::new(),
     })
 }

@@ -98,15 +98,11 @@ pub struct GenerateOutput {
     pub loras: Vec<LoraApplied>,
     /// True CFG, when it ran.
     pub true_cfg: Option<TrueCfgOutcome>,
+    /// The pod that ran it (empty outside a cluster).
+    pub pod: String,
 }
 
-/// How true CFG ran (the reply's `true_cfg`).
-#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
-pub struct TrueCfgOutcome {
-    pub scale: f32,
-    /// Its branches ran on two denoise workers (else batched in one).
-    pub split: bool,
-}
+pub use crate::wire::pods::TrueCfgOutcome;
 
 fn hash(parts: impl Hash) -> u64 {
     // SipHash with fixed keys: the same value in every process of one binary (the
@@ -338,5 +334,6 @@ async fn generate_once(
         },
         approx_used: cache.is_some(),
         true_cfg: cfg.map(|(_, scale)| TrueCfgOutcome { scale, split }),
+        pod: ctx.pod_name().to_string(),
     })
 }

@@ -196,15 +196,7 @@ pub(crate) fn stage_timings(prepared: &PreparedRefs, d: &Denoised, f: &Finished)
         total_s: 0.0,
         vae_encode: prepared.vae_pass,
         vae_decode: f.vae_pass,
-        prompt_cache: hit_or_miss(prepared.prompt_cache_hit),
-    }
-}
-
-pub(crate) fn hit_or_miss(hit: bool) -> &'static str {
-    if hit {
-        "hit"
-    } else {
-        "miss"
+        prompt_cache: PromptCache::of(prepared.prompt_cache_hit),
     }
 }
 

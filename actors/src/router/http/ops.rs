@@ -69,6 +69,12 @@ pub(crate) async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
     if !failed.is_empty() {
         body["failed"] = json!(failed);
     }
+    // A pod of a cluster: its name and the peers it sees (a peer down does not make
+    // this pod unready; its edits go to the other holders of their templates).
+    if let Some(pods) = &ctx.pods {
+        body["pod"] = json!(pods.me);
+        body["pods"] = json!(pods.status());
+    }
     (status, Json(body)).into_response()
 }
 

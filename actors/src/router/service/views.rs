@@ -60,6 +60,9 @@ pub struct EditReply {
     pub finished_unix: f64,
     pub loras: Vec<LoraApplied>,
     pub true_cfg: Option<TrueCfgOutcome>,
+    /// The pod that ran it (in a cluster of pods; docs/cluster.md).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
     /// The image, base64 (absent from a synchronous request's job entry: its client
     /// had it in the reply).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -86,6 +89,7 @@ impl EditReply {
             finished_unix: o.stats.finished_unix,
             loras: o.loras.clone(),
             true_cfg: o.true_cfg.clone(),
+            pod: (!o.pod.is_empty()).then(|| o.pod.clone()),
             image: with_image.then(|| encode_b64(&o.image)),
         }
     }
@@ -111,6 +115,9 @@ pub struct GenerationReply {
     pub batch: BatchSizes,
     pub first_step_unix: f64,
     pub finished_unix: f64,
+    /// The pod that ran it (in a cluster of pods; docs/cluster.md).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
     /// The image, base64 (absent from a synchronous request's job entry).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
@@ -134,6 +141,7 @@ impl GenerationReply {
             batch: BatchSizes::of(&o.stats),
             first_step_unix: o.stats.first_step_unix,
             finished_unix: o.stats.finished_unix,
+            pod: (!o.pod.is_empty()).then(|| o.pod.clone()),
             image: with_image.then(|| encode_b64(&o.image)),
         }
     }

@@ -69,6 +69,8 @@ pub struct Ctx {
     pub generation: Option<GenerationModel>,
     /// Where the served LoRAs are (`None`: none are served).
     pub adapters: Option<AdapterDir>,
+    /// The peer pods, when this daemon is a pod of a cluster (`[cluster] listen`).
+    pub pods: Option<super::pods::Pods>,
 }
 
 impl Ctx {
@@ -114,6 +116,7 @@ impl Ctx {
             balancer,
             generation: None,
             adapters: None,
+            pods: None,
         }
     }
 
@@ -355,6 +358,14 @@ impl Ctx {
         let c = self.cache().await?;
         self.ask(&c, |p| CacheMsg::Delete(Wire(id.to_string()), p))
             .await
+    }
+
+    /// This pod's name in its cluster (empty outside one).
+    pub fn pod_name(&self) -> &str {
+        match self.config.cluster.is_pod() {
+            true => &self.config.cluster.pod,
+            false => "",
+        }
     }
 
     /// Whether every group has its configured number of live members.

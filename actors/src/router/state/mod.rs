@@ -7,5 +7,6 @@ pub mod admission;
 pub mod balance;
 mod ctx;
 pub mod jobs;
+pub mod pods;
 
 pub use ctx::{AdapterDir, Ctx, GenerationModel};

@@ -1,0 +1,391 @@
+//! The pod's edge toward its peers (docs/cluster.md), beside the HTTP API and the
+//! workers' bus: a second ractor_cluster node on `[cluster] listen` (its cookie shared
+//! by the cluster; TLS with the cluster's CA when `tls_*` are set), the pod actor its
+//! peers call (reports, forwarded edits), a loop that dials the peers (`[cluster]
+//! peers`, DNS names re-resolved) and one that asks each for its report every second
+//! and marks down those that stop answering ([`crate::router::state::pods`]).
+//!
+//! The pod's own groups live in its own process-group scope (`crate::node::set_scope`),
+//! so the peers' workers, which ractor_cluster mirrors to every node, are never taken
+//! for this pod's.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use denoised_runtime::config::ClusterConfig;
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor_cluster::node::NodeConnectionMode;
+use ractor_cluster::{IncomingEncryptionMode, NodeServer, NodeServerMessage};
+
+use crate::router::flow::edit::{edit_here, EditInput};
+use crate::router::service::{submit, EditReply, Submitted};
+use crate::router::state::jobs::Previews;
+use crate::router::state::Ctx;
+use crate::wire::pods::{PodMsg, PodReport, PodTemplate, GROUP, SCOPE};
+use crate::wire::{Wire, WireError};
+
+/// How often the peers are asked for their reports, and dialled when not connected.
+const TICK: Duration = Duration::from_secs(1);
+
+/// Joins this pod to its cluster: starts its peer node, its pod actor and the loops.
+/// `http` is the address of this pod's HTTP API (in its reports).
+pub async fn join(ctx: Arc<Ctx>, http: String) -> Result<(), String> {
+    let c = &ctx.config.cluster;
+    let listen: SocketAddr = c
+        .listen
+        .parse()
+        .map_err(|e| format!("[cluster] listen: {e}"))?;
+    let tls = match c.tls() {
+        true => Some(tls(c)?),
+        false => None,
+    };
+    let advertised = advertised(listen).await;
+    let server = NodeServer::new(
+        listen.port(),
+        c.cookie.clone(),
+        c.pod.clone(),
+        // What a peer's session says this pod is: the address its peers dial.
+        advertised.ip().to_string(),
+        tls.as_ref()
+            .map(|(a, _)| IncomingEncryptionMode::Tls(a.clone())),
+        // Pods dial the peers they are given, not their peers' peers.
+        Some(NodeConnectionMode::Isolated),
+    )
+    .with_listen_addr(listen.ip());
+    let (node, _) = Actor::spawn(None, server, ())
+        .await
+        .map_err(|e| format!("cannot start the cluster listener on {listen}: {e}"))?;
+    node.cast(NodeServerMessage::SubscribeToEvents {
+        id: "refusals".into(),
+        subscription: Box::new(Refusals::default()),
+    })
+    .map_err(|e| e.to_string())?;
+    let (pod, _) = Actor::spawn(None, PodActor, (ctx.clone(), http))
+        .await
+        .map_err(|e| e.to_string())?;
+    ractor::pg::join_scoped(SCOPE.into(), GROUP.into(), vec![pod.get_cell()]);
+    tracing::info!(
+        "pod {} listens for its peers on {listen}{}",
+        c.pod,
+        if tls.is_some() { " (TLS)" } else { "" }
+    );
+    tokio::spawn(dial(node, advertised, c.peers.clone(), tls.map(|(_, c)| c)));
+    tokio::spawn(watch(ctx));
+    Ok(())
+}
+
+/// Logs the sessions with peers that ended before they authenticated: a peer with
+/// another cookie (a TLS handshake that fails never becomes a session; ractor_cluster's
+/// listener logs those). Once per address until it authenticates: a refused peer
+/// dials again every second.
+#[derive(Default)]
+struct Refusals {
+    authenticated: std::sync::Mutex<HashSet<u64>>,
+    said: std::sync::Mutex<HashSet<std::net::IpAddr>>,
+}
+
+impl ractor_cluster::NodeEventSubscription for Refusals {
+    fn node_session_opened(&self, _: ractor_cluster::node::NodeServerSessionInformation) {}
+
+    fn node_session_authenticated(&self, s: ractor_cluster::node::NodeServerSessionInformation) {
+        self.authenticated.lock().unwrap().insert(s.node_id);
+        if let Ok(a) = s.peer_addr.parse::<SocketAddr>() {
+            self.said.lock().unwrap().remove(&a.ip());
+        }
+    }
+
+    fn node_session_disconnected(&self, s: ractor_cluster::node::NodeServerSessionInformation) {
+        if self.authenticated.lock().unwrap().remove(&s.node_id) {
+            return;
+        }
+        let ip = s.peer_addr.parse::<SocketAddr>().map(|a| a.ip());
+        if ip.is_ok_and(|ip| !self.said.lock().unwrap().insert(ip)) {
+            return;
+        }
+        match s.is_server {
+            true => tracing::warn!(
+                "refused the peer at {}: it did not authenticate (another cluster cookie)",
+                s.peer_addr
+            ),
+            false => tracing::warn!(
+                "the peer at {} refused this pod: it did not authenticate (another cluster cookie)",
+                s.peer_addr
+            ),
+        }
+    }
+}
+
+/// The TLS acceptor and connector of a pod: its certificate, and the cluster's CA as
+/// the only root, for both sides (a peer must present a certificate the CA signed).
+fn tls(
+    c: &ClusterConfig,
+) -> Result<(tokio_rustls::TlsAcceptor, tokio_rustls::TlsConnector), String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = |f: &str| -> Result<Vec<CertificateDer<'static>>, String> {
+        CertificateDer::pem_file_iter(f)
+            .and_then(|i| i.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| format!("[cluster] {f}: {e}"))
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    for ca in certs(&c.tls_ca)? {
+        roots
+            .add(ca)
+            .map_err(|e| format!("[cluster] tls_ca {}: {e}", c.tls_ca))?;
+    }
+    let roots = Arc::new(roots);
+    let chain = certs(&c.tls_cert)?;
+    let key = PrivateKeyDer::from_pem_file(&c.tls_key)
+        .map_err(|e| format!("[cluster] tls_key {}: {e}", c.tls_key))?;
+    let verifier = rustls::server::WebPkiClientVerifier::builder(roots.clone())
+        .build()
+        .map_err(|e| format!("[cluster] tls_ca: {e}"))?;
+    let server = rustls::ServerConfig::builder()
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain.clone(), key.clone_key())
+        .map_err(|e| format!("[cluster] tls_cert: {e}"))?;
+    let client = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .map_err(|e| format!("[cluster] tls_cert: {e}"))?;
+    Ok((
+        tokio_rustls::TlsAcceptor::from(Arc::new(server)),
+        tokio_rustls::TlsConnector::from(Arc::new(client)),
+    ))
+}
+
+/// A peer as configured: where to dial, and the name its certificate carries.
+async fn resolve(peers: &[String]) -> Vec<(SocketAddr, String)> {
+    let mut out = vec![];
+    for p in peers {
+        let hostport = p.strip_prefix("dns:").unwrap_or(p);
+        let host = hostport
+            .rsplit_once(':')
+            .map_or(hostport, |(h, _)| h)
+            .to_string();
+        match tokio::net::lookup_host(hostport).await {
+            Ok(addrs) => out.extend(addrs.map(|a| (a, host.clone()))),
+            Err(e) => tracing::debug!("peer {p}: {e}"),
+        }
+    }
+    out
+}
+
+/// The address this pod's peers reach it at: its listen address, or, listening on
+/// every interface (a Kubernetes pod), the first address its host name resolves to.
+async fn advertised(listen: SocketAddr) -> SocketAddr {
+    if !listen.ip().is_unspecified() {
+        return listen;
+    }
+    let host = format!("{}:{}", crate::node::host_name(), listen.port());
+    let found = match tokio::net::lookup_host(host).await {
+        Ok(mut a) => a.find(|a| !a.ip().is_loopback()),
+        Err(_) => None,
+    };
+    found.unwrap_or(listen)
+}
+
+/// Dials every peer this pod has no session with, forever (a peer that restarts is
+/// dialled again). A session in either direction counts: ractor_cluster keeps one
+/// between two nodes, and it names the address its peer advertises. This pod's own
+/// address (a headless service lists every pod, this one too) is not dialled.
+async fn dial(
+    node: ActorRef<NodeServerMessage>,
+    me: SocketAddr,
+    peers: Vec<String>,
+    tls: Option<tokio_rustls::TlsConnector>,
+) {
+    let mut failing: HashSet<SocketAddr> = HashSet::new();
+    loop {
+        let sessions =
+            ractor::call_t!(node, NodeServerMessage::GetSessions, 1000).unwrap_or_default();
+        let connected: HashSet<SocketAddr> = sessions
+            .values()
+            .filter_map(|s| s.peer_name.as_ref()?.connection_string.parse().ok())
+            .collect();
+        for (addr, host) in resolve(&peers).await {
+            if addr == me || connected.contains(&addr) {
+                continue;
+            }
+            let r = match &tls {
+                None => tokio::time::timeout(TICK * 2, ractor_cluster::client_connect(&node, addr))
+                    .await
+                    .map(|r| r.map_err(|e| e.to_string())),
+                Some(c) => {
+                    let name = match rustls::pki_types::ServerName::try_from(host.clone()) {
+                        Ok(n) => n,
+                        Err(e) => {
+                            tracing::warn!("peer {host}: not a name a certificate can carry: {e}");
+                            continue;
+                        }
+                    };
+                    tokio::time::timeout(
+                        TICK * 2,
+                        ractor_cluster::client_connect_enc(&node, addr, c.clone(), name),
+                    )
+                    .await
+                    .map(|r| r.map_err(|e| e.to_string()))
+                }
+            };
+            match r {
+                Ok(Ok(())) => {
+                    failing.remove(&addr);
+                    tracing::debug!("dialled the peer at {addr}");
+                }
+                // Said once per outage: a peer that is down is dialled every second.
+                Ok(Err(e)) if failing.insert(addr) => {
+                    tracing::warn!("cannot connect to the peer at {addr}: {e}")
+                }
+                Err(_) if failing.insert(addr) => {
+                    tracing::warn!("cannot connect to the peer at {addr}: no answer")
+                }
+                _ => {}
+            }
+        }
+        tokio::time::sleep(TICK).await;
+    }
+}
+
+/// Asks every peer's pod actor for its report each [`TICK`], and marks down those that
+/// stop answering.
+async fn watch(ctx: Arc<Ctx>) {
+    let Some(pods) = &ctx.pods else { return };
+    loop {
+        tokio::time::sleep(TICK).await;
+        let peers: Vec<_> = ractor::pg::get_scoped_members(&SCOPE.into(), &GROUP.into())
+            .into_iter()
+            .filter(|c| !c.get_id().is_local())
+            .collect();
+        let asks = peers.into_iter().map(|cell| async move {
+            let r = crate::node::ask(&cell, TICK, |p| PodMsg::Report(Wire(()), p)).await;
+            (cell, r)
+        });
+        for (cell, r) in futures_util::future::join_all(asks).await {
+            match r {
+                Ok(report) if report.pod != pods.me => {
+                    let name = report.pod.clone();
+                    if pods.reported(cell, report) {
+                        tracing::info!("pod {name} is up");
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => tracing::debug!("a peer did not report: {e}"),
+            }
+        }
+        for name in pods.sweep() {
+            tracing::warn!(
+                "pod {name} stopped answering for {} s: marked down",
+                crate::router::state::pods::DOWN_AFTER.as_secs()
+            );
+        }
+    }
+}
+
+/// The actor this pod's peers call.
+struct PodActor;
+
+impl Actor for PodActor {
+    type Msg = PodMsg;
+    type State = (Arc<Ctx>, String);
+    type Arguments = (Arc<Ctx>, String);
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        args: Self::Arguments,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        Ok(args)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: PodMsg,
+        (ctx, http): &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        // Each answer is made on its own task: a slow cache listing or an edit never
+        // holds up the next peer's call.
+        match msg {
+            PodMsg::Report(_, reply) => {
+                let (ctx, http) = (ctx.clone(), http.clone());
+                tokio::spawn(async move {
+                    let _ = reply.send(Wire(Ok(report(&ctx, http).await)));
+                });
+            }
+            PodMsg::Edit(Wire(e), reply) => {
+                ctx.metrics.pod_forwarded_in.inc();
+                let permit = match ctx.admission.try_admit() {
+                    Ok(p) => p,
+                    Err(e) => {
+                        let _ = reply.send(Wire(Err(e)));
+                        return Ok(());
+                    }
+                };
+                let input = EditInput::from_pod(e);
+                let format = input.finish.format;
+                let Submitted { task, .. } = submit(
+                    ctx,
+                    permit,
+                    "edit",
+                    0,
+                    Previews::None,
+                    move |ctx, job| async move { edit_here(&ctx, job, &input).await },
+                    move |job, o| EditReply::new(job, o, format, false),
+                );
+                tokio::spawn(async move {
+                    let r = task.await.unwrap_or_else(|e| {
+                        Err(WireError::internal(format!("request task failed: {e}")))
+                    });
+                    let _ = reply.send(Wire(r));
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// This pod's report to its peers.
+async fn report(ctx: &Ctx, http: String) -> PodReport {
+    let draining = ctx.admission.is_draining();
+    let groups_live = ctx.ready().iter().all(|(_, have, want)| have >= want);
+    let templates = match ctx.templates().await {
+        Ok(t) => t
+            .into_iter()
+            .map(|t| PodTemplate {
+                id: t.id,
+                host_bytes: t.tiers.host,
+                disk_bytes: t.tiers.disk,
+            })
+            .collect(),
+        Err(e) => {
+            tracing::debug!("report without templates: {e}");
+            vec![]
+        }
+    };
+    PodReport {
+        pod: ctx.config.cluster.pod.clone(),
+        http,
+        ready: groups_live && !draining,
+        draining,
+        in_flight: ctx.admission.in_flight() as u32,
+        limit: ctx.admission.limit() as u32,
+        denoise_workers: ctx.config.workers.denoise as u32,
+        templates,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn peers_resolve_by_address_and_by_dns_name() {
+        let got = resolve(&["127.0.0.3:7450".into(), "dns:localhost:7451".into()]).await;
+        assert!(got.contains(&("127.0.0.3:7450".parse().unwrap(), "127.0.0.3".into())));
+        assert!(got
+            .iter()
+            .any(|(a, h)| a.port() == 7451 && a.ip().is_loopback() && h == "localhost"));
+    }
+}

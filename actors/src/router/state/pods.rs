@@ -1,0 +1,195 @@
+//! The peer pods this router sees (docs/cluster.md): their last reports, whether they
+//! answer, where each template is, and the call that forwards an edit to one. The mesh
+//! (`crate::router::mesh`) fills it; the edit flow reads it.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use ractor::ActorCell;
+use serde::Serialize;
+
+use crate::metrics::router::RouterMetrics;
+use crate::node;
+use crate::wire::pods::{EditOutput, PodEdit, PodMsg, PodReport};
+use crate::wire::{ErrorKind, Wire, WireError};
+
+/// A peer that has not answered a report for this long is down: its edits go
+/// elsewhere until it answers again.
+pub const DOWN_AFTER: Duration = Duration::from_secs(3);
+
+struct Peer {
+    cell: ActorCell,
+    report: PodReport,
+    seen: Instant,
+    up: bool,
+}
+
+/// A peer as `/readyz` shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct PeerStatus {
+    pub pod: String,
+    /// `up` or `down`.
+    pub state: &'static str,
+    /// Seconds since its last report.
+    pub last_report_s: f64,
+    pub http: String,
+    pub ready: bool,
+    pub in_flight: u32,
+    pub limit: u32,
+    pub templates: usize,
+}
+
+/// The peers, by pod name.
+pub struct Pods {
+    /// This pod's name.
+    pub me: String,
+    peers: Mutex<BTreeMap<String, Peer>>,
+    /// How long a forwarded edit may take (the pod that runs it has its own stage
+    /// deadlines; this bounds a peer that stops answering mid-edit).
+    pub forward_timeout: Duration,
+    metrics: RouterMetrics,
+}
+
+impl Pods {
+    pub fn new(me: String, forward_timeout: Duration, metrics: RouterMetrics) -> Self {
+        Pods {
+            me,
+            peers: Mutex::new(BTreeMap::new()),
+            forward_timeout,
+            metrics,
+        }
+    }
+
+    fn peers(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Peer>> {
+        self.peers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A peer's report arrived through `cell` (its pod actor). True when the peer is
+    /// new or was down.
+    pub fn reported(&self, cell: ActorCell, report: PodReport) -> bool {
+        self.metrics
+            .pod_reports
+            .get_or_create(&[("pod", report.pod.clone())])
+            .inc();
+        let mut peers = self.peers();
+        let name = report.pod.clone();
+        let came_up = peers.get(&name).is_none_or(|p| !p.up);
+        peers.insert(
+            name,
+            Peer {
+                cell,
+                report,
+                seen: Instant::now(),
+                up: true,
+            },
+        );
+        self.metrics
+            .pods_up
+            .set(peers.values().filter(|p| p.up).count() as i64);
+        came_up
+    }
+
+    /// Marks down the peers silent for [`DOWN_AFTER`]; returns their names.
+    pub fn sweep(&self) -> Vec<String> {
+        let mut peers = self.peers();
+        let mut down = vec![];
+        for (name, p) in peers.iter_mut() {
+            if p.up && p.seen.elapsed() > DOWN_AFTER {
+                p.up = false;
+                down.push(name.clone());
+            }
+        }
+        self.metrics
+            .pods_up
+            .set(peers.values().filter(|p| p.up).count() as i64);
+        down
+    }
+
+    fn mark_down(&self, name: &str) {
+        if let Some(p) = self.peers().get_mut(name) {
+            p.up = false;
+        }
+    }
+
+    /// The peer that should run an edit of template `id`, among those up that hold it
+    /// (`exclude`: tried already): one holding it in memory before one with it on disk
+    /// only, then the least busy (in flight over its limit), then by name.
+    pub fn holder(&self, id: &str, exclude: &[String]) -> Option<String> {
+        let peers = self.peers();
+        peers
+            .iter()
+            .filter(|(name, p)| p.up && !exclude.contains(name))
+            .filter_map(|(name, p)| {
+                let t = p.report.templates.iter().find(|t| t.id == id)?;
+                let busy = p.report.in_flight as f64 / p.report.limit.max(1) as f64;
+                Some(((t.host_bytes == 0) as u8, busy, name.clone()))
+            })
+            .min_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal))
+            .map(|(_, _, name)| name)
+    }
+
+    /// Forwards an edit of a template this pod lacks to a peer that holds it, and on to
+    /// another holder when that peer goes away mid-edit (it is marked down). Its own
+    /// errors (a bad mask, a full queue) come back as they are.
+    pub async fn forward(&self, edit: PodEdit) -> Result<EditOutput, WireError> {
+        let mut tried: Vec<String> = vec![];
+        loop {
+            let Some(name) = self.holder(&edit.template, &tried) else {
+                return Err(match tried.last() {
+                    None => WireError::new(
+                        ErrorKind::NotFound,
+                        format!("no template `{}` in this pod or its peers", edit.template),
+                    ),
+                    Some(_) => WireError::new(
+                        ErrorKind::Unavailable,
+                        format!(
+                            "template `{}`: the pods that hold it went away ({}); retry once it is captured again",
+                            edit.template,
+                            tried.join(", ")
+                        ),
+                    ),
+                });
+            };
+            let Some(cell) = self.peers().get(&name).map(|p| p.cell.clone()) else {
+                continue;
+            };
+            let e = edit.clone();
+            let r = node::call(&cell, self.forward_timeout, |p| PodMsg::Edit(Wire(e), p)).await;
+            let result = match &r {
+                Ok(Ok(_)) => "ok",
+                Ok(Err(_)) => "error",
+                Err(_) => "lost",
+            };
+            self.metrics
+                .pod_forwards
+                .get_or_create(&[("pod", name.clone()), ("result", result.into())])
+                .inc();
+            match r {
+                Ok(answer) => return answer,
+                Err(e) => {
+                    tracing::warn!("pod {name} lost an edit forwarded to it: {e}; trying another");
+                    self.mark_down(&name);
+                    tried.push(name);
+                }
+            }
+        }
+    }
+
+    /// Every peer, for `/readyz`.
+    pub fn status(&self) -> Vec<PeerStatus> {
+        self.peers()
+            .iter()
+            .map(|(name, p)| PeerStatus {
+                pod: name.clone(),
+                state: if p.up { "up" } else { "down" },
+                last_report_s: p.seen.elapsed().as_secs_f64(),
+                http: p.report.http.clone(),
+                ready: p.report.ready,
+                in_flight: p.report.in_flight,
+                limit: p.report.limit,
+                templates: p.report.templates.len(),
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,114 @@
+//! Messages between pods (docs/cluster.md): what crosses hosts. A pod's router asks
+//! each peer's pod actor for its report, and forwards an edit whole (its mask's bytes
+//! travel, like the bus's) to the pod that holds its template; the result comes back
+//! whole. Latents and activations never leave their pod.
+
+use ractor::RpcReplyPort;
+use ractor_cluster::RactorClusterMessage;
+use serde::{Deserialize, Serialize};
+
+use super::{DenoiseStats, FinishParams, Res, StageTimings, Wire};
+
+/// The process-group scope and group of the pods' actors: one scope for the whole
+/// cluster, apart from each pod's own (`crate::node::set_scope`).
+pub const SCOPE: &str = "denoised.cluster";
+pub const GROUP: &str = "denoised.pods";
+
+/// A pod's state as its peers see it (asked for every second).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PodReport {
+    /// Its name (`[cluster] pod`).
+    pub pod: String,
+    /// Its HTTP API's address.
+    pub http: String,
+    /// Its own `/readyz` verdict, and whether it drains.
+    pub ready: bool,
+    pub draining: bool,
+    /// Requests admitted and not answered, against its limit.
+    pub in_flight: u32,
+    pub limit: u32,
+    pub denoise_workers: u32,
+    /// The templates it holds.
+    pub templates: Vec<PodTemplate>,
+}
+
+/// A template a pod holds, and its bytes in each tier there.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PodTemplate {
+    pub id: String,
+    pub host_bytes: u64,
+    pub disk_bytes: u64,
+}
+
+/// An edit of a template, forwarded whole to the pod that runs it (the fields of a
+/// template edit's request; an edit with its own LoRAs or ControlNets runs where it
+/// arrives).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PodEdit {
+    pub template: String,
+    pub mask: PodMask,
+    pub steps: Option<u32>,
+    pub guidance: Option<f32>,
+    pub prompt: String,
+    pub seed: u64,
+    pub dilation: u32,
+    pub max_sequence_length: u32,
+    pub finish: FinishParams,
+    pub negative_prompt: Option<String>,
+    pub true_cfg_scale: f32,
+}
+
+/// How a forwarded edit's region is given (an encoded image's bytes travel).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum PodMask {
+    Image(Vec<u8>),
+    Boxes(Vec<[u32; 4]>),
+    Polygons(Vec<Vec<[f32; 2]>>),
+}
+
+/// An edit's result: the encoded image and what the reply says of its run. A forwarded
+/// edit's comes back whole from the pod that ran it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct EditOutput {
+    pub image: Vec<u8>,
+    pub width: u32,
+    pub height: u32,
+    pub tokens: u32,
+    pub active: u32,
+    pub pixel_ratio: f64,
+    pub prompt_truncated: bool,
+    pub timings: StageTimings,
+    pub stats: DenoiseStats,
+    pub attempts: usize,
+    /// The LoRAs it ran with, and the step they applied from.
+    pub loras: Vec<LoraApplied>,
+    /// How true CFG ran, when it did (always batched in one worker for an edit).
+    pub true_cfg: Option<TrueCfgOutcome>,
+    /// The pod that ran it (empty outside a cluster).
+    pub pod: String,
+}
+
+/// A LoRA as a reply reports it: the step of the request's schedule it applied from.
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct LoraApplied {
+    pub id: String,
+    pub scale: f64,
+    pub applied_at_step: Option<u32>,
+}
+
+/// How true CFG ran (the reply's `true_cfg`).
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TrueCfgOutcome {
+    pub scale: f32,
+    /// Its branches ran on two denoise workers (else batched in one).
+    pub split: bool,
+}
+
+/// A pod's actor, called by its peers' routers.
+#[derive(RactorClusterMessage)]
+pub enum PodMsg {
+    #[rpc]
+    Report(Wire<()>, RpcReplyPort<Res<PodReport>>),
+    #[rpc]
+    Edit(Wire<PodEdit>, RpcReplyPort<Res<EditOutput>>),
+}

@@ -1,0 +1,295 @@
+//! A cluster of pods on this machine (docs/cluster.md): daemons of the built-in model on
+//! 127.0.0.2, .3, .4 (and .5 for an intruder), each with its own shared-memory and cache
+//! directories, so nothing passes between them except through the cluster. Each test
+//! stops every daemon it starts (dropping a `Daemon` stops it and waits).
+
+mod common;
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+const COOKIE: &str = "pods-of-a-test";
+
+/// A pod: its directory (config, shared memory, cache, log) and its daemon.
+struct Pod {
+    name: String,
+    ip: String,
+    port: u16,
+    dir: tempfile::TempDir,
+    d: Option<Daemon>,
+}
+
+/// A free port on `ip` for a pod's cluster listener.
+fn free_port(ip: &str) -> u16 {
+    TcpListener::bind((ip, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Pod {
+    fn new(name: &str, ip: &str) -> Pod {
+        Pod {
+            name: name.into(),
+            ip: ip.into(),
+            port: free_port(ip),
+            dir: tempfile::tempdir().unwrap(),
+            d: None,
+        }
+    }
+
+    fn addr(&self) -> String {
+        format!("{}:{}", self.ip, self.port)
+    }
+
+    fn log(&self) -> PathBuf {
+        self.dir.path().join(format!("{}.log", self.name))
+    }
+
+    /// Starts (or restarts) its daemon with these peers and cookie.
+    fn start(&mut self, peers: &[String], cookie: &str) {
+        let (dir, cache, shm) = (
+            self.dir.path(),
+            self.dir.path().join("cache"),
+            self.dir.path().join("shm"),
+        );
+        std::fs::create_dir_all(&shm).unwrap();
+        let config = dir.join("config.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[cluster]\npod = {:?}\nlisten = {:?}\npeers = {:?}\ncookie = {:?}\nshm_dir = {:?}\n",
+                self.name,
+                self.addr(),
+                peers,
+                cookie,
+                shm.to_str().unwrap()
+            ),
+        )
+        .unwrap();
+        self.d = Some(Daemon::start_at(
+            &format!("{}:0", self.ip),
+            &["--config", config.to_str().unwrap()],
+            &[("DENOISED_CACHE_DIR", cache.to_str().unwrap())],
+            &self.log(),
+        ));
+    }
+
+    fn d(&self) -> &Daemon {
+        self.d.as_ref().expect("the pod runs")
+    }
+
+    /// The peers its `/readyz` lists, with their state.
+    fn peers(&self) -> Vec<(String, String, u64)> {
+        let (_, v) = self.d().get("/readyz");
+        v["pods"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|p| {
+                        (
+                            p["pod"].as_str().unwrap().to_string(),
+                            p["state"].as_str().unwrap().to_string(),
+                            p["templates"].as_u64().unwrap(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Waits until `/readyz` satisfies `ok`, up to `limit`; the seconds it took.
+    fn wait_for(
+        &self,
+        what: &str,
+        limit: Duration,
+        ok: impl Fn(&[(String, String, u64)]) -> bool,
+    ) -> f64 {
+        let t0 = Instant::now();
+        loop {
+            let peers = self.peers();
+            if ok(&peers) {
+                return t0.elapsed().as_secs_f64();
+            }
+            assert!(
+                t0.elapsed() < limit,
+                "pod {}: {what} not within {limit:?}: {peers:?}",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(self.log()).unwrap_or_default()
+    }
+}
+
+fn up(peers: &[(String, String, u64)], name: &str) -> bool {
+    peers.iter().any(|p| p.0 == name && p.1 == "up")
+}
+
+fn edit_body(template: &str, seed: u64) -> Value {
+    json!({"template_id": template, "prompt": "a cat", "seed": seed, "mask": mask_b64()})
+}
+
+fn counter(metrics: &str, name: &str, labels: &str) -> f64 {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(name) && l.contains(labels))
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0.0, |v| v.parse().unwrap())
+}
+
+fn start_three() -> Vec<Pod> {
+    let mut pods = vec![
+        Pod::new("a", "127.0.0.2"),
+        Pod::new("b", "127.0.0.3"),
+        Pod::new("c", "127.0.0.4"),
+    ];
+    let all: Vec<String> = pods.iter().map(Pod::addr).collect();
+    for p in &mut pods {
+        p.start(&all, COOKIE);
+    }
+    for p in &pods {
+        let others: Vec<String> = pods
+            .iter()
+            .filter(|o| o.name != p.name)
+            .map(|o| o.name.clone())
+            .collect();
+        p.wait_for("its peers up", Duration::from_secs(20), |v| {
+            others.iter().all(|o| up(v, o))
+        });
+    }
+    pods
+}
+
+#[test]
+fn an_edit_runs_on_the_pod_holding_its_template_and_the_cluster_survives_that_pods_loss() {
+    let mut pods = start_three();
+    let (a, b, c) = (0, 1, 2);
+    pods[a].d().template("room", 4);
+    pods[b].d().template("hall", 4);
+    pods[c].wait_for("a's and b's templates", Duration::from_secs(10), |v| {
+        v.iter().filter(|p| p.2 == 1).count() == 2
+    });
+
+    // Sent to pod C, run on pod A (which holds the template), the same image as sent
+    // to A directly.
+    let (s, via_c) = pods[c].d().post("/v1/edits", &edit_body("room", 5));
+    assert_eq!(s, 200, "{via_c}");
+    assert_eq!(via_c["pod"], "a", "{via_c}");
+    let (s, on_a) = pods[a].d().post("/v1/edits", &edit_body("room", 5));
+    assert_eq!(s, 200, "{on_a}");
+    assert_eq!(on_a["pod"], "a");
+    assert_eq!(edit_image(&via_c), edit_image(&on_a), "forwarded != direct");
+    // A template no pod holds is a 404.
+    let (s, v) = pods[c].d().post("/v1/edits", &edit_body("nowhere", 1));
+    assert_eq!(s, 404, "{v}");
+    let m = pods[c].d().metrics();
+    assert_eq!(
+        counter(&m, "denoised_pod_forwards_total", "pod=\"a\",result=\"ok\""),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        counter(
+            &pods[a].d().metrics(),
+            "denoised_pod_forwarded_in_total",
+            ""
+        ),
+        1.0
+    );
+
+    // kill -9 of pod A's supervisor under a load of edits of both templates through C:
+    // every request ends; hall's succeed; room's, whose only copy was on A, fail with an
+    // answer, never hang.
+    let url = pods[c].d().url.clone();
+    let load = std::thread::spawn(move || {
+        let http = reqwest::blocking::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .build()
+            .unwrap();
+        let mut out = vec![];
+        for i in 0..24u64 {
+            let t = if i % 2 == 0 { "room" } else { "hall" };
+            let t0 = Instant::now();
+            let r = http
+                .post(format!("{url}/v1/edits"))
+                .json(&edit_body(t, i))
+                .send()
+                .expect("every request gets an answer");
+            out.push((t, r.status().as_u16(), t0.elapsed().as_secs_f64()));
+        }
+        out
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let killed = Instant::now();
+    let mut sup = pods[a].d.take().unwrap();
+    sup.child.kill().unwrap();
+    sup.child.wait().unwrap();
+    let results = load.join().unwrap();
+    println!("edits through c while a died: {results:?}");
+    for (t, s, secs) in &results {
+        match *t {
+            "hall" => assert_eq!(*s, 200, "hall's edits succeed: {results:?}"),
+            _ => assert!([200, 404, 503].contains(s), "room: {s} after {secs} s"),
+        }
+    }
+    let down = pods[c].wait_for("a down", Duration::from_secs(10), |v| !up(v, "a"));
+    println!(
+        "c marked a down {down:.1} s after the wait began ({:.1} s after the kill)",
+        killed.elapsed().as_secs_f64()
+    );
+    assert!(killed.elapsed() < Duration::from_secs(10));
+    let (s, v) = pods[c].d().post("/v1/edits", &edit_body("hall", 99));
+    assert_eq!((s, v["pod"].as_str()), (200, Some("b")), "{v}");
+    let (s, v) = pods[c].d().post("/v1/edits", &edit_body("room", 99));
+    assert_eq!(s, 404, "room's only copy is gone with its pod: {v}");
+    drop(sup);
+
+    // Pod A restarts (its disk kept its template) and rejoins.
+    let all: Vec<String> = pods.iter().map(Pod::addr).collect();
+    pods[a].start(&all, COOKIE);
+    let back = pods[c].wait_for("a back with its template", Duration::from_secs(15), |v| {
+        v.iter().any(|p| p.0 == "a" && p.1 == "up" && p.2 == 1)
+    });
+    println!("a rejoined {back:.1} s after it was ready");
+    let (s, v) = pods[c].d().post("/v1/edits", &edit_body("room", 5));
+    assert_eq!((s, v["pod"].as_str()), (200, Some("a")), "{v}");
+    assert_eq!(
+        edit_image(&v),
+        edit_image(&on_a),
+        "the same edit after the restart"
+    );
+}
+
+#[test]
+fn a_pod_with_another_cookie_is_refused() {
+    let mut a = Pod::new("a", "127.0.0.2");
+    let mut d = Pod::new("d", "127.0.0.5");
+    a.start(&[a.addr(), d.addr()], COOKIE);
+    d.start(&[a.addr()], "not-the-cluster-cookie");
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(a.peers().iter().all(|p| p.0 != "d"), "{:?}", a.peers());
+    assert!(d.peers().is_empty(), "{:?}", d.peers());
+    let said = |p: &Pod, needle: &str| {
+        let t0 = Instant::now();
+        while !p.log_text().contains(needle) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{}: no {needle:?} in:\n{}",
+                p.name,
+                p.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    said(&a, "refused the peer at");
+    said(&d, "refused this pod");
+}
