@@ -237,26 +237,6 @@ pub async fn stay_connected(
     }
 }
 
-/// The process-group scope of this daemon's groups. ractor_cluster mirrors every scope
-/// to every node it connects, so when pods join a cluster each pod's groups live in a
-/// scope of its own (`pod:NAME`) and a router never mistakes a peer's workers for its
-/// own. A single daemon uses ractor's default scope (bus clients find it there).
-static SCOPE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-
-/// Sets this process's scope from `[cluster]` (before it registers or looks up any group).
-pub fn set_scope(cluster: &denoised_runtime::config::ClusterConfig) {
-    if cluster.is_pod() {
-        let _ = SCOPE.set(format!("pod:{}", cluster.pod));
-    }
-}
-
-fn scope() -> String {
-    SCOPE
-        .get()
-        .cloned()
-        .unwrap_or_else(|| ractor::pg::DEFAULT_SCOPE.to_string())
-}
-
 /// This host's name (a pod's name when `[cluster] pod` is empty).
 pub fn host_name() -> String {
     let mut buf = [0u8; 256];
@@ -272,12 +252,14 @@ pub fn host_name() -> String {
 
 /// Registers an actor in its group, so the router (and bus clients) can find it.
 pub fn register(group: &str, cell: ActorCell) {
-    ractor::pg::join_scoped(scope(), group.to_string(), vec![cell]);
+    ractor::pg::join(group.to_string(), vec![cell]);
 }
 
-/// The actors of a group, local and remote (of this pod).
+/// The actors of a group, local and remote. (A pod's router meets its peers' routers
+/// in another node; ractor_cluster tells a node's peers of its own actors only, so the
+/// peers' workers never appear here: tests/serve_cluster.rs counts them.)
 pub fn members(group: &str) -> Vec<ActorCell> {
-    ractor::pg::get_scoped_members(&scope(), &group.to_string())
+    ractor::pg::get_members(&group.to_string())
 }
 
 /// A typed call: the reply, or a typed error. A failed send or a dropped reply port

@@ -155,7 +155,6 @@ pub fn run_worker(role: Role, index: usize, listen: Option<String>) -> Result<()
     }
     crate::logging::set_format(&env.config.server.log_format)?;
     crate::logging::set_worker(env.name());
-    crate::node::set_scope(&env.config.cluster);
     // Before any thread starts: a panic anywhere in this process ends it (crate::fault),
     // and a terminal's Ctrl-C is the supervisor's to handle (see `crate::daemon::terminated`).
     crate::fault::exit_on_panic(env.name());

@@ -5,9 +5,10 @@
 //! peers`, DNS names re-resolved) and one that asks each for its report every second
 //! and marks down those that stop answering ([`crate::router::state::pods`]).
 //!
-//! The pod's own groups live in its own process-group scope (`crate::node::set_scope`),
-//! so the peers' workers, which ractor_cluster mirrors to every node, are never taken
-//! for this pod's.
+//! The pod actors are in a process-group scope of their own ([`SCOPE`]). A router's
+//! workers stay its own: ractor_cluster tells a node's peers of that node's own actors
+//! only, never of the remote ones it knows (tests/serve_cluster.rs checks each pod
+//! counts its own workers).
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -110,7 +111,7 @@ impl ractor_cluster::NodeEventSubscription for Refusals {
                 s.peer_addr
             ),
             false => tracing::warn!(
-                "the peer at {} refused this pod: it did not authenticate (another cluster cookie)",
+                "the peer at {} refused this pod (another cluster cookie, or a certificate its CA did not sign)",
                 s.peer_addr
             ),
         }
@@ -143,7 +144,7 @@ fn tls(
         .build()
         .map_err(|e| format!("[cluster] tls_ca: {e}"))?;
     let server = rustls::ServerConfig::builder()
-        .with_client_cert_verifier(verifier)
+        .with_client_cert_verifier(Arc::new(Logged(verifier)))
         .with_single_cert(chain.clone(), key.clone_key())
         .map_err(|e| format!("[cluster] tls_cert: {e}"))?;
     let client = rustls::ClientConfig::builder()
@@ -154,6 +155,50 @@ fn tls(
         tokio_rustls::TlsAcceptor::from(Arc::new(server)),
         tokio_rustls::TlsConnector::from(Arc::new(client)),
     ))
+}
+
+/// The cluster CA's check of a peer's certificate, logging a refusal (the TLS
+/// handshake then fails, and ractor_cluster's listener drops the connection quietly).
+#[derive(Debug)]
+struct Logged(Arc<dyn rustls::server::danger::ClientCertVerifier>);
+
+impl rustls::server::danger::ClientCertVerifier for Logged {
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        self.0.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &rustls::pki_types::CertificateDer<'_>,
+        intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        self.0
+            .verify_client_cert(end_entity, intermediates, now)
+            .inspect_err(|e| tracing::warn!("refused a peer's certificate: {e}"))
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
 }
 
 /// A peer as configured: where to dial, and the name its certificate carries.

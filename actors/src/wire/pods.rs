@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 
 use super::{DenoiseStats, FinishParams, Res, StageTimings, Wire};
 
-/// The process-group scope and group of the pods' actors: one scope for the whole
-/// cluster, apart from each pod's own (`crate::node::set_scope`).
+/// The process-group scope and group of the pods' actors (apart from the groups of a
+/// pod's workers).
 pub const SCOPE: &str = "denoised.cluster";
 pub const GROUP: &str = "denoised.pods";
 

@@ -138,9 +138,7 @@ pub use crate::wire::pods::EditOutput;
 pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput, WireError> {
     match edit_here(ctx, job, input).await {
         Err(e) if e.kind == ErrorKind::NotFound => match (&ctx.pods, input.to_pod()) {
-            (Some(pods), Some(fwd)) if pods.holder(&fwd.template, &[]).is_some() => {
-                pods.forward(fwd).await
-            }
+            (Some(pods), Some(fwd)) if pods.known(&fwd.template) => pods.forward(fwd).await,
             _ => Err(e),
         },
         r => r,

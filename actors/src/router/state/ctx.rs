@@ -71,6 +71,8 @@ pub struct Ctx {
     pub adapters: Option<AdapterDir>,
     /// The peer pods, when this daemon is a pod of a cluster (`[cluster] listen`).
     pub pods: Option<super::pods::Pods>,
+    /// The supervisor's process id (this process's parent while it lives).
+    supervisor: libc::pid_t,
 }
 
 impl Ctx {
@@ -117,6 +119,8 @@ impl Ctx {
             generation: None,
             adapters: None,
             pods: None,
+            // SAFETY: getppid has no preconditions.
+            supervisor: unsafe { libc::getppid() },
         }
     }
 
@@ -289,6 +293,15 @@ impl Ctx {
             "postprocess" => self.config.workers.postprocess,
             _ => 1,
         };
+        // A router whose supervisor died (kill -9) is an orphan: no worker will be
+        // restarted, so a request waiting for one ends now rather than after the wait.
+        // SAFETY: getppid has no preconditions.
+        if self.supervisor != unsafe { libc::getppid() } {
+            return Err(WireError::new(
+                ErrorKind::Unavailable,
+                format!("no live {role} worker, and the daemon's supervisor is gone"),
+            ));
+        }
         let failed = crate::daemon::SupervisorStatus::read(&self.status_file).failed;
         let reasons: Vec<String> = (0..slots)
             .filter_map(|i| {

@@ -112,14 +112,22 @@ impl Pods {
         }
     }
 
-    /// The peer that should run an edit of template `id`, among those up that hold it
-    /// (`exclude`: tried already): one holding it in memory before one with it on disk
-    /// only, then the least busy (in flight over its limit), then by name.
+    /// Whether some peer, up or not, holds template `id`.
+    pub fn known(&self, id: &str) -> bool {
+        self.peers()
+            .values()
+            .any(|p| p.report.templates.iter().any(|t| t.id == id))
+    }
+
+    /// The peer that should run an edit of template `id`, among those up and ready
+    /// (not starting, not draining) that hold it (`exclude`: tried already): one
+    /// holding it in memory before one with it on disk only, then the least busy (in
+    /// flight over its limit), then by name.
     pub fn holder(&self, id: &str, exclude: &[String]) -> Option<String> {
         let peers = self.peers();
         peers
             .iter()
-            .filter(|(name, p)| p.up && !exclude.contains(name))
+            .filter(|(name, p)| p.up && p.report.ready && !exclude.contains(name))
             .filter_map(|(name, p)| {
                 let t = p.report.templates.iter().find(|t| t.id == id)?;
                 let busy = p.report.in_flight as f64 / p.report.limit.max(1) as f64;
@@ -136,20 +144,14 @@ impl Pods {
         let mut tried: Vec<String> = vec![];
         loop {
             let Some(name) = self.holder(&edit.template, &tried) else {
-                return Err(match tried.last() {
-                    None => WireError::new(
-                        ErrorKind::NotFound,
-                        format!("no template `{}` in this pod or its peers", edit.template),
+                return Err(WireError::new(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "template `{}`: no pod that holds it is up and ready ({}); retry later",
+                        edit.template,
+                        self.holders(&edit.template).join(", ")
                     ),
-                    Some(_) => WireError::new(
-                        ErrorKind::Unavailable,
-                        format!(
-                            "template `{}`: the pods that hold it went away ({}); retry once it is captured again",
-                            edit.template,
-                            tried.join(", ")
-                        ),
-                    ),
-                });
+                ));
             };
             let Some(cell) = self.peers().get(&name).map(|p| p.cell.clone()) else {
                 continue;
@@ -174,6 +176,22 @@ impl Pods {
                 }
             }
         }
+    }
+
+    /// The peers that hold template `id`, with their state.
+    fn holders(&self, id: &str) -> Vec<String> {
+        self.peers()
+            .iter()
+            .filter(|(_, p)| p.report.templates.iter().any(|t| t.id == id))
+            .map(|(name, p)| {
+                let state = match (p.up, p.report.ready) {
+                    (false, _) => "down",
+                    (true, false) => "not ready",
+                    (true, true) => "up",
+                };
+                format!("{name}: {state}")
+            })
+            .collect()
     }
 
     /// Every peer, for `/readyz`.
