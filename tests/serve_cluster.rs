@@ -152,7 +152,8 @@ fn counter(metrics: &str, name: &str, labels: &str) -> f64 {
         .map_or(0.0, |v| v.parse().unwrap())
 }
 
-fn start_three() -> Vec<Pod> {
+/// Three pods on 127.0.0.2-4, with these more `[cluster]` keys, each seeing the others.
+fn start_three(more: &str) -> Vec<Pod> {
     let mut pods = vec![
         Pod::new("a", "127.0.0.2"),
         Pod::new("b", "127.0.0.3"),
@@ -160,7 +161,7 @@ fn start_three() -> Vec<Pod> {
     ];
     let all: Vec<String> = pods.iter().map(Pod::addr).collect();
     for p in &mut pods {
-        p.start(&all, COOKIE);
+        p.start_with(&all, COOKIE, more);
     }
     for p in &pods {
         let others: Vec<String> = pods
@@ -177,7 +178,7 @@ fn start_three() -> Vec<Pod> {
 
 #[test]
 fn an_edit_runs_on_the_pod_holding_its_template_and_the_cluster_survives_that_pods_loss() {
-    let mut pods = start_three();
+    let mut pods = start_three("");
     let (a, b, c) = (0, 1, 2);
     // Each pod counts its own workers only (ractor_cluster mirrors process groups to
     // every node it connects; each pod's live in a scope of its own).
@@ -471,4 +472,114 @@ fn pods_speak_tls_and_refuse_a_certificate_the_cluster_ca_did_not_sign() {
         "{}",
         d.log_text()
     );
+}
+
+/// The pods whose own template list has `id`.
+fn holders(pods: &[Pod], id: &str) -> Vec<usize> {
+    (0..pods.len())
+        .filter(|&i| {
+            pods[i].d.as_ref().is_some_and(|d| {
+                let (_, v) = d.get("/v1/templates");
+                v.to_string().contains(&format!("\"id\":\"{id}\""))
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn a_template_is_copied_to_a_second_pod_which_serves_it_bit_for_bit_and_after_its_first_pod_dies() {
+    let mut pods = start_three("template_replicas = 2\n");
+    let a = 0;
+    pods[a].d().template("room", 4);
+    let t0 = Instant::now();
+    let copy = loop {
+        let h = holders(&pods, "room");
+        if h.len() == 2 {
+            break h[1];
+        }
+        assert!(h.len() < 3, "three copies: {h:?}");
+        assert!(t0.elapsed() < Duration::from_secs(20), "no copy: {h:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    println!(
+        "room copied to pod {} in {:.1} s",
+        pods[copy].name,
+        t0.elapsed().as_secs_f64()
+    );
+    // The copy serves the edit the original does, bit for bit.
+    let (s, on_a) = pods[a].d().post("/v1/edits", &edit_body("room", 5));
+    assert_eq!((s, on_a["pod"].as_str()), (200, Some("a")), "{on_a}");
+    let (s, on_copy) = pods[copy].d().post("/v1/edits", &edit_body("room", 5));
+    assert_eq!(
+        (s, on_copy["pod"].as_str()),
+        (200, Some(pods[copy].name.as_str())),
+        "{on_copy}"
+    );
+    assert_eq!(
+        edit_image(&on_a),
+        edit_image(&on_copy),
+        "the copy's edit differs"
+    );
+    let m = pods[copy].d().metrics();
+    assert_eq!(
+        counter(
+            &m,
+            "denoised_pod_transfers_total",
+            "pod=\"a\",result=\"ok\""
+        ),
+        1.0,
+        "{m}"
+    );
+    assert!(
+        counter(&m, "denoised_pod_transfer_bytes_total", "") > 1e6,
+        "{m}"
+    );
+    // Still two copies a while later: nobody else copies it.
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(holders(&pods, "room").len(), 2);
+
+    // kill -9 of pod A's supervisor under edits through the third pod: all succeed,
+    // on the copy once A is gone.
+    let third = 3 - copy;
+    let url = pods[third].d().url.clone();
+    let load = std::thread::spawn(move || {
+        let http = reqwest::blocking::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .build()
+            .unwrap();
+        (0..16u64)
+            .map(|i| {
+                let r = http
+                    .post(format!("{url}/v1/edits"))
+                    .json(&edit_body("room", i))
+                    .send()
+                    .expect("every request gets an answer");
+                let status = r.status().as_u16();
+                let v: Value = r.json().unwrap_or(Value::Null);
+                (
+                    status,
+                    v["pod"].as_str().unwrap_or("").to_string(),
+                    v["error"].to_string(),
+                )
+            })
+            .collect::<Vec<_>>()
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let mut sup = pods[a].d.take().unwrap();
+    sup.child.kill().unwrap();
+    sup.child.wait().unwrap();
+    let results = load.join().unwrap();
+    println!(
+        "edits of room through {} while a died: {results:?}",
+        pods[third].name
+    );
+    assert!(results.iter().all(|r| r.0 == 200), "{results:?}");
+    assert_ne!(results.last().unwrap().1, "a");
+    // The lost copy is made again: the two pods left both hold it.
+    let t0 = Instant::now();
+    while holders(&pods, "room").len() < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "not copied again");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(sup);
 }

@@ -430,6 +430,9 @@ pub struct ClusterConfig {
     /// How many pods keep a copy of each template on their disk (1: the one that
     /// captured it).
     pub template_replicas: u32,
+    /// The most a pod sends of its templates to its peers, in MB (1e6 bytes) a second
+    /// per transfer; 0: no cap.
+    pub transfer_mb_per_s: f64,
 }
 
 impl Default for ClusterConfig {
@@ -445,6 +448,7 @@ impl Default for ClusterConfig {
             tls_cert: String::new(),
             tls_key: String::new(),
             template_replicas: 1,
+            transfer_mb_per_s: 0.0,
         }
     }
 }
@@ -465,6 +469,9 @@ impl ClusterConfig {
         let tls = [&self.tls_ca, &self.tls_cert, &self.tls_key];
         if tls.iter().any(|f| f.is_empty()) && tls.iter().any(|f| !f.is_empty()) {
             return Err("[cluster] tls_ca, tls_cert and tls_key go together".into());
+        }
+        if !(self.transfer_mb_per_s >= 0.0) {
+            return Err("[cluster] transfer_mb_per_s must be 0 (no cap) or more".into());
         }
         if self.template_replicas == 0 {
             return Err("[cluster] template_replicas must be at least 1".into());

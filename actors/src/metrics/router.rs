@@ -54,6 +54,9 @@ pub struct RouterMetrics {
     pub pod_forwarded_in: Counter,
     pub pod_reports: Family<[(&'static str, String); 1], Counter>,
     pub pods_up: Gauge,
+    /// Template copies fetched from peers, by pod and result, and their bytes.
+    pub pod_transfers: Family<[(&'static str, String); 2], Counter>,
+    pub pod_transfer_bytes: Counter,
 }
 
 impl RouterMetrics {
@@ -82,10 +85,23 @@ impl RouterMetrics {
             pod_forwarded_in: Counter::default(),
             pod_reports: Family::default(),
             pods_up: Gauge::default(),
+            pod_transfers: Family::default(),
+            pod_transfer_bytes: Counter::default(),
         };
         r.register(
+            "pod_transfers",
+            "Template copies this pod fetched from a peer, by pod and result (ok, error)",
+            m.pod_transfers.clone(),
+        );
+        r.register_with_unit(
+            "pod_transfer",
+            "Bytes of template data this pod fetched from its peers",
+            Unit::Bytes,
+            m.pod_transfer_bytes.clone(),
+        );
+        r.register(
             "pod_forwards",
-            "Edits this router forwarded whole to another pod, by pod and result (ok, error, lost: the pod went away)",
+            "Edits this router forwarded whole to another pod, by pod and result (ok, error, refused: unavailable or overloaded there, tried elsewhere; lost: the pod went away)",
             m.pod_forwards.clone(),
         );
         r.register(

@@ -24,6 +24,7 @@ use crate::router::flow::edit::{edit_here, EditInput};
 use crate::router::service::{submit, EditReply, Submitted};
 use crate::router::state::jobs::Previews;
 use crate::router::state::Ctx;
+use crate::router::transfer;
 use crate::wire::pods::{PodMsg, PodReport, PodTemplate, GROUP, SCOPE};
 use crate::wire::{Wire, WireError};
 
@@ -297,8 +298,10 @@ async fn dial(
 /// stop answering.
 async fn watch(ctx: Arc<Ctx>) {
     let Some(pods) = &ctx.pods else { return };
+    let copying = Arc::new(std::sync::Mutex::new(HashSet::new()));
     loop {
         tokio::time::sleep(TICK).await;
+        tokio::spawn(transfer::replicate(ctx.clone(), copying.clone()));
         let peers: Vec<_> = ractor::pg::get_scoped_members(&SCOPE.into(), &GROUP.into())
             .into_iter()
             .filter(|c| !c.get_id().is_local())
@@ -333,22 +336,22 @@ struct PodActor;
 
 impl Actor for PodActor {
     type Msg = PodMsg;
-    type State = (Arc<Ctx>, String);
+    type State = (Arc<Ctx>, String, Arc<transfer::Outgoing>);
     type Arguments = (Arc<Ctx>, String);
 
     async fn pre_start(
         &self,
         _myself: ActorRef<Self::Msg>,
-        args: Self::Arguments,
+        (ctx, http): Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
-        Ok(args)
+        Ok((ctx, http, Default::default()))
     }
 
     async fn handle(
         &self,
         _myself: ActorRef<Self::Msg>,
         msg: PodMsg,
-        (ctx, http): &mut Self::State,
+        (ctx, http, out): &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         // Each answer is made on its own task: a slow cache listing or an edit never
         // holds up the next peer's call.
@@ -386,6 +389,19 @@ impl Actor for PodActor {
                     let _ = reply.send(Wire(r));
                 });
             }
+            PodMsg::Export(Wire(id), reply) => {
+                let _ = reply.send(Wire(out.export(ctx, &id)));
+            }
+            PodMsg::Open(Wire(request), reply) => {
+                let _ = reply.send(Wire(out.open(ctx, request)));
+            }
+            PodMsg::Next(Wire(id), reply) => {
+                let out = out.clone();
+                tokio::spawn(async move {
+                    let _ = reply.send(Wire(out.next(id).await));
+                });
+            }
+            PodMsg::Close(Wire(id)) => out.close(id),
         }
         Ok(())
     }
@@ -411,6 +427,7 @@ async fn report(ctx: &Ctx, http: String) -> PodReport {
     };
     PodReport {
         pod: ctx.config.cluster.pod.clone(),
+        started_unix: ctx.started_unix,
         http,
         ready: groups_live && !draining,
         draining,

@@ -21,6 +21,7 @@ pub mod http;
 mod mesh;
 pub mod service;
 pub mod state;
+mod transfer;
 mod watchdog;
 
 use std::sync::Arc;

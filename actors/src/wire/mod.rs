@@ -738,6 +738,9 @@ pub enum CacheMsg {
     List(Wire<()>, RpcReplyPort<Res<Vec<TemplateInfo>>>),
     #[rpc]
     Delete(Wire<String>, RpcReplyPort<Res<TemplateInfo>>),
+    /// A copy of this template from another pod is in the disk tier: index it.
+    #[rpc]
+    Adopt(Wire<String>, RpcReplyPort<Res<TemplateInfo>>),
     /// `Get` for an edit: the template stays (pinned: never evicted, its slices valid
     /// even if it is deleted or replaced meanwhile) until the matching `Unpin`. A
     /// template only on disk starts loading into the host tier at once; the reply does

@@ -19,6 +19,9 @@ pub const GROUP: &str = "denoised.pods";
 pub struct PodReport {
     /// Its name (`[cluster] pod`).
     pub pod: String,
+    /// When its daemon started (Unix seconds): a pod restarted while its old router
+    /// still drains is the newer one.
+    pub started_unix: f64,
     /// Its HTTP API's address.
     pub http: String,
     /// Its own `/readyz` verdict, and whether it drains.
@@ -104,6 +107,15 @@ pub struct TrueCfgOutcome {
     pub split: bool,
 }
 
+/// A template's version as it leaves its pod: its directory's name, its description
+/// and its image (its template file follows as a stream of [`PodMsg::Next`] chunks).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Exported {
+    pub name: String,
+    pub info: Vec<u8>,
+    pub image: Vec<u8>,
+}
+
 /// A pod's actor, called by its peers' routers.
 #[derive(RactorClusterMessage)]
 pub enum PodMsg {
@@ -111,4 +123,16 @@ pub enum PodMsg {
     Report(Wire<()>, RpcReplyPort<Res<PodReport>>),
     #[rpc]
     Edit(Wire<PodEdit>, RpcReplyPort<Res<EditOutput>>),
+    /// The newest version of a template this pod holds on disk.
+    #[rpc]
+    Export(Wire<String>, RpcReplyPort<Res<Exported>>),
+    /// Opens a template transfer: the receiver's request (`template_transfer`'s
+    /// request line); the reply is the stream's id.
+    #[rpc]
+    Open(Wire<Vec<u8>>, RpcReplyPort<Res<u64>>),
+    /// The stream's next bytes (empty: its end).
+    #[rpc]
+    Next(Wire<u64>, RpcReplyPort<Res<Vec<u8>>>),
+    /// The receiver is done with the stream (finished or not).
+    Close(Wire<u64>),
 }

@@ -73,6 +73,8 @@ pub struct Ctx {
     pub pods: Option<super::pods::Pods>,
     /// The supervisor's process id (this process's parent while it lives).
     supervisor: libc::pid_t,
+    /// When the daemon started (Unix seconds).
+    pub started_unix: f64,
 }
 
 impl Ctx {
@@ -121,6 +123,7 @@ impl Ctx {
             pods: None,
             // SAFETY: getppid has no preconditions.
             supervisor: unsafe { libc::getppid() },
+            started_unix: env.started_unix,
         }
     }
 

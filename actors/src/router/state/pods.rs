@@ -66,7 +66,9 @@ impl Pods {
     }
 
     /// A peer's report arrived through `cell` (its pod actor). True when the peer is
-    /// new or was down.
+    /// new or was down. A report of an older daemon of the same name (an orphaned
+    /// router still draining after its pod restarted) is ignored while the newer one
+    /// answers.
     pub fn reported(&self, cell: ActorCell, report: PodReport) -> bool {
         self.metrics
             .pod_reports
@@ -74,6 +76,12 @@ impl Pods {
             .inc();
         let mut peers = self.peers();
         let name = report.pod.clone();
+        if peers
+            .get(&name)
+            .is_some_and(|p| p.up && p.report.started_unix > report.started_unix)
+        {
+            return false;
+        }
         let came_up = peers.get(&name).is_none_or(|p| !p.up);
         peers.insert(
             name,
@@ -138,8 +146,9 @@ impl Pods {
     }
 
     /// Forwards an edit of a template this pod lacks to a peer that holds it, and on to
-    /// another holder when that peer goes away mid-edit (it is marked down). Its own
-    /// errors (a bad mask, a full queue) come back as they are.
+    /// another holder when that peer goes away mid-edit (it is marked down) or cannot
+    /// take it (unavailable, overloaded). Its other errors (a bad mask) come back as
+    /// they are.
     pub async fn forward(&self, edit: PodEdit) -> Result<EditOutput, WireError> {
         let mut tried: Vec<String> = vec![];
         loop {
@@ -158,8 +167,13 @@ impl Pods {
             };
             let e = edit.clone();
             let r = node::call(&cell, self.forward_timeout, |p| PodMsg::Edit(Wire(e), p)).await;
+            // A pod that cannot take it now (going down, full) leaves it to another
+            // holder; its other answers (a bad mask, say) are the edit's.
+            let elsewhere =
+                |e: &WireError| matches!(e.kind, ErrorKind::Unavailable | ErrorKind::Overloaded);
             let result = match &r {
                 Ok(Ok(_)) => "ok",
+                Ok(Err(e)) if elsewhere(e) => "refused",
                 Ok(Err(_)) => "error",
                 Err(_) => "lost",
             };
@@ -168,6 +182,10 @@ impl Pods {
                 .get_or_create(&[("pod", name.clone()), ("result", result.into())])
                 .inc();
             match r {
+                Ok(Err(e)) if elsewhere(&e) => {
+                    tracing::info!("pod {name} refused an edit ({}); trying another", e.message);
+                    tried.push(name);
+                }
                 Ok(answer) => return answer,
                 Err(e) => {
                     tracing::warn!("pod {name} lost an edit forwarded to it: {e}; trying another");
@@ -194,6 +212,25 @@ impl Pods {
             .collect()
     }
 
+    /// The pod actor of peer `name`.
+    pub fn cell(&self, name: &str) -> Option<ActorCell> {
+        self.peers().get(name).map(|p| p.cell.clone())
+    }
+
+    /// The peers up and ready, and each template they hold with its holders among them.
+    pub fn placement(&self) -> (Vec<String>, BTreeMap<String, Vec<String>>) {
+        let peers = self.peers();
+        let mut up = vec![];
+        let mut held: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (name, p) in peers.iter().filter(|(_, p)| p.up && p.report.ready) {
+            up.push(name.clone());
+            for t in &p.report.templates {
+                held.entry(t.id.clone()).or_default().push(name.clone());
+            }
+        }
+        (up, held)
+    }
+
     /// Every peer, for `/readyz`.
     pub fn status(&self) -> Vec<PeerStatus> {
         self.peers()
@@ -209,5 +246,79 @@ impl Pods {
                 templates: p.report.templates.len(),
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::pods::PodTemplate;
+    use ractor::{Actor, ActorProcessingErr, ActorRef};
+
+    struct Nobody;
+    impl Actor for Nobody {
+        type Msg = ();
+        type State = ();
+        type Arguments = ();
+        async fn pre_start(&self, _: ActorRef<()>, _: ()) -> Result<(), ActorProcessingErr> {
+            Ok(())
+        }
+    }
+
+    fn report(
+        pod: &str,
+        started: f64,
+        ready: bool,
+        busy: u32,
+        templates: &[(&str, u64)],
+    ) -> PodReport {
+        PodReport {
+            pod: pod.into(),
+            started_unix: started,
+            http: String::new(),
+            ready,
+            draining: false,
+            in_flight: busy,
+            limit: 10,
+            denoise_workers: 1,
+            templates: templates
+                .iter()
+                .map(|&(id, host)| PodTemplate {
+                    id: id.into(),
+                    host_bytes: host,
+                    disk_bytes: 1,
+                })
+                .collect(),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_holder_is_the_ready_pod_with_the_template_in_memory_then_the_least_busy() {
+        let (cell, _) = Actor::spawn(None, Nobody, ()).await.unwrap();
+        let m = crate::metrics::router::RouterMetrics::register(
+            &mut Default::default(),
+            &mut Default::default(),
+            Default::default(),
+        );
+        let pods = Pods::new("me".into(), Duration::from_secs(1), m);
+        let c = || cell.get_cell();
+        pods.reported(c(), report("a", 1.0, true, 5, &[("t", 0)]));
+        pods.reported(c(), report("b", 1.0, true, 9, &[("t", 1)]));
+        pods.reported(c(), report("c", 1.0, true, 0, &[("t", 0)]));
+        pods.reported(c(), report("d", 1.0, false, 0, &[("t", 1)]));
+        // In memory beats disk only; not ready is never chosen.
+        assert_eq!(pods.holder("t", &[]).as_deref(), Some("b"));
+        // Then the least busy.
+        assert_eq!(pods.holder("t", &["b".into()]).as_deref(), Some("c"));
+        assert_eq!(pods.holder("u", &[]), None);
+        assert!(pods.known("t") && !pods.known("u"));
+        // An older daemon of b (an orphan draining) does not displace the newer one.
+        pods.reported(c(), report("b", 2.0, true, 0, &[("t", 1)]));
+        assert!(!pods.reported(c(), report("b", 1.0, false, 0, &[])));
+        assert_eq!(pods.holder("t", &[]).as_deref(), Some("b"));
+        let (up, held) = pods.placement();
+        assert_eq!(up, ["a", "b", "c"]);
+        assert_eq!(held["t"], ["a", "b", "c"]);
+        cell.stop(None);
     }
 }

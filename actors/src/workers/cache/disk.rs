@@ -260,20 +260,7 @@ impl DiskTier {
                 drop("an unfinished write");
                 continue;
             }
-            let read = || -> Result<Found, String> {
-                let text = std::fs::read(path.join(INFO)).map_err(|e| e.to_string())?;
-                let s: Stored = serde_json::from_slice(&text).map_err(|e| e.to_string())?;
-                let h = template_file::read_header(&path).map_err(|e| e.to_string())?;
-                let image = std::fs::read(path.join(IMAGE)).map_err(|e| e.to_string())?;
-                Ok(Found {
-                    info: s.info,
-                    version: s.version,
-                    layout: h.layout,
-                    bytes: dir_bytes(&path),
-                    image,
-                })
-            };
-            match read() {
+            match read_found(&path) {
                 Ok(f) if name == format!("{}@{}", f.info.id, f.version) => {
                     if !check(&f.layout, &f.info) {
                         drop("it does not match the served model");
@@ -299,6 +286,75 @@ impl DiskTier {
 }
 
 /// Bytes of the files in `dir`.
+/// A version's directory as it is on disk.
+fn read_found(path: &Path) -> Result<Found, String> {
+    let text = std::fs::read(path.join(INFO)).map_err(|e| e.to_string())?;
+    let s: Stored = serde_json::from_slice(&text).map_err(|e| e.to_string())?;
+    let h = template_file::read_header(path).map_err(|e| e.to_string())?;
+    let image = std::fs::read(path.join(IMAGE)).map_err(|e| e.to_string())?;
+    Ok(Found {
+        info: s.info,
+        version: s.version,
+        layout: h.layout,
+        bytes: dir_bytes(path),
+        image,
+    })
+}
+
+/// Copies between pods (docs/cluster.md): a version leaves as its directory's name,
+/// its description and image ([`DiskTier::export`]) and its template file (moved by
+/// `template_transfer`, which checks it slab by slab); it arrives under `.incoming/`
+/// and moves into the tier complete ([`DiskTier::install`]), for the cache process to
+/// index ([`DiskTier::find`]).
+impl DiskTier {
+    /// The directory of version `name` (`<id>@<version>`, complete), if this tier has it.
+    pub fn version_dir(&self, name: &str) -> Option<PathBuf> {
+        let ok = !name.contains('/') && !name.starts_with('.') && name.contains('@');
+        let dir = self.root.join(name);
+        (ok && dir.join(INFO).is_file()).then_some(dir)
+    }
+
+    /// The newest complete version of `id`: its directory's name, description and image.
+    pub fn export(&self, id: &str) -> Option<(String, Vec<u8>, Vec<u8>)> {
+        let prefix = format!("{id}@");
+        let newest = std::fs::read_dir(&self.root)
+            .ok()?
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().to_string();
+                let v: u64 = name.strip_prefix(&prefix)?.parse().ok()?;
+                Some((v, name))
+            })
+            .filter(|(_, name)| self.version_dir(name).is_some())
+            .max()?;
+        let dir = self.root.join(&newest.1);
+        let info = std::fs::read(dir.join(INFO)).ok()?;
+        let image = std::fs::read(dir.join(IMAGE)).ok()?;
+        Some((newest.1, info, image))
+    }
+
+    /// Where a copy from a peer is received (a name no template id can take).
+    pub fn incoming(&self) -> PathBuf {
+        self.root.join(".incoming")
+    }
+
+    /// Completes a copy received at `incoming/<name>` with its description and image,
+    /// and moves it into the tier.
+    pub fn install(&self, name: &str, info: &[u8], image: &[u8]) -> Result<(), String> {
+        let src = self.incoming().join(name);
+        std::fs::write(src.join(IMAGE), image).map_err(|e| e.to_string())?;
+        std::fs::write(src.join(INFO), info).map_err(|e| e.to_string())?;
+        read_found(&src).map_err(|e| format!("{}: {e}", src.display()))?;
+        std::fs::rename(&src, self.root.join(name)).map_err(|e| e.to_string())
+    }
+
+    /// The newest complete version of `id` on disk (a copy just installed).
+    pub fn find(&self, id: &str) -> Option<Found> {
+        let (name, _, _) = self.export(id)?;
+        read_found(&self.root.join(name)).ok()
+    }
+}
+
 fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
         .map(|rd| {

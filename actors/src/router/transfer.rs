@@ -1,0 +1,318 @@
+//! Template copies between pods (docs/cluster.md), over the mesh: the bulk stream of
+//! `denoised_models::flux::template_transfer` (chunked, checked slab by slab against the
+//! template file's CRC-32s, resumable from the verified prefix, capped at the sender)
+//! carried by the pod actors' `Open`/`Next`/`Close` calls, so it has the cluster's
+//! cookie and TLS. The sending router reads its pod's disk tier; the receiving router
+//! writes into its own, then its cache process indexes the copy.
+//!
+//! [`replicate`] keeps `[cluster] template_replicas` copies of each template: every pod
+//! ranks the pods up by a hash of (template, pod), and a pod among the first that lack
+//! the template fetches it. Every router computes the same ranking from the same
+//! reports, so the copies go to the same pods without any coordination.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{BufReader, Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use denoised_models::flux::template_transfer;
+use ractor::ActorCell;
+
+use crate::router::state::Ctx;
+use crate::wire::pods::{Exported, PodMsg};
+use crate::wire::{CacheMsg, Wire, WireError};
+use crate::workers::cache::disk::DiskTier;
+
+/// How long a stream's next chunk may take (the sender reads its disk at its cap).
+const CHUNK_WAIT: Duration = Duration::from_secs(30);
+
+/// The pod's disk tier of templates (the cache process's, read and written here).
+fn disk(ctx: &Ctx) -> Result<DiskTier, String> {
+    DiskTier::open(&ctx.config.cache.resolved_dir(), &ctx.model)
+}
+
+/// The sending side: the streams this pod's peers have open.
+#[derive(Default)]
+pub struct Outgoing {
+    next: AtomicU64,
+    streams: Mutex<HashMap<u64, Arc<Mutex<Receiver<Result<Vec<u8>, String>>>>>>,
+}
+
+/// Writes a stream's bytes into its channel (bounded: the sender runs no further
+/// ahead than a few chunks of what the receiver took).
+struct ChannelWriter(SyncSender<Result<Vec<u8>, String>>);
+
+impl Write for ChannelWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .send(Ok(buf.to_vec()))
+            .map_err(|_| std::io::Error::other("the receiver closed the transfer"))?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Outgoing {
+    /// The newest version of template `id` on this pod's disk.
+    pub fn export(&self, ctx: &Ctx, id: &str) -> Result<Exported, WireError> {
+        let d = disk(ctx).map_err(WireError::internal)?;
+        let (name, info, image) = d.export(id).ok_or_else(|| {
+            WireError::new(
+                crate::wire::ErrorKind::NotFound,
+                format!("no template `{id}` on this pod's disk"),
+            )
+        })?;
+        Ok(Exported { name, info, image })
+    }
+
+    /// Opens a stream for a receiver's request: a thread sends the version it names
+    /// (or refuses) into the stream's channel.
+    pub fn open(&self, ctx: &Ctx, request: Vec<u8>) -> Result<u64, WireError> {
+        let d = disk(ctx).map_err(WireError::internal)?;
+        let cap = (ctx.config.cluster.transfer_mb_per_s > 0.0)
+            .then_some(ctx.config.cluster.transfer_mb_per_s * 1e6);
+        let (name, offset) = template_transfer::read_request(&mut BufReader::new(&request[..]))
+            .map_err(|e| WireError::bad_input(e.to_string()))?;
+        let (tx, rx) = sync_channel(4);
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.streams
+            .lock()
+            .unwrap()
+            .insert(id, Arc::new(Mutex::new(rx)));
+        std::thread::spawn(move || {
+            let mut w = ChannelWriter(tx.clone());
+            let r = match d.version_dir(&name) {
+                Some(dir) => template_transfer::send(&dir, offset, &mut w, cap).map(|_| ()),
+                None => template_transfer::refuse(&mut w, &format!("no template `{name}` here")),
+            };
+            if let Err(e) = r {
+                let _ = tx.send(Err(e.to_string()));
+            }
+        });
+        Ok(id)
+    }
+
+    /// The stream's next bytes; empty once the sender is done.
+    pub async fn next(&self, id: u64) -> Result<Vec<u8>, WireError> {
+        let rx = self.streams.lock().unwrap().get(&id).cloned();
+        let rx = rx.ok_or_else(|| WireError::bad_input(format!("no transfer {id}")))?;
+        tokio::task::spawn_blocking(move || {
+            match rx.lock().unwrap().recv_timeout(CHUNK_WAIT) {
+                Ok(Ok(bytes)) => Ok(bytes),
+                Ok(Err(e)) => Err(WireError::internal(e)),
+                // The sending thread finished: the end of the stream.
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Ok(vec![]),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    Err(WireError::internal("the template's sender stalled"))
+                }
+            }
+        })
+        .await
+        .map_err(|e| WireError::internal(e.to_string()))?
+    }
+
+    /// Drops a stream (its sending thread stops at its next write).
+    pub fn close(&self, id: u64) {
+        self.streams.lock().unwrap().remove(&id);
+    }
+}
+
+/// The receiving side of a stream, as `std::io` sees it: what the receiver writes is its
+/// request, sent with `Open` at its first read; reads pull `Next` chunks.
+struct MeshStream {
+    cell: ActorCell,
+    rt: tokio::runtime::Handle,
+    request: Vec<u8>,
+    id: Option<u64>,
+    chunk: Vec<u8>,
+    pos: usize,
+    bytes: u64,
+}
+
+impl MeshStream {
+    fn call<T: Send + 'static>(
+        &self,
+        build: impl FnOnce(ractor::RpcReplyPort<crate::wire::Res<T>>) -> PodMsg,
+    ) -> std::io::Result<T> {
+        self.rt
+            .block_on(crate::node::ask(&self.cell, CHUNK_WAIT, build))
+            .map_err(|e| std::io::Error::other(e.message))
+    }
+}
+
+impl Write for MeshStream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.request.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Read for MeshStream {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        if self.id.is_none() {
+            let request = std::mem::take(&mut self.request);
+            self.id = Some(self.call(|p| PodMsg::Open(Wire(request), p))?);
+        }
+        if self.pos == self.chunk.len() {
+            let id = self.id.unwrap_or_default();
+            self.chunk = self.call(|p| PodMsg::Next(Wire(id), p))?;
+            self.pos = 0;
+            self.bytes += self.chunk.len() as u64;
+        }
+        let n = out.len().min(self.chunk.len() - self.pos);
+        out[..n].copy_from_slice(&self.chunk[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}
+
+impl Drop for MeshStream {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            crate::node::tell(&self.cell, PodMsg::Close(Wire(id)));
+        }
+    }
+}
+
+/// Fetches the newest version of template `id` from the peer whose pod actor is `cell`
+/// into this pod's disk tier, and has this pod's cache index it. The bytes moved.
+pub async fn fetch(ctx: &Ctx, cell: ActorCell, id: &str) -> Result<u64, String> {
+    let e = crate::node::ask(&cell, CHUNK_WAIT, |p| {
+        PodMsg::Export(Wire(id.to_string()), p)
+    })
+    .await
+    .map_err(|e| e.message)?;
+    let d = disk(ctx)?;
+    let rt = tokio::runtime::Handle::current();
+    let name = e.name.clone();
+    let moved = tokio::task::spawn_blocking(move || -> Result<u64, String> {
+        std::fs::create_dir_all(d.incoming()).map_err(|e| e.to_string())?;
+        let dest = d.incoming().join(&name);
+        let _ = std::fs::remove_dir_all(&dest);
+        let mut stream = MeshStream {
+            cell,
+            rt,
+            request: vec![],
+            id: None,
+            chunk: vec![],
+            pos: 0,
+            bytes: 0,
+        };
+        template_transfer::receive(&mut stream, &name, &dest).map_err(|e| e.to_string())?;
+        d.install(&name, &e.info, &e.image)?;
+        Ok(stream.bytes)
+    })
+    .await
+    .map_err(|e| e.to_string())??;
+    let c = ctx.cache().await.map_err(|e| e.message)?;
+    ctx.ask(&c, |p| CacheMsg::Adopt(Wire(id.to_string()), p))
+        .await
+        .map_err(|e| e.message)?;
+    Ok(moved)
+}
+
+/// The pods that should hold template `id` (`replicas` of them, among `pods`): the
+/// first by a hash of (template, pod), the same in every router.
+pub fn chosen<'a>(id: &str, pods: &'a [String], replicas: usize) -> Vec<&'a String> {
+    use std::hash::{Hash, Hasher};
+    let rank = |pod: &String| {
+        let mut h = std::hash::DefaultHasher::new();
+        (id, pod).hash(&mut h);
+        h.finish()
+    };
+    let mut ranked: Vec<&String> = pods.iter().collect();
+    ranked.sort_by_key(|p| (rank(p), *p));
+    ranked.truncate(replicas);
+    ranked
+}
+
+/// One round of replication: for each template with fewer than `[cluster]
+/// template_replicas` holders up, this pod fetches it when it is among the pods chosen
+/// to hold it. `busy` keeps one fetch per template at a time.
+pub async fn replicate(ctx: Arc<Ctx>, busy: Arc<Mutex<HashSet<String>>>) {
+    let Some(pods) = &ctx.pods else { return };
+    let replicas = ctx.config.cluster.template_replicas as usize;
+    if replicas <= 1 {
+        return;
+    }
+    let mine: HashSet<String> = match ctx.templates().await {
+        Ok(t) => t.into_iter().map(|t| t.id).collect(),
+        Err(_) => return,
+    };
+    let (up, held) = pods.placement();
+    let mut everyone = up.clone();
+    everyone.push(pods.me.clone());
+    for (id, holders) in held {
+        if mine.contains(&id) || holders.len() >= replicas {
+            continue;
+        }
+        let lacking: Vec<String> = everyone
+            .iter()
+            .filter(|p| !holders.contains(p))
+            .cloned()
+            .collect();
+        if !chosen(&id, &lacking, replicas - holders.len()).contains(&&pods.me) {
+            continue;
+        }
+        if !busy.lock().unwrap().insert(id.clone()) {
+            continue;
+        }
+        let (ctx, busy) = (ctx.clone(), busy.clone());
+        tokio::spawn(async move {
+            let from = holders[0].clone();
+            let r = match ctx.pods.as_ref().and_then(|p| p.cell(&from)) {
+                Some(cell) => fetch(&ctx, cell, &id).await,
+                None => Err(format!("pod {from} went away")),
+            };
+            let result = match &r {
+                Ok(bytes) => {
+                    ctx.metrics.pod_transfer_bytes.inc_by(*bytes);
+                    tracing::info!(
+                        "template `{id}`: copied from pod {from} ({:.1} MB)",
+                        *bytes as f64 / 1e6
+                    );
+                    "ok"
+                }
+                Err(e) => {
+                    tracing::warn!("template `{id}`: copy from pod {from} failed: {e}");
+                    "error"
+                }
+            };
+            ctx.metrics
+                .pod_transfers
+                .get_or_create(&[("pod", from), ("result", result.into())])
+                .inc();
+            busy.lock().unwrap().remove(&id);
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_router_chooses_the_same_pods_for_a_template() {
+        let pods: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
+        let mut shuffled = pods.clone();
+        shuffled.reverse();
+        for id in ["room", "hall", "t3"] {
+            let x = chosen(id, &pods, 2);
+            let y = chosen(id, &shuffled, 2);
+            assert_eq!(x, y);
+            assert_eq!(x.len(), 2);
+        }
+        // Spread: not every template on the same two pods.
+        let firsts: HashSet<&String> = (0..20)
+            .map(|i| chosen(&format!("t{i}"), &pods, 1)[0])
+            .collect();
+        assert!(firsts.len() > 1);
+    }
+}
