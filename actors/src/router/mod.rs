@@ -4,7 +4,8 @@
 //! layers"; `tests/layering.rs` checks it):
 //!
 //! - edges: [`http`] (the route table, one module per resource), [`bus`] (the
-//!   cluster-facing actor), [`watchdog`] (systemd);
+//!   cluster-facing actor), `mesh` and `transfer` (a pod's peers: docs/cluster.md),
+//!   [`watchdog`] (systemd);
 //! - [`service`]: the one submission path (admission held by the flow) and the
 //!   replies' JSON;
 //! - [`flow`]: the life of an edit, a capture, a generation, through the workers;
