@@ -144,6 +144,27 @@ fn edit_body(template: &str, seed: u64) -> Value {
     json!({"template_id": template, "prompt": "a cat", "seed": seed, "mask": mask_b64()})
 }
 
+fn png_part(path: PathBuf) -> reqwest::blocking::multipart::Part {
+    reqwest::blocking::multipart::Part::bytes(std::fs::read(path).unwrap())
+        .file_name("image.png")
+        .mime_str("image/png")
+        .unwrap()
+}
+
+/// OpenAI's mask for the 64x64 template: a transparent square to edit, the rest opaque.
+fn transparent_mask_part() -> reqwest::blocking::multipart::Part {
+    let mask = image::RgbaImage::from_fn(64, 64, |x, y| {
+        let edit = (16..40).contains(&x) && (20..44).contains(&y);
+        image::Rgba([0, 0, 0, if edit { 0 } else { 255 }])
+    });
+    let mut png = std::io::Cursor::new(Vec::new());
+    mask.write_to(&mut png, image::ImageFormat::Png).unwrap();
+    reqwest::blocking::multipart::Part::bytes(png.into_inner())
+        .file_name("mask.png")
+        .mime_str("image/png")
+        .unwrap()
+}
+
 fn counter(metrics: &str, name: &str, labels: &str) -> f64 {
     metrics
         .lines()
@@ -203,13 +224,31 @@ fn an_edit_runs_on_the_pod_holding_its_template_and_the_cluster_survives_that_po
     assert_eq!(s, 200, "{on_a}");
     assert_eq!(on_a["pod"], "a");
     assert_eq!(edit_image(&via_c), edit_image(&on_a), "forwarded != direct");
+    // The OpenAI route forwards alike, and says where it ran.
+    let form = reqwest::blocking::multipart::Form::new()
+        .text("template_id", "room")
+        .text("prompt", "a cat")
+        .text("seed", "5")
+        .part("image", png_part(case("e2e_input.png")))
+        .part("mask", transparent_mask_part());
+    let r = pods[c]
+        .d()
+        .http
+        .post(format!("{}/v1/images/edits", pods[c].d().url))
+        .multipart(form)
+        .send()
+        .unwrap();
+    let status = r.status().as_u16();
+    let v: Value = r.json().unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["data"][0]["pod"], "a", "{}", v["data"][0]["timings"]);
     // A template no pod holds is a 404.
     let (s, v) = pods[c].d().post("/v1/edits", &edit_body("nowhere", 1));
     assert_eq!(s, 404, "{v}");
     let m = pods[c].d().metrics();
     assert_eq!(
         counter(&m, "denoised_pod_forwards_total", "pod=\"a\",result=\"ok\""),
-        1.0,
+        2.0,
         "{m}"
     );
     assert_eq!(
@@ -218,7 +257,7 @@ fn an_edit_runs_on_the_pod_holding_its_template_and_the_cluster_survives_that_po
             "denoised_pod_forwarded_in_total",
             ""
         ),
-        1.0
+        2.0
     );
 
     // kill -9 of pod A's supervisor under a load of edits of both templates through C:

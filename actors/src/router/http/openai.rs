@@ -99,6 +99,9 @@ pub struct ImageData {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub approx_cache: Option<ApproxOutcome>,
     pub timings: StageTimings,
+    /// The pod that ran it (in a cluster of pods; docs/cluster.md).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
 }
 
 /// `POST /v1/images/edits`' multipart form (read part by part, not by serde: this
@@ -386,6 +389,7 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             id: job_name(job),
             approx_cache: None,
             timings: o.timings,
+            pod: (!o.pod.is_empty()).then_some(o.pod),
         });
     }
     Ok(images_reply(&ctx, data, (w as u32, h as u32)))
@@ -531,6 +535,7 @@ async fn generations(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             id: job_name(job),
             approx_cache: Some(o.approx),
             timings: o.timings,
+            pod: (!o.pod.is_empty()).then_some(o.pod),
         });
     }
     Ok(images_reply(&ctx, data, dims))
