@@ -459,6 +459,14 @@ impl ClusterConfig {
         !self.listen.is_empty()
     }
 
+    /// A `peers` entry's `HOST:PORT` (without `dns:`, which only says that the name may
+    /// stand for several addresses) and its host, if it is well formed.
+    pub fn peer(entry: &str) -> Option<(&str, &str)> {
+        let hostport = entry.strip_prefix("dns:").unwrap_or(entry);
+        let (host, port) = hostport.rsplit_once(':')?;
+        (!host.is_empty() && port.parse::<u16>().is_ok()).then_some((hostport, host))
+    }
+
     /// Whether pods speak TLS to each other.
     pub fn tls(&self) -> bool {
         !self.tls_ca.is_empty()
@@ -491,14 +499,10 @@ impl ClusterConfig {
             );
         }
         for p in &self.peers {
-            let hostport = p.strip_prefix("dns:").unwrap_or(p);
-            match hostport.rsplit_once(':') {
-                Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
-                _ => {
-                    return Err(format!(
-                        "[cluster] peers: {p:?} is not HOST:PORT or dns:NAME:PORT"
-                    ))
-                }
+            if Self::peer(p).is_none() {
+                return Err(format!(
+                    "[cluster] peers: {p:?} is not HOST:PORT or dns:NAME:PORT"
+                ));
             }
         }
         for f in tls.into_iter().filter(|f| !f.is_empty()) {

@@ -7,10 +7,9 @@ use std::sync::Arc;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use crate::router::flow::edit::{edit, EditInput};
-use crate::router::service::{submit, EditReply, Submitted};
-use crate::router::state::jobs::Previews;
+use crate::router::service::submit_peer_edit;
 use crate::router::state::Ctx;
-use crate::wire::{BusEditResult, ImageFormat, RouterMsg, Wire, WireError};
+use crate::wire::{BusEditResult, ImageFormat, RouterMsg, Wire};
 
 /// The router's cluster-facing actor: progress reports from denoise workers, and
 /// requests from other services' actors (the internal bus).
@@ -50,38 +49,21 @@ impl Actor for RouterActor {
                 let _ = reply.send(Wire(Ok(x)));
             }
             RouterMsg::BusEdit(Wire(e), reply) => {
-                let permit = match ctx.admission.try_admit() {
-                    Ok(p) => p,
-                    Err(e) => {
-                        let _ = reply.send(Wire(Err(e)));
-                        return Ok(());
-                    }
-                };
                 let input = EditInput::of_template(e.template_id, e.mask_png, e.prompt, e.seed);
-                // The flow runs on its own task, holding the permit until it ends: the
-                // actor keeps taking progress reports. The caller gets the image in the
-                // reply; the job table keeps only the description.
-                let Submitted { job, task } = submit(
+                // The caller gets the image in the reply.
+                submit_peer_edit(
                     ctx,
-                    permit,
-                    "edit",
-                    0,
-                    Previews::None,
+                    ImageFormat::Png,
                     move |ctx, job| async move { edit(&ctx, job, &input).await },
-                    |job, o| EditReply::new(job, o, ImageFormat::Png, false),
+                    move |r| {
+                        let _ = reply.send(Wire(r.map(|(job, o)| BusEditResult {
+                            job,
+                            png: o.image,
+                            active_tokens: o.active,
+                            tokens: o.tokens,
+                        })));
+                    },
                 );
-                tokio::spawn(async move {
-                    let r = match task.await {
-                        Ok(r) => r,
-                        Err(e) => Err(WireError::internal(format!("request task failed: {e}"))),
-                    };
-                    let _ = reply.send(Wire(r.map(|o| BusEditResult {
-                        job,
-                        png: o.image,
-                        active_tokens: o.active,
-                        tokens: o.tokens,
-                    })));
-                });
             }
         }
         Ok(())

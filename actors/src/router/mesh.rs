@@ -21,12 +21,11 @@ use ractor_cluster::node::NodeConnectionMode;
 use ractor_cluster::{IncomingEncryptionMode, NodeServer, NodeServerMessage};
 
 use crate::router::flow::edit::{edit_here, EditInput};
-use crate::router::service::{submit, EditReply, Submitted};
-use crate::router::state::jobs::Previews;
+use crate::router::service::submit_peer_edit;
 use crate::router::state::Ctx;
 use crate::router::transfer;
 use crate::wire::pods::{PodMsg, PodReport, PodTemplate, GROUP, SCOPE};
-use crate::wire::{Wire, WireError};
+use crate::wire::Wire;
 
 /// How often the peers are asked for their reports, and dialled when not connected.
 const TICK: Duration = Duration::from_secs(1);
@@ -206,13 +205,12 @@ impl rustls::server::danger::ClientCertVerifier for Logged {
 async fn resolve(peers: &[String]) -> Vec<(SocketAddr, String)> {
     let mut out = vec![];
     for p in peers {
-        let hostport = p.strip_prefix("dns:").unwrap_or(p);
-        let host = hostport
-            .rsplit_once(':')
-            .map_or(hostport, |(h, _)| h)
-            .to_string();
+        // The configuration was checked at start.
+        let Some((hostport, host)) = ClusterConfig::peer(p) else {
+            continue;
+        };
         match tokio::net::lookup_host(hostport).await {
-            Ok(addrs) => out.extend(addrs.map(|a| (a, host.clone()))),
+            Ok(addrs) => out.extend(addrs.map(|a| (a, host.to_string()))),
             Err(e) => tracing::debug!("peer {p}: {e}"),
         }
     }
@@ -364,30 +362,16 @@ impl Actor for PodActor {
             }
             PodMsg::Edit(Wire(e), reply) => {
                 ctx.metrics.pod_forwarded_in.inc();
-                let permit = match ctx.admission.try_admit() {
-                    Ok(p) => p,
-                    Err(e) => {
-                        let _ = reply.send(Wire(Err(e)));
-                        return Ok(());
-                    }
-                };
                 let input = EditInput::from_pod(e);
-                let format = input.finish.format;
-                let Submitted { task, .. } = submit(
+                submit_peer_edit(
                     ctx,
-                    permit,
-                    "edit",
-                    0,
-                    Previews::None,
+                    input.finish.format,
+                    // Run here: a forwarded edit is never forwarded again.
                     move |ctx, job| async move { edit_here(&ctx, job, &input).await },
-                    move |job, o| EditReply::new(job, o, format, false),
+                    move |r| {
+                        let _ = reply.send(Wire(r.map(|(_, o)| o)));
+                    },
                 );
-                tokio::spawn(async move {
-                    let r = task.await.unwrap_or_else(|e| {
-                        Err(WireError::internal(format!("request task failed: {e}")))
-                    });
-                    let _ = reply.send(Wire(r));
-                });
             }
             PodMsg::Export(Wire(id), reply) => {
                 let _ = reply.send(Wire(out.export(ctx, &id)));
@@ -430,10 +414,8 @@ async fn report(ctx: &Ctx, http: String) -> PodReport {
         started_unix: ctx.started_unix,
         http,
         ready: groups_live && !draining,
-        draining,
         in_flight: ctx.admission.in_flight() as u32,
         limit: ctx.admission.limit() as u32,
-        denoise_workers: ctx.config.workers.denoise as u32,
         templates,
     }
 }

@@ -24,13 +24,11 @@ pub struct PodReport {
     pub started_unix: f64,
     /// Its HTTP API's address.
     pub http: String,
-    /// Its own `/readyz` verdict, and whether it drains.
+    /// Its own `/readyz` verdict (false while it drains).
     pub ready: bool,
-    pub draining: bool,
     /// Requests admitted and not answered, against its limit.
     pub in_flight: u32,
     pub limit: u32,
-    pub denoise_workers: u32,
     /// The templates it holds.
     pub templates: Vec<PodTemplate>,
 }

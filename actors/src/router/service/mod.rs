@@ -22,7 +22,8 @@ use crate::daemon::job_name;
 use crate::router::state::admission::Permit;
 use crate::router::state::jobs::Previews;
 use crate::router::state::Ctx;
-use crate::wire::{JobId, WireError};
+use crate::wire::pods::EditOutput;
+use crate::wire::{ImageFormat, JobId, WireError};
 
 mod views;
 
@@ -83,6 +84,39 @@ where
         r
     });
     Submitted { job, task }
+}
+
+/// An edit from a peer in the cluster (another service on the bus, another pod): one
+/// unit of admission or its refusal at once, the flow run as a job like an HTTP edit's
+/// (the job table keeps its description, not its image), and `answer` called with its
+/// end, on a task of its own so that the calling actor keeps taking messages.
+pub fn submit_peer_edit<Fut>(
+    ctx: &Arc<Ctx>,
+    format: ImageFormat,
+    flow: impl FnOnce(Arc<Ctx>, JobId) -> Fut,
+    answer: impl FnOnce(Result<(JobId, EditOutput), WireError>) + Send + 'static,
+) where
+    Fut: Future<Output = Result<EditOutput, WireError>> + Send + 'static,
+{
+    let permit = match admit(ctx) {
+        Ok(p) => p,
+        Err(e) => return answer(Err(e)),
+    };
+    let Submitted { job, task } = submit(
+        ctx,
+        permit,
+        "edit",
+        0,
+        Previews::None,
+        flow,
+        move |job, o| EditReply::new(job, o, format, false),
+    );
+    tokio::spawn(async move {
+        let r = task
+            .await
+            .unwrap_or_else(|e| Err(WireError::internal(format!("request task failed: {e}"))));
+        answer(r.map(|o| (job, o)));
+    });
 }
 
 /// Runs a request's flow on its own task, inside its span (so every log line of it

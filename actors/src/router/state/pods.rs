@@ -92,10 +92,13 @@ impl Pods {
                 up: true,
             },
         );
-        self.metrics
-            .pods_up
-            .set(peers.values().filter(|p| p.up).count() as i64);
+        self.count_up(&peers);
         came_up
+    }
+
+    fn count_up(&self, peers: &BTreeMap<String, Peer>) {
+        let up = peers.values().filter(|p| p.up).count();
+        self.metrics.pods_up.set(up as i64);
     }
 
     /// Marks down the peers silent for [`DOWN_AFTER`]; returns their names.
@@ -108,16 +111,16 @@ impl Pods {
                 down.push(name.clone());
             }
         }
-        self.metrics
-            .pods_up
-            .set(peers.values().filter(|p| p.up).count() as i64);
+        self.count_up(&peers);
         down
     }
 
     fn mark_down(&self, name: &str) {
-        if let Some(p) = self.peers().get_mut(name) {
+        let mut peers = self.peers();
+        if let Some(p) = peers.get_mut(name) {
             p.up = false;
         }
+        self.count_up(&peers);
     }
 
     /// Whether some peer, up or not, holds template `id`.
@@ -277,10 +280,8 @@ mod tests {
             started_unix: started,
             http: String::new(),
             ready,
-            draining: false,
             in_flight: busy,
             limit: 10,
-            denoise_workers: 1,
             templates: templates
                 .iter()
                 .map(|&(id, host)| PodTemplate {

@@ -314,10 +314,10 @@ impl DiskTier {
         (ok && dir.join(INFO).is_file()).then_some(dir)
     }
 
-    /// The newest complete version of `id`: its directory's name, description and image.
-    pub fn export(&self, id: &str) -> Option<(String, Vec<u8>, Vec<u8>)> {
+    /// The directory name of the newest complete version of `id`.
+    fn newest(&self, id: &str) -> Option<String> {
         let prefix = format!("{id}@");
-        let newest = std::fs::read_dir(&self.root)
+        let (_, name) = std::fs::read_dir(&self.root)
             .ok()?
             .flatten()
             .filter_map(|e| {
@@ -327,10 +327,16 @@ impl DiskTier {
             })
             .filter(|(_, name)| self.version_dir(name).is_some())
             .max()?;
-        let dir = self.root.join(&newest.1);
+        Some(name)
+    }
+
+    /// The newest complete version of `id`: its directory's name, description and image.
+    pub fn export(&self, id: &str) -> Option<(String, Vec<u8>, Vec<u8>)> {
+        let name = self.newest(id)?;
+        let dir = self.root.join(&name);
         let info = std::fs::read(dir.join(INFO)).ok()?;
         let image = std::fs::read(dir.join(IMAGE)).ok()?;
-        Some((newest.1, info, image))
+        Some((name, info, image))
     }
 
     /// Where a copy from a peer is received (a name no template id can take).
@@ -350,8 +356,7 @@ impl DiskTier {
 
     /// The newest complete version of `id` on disk (a copy just installed).
     pub fn find(&self, id: &str) -> Option<Found> {
-        let (name, _, _) = self.export(id)?;
-        read_found(&self.root.join(name)).ok()
+        read_found(&self.root.join(self.newest(id)?)).ok()
     }
 }
 
