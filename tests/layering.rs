@@ -390,8 +390,7 @@ fn the_router_layers_import_downwards_only() {
             return None;
         }
         Some(match m.get(1).map(String::as_str) {
-            None | Some("http") | Some("bus") | Some("mesh") | Some("transfer")
-            | Some("watchdog") => 3,
+            None | Some("http") | Some("bus") | Some("mesh") | Some("watchdog") => 3,
             Some("service") => 2,
             Some("flow") => 1,
             Some("state") => 0,

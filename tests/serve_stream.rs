@@ -4,34 +4,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::time::{Duration, Instant};
 
 use common::*;
 use denoised_models::pipeline::image::{decode_image, ImageLimits};
 use serde_json::{json, Value};
-
-/// `(event, data)` pairs of a Server-Sent Events body, up to `stop` (inclusive) or
-/// the end of the stream.
-fn read_events(r: impl std::io::Read, stop: Option<&str>) -> Vec<(String, Value)> {
-    let mut out = vec![];
-    let (mut name, mut data) = (String::new(), String::new());
-    for line in BufReader::new(r).lines() {
-        let line = line.unwrap();
-        if let Some(v) = line.strip_prefix("event:") {
-            name = v.trim().to_string();
-        } else if let Some(v) = line.strip_prefix("data:") {
-            data.push_str(v.trim_start());
-        } else if line.is_empty() && !data.is_empty() {
-            out.push((name.clone(), serde_json::from_str(&data).unwrap()));
-            data.clear();
-            if stop == Some(name.as_str()) {
-                break;
-            }
-        }
-    }
-    out
-}
 
 fn client() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder()

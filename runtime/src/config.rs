@@ -433,6 +433,13 @@ pub struct ClusterConfig {
     /// The most a pod sends of its templates to its peers, in MB (1e6 bytes) a second
     /// per transfer; 0: no cap.
     pub transfer_mb_per_s: f64,
+    /// Which pod runs an edit of a template: `template_aware` (the pod where it would
+    /// cost the least latency, the template's whereabouts priced), `least_loaded` (the
+    /// same, its template ignored) or `round_robin`.
+    pub policy: String,
+    /// The bandwidth between pods, in MB a second, that routing prices a template copy
+    /// at (the cap `transfer_mb_per_s` when lower).
+    pub link_mb_per_s: f64,
 }
 
 impl Default for ClusterConfig {
@@ -449,6 +456,9 @@ impl Default for ClusterConfig {
             tls_key: String::new(),
             template_replicas: 1,
             transfer_mb_per_s: 0.0,
+            policy: "template_aware".into(),
+            // A 10 Gb/s link.
+            link_mb_per_s: 1250.0,
         }
     }
 }
@@ -467,6 +477,14 @@ impl ClusterConfig {
         (!host.is_empty() && port.parse::<u16>().is_ok()).then_some((hostport, host))
     }
 
+    /// The MB a second a template copy is priced at: the link, or the cap when lower.
+    pub fn copy_mb_per_s(&self) -> f64 {
+        match self.transfer_mb_per_s > 0.0 {
+            true => self.transfer_mb_per_s.min(self.link_mb_per_s),
+            false => self.link_mb_per_s,
+        }
+    }
+
     /// Whether pods speak TLS to each other.
     pub fn tls(&self) -> bool {
         !self.tls_ca.is_empty()
@@ -480,6 +498,15 @@ impl ClusterConfig {
         }
         if !(self.transfer_mb_per_s >= 0.0) {
             return Err("[cluster] transfer_mb_per_s must be 0 (no cap) or more".into());
+        }
+        if !(self.link_mb_per_s > 0.0) {
+            return Err("[cluster] link_mb_per_s must be above 0".into());
+        }
+        if !["template_aware", "least_loaded", "round_robin"].contains(&self.policy.as_str()) {
+            return Err(format!(
+                "[cluster] policy `{}`: expected template_aware, least_loaded or round_robin",
+                self.policy
+            ));
         }
         if self.template_replicas == 0 {
             return Err("[cluster] template_replicas must be at least 1".into());
@@ -611,6 +638,36 @@ mod tests {
             Config::from_file(concat!(env!("CARGO_MANIFEST_DIR"), "/../config.toml")).unwrap();
         assert_eq!(shipped, Config::default());
         assert_eq!(Config::parse("").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn cluster_keys_are_checked_together() {
+        let pod = |more: &str| {
+            let text = format!("[cluster]\nlisten = \"127.0.0.2:7450\"\n{more}");
+            let mut c = Config::parse(&text).unwrap().cluster;
+            if !more.contains("cookie") {
+                c.cookie = "k".into();
+            }
+            c.check()
+        };
+        assert!(pod("").is_ok());
+        assert!(pod("policy = \"least_loaded\"\nlink_mb_per_s = 100.0\n").is_ok());
+        for (bad, says) in [
+            ("policy = \"nearest\"\n", "nearest"),
+            ("link_mb_per_s = 0.0\n", "link_mb_per_s"),
+            ("template_replicas = 0\n", "template_replicas"),
+            ("tls_ca = \"ca.pem\"\n", "go together"),
+            ("cookie = \"\"\n", "cookie"),
+            ("peers = [\"nowhere\"]\n", "peers"),
+        ] {
+            let e = pod(bad).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        // A copy is priced at the link, or at the cap when lower.
+        let mut c = ClusterConfig::default();
+        assert_eq!(c.copy_mb_per_s(), 1250.0);
+        c.transfer_mb_per_s = 100.0;
+        assert_eq!(c.copy_mb_per_s(), 100.0);
     }
 
     #[test]

@@ -439,3 +439,25 @@ pub fn kill_denoise_mid_edit(d: &Daemon, template: &str, seq: u32) {
         "the supervisor did not restart the worker"
     );
 }
+
+/// `(event, data)` pairs of a Server-Sent Events body, up to `stop` (inclusive) or
+/// the end of the stream.
+pub fn read_events(r: impl std::io::Read, stop: Option<&str>) -> Vec<(String, Value)> {
+    let mut out = vec![];
+    let (mut name, mut data) = (String::new(), String::new());
+    for line in std::io::BufRead::lines(std::io::BufReader::new(r)) {
+        let line = line.unwrap();
+        if let Some(v) = line.strip_prefix("event:") {
+            name = v.trim().to_string();
+        } else if let Some(v) = line.strip_prefix("data:") {
+            data.push_str(v.trim_start());
+        } else if line.is_empty() && !data.is_empty() {
+            out.push((name.clone(), serde_json::from_str(&data).unwrap()));
+            data.clear();
+            if stop == Some(name.as_str()) {
+                break;
+            }
+        }
+    }
+    out
+}

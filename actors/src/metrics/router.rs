@@ -57,6 +57,11 @@ pub struct RouterMetrics {
     /// Template copies fetched from peers, by pod and result, and their bytes.
     pub pod_transfers: Family<[(&'static str, String); 2], Counter>,
     pub pod_transfer_bytes: Counter,
+    /// Template edits routed between pods, by policy and the pod chosen (this one
+    /// too); templates captured again from their recipes, by result; recipes kept.
+    pub pod_routes: Family<[(&'static str, String); 2], Counter>,
+    pub recaptures: Family<[(&'static str, &'static str); 1], Counter>,
+    pub pod_recipes: Gauge,
 }
 
 impl RouterMetrics {
@@ -87,7 +92,25 @@ impl RouterMetrics {
             pods_up: Gauge::default(),
             pod_transfers: Family::default(),
             pod_transfer_bytes: Counter::default(),
+            pod_routes: Family::default(),
+            recaptures: Family::default(),
+            pod_recipes: Gauge::default(),
         };
+        r.register(
+            "pod_routes",
+            "Template edits this router placed on a pod, by pod policy and pod (this pod's own name when it ran here)",
+            m.pod_routes.clone(),
+        );
+        r.register(
+            "template_recaptures",
+            "Templates this pod captured again from their recipes (every pod that held them lost), by result (ok, error)",
+            m.recaptures.clone(),
+        );
+        r.register(
+            "pod_recipes",
+            "Recipes (description and image) of its peers' templates this pod keeps, to capture them again",
+            m.pod_recipes.clone(),
+        );
         r.register(
             "pod_transfers",
             "Template copies this pod fetched from a peer, by pod and result (ok, error)",

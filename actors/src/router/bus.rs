@@ -8,6 +8,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use crate::router::flow::edit::{edit, EditInput};
 use crate::router::service::submit_peer_edit;
+use crate::router::state::jobs::Previews;
 use crate::router::state::Ctx;
 use crate::wire::{BusEditResult, ImageFormat, RouterMsg, Wire};
 
@@ -54,6 +55,7 @@ impl Actor for RouterActor {
                 submit_peer_edit(
                     ctx,
                     ImageFormat::Png,
+                    Previews::None,
                     move |ctx, job| async move { edit(&ctx, job, &input).await },
                     move |r| {
                         let _ = reply.send(Wire(r.map(|(job, o)| BusEditResult {

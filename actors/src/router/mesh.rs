@@ -20,12 +20,13 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ractor_cluster::node::NodeConnectionMode;
 use ractor_cluster::{IncomingEncryptionMode, NodeServer, NodeServerMessage};
 
-use crate::router::flow::edit::{edit_here, EditInput};
-use crate::router::service::submit_peer_edit;
+use crate::router::flow::edit::{edit_obtained, EditInput};
+use crate::router::flow::transfer;
+use crate::router::service::{cancel, submit_peer_edit};
+use crate::router::state::jobs::JobEvent;
 use crate::router::state::Ctx;
-use crate::router::transfer;
-use crate::wire::pods::{PodMsg, PodReport, PodTemplate, GROUP, SCOPE};
-use crate::wire::Wire;
+use crate::wire::pods::{PodJobEvent, PodMsg, PodOrigin, GROUP, SCOPE};
+use crate::wire::{JobId, Wire};
 
 /// How often the peers are asked for their reports, and dialled when not connected.
 const TICK: Duration = Duration::from_secs(1);
@@ -63,7 +64,10 @@ pub async fn join(ctx: Arc<Ctx>, http: String) -> Result<(), String> {
         subscription: Box::new(Refusals::default()),
     })
     .map_err(|e| e.to_string())?;
-    let (pod, _) = Actor::spawn(None, PodActor, (ctx.clone(), http))
+    if let Some(p) = &ctx.pods {
+        let _ = p.http.set(http);
+    }
+    let (pod, _) = Actor::spawn(None, PodActor, ctx.clone())
         .await
         .map_err(|e| e.to_string())?;
     ractor::pg::join_scoped(SCOPE.into(), GROUP.into(), vec![pod.get_cell()]);
@@ -296,10 +300,18 @@ async fn dial(
 /// stop answering.
 async fn watch(ctx: Arc<Ctx>) {
     let Some(pods) = &ctx.pods else { return };
-    let copying = Arc::new(std::sync::Mutex::new(HashSet::new()));
+    let learning = Arc::new(tokio::sync::Mutex::new(()));
     loop {
         tokio::time::sleep(TICK).await;
-        tokio::spawn(transfer::replicate(ctx.clone(), copying.clone()));
+        tokio::spawn(transfer::replicate(ctx.clone()));
+        // One round of recipes at a time (a round asks each new template's holder).
+        if let Ok(guard) = learning.clone().try_lock_owned() {
+            let ctx = ctx.clone();
+            tokio::spawn(async move {
+                transfer::learn_recipes(&ctx).await;
+                drop(guard);
+            });
+        }
         let peers: Vec<_> = ractor::pg::get_scoped_members(&SCOPE.into(), &GROUP.into())
             .into_iter()
             .filter(|c| !c.get_id().is_local())
@@ -334,40 +346,48 @@ struct PodActor;
 
 impl Actor for PodActor {
     type Msg = PodMsg;
-    type State = (Arc<Ctx>, String, Arc<transfer::Outgoing>);
-    type Arguments = (Arc<Ctx>, String);
+    type State = (Arc<Ctx>, Arc<transfer::Outgoing>);
+    type Arguments = Arc<Ctx>;
 
     async fn pre_start(
         &self,
         _myself: ActorRef<Self::Msg>,
-        (ctx, http): Self::Arguments,
+        ctx: Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
-        Ok((ctx, http, Default::default()))
+        Ok((ctx, Default::default()))
     }
 
     async fn handle(
         &self,
         _myself: ActorRef<Self::Msg>,
         msg: PodMsg,
-        (ctx, http, out): &mut Self::State,
+        (ctx, out): &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         // Each answer is made on its own task: a slow cache listing or an edit never
         // holds up the next peer's call.
         match msg {
             PodMsg::Report(_, reply) => {
-                let (ctx, http) = (ctx.clone(), http.clone());
+                let ctx = ctx.clone();
                 tokio::spawn(async move {
-                    let _ = reply.send(Wire(Ok(report(&ctx, http).await)));
+                    let _ = reply.send(Wire(Ok(ctx.pod_report().await)));
                 });
             }
-            PodMsg::Edit(Wire(e), reply) => {
+            PodMsg::Edit(Wire(mut e), reply) => {
                 ctx.metrics.pod_forwarded_in.inc();
+                let origin = e.origin.take();
+                let previews = origin.as_ref().map(|o| o.previews).unwrap_or_default();
                 let input = EditInput::from_pod(e);
                 submit_peer_edit(
                     ctx,
                     input.finish.format,
-                    // Run here: a forwarded edit is never forwarded again.
-                    move |ctx, job| async move { edit_here(&ctx, job, &input).await },
+                    previews,
+                    move |ctx, job| async move {
+                        if let Some(o) = origin {
+                            tokio::spawn(relay(ctx.clone(), job, o));
+                        }
+                        // Run here: a forwarded edit is never forwarded again.
+                        edit_obtained(&ctx, job, &input).await
+                    },
                     move |r| {
                         let _ = reply.send(Wire(r.map(|(_, o)| o)));
                     },
@@ -386,38 +406,67 @@ impl Actor for PodActor {
                 });
             }
             PodMsg::Close(Wire(id)) => out.close(id),
+            PodMsg::Cancel(Wire(origin)) => {
+                let ctx = ctx.clone();
+                tokio::spawn(async move {
+                    let job = ctx.pods.as_ref().and_then(|p| p.relayed(&origin));
+                    if let Some(job) = job {
+                        cancel(&ctx, job).await;
+                    }
+                });
+            }
+            PodMsg::Forget(Wire(id)) => {
+                let ctx = ctx.clone();
+                tokio::spawn(async move {
+                    if let Some(p) = &ctx.pods {
+                        p.forgotten(&id);
+                    }
+                    if ctx.delete_template(&id).await.is_ok() {
+                        tracing::info!("template `{id}`: deleted on a peer, and here");
+                    }
+                });
+            }
+            PodMsg::Event(Wire((job, event))) => match event {
+                // Its end comes with the edit's answer.
+                PodJobEvent::Status(s) if s.is_final() => {}
+                PodJobEvent::Status(s) => ctx.jobs.stage(job, s, None),
+                PodJobEvent::Step { step, steps } => {
+                    ctx.jobs.steps(job, steps);
+                    ctx.jobs.progress(job, step);
+                }
+                PodJobEvent::Preview { step, jpeg } => ctx.jobs.preview(job, step, jpeg),
+            },
         }
         Ok(())
     }
 }
 
-/// This pod's report to its peers.
-async fn report(ctx: &Ctx, http: String) -> PodReport {
-    let draining = ctx.admission.is_draining();
-    let groups_live = ctx.ready().iter().all(|(_, have, want)| have >= want);
-    let templates = match ctx.templates().await {
-        Ok(t) => t
-            .into_iter()
-            .map(|t| PodTemplate {
-                id: t.id,
-                host_bytes: t.tiers.host,
-                disk_bytes: t.tiers.disk,
-            })
-            .collect(),
-        Err(e) => {
-            tracing::debug!("report without templates: {e}");
-            vec![]
-        }
+/// Tells the pod a forwarded edit came from its job's events (status, steps, previews)
+/// as this pod's job `job` running it has them, until it ends; meanwhile a cancel from
+/// that pod finds the job here. Casts: an event lost
+/// with a connection is a step its watcher does not see, and the edit's answer still
+/// comes back.
+async fn relay(ctx: Arc<Ctx>, job: JobId, origin: PodOrigin) {
+    let Some(pods) = &ctx.pods else { return };
+    let key = (origin.pod.clone(), origin.job);
+    pods.relaying(key.clone(), Some(job));
+    let watched = ctx.jobs.watch(job).await.and_then(|w| w.events);
+    let (Some(mut events), Some(cell)) = (watched, pods.cell(&origin.pod)) else {
+        pods.relaying(key, None);
+        return;
     };
-    PodReport {
-        pod: ctx.config.cluster.pod.clone(),
-        started_unix: ctx.started_unix,
-        http,
-        ready: groups_live && !draining,
-        in_flight: ctx.admission.in_flight() as u32,
-        limit: ctx.admission.limit() as u32,
-        templates,
+    while let Some(e) = events.recv().await {
+        let event = match e {
+            JobEvent::Status(s, _) => PodJobEvent::Status(s),
+            JobEvent::Step { step, steps, .. } => PodJobEvent::Step { step, steps },
+            JobEvent::Preview { step, jpeg, .. } => PodJobEvent::Preview {
+                step,
+                jpeg: jpeg.to_vec(),
+            },
+        };
+        crate::node::tell(&cell, PodMsg::Event(Wire((origin.job, event))));
     }
+    pods.relaying(key, None);
 }
 
 #[cfg(test)]

@@ -22,7 +22,6 @@ pub mod http;
 mod mesh;
 pub mod service;
 pub mod state;
-mod transfer;
 mod watchdog;
 
 use std::sync::Arc;
@@ -66,9 +65,13 @@ pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
     if env.config.cluster.is_pod() {
         // A forwarded edit runs through the three stages on its pod.
         let forward_timeout = Duration::from_secs(3 * server.stage_timeout_seconds);
+        let policy = env.config.cluster.policy.parse()?;
+        let recipes = state::recipes::Recipes::new(env.config.cache.resolved_dir());
         ctx.pods = Some(state::pods::Pods::new(
             env.config.cluster.pod.clone(),
+            policy,
             forward_timeout,
+            recipes,
             ctx.metrics.clone(),
         ));
     }

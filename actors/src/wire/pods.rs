@@ -7,7 +7,7 @@ use ractor::RpcReplyPort;
 use ractor_cluster::RactorClusterMessage;
 use serde::{Deserialize, Serialize};
 
-use super::{DenoiseStats, FinishParams, Res, StageTimings, Wire};
+use super::{DenoiseStats, FinishParams, JobId, Res, StageTimings, Wire};
 
 /// The process-group scope and group of the pods' actors (apart from the groups of a
 /// pod's workers).
@@ -31,6 +31,29 @@ pub struct PodReport {
     pub limit: u32,
     /// The templates it holds.
     pub templates: Vec<PodTemplate>,
+    /// Its denoise workers as its router sees them (their own reports after every
+    /// step, with the requests sent to them since).
+    pub workers: Vec<PodWorker>,
+    /// The requests waiting at its router for a worker with room.
+    pub queued: Vec<PodRun>,
+    /// The templates it is bringing in from a peer or capturing again now.
+    pub fetching: Vec<String>,
+}
+
+/// A denoise worker in a [`PodReport`].
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PodWorker {
+    pub max_batch: u32,
+    pub running: Vec<PodRun>,
+}
+
+/// A request in a [`PodReport`]: the rows it computes per step, and its steps left.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PodRun {
+    pub text: u32,
+    pub active: u32,
+    pub image: u32,
+    pub steps_left: u32,
 }
 
 /// A template a pod holds, and its bytes in each tier there.
@@ -39,6 +62,9 @@ pub struct PodTemplate {
     pub id: String,
     pub host_bytes: u64,
     pub disk_bytes: u64,
+    /// Its image tokens and steps (what an edit of it computes).
+    pub tokens: u32,
+    pub steps: u32,
 }
 
 /// An edit of a template, forwarded whole to the pod that runs it (the fields of a
@@ -57,6 +83,71 @@ pub struct PodEdit {
     pub finish: FinishParams,
     pub negative_prompt: Option<String>,
     pub true_cfg_scale: f32,
+    /// The pod and job it came from, which the pod that runs it tells its progress
+    /// and previews ([`PodMsg::Event`]), and the previews that job asked for.
+    pub origin: Option<PodOrigin>,
+}
+
+/// Where a forwarded edit came from.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PodOrigin {
+    pub pod: String,
+    pub job: JobId,
+    pub previews: Previews,
+}
+
+/// A forwarded edit's event, as the pod that runs it tells the one it came from.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum PodJobEvent {
+    Status(JobStatus),
+    Step { step: u32, steps: u32 },
+    Preview { step: u32, jpeg: Vec<u8> },
+}
+
+/// A job's status (`GET /v1/jobs/{id}`, its events).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum JobStatus {
+    Queued,
+    Preprocessing,
+    Denoising,
+    Postprocessing,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl JobStatus {
+    pub fn is_final(self) -> bool {
+        matches!(
+            self,
+            JobStatus::Succeeded | JobStatus::Failed | JobStatus::Cancelled
+        )
+    }
+}
+
+/// The previews a request asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Previews {
+    #[default]
+    None,
+    /// One every this many steps (the native routes' `preview_every`).
+    Every(u32),
+    /// This many, spread over the steps (OpenAI's `partial_images`): one every
+    /// `ceil(steps / (n + 1))` steps, which makes at most `n` before the last step
+    /// (exactly `n` when `n + 1` divides the steps; OpenAI allows fewer).
+    Count(u32),
+}
+
+impl Previews {
+    /// The interval for a job of `steps` steps (0: none).
+    pub fn every(self, steps: u32) -> u32 {
+        match self {
+            Previews::None | Previews::Every(0) | Previews::Count(0) => 0,
+            Previews::Every(k) => k,
+            Previews::Count(n) => steps.div_ceil(n + 1).max(1),
+        }
+    }
 }
 
 /// How a forwarded edit's region is given (an encoded image's bytes travel).
@@ -133,4 +224,11 @@ pub enum PodMsg {
     Next(Wire<u64>, RpcReplyPort<Res<Vec<u8>>>),
     /// The receiver is done with the stream (finished or not).
     Close(Wire<u64>),
+    /// An event of a job this pod forwarded (its id here), from the pod running it.
+    Event(Wire<(JobId, PodJobEvent)>),
+    /// The forwarded edit of (pod, job there) was cancelled where it came from.
+    Cancel(Wire<(String, JobId)>),
+    /// A template was deleted (`DELETE /v1/templates/{id}` at a pod that held it): this
+    /// pod drops its copy and recipe.
+    Forget(Wire<String>),
 }

@@ -39,8 +39,8 @@ pub(crate) fn place(
     if members.len() < 2 {
         return None;
     }
-    let _place = ctx.balancer.enqueue(job);
     let shape = step_shape(prepared, work, 0);
+    let _place = ctx.balancer.enqueue(job, shape, run_steps(work, steps));
     let (a, b) = ctx
         .balancer
         .place_pair(&members, job, shape, run_steps(work, steps))?;

@@ -16,8 +16,9 @@ use super::stages::{
     denoise, finish_req, postprocess, preprocess, stage_timings, with_retries, Held,
 };
 use crate::router::state::jobs::JobStatus;
+use crate::router::state::pods::Route;
 use crate::router::state::Ctx;
-use crate::wire::pods::{PodEdit, PodMask};
+use crate::wire::pods::{PodEdit, PodMask, PodOrigin};
 use crate::wire::*;
 
 /// Where an edit's image comes from.
@@ -99,6 +100,7 @@ impl EditInput {
             finish: self.finish.clone(),
             negative_prompt: self.negative_prompt.clone(),
             true_cfg_scale: self.true_cfg_scale,
+            origin: None,
         })
     }
 
@@ -133,19 +135,67 @@ impl EditInput {
 
 pub use crate::wire::pods::EditOutput;
 
-/// Runs an edit to its encoded image: in this pod, or, for a template this pod does
-/// not hold and a peer does, on that peer (forwarded whole; docs/cluster.md).
+/// Runs an edit to its encoded image. In a cluster, a template edit goes to the pod the
+/// pod policy chooses (docs/cluster.md): here, or forwarded whole to a peer; a peer
+/// that goes away or cannot take it is passed over for the next choice.
 pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput, WireError> {
-    match edit_here(ctx, job, input).await {
-        Err(e) if e.kind == ErrorKind::NotFound => match (&ctx.pods, input.to_pod()) {
-            (Some(pods), Some(fwd)) if pods.known(&fwd.template) => pods.forward(fwd).await,
-            _ => Err(e),
-        },
-        r => r,
+    let (Some(pods), Some(mut fwd)) = (&ctx.pods, input.to_pod()) else {
+        return edit_obtained(ctx, job, input).await;
+    };
+    // The pod that runs it tells this job its progress and previews.
+    fwd.origin = Some(PodOrigin {
+        pod: pods.me.clone(),
+        job,
+        previews: ctx.jobs.previews(job).await,
+    });
+    let me = ctx.pod_report().await;
+    let (model, profile) = ctx.balancer.pricing();
+    let pricing = (&model, &*profile, ctx.config.cluster.copy_mb_per_s());
+    let text = fwd.max_sequence_length;
+    let mut tried = vec![];
+    loop {
+        match pods.route(&me, &fwd.template, text, &tried, pricing) {
+            Route::Here(run) => {
+                let _counted = run.map(|run| pods.count_here(job, run));
+                return edit_obtained(ctx, job, input).await;
+            }
+            Route::Peer(name) => match pods
+                .forward_to(&name, fwd.clone(), cancelled(ctx, job))
+                .await
+            {
+                Some(r) => return r,
+                None => tried.push(name),
+            },
+        }
     }
 }
 
-/// Runs an edit in this pod (a forwarded one too: it is never forwarded again).
+/// Completes once job `job` is cancelled (looked at every 100 ms, as the flows look
+/// while they wait for a worker).
+async fn cancelled(ctx: &Ctx, job: JobId) {
+    while !ctx.jobs.is_cancelled(job).await {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// Runs an edit in this pod (routed here, or forwarded by a peer: never forwarded
+/// again), bringing its template in first when this pod lacks it (a copy from a peer,
+/// or a capture again from its recipe: [`super::transfer::obtain`]).
+pub async fn edit_obtained(
+    ctx: &Ctx,
+    job: JobId,
+    input: &EditInput,
+) -> Result<EditOutput, WireError> {
+    match (edit_here(ctx, job, input).await, &input.source) {
+        (Err(e), Source::Template(id)) if e.kind == ErrorKind::NotFound && ctx.pods.is_some() => {
+            super::transfer::obtain(ctx, job, id, e).await?;
+            edit_here(ctx, job, input).await
+        }
+        (r, _) => r,
+    }
+}
+
+/// Runs an edit in this pod with the templates it holds.
 pub async fn edit_here(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput, WireError> {
     let t0 = Instant::now();
     // The template (404 before any work), and the steps and guidance it fixes.

@@ -10,3 +10,4 @@ pub mod defaults;
 pub mod edit;
 pub mod generate;
 pub(crate) mod stages;
+pub mod transfer;

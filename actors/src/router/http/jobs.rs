@@ -13,9 +13,10 @@ use utoipa::ToSchema;
 
 use super::error::{ApiError, ApiResult, ErrorBody, ErrorDetail};
 use crate::daemon::parse_job_name;
+use crate::router::service::cancel;
 use crate::router::state::jobs::JobStatus;
 use crate::router::state::Ctx;
-use crate::wire::{DenoiseMsg, ErrorKind, Wire, WireError};
+use crate::wire::{ErrorKind, WireError};
 
 pub(crate) fn job_id(s: &str) -> ApiResult<u64> {
     parse_job_name(s).ok_or_else(|| unknown(s))
@@ -118,7 +119,7 @@ pub(crate) async fn get_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>)
     ))]
 pub(crate) async fn cancel_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
     let job = job_id(&id)?;
-    let (before, worker) = ctx.jobs.cancel(job).await.ok_or_else(|| unknown(&id))?;
+    let before = cancel(&ctx, job).await.ok_or_else(|| unknown(&id))?;
     if before.is_final() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
@@ -128,9 +129,6 @@ pub(crate) async fn cancel_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<Strin
                 json!(before).as_str().unwrap_or("finished")
             ),
         ));
-    }
-    if let (JobStatus::Denoising, Some(w)) = (before, worker) {
-        crate::node::tell(&w, DenoiseMsg::Cancel(Wire(job)));
     }
     let status = "cancelling".to_string();
     Ok((StatusCode::ACCEPTED, Json(Cancelling { id, status })).into_response())

@@ -208,5 +208,10 @@ pub(crate) async fn delete_template(
     State(ctx): State<Arc<Ctx>>,
     Path(id): Path<String>,
 ) -> ApiResult {
-    Ok(Json(ctx.delete_template(&id).await?).into_response())
+    let info = ctx.delete_template(&id).await?;
+    // In a cluster, from every pod (docs/cluster.md).
+    if let Some(pods) = &ctx.pods {
+        pods.forget(&id);
+    }
+    Ok(Json(info).into_response())
 }

@@ -20,10 +20,10 @@ use tokio::task::JoinHandle;
 
 use crate::daemon::job_name;
 use crate::router::state::admission::Permit;
-use crate::router::state::jobs::Previews;
+use crate::router::state::jobs::{JobStatus, Previews};
 use crate::router::state::Ctx;
 use crate::wire::pods::EditOutput;
-use crate::wire::{ImageFormat, JobId, WireError};
+use crate::wire::{DenoiseMsg, ImageFormat, JobId, Wire, WireError};
 
 mod views;
 
@@ -93,6 +93,7 @@ where
 pub fn submit_peer_edit<Fut>(
     ctx: &Arc<Ctx>,
     format: ImageFormat,
+    previews: Previews,
     flow: impl FnOnce(Arc<Ctx>, JobId) -> Fut,
     answer: impl FnOnce(Result<(JobId, EditOutput), WireError>) + Send + 'static,
 ) where
@@ -102,21 +103,25 @@ pub fn submit_peer_edit<Fut>(
         Ok(p) => p,
         Err(e) => return answer(Err(e)),
     };
-    let Submitted { job, task } = submit(
-        ctx,
-        permit,
-        "edit",
-        0,
-        Previews::None,
-        flow,
-        move |job, o| EditReply::new(job, o, format, false),
-    );
+    let Submitted { job, task } = submit(ctx, permit, "edit", 0, previews, flow, move |job, o| {
+        EditReply::new(job, o, format, false)
+    });
     tokio::spawn(async move {
         let r = task
             .await
             .unwrap_or_else(|e| Err(WireError::internal(format!("request task failed: {e}"))));
         answer(r.map(|o| (job, o)));
     });
+}
+
+/// Cancels job `job` (`DELETE /v1/jobs/{id}`, or the pod a forwarded edit came from):
+/// it stops at its next step boundary. Its status before; `None` for an unknown job.
+pub async fn cancel(ctx: &Ctx, job: JobId) -> Option<JobStatus> {
+    let (before, worker) = ctx.jobs.cancel(job).await?;
+    if let (JobStatus::Denoising, Some(w)) = (before, worker) {
+        crate::node::tell(&w, DenoiseMsg::Cancel(Wire(job)));
+    }
+    Some(before)
 }
 
 /// Runs a request's flow on its own task, inside its span (so every log line of it

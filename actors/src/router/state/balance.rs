@@ -80,8 +80,9 @@ struct State {
     /// defaults.
     profile: Arc<Profile>,
     announced: bool,
-    /// Requests waiting for a worker with room, in arrival order.
-    queue: VecDeque<JobId>,
+    /// Requests waiting for a worker with room, in arrival order, with their shapes
+    /// and steps (the pod's load as its peers price it).
+    queue: VecDeque<(JobId, Running)>,
 }
 
 /// The decision of [`Balancer::place`].
@@ -166,8 +167,12 @@ impl Balancer {
 
     /// Takes a place in the queue of requests waiting for a worker; the place is given
     /// up when the returned guard drops.
-    pub fn enqueue(&self, job: JobId) -> QueuePlace<'_> {
-        self.lock().queue.push_back(job);
+    pub fn enqueue(&self, job: JobId, shape: StepShape, steps: u32) -> QueuePlace<'_> {
+        let run = Running {
+            shape,
+            steps_left: steps,
+        };
+        self.lock().queue.push_back((job, run));
         QueuePlace { b: self, job }
     }
 
@@ -189,7 +194,7 @@ impl Balancer {
     ) -> Option<Placement> {
         let t0 = Instant::now();
         let mut st = self.lock();
-        if st.queue.front() != Some(&job) {
+        if st.queue.front().map(|q| q.0) != Some(job) {
             return None;
         }
         // In name order, so that ties (which go to the lowest index) are broken the
@@ -260,13 +265,50 @@ impl Balancer {
             .filter(|c| c.get_id() != a.worker.get_id())
             .cloned()
             .collect();
-        self.lock().queue.push_front(job);
+        let run = Running {
+            shape,
+            steps_left: steps,
+        };
+        self.lock().queue.push_front((job, run));
         let b = self.place(&rest, job, shape, steps, None);
         if b.is_none() {
-            self.lock().queue.retain(|j| *j != job);
+            self.lock().queue.retain(|q| q.0 != job);
             self.settle(&a.worker.get_name().unwrap_or_default(), job);
         }
         Some((a, b?))
+    }
+
+    /// The pod's load as its peers' routers price it: each worker's requests (with those
+    /// sent to it since its report) and batch limit, and the requests waiting for room.
+    pub fn pod_load(&self) -> (Vec<(Vec<Running>, usize)>, Vec<Running>) {
+        let st = self.lock();
+        let workers = st
+            .workers
+            .values()
+            .map(|w| {
+                let v = w.view(None, self.max_batch);
+                let max_batch = match w.load.max_batch {
+                    0 => self.max_batch,
+                    n => n as usize,
+                };
+                (v.running, max_batch)
+            })
+            .collect();
+        (workers, st.queue.iter().map(|q| q.1).collect())
+    }
+
+    /// Whether `job` is in this balancer's hands: waiting for a worker, or on one.
+    pub fn has(&self, job: JobId) -> bool {
+        let st = self.lock();
+        st.queue.iter().any(|q| q.0 == job)
+            || st.workers.values().any(|w| {
+                w.sent.iter().any(|s| s.0 == job) || w.load.requests.iter().any(|e| e.job == job)
+            })
+    }
+
+    /// What prices a step: the served model and the profile routing uses.
+    pub fn pricing(&self) -> (FluxConfig, Arc<Profile>) {
+        (self.model.clone(), self.lock().profile.clone())
     }
 
     /// What `GET /admin/routing` shows: the policy, and each worker's load as the
@@ -310,7 +352,7 @@ pub struct QueuePlace<'a> {
 impl Drop for QueuePlace<'_> {
     fn drop(&mut self) {
         let mut st = self.b.lock();
-        if let Some(i) = st.queue.iter().position(|&j| j == self.job) {
+        if let Some(i) = st.queue.iter().position(|q| q.0 == self.job) {
             st.queue.remove(i);
             drop(st);
             self.b.changed.notify_waiters();
@@ -384,7 +426,7 @@ mod tests {
     }
 
     fn place(b: &Balancer, m: &[ActorCell], job: JobId, active: usize) -> Option<String> {
-        let _q = b.enqueue(job);
+        let _q = b.enqueue(job, shape(active), 28);
         b.place(m, job, shape(active), 28, None)
             .map(|p| p.worker.get_name().unwrap())
     }
@@ -439,9 +481,17 @@ mod tests {
         let m = cells(&["a"]).await;
         let b = balancer(Policy::MaskAware);
         b.report(load(&m[0], &[(1, 100, 5), (2, 100, 5)], 2));
-        let q3 = b.enqueue(3);
-        let q4 = b.enqueue(4);
+        let q3 = b.enqueue(3, shape(10), 28);
+        let q4 = b.enqueue(4, shape(30), 28);
         assert!(b.place(&m, 3, shape(10), 28, None).is_none(), "no room");
+        // The pod's load as its peers see it: the worker's two requests, the two waiting.
+        let (workers, queued) = b.pod_load();
+        assert_eq!(workers.len(), 1);
+        assert_eq!((workers[0].0.len(), workers[0].1), (2, 2));
+        assert_eq!(
+            queued.iter().map(|r| r.shape.active).collect::<Vec<_>>(),
+            [10, 30]
+        );
         b.report(load(&m[0], &[(1, 100, 4)], 2));
         // Room for one: job 4 may not overtake job 3.
         assert!(b.place(&m, 4, shape(10), 28, None).is_none());
@@ -484,14 +534,14 @@ mod tests {
             step_stride: 1,
         };
         // Neither holds it: the idle worker.
-        let q = b.enqueue(2);
+        let q = b.enqueue(2, shape(300), 28);
         let p = b.place(&m, 2, shape(300), 28, Some(&t)).unwrap();
         assert_eq!(p.worker.get_name(), m[0].get_name());
         drop(q);
         b.settle(&m[0].get_name().unwrap(), 2);
         // b holds it: b, busy as it is.
         b.report(lb);
-        let _q = b.enqueue(3);
+        let _q = b.enqueue(3, shape(300), 28);
         let p = b.place(&m, 3, shape(300), 28, Some(&t)).unwrap();
         assert_eq!(p.worker.get_name(), m[1].get_name());
         assert!(p.decision_s < 0.01, "{}", p.decision_s);

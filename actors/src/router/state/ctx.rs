@@ -12,6 +12,8 @@ use ractor::ActorCell;
 use super::jobs::Jobs;
 use crate::daemon::unix_now;
 use crate::node::{self, Shm, WorkerEnv};
+use crate::routing::Running;
+use crate::wire::pods::{PodReport, PodRun, PodTemplate, PodWorker};
 use crate::wire::*;
 
 /// Workers found gone that [`Ctx::ask`] remembers.
@@ -246,7 +248,7 @@ impl Ctx {
     ) -> Result<ActorCell, WireError> {
         let t0 = Instant::now();
         let limit = Duration::from_secs(self.config.server.stage_timeout_seconds);
-        let _place = self.balancer.enqueue(job);
+        let _place = self.balancer.enqueue(job, shape, steps);
         loop {
             // Armed before looking, so that a change while we look is not missed.
             let changed = self.balancer.notified();
@@ -381,6 +383,61 @@ impl Ctx {
         match self.config.cluster.is_pod() {
             true => &self.config.cluster.pod,
             false => "",
+        }
+    }
+
+    /// This pod's report: what its peers see of it every second, and what its own router
+    /// weighs against theirs.
+    pub async fn pod_report(&self) -> PodReport {
+        let draining = self.admission.is_draining();
+        let groups_live = self.ready().iter().all(|(_, have, want)| have >= want);
+        let templates = match self.templates().await {
+            Ok(t) => t
+                .into_iter()
+                .map(|t| PodTemplate {
+                    id: t.id,
+                    host_bytes: t.tiers.host,
+                    disk_bytes: t.tiers.disk,
+                    tokens: t.tokens,
+                    steps: t.steps,
+                })
+                .collect(),
+            Err(e) => {
+                tracing::debug!("report without templates: {e}");
+                vec![]
+            }
+        };
+        let run = |r: &Running| PodRun {
+            text: r.shape.text as u32,
+            active: r.shape.active as u32,
+            image: r.shape.image as u32,
+            steps_left: r.steps_left,
+        };
+        let (workers, queued) = self.balancer.pod_load();
+        let pods = self.pods.as_ref();
+        PodReport {
+            pod: self.config.cluster.pod.clone(),
+            started_unix: self.started_unix,
+            http: pods.and_then(|p| p.http.get().cloned()).unwrap_or_default(),
+            ready: groups_live && !draining,
+            in_flight: self.admission.in_flight() as u32,
+            limit: self.admission.limit() as u32,
+            templates,
+            workers: workers
+                .iter()
+                .map(|(running, max_batch)| PodWorker {
+                    max_batch: *max_batch as u32,
+                    running: running.iter().map(run).collect(),
+                })
+                .collect(),
+            queued: queued
+                .iter()
+                .map(run)
+                .chain(pods.map_or(vec![], |p| p.pending_here(|job| self.balancer.has(job))))
+                .collect(),
+            fetching: pods
+                .map(crate::router::state::pods::Pods::fetching)
+                .unwrap_or_default(),
         }
     }
 

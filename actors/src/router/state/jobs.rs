@@ -19,27 +19,8 @@ use tokio::sync::mpsc;
 
 use crate::daemon::{job_name, unix_now};
 use crate::wire::{JobId, WireError};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum JobStatus {
-    Queued,
-    Preprocessing,
-    Denoising,
-    Postprocessing,
-    Succeeded,
-    Failed,
-    Cancelled,
-}
-
-impl JobStatus {
-    pub fn is_final(self) -> bool {
-        matches!(
-            self,
-            JobStatus::Succeeded | JobStatus::Failed | JobStatus::Cancelled
-        )
-    }
-}
+// Statuses and previews cross pods with a forwarded edit (`crate::wire::pods`).
+pub use crate::wire::pods::{JobStatus, Previews};
 
 /// What `GET /v1/jobs/{id}` shows.
 #[derive(Clone, Debug, Serialize)]
@@ -66,30 +47,6 @@ struct Entry {
     previews: Previews,
     created: Instant,
     watchers: Vec<mpsc::Sender<JobEvent>>,
-}
-
-/// The previews a request asks for.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Previews {
-    #[default]
-    None,
-    /// One every this many steps (the native routes' `preview_every`).
-    Every(u32),
-    /// This many, spread over the steps (OpenAI's `partial_images`): one every
-    /// `ceil(steps / (n + 1))` steps, which makes at most `n` before the last step
-    /// (exactly `n` when `n + 1` divides the steps; OpenAI allows fewer).
-    Count(u32),
-}
-
-impl Previews {
-    /// The interval for a job of `steps` steps (0: none).
-    pub fn every(self, steps: u32) -> u32 {
-        match self {
-            Previews::None | Previews::Every(0) | Previews::Count(0) => 0,
-            Previews::Every(k) => k,
-            Previews::Count(n) => steps.div_ceil(n + 1).max(1),
-        }
-    }
 }
 
 /// What a watcher of a job sees, in order.
@@ -139,6 +96,8 @@ pub enum JobsMsg {
     Cancel(JobId, RpcReplyPort<Option<(JobStatus, Option<ActorCell>)>>),
     IsCancelled(JobId, RpcReplyPort<bool>),
     PreviewEvery(JobId, RpcReplyPort<u32>),
+    /// The previews the job's request asked for.
+    Previews(JobId, RpcReplyPort<Previews>),
     /// The job now, and its events from here on (none for a job that has ended).
     Watch(JobId, RpcReplyPort<Option<Watched>>),
 }
@@ -181,6 +140,12 @@ impl Jobs {
         self.ask(|p| JobsMsg::PreviewEvery(id, p))
             .await
             .unwrap_or(0)
+    }
+    /// The previews the job's request asked for (none for an unknown job).
+    pub async fn previews(&self, id: JobId) -> Previews {
+        self.ask(|p| JobsMsg::Previews(id, p))
+            .await
+            .unwrap_or_default()
     }
     /// The job as it is, and a channel of its events from here on; `None` for an
     /// unknown job.
@@ -372,6 +337,9 @@ impl Actor for JobsActor {
                     .get(&id)
                     .map_or(0, |j| j.previews.every(j.view.steps));
                 let _ = reply.send(every);
+            }
+            JobsMsg::Previews(id, reply) => {
+                let _ = reply.send(t.jobs.get(&id).map(|j| j.previews).unwrap_or_default());
             }
             JobsMsg::Watch(id, reply) => {
                 let ahead = t.ahead(id);

@@ -7,6 +7,8 @@ pub mod admission;
 pub mod balance;
 mod ctx;
 pub mod jobs;
+pub mod pod_route;
 pub mod pods;
+pub mod recipes;
 
 pub use ctx::{AdapterDir, Ctx, GenerationModel};

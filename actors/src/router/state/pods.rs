@@ -2,17 +2,20 @@
 //! answer, where each template is, and the call that forwards an edit to one. The mesh
 //! (`crate::router::mesh`) fills it; the edit flow reads it.
 
-use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use ractor::ActorCell;
 use serde::Serialize;
 
+use super::pod_route::{self, TemplateSize};
+use super::recipes::Recipes;
 use crate::metrics::router::RouterMetrics;
 use crate::node;
-use crate::wire::pods::{EditOutput, PodEdit, PodMsg, PodReport};
-use crate::wire::{ErrorKind, Wire, WireError};
+use crate::routing::pods::{PodPolicy, PodRouter};
+use crate::wire::pods::{EditOutput, PodEdit, PodMsg, PodReport, PodRun};
+use crate::wire::{ErrorKind, JobId, Wire, WireError};
 
 /// A peer that has not answered a report for this long is down: its edits go
 /// elsewhere until it answers again.
@@ -49,16 +52,200 @@ pub struct Pods {
     /// deadlines; this bounds a peer that stops answering mid-edit).
     pub forward_timeout: Duration,
     metrics: RouterMetrics,
+    /// This pod's HTTP address (in its reports), once it listens.
+    pub http: OnceLock<String>,
+    /// The pod policy, with its round-robin turn.
+    router: Mutex<PodRouter>,
+    /// The recipes of the templates this pod's peers hold.
+    pub recipes: Recipes,
+    /// One lock per template this pod brings in (a copy, a capture again): edits
+    /// and replication that need the same template wait for one another's copy.
+    obtaining: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Template edits routed here that have not reached the balancer yet (they are
+    /// being brought in or preprocessed): they count in this pod's queue, as forwarded
+    /// ones count in a peer's until its next report.
+    here: Mutex<Vec<(JobId, PodRun)>>,
+    /// Forwarded edits running here: (the pod, its job there) to the job here.
+    relayed: Mutex<HashMap<(String, JobId), JobId>>,
+    /// Templates deleted lately, whose recipes are not learnt again from a peer that
+    /// has not dropped its copy yet.
+    forgotten: Mutex<HashMap<String, Instant>>,
+}
+
+/// How long a deleted template's recipe is not learnt again (its peers drop their
+/// copies within a report or two).
+const FORGOTTEN_FOR: Duration = Duration::from_secs(10);
+
+/// An edit routed here, counted in this pod's load until it drops.
+pub struct Counted<'a> {
+    pods: &'a Pods,
+    job: JobId,
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        let mut here = self.pods.here.lock().unwrap_or_else(|p| p.into_inner());
+        here.retain(|h| h.0 != self.job);
+    }
+}
+
+/// Where an edit of a template should run.
+#[derive(Debug, PartialEq)]
+pub enum Route {
+    /// Here, with what the edit costs this pod (none when no pod holds its template).
+    Here(Option<PodRun>),
+    Peer(String),
 }
 
 impl Pods {
-    pub fn new(me: String, forward_timeout: Duration, metrics: RouterMetrics) -> Self {
+    pub fn new(
+        me: String,
+        policy: PodPolicy,
+        forward_timeout: Duration,
+        recipes: Recipes,
+        metrics: RouterMetrics,
+    ) -> Self {
         Pods {
             me,
             peers: Mutex::new(BTreeMap::new()),
             forward_timeout,
             metrics,
+            http: OnceLock::new(),
+            router: Mutex::new(PodRouter::new(policy)),
+            recipes,
+            obtaining: Mutex::new(HashMap::new()),
+            here: Mutex::new(Vec::new()),
+            relayed: Mutex::new(HashMap::new()),
+            forgotten: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Template `id` was deleted (here or on a peer): its recipe goes, and is not
+    /// learnt again for a while.
+    pub fn forgotten(&self, id: &str) {
+        self.recipes.remove(id);
+        let mut m = self.forgotten.lock().unwrap_or_else(|p| p.into_inner());
+        m.retain(|_, t| t.elapsed() < FORGOTTEN_FOR);
+        m.insert(id.to_string(), Instant::now());
+    }
+
+    /// Whether template `id` was deleted lately.
+    pub fn was_forgotten(&self, id: &str) -> bool {
+        let m = self.forgotten.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(id).is_some_and(|t| t.elapsed() < FORGOTTEN_FOR)
+    }
+
+    /// Notes that job `here` runs the edit `origin` forwarded (`None`: it ended).
+    pub fn relaying(&self, origin: (String, JobId), here: Option<JobId>) {
+        let mut m = self.relayed.lock().unwrap_or_else(|p| p.into_inner());
+        match here {
+            Some(job) => m.insert(origin, job),
+            None => m.remove(&origin),
+        };
+    }
+
+    /// The job here running the edit `origin` forwarded.
+    pub fn relayed(&self, origin: &(String, JobId)) -> Option<JobId> {
+        let m = self.relayed.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(origin).copied()
+    }
+
+    /// Counts edit `job`, routed here, in this pod's load while the returned guard
+    /// lives (the edit flow holds it until the edit ends).
+    pub fn count_here(&self, job: JobId, run: PodRun) -> Counted<'_> {
+        let mut here = self.here.lock().unwrap_or_else(|p| p.into_inner());
+        here.push((job, run));
+        Counted { pods: self, job }
+    }
+
+    /// The edits routed here that `placed` (the balancer) does not hold yet.
+    pub fn pending_here(&self, placed: impl Fn(JobId) -> bool) -> Vec<PodRun> {
+        let here = self.here.lock().unwrap_or_else(|p| p.into_inner());
+        here.iter().filter(|h| !placed(h.0)).map(|h| h.1).collect()
+    }
+
+    pub fn policy(&self) -> PodPolicy {
+        self.router.lock().unwrap_or_else(|p| p.into_inner()).policy
+    }
+
+    /// The lock of bringing template `id` into this pod.
+    pub fn obtaining(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut m = self.obtaining.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(id.to_string()).or_default().clone()
+    }
+
+    /// The templates this pod is bringing in now.
+    pub fn fetching(&self) -> Vec<String> {
+        let m = self.obtaining.lock().unwrap_or_else(|p| p.into_inner());
+        m.iter()
+            .filter(|(_, l)| l.try_lock().is_err())
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    /// Where an edit of template `id` (`text` prompt tokens) should run, by the pod
+    /// policy ([`pod_route::choose`]) over this pod (`me`, its report now) and the peers
+    /// up and ready, except those in `tried`. Here when no pod holds the template and
+    /// no recipe of it is known (the edit's 404 is this pod's to give).
+    pub fn route(
+        &self,
+        me: &PodReport,
+        id: &str,
+        text: u32,
+        tried: &[String],
+        pricing: (
+            &denoised_models::flux::FluxConfig,
+            &denoised_models::profile::Profile,
+            f64,
+        ),
+    ) -> Route {
+        let mut peers = self.peers();
+        let mut pods: Vec<&PodReport> = vec![me];
+        pods.extend(
+            peers
+                .iter()
+                .filter(|(name, p)| p.up && p.report.ready && !tried.contains(name))
+                .map(|(_, p)| &p.report),
+        );
+        let recipe = self.recipes.get(id).map(|(info, _)| TemplateSize {
+            bytes: info.cache_bytes + info.vae_trace_bytes,
+            tokens: info.tokens,
+            steps: info.steps,
+        });
+        let Some(size) = TemplateSize::reported(id, pods.iter().copied()).or(recipe) else {
+            return Route::Here(None);
+        };
+        let mut router = self.router.lock().unwrap_or_else(|p| p.into_inner());
+        let chosen = pod_route::choose(
+            &mut router,
+            &pods,
+            size,
+            text,
+            recipe.is_some(),
+            pricing,
+            id,
+        );
+        let route = match chosen {
+            Some(i) if i > 0 => Route::Peer(pods[i].pod.clone()),
+            _ => Route::Here(Some(size.run(text))),
+        };
+        let pod = match &route {
+            Route::Here(_) => self.me.clone(),
+            Route::Peer(name) => {
+                // It counts in the peer's queue until the peer's next report (which
+                // lists it, or has run it), so a burst does not all go to the pod
+                // that looked idle a moment ago.
+                if let Some(p) = peers.get_mut(name) {
+                    p.report.queued.push(size.run(text));
+                }
+                name.clone()
+            }
+        };
+        self.metrics
+            .pod_routes
+            .get_or_create(&[("policy", router.policy.name().into()), ("pod", pod)])
+            .inc();
+        route
     }
 
     fn peers(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Peer>> {
@@ -123,17 +310,10 @@ impl Pods {
         self.count_up(&peers);
     }
 
-    /// Whether some peer, up or not, holds template `id`.
-    pub fn known(&self, id: &str) -> bool {
-        self.peers()
-            .values()
-            .any(|p| p.report.templates.iter().any(|t| t.id == id))
-    }
-
-    /// The peer that should run an edit of template `id`, among those up and ready
-    /// (not starting, not draining) that hold it (`exclude`: tried already): one
-    /// holding it in memory before one with it on disk only, then the least busy (in
-    /// flight over its limit), then by name.
+    /// The peer to copy template `id` from, among those up and ready (not starting,
+    /// not draining) that hold it (`exclude`: tried already): one holding it in memory
+    /// before one with it on disk only, then the least busy (in flight over its
+    /// limit), then by name.
     pub fn holder(&self, id: &str, exclude: &[String]) -> Option<String> {
         let peers = self.peers();
         peers
@@ -148,59 +328,99 @@ impl Pods {
             .map(|(_, _, name)| name)
     }
 
-    /// Forwards an edit of a template this pod lacks to a peer that holds it, and on to
-    /// another holder when that peer goes away mid-edit (it is marked down) or cannot
-    /// take it (unavailable, overloaded). Its other errors (a bad mask) come back as
-    /// they are.
-    pub async fn forward(&self, edit: PodEdit) -> Result<EditOutput, WireError> {
-        let mut tried: Vec<String> = vec![];
-        loop {
-            let Some(name) = self.holder(&edit.template, &tried) else {
-                return Err(WireError::new(
-                    ErrorKind::Unavailable,
-                    format!(
-                        "template `{}`: no pod that holds it is up and ready ({}); retry later",
-                        edit.template,
-                        self.holders(&edit.template).join(", ")
-                    ),
-                ));
-            };
-            let Some(cell) = self.peers().get(&name).map(|p| p.cell.clone()) else {
-                continue;
-            };
-            let e = edit.clone();
-            let r = node::call(&cell, self.forward_timeout, |p| PodMsg::Edit(Wire(e), p)).await;
-            // A pod that cannot take it now (going down, full) leaves it to another
-            // holder; its other answers (a bad mask, say) are the edit's.
-            let elsewhere =
-                |e: &WireError| matches!(e.kind, ErrorKind::Unavailable | ErrorKind::Overloaded);
-            let result = match &r {
-                Ok(Ok(_)) => "ok",
-                Ok(Err(e)) if elsewhere(e) => "refused",
-                Ok(Err(_)) => "error",
-                Err(_) => "lost",
-            };
-            self.metrics
-                .pod_forwards
-                .get_or_create(&[("pod", name.clone()), ("result", result.into())])
-                .inc();
-            match r {
-                Ok(Err(e)) if elsewhere(&e) => {
-                    tracing::info!("pod {name} refused an edit ({}); trying another", e.message);
-                    tried.push(name);
+    /// Forwards an edit to peer `name`. `None` when it went away mid-edit (it is
+    /// marked down) or could not take it (unavailable, overloaded): the edit goes
+    /// elsewhere. Its other answers (a bad mask) are the edit's.
+    pub async fn forward_to(
+        &self,
+        name: &str,
+        edit: PodEdit,
+        cancelled: impl std::future::Future<Output = ()>,
+    ) -> Option<Result<EditOutput, WireError>> {
+        let cell = self.cell(name)?;
+        let origin = edit.origin.as_ref().map(|o| (o.pod.clone(), o.job));
+        let call = node::call(&cell, self.forward_timeout, |p| PodMsg::Edit(Wire(edit), p));
+        tokio::pin!(call, cancelled);
+        let mut told = false;
+        // A cancel here goes on to the pod running it; its answer (cancelled, or done
+        // before it could stop) ends the edit.
+        let r = loop {
+            tokio::select! {
+                r = &mut call => break r,
+                () = &mut cancelled, if !told => {
+                    told = true;
+                    if let Some(o) = &origin {
+                        node::tell(&cell, PodMsg::Cancel(Wire(o.clone())));
+                    }
                 }
-                Ok(answer) => return answer,
-                Err(e) => {
-                    tracing::warn!("pod {name} lost an edit forwarded to it: {e}; trying another");
-                    self.mark_down(&name);
-                    tried.push(name);
-                }
+            }
+        };
+        let elsewhere =
+            |e: &WireError| matches!(e.kind, ErrorKind::Unavailable | ErrorKind::Overloaded);
+        let result = match &r {
+            Ok(Ok(_)) => "ok",
+            Ok(Err(e)) if elsewhere(e) => "refused",
+            Ok(Err(_)) => "error",
+            Err(_) => "lost",
+        };
+        self.metrics
+            .pod_forwards
+            .get_or_create(&[("pod", name.to_string()), ("result", result.into())])
+            .inc();
+        if r.is_ok() {
+            self.refresh(name, cell.clone()).await;
+        }
+        match r {
+            Ok(Err(e)) if elsewhere(&e) => {
+                tracing::info!("pod {name} refused an edit ({}); trying another", e.message);
+                None
+            }
+            Ok(answer) => Some(answer),
+            Err(e) => {
+                tracing::warn!("pod {name} lost an edit forwarded to it: {e}; trying another");
+                self.mark_down(name);
+                None
             }
         }
     }
 
+    /// Asks peer `name` for its report now: an edit this router forwarded there has
+    /// ended, so its last report (up to a second old, the edit counted in it) is
+    /// stale where the next decision looks.
+    async fn refresh(&self, name: &str, cell: ActorCell) {
+        let timeout = Duration::from_secs(1);
+        match node::ask(&cell, timeout, |p| PodMsg::Report(Wire(()), p)).await {
+            Ok(report) if report.pod == name => {
+                self.reported(cell, report);
+            }
+            Ok(_) => {}
+            Err(e) => tracing::debug!("pod {name} did not report: {e}"),
+        }
+    }
+
+    /// Template `id` was deleted here: every peer up drops its copy and recipe, and
+    /// this pod its recipe. (A peer down misses it, and reports its copy again when it
+    /// returns.)
+    pub fn forget(&self, id: &str) {
+        self.forgotten(id);
+        for p in self.peers().values().filter(|p| p.up) {
+            node::tell(&p.cell, PodMsg::Forget(Wire(id.to_string())));
+        }
+    }
+
+    /// The error of a template edit no pod can run: no holder up and no recipe.
+    pub fn no_holder(&self, id: &str) -> WireError {
+        WireError::new(
+            ErrorKind::Unavailable,
+            format!(
+                "template `{id}`: no pod that holds it is up and ready ({}); retry later",
+                self.holders(id).join(", ")
+            ),
+        )
+    }
+
     /// The peers that hold template `id`, with their state.
-    fn holders(&self, id: &str) -> Vec<String> {
+    pub fn holders(&self, id: &str) -> Vec<String> {
         self.peers()
             .iter()
             .filter(|(_, p)| p.report.templates.iter().any(|t| t.id == id))
@@ -288,8 +508,13 @@ mod tests {
                     id: id.into(),
                     host_bytes: host,
                     disk_bytes: 1,
+                    tokens: 16,
+                    steps: 4,
                 })
                 .collect(),
+            workers: vec![],
+            queued: vec![],
+            fetching: vec![],
         }
     }
 
@@ -301,7 +526,15 @@ mod tests {
             &mut Default::default(),
             Default::default(),
         );
-        let pods = Pods::new("me".into(), Duration::from_secs(1), m);
+        let d = tempfile::tempdir().unwrap();
+        let recipes = Recipes::new(d.path().to_path_buf());
+        let pods = Pods::new(
+            "me".into(),
+            PodPolicy::default(),
+            Duration::from_secs(1),
+            recipes,
+            m,
+        );
         let c = || cell.get_cell();
         pods.reported(c(), report("a", 1.0, true, 5, &[("t", 0)]));
         pods.reported(c(), report("b", 1.0, true, 9, &[("t", 1)]));
@@ -312,7 +545,6 @@ mod tests {
         // Then the least busy.
         assert_eq!(pods.holder("t", &["b".into()]).as_deref(), Some("c"));
         assert_eq!(pods.holder("u", &[]), None);
-        assert!(pods.known("t") && !pods.known("u"));
         // An older daemon of b (an orphan draining) does not displace the newer one.
         pods.reported(c(), report("b", 2.0, true, 0, &[("t", 1)]));
         assert!(!pods.reported(c(), report("b", 1.0, false, 0, &[])));

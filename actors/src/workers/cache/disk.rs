@@ -70,6 +70,13 @@ struct Stored {
     info: TemplateInfo,
 }
 
+/// The description in a version's `info.json` (as a peer exports it).
+pub fn stored_info(bytes: &[u8]) -> Result<TemplateInfo, String> {
+    serde_json::from_slice::<Stored>(bytes)
+        .map(|s| s.info)
+        .map_err(|e| format!("not a template's description: {e}"))
+}
+
 #[derive(Clone)]
 pub struct DiskTier {
     root: PathBuf,

@@ -5,6 +5,10 @@
 //! cookie and TLS. The sending router reads its pod's disk tier; the receiving router
 //! writes into its own, then its cache process indexes the copy.
 //!
+//! A pod that an edit is routed to and lacks its template [`obtain`]s it: a copy from a
+//! peer, or, when no pod holds it any more, a capture again from its recipe
+//! ([`learn_recipes`] keeps every peer template's).
+//!
 //! [`replicate`] keeps `[cluster] template_replicas` copies of each template: every pod
 //! ranks the pods up by a hash of (template, pod), and a pod among the first that lack
 //! the template fetches it. Every router computes the same ranking from the same
@@ -20,9 +24,10 @@ use std::time::Duration;
 use denoised_models::flux::template_transfer;
 use ractor::ActorCell;
 
+use super::capture::{capture, TemplateInput};
 use crate::router::state::Ctx;
 use crate::wire::pods::{Exported, PodMsg};
-use crate::wire::{CacheMsg, Wire, WireError};
+use crate::wire::{CacheMsg, ErrorKind, JobId, Wire, WireError};
 use crate::workers::cache::disk::DiskTier;
 
 /// How long a stream's next chunk may take (the sender reads its disk at its cap).
@@ -233,10 +238,39 @@ pub fn chosen<'a>(id: &str, pods: &'a [String], replicas: usize) -> Vec<&'a Stri
     ranked
 }
 
+/// Copies template `id` from peer `from` into this pod, counted in the metrics. The
+/// bytes moved.
+pub async fn copy_from(ctx: &Ctx, from: &str, id: &str) -> Result<u64, String> {
+    let r = match ctx.pods.as_ref().and_then(|p| p.cell(from)) {
+        Some(cell) => fetch(ctx, cell, id).await,
+        None => Err(format!("pod {from} went away")),
+    };
+    let result = match &r {
+        Ok(bytes) => {
+            ctx.metrics.pod_transfer_bytes.inc_by(*bytes);
+            tracing::info!(
+                "template `{id}`: copied from pod {from} ({:.1} MB)",
+                *bytes as f64 / 1e6
+            );
+            "ok"
+        }
+        Err(e) => {
+            tracing::warn!("template `{id}`: copy from pod {from} failed: {e}");
+            "error"
+        }
+    };
+    ctx.metrics
+        .pod_transfers
+        .get_or_create(&[("pod", from.to_string()), ("result", result.into())])
+        .inc();
+    r
+}
+
 /// One round of replication: for each template with fewer than `[cluster]
 /// template_replicas` holders up, this pod fetches it when it is among the pods chosen
-/// to hold it. `busy` keeps one fetch per template at a time.
-pub async fn replicate(ctx: Arc<Ctx>, busy: Arc<Mutex<HashSet<String>>>) {
+/// to hold it (one copy of a template at a time:
+/// [`crate::router::state::pods::Pods::obtaining`]).
+pub async fn replicate(ctx: Arc<Ctx>) {
     let Some(pods) = &ctx.pods else { return };
     let replicas = ctx.config.cluster.template_replicas as usize;
     if replicas <= 1 {
@@ -261,37 +295,102 @@ pub async fn replicate(ctx: Arc<Ctx>, busy: Arc<Mutex<HashSet<String>>>) {
         if !chosen(&id, &lacking, replicas - holders.len()).contains(&&pods.me) {
             continue;
         }
-        if !busy.lock().unwrap().insert(id.clone()) {
+        let Ok(guard) = pods.obtaining(&id).try_lock_owned() else {
             continue;
-        }
-        let (ctx, busy) = (ctx.clone(), busy.clone());
+        };
+        let ctx = ctx.clone();
         tokio::spawn(async move {
-            let from = holders[0].clone();
-            let r = match ctx.pods.as_ref().and_then(|p| p.cell(&from)) {
-                Some(cell) => fetch(&ctx, cell, &id).await,
-                None => Err(format!("pod {from} went away")),
-            };
-            let result = match &r {
-                Ok(bytes) => {
-                    ctx.metrics.pod_transfer_bytes.inc_by(*bytes);
-                    tracing::info!(
-                        "template `{id}`: copied from pod {from} ({:.1} MB)",
-                        *bytes as f64 / 1e6
-                    );
-                    "ok"
-                }
-                Err(e) => {
-                    tracing::warn!("template `{id}`: copy from pod {from} failed: {e}");
-                    "error"
-                }
-            };
-            ctx.metrics
-                .pod_transfers
-                .get_or_create(&[("pod", from), ("result", result.into())])
-                .inc();
-            busy.lock().unwrap().remove(&id);
+            let _ = copy_from(&ctx, &holders[0], &id).await;
+            drop(guard);
         });
     }
+}
+
+/// Keeps the recipe of every template a peer up holds and this pod has neither a
+/// recipe nor a copy of (asked of a holder: its description and image).
+pub async fn learn_recipes(ctx: &Ctx) {
+    let Some(pods) = &ctx.pods else { return };
+    let (_, held) = pods.placement();
+    let mine: HashSet<String> = match ctx.templates().await {
+        Ok(t) => t.into_iter().map(|t| t.id).collect(),
+        Err(_) => return,
+    };
+    for (id, holders) in held {
+        if mine.contains(&id) || pods.recipes.has(&id) || pods.was_forgotten(&id) {
+            continue;
+        }
+        let Some(cell) = pods.cell(&holders[0]) else {
+            continue;
+        };
+        let asked =
+            crate::node::ask(&cell, CHUNK_WAIT, |p| PodMsg::Export(Wire(id.clone()), p)).await;
+        match asked
+            .map_err(|e| e.message)
+            .and_then(|e| pods.recipes.save(&id, &e.info, &e.image))
+        {
+            Ok(()) => tracing::debug!("template `{id}`: kept its recipe"),
+            Err(e) => tracing::debug!("template `{id}`: no recipe from pod {}: {e}", holders[0]),
+        }
+    }
+    ctx.metrics.pod_recipes.set(pods.recipes.count() as i64);
+}
+
+/// Brings template `id` into this pod for an edit that found it missing (`missing`,
+/// its error, when nothing can): a copy from a peer that holds it, else a capture
+/// again from its recipe when no holder is left. One at a time per template: an edit
+/// that waited for another's copy finds it here.
+pub async fn obtain(ctx: &Ctx, job: JobId, id: &str, missing: WireError) -> Result<(), WireError> {
+    let Some(pods) = &ctx.pods else {
+        return Err(missing);
+    };
+    let lock = pods.obtaining(id);
+    let _held = lock.lock().await;
+    if ctx.template(id).await.is_ok() {
+        return Ok(());
+    }
+    let mut tried = vec![];
+    while let Some(from) = pods.holder(id, &tried) {
+        if copy_from(ctx, &from, id).await.is_ok() {
+            return Ok(());
+        }
+        tried.push(from);
+    }
+    let Some((info, image)) = pods.recipes.get(id) else {
+        return Err(match pods.holders(id).is_empty() {
+            true => missing,
+            false => pods.no_holder(id),
+        });
+    };
+    tracing::warn!("template `{id}`: no pod holds it any more; capturing it again from its recipe");
+    let cache_mode = match info.cache_mode.as_str() {
+        "" => ctx.config.cache.mode.parse(),
+        m => m.parse(),
+    }
+    .map_err(WireError::internal)?;
+    let input = TemplateInput {
+        id: info.id,
+        image,
+        prompt: info.prompt,
+        steps: info.steps,
+        guidance: info.guidance,
+        seed: info.seed,
+        max_sequence_length: info.max_sequence_length,
+        replace: false,
+        cache_mode,
+        step_stride: info.kv_step_stride,
+        loras: info.loras,
+    };
+    let r = match capture(ctx, job, &input).await {
+        // A copy arrived meanwhile (replication does not wait for this lock's holder).
+        Err(e) if e.kind == ErrorKind::Conflict => Ok(()),
+        r => r.map(|_| ()),
+    };
+    let result = if r.is_ok() { "ok" } else { "error" };
+    ctx.metrics
+        .recaptures
+        .get_or_create(&[("result", result)])
+        .inc();
+    r
 }
 
 #[cfg(test)]
