@@ -369,7 +369,7 @@ impl Actor for PodActor {
             PodMsg::Report(_, reply) => {
                 let ctx = ctx.clone();
                 tokio::spawn(async move {
-                    let _ = reply.send(Wire(Ok(ctx.pod_report().await)));
+                    let _ = reply.send(Wire(Ok(ctx.pod_report(None).await)));
                 });
             }
             PodMsg::Edit(Wire(mut e), reply) => {

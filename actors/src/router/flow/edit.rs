@@ -148,7 +148,7 @@ pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput
         job,
         previews: ctx.jobs.previews(job).await,
     });
-    let me = ctx.pod_report().await;
+    let me = ctx.pod_report(Some(&fwd.template)).await;
     let (model, profile) = ctx.balancer.pricing();
     let pricing = (&model, &*profile, ctx.config.cluster.copy_mb_per_s());
     let text = fwd.max_sequence_length;

@@ -388,10 +388,20 @@ impl Ctx {
 
     /// This pod's report: what its peers see of it every second, and what its own router
     /// weighs against theirs.
-    pub async fn pod_report(&self) -> PodReport {
+    /// `only`: the one template a routing decision is about (the report's other
+    /// templates are not read; a pod may hold thousands).
+    pub async fn pod_report(&self, only: Option<&str>) -> PodReport {
         let draining = self.admission.is_draining();
         let groups_live = self.ready().iter().all(|(_, have, want)| have >= want);
-        let templates = match self.templates().await {
+        let listed = match only {
+            Some(id) => match self.template(id).await {
+                Ok(t) => Ok(vec![t.info]),
+                Err(e) if e.kind == ErrorKind::NotFound => Ok(vec![]),
+                Err(e) => Err(e),
+            },
+            None => self.templates().await,
+        };
+        let templates = match listed {
             Ok(t) => t
                 .into_iter()
                 .map(|t| PodTemplate {

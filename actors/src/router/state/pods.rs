@@ -207,7 +207,7 @@ impl Pods {
                 .filter(|(name, p)| p.up && p.report.ready && !tried.contains(name))
                 .map(|(_, p)| &p.report),
         );
-        let recipe = self.recipes.get(id).map(|(info, _)| TemplateSize {
+        let recipe = self.recipes.info(id).map(|info| TemplateSize {
             bytes: info.cache_bytes + info.vae_trace_bytes,
             tokens: info.tokens,
             steps: info.steps,

@@ -56,12 +56,16 @@ impl Recipes {
         write().map_err(|e| format!("{}: {e}", dest.display()))
     }
 
+    /// Template `id`'s description, if this pod kept its recipe.
+    pub fn info(&self, id: &str) -> Option<TemplateInfo> {
+        let p = self.path(id)?;
+        disk::stored_info(&std::fs::read(p.join(INFO)).ok()?).ok()
+    }
+
     /// Template `id`'s description and image, if this pod kept its recipe.
     pub fn get(&self, id: &str) -> Option<(TemplateInfo, Vec<u8>)> {
-        let p = self.path(id)?;
-        let info = disk::stored_info(&std::fs::read(p.join(INFO)).ok()?).ok()?;
-        let image = std::fs::read(p.join(IMAGE)).ok()?;
-        Some((info, image))
+        let image = std::fs::read(self.path(id)?.join(IMAGE)).ok()?;
+        Some((self.info(id)?, image))
     }
 
     /// Drops template `id`'s recipe.
