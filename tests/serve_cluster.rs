@@ -113,6 +113,19 @@ fn an_edit_runs_on_the_pod_holding_its_template_and_the_cluster_survives_that_po
     );
     let (last, done) = events.last().unwrap();
     assert_eq!((last.as_str(), &done["pod"]), ("done", &json!("a")));
+    let relayed = |p: &Pod, d: &str| {
+        let m = p.d().metrics();
+        counter(
+            &m,
+            "denoised_pod_events_total",
+            &format!("direction=\"{d}\""),
+        )
+    };
+    assert!(
+        relayed(&pods[c], "in") >= 5.0,
+        "4 steps and a preview at least"
+    );
+    assert_eq!(relayed(&pods[a], "out"), relayed(&pods[c], "in"));
     assert_eq!(edit_image(done), edit_image(&on_a), "the streamed result");
     // Cancelled where it arrived, a forwarded edit stops where it runs.
     pods[a].d().template("long", 40);

@@ -62,6 +62,9 @@ pub struct RouterMetrics {
     pub pod_routes: Family<[(&'static str, String); 2], Counter>,
     pub recaptures: Family<[(&'static str, &'static str); 1], Counter>,
     pub pod_recipes: Gauge,
+    /// Events of forwarded edits, by direction: `out` to the pod each came from, `in`
+    /// from the pod running it.
+    pub pod_events: Family<[(&'static str, &'static str); 1], Counter>,
 }
 
 impl RouterMetrics {
@@ -95,7 +98,13 @@ impl RouterMetrics {
             pod_routes: Family::default(),
             recaptures: Family::default(),
             pod_recipes: Gauge::default(),
+            pod_events: Family::default(),
         };
+        r.register(
+            "pod_events",
+            "Events of forwarded edits (status, step, preview), by direction: out (to the pod the edit came from), in (from the pod running it)",
+            m.pod_events.clone(),
+        );
         r.register(
             "pod_routes",
             "Template edits this router placed on a pod, by pod policy and pod (this pod's own name when it ran here)",

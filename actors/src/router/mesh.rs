@@ -426,16 +426,20 @@ impl Actor for PodActor {
                     }
                 });
             }
-            PodMsg::Event(Wire((job, event))) => match event {
-                // Its end comes with the edit's answer.
-                PodJobEvent::Status(s) if s.is_final() => {}
-                PodJobEvent::Status(s) => ctx.jobs.stage(job, s, None),
-                PodJobEvent::Step { step, steps } => {
-                    ctx.jobs.steps(job, steps);
-                    ctx.jobs.progress(job, step);
+            PodMsg::Event(Wire((job, event))) => {
+                let events = &ctx.metrics.pod_events;
+                events.get_or_create(&[("direction", "in")]).inc();
+                match event {
+                    // Its end comes with the edit's answer.
+                    PodJobEvent::Status(s) if s.is_final() => {}
+                    PodJobEvent::Status(s) => ctx.jobs.stage(job, s, None),
+                    PodJobEvent::Step { step, steps } => {
+                        ctx.jobs.steps(job, steps);
+                        ctx.jobs.progress(job, step);
+                    }
+                    PodJobEvent::Preview { step, jpeg } => ctx.jobs.preview(job, step, jpeg),
                 }
-                PodJobEvent::Preview { step, jpeg } => ctx.jobs.preview(job, step, jpeg),
-            },
+            }
         }
         Ok(())
     }
@@ -465,6 +469,8 @@ async fn relay(ctx: Arc<Ctx>, job: JobId, origin: PodOrigin) {
             },
         };
         crate::node::tell(&cell, PodMsg::Event(Wire((origin.job, event))));
+        let events = &ctx.metrics.pod_events;
+        events.get_or_create(&[("direction", "out")]).inc();
     }
     pods.relaying(key, None);
 }

@@ -149,12 +149,11 @@ pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput
         previews: ctx.jobs.previews(job).await,
     });
     let me = ctx.pod_report(Some(&fwd.template)).await;
-    let (model, profile) = ctx.balancer.pricing();
-    let pricing = (&model, &*profile, ctx.config.cluster.copy_mb_per_s());
+    let pricing = ctx.pricing();
     let text = fwd.max_sequence_length;
     let mut tried = vec![];
     loop {
-        match pods.route(&me, &fwd.template, text, &tried, pricing) {
+        match pods.route(&me, &fwd.template, text, &tried, &pricing) {
             Route::Here(run) => {
                 let _counted = run.map(|run| pods.count_here(job, run));
                 return edit_obtained(ctx, job, input).await;

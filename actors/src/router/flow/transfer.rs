@@ -336,8 +336,8 @@ pub async fn learn_recipes(ctx: &Ctx) {
 }
 
 /// Brings template `id` into this pod for an edit that found it missing (`missing`,
-/// its error, when nothing can): a copy from a peer that holds it, else a capture
-/// again from its recipe when no holder is left. One at a time per template: an edit
+/// its error, when nothing can): a copy from a peer that holds it, or a capture again
+/// from its recipe when no holder is left or that is cheaper by the cost model. One at a time per template: an edit
 /// that waited for another's copy finds it here.
 pub async fn obtain(ctx: &Ctx, job: JobId, id: &str, missing: WireError) -> Result<(), WireError> {
     let Some(pods) = &ctx.pods else {
@@ -348,20 +348,45 @@ pub async fn obtain(ctx: &Ctx, job: JobId, id: &str, missing: WireError) -> Resu
     if ctx.template(id).await.is_ok() {
         return Ok(());
     }
+    let recipe = pods.recipes.get(id);
+    // A copy, unless capturing it again is cheaper by the cost model (a large template
+    // over a slow link), as routing priced it.
+    let pricing = ctx.pricing();
+    let cheaper = recipe
+        .as_ref()
+        .is_some_and(|(info, _)| pods.recapture_is_cheaper(id, info, &pricing));
     let mut tried = vec![];
-    while let Some(from) = pods.holder(id, &tried) {
+    while let Some(from) = pods.holder(id, &tried).filter(|_| !cheaper) {
         if copy_from(ctx, &from, id).await.is_ok() {
             return Ok(());
         }
         tried.push(from);
     }
-    let Some((info, image)) = pods.recipes.get(id) else {
+    let Some((info, image)) = recipe else {
         return Err(match pods.holders(id).is_empty() {
             true => missing,
             false => pods.no_holder(id),
         });
     };
-    tracing::warn!("template `{id}`: no pod holds it any more; capturing it again from its recipe");
+    tracing::warn!(
+        "template `{id}`: capturing it again from its recipe (no copy, or a copy costs more)"
+    );
+    let r = recapture(ctx, job, info, image).await;
+    let result = if r.is_ok() { "ok" } else { "error" };
+    ctx.metrics
+        .recaptures
+        .get_or_create(&[("result", result)])
+        .inc();
+    r
+}
+
+/// Captures a template again from its recipe (its description and image), under its id.
+async fn recapture(
+    ctx: &Ctx,
+    job: JobId,
+    info: crate::wire::TemplateInfo,
+    image: Vec<u8>,
+) -> Result<(), WireError> {
     let cache_mode = match info.cache_mode.as_str() {
         "" => ctx.config.cache.mode.parse(),
         m => m.parse(),
@@ -380,17 +405,11 @@ pub async fn obtain(ctx: &Ctx, job: JobId, id: &str, missing: WireError) -> Resu
         step_stride: info.kv_step_stride,
         loras: info.loras,
     };
-    let r = match capture(ctx, job, &input).await {
-        // A copy arrived meanwhile (replication does not wait for this lock's holder).
+    match capture(ctx, job, &input).await {
+        // Registered here meanwhile (by a client): that one stands.
         Err(e) if e.kind == ErrorKind::Conflict => Ok(()),
         r => r.map(|_| ()),
-    };
-    let result = if r.is_ok() { "ok" } else { "error" };
-    ctx.metrics
-        .recaptures
-        .get_or_create(&[("result", result)])
-        .inc();
-    r
+    }
 }
 
 #[cfg(test)]

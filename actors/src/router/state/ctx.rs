@@ -388,6 +388,16 @@ impl Ctx {
 
     /// This pod's report: what its peers see of it every second, and what its own router
     /// weighs against theirs.
+    /// What prices a template's miss between pods (the routing profile, the link).
+    pub fn pricing(&self) -> super::pod_route::Pricing {
+        let (model, profile) = self.balancer.pricing();
+        super::pod_route::Pricing {
+            model,
+            profile,
+            copy_mb_per_s: self.config.cluster.copy_mb_per_s(),
+        }
+    }
+
     /// `only`: the one template a routing decision is about (the report's other
     /// templates are not read; a pod may hold thousands).
     pub async fn pod_report(&self, only: Option<&str>) -> PodReport {

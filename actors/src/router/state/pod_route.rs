@@ -94,7 +94,39 @@ impl TemplateSize {
     }
 }
 
-/// The pod among `pods` (this one first) that should run an edit of a template of
+/// What prices a template's miss: the served model and the routing profile (a step, a
+/// load), and the MB a second a copy between pods moves at.
+#[derive(Clone)]
+pub struct Pricing {
+    pub model: denoised_models::flux::FluxConfig,
+    pub profile: std::sync::Arc<denoised_models::profile::Profile>,
+    pub copy_mb_per_s: f64,
+}
+
+impl Pricing {
+    fn cost(&self) -> ProfileCost<'_> {
+        ProfileCost {
+            config: &self.model,
+            profile: &self.profile,
+        }
+    }
+
+    /// The price of a template of `size` a pod lacks, for an edit of `text` prompt
+    /// tokens: a copy (the whole file at the link), or a capture again (its steps of a
+    /// full-image step; never, when its recipe is not known).
+    pub fn miss(&self, size: TemplateSize, text: u32, recapture: bool) -> MissPrices {
+        let shape = running(&size.run(text)).shape;
+        MissPrices {
+            fetch_s: size.bytes as f64 / (self.copy_mb_per_s * 1e6),
+            recapture_s: match recapture {
+                true => size.steps as f64 * self.cost().step_s(&[shape]),
+                false => f64::INFINITY,
+            },
+        }
+    }
+}
+
+/// The pod among `pods` (this one first) that should run an edit of template `id` of
 /// `size` with `text` prompt tokens, by `router`'s policy. `recapture`: whether a pod
 /// lacking it may capture it again (its recipe is known), else only copies count.
 ///
@@ -103,30 +135,15 @@ impl TemplateSize {
 pub fn choose(
     router: &mut crate::routing::pods::PodRouter,
     pods: &[&PodReport],
-    size: TemplateSize,
-    text: u32,
-    recapture: bool,
-    (model, profile, copy_mb_per_s): (
-        &denoised_models::flux::FluxConfig,
-        &denoised_models::profile::Profile,
-        f64,
-    ),
     id: &str,
+    (size, text, recapture): (TemplateSize, u32, bool),
+    pricing: &Pricing,
 ) -> Option<usize> {
-    let cost = ProfileCost {
-        config: model,
-        profile,
-    };
+    let (cost, profile) = (pricing.cost(), &pricing.profile);
     let bytes = size.bytes as f64;
-    let copy_s = bytes / (copy_mb_per_s * 1e6);
+    let miss = pricing.miss(size, text, recapture);
+    let copy_s = miss.fetch_s;
     let shape = running(&size.run(text)).shape;
-    let miss = MissPrices {
-        fetch_s: copy_s,
-        recapture_s: match recapture {
-            true => size.steps as f64 * cost.step_s(&[shape]),
-            false => f64::INFINITY,
-        },
-    };
     let req = Incoming {
         shape,
         steps: size.steps,
@@ -209,15 +226,17 @@ mod tests {
     /// where it is; round_robin turns.
     #[test]
     fn reports_are_priced_like_the_simulator_prices_pods() {
-        let model = FluxConfig::named("flux-small").unwrap();
-        let profile = Profile::defaults("cpu");
-        let pricing = (&model, &profile, 1250.0);
+        let pricing = Pricing {
+            model: FluxConfig::named("flux-small").unwrap(),
+            profile: std::sync::Arc::new(Profile::defaults("cpu")),
+            copy_mb_per_s: 1250.0,
+        };
         let size = TemplateSize::reported("t", [pod("a", &[("t", 1 << 20)], 0)].iter()).unwrap();
         assert_eq!(size.tokens, 256);
         let choose = |policy, pods: &[PodReport]| {
             let mut r = PodRouter::new(policy);
             let pods: Vec<&PodReport> = pods.iter().collect();
-            choose(&mut r, &pods, size, 32, false, pricing, "t")
+            choose(&mut r, &pods, "t", (size, 32, false), &pricing)
         };
         let me_idle = pod("me", &[], 0);
         let holder_idle = pod("a", &[("t", 1 << 20)], 0);
@@ -233,9 +252,24 @@ mod tests {
             ..size
         };
         let mut r = PodRouter::new(ta);
-        let slow = (&model, &profile, 1.0);
+        let slow = Pricing {
+            copy_mb_per_s: 1.0,
+            ..pricing.clone()
+        };
         let both = [&me_idle, &holder_busy];
-        assert_eq!(choose_with(&mut r, &both, big, slow), Some(1));
+        assert_eq!(choose_with(&mut r, &both, big, &slow), Some(1));
+        // A pod lacking it copies it, unless capturing it again costs less: a 1 MB
+        // template at 1250 MB/s copies in 0.8 ms; at 0.001 MB/s, in 1000 s, beyond a
+        // capture of its 28 steps.
+        let m = pricing.miss(size, 32, true);
+        assert!(m.fetch_s < 0.001 && m.fetch_s < m.recapture_s, "{m:?}");
+        let crawl = Pricing {
+            copy_mb_per_s: 0.001,
+            ..pricing.clone()
+        };
+        let m = crawl.miss(size, 32, true);
+        assert!(m.recapture_s < m.fetch_s, "{m:?}");
+        assert_eq!(crawl.miss(size, 32, false).recapture_s, f64::INFINITY);
         // least_loaded: the idle pod even when the holder is idle too (ties: first).
         let ll = PodPolicy::LeastLoaded;
         assert_eq!(choose(ll, &[me_idle.clone(), holder_idle.clone()]), Some(0));
@@ -243,7 +277,7 @@ mod tests {
         let mut r = PodRouter::new(PodPolicy::RoundRobin);
         let both = [&me_idle, &holder_idle];
         let turns: Vec<_> = (0..3)
-            .map(|_| choose_with(&mut r, &both, size, pricing))
+            .map(|_| choose_with(&mut r, &both, size, &pricing))
             .collect();
         assert_eq!(turns, [Some(0), Some(1), Some(0)]);
     }
@@ -252,8 +286,8 @@ mod tests {
         r: &mut PodRouter,
         pods: &[&PodReport],
         size: TemplateSize,
-        pricing: (&FluxConfig, &Profile, f64),
+        pricing: &Pricing,
     ) -> Option<usize> {
-        choose(r, pods, size, 32, false, pricing, "t")
+        choose(r, pods, "t", (size, 32, false), pricing)
     }
 }

@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 use ractor::ActorCell;
 use serde::Serialize;
 
-use super::pod_route::{self, TemplateSize};
+use super::pod_route::{self, Pricing, TemplateSize};
 use super::recipes::Recipes;
 use crate::metrics::router::RouterMetrics;
 use crate::node;
 use crate::routing::pods::{PodPolicy, PodRouter};
 use crate::wire::pods::{EditOutput, PodEdit, PodMsg, PodReport, PodRun};
-use crate::wire::{ErrorKind, JobId, Wire, WireError};
+use crate::wire::{ErrorKind, JobId, TemplateInfo, Wire, WireError};
 
 /// A peer that has not answered a report for this long is down: its edits go
 /// elsewhere until it answers again.
@@ -193,11 +193,7 @@ impl Pods {
         id: &str,
         text: u32,
         tried: &[String],
-        pricing: (
-            &denoised_models::flux::FluxConfig,
-            &denoised_models::profile::Profile,
-            f64,
-        ),
+        pricing: &Pricing,
     ) -> Route {
         let mut peers = self.peers();
         let mut pods: Vec<&PodReport> = vec![me];
@@ -216,15 +212,8 @@ impl Pods {
             return Route::Here(None);
         };
         let mut router = self.router.lock().unwrap_or_else(|p| p.into_inner());
-        let chosen = pod_route::choose(
-            &mut router,
-            &pods,
-            size,
-            text,
-            recipe.is_some(),
-            pricing,
-            id,
-        );
+        let need = (size, text, recipe.is_some());
+        let chosen = pod_route::choose(&mut router, &pods, id, need, pricing);
         let route = match chosen {
             Some(i) if i > 0 => Route::Peer(pods[i].pod.clone()),
             _ => Route::Here(Some(size.run(text))),
@@ -406,6 +395,18 @@ impl Pods {
         for p in self.peers().values().filter(|p| p.up) {
             node::tell(&p.cell, PodMsg::Forget(Wire(id.to_string())));
         }
+    }
+
+    /// Whether capturing template `id` (`info`, its recipe's description) again here is
+    /// cheaper than copying it from a peer up that holds it (always, when none does).
+    pub fn recapture_is_cheaper(&self, id: &str, info: &TemplateInfo, pricing: &Pricing) -> bool {
+        let peers = self.peers();
+        let up = peers.values().filter(|p| p.up && p.report.ready);
+        let Some(size) = TemplateSize::reported(id, up.map(|p| &p.report)) else {
+            return true;
+        };
+        let m = pricing.miss(size, info.max_sequence_length, true);
+        m.recapture_s < m.fetch_s
     }
 
     /// The error of a template edit no pod can run: no holder up and no recipe.
