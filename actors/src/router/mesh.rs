@@ -382,7 +382,9 @@ impl Actor for PodActor {
                     input.finish.format,
                     previews,
                     move |ctx, job| async move {
-                        if let Some(o) = origin {
+                        if let (Some(o), Some(pods)) = (origin, &ctx.pods) {
+                            // Known before any await: a cancel may follow at once.
+                            pods.relaying((o.pod.clone(), o.job), Some(job));
                             tokio::spawn(relay(ctx.clone(), job, o));
                         }
                         // Run here: a forwarded edit is never forwarded again.
@@ -446,14 +448,13 @@ impl Actor for PodActor {
 }
 
 /// Tells the pod a forwarded edit came from its job's events (status, steps, previews)
-/// as this pod's job `job` running it has them, until it ends; meanwhile a cancel from
-/// that pod finds the job here. Casts: an event lost
-/// with a connection is a step its watcher does not see, and the edit's answer still
+/// as this pod's job `job` running it has them, until it ends, and then forgets the
+/// edit's origin (which a cancel from that pod looks up meanwhile). Casts: an event
+/// lost with a connection is a step its watcher does not see; the edit's answer still
 /// comes back.
 async fn relay(ctx: Arc<Ctx>, job: JobId, origin: PodOrigin) {
     let Some(pods) = &ctx.pods else { return };
     let key = (origin.pod.clone(), origin.job);
-    pods.relaying(key.clone(), Some(job));
     let watched = ctx.jobs.watch(job).await.and_then(|w| w.events);
     let (Some(mut events), Some(cell)) = (watched, pods.cell(&origin.pod)) else {
         pods.relaying(key, None);

@@ -164,10 +164,6 @@ impl Pods {
         here.iter().filter(|h| !placed(h.0)).map(|h| h.1).collect()
     }
 
-    pub fn policy(&self) -> PodPolicy {
-        self.router.lock().unwrap_or_else(|p| p.into_inner()).policy
-    }
-
     /// The lock of bringing template `id` into this pod.
     pub fn obtaining(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
         let mut m = self.obtaining.lock().unwrap_or_else(|p| p.into_inner());
