@@ -670,6 +670,36 @@ mod tests {
         assert_eq!(c.copy_mb_per_s(), 100.0);
     }
 
+    /// The Kubernetes ConfigMap's config.toml (deploy/kubernetes/configmap.yaml) is one
+    /// this build reads: every key known, the cluster's keys consistent (its cookie
+    /// comes from a Secret).
+    #[test]
+    fn the_kubernetes_configmap_is_a_config_this_build_reads() {
+        let yaml = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/kubernetes/configmap.yaml"
+        ))
+        .unwrap();
+        let toml: String = yaml
+            .lines()
+            .skip_while(|l| !l.trim_start().starts_with("config.toml: |"))
+            .skip(1)
+            .take_while(|l| l.is_empty() || l.starts_with("    "))
+            .map(|l| format!("{}\n", l.get(4..).unwrap_or("")))
+            .collect();
+        assert!(toml.contains("[cluster]"), "{toml}");
+        let mut c = Config::parse(&toml).unwrap();
+        c.cluster.cookie = "from-the-secret".into();
+        // The TLS files are the Secret's, mounted in the pod: all three named.
+        let tls = [&c.cluster.tls_ca, &c.cluster.tls_cert, &c.cluster.tls_key];
+        assert!(tls.iter().all(|f| !f.is_empty()), "{tls:?}");
+        c.cluster.tls_ca.clear();
+        c.cluster.tls_cert.clear();
+        c.cluster.tls_key.clear();
+        c.cluster.check().unwrap();
+        assert!(c.cluster.is_pod());
+    }
+
     #[test]
     fn unknown_keys_are_errors() {
         let e = Config::parse("[device]\ndevise = \"cpu\"\n").unwrap_err();
