@@ -12,6 +12,7 @@ use common::pods::*;
 
 #[test]
 fn a_pod_with_another_cookie_is_refused() {
+    let _one = one_cluster_at_a_time();
     let mut a = Pod::new("a", "127.0.0.2");
     let mut d = Pod::new("d", "127.0.0.5");
     a.start(&[a.addr(), d.addr()], COOKIE);
@@ -144,6 +145,7 @@ fn pod_cert(dir: &Path, ca: &str, trust: &str, name: &str, ip: &str) -> String {
 
 #[test]
 fn pods_speak_tls_and_refuse_a_certificate_the_cluster_ca_did_not_sign() {
+    let _one = one_cluster_at_a_time();
     let certs = tempfile::tempdir().unwrap();
     let dir = certs.path();
     ca(dir, "cluster");

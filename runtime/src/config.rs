@@ -433,7 +433,7 @@ pub struct ClusterConfig {
     /// The most a pod sends of its templates to its peers, in MB (1e6 bytes) a second
     /// per transfer; 0: no cap.
     pub transfer_mb_per_s: f64,
-    /// Which pod runs an edit of a template: `template_aware` (the pod where it would
+    /// Which pod runs a template edit or a generation: `template_aware` (the pod where it would
     /// cost the least latency, the template's whereabouts priced), `least_loaded` (the
     /// same, its template ignored) or `round_robin`.
     pub policy: String,

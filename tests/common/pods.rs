@@ -11,6 +11,14 @@ use serde_json::{json, Value};
 
 use super::*;
 
+/// One cluster at a time in a test binary: three pods of three processes each are as
+/// much as a 2-core machine runs with timings that mean something (the tests measure
+/// when a lost pod is marked down and served around).
+pub fn one_cluster_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 pub const COOKIE: &str = "pods-of-a-test";
 
 /// A pod: its directory (config, shared memory, cache, log) and its daemon.
@@ -20,6 +28,8 @@ pub struct Pod {
     pub port: u16,
     pub dir: tempfile::TempDir,
     pub d: Option<Daemon>,
+    /// `--model` (the built-in Fill model when `None`).
+    pub model: Option<String>,
 }
 
 /// A free port on `ip` for a pod's cluster listener.
@@ -39,6 +49,7 @@ impl Pod {
             port: free_port(ip),
             dir: tempfile::tempdir().unwrap(),
             d: None,
+            model: None,
         }
     }
 
@@ -78,7 +89,16 @@ impl Pod {
         .unwrap();
         self.d = Some(Daemon::start_at(
             &format!("{}:0", self.ip),
-            &["--config", config.to_str().unwrap()],
+            &[
+                ["--config", config.to_str().unwrap()].as_slice(),
+                self.model
+                    .as_deref()
+                    .map(|m| ["--model", m])
+                    .as_slice()
+                    .concat()
+                    .as_slice(),
+            ]
+            .concat(),
             &[("DENOISED_CACHE_DIR", cache.to_str().unwrap())],
             &self.log(),
         ));
@@ -173,11 +193,19 @@ pub fn counter(metrics: &str, name: &str, labels: &str) -> f64 {
 
 /// Three pods on 127.0.0.2-4, with these more `[cluster]` keys, each seeing the others.
 pub fn start_three(more: &str) -> Vec<Pod> {
+    start_three_of(None, more)
+}
+
+/// [`start_three`] serving `model` (`--model`).
+pub fn start_three_of(model: Option<&str>, more: &str) -> Vec<Pod> {
     let mut pods = vec![
         Pod::new("a", "127.0.0.2"),
         Pod::new("b", "127.0.0.3"),
         Pod::new("c", "127.0.0.4"),
     ];
+    for p in &mut pods {
+        p.model = model.map(String::from);
+    }
     let all: Vec<String> = pods.iter().map(Pod::addr).collect();
     for p in &mut pods {
         p.start_with(&all, COOKIE, more);

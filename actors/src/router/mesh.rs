@@ -21,10 +21,11 @@ use ractor_cluster::node::NodeConnectionMode;
 use ractor_cluster::{IncomingEncryptionMode, NodeServer, NodeServerMessage};
 
 use crate::router::flow::edit::{edit_obtained, EditInput};
+use crate::router::flow::generate::{generate_here, GenerateInput};
 use crate::router::flow::transfer;
-use crate::router::service::{cancel, submit_peer_edit};
-use crate::router::state::jobs::JobEvent;
-use crate::router::state::Ctx;
+use crate::router::service::{cancel, submit_peer, submit_peer_edit, GenerationReply};
+use crate::router::state::jobs::{JobEvent, Previews};
+use crate::router::state::{Ctx, Listed};
 use crate::wire::pods::{PodJobEvent, PodMsg, PodOrigin, GROUP, SCOPE};
 use crate::wire::{JobId, Wire};
 
@@ -369,27 +370,40 @@ impl Actor for PodActor {
             PodMsg::Report(_, reply) => {
                 let ctx = ctx.clone();
                 tokio::spawn(async move {
-                    let _ = reply.send(Wire(Ok(ctx.pod_report(None).await)));
+                    let _ = reply.send(Wire(Ok(ctx.pod_report(Listed::All).await)));
                 });
             }
             PodMsg::Edit(Wire(mut e), reply) => {
                 ctx.metrics.pod_forwarded_in.inc();
                 let origin = e.origin.take();
-                let previews = origin.as_ref().map(|o| o.previews).unwrap_or_default();
                 let input = EditInput::from_pod(e);
                 submit_peer_edit(
                     ctx,
                     input.finish.format,
-                    previews,
+                    previews_of(&origin),
                     move |ctx, job| async move {
-                        if let (Some(o), Some(pods)) = (origin, &ctx.pods) {
-                            // Known before any await: a cancel may follow at once.
-                            pods.relaying((o.pod.clone(), o.job), Some(job));
-                            tokio::spawn(relay(ctx.clone(), job, o));
-                        }
-                        // Run here: a forwarded edit is never forwarded again.
+                        relay_from(&ctx, job, origin);
+                        // Run here: a forwarded request is never forwarded again.
                         edit_obtained(&ctx, job, &input).await
                     },
+                    move |r| {
+                        let _ = reply.send(Wire(r.map(|(_, o)| o)));
+                    },
+                );
+            }
+            PodMsg::Generate(Wire(mut g), reply) => {
+                ctx.metrics.pod_forwarded_in.inc();
+                let origin = g.origin.take();
+                let format = g.format;
+                let input = GenerateInput::from_pod(g);
+                submit_peer(
+                    ctx,
+                    ("generation", previews_of(&origin)),
+                    move |ctx, job| async move {
+                        relay_from(&ctx, job, origin);
+                        generate_here(&ctx, job, &input).await
+                    },
+                    move |job, o| GenerationReply::new(job, o, format, false),
                     move |r| {
                         let _ = reply.send(Wire(r.map(|(_, o)| o)));
                     },
@@ -444,6 +458,20 @@ impl Actor for PodActor {
             }
         }
         Ok(())
+    }
+}
+
+/// The previews a forwarded request's origin asked for.
+fn previews_of(origin: &Option<PodOrigin>) -> Previews {
+    origin.as_ref().map(|o| o.previews).unwrap_or_default()
+}
+
+/// Starts telling a forwarded request's origin (if it gave one) job `job`'s events
+/// ([`relay`]). The origin is known before any await: a cancel may follow at once.
+fn relay_from(ctx: &Arc<Ctx>, job: JobId, origin: Option<PodOrigin>) {
+    if let (Some(o), Some(pods)) = (origin, &ctx.pods) {
+        pods.relaying((o.pod.clone(), o.job), Some(job));
+        tokio::spawn(relay(ctx.clone(), job, o));
     }
 }
 

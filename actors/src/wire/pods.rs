@@ -88,7 +88,72 @@ pub struct PodEdit {
     pub origin: Option<PodOrigin>,
 }
 
-/// Where a forwarded edit came from.
+/// A generation without LoRAs or ControlNets of its own, forwarded whole to the pod
+/// that runs it (the fields of a generation's request).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PodGenerate {
+    pub prompt: String,
+    pub steps: Option<u32>,
+    pub guidance: Option<f32>,
+    pub seed: u64,
+    pub width: Option<u32>,
+    pub height: Option<u32>,
+    pub max_sequence_length: u32,
+    pub approx: ApproxMode,
+    pub format: super::ImageFormat,
+    pub negative_prompt: Option<String>,
+    pub true_cfg_scale: f32,
+    pub origin: Option<PodOrigin>,
+}
+
+/// What a generation does with the approximate cache (`approx_cache` in a request).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ApproxMode {
+    /// Start from the nearest similar prompt's state when there is one (the default).
+    #[default]
+    Auto,
+    /// Neither read nor fill the cache.
+    Off,
+    /// Only a state of this very prompt and seed, so that the image is the uncached
+    /// one, bit for bit; a miss fills the cache.
+    Exact,
+}
+
+/// What the approximate cache did for a request (the reply's `approx_cache`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ApproxOutcome {
+    pub hit: bool,
+    /// The steps skipped (0 on a miss).
+    pub k: u32,
+    /// The matched prompt's cosine similarity (a hit only).
+    pub similarity: Option<f32>,
+}
+
+/// A generation's result: the encoded image and what the reply says of its run (a
+/// forwarded generation's comes back whole from the pod that ran it).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct GenerateOutput {
+    pub image: Vec<u8>,
+    pub width: u32,
+    pub height: u32,
+    pub steps: u32,
+    pub prompt_truncated: bool,
+    pub timings: StageTimings,
+    pub stats: DenoiseStats,
+    pub attempts: usize,
+    pub approx: ApproxOutcome,
+    /// Whether the approximate cache was asked (not opted out).
+    pub approx_used: bool,
+    /// Its LoRAs and the step they applied from.
+    pub loras: Vec<LoraApplied>,
+    /// True CFG, when it ran.
+    pub true_cfg: Option<TrueCfgOutcome>,
+    /// The pod that ran it (empty outside a cluster).
+    pub pod: String,
+}
+
+/// Where a forwarded edit or generation came from.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PodOrigin {
     pub pod: String,
@@ -212,6 +277,8 @@ pub enum PodMsg {
     Report(Wire<()>, RpcReplyPort<Res<PodReport>>),
     #[rpc]
     Edit(Wire<PodEdit>, RpcReplyPort<Res<EditOutput>>),
+    #[rpc]
+    Generate(Wire<PodGenerate>, RpcReplyPort<Res<GenerateOutput>>),
     /// The newest version of a template this pod holds on disk.
     #[rpc]
     Export(Wire<String>, RpcReplyPort<Res<Exported>>),

@@ -12,13 +12,14 @@ use denoised_runtime::shm::Handle;
 use super::controlnets::ControlNetInput;
 use super::defaults;
 use super::generate::{true_cfg_of, TrueCfgOutcome};
+use super::pod::on_pod;
 use super::stages::{
     denoise, finish_req, postprocess, preprocess, stage_timings, with_retries, Held,
 };
 use crate::router::state::jobs::JobStatus;
-use crate::router::state::pods::Route;
+use crate::router::state::pods::Need;
 use crate::router::state::Ctx;
-use crate::wire::pods::{PodEdit, PodMask, PodOrigin};
+use crate::wire::pods::{PodEdit, PodMask, PodMsg};
 use crate::wire::*;
 
 /// Where an edit's image comes from.
@@ -136,45 +137,24 @@ impl EditInput {
 pub use crate::wire::pods::EditOutput;
 
 /// Runs an edit to its encoded image. In a cluster, a template edit goes to the pod the
-/// pod policy chooses (docs/cluster.md): here, or forwarded whole to a peer; a peer
-/// that goes away or cannot take it is passed over for the next choice.
+/// pod policy chooses ([`super::pod::on_pod`]).
 pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput, WireError> {
-    let (Some(pods), Some(mut fwd)) = (&ctx.pods, input.to_pod()) else {
+    let (Some(pods), Some(fwd)) = (&ctx.pods, input.to_pod()) else {
         return edit_obtained(ctx, job, input).await;
     };
-    // The pod that runs it tells this job its progress and previews.
-    fwd.origin = Some(PodOrigin {
-        pod: pods.me.clone(),
-        job,
-        previews: ctx.jobs.previews(job).await,
-    });
-    let me = ctx.pod_report(Some(&fwd.template)).await;
-    let pricing = ctx.pricing();
-    let text = fwd.max_sequence_length;
-    let mut tried = vec![];
-    loop {
-        match pods.route(&me, &fwd.template, text, &tried, &pricing) {
-            Route::Here(run) => {
-                let _counted = run.map(|run| pods.count_here(job, run));
-                return edit_obtained(ctx, job, input).await;
-            }
-            Route::Peer(name) => match pods
-                .forward_to(&name, fwd.clone(), cancelled(ctx, job))
-                .await
-            {
-                Some(r) => return r,
-                None => tried.push(name),
-            },
-        }
-    }
-}
-
-/// Completes once job `job` is cancelled (looked at every 100 ms, as the flows look
-/// while they wait for a worker).
-async fn cancelled(ctx: &Ctx, job: JobId) {
-    while !ctx.jobs.is_cancelled(job).await {
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    let need = Need::Template {
+        id: &fwd.template,
+        text: fwd.max_sequence_length,
+    };
+    let forward = |origin, p| {
+        let mut e = fwd.clone();
+        e.origin = Some(origin);
+        PodMsg::Edit(Wire(e), p)
+    };
+    on_pod((ctx, pods, job), need, forward, || {
+        edit_obtained(ctx, job, input)
+    })
+    .await
 }
 
 /// Runs an edit in this pod (routed here, or forwarded by a peer: never forwarded

@@ -11,33 +11,19 @@
 use std::hash::{Hash, Hasher};
 use std::time::Instant;
 
-use serde::Serialize;
-
-use super::adapters::LoraApplied;
 use super::controlnets::ControlNetInput;
 use super::defaults;
+use super::pod::on_pod;
 use super::stages::{
     denoise, finish_req, postprocess, preprocess, stage_timings, with_retries, Held,
 };
 use crate::approx::{store_steps, STORE_FRACTIONS};
 use crate::metrics::router::ApproxResult;
 use crate::node;
+use crate::router::state::pods::Need;
 use crate::router::state::Ctx;
+use crate::wire::pods::{PodGenerate, PodMsg, PodRun};
 use crate::wire::*;
-
-/// What a generation does with the approximate cache (`approx_cache` in a request).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, utoipa::ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum ApproxMode {
-    /// Start from the nearest similar prompt's state when there is one (the default).
-    #[default]
-    Auto,
-    /// Neither read nor fill the cache.
-    Off,
-    /// Only a state of this very prompt and seed, so that the image is the uncached
-    /// one, bit for bit; a miss fills the cache.
-    Exact,
-}
 
 pub struct GenerateInput {
     pub prompt: String,
@@ -59,6 +45,47 @@ pub struct GenerateInput {
 }
 
 impl GenerateInput {
+    /// The generation as it is forwarded to another pod: one without LoRAs or
+    /// ControlNets of its own (`None` for others, which run where they arrive).
+    pub fn to_pod(&self) -> Option<PodGenerate> {
+        if !self.loras.is_empty() || !self.controlnets.is_empty() {
+            return None;
+        }
+        Some(PodGenerate {
+            prompt: self.prompt.clone(),
+            steps: self.steps,
+            guidance: self.guidance,
+            seed: self.seed,
+            width: self.width,
+            height: self.height,
+            max_sequence_length: self.max_sequence_length,
+            approx: self.approx,
+            format: self.format,
+            negative_prompt: self.negative_prompt.clone(),
+            true_cfg_scale: self.true_cfg_scale,
+            origin: None,
+        })
+    }
+
+    /// A forwarded generation as the pod that runs it takes it.
+    pub fn from_pod(g: PodGenerate) -> Self {
+        GenerateInput {
+            prompt: g.prompt,
+            steps: g.steps,
+            guidance: g.guidance,
+            seed: g.seed,
+            width: g.width,
+            height: g.height,
+            max_sequence_length: g.max_sequence_length,
+            approx: g.approx,
+            format: g.format,
+            loras: vec![],
+            negative_prompt: g.negative_prompt,
+            true_cfg_scale: g.true_cfg_scale,
+            controlnets: vec![],
+        }
+    }
+
     /// The negative prompt and scale when true CFG runs.
     pub fn true_cfg(&self) -> Option<(&str, f32)> {
         true_cfg_of(self.negative_prompt.as_deref(), self.true_cfg_scale)
@@ -72,37 +99,8 @@ pub fn true_cfg_of(negative_prompt: Option<&str>, scale: f32) -> Option<(&str, f
     (scale > 1.0).then_some((n, scale))
 }
 
-/// What the approximate cache did for a request (the reply's `approx_cache`).
-#[derive(Clone, Debug, Default, Serialize, utoipa::ToSchema)]
-pub struct ApproxOutcome {
-    pub hit: bool,
-    /// The steps skipped (0 on a miss).
-    pub k: u32,
-    /// The matched prompt's cosine similarity (a hit only).
-    pub similarity: Option<f32>,
-}
-
-pub struct GenerateOutput {
-    pub image: Vec<u8>,
-    pub width: u32,
-    pub height: u32,
-    pub steps: u32,
-    pub prompt_truncated: bool,
-    pub timings: StageTimings,
-    pub stats: DenoiseStats,
-    pub attempts: usize,
-    pub approx: ApproxOutcome,
-    /// Whether the approximate cache was asked (not opted out).
-    pub approx_used: bool,
-    /// Its LoRAs and the step they applied from.
-    pub loras: Vec<LoraApplied>,
-    /// True CFG, when it ran.
-    pub true_cfg: Option<TrueCfgOutcome>,
-    /// The pod that ran it (empty outside a cluster).
-    pub pod: String,
-}
-
 pub use crate::wire::pods::TrueCfgOutcome;
+pub use crate::wire::pods::{ApproxMode, ApproxOutcome, GenerateOutput};
 
 fn hash(parts: impl Hash) -> u64 {
     // SipHash with fixed keys: the same value in every process of one binary (the
@@ -112,8 +110,40 @@ fn hash(parts: impl Hash) -> u64 {
     h.finish()
 }
 
-/// Runs a generation to its encoded image.
+/// Runs a generation to its encoded image. In a cluster, one without adapters of its
+/// own goes to the pod the pod policy chooses ([`super::pod::on_pod`]; it reads no
+/// template, so the pods' loads decide).
 pub async fn generate(
+    ctx: &Ctx,
+    job: JobId,
+    input: &GenerateInput,
+) -> Result<GenerateOutput, WireError> {
+    let (Some(pods), Some(fwd), Some(model)) = (&ctx.pods, input.to_pod(), &ctx.generation) else {
+        return generate_here(ctx, job, input).await;
+    };
+    // Its work, priced on every pod alike: all its tokens, every step.
+    let side = model.default_side;
+    let m = model.multiple_of.max(1);
+    let tokens = (input.width.unwrap_or(side) / m) * (input.height.unwrap_or(side) / m);
+    let need = Need::Load(PodRun {
+        text: input.max_sequence_length,
+        active: tokens,
+        image: tokens,
+        steps_left: input.steps.unwrap_or(defaults::STEPS),
+    });
+    let forward = |origin, p| {
+        let mut g = fwd.clone();
+        g.origin = Some(origin);
+        PodMsg::Generate(Wire(g), p)
+    };
+    on_pod((ctx, pods, job), need, forward, || {
+        generate_here(ctx, job, input)
+    })
+    .await
+}
+
+/// Runs a generation in this pod (a forwarded one too: it is never forwarded again).
+pub async fn generate_here(
     ctx: &Ctx,
     job: JobId,
     input: &GenerateInput,

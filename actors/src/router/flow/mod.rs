@@ -9,5 +9,6 @@ pub mod controlnets;
 pub mod defaults;
 pub mod edit;
 pub mod generate;
+pub mod pod;
 pub(crate) mod stages;
 pub mod transfer;

@@ -86,10 +86,37 @@ where
     Submitted { job, task }
 }
 
-/// An edit from a peer in the cluster (another service on the bus, another pod): one
-/// unit of admission or its refusal at once, the flow run as a job like an HTTP edit's
-/// (the job table keeps its description, not its image), and `answer` called with its
-/// end, on a task of its own so that the calling actor keeps taking messages.
+/// Work from a peer in the cluster (an edit from another service on the bus, an edit
+/// or a generation another pod forwarded): one unit of admission or its refusal at
+/// once, the flow run as a job like an HTTP request's (`kind`, the `previews` it asked
+/// for; the job table keeps `describe`'s description, not the image), and `answer`
+/// called with its end, on a task of its own so that the calling actor keeps taking
+/// messages.
+pub fn submit_peer<T, D, Fut>(
+    ctx: &Arc<Ctx>,
+    (kind, previews): (&'static str, Previews),
+    flow: impl FnOnce(Arc<Ctx>, JobId) -> Fut,
+    describe: impl FnOnce(JobId, &T) -> D + Send + 'static,
+    answer: impl FnOnce(Result<(JobId, T), WireError>) + Send + 'static,
+) where
+    T: Send + 'static,
+    D: Serialize,
+    Fut: Future<Output = Result<T, WireError>> + Send + 'static,
+{
+    let permit = match admit(ctx) {
+        Ok(p) => p,
+        Err(e) => return answer(Err(e)),
+    };
+    let Submitted { job, task } = submit(ctx, permit, kind, 0, previews, flow, describe);
+    tokio::spawn(async move {
+        let r = task
+            .await
+            .unwrap_or_else(|e| Err(WireError::internal(format!("request task failed: {e}"))));
+        answer(r.map(|o| (job, o)));
+    });
+}
+
+/// An edit from a peer ([`submit_peer`]), its description an edit's reply's.
 pub fn submit_peer_edit<Fut>(
     ctx: &Arc<Ctx>,
     format: ImageFormat,
@@ -99,19 +126,8 @@ pub fn submit_peer_edit<Fut>(
 ) where
     Fut: Future<Output = Result<EditOutput, WireError>> + Send + 'static,
 {
-    let permit = match admit(ctx) {
-        Ok(p) => p,
-        Err(e) => return answer(Err(e)),
-    };
-    let Submitted { job, task } = submit(ctx, permit, "edit", 0, previews, flow, move |job, o| {
-        EditReply::new(job, o, format, false)
-    });
-    tokio::spawn(async move {
-        let r = task
-            .await
-            .unwrap_or_else(|e| Err(WireError::internal(format!("request task failed: {e}"))));
-        answer(r.map(|o| (job, o)));
-    });
+    let describe = move |job, o: &EditOutput| EditReply::new(job, o, format, false);
+    submit_peer(ctx, ("edit", previews), flow, describe, answer);
 }
 
 /// Cancels job `job` (`DELETE /v1/jobs/{id}`, or the pod a forwarded edit came from):

@@ -31,6 +31,14 @@ pub struct GenerationModel {
     pub scheduler: String,
 }
 
+/// Which templates a pod's report lists.
+#[derive(Clone, Copy, Debug)]
+pub enum Listed<'a> {
+    All,
+    Only(&'a str),
+    Omitted,
+}
+
 /// What the router knows of the served adapters.
 pub struct AdapterDir {
     pub dir: std::path::PathBuf,
@@ -398,18 +406,19 @@ impl Ctx {
         }
     }
 
-    /// `only`: the one template a routing decision is about (the report's other
-    /// templates are not read; a pod may hold thousands).
-    pub async fn pod_report(&self, only: Option<&str>) -> PodReport {
+    /// `templates`: which of its templates it lists (a routing decision reads only its
+    /// own; a pod may hold thousands).
+    pub async fn pod_report(&self, templates: Listed<'_>) -> PodReport {
         let draining = self.admission.is_draining();
         let groups_live = self.ready().iter().all(|(_, have, want)| have >= want);
-        let listed = match only {
-            Some(id) => match self.template(id).await {
+        let listed = match templates {
+            Listed::Only(id) => match self.template(id).await {
                 Ok(t) => Ok(vec![t.info]),
                 Err(e) if e.kind == ErrorKind::NotFound => Ok(vec![]),
                 Err(e) => Err(e),
             },
-            None => self.templates().await,
+            Listed::All => self.templates().await,
+            Listed::Omitted => Ok(vec![]),
         };
         let templates = match listed {
             Ok(t) => t

@@ -11,4 +11,4 @@ pub mod pod_route;
 pub mod pods;
 pub mod recipes;
 
-pub use ctx::{AdapterDir, Ctx, GenerationModel};
+pub use ctx::{AdapterDir, Ctx, GenerationModel, Listed};

@@ -63,7 +63,7 @@ fn view(r: &PodReport, copy_s: f64) -> PodView {
 
 /// What an edit of a template needs, wherever it runs: its size in bytes, image tokens
 /// and steps.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct TemplateSize {
     pub bytes: u64,
     pub tokens: u32,
@@ -177,6 +177,26 @@ pub fn choose(
         );
     }
     chosen
+}
+
+/// The pod among `pods` (this one first) that should run work of this shape and
+/// steps that reads no template (a generation), by `router`'s policy (template_aware
+/// prices it as least_loaded does).
+pub fn choose_load(
+    router: &mut crate::routing::pods::PodRouter,
+    pods: &[&PodReport],
+    run: PodRun,
+    pricing: &Pricing,
+) -> Option<usize> {
+    let r = running(&run);
+    let req = Incoming {
+        shape: r.shape,
+        steps: r.steps_left,
+        template: None,
+    };
+    let views: Vec<PodView> = pods.iter().map(|r| view(r, 0.0)).collect();
+    let miss = pricing.miss(TemplateSize::default(), 0, false);
+    router.choose(&views, &req, miss, &pricing.cost())
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use ractor::ActorCell;
+use ractor::{ActorCell, RpcReplyPort};
 use serde::Serialize;
 
 use super::pod_route::{self, Pricing, TemplateSize};
@@ -14,8 +14,8 @@ use super::recipes::Recipes;
 use crate::metrics::router::RouterMetrics;
 use crate::node;
 use crate::routing::pods::{PodPolicy, PodRouter};
-use crate::wire::pods::{EditOutput, PodEdit, PodMsg, PodReport, PodRun};
-use crate::wire::{ErrorKind, JobId, TemplateInfo, Wire, WireError};
+use crate::wire::pods::{PodMsg, PodOrigin, PodReport, PodRun};
+use crate::wire::{ErrorKind, JobId, Res, TemplateInfo, Wire, WireError};
 
 /// A peer that has not answered a report for this long is down: its edits go
 /// elsewhere until it answers again.
@@ -89,10 +89,20 @@ impl Drop for Counted<'_> {
     }
 }
 
-/// Where an edit of a template should run.
+/// What a request asks of the pod that runs it.
+#[derive(Clone, Copy, Debug)]
+pub enum Need<'a> {
+    /// An edit of template `id`, with `text` prompt tokens.
+    Template { id: &'a str, text: u32 },
+    /// Work of this shape and steps, no template (a generation).
+    Load(PodRun),
+}
+
+/// Where a request should run.
 #[derive(Debug, PartialEq)]
 pub enum Route {
-    /// Here, with what the edit costs this pod (none when no pod holds its template).
+    /// Here, with what the request costs this pod (none for an edit of a template no
+    /// pod holds).
     Here(Option<PodRun>),
     Peer(String),
 }
@@ -179,15 +189,14 @@ impl Pods {
             .collect()
     }
 
-    /// Where an edit of template `id` (`text` prompt tokens) should run, by the pod
-    /// policy ([`pod_route::choose`]) over this pod (`me`, its report now) and the peers
-    /// up and ready, except those in `tried`. Here when no pod holds the template and
-    /// no recipe of it is known (the edit's 404 is this pod's to give).
+    /// Where a request should run, by the pod policy ([`pod_route::choose`]) over this
+    /// pod (`me`, its report now) and the peers up and ready, except those in `tried`.
+    /// A template edit runs here when no pod holds its template and no recipe of it is
+    /// known (the edit's 404 is this pod's to give).
     pub fn route(
         &self,
         me: &PodReport,
-        id: &str,
-        text: u32,
+        need: Need<'_>,
         tried: &[String],
         pricing: &Pricing,
     ) -> Route {
@@ -199,20 +208,29 @@ impl Pods {
                 .filter(|(name, p)| p.up && p.report.ready && !tried.contains(name))
                 .map(|(_, p)| &p.report),
         );
-        let recipe = self.recipes.info(id).map(|info| TemplateSize {
-            bytes: info.cache_bytes + info.vae_trace_bytes,
-            tokens: info.tokens,
-            steps: info.steps,
-        });
-        let Some(size) = TemplateSize::reported(id, pods.iter().copied()).or(recipe) else {
-            return Route::Here(None);
-        };
         let mut router = self.router.lock().unwrap_or_else(|p| p.into_inner());
-        let need = (size, text, recipe.is_some());
-        let chosen = pod_route::choose(&mut router, &pods, id, need, pricing);
+        let (chosen, run) = match need {
+            Need::Template { id, text } => {
+                let recipe = self.recipes.info(id).map(|info| TemplateSize {
+                    bytes: info.cache_bytes + info.vae_trace_bytes,
+                    tokens: info.tokens,
+                    steps: info.steps,
+                });
+                let Some(size) = TemplateSize::reported(id, pods.iter().copied()).or(recipe) else {
+                    return Route::Here(None);
+                };
+                let need = (size, text, recipe.is_some());
+                let chosen = pod_route::choose(&mut router, &pods, id, need, pricing);
+                (chosen, size.run(text))
+            }
+            Need::Load(run) => (
+                pod_route::choose_load(&mut router, &pods, run, pricing),
+                run,
+            ),
+        };
         let route = match chosen {
             Some(i) if i > 0 => Route::Peer(pods[i].pod.clone()),
-            _ => Route::Here(Some(size.run(text))),
+            _ => Route::Here(Some(run)),
         };
         let pod = match &route {
             Route::Here(_) => self.me.clone(),
@@ -221,7 +239,7 @@ impl Pods {
                 // lists it, or has run it), so a burst does not all go to the pod
                 // that looked idle a moment ago.
                 if let Some(p) = peers.get_mut(name) {
-                    p.report.queued.push(size.run(text));
+                    p.report.queued.push(run);
                 }
                 name.clone()
             }
@@ -313,30 +331,29 @@ impl Pods {
             .map(|(_, _, name)| name)
     }
 
-    /// Forwards an edit to peer `name`. `None` when it went away mid-edit (it is
-    /// marked down) or could not take it (unavailable, overloaded): the edit goes
-    /// elsewhere. Its other answers (a bad mask) are the edit's.
-    pub async fn forward_to(
+    /// Forwards a request (`msg`: an edit, a generation; `origin`: its pod and job
+    /// here) to peer `name`. `None` when the peer went away mid-request (it is marked
+    /// down) or could not take it (unavailable, overloaded): the request goes elsewhere.
+    /// Its other answers (a bad mask) are the request's.
+    pub async fn forward_to<T: Send + 'static>(
         &self,
         name: &str,
-        edit: PodEdit,
+        (origin, msg): (&PodOrigin, impl FnOnce(RpcReplyPort<Res<T>>) -> PodMsg),
         cancelled: impl std::future::Future<Output = ()>,
-    ) -> Option<Result<EditOutput, WireError>> {
+    ) -> Option<Result<T, WireError>> {
         let cell = self.cell(name)?;
-        let origin = edit.origin.as_ref().map(|o| (o.pod.clone(), o.job));
-        let call = node::call(&cell, self.forward_timeout, |p| PodMsg::Edit(Wire(edit), p));
+        let call = node::call(&cell, self.forward_timeout, msg);
         tokio::pin!(call, cancelled);
         let mut told = false;
         // A cancel here goes on to the pod running it; its answer (cancelled, or done
-        // before it could stop) ends the edit.
+        // before it could stop) ends the request.
         let r = loop {
             tokio::select! {
                 r = &mut call => break r,
                 () = &mut cancelled, if !told => {
                     told = true;
-                    if let Some(o) = &origin {
-                        node::tell(&cell, PodMsg::Cancel(Wire(o.clone())));
-                    }
+                    let o = (origin.pod.clone(), origin.job);
+                    node::tell(&cell, PodMsg::Cancel(Wire(o)));
                 }
             }
         };
