@@ -340,6 +340,19 @@ fn pods_take_turns_under_round_robin_and_share_a_busy_template_under_template_aw
         counter(&pods[c].d().metrics(), "denoised_pod_recipes", ""),
         0.0
     );
+    // A template registered on A a moment ago, edited through C at once (before C's
+    // next report of A, most often): C asks its peers again rather than answer 404.
+    pods[a].d().template("fresh", 4);
+    let (s, v) = pods[c].d().post("/v1/edits", &edit_body("fresh", 2));
+    assert_eq!(s, 200, "{v}");
+    let (s, fresh_on_a) = pods[a].d().post("/v1/edits", &edit_body("fresh", 2));
+    assert_eq!(s, 200, "{fresh_on_a}");
+    assert_eq!(
+        edit_image(&v),
+        edit_image(&fresh_on_a),
+        "ran on {}",
+        v["pod"]
+    );
     drop(pods);
 
     // template_aware (the default): an idle holder takes the edit; a burst spreads.

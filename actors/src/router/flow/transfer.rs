@@ -19,7 +19,7 @@ use std::io::{BufReader, Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use denoised_models::flux::template_transfer;
 use ractor::ActorCell;
@@ -295,12 +295,16 @@ pub async fn replicate(ctx: Arc<Ctx>) {
         if !chosen(&id, &lacking, replicas - holders.len()).contains(&&pods.me) {
             continue;
         }
+        // From a holder whose disk has it (a fresh template's is still being written).
+        let Some(from) = pods.holder(&id, &[]) else {
+            continue;
+        };
         let Ok(guard) = pods.obtaining(&id).try_lock_owned() else {
             continue;
         };
         let ctx = ctx.clone();
         tokio::spawn(async move {
-            let _ = copy_from(&ctx, &holders[0], &id).await;
+            let _ = copy_from(&ctx, &from, &id).await;
             drop(guard);
         });
     }
@@ -349,18 +353,34 @@ pub async fn obtain(ctx: &Ctx, job: JobId, id: &str, missing: WireError) -> Resu
         return Ok(());
     }
     let recipe = pods.recipes.get(id);
+    if recipe.is_none() && pods.holder(id, &[]).is_none() {
+        // This pod's view of its peers may be older than the template (captured a
+        // moment ago, seen first by the pod that routed the edit here): ask them now.
+        pods.refresh_all().await;
+    }
     // A copy, unless capturing it again is cheaper by the cost model (a large template
     // over a slow link), as routing priced it.
     let pricing = ctx.pricing();
     let cheaper = recipe
         .as_ref()
         .is_some_and(|(info, _)| pods.recapture_is_cheaper(id, info, &pricing));
+    let waited = Instant::now();
+    let limit = Duration::from_secs(ctx.config.server.stage_timeout_seconds);
     let mut tried = vec![];
-    while let Some(from) = pods.holder(id, &tried).filter(|_| !cheaper) {
-        if copy_from(ctx, &from, id).await.is_ok() {
-            return Ok(());
+    while !cheaper {
+        if let Some(from) = pods.holder(id, &tried) {
+            if copy_from(ctx, &from, id).await.is_ok() {
+                return Ok(());
+            }
+            tried.push(from);
+        } else if pods.writing(id, &tried) && waited.elapsed() < limit {
+            // A holder captured it a moment ago and is still writing its disk copy
+            // (what a copy reads): wait for it, as for the copy.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            pods.refresh_all().await;
+        } else {
+            break;
         }
-        tried.push(from);
     }
     let Some((info, image)) = recipe else {
         return Err(match pods.holders(id).is_empty() {

@@ -70,6 +70,10 @@ pub struct Pods {
     /// Templates deleted lately, whose recipes are not learnt again from a peer that
     /// has not dropped its copy yet.
     forgotten: Mutex<HashMap<String, Instant>>,
+    /// Rounds of asking every peer for its report out of turn: one at a time, and how
+    /// many have ended.
+    refreshing: tokio::sync::Mutex<()>,
+    refreshes: std::sync::atomic::AtomicU64,
 }
 
 /// How long a deleted template's recipe is not learnt again (its peers drop their
@@ -127,6 +131,8 @@ impl Pods {
             here: Mutex::new(Vec::new()),
             relayed: Mutex::new(HashMap::new()),
             forgotten: Mutex::new(HashMap::new()),
+            refreshing: tokio::sync::Mutex::new(()),
+            refreshes: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -314,21 +320,40 @@ impl Pods {
     }
 
     /// The peer to copy template `id` from, among those up and ready (not starting,
-    /// not draining) that hold it (`exclude`: tried already): one holding it in memory
-    /// before one with it on disk only, then the least busy (in flight over its
-    /// limit), then by name.
+    /// not draining) whose disk holds it (a copy is read from the sender's disk;
+    /// `exclude`: tried already): the least busy (in flight over its limit), then by
+    /// name.
     pub fn holder(&self, id: &str, exclude: &[String]) -> Option<String> {
         let peers = self.peers();
         peers
             .iter()
             .filter(|(name, p)| p.up && p.report.ready && !exclude.contains(name))
-            .filter_map(|(name, p)| {
-                let t = p.report.templates.iter().find(|t| t.id == id)?;
+            .filter(|(_, p)| {
+                p.report
+                    .templates
+                    .iter()
+                    .any(|t| t.id == id && t.disk_bytes > 0)
+            })
+            .map(|(name, p)| {
                 let busy = p.report.in_flight as f64 / p.report.limit.max(1) as f64;
-                Some(((t.host_bytes == 0) as u8, busy, name.clone()))
+                (busy, name.clone())
             })
             .min_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal))
-            .map(|(_, _, name)| name)
+            .map(|(_, name)| name)
+    }
+
+    /// Whether a peer up and ready (not in `exclude`) holds template `id` in memory
+    /// only: captured a moment ago, its copy on its disk still being written.
+    pub fn writing(&self, id: &str, exclude: &[String]) -> bool {
+        self.peers()
+            .iter()
+            .filter(|(name, p)| p.up && p.report.ready && !exclude.contains(name))
+            .any(|(_, p)| {
+                p.report
+                    .templates
+                    .iter()
+                    .any(|t| t.id == id && t.disk_bytes == 0)
+            })
     }
 
     /// Forwards a request (`msg`: an edit, a generation; `origin`: its pod and job
@@ -398,6 +423,30 @@ impl Pods {
             Ok(_) => {}
             Err(e) => tracing::debug!("pod {name} did not report: {e}"),
         }
+    }
+
+    /// Asks every peer up for its report now (a decision that needs a fresher view
+    /// than the last second's). Callers that come while a round is under way wait for
+    /// the next one to end, not each for a round of its own.
+    pub async fn refresh_all(&self) {
+        let seen = self.refreshes.load(std::sync::atomic::Ordering::Acquire);
+        let _round = self.refreshing.lock().await;
+        if self.refreshes.load(std::sync::atomic::Ordering::Acquire) > seen + 1 {
+            // A whole round started and ended after this call came.
+            return;
+        }
+        let up: Vec<(String, ActorCell)> = self
+            .peers()
+            .iter()
+            .filter(|(_, p)| p.up)
+            .map(|(name, p)| (name.clone(), p.cell.clone()))
+            .collect();
+        let asks = up.into_iter().map(|(name, cell)| async move {
+            self.refresh(&name, cell).await;
+        });
+        futures_util::future::join_all(asks).await;
+        self.refreshes
+            .fetch_add(1, std::sync::atomic::Ordering::Release);
     }
 
     /// Template `id` was deleted here: every peer up drops its copy and recipe, and
@@ -518,10 +567,10 @@ mod tests {
             limit: 10,
             templates: templates
                 .iter()
-                .map(|&(id, host)| PodTemplate {
+                .map(|&(id, disk)| PodTemplate {
                     id: id.into(),
-                    host_bytes: host,
-                    disk_bytes: 1,
+                    host_bytes: 1,
+                    disk_bytes: disk,
                     tokens: 16,
                     steps: 4,
                 })
@@ -533,7 +582,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_holder_is_the_ready_pod_with_the_template_in_memory_then_the_least_busy() {
+    async fn a_copy_comes_from_the_least_busy_ready_pod_whose_disk_holds_the_template() {
         let (cell, _) = Actor::spawn(None, Nobody, ()).await.unwrap();
         let m = crate::metrics::router::RouterMetrics::register(
             &mut Default::default(),
@@ -550,14 +599,17 @@ mod tests {
             m,
         );
         let c = || cell.get_cell();
-        pods.reported(c(), report("a", 1.0, true, 5, &[("t", 0)]));
-        pods.reported(c(), report("b", 1.0, true, 9, &[("t", 1)]));
-        pods.reported(c(), report("c", 1.0, true, 0, &[("t", 0)]));
+        // (Templates by their bytes on disk: 0 while the disk copy is being written.)
+        pods.reported(c(), report("a", 1.0, true, 5, &[("t", 1)]));
+        pods.reported(c(), report("b", 1.0, true, 0, &[("t", 0)]));
+        pods.reported(c(), report("c", 1.0, true, 2, &[("t", 1)]));
         pods.reported(c(), report("d", 1.0, false, 0, &[("t", 1)]));
-        // In memory beats disk only; not ready is never chosen.
-        assert_eq!(pods.holder("t", &[]).as_deref(), Some("b"));
-        // Then the least busy.
-        assert_eq!(pods.holder("t", &["b".into()]).as_deref(), Some("c"));
+        // The least busy with a disk copy; not ready is never chosen.
+        assert_eq!(pods.holder("t", &[]).as_deref(), Some("c"));
+        assert_eq!(pods.holder("t", &["c".into()]).as_deref(), Some("a"));
+        assert_eq!(pods.holder("t", &["c".into(), "a".into()]), None);
+        assert!(pods.writing("t", &["c".into(), "a".into()]));
+        assert!(!pods.writing("t", &["b".into()]));
         assert_eq!(pods.holder("u", &[]), None);
         // An older daemon of b (an orphan draining) does not displace the newer one.
         pods.reported(c(), report("b", 2.0, true, 0, &[("t", 1)]));
