@@ -304,15 +304,7 @@ async fn watch(ctx: Arc<Ctx>) {
     let learning = Arc::new(tokio::sync::Mutex::new(()));
     loop {
         tokio::time::sleep(TICK).await;
-        tokio::spawn(transfer::replicate(ctx.clone()));
-        // One round of recipes at a time (a round asks each new template's holder).
-        if let Ok(guard) = learning.clone().try_lock_owned() {
-            let ctx = ctx.clone();
-            tokio::spawn(async move {
-                transfer::learn_recipes(&ctx).await;
-                drop(guard);
-            });
-        }
+        tokio::spawn(transfer::tend(ctx.clone(), learning.clone()));
         let peers: Vec<_> = ractor::pg::get_scoped_members(&SCOPE.into(), &GROUP.into())
             .into_iter()
             .filter(|c| !c.get_id().is_local())

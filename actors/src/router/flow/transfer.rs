@@ -266,20 +266,30 @@ pub async fn copy_from(ctx: &Ctx, from: &str, id: &str) -> Result<u64, String> {
     r
 }
 
+/// Each second, from one listing of this pod's templates: the copies this pod should
+/// make ([`replicate`]), and the recipes it should learn ([`learn_recipes`]; one round
+/// at a time, `learning`: a round asks each new template's holder).
+pub async fn tend(ctx: Arc<Ctx>, learning: Arc<tokio::sync::Mutex<()>>) {
+    let mine: HashSet<String> = match ctx.templates().await {
+        Ok(t) => t.into_iter().map(|t| t.id).collect(),
+        Err(_) => return,
+    };
+    replicate(&ctx, &mine);
+    if let Ok(_round) = learning.try_lock_owned() {
+        learn_recipes(&ctx, &mine).await;
+    }
+}
+
 /// One round of replication: for each template with fewer than `[cluster]
-/// template_replicas` holders up, this pod fetches it when it is among the pods chosen
-/// to hold it (one copy of a template at a time:
+/// template_replicas` holders up, this pod (holding `mine`) fetches it when it is among
+/// the pods chosen to hold it (one copy of a template at a time:
 /// [`crate::router::state::pods::Pods::obtaining`]).
-pub async fn replicate(ctx: Arc<Ctx>) {
+fn replicate(ctx: &Arc<Ctx>, mine: &HashSet<String>) {
     let Some(pods) = &ctx.pods else { return };
     let replicas = ctx.config.cluster.template_replicas as usize;
     if replicas <= 1 {
         return;
     }
-    let mine: HashSet<String> = match ctx.templates().await {
-        Ok(t) => t.into_iter().map(|t| t.id).collect(),
-        Err(_) => return,
-    };
     let (up, held) = pods.placement();
     let mut everyone = up.clone();
     everyone.push(pods.me.clone());
@@ -310,20 +320,20 @@ pub async fn replicate(ctx: Arc<Ctx>) {
     }
 }
 
-/// Keeps the recipe of every template a peer up holds and this pod has neither a
-/// recipe nor a copy of (asked of a holder: its description and image).
-pub async fn learn_recipes(ctx: &Ctx) {
+/// Keeps the recipe of every template a peer up holds and this pod (holding `mine`)
+/// has neither a recipe nor a copy of (asked of a holder whose disk has it: its
+/// description and image).
+async fn learn_recipes(ctx: &Ctx, mine: &HashSet<String>) {
     let Some(pods) = &ctx.pods else { return };
     let (_, held) = pods.placement();
-    let mine: HashSet<String> = match ctx.templates().await {
-        Ok(t) => t.into_iter().map(|t| t.id).collect(),
-        Err(_) => return,
-    };
-    for (id, holders) in held {
+    for id in held.into_keys() {
         if mine.contains(&id) || pods.recipes.has(&id) || pods.was_forgotten(&id) {
             continue;
         }
-        let Some(cell) = pods.cell(&holders[0]) else {
+        let Some((from, cell)) = pods
+            .holder(&id, &[])
+            .and_then(|from| Some((from.clone(), pods.cell(&from)?)))
+        else {
             continue;
         };
         let asked =
@@ -333,7 +343,7 @@ pub async fn learn_recipes(ctx: &Ctx) {
             .and_then(|e| pods.recipes.save(&id, &e.info, &e.image))
         {
             Ok(()) => tracing::debug!("template `{id}`: kept its recipe"),
-            Err(e) => tracing::debug!("template `{id}`: no recipe from pod {}: {e}", holders[0]),
+            Err(e) => tracing::debug!("template `{id}`: no recipe from pod {from}: {e}"),
         }
     }
     ctx.metrics.pod_recipes.set(pods.recipes.count() as i64);

@@ -14,7 +14,7 @@ use super::recipes::Recipes;
 use crate::metrics::router::RouterMetrics;
 use crate::node;
 use crate::routing::pods::{PodPolicy, PodRouter};
-use crate::wire::pods::{PodMsg, PodOrigin, PodReport, PodRun};
+use crate::wire::pods::{PodMsg, PodOrigin, PodReport, PodRun, PodTemplate};
 use crate::wire::{ErrorKind, JobId, Res, TemplateInfo, Wire, WireError};
 
 /// A peer that has not answered a report for this long is down: its edits go
@@ -26,6 +26,29 @@ struct Peer {
     report: PodReport,
     seen: Instant,
     up: bool,
+}
+
+impl Peer {
+    /// Whether edits and copies may go to it: it answers and is ready (not starting,
+    /// not draining).
+    fn usable(&self) -> bool {
+        self.up && self.report.ready
+    }
+
+    /// Template `id` as it holds it.
+    fn template(&self, id: &str) -> Option<&PodTemplate> {
+        self.report.templates.iter().find(|t| t.id == id)
+    }
+}
+
+/// The usable peers (see [`Peer::usable`]) except those in `exclude`.
+fn usable<'a>(
+    peers: &'a BTreeMap<String, Peer>,
+    exclude: &'a [String],
+) -> impl Iterator<Item = (&'a String, &'a Peer)> {
+    peers
+        .iter()
+        .filter(move |(name, p)| p.usable() && !exclude.contains(name))
 }
 
 /// A peer as `/readyz` shows it.
@@ -208,24 +231,28 @@ impl Pods {
     ) -> Route {
         let mut peers = self.peers();
         let mut pods: Vec<&PodReport> = vec![me];
-        pods.extend(
-            peers
-                .iter()
-                .filter(|(name, p)| p.up && p.report.ready && !tried.contains(name))
-                .map(|(_, p)| &p.report),
-        );
+        pods.extend(usable(&peers, tried).map(|(_, p)| &p.report));
         let mut router = self.router.lock().unwrap_or_else(|p| p.into_inner());
         let (chosen, run) = match need {
             Need::Template { id, text } => {
-                let recipe = self.recipes.info(id).map(|info| TemplateSize {
-                    bytes: info.cache_bytes + info.vae_trace_bytes,
-                    tokens: info.tokens,
-                    steps: info.steps,
-                });
-                let Some(size) = TemplateSize::reported(id, pods.iter().copied()).or(recipe) else {
-                    return Route::Here(None);
+                // Its size as the pods report it, else as its recipe says (the recipe's
+                // description is read only then).
+                let reported = TemplateSize::reported(id, pods.iter().copied());
+                let recipe = || {
+                    self.recipes.info(id).map(|info| TemplateSize {
+                        bytes: info.cache_bytes + info.vae_trace_bytes,
+                        tokens: info.tokens,
+                        steps: info.steps,
+                    })
                 };
-                let need = (size, text, recipe.is_some());
+                let (size, recapture) = match reported {
+                    Some(size) => (size, self.recipes.has(id)),
+                    None => match recipe() {
+                        Some(size) => (size, true),
+                        None => return Route::Here(None),
+                    },
+                };
+                let need = (size, text, recapture);
                 let chosen = pod_route::choose(&mut router, &pods, id, need, pricing);
                 (chosen, size.run(text))
             }
@@ -325,15 +352,8 @@ impl Pods {
     /// name.
     pub fn holder(&self, id: &str, exclude: &[String]) -> Option<String> {
         let peers = self.peers();
-        peers
-            .iter()
-            .filter(|(name, p)| p.up && p.report.ready && !exclude.contains(name))
-            .filter(|(_, p)| {
-                p.report
-                    .templates
-                    .iter()
-                    .any(|t| t.id == id && t.disk_bytes > 0)
-            })
+        usable(&peers, exclude)
+            .filter(|(_, p)| p.template(id).is_some_and(|t| t.disk_bytes > 0))
             .map(|(name, p)| {
                 let busy = p.report.in_flight as f64 / p.report.limit.max(1) as f64;
                 (busy, name.clone())
@@ -345,15 +365,9 @@ impl Pods {
     /// Whether a peer up and ready (not in `exclude`) holds template `id` in memory
     /// only: captured a moment ago, its copy on its disk still being written.
     pub fn writing(&self, id: &str, exclude: &[String]) -> bool {
-        self.peers()
-            .iter()
-            .filter(|(name, p)| p.up && p.report.ready && !exclude.contains(name))
-            .any(|(_, p)| {
-                p.report
-                    .templates
-                    .iter()
-                    .any(|t| t.id == id && t.disk_bytes == 0)
-            })
+        let peers = self.peers();
+        let mut holders = usable(&peers, exclude).filter_map(|(_, p)| p.template(id));
+        holders.any(|t| t.disk_bytes == 0)
     }
 
     /// Forwards a request (`msg`: an edit, a generation; `origin`: its pod and job
@@ -463,8 +477,8 @@ impl Pods {
     /// cheaper than copying it from a peer up that holds it (always, when none does).
     pub fn recapture_is_cheaper(&self, id: &str, info: &TemplateInfo, pricing: &Pricing) -> bool {
         let peers = self.peers();
-        let up = peers.values().filter(|p| p.up && p.report.ready);
-        let Some(size) = TemplateSize::reported(id, up.map(|p| &p.report)) else {
+        let up = usable(&peers, &[]).map(|(_, p)| &p.report);
+        let Some(size) = TemplateSize::reported(id, up) else {
             return true;
         };
         let m = pricing.miss(size, info.max_sequence_length, true);
@@ -486,7 +500,7 @@ impl Pods {
     pub fn holders(&self, id: &str) -> Vec<String> {
         self.peers()
             .iter()
-            .filter(|(_, p)| p.report.templates.iter().any(|t| t.id == id))
+            .filter(|(_, p)| p.template(id).is_some())
             .map(|(name, p)| {
                 let state = match (p.up, p.report.ready) {
                     (false, _) => "down",
@@ -508,7 +522,7 @@ impl Pods {
         let peers = self.peers();
         let mut up = vec![];
         let mut held: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for (name, p) in peers.iter().filter(|(_, p)| p.up && p.report.ready) {
+        for (name, p) in usable(&peers, &[]) {
             up.push(name.clone());
             for t in &p.report.templates {
                 held.entry(t.id.clone()).or_default().push(name.clone());
