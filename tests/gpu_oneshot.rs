@@ -56,11 +56,14 @@ fn the_one_shot_gpu_script_runs_on_the_emulator() {
             "denoised_tflops",
             "wide_kernel_tflops",
             "first_kernel_tflops",
+            "cudnn_tflops",
             "queries",
             "keys",
         ] {
             assert!(a[key].as_f64().is_some(), "{key} missing: {a}");
         }
+        // The library path ran (the emulator's stand-in for cuDNN, as the script asks).
+        assert_eq!(a["cudnn_status"], "ran", "{a}");
         // The PyTorch figures are there on a GPU machine; here torch may be absent.
         assert!(a.get("sdpa_tflops").is_some(), "{a}");
     }

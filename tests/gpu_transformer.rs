@@ -29,6 +29,25 @@ fn emulated_gpu_transformer_matches_diffusers() {
     assert_all_pass(&selfcheck::transformer(|| Ok(EmuExec::default())).unwrap());
 }
 
+/// The same through the attention library (the emulator's stand-in for cuDNN's fused
+/// SDPA, the default path on a GPU with cuDNN): the single blocks' attention read in
+/// place, the double blocks' and edits' packed into scratch.
+#[test]
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
+fn emulated_gpu_transformer_matches_diffusers_through_the_attention_library() {
+    let exec = EmuExec::default().with_attn_library(usize::MAX);
+    assert_all_pass(&selfcheck::transformer(|| Ok(exec.clone())).unwrap());
+    assert!(exec.library_attention() > 0, "the library ran");
+}
+
+#[test]
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
+fn emulated_gpu_identity_invariant_through_the_attention_library() {
+    let exec = EmuExec::default().with_attn_library(usize::MAX);
+    assert_all_pass(&selfcheck::identity(|| Ok(exec.clone())).unwrap());
+    assert!(exec.library_attention() > 0, "the library ran");
+}
+
 #[test]
 #[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
 fn emulated_gpu_identity_invariant() {
@@ -93,7 +112,9 @@ fn emulated_step_workspace_stays_within_the_budget() {
     let ring: Vec<bool> = (0..256).map(|i| i % 16 == 0 || i / 16 == 3).collect();
     let mask = Arc::new(TokenMask::from_tokens(16, 16, &ring).unwrap());
     let dt = Dt::Bf16;
-    let exec = EmuExec::with_capacity(u64::MAX);
+    // With the attention library's stand-in, as a GPU with cuDNN runs: its scratch
+    // (packed queries, K/V and output) is part of the workspace.
+    let exec = EmuExec::with_capacity(u64::MAX).with_attn_library(usize::MAX);
     let m = FluxTransformer::load(
         GpuBackend::new(exec.clone(), dt),
         tiny_model_dir().join("transformer"),

@@ -34,9 +34,11 @@ use serde::{Deserialize, Serialize};
 /// peaks at 12.1 units per row (its rows are its attended tokens), an edit at 721
 /// units for 63 rows over 288 tokens, in bf16 and f32 alike. The widest live set is a
 /// single block's: its input, the fused `[q|k|v|mlp]` projection (7 wide), the
-/// attention output and the `[attn|mlp]` concatenation (5 wide). The factors leave
-/// 1.7x (full) to 3x (edits) of headroom for what the emulator does not allocate
-/// like a GPU (library workspaces grown on demand).
+/// attention output and the `[attn|mlp]` concatenation (5 wide). With the attention
+/// library's scratch (packed queries, K/V and output of the double blocks and of
+/// edits: `crate`-external, `denoised_cuda`'s `sdpa`), the same test measures 2.0-2.1x
+/// of headroom for full steps and 1.7-2.8x for edits, for what the emulator does not
+/// allocate like a GPU (library workspaces grown on demand).
 pub const ROW_FACTOR: u64 = 16;
 pub const CONTEXT_FACTOR: u64 = 4;
 

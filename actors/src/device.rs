@@ -92,6 +92,9 @@ pub struct Placed {
     pub component: Component,
     /// The device memory budget (GPU and emulator only).
     pub budget: Option<DeviceBudget>,
+    /// What runs its attention (GPU and emulator only): cuDNN's fused SDPA, or our
+    /// kernel and why (`GpuBackend::attention_path`).
+    pub attention: Option<String>,
 }
 
 impl Placed {
@@ -159,6 +162,7 @@ pub fn place(
                 dtype: "f32",
                 component,
                 budget: None,
+                attention: None,
             })
         }
         DeviceSpec::Emu => {
@@ -249,6 +253,8 @@ fn on_gpu<E: Exec + 'static>(
     limits: StepLimits,
 ) -> Result<Placed, String> {
     let dt = backend.dtype();
+    let attention = backend.attention_path();
+    tracing::info!("attention on {device}: {attention}");
     let model = source
         .load_transformer(backend)
         .map_err(|e| format!("loading the transformer of `{source}` on {device}: {e}"))?;
@@ -296,6 +302,7 @@ fn on_gpu<E: Exec + 'static>(
         dtype: dtype_name(dt),
         component,
         budget: Some(budget),
+        attention: Some(attention),
     })
 }
 

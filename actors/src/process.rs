@@ -299,6 +299,7 @@ fn worker_info(env: &WorkerEnv, loaded: Option<&Loaded>) -> WorkerInfo {
             .map(|l| device::components(&l.pipeline, l.placed.as_ref()))
             .unwrap_or_default(),
         device_budget: placed.and_then(|p| p.budget.clone()),
+        attention: placed.and_then(|p| p.attention.clone()),
         profile: loaded.and_then(|l| l.profile.clone()),
     }
 }

@@ -55,4 +55,5 @@ extern "C" void denoised_emu_param_sizes(unsigned long* out) {
     out[5] = sizeof(AttnParams);
     out[6] = sizeof(ImgParams);
     out[7] = sizeof(EpilogueParams);
+    out[8] = sizeof(AttnPackParams);
 }

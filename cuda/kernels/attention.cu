@@ -528,3 +528,66 @@ extern "C" __global__ void __launch_bounds__(128, 2) attn_fa2w_bf16_d64(const At
 EMU_EXPORT(attn_fa2w_bf16_d64, AttnParams)
 extern "C" __global__ void __launch_bounds__(128, 2) attn_fa2w_bf16_d128(const AttnParams p) { attn_fa2<128, 2, 32>(p); }
 EMU_EXPORT(attn_fa2w_bf16_d128, AttnParams)
+
+// ---- the scratch of attention through a library (cuda/src/sdpa.rs) ----
+// A sequence the library cannot read in place has its query and K/V rows gathered into
+// contiguous buffers (fp8 template rows decoded with their head's scale, as the tile
+// loads above decode them), and the output scattered back over the queries. Runs of 8
+// values (16-byte accesses) where the width allows; a run never straddles a row or,
+// head dims being multiples of 8, a head.
+template <class T>
+DEV void attn_pack(const AttnPackParams& p) {
+    const u32 w = p.width;
+    for_runs((u32)p.padded * w, w % 8 == 0, [&](u32 i, auto run) {
+        constexpr int V = decltype(run)::n;
+        const u32 r = i / w, c = i % w;
+        float v[V];
+        if (r >= (u32)p.rows) {
+#pragma unroll
+            for (int j = 0; j < V; j++) v[j] = 0.f;
+        } else {
+            const u32 ref = ((const u32*)p.refs)[r];
+            const AttnSlot& s = p.slots[ROW_SLOT(ref)];
+            const u64 base = p.values ? s.v : s.k, scales = p.values ? s.v_scales : s.k_scales;
+            const long long at = (long long)ROW_IDX(ref) * s.stride + c;
+            if (scales) {
+                const float sc = ((const float*)scales)[c / p.head_dim];
+                const unsigned char* b = (const unsigned char*)base + at;
+#pragma unroll
+                for (int j = 0; j < V; j++) v[j] = fp8_to_f32(b[j]) * sc;
+            } else {
+                const T* src = (const T*)base + at;
+                if (V == 8 && aligned16((u64)src)) {
+                    load_run<V>(src, v);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < V; j++) v[j] = to_f32(src[j]);
+                }
+            }
+        }
+        store_run<V>((T*)p.dense + (long long)r * p.ld + c, v);
+    });
+}
+template <class T>
+DEV void attn_unpack(const AttnPackParams& p) {
+    const u32 w = p.width;
+    for_runs((u32)p.rows * w, w % 8 == 0, [&](u32 i, auto run) {
+        constexpr int V = decltype(run)::n;
+        const u32 r = i / w, c = i % w;
+        float v[V];
+        load_run<V>((const T*)p.dense + (long long)r * p.ld + c, v);
+        const u32 ref = ((const u32*)p.refs)[r];
+        const AttnSlot& s = p.slots[ROW_SLOT(ref)];
+        T* dst = (T*)s.k + (long long)ROW_IDX(ref) * s.stride + c;
+        if (V == 8 && aligned16((u64)dst)) {
+            store_run<V>(dst, v);
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; j++) dst[j] = from_f32<T>(v[j]);
+        }
+    });
+}
+extern "C" __global__ void attn_pack_bf16(const AttnPackParams p) { attn_pack<bf16>(p); }
+EMU_EXPORT(attn_pack_bf16, AttnPackParams)
+extern "C" __global__ void attn_unpack_bf16(const AttnPackParams p) { attn_unpack<bf16>(p); }
+EMU_EXPORT(attn_unpack_bf16, AttnPackParams)

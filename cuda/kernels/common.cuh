@@ -342,6 +342,17 @@ struct AttnParams {
     float scale_log2;     // log2(e) / sqrt(head_dim)
 };
 
+// The gather into, and scatter out of, the contiguous scratch that attention through a
+// library reads and writes (cuda/src/sdpa.rs): row r of the dense side, `ld` elements
+// apart, is the row `refs[r]` references (zeros for r in [rows, padded)).
+struct AttnPackParams {
+    AttnSlot slots[8];
+    u64 refs;   // const u32*
+    u64 dense;  // T*
+    int rows, padded, ld, width, head_dim;
+    int values;  // 1: the V columns (slot.v, v_scales); 0: K, or queries
+};
+
 // Image kernels (cuda/kernels/image.cu), on NHWC activations: element (b, y, x, c) of a
 // [B, H, W, C] image is at ((b*H + y)*W + x)*C + c. Which fields a kernel reads is
 // said at the kernel.

@@ -11,6 +11,8 @@
 use denoised_runtime::backend::{AttnSeq, Src};
 use denoised_runtime::{Error, Result};
 
+use std::sync::atomic::Ordering::Relaxed;
+
 use crate::backend::{GpuBackend, GpuTensor};
 use crate::exec::{Dt, Exec, Grid};
 use crate::params::{row_ref, AttnParams, AttnSlot};
@@ -33,17 +35,22 @@ pub enum AttnKernel {
     /// scalar stores), kept so that one GPU run can time both on the same machine.
     Mma = 1,
     /// `attn_fa2w_*`: the FA2 kernel with 128-row blocks (32 query rows a warp), which
-    /// reads half the shared memory per FLOP of K and V: the default, faster than
-    /// `Fa2` at every FLUX.1 shape on an H100 (4-11%; docs/performance.md).
+    /// reads half the shared memory per FLOP of K and V: faster than `Fa2` at every
+    /// FLUX.1 shape on an H100 (4-11%; docs/performance.md), and what runs where the
+    /// library below is absent or refuses a shape.
     Fa2Wide = 2,
+    /// The executor's fused-attention library (cuDNN's SDPA forward, `crate::sdpa`):
+    /// the default. Where there is none, or it refuses a shape, `Fa2Wide` runs.
+    Cudnn = 3,
 }
 
 impl AttnKernel {
     /// The names `DENOISED_ATTN_KERNEL` and `bench attn --kernel` take.
-    pub const NAMES: [&'static str; 3] = ["fa2", "fa2w", "mma"];
+    pub const NAMES: [&'static str; 4] = ["cudnn", "fa2", "fa2w", "mma"];
 
     pub fn named(name: &str) -> Option<Self> {
         match name {
+            "cudnn" => Some(AttnKernel::Cudnn),
             "fa2" => Some(AttnKernel::Fa2),
             "fa2w" => Some(AttnKernel::Fa2Wide),
             "mma" => Some(AttnKernel::Mma),
@@ -51,21 +58,40 @@ impl AttnKernel {
         }
     }
 
-    /// `DENOISED_ATTN_KERNEL=fa2|mma` picks another kernel; anything else the wide FA2.
+    /// The name [`named`](Self::named) takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttnKernel::Cudnn => "cudnn",
+            AttnKernel::Fa2 => "fa2",
+            AttnKernel::Fa2Wide => "fa2w",
+            AttnKernel::Mma => "mma",
+        }
+    }
+
+    /// `DENOISED_ATTN_KERNEL=fa2w|fa2|mma` picks one of our kernels; anything else the
+    /// library first.
     pub fn from_env() -> Self {
         std::env::var("DENOISED_ATTN_KERNEL")
             .ok()
             .and_then(|n| Self::named(&n))
-            .unwrap_or(AttnKernel::Fa2Wide)
+            .unwrap_or(AttnKernel::Cudnn)
+    }
+
+    /// Our kernel that runs for this choice (the library's fallback for `Cudnn`).
+    fn own(self) -> Self {
+        match self {
+            AttnKernel::Cudnn => AttnKernel::Fa2Wide,
+            k => k,
+        }
     }
 
     /// Query rows per block, and the kernel's name at head dim `hd` (64 or 128).
     fn tensor_core(self, hd: usize) -> (usize, &'static str) {
-        match (self, hd) {
+        match (self.own(), hd) {
             (AttnKernel::Fa2, 64) => (MMA_TILE, "attn_fa2_bf16_d64"),
             (AttnKernel::Fa2, _) => (MMA_TILE, "attn_fa2_bf16_d128"),
-            (AttnKernel::Fa2Wide, 64) => (2 * MMA_TILE, "attn_fa2w_bf16_d64"),
-            (AttnKernel::Fa2Wide, _) => (2 * MMA_TILE, "attn_fa2w_bf16_d128"),
+            (AttnKernel::Fa2Wide | AttnKernel::Cudnn, 64) => (2 * MMA_TILE, "attn_fa2w_bf16_d64"),
+            (AttnKernel::Fa2Wide | AttnKernel::Cudnn, _) => (2 * MMA_TILE, "attn_fa2w_bf16_d128"),
             (AttnKernel::Mma, 64) => (MMA_TILE, "attn_mma_bf16_d64"),
             (AttnKernel::Mma, _) => (MMA_TILE, "attn_mma_bf16_d128"),
         }
@@ -75,9 +101,9 @@ impl AttnKernel {
     /// wide kernel's 128-row Q tile (its key tiles are 32 rows at head dim 128: see
     /// attention.cu); the first version's is static.
     fn smem(self, hd: usize) -> u32 {
-        let bytes = match self {
+        let bytes = match self.own() {
             AttnKernel::Fa2 => 4 * FA2_KEYS * hd * 2,
-            AttnKernel::Fa2Wide => {
+            AttnKernel::Fa2Wide | AttnKernel::Cudnn => {
                 let keys = if hd == 128 { FA2_KEYS / 2 } else { FA2_KEYS };
                 4 * keys * hd * 2 + 2 * MMA_TILE * hd * 2
             }
@@ -92,7 +118,26 @@ impl<E: Exec> GpuBackend<E> {
         match self.attn_kernel.load(std::sync::atomic::Ordering::Relaxed) {
             0 => AttnKernel::Fa2,
             1 => AttnKernel::Mma,
-            _ => AttnKernel::Fa2Wide,
+            2 => AttnKernel::Fa2Wide,
+            _ => AttnKernel::Cudnn,
+        }
+    }
+    /// Attention launches since start: `(by the library, by our kernels)`.
+    pub fn attention_launches(&self) -> (u64, u64) {
+        let [lib, ours] = &self.attn_launches;
+        (lib.load(Relaxed), ours.load(Relaxed))
+    }
+    /// What runs bf16 attention at FLUX's head dims on this backend, in words: for the
+    /// log at start, `/readyz` and `denoised devices`.
+    pub fn attention_path(&self) -> String {
+        match (self.attn_kernel(), self.exec().attn_library()) {
+            (AttnKernel::Cudnn, Some(lib)) => {
+                format!("{lib}; our fa2w kernel for shapes it refuses")
+            }
+            (AttnKernel::Cudnn, None) => {
+                "our fa2w kernel (no attention library: cuDNN 9 absent, off or too old)".into()
+            }
+            (k, _) => format!("our {} kernel (DENOISED_ATTN_KERNEL)", k.name()),
         }
     }
     /// Switches the tensor-core attention kernel (checks and benchmarks run both).
@@ -365,8 +410,23 @@ fn launch<E: Exec>(be: &GpuBackend<E>, l: Launch, heads: usize, hd: usize, es: u
         let (a, e) = if s.k_scales != 0 { (8, 1) } else { (16, es) };
         s.k % a == 0 && s.v % a == 0 && (s.stride as u64 * e) % a == 0
     });
-    let mma = be.dtype() == Dt::Bf16 && (hd == 64 || hd == 128) && aligned;
     let k = be.attn_kernel();
+    let tensor_cores = be.dtype() == Dt::Bf16 && (hd == 64 || hd == 128);
+    // cuDNN's fused attention takes bf16 head dims that are multiples of 8 up to 128.
+    if k == AttnKernel::Cudnn && be.dtype() == Dt::Bf16 && hd % 8 == 0 && hd <= 128 {
+        let described = crate::sdpa::Described {
+            slots: &slots,
+            q_rows: &q_rows,
+            kv_rows: &kv_rows,
+            descs: &descs,
+        };
+        if crate::sdpa::run(be, &described, heads, hd)? {
+            be.attn_launches[0].fetch_add(1, Relaxed);
+            return Ok(());
+        }
+    }
+    be.attn_launches[1].fetch_add(1, Relaxed);
+    let mma = tensor_cores && aligned;
     let ((tile, name), smem) = match (mma, be.dtype()) {
         (true, _) => (k.tensor_core(hd), k.smem(hd)),
         (false, Dt::Bf16) => ((SIMT_TILE, "attn_simt_bf16"), 0),

@@ -42,6 +42,9 @@ pub struct GpuBackend<E: Exec> {
     pub(crate) conv_library: bool,
     /// Which tensor-core attention kernel runs (`crate::attention::AttnKernel`).
     pub(crate) attn_kernel: std::sync::atomic::AtomicU8,
+    /// Attention launches run by the executor's library and by our kernels, since
+    /// start (benchmarks and the self-test say which path ran).
+    pub(crate) attn_launches: [std::sync::atomic::AtomicU64; 2],
     /// `[device] weight_dtype = "fp8"`: the transformer's large Linears go to the
     /// device as fp8 (`crate::fp8`).
     fp8_weights: bool,
@@ -78,6 +81,7 @@ impl<E: Exec> GpuBackend<E> {
             attn_kernel: std::sync::atomic::AtomicU8::new(
                 crate::attention::AttnKernel::from_env() as u8
             ),
+            attn_launches: Default::default(),
             fp8_weights: false,
             quant_tile_rows: 0,
         }

@@ -15,6 +15,11 @@
 //!
 //! Plans (descriptors and the heuristic's algorithm) are cached per shape, as the GEMM
 //! plans are; a VAE has a few dozen distinct shapes per resolution.
+//!
+//! The same handle runs fused attention (`sdpa`: the backend graph API's SDPA forward
+//! operation) for [`crate::exec::Exec::sdpa`].
+
+mod sdpa;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -23,7 +28,7 @@ use std::sync::Arc;
 use cudarc::cudnn::{result as dnn, sys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
-use crate::exec::{Conv, Dt};
+use crate::exec::{Conv, Dt, Sdpa};
 use crate::CudaError;
 
 /// The most workspace one convolution may use. Algorithms that need more are skipped
@@ -58,6 +63,25 @@ pub(crate) fn library_version() -> Result<usize, CudaError> {
         )));
     }
     Ok(v)
+}
+
+/// The cuDNN this process would load, as "cuDNN 9.14.0", or why none (absent, off,
+/// or not cuDNN 9). Needs no GPU: `denoised devices` prints it.
+pub fn library() -> Result<String, String> {
+    if std::env::var("DENOISED_CUDNN").is_ok_and(|v| v == "0" || v == "off") {
+        return Err("off (DENOISED_CUDNN=0)".into());
+    }
+    // SAFETY: only tries to dlopen the library by its usual names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("libcudnn.so.9 not found on the library path".into());
+    }
+    let v = library_version().map_err(|e| e.to_string())?;
+    Ok(format!(
+        "cuDNN {}.{}.{}",
+        v / 10000,
+        (v % 10000) / 100,
+        v % 100
+    ))
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -104,6 +128,8 @@ pub(crate) struct Cudnn {
     version: usize,
     /// `None`: cuDNN has no algorithm for the shape within the cap (the fallback runs).
     plans: HashMap<Key, Option<Plan>>,
+    /// Attention plans by shape; `None`: refused (our kernel runs it), logged once.
+    attn: HashMap<[usize; 17], Option<sdpa::SdpaPlan>>,
     workspace: Option<CudaSlice<u8>>,
 }
 
@@ -113,6 +139,7 @@ unsafe impl Send for Cudnn {}
 impl Drop for Cudnn {
     fn drop(&mut self) {
         self.plans.clear();
+        self.attn.clear();
         // SAFETY: last use of the handle.
         unsafe {
             let _ = dnn::destroy_handle(self.handle);
@@ -140,6 +167,7 @@ impl Cudnn {
             handle,
             version,
             plans: HashMap::new(),
+            attn: HashMap::new(),
             workspace: None,
         };
         // SAFETY: a live handle and the executor's live stream.
@@ -248,14 +276,8 @@ impl Cudnn {
         let Some(plan) = self.plans.get(&key).and_then(Option::as_ref) else {
             return Ok(false);
         };
-        let need = plan.workspace.max(1);
-        if self.workspace.as_ref().is_none_or(|w| w.len() < need) {
-            self.workspace = None; // freed (stream-ordered) before the larger one is taken
-            self.workspace = Some(stream.alloc_zeros::<u8>(need).map_err(|e| {
-                CudaError::Driver(format!("cuDNN workspace of {need} bytes: {e:?}"))
-            })?);
-        }
-        let ws = self.workspace.as_ref().expect("allocated above");
+        let ws_bytes = plan.workspace;
+        let ws = Self::workspace(&mut self.workspace, stream, ws_bytes)?;
         let (alpha, beta) = (1f32, 0f32);
         // SAFETY: the pointers come from live allocations the backend sized for these
         // shapes; the workspace holds at least `plan.workspace` bytes.
@@ -284,6 +306,79 @@ impl Cudnn {
             return Ok(false);
         }
         Ok(true)
+    }
+}
+
+impl Cudnn {
+    /// The shared workspace, grown to at least `need` bytes.
+    fn workspace<'a>(
+        slot: &'a mut Option<CudaSlice<u8>>,
+        stream: &Arc<CudaStream>,
+        need: usize,
+    ) -> Result<&'a CudaSlice<u8>, CudaError> {
+        let need = need.max(1);
+        if slot.as_ref().is_none_or(|w| w.len() < need) {
+            *slot = None; // freed (stream-ordered) before the larger one is taken
+            *slot = Some(stream.alloc_zeros::<u8>(need).map_err(|e| {
+                CudaError::Driver(format!("cuDNN workspace of {need} bytes: {e:?}"))
+            })?);
+        }
+        Ok(slot.as_ref().expect("allocated above"))
+    }
+
+    /// Whether fused attention has a plan for `a`'s shape: built at its first sight and
+    /// kept; a refusal is logged once, with cuDNN's reason, and remembered.
+    pub(crate) fn sdpa_plan(&mut self, a: &Sdpa) -> bool {
+        let key = a.shape();
+        if let Some(p) = self.attn.get(&key) {
+            return p.is_some();
+        }
+        let handle = self.handle;
+        // cudarc panics on a symbol the library lacks (a cuDNN older than the op).
+        let built =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sdpa::plan(handle, a)))
+                .unwrap_or_else(|_| {
+                    Err(CudaError::Unsupported("libcudnn lacks a function".into()))
+                });
+        let what = format!(
+            "{}x{} heads of {}, {} queries, {} keys",
+            a.batch, a.heads, a.head_dim, a.sq, a.skv
+        );
+        let plan = match built {
+            Ok(p) => {
+                tracing::debug!("{}: fused attention plan for {what}", self.describe());
+                Some(p)
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "{} refused fused attention for {what} ({e}); our fa2w kernel runs it",
+                    self.describe()
+                );
+                None
+            }
+        };
+        let ok = plan.is_some();
+        self.attn.insert(key, plan);
+        ok
+    }
+
+    /// Runs `a`, whose shape [`sdpa_plan`](Self::sdpa_plan) accepted, on the handle's stream.
+    pub(crate) fn sdpa_run(&mut self, stream: &Arc<CudaStream>, a: &Sdpa) -> Result<(), CudaError> {
+        let need = match self.attn.get(&a.shape()) {
+            Some(Some(p)) => p.workspace_bytes(),
+            _ => {
+                return Err(CudaError::Unsupported(format!(
+                    "no attention plan for {a:?}"
+                )))
+            }
+        };
+        let ws = if need > 0 {
+            Some(Self::workspace(&mut self.workspace, stream, need)?)
+        } else {
+            None
+        };
+        let plan = self.attn[&a.shape()].as_ref().expect("checked above");
+        plan.run(self.handle, stream, a, ws)
     }
 }
 

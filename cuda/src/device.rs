@@ -18,9 +18,10 @@ pub enum CudaError {
     NoDevice(String),
     #[error("CUDA driver error: {0}")]
     Driver(String),
-    /// The GEMM library has no algorithm for this GEMM as asked (its epilogue, scale
-    /// mode or alignment): the backend runs it bare and applies the rest itself.
-    #[error("unsupported by the GEMM library: {0}")]
+    /// A library has no algorithm for this operation as asked: cuBLASLt for a GEMM
+    /// (its epilogue, scale mode or alignment: the backend runs it bare and applies
+    /// the rest itself), cuDNN for an attention shape (our kernel runs it).
+    #[error("unsupported by the library: {0}")]
     Unsupported(String),
     #[error("invalid device `{0}`: expected auto, cpu, emu or cuda:N")]
     BadSpec(String),

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::exec::{Conv, Dt, Exec, Gemm, Grid, MemInfo, Result};
+use crate::exec::{Conv, Dt, Exec, Gemm, Grid, MemInfo, Result, Sdpa};
 use crate::params::KernelParams;
 use crate::CudaError;
 
@@ -110,9 +110,9 @@ pub const AVAILABLE: bool = cfg!(denoised_emu);
 
 /// `sizeof` of the C++ parameter structs, in `params.rs` order.
 #[cfg(denoised_emu)]
-pub fn param_sizes() -> [usize; 8] {
-    let mut out = [0 as std::ffi::c_ulong; 8];
-    // SAFETY: writes exactly 8 values.
+pub fn param_sizes() -> [usize; 9] {
+    let mut out = [0 as std::ffi::c_ulong; 9];
+    // SAFETY: writes exactly 9 values.
     unsafe { denoised_emu_param_sizes(out.as_mut_ptr()) };
     out.map(|v| v as usize)
 }
@@ -127,6 +127,9 @@ pub struct EmuExec {
     /// Whether [`Exec::conv`] runs (a host convolution standing in for cuDNN); off by
     /// default, so the backend's im2col path is what the emulator exercises.
     conv_library: bool,
+    /// The stand-in for cuDNN's fused attention behind [`Exec::sdpa`], if on: the most
+    /// keys a plan takes (it refuses longer sequences, as a library refuses a shape).
+    attn_library: Option<usize>,
     /// Whether GEMMs are refused where cuBLASLt refused them on the first H100 run.
     cublaslt_limits: bool,
 }
@@ -139,16 +142,21 @@ struct Usage {
     pinned: AtomicU64,
     /// Convolutions run by the stand-in library ([`EmuExec::with_conv_library`]).
     library_convs: AtomicU64,
+    /// Attention calls run by the stand-in library ([`EmuExec::with_attn_library`]).
+    library_attention: AtomicU64,
 }
 
 impl Default for EmuExec {
-    /// An emulated device of `DENOISED_EMU_MEMORY` bytes, or of the host's memory.
+    /// An emulated device of `DENOISED_EMU_MEMORY` bytes, or of the host's memory;
+    /// `DENOISED_EMU_ATTN_LIBRARY=N` gives it the stand-in attention library taking up
+    /// to N keys ([`EmuExec::with_attn_library`]: how the one-shot script's rehearsal
+    /// runs its cuDNN columns).
     fn default() -> Self {
-        let capacity = std::env::var("DENOISED_EMU_MEMORY")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or_else(host_memory);
-        EmuExec::with_capacity(capacity)
+        let env = |name| std::env::var(name).ok().and_then(|v| v.trim().parse().ok());
+        let capacity = env("DENOISED_EMU_MEMORY").unwrap_or_else(host_memory);
+        let mut e = EmuExec::with_capacity(capacity);
+        e.attn_library = env("DENOISED_EMU_ATTN_LIBRARY").map(|n: u64| n as usize);
+        e
     }
 }
 
@@ -185,8 +193,10 @@ impl EmuExec {
                 peak: AtomicU64::new(0),
                 pinned: AtomicU64::new(0),
                 library_convs: AtomicU64::new(0),
+                library_attention: AtomicU64::new(0),
             }),
             conv_library: false,
+            attn_library: None,
             cublaslt_limits: false,
         }
     }
@@ -208,6 +218,16 @@ impl EmuExec {
         self
     }
 
+    /// This emulator with a host attention standing in for cuDNN's fused SDPA behind
+    /// [`Exec::sdpa`], taking sequences of at most `max_keys` keys and refusing longer
+    /// ones: how tests run the backend's library path (the views it hands over in
+    /// place, the pack and unpack kernels, the padded queries) and its fallback to our
+    /// kernel without a GPU.
+    pub fn with_attn_library(mut self, max_keys: usize) -> Self {
+        self.attn_library = Some(max_keys);
+        self
+    }
+
     /// Bytes allocated now.
     pub fn in_use_bytes(&self) -> u64 {
         self.usage.in_use.load(Ordering::Relaxed)
@@ -226,6 +246,11 @@ impl EmuExec {
     /// How many convolutions the stand-in library has run.
     pub fn library_convs(&self) -> u64 {
         self.usage.library_convs.load(Ordering::Relaxed)
+    }
+
+    /// How many attention calls the stand-in library has run.
+    pub fn library_attention(&self) -> u64 {
+        self.usage.library_attention.load(Ordering::Relaxed)
     }
 
     /// Starts a new peak from what is allocated now.
@@ -488,6 +513,61 @@ impl Exec for EmuExec {
             }
         }
         Ok(true)
+    }
+    fn attn_library(&self) -> Option<String> {
+        self.attn_library
+            .map(|_| "the emulator's host attention (standing in for cuDNN)".into())
+    }
+    fn sdpa_plan(&self, a: &Sdpa) -> Result<bool> {
+        Ok(self.attn_library.is_some_and(|max| a.skv <= max))
+    }
+    /// `softmax(QKᵀ / sqrt(d)) V` in f32 from the bf16 views, rounded once to bf16, as
+    /// a fused kernel keeps its scores and accumulators in f32.
+    fn sdpa(&self, a: &Sdpa) -> Result<()> {
+        if !self.sdpa_plan(a)? {
+            return Err(CudaError::Unsupported(format!("emulated library: {a:?}")));
+        }
+        self.usage.library_attention.fetch_add(1, Ordering::Relaxed);
+        let at = |t: &crate::exec::Strided, b: usize, h: usize, s: usize| {
+            b * t.strides[0] + h * t.strides[1] + s * t.strides[2]
+        };
+        let scale = 1.0 / (a.head_dim as f32).sqrt();
+        let rows: Vec<(usize, Vec<f32>)> = (0..a.batch * a.heads * a.sq)
+            .into_par_iter()
+            .map(|i| {
+                let (b, h, s) = (i / (a.heads * a.sq), i / a.sq % a.heads, i % a.sq);
+                let (q0, d) = (at(&a.q, b, h, s), a.head_dim);
+                let q: Vec<f32> = (0..d).map(|c| load(Dt::Bf16, a.q.addr, q0 + c)).collect();
+                let scores: Vec<f32> = (0..a.skv)
+                    .map(|j| {
+                        let k0 = at(&a.k, b, h, j);
+                        let dot: f32 = (0..d)
+                            .map(|c| q[c] * load(Dt::Bf16, a.k.addr, k0 + c))
+                            .sum();
+                        dot * scale
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let p: Vec<f32> = scores.iter().map(|x| (x - max).exp()).collect();
+                let sum: f32 = p.iter().sum();
+                let mut o = vec![0f32; d];
+                for (j, pj) in p.iter().enumerate() {
+                    let v0 = at(&a.v, b, h, j);
+                    for (c, oc) in o.iter_mut().enumerate() {
+                        *oc += pj * load(Dt::Bf16, a.v.addr, v0 + c);
+                    }
+                }
+                o.iter_mut().for_each(|x| *x /= sum);
+                (at(&a.o, b, h, s), o)
+            })
+            .collect();
+        // Every output after every read: O may be Q's own memory (in place).
+        for (o0, o) in rows {
+            for (c, v) in o.into_iter().enumerate() {
+                store(Dt::Bf16, a.o.addr, o0 + c, v);
+            }
+        }
+        Ok(())
     }
     fn synchronize(&self) -> Result<()> {
         Ok(())

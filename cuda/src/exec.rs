@@ -121,6 +121,60 @@ impl Conv {
     }
 }
 
+/// One tensor of an [`Sdpa`]: its first element's device address and the strides, in
+/// elements, of its `[batch, heads, seq, head_dim]` dimensions (head_dim's is 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Strided {
+    pub addr: u64,
+    pub strides: [usize; 3],
+}
+
+/// Fused attention for a vendor library (cuDNN's SDPA forward):
+/// `O = softmax(QKᵀ / sqrt(head_dim)) V` per (batch, head), no mask, bf16 tensors, f32
+/// softmax and accumulation. Q and O are `[batch, heads, sq, head_dim]`, K and V
+/// `[batch, heads, skv, head_dim]`, each a strided view (columns of a wider buffer),
+/// so the backend hands it its buffers where they lie (`crate::sdpa` plans them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Sdpa {
+    pub batch: usize,
+    pub heads: usize,
+    pub sq: usize,
+    pub skv: usize,
+    pub head_dim: usize,
+    pub q: Strided,
+    pub k: Strided,
+    pub v: Strided,
+    pub o: Strided,
+}
+
+impl Sdpa {
+    /// What a plan depends on: everything but the addresses (a library's plans are
+    /// built once per shape and run on any buffers of that shape).
+    pub fn shape(&self) -> [usize; 17] {
+        let s = |t: &Strided| t.strides;
+        let [q, k, v, o] = [s(&self.q), s(&self.k), s(&self.v), s(&self.o)];
+        [
+            self.batch,
+            self.heads,
+            self.sq,
+            self.skv,
+            self.head_dim,
+            q[0],
+            q[1],
+            q[2],
+            k[0],
+            k[1],
+            k[2],
+            v[0],
+            v[1],
+            v[2],
+            o[0],
+            o[1],
+            o[2],
+        ]
+    }
+}
+
 /// The executor's two queues: kernels and GEMMs run in order on `Compute`; cache loads
 /// run on `Copy`, ordered against compute only through events.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -174,6 +228,24 @@ pub trait Exec: Send + Sync + 'static {
     /// im2col + GEMM path, which every executor has.
     fn conv(&self, _c: &Conv) -> Result<bool> {
         Ok(false)
+    }
+    /// The fused-attention library [`sdpa`](Self::sdpa) runs on, if this executor has
+    /// one (cuDNN on a GPU): for logs, `/readyz` and `denoised devices`.
+    fn attn_library(&self) -> Option<String> {
+        None
+    }
+    /// Whether the attention library has a plan for `a`'s shape (built now if new,
+    /// then kept): `Ok(false)` when there is no library or it refuses the shape, and
+    /// the backend runs its own kernel. A refusal's reason is logged once per shape.
+    fn sdpa_plan(&self, _a: &Sdpa) -> Result<bool> {
+        Ok(false)
+    }
+    /// Runs `a`, whose shape [`sdpa_plan`](Self::sdpa_plan) accepted.
+    fn sdpa(&self, a: &Sdpa) -> Result<()> {
+        Err(CudaError::Unsupported(format!(
+            "{} has no attention library for {a:?}",
+            self.describe()
+        )))
     }
     /// Waits for all queued work.
     fn synchronize(&self) -> Result<()>;

@@ -37,7 +37,7 @@ use crate::compile;
 use crate::cublaslt::Blas;
 use crate::cudnn::{self, Cudnn};
 use crate::device::{probe, GpuInfo};
-use crate::exec::{Conv, Dt, Exec, Gemm, Grid, MemInfo, Result, Stream};
+use crate::exec::{Conv, Dt, Exec, Gemm, Grid, MemInfo, Result, Sdpa, Stream};
 use crate::kernels;
 use crate::params::KernelParams;
 use crate::ring::Ring;
@@ -63,8 +63,8 @@ pub struct CudaExec {
     smem_allowed: Mutex<HashMap<&'static str, u32>>,
     uploads: Mutex<Uploads>,
     blas: Mutex<Blas>,
-    /// cuDNN, opened at the first convolution; `None` where it is absent or failed
-    /// to open (the backend's im2col path runs then).
+    /// cuDNN, opened at the first convolution or attention; `None` where it is absent
+    /// or failed to open (the backend's im2col path and our attention kernel run then).
     cudnn: OnceLock<Option<Mutex<Cudnn>>>,
 }
 
@@ -203,7 +203,7 @@ impl CudaExec {
                     });
                 match opened {
                     Ok(d) => {
-                        tracing::info!("convolutions run on {}", d.describe());
+                        tracing::info!("convolutions and attention run on {}", d.describe());
                         Some(Mutex::new(d))
                     }
                     Err(e) => {
@@ -436,6 +436,27 @@ impl Exec for CudaExec {
         };
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         d.lock().unwrap().run(&self.compute, c)
+    }
+
+    fn attn_library(&self) -> Option<String> {
+        self.cudnn()
+            .map(|d| format!("{} fused attention (SDPA)", d.lock().unwrap().describe()))
+    }
+
+    fn sdpa_plan(&self, a: &Sdpa) -> Result<bool> {
+        let Some(d) = self.cudnn() else {
+            return Ok(false);
+        };
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        Ok(d.lock().unwrap().sdpa_plan(a))
+    }
+
+    fn sdpa(&self, a: &Sdpa) -> Result<()> {
+        let d = self
+            .cudnn()
+            .ok_or_else(|| CudaError::Unsupported("cuDNN is not loaded".into()))?;
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        d.lock().unwrap().sdpa_run(&self.compute, a)
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -77,6 +77,8 @@ pub const MODULES: &[Module] = &[
             "attn_fa2_bf16_d128",
             "attn_fa2w_bf16_d64",
             "attn_fa2w_bf16_d128",
+            "attn_pack_bf16",
+            "attn_unpack_bf16",
         ],
     },
     Module {

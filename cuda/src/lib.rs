@@ -31,6 +31,7 @@ pub mod kernels;
 pub mod params;
 mod quant;
 mod ring;
+mod sdpa;
 pub mod selfcheck;
 pub mod stream;
 mod tensor;
@@ -38,12 +39,13 @@ mod text;
 
 pub use attention::AttnKernel;
 pub use backend::{GpuBackend, GpuTensor};
-pub use cudnn::WORKSPACE_CAP as CUDNN_WORKSPACE_BYTES;
+pub use cudnn::{library as cudnn_library, WORKSPACE_CAP as CUDNN_WORKSPACE_BYTES};
 pub use device::{
     parse_list, probe, resolve, resolve_list, CudaError, DeviceSpec, GpuInfo, Resolved,
 };
 pub use emu::EmuExec;
-pub use exec::{Dt, Exec, MemInfo};
+pub use exec::{Dt, Exec, MemInfo, Sdpa, Strided};
 pub use gpu::{CudaExec, Priority};
 pub use image::WORKSPACE_BYTES as IMAGE_WORKSPACE_BYTES;
+pub use sdpa::query_bucket;
 pub use stream::StreamedTemplate;

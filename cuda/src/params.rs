@@ -23,6 +23,7 @@ params!(
     GatherParams,
     TimestepParams,
     AttnParams,
+    AttnPackParams,
     ImgParams,
     EpilogueParams
 );
@@ -144,6 +145,34 @@ pub struct AttnParams {
     pub heads: i32,
     pub head_dim: i32,
     pub scale_log2: f32,
+}
+
+/// The gather into, and scatter out of, the contiguous scratch of attention through a
+/// library (`crate::sdpa`): rows by the same packed references as [`AttnParams`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AttnPackParams {
+    pub slots: [AttnSlot; 8],
+    /// `const u32*`: `rows` row references.
+    pub refs: u64,
+    /// The contiguous side: `padded` rows `ld` elements apart, `width` used.
+    pub dense: u64,
+    pub rows: i32,
+    pub padded: i32,
+    pub ld: i32,
+    pub width: i32,
+    pub head_dim: i32,
+    /// 1: the referenced rows' V columns (`slot.v`, `v_scales`); 0: K (or queries).
+    pub values: i32,
+}
+
+impl AttnPackParams {
+    /// Parameters over `slots` (at most 8), the rest zero.
+    pub fn with_slots(slots: &[AttnSlot]) -> Self {
+        let mut p = AttnPackParams::default();
+        p.slots[..slots.len()].copy_from_slice(slots);
+        p
+    }
 }
 
 #[repr(C)]

@@ -22,6 +22,7 @@ fn param_structs_match_cpp() {
         size_of::<AttnParams>(),
         size_of::<ImgParams>(),
         size_of::<EpilogueParams>(),
+        size_of::<AttnPackParams>(),
     ];
     assert_eq!(rust, denoised_cuda::emu::param_sizes());
 }
@@ -50,8 +51,12 @@ fn kernels_match_cpu_where_cublaslt_refuses() {
 fn emulated_kernels_match_cpu() {
     // With the stand-in convolution library, so that the backend's library path (what
     // cuDNN runs on a GPU: the shapes it is given, the bias and residual pass after)
-    // and its im2col path (the chunked run) are both checked.
-    let exec = EmuExec::default().with_conv_library();
+    // and its im2col path (the chunked run) are both checked; likewise the stand-in
+    // attention library (the views handed over in place, the pack and unpack of
+    // gathered and fp8 rows) beside every one of our attention kernels.
+    let exec = EmuExec::default()
+        .with_conv_library()
+        .with_attn_library(usize::MAX);
     let checks = kernels(|| Ok(exec.clone())).unwrap();
     // 18 op checks and 5 fp8-weight checks per dtype, 13 of the fused block passes per
     // dtype (both widths: 16-byte runs and the scalar fallback), the fused LayerNorm
@@ -69,6 +74,27 @@ fn emulated_kernels_match_cpu() {
     // Per dtype: 3 of the 5 geometries are the library's, each with and without a
     // residual; the VAE's upsample and asymmetric convolutions fell back.
     assert_eq!(exec.library_convs(), 2 * 3 * 2);
+    // The bf16 attention checks that ask for the library went to it: three head
+    // geometries (2 x 64, 1 x 128, 3 x 16) of two sequences each with bf16 and fp8
+    // caches, the in-place pair, and the 12 sequences of the many-caches check (the
+    // default path).
+    assert_eq!(exec.library_attention(), 3 * 2 * 2 + 2 + 12);
+}
+
+#[test]
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
+fn attention_falls_back_to_our_kernel_where_the_library_refuses() {
+    // A library that takes at most 30 keys: the checks' sequences of 37 to 150 keys
+    // are refused, each launch as a whole (before anything is written), and fa2w
+    // runs them; the many-caches check's sequences of 14 to 20 keys it takes.
+    let exec = EmuExec::default().with_attn_library(30);
+    let checks = kernels(|| Ok(exec.clone())).unwrap();
+    assert!(
+        checks.iter().any(|c| c.name.contains("[Cudnn]")),
+        "the library path was asked for"
+    );
+    assert_all_pass(&checks);
+    assert_eq!(exec.library_attention(), 12);
 }
 
 #[test]

@@ -42,10 +42,12 @@ pub struct Args {
     /// Storage type on a GPU (bf16 uses the tensor-core kernel for head dims 64/128).
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
     pub dtype: String,
-    /// Tensor-core kernels to time, comma-separated: fa2 (the default kernel), fa2w
-    /// (128-row blocks, 32 rows a warp) and/or mma (the first version), one after the
-    /// other on the same device.
-    #[arg(long, value_delimiter = ',', default_value = "fa2", value_parser = AttnKernel::NAMES)]
+    /// Attention paths to time, comma-separated, one after the other on the same
+    /// device: cudnn (the default: the executor's fused-attention library, cuDNN's SDPA
+    /// on a GPU, with fa2w where it refuses a shape), fa2w (our kernel: 128-row blocks,
+    /// 32 rows a warp), fa2 (64-row blocks) and mma (the first version). Each line says
+    /// which path ran (`path`: `library` or `ours`).
+    #[arg(long, value_delimiter = ',', default_value = "cudnn,fa2w", value_parser = AttnKernel::NAMES)]
     pub kernel: Vec<String>,
     /// With `--device emu`: count every kernel's shared-memory accesses and bank
     /// conflicts as the hardware would serve them, and its launches; one JSON line per
@@ -97,11 +99,25 @@ fn each_kernel<E: Exec>(a: &Args, be: &GpuBackend<E>) -> CliResult<Vec<serde_jso
     let mut lines = vec![];
     for k in &a.kernel {
         be.set_attn_kernel(kernel_of(k));
+        let before = be.attention_launches();
         for mut l in measure(a, be, &|f| be.gpu_seconds(f))? {
             l["kernel"] = k.as_str().into();
             lines.push(l);
         }
+        // Which path ran: the library where it took every launch, else ours (it is
+        // absent, or refused the shapes: the log says why).
+        let after = be.attention_launches();
+        let path = if after.1 == before.1 {
+            "library"
+        } else {
+            "ours"
+        };
+        for l in lines.iter_mut().filter(|l| l["kernel"] == k.as_str()) {
+            l["path"] = path.into();
+            l["attention"] = be.attention_path().into();
+        }
     }
+    be.set_attn_kernel(AttnKernel::from_env());
     Ok(lines)
 }
 

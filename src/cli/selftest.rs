@@ -130,6 +130,15 @@ pub fn run(a: Args) -> CliResult {
         Target::Cuda(n) => GpuBackend::new(cuda(n)?, Dt::F32).conv_path(),
     };
     println!("VAE convolutions: {convs}");
+    let attention = match target {
+        Target::Emu => GpuBackend::new(EmuExec::open()?, Dt::Bf16).attention_at_flux(),
+        Target::Cuda(n) => GpuBackend::new(cuda(n)?, Dt::Bf16).attention_at_flux(),
+    };
+    println!("attention: {attention}");
+    let paths = Paths {
+        convs: &convs,
+        attention: &attention,
+    };
     // In a fixed order: cheap correctness first, so a broken device fails fast.
     let parts: Vec<Part> = ALL
         .into_iter()
@@ -163,7 +172,7 @@ pub fn run(a: Args) -> CliResult {
             write_report(
                 path,
                 &device,
-                &convs,
+                &paths,
                 t_all.elapsed().as_secs_f64(),
                 &sections,
             )?;
@@ -181,7 +190,7 @@ pub fn run(a: Args) -> CliResult {
         total - failed
     );
     if let Some(path) = &a.json {
-        write_report(path, &device, &convs, seconds, &sections)?;
+        write_report(path, &device, &paths, seconds, &sections)?;
     }
     if failed > 0 {
         return Err(format!("{failed} of {total} checks failed").into());
@@ -189,16 +198,23 @@ pub fn run(a: Args) -> CliResult {
     Ok(())
 }
 
+/// What ran the VAE's convolutions and the transformer's attention, in words.
+struct Paths<'a> {
+    convs: &'a str,
+    attention: &'a str,
+}
+
 fn write_report(
     path: &std::path::Path,
     device: &str,
-    convs: &str,
+    paths: &Paths<'_>,
     seconds: f64,
     sections: &[Section],
 ) -> CliResult {
     let report = json!({
         "device": device,
-        "vae_convolutions": convs,
+        "vae_convolutions": paths.convs,
+        "attention": paths.attention,
         "seconds": seconds,
         "parts": sections.iter().map(|s| json!({
             "part": format!("{:?}", s.part),

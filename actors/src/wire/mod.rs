@@ -660,6 +660,9 @@ pub struct WorkerInfo {
     /// A GPU (or emulated) denoise worker's device memory budget; null elsewhere.
     /// (No `skip_serializing_if`: cluster messages are postcard, which is positional.)
     pub device_budget: Option<crate::budget::DeviceBudget>,
+    /// A GPU (or emulated) denoise worker's attention path: cuDNN's fused SDPA, or
+    /// our kernel and why. Null elsewhere.
+    pub attention: Option<String>,
     /// A denoise worker's latency models (its planner's): what the router prices its
     /// steps with. Null for other roles.
     pub profile: Option<denoised_models::profile::Profile>,

@@ -401,8 +401,15 @@ fn check_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
     // SIMT one. Queries span two buffers; keys come from both (by range) and from an
     // external "cache" by index, in two sequences of different lengths.
     // In bf16 every tensor-core kernel is checked (the FA2 one runs by default).
+    // `Cudnn` runs the executor's attention library where it has one (cuDNN; the
+    // emulator's stand-in), and our fa2w kernel where not.
     let kernels: &[AttnKernel] = match dt {
-        Dt::Bf16 => &[AttnKernel::Fa2, AttnKernel::Fa2Wide, AttnKernel::Mma],
+        Dt::Bf16 => &[
+            AttnKernel::Cudnn,
+            AttnKernel::Fa2,
+            AttnKernel::Fa2Wide,
+            AttnKernel::Mma,
+        ],
         Dt::F32 => &[AttnKernel::Fa2],
     };
     let before = gpu.attn_kernel();
@@ -419,9 +426,54 @@ fn check_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
             }
             check_attention(out, gpu, &cpu, &mut rng, heads, hd, &tag)?;
         }
+        check_attention_in_place(out, gpu, &cpu, &mut rng, &tag)?;
     }
     gpu.set_attn_kernel(before);
     check_attention_many_caches(out, gpu, &cpu, &mut rng)
+}
+
+/// Two sequences as a single block of a full step lays them out: queries, keys and
+/// values in columns of one buffer over the same consecutive rows, which a library
+/// reads where they lie (`crate::sdpa`'s dense route) and our kernels through row
+/// references like any other.
+fn check_attention_in_place<E: Exec>(
+    out: &mut Vec<Check>,
+    gpu: &GpuBackend<E>,
+    cpu: &CpuBackend,
+    rng: &mut Rng,
+    tag: &str,
+) -> Result<()> {
+    let (heads, hd) = (2, 64);
+    let w = heads * hd;
+    // [k | v | q | mlp], as the single blocks' fused projection.
+    let t = rng.tensor(&[77, 4 * w], 1.5);
+    fn both<'a, T>(w: usize) -> Vec<AttnSeq<'a, T>> {
+        let seq = |rows: Range<usize>| AttnSeq {
+            q: vec![QSpan {
+                buf: 0,
+                rows: rows.clone(),
+            }],
+            kv: vec![KvSource {
+                src: Src::Own(0),
+                k_col: 0,
+                v_col: w,
+                rows: Rows::Range(rows),
+            }],
+        };
+        vec![seq(0..40), seq(40..77)]
+    }
+    let mut c = t.clone();
+    cpu.attention(&mut [&mut c], 2 * w, w, heads, &both(w))?;
+    let mut g = gpu.upload(&t)?;
+    gpu.attention(&mut [&mut g], 2 * w, w, heads, &both(w))?;
+    close(
+        out,
+        &format!("attention in place {heads}x{hd}{tag}"),
+        gpu.dtype(),
+        &gpu.download(&g)?,
+        &c,
+    );
+    Ok(())
 }
 
 /// A batch of 12 edits of 12 different templates: 13 distinct buffers, more than one
