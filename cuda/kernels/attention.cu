@@ -332,35 +332,42 @@ DEV void fa2_load_tile(const AttnParams& p, const u32* rows, int r0, int n, int 
     }
 }
 
-// One tile of keys for one 16-row m-tile: the scores `s` (scaled, masked past the
-// sequence's keys) become probabilities, the running max/sum of rows g and g + 8 move,
-// and the accumulator `o` is rescaled to the new max. The probabilities stay in `s`.
-template <int D, int BC>
+// One tile of keys for one 16-row m-tile: the raw scores `s` (masked past the
+// sequence's keys on the last tile only: MASK) become probabilities, the running max
+// (of raw scores: the scale is positive, so the max commutes with it) and sum of rows
+// g and g + 8 move, and the accumulator `o` is rescaled to the new max. Each
+// probability is one FMA and one exp2: 2^(s * scale - max * scale), the softmax scale
+// (log2(e) / sqrt(d)) folded in, as FlashAttention-2 does. The probabilities stay in `s`.
+template <int D, int BC, bool MASK>
 DEV void fa2_softmax(float (&s)[BC / 8][4], float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
                      int j0, int kv_len, float scale_log2, int t) {
     float mx0 = m[0], mx1 = m[1];
 #pragma unroll
     for (int nt = 0; nt < BC / 8; nt++) {
+        if (MASK) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int col = j0 + nt * 8 + 2 * t + (i & 1);
-            s[nt][i] = col < kv_len ? s[nt][i] * scale_log2 : NEG_INF;
+            for (int i = 0; i < 4; i++) {
+                int col = j0 + nt * 8 + 2 * t + (i & 1);
+                if (col >= kv_len) s[nt][i] = NEG_INF;
+            }
         }
         mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
         mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
     }
     mx0 = quad_max(mx0);  // finite: column j0 of every tile is a real key
     mx1 = quad_max(mx1);
-    const float a0 = fast_exp2(m[0] - mx0), a1 = fast_exp2(m[1] - mx1);
+    // m is -inf before the first tile: the old sum and accumulator scale by 2^-inf = 0.
+    const float a0 = fast_exp2((m[0] - mx0) * scale_log2), a1 = fast_exp2((m[1] - mx1) * scale_log2);
     m[0] = mx0;
     m[1] = mx1;
+    const float ms0 = mx0 * scale_log2, ms1 = mx1 * scale_log2;
     float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
     for (int nt = 0; nt < BC / 8; nt++) {
-        s[nt][0] = fast_exp2(s[nt][0] - mx0);
-        s[nt][1] = fast_exp2(s[nt][1] - mx0);
-        s[nt][2] = fast_exp2(s[nt][2] - mx1);
-        s[nt][3] = fast_exp2(s[nt][3] - mx1);
+        s[nt][0] = fast_exp2(fmaf(s[nt][0], scale_log2, -ms0));
+        s[nt][1] = fast_exp2(fmaf(s[nt][1], scale_log2, -ms0));
+        s[nt][2] = fast_exp2(fmaf(s[nt][2], scale_log2, -ms1));
+        s[nt][3] = fast_exp2(fmaf(s[nt][3], scale_log2, -ms1));
         rs0 += s[nt][0] + s[nt][1];
         rs1 += s[nt][2] + s[nt][3];
     }
@@ -469,9 +476,16 @@ DEV void attn_fa2(const AttnParams& p) {
                 }
             }
         }
+        // Only the last tile can run past the sequence's keys: the others skip the mask.
+        if ((j + 1) * BC > sq.kv_len) {
 #pragma unroll
-        for (int mt = 0; mt < WM; mt++)
-            fa2_softmax<D, BC>(s[mt], o[mt], m[mt], l[mt], j * BC, sq.kv_len, p.scale_log2, t);
+            for (int mt = 0; mt < WM; mt++)
+                fa2_softmax<D, BC, true>(s[mt], o[mt], m[mt], l[mt], j * BC, sq.kv_len, p.scale_log2, t);
+        } else {
+#pragma unroll
+            for (int mt = 0; mt < WM; mt++)
+                fa2_softmax<D, BC, false>(s[mt], o[mt], m[mt], l[mt], j * BC, sq.kv_len, p.scale_log2, t);
+        }
 #pragma unroll
         for (int kk = 0; kk < BC / 16; kk++) {
             u32 a[WM][4];
@@ -515,15 +529,18 @@ DEV void attn_fa2(const AttnParams& p) {
     }
 }
 // 64 KB of dynamic shared memory at D = 128 (the launch raises the 48 KB default);
-// ptxas (sm_90a, NVRTC 13): 254 registers at D = 128 and 164 at D = 64, no spills: 2
-// blocks (8 warps) an SM at D = 128, where the registers and 2 x 64 KB of shared
-// memory both allow 2 (a cap of 168 registers for 3 blocks spilled 188 bytes).
+// ptxas (sm_90a, NVRTC 13.5): 203 registers at D = 128 and 160 at D = 64, no spills
+// (cuda/tests/nvrtc.rs prints and checks it): 2 blocks (8 warps) an SM at D = 128. A
+// cap of 168 registers for 3 blocks spills 8 bytes on sm_80 (188 before the softmax
+// took one FMA per score), so 2 it is until a GPU says otherwise.
 extern "C" __global__ void __launch_bounds__(128, 2) attn_fa2_bf16_d64(const AttnParams p) { attn_fa2<64, 1, 64>(p); }
 EMU_EXPORT(attn_fa2_bf16_d64, AttnParams)
 extern "C" __global__ void __launch_bounds__(128, 2) attn_fa2_bf16_d128(const AttnParams p) { attn_fa2<128, 1, 64>(p); }
 EMU_EXPORT(attn_fa2_bf16_d128, AttnParams)
 // 128-row blocks, 32 rows a warp, with Q in shared memory beside K and V double-
 // buffered: 64 KB at D = 128 (32-row key tiles) and 48 KB at D = 64 (64-row ones).
+// ptxas (sm_90a): 242 registers at D = 128, 230 at D = 64, no spills; 64-row key
+// tiles at D = 128 spill 12 bytes on sm_80 (255 registers).
 extern "C" __global__ void __launch_bounds__(128, 2) attn_fa2w_bf16_d64(const AttnParams p) { attn_fa2<64, 2, 64>(p); }
 EMU_EXPORT(attn_fa2w_bf16_d64, AttnParams)
 extern "C" __global__ void __launch_bounds__(128, 2) attn_fa2w_bf16_d128(const AttnParams p) { attn_fa2<128, 2, 32>(p); }

@@ -133,8 +133,18 @@ DEV void for_runs(u32 n, bool vec, F f) {
     for (u32 i = done + tid; i < n; i += step) f(i, Run<1>());
 }
 
-// exp2f becomes ex2.approx under --use_fast_math: exact enough for softmax.
+// 2^x for softmax: the hardware's ex2.approx (2 ulp; 2^-inf = +0) on the GPU, where
+// NVRTC has no fast-math flag and exp2f would be the precise, slower sequence; exp2f
+// on the emulator.
+#ifdef DENOISED_EMU
 DEV float fast_exp2(float x) { return exp2f(x); }
+#else
+DEV float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#endif
 
 // ---- warp reductions (all 32 lanes must take part) ----
 DEV float warp_sum(float v) {

@@ -121,6 +121,22 @@ pub fn cubin(module: &'static Module, arch: &str) -> Result<Arc<Vec<u8>>, CudaEr
 
 /// One NVRTC compilation to CUBIN. Errors carry NVRTC's log.
 pub fn compile(name: &str, src: &str, arch: &str) -> Result<Vec<u8>, CudaError> {
+    compile_with(name, src, arch, &[]).map(|(bin, _)| bin)
+}
+
+/// ptxas's resource report of every kernel in `src` (`-v`): registers, shared memory,
+/// stack frame, spills, one block of lines per function, as the program log has it.
+pub fn ptxas_report(name: &str, src: &str, arch: &str) -> Result<String, CudaError> {
+    compile_with(name, src, arch, &["--ptxas-options=-v"]).map(|(_, log)| log)
+}
+
+/// [`compile`] with `extra` options; also returns NVRTC's log.
+fn compile_with(
+    name: &str,
+    src: &str,
+    arch: &str,
+    extra: &[&str],
+) -> Result<(Vec<u8>, String), CudaError> {
     if !nvrtc_available() {
         return Err(CudaError::NoDevice("libnvrtc is not installed".into()));
     }
@@ -130,21 +146,18 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Vec<u8>, CudaError> 
         .map_err(|e| CudaError::Driver(format!("nvrtcCreateProgram: {e:?}")))?;
     let mut opts: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
     opts.push(format!("--gpu-architecture={arch}"));
+    opts.extend(extra.iter().map(|s| s.to_string()));
     // SAFETY: `prog` is a live program until destroyed at the end of this function.
     let out = unsafe {
         let compiled = result::compile_program(prog, &opts);
+        let log = match result::get_program_log(prog) {
+            Ok(l) if !l.is_empty() => CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned(),
+            _ => String::new(),
+        };
         let out = match compiled {
-            Err(e) => {
-                let log = match result::get_program_log(prog) {
-                    Ok(l) if !l.is_empty() => {
-                        CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned()
-                    }
-                    _ => String::new(),
-                };
-                Err(CudaError::Driver(format!(
-                    "NVRTC failed on {name} for {arch} ({e:?}):\n{log}"
-                )))
-            }
+            Err(e) => Err(CudaError::Driver(format!(
+                "NVRTC failed on {name} for {arch} ({e:?}):\n{log}"
+            ))),
             Ok(()) => {
                 let mut size = 0usize;
                 sys::nvrtcGetCUBINSize(prog, &mut size)
@@ -154,7 +167,7 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Vec<u8>, CudaError> 
                 sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut _)
                     .result()
                     .map_err(|e| CudaError::Driver(format!("nvrtcGetCUBIN: {e:?}")))?;
-                Ok(bin)
+                Ok((bin, log))
             }
         };
         let _ = result::destroy_program(prog);
