@@ -622,3 +622,69 @@ fn the_preview_file_is_written_and_changes_nothing() {
         ".png or .jpg",
     );
 }
+
+/// fp8 transformer weights on the emulated GPU, as a user runs an edit with them: the
+/// edit differs from the bf16 one (the weights and GEMM inputs are rounded to E4M3,
+/// per tensor by default and per channel when asked) and, pasted back, leaves every
+/// pixel outside the mask as the input's.
+#[test]
+fn an_fp8_edit_on_the_emulator_differs_from_bf16_and_keeps_the_unmasked_pixels() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, mask_png) = (case("e2e_input.png"), case("e2e_mask.png"));
+    let edit = |name: &str, weights: &[&str]| {
+        let out = dir.path().join(name);
+        let mut args = vec![
+            "edit",
+            "--model",
+            "builtin",
+            "--device",
+            "emu",
+            "--dtype",
+            "bf16",
+            "--image",
+            s(&input),
+            "--mask",
+            s(&mask_png),
+            "--prompt",
+            PROMPT,
+            "--steps",
+            "3",
+            "--max-sequence-length",
+            "32",
+            "--seed",
+            "5",
+            "--out",
+            s(&out),
+        ];
+        args.extend_from_slice(weights);
+        ok(&args);
+        png_file(&out)
+    };
+    let bf16 = edit("bf16.png", &[]);
+    let img = png_file(&input);
+    let mask = decode_mask(&std::fs::read(&mask_png).unwrap(), 64, 64, &LIM).unwrap();
+    for scaling in ["tensor", "channel"] {
+        let fp8 = edit(
+            &format!("fp8_{scaling}.png"),
+            &["--weight-dtype", "fp8", "--fp8-scaling", scaling],
+        );
+        let mut differ_inside = 0;
+        for i in 0..64 * 64 {
+            let px = |im: &Rgb8| im.data[i * 3..i * 3 + 3].to_vec();
+            if mask.data[i] {
+                differ_inside += (px(&fp8) != px(&bf16)) as usize;
+            } else {
+                assert_eq!(
+                    px(&fp8),
+                    px(&img),
+                    "{scaling}: pixel {i} outside the mask changed"
+                );
+            }
+        }
+        println!("fp8 ({scaling}) vs bf16: {differ_inside} masked pixels differ");
+        assert!(
+            differ_inside > 0,
+            "{scaling}: the fp8 edit equals the bf16 one"
+        );
+    }
+}

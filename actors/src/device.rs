@@ -7,6 +7,7 @@
 //! shares the weights with the CPU stages of the same process.
 
 use denoised_cuda::{CudaExec, DeviceSpec, Dt, EmuExec, Exec, GpuBackend, Priority};
+use denoised_runtime::fp8::Scaling;
 
 use crate::budget::{BudgetInputs, DeviceBudget};
 use denoised_models::flux::stepper::{ModelStepper, Stepper};
@@ -65,12 +66,19 @@ pub fn parse_dtype(s: &str) -> Result<Dt, String> {
     }
 }
 
-/// `[device] weight_dtype` (`--weight-dtype`): whether the transformer's large Linear
-/// weights are fp8 (`fp8`), or in the device dtype (empty, `bf16`, `f32`).
-pub fn parse_weight_dtype(s: &str) -> Result<bool, String> {
+/// `[device] weight_dtype` and `fp8_scaling` (`--weight-dtype`, `--fp8-scaling`):
+/// whether the transformer's large Linear weights are fp8 (`fp8`), and then how they
+/// and their inputs are scaled (`tensor`, the default, or `channel`), or in the device
+/// dtype (empty, `bf16`, `f32`: `None`).
+pub fn parse_weight_dtype(s: &str, scaling: &str) -> Result<Option<Scaling>, String> {
+    let scaling = match scaling {
+        "" => Scaling::Tensor,
+        other => Scaling::named(other)
+            .ok_or_else(|| format!("fp8 scaling `{other}`: use tensor or channel"))?,
+    };
     match s {
-        "fp8" => Ok(true),
-        "" | "bf16" | "f32" => Ok(false),
+        "fp8" => Ok(Some(scaling)),
+        "" | "bf16" | "f32" => Ok(None),
         other => Err(format!("weight dtype `{other}`: use fp8 or bf16")),
     }
 }
@@ -112,10 +120,10 @@ impl Placed {
 /// The backend of a process's host parts. On the CPU the transformer is one of them,
 /// so fp8 weights are set here: the CPU computes their reference
 /// (`CpuBackend::with_fp8_weights`).
-pub fn host_backend(device: DeviceSpec, fp8_weights: bool) -> CpuBackend {
-    match fp8_weights && device == DeviceSpec::Cpu {
-        true => CpuBackend::new().with_fp8_weights(),
-        false => CpuBackend::new(),
+pub fn host_backend(device: DeviceSpec, fp8_weights: Option<Scaling>) -> CpuBackend {
+    match fp8_weights.filter(|_| device == DeviceSpec::Cpu) {
+        Some(s) => CpuBackend::new().with_fp8_weights(s),
+        None => CpuBackend::new(),
     }
 }
 
@@ -140,7 +148,7 @@ pub fn place(
     source: &ModelSource,
     device: DeviceSpec,
     dtype: Dt,
-    fp8_weights: bool,
+    fp8_weights: Option<Scaling>,
     cpu: &FluxFill<CpuBackend>,
     limits: StepLimits,
 ) -> Result<Placed, String> {

@@ -54,7 +54,8 @@ fn load(env: &WorkerEnv) -> Result<Loaded, String> {
         device,
         role_parts(env.role, env.config.denoise.disaggregate),
     );
-    let fp8_weights = device::parse_weight_dtype(&env.config.device.weight_dtype)?;
+    let dc = &env.config.device;
+    let fp8_weights = device::parse_weight_dtype(&dc.weight_dtype, &dc.fp8_scaling)?;
     let cpu = device::host_backend(device, fp8_weights);
     let mut pipeline = FluxFill::load_parts(&source, cpu, parts)
         .map_err(|e| format!("loading model `{source}`: {e}"))?;

@@ -315,7 +315,8 @@ struct GatherParams {
 // over rows x cols; xs, ws (f32) and bias (T) left out where 0.
 struct EpilogueParams {
     u64 src, dst, xs, ws, bias;
-    int rows, cols, ld_src, ld_dst, gelu, pad;
+    int rows, cols, ld_src, ld_dst, gelu;
+    int scalar;  // xs and ws are one value each (per-tensor fp8 scales)
 };
 
 // Sinusoidal embedding: out[b] = [cos(x_b * f_i)..., sin(x_b * f_i)...].

@@ -264,6 +264,57 @@ DEV void fp8_rows_k(const EwParams& p) {
 EW_KERNEL(fp8_rows_f32, fp8_rows_k, float)
 EW_KERNEL(fp8_rows_bf16, fp8_rows_k, bf16)
 
+// Per-tensor FP8 E4M3 activations (`[device] fp8_scaling = "tensor"`), as
+// `denoised_runtime::fp8::quantize_tensor` does on the host: one scale for the block
+// x[rows, c0..c1] (rows `cols` apart), `amax / 448` (1 for zeros or a non-finite
+// amax), which cuBLASLt applies inside the GEMM. Two launches and no atomics:
+// fp8_amax_* (exactly FP8_AMAX_BLOCKS blocks) writes each block's maximum to
+// table[block]; fp8_tensor_* has every block fold those into the amax, writes the
+// bytes packed (c1 - c0 a row) to y, and block 0 the scale to seg (one f32).
+#define FP8_AMAX_BLOCKS 256
+template <class T>
+DEV float block_max(float m) {
+    __shared__ float red[32];
+    m = warp_max(m);
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int i = 1; i < (int)(blockDim.x / 32); i++) m = fmaxf(m, red[i]);
+    return m;  // thread 0's
+}
+template <class T>
+DEV void fp8_amax_k(const EwParams& p) {
+    const long long w = p.c1 - p.c0;
+    const T* x = (const T*)p.x;
+    float m = 0.f;
+    GRID_STRIDE(i, (long long)p.rows * w) m = fmaxf(m, fabsf(to_f32(x[(i / w) * p.cols + p.c0 + i % w])));
+    m = block_max<T>(m);
+    if (threadIdx.x == 0) ((float*)p.table)[blockIdx.x] = m;
+}
+template <class T>
+DEV void fp8_tensor_k(const EwParams& p) {
+    __shared__ float inv;
+    const float* maxima = (const float*)p.table;
+    float m = 0.f;
+    for (int i = threadIdx.x; i < FP8_AMAX_BLOCKS; i += blockDim.x) m = fmaxf(m, maxima[i]);
+    m = block_max<T>(m);
+    if (threadIdx.x == 0) {
+        const float s = m > 0.f && m <= 3.4028235e38f ? m / 448.f : 1.f;
+        inv = 1.f / s;
+        if (blockIdx.x == 0) *(float*)p.seg = s;
+    }
+    __syncthreads();
+    const long long w = p.c1 - p.c0;
+    const T* x = (const T*)p.x;
+    unsigned char* y = (unsigned char*)p.y;
+    GRID_STRIDE(i, (long long)p.rows * w) y[i] = (unsigned char)f32_to_fp8(to_f32(x[(i / w) * p.cols + p.c0 + i % w]) * inv);
+}
+
+EW_KERNEL(fp8_amax_f32, fp8_amax_k, float)
+EW_KERNEL(fp8_amax_bf16, fp8_amax_k, bf16)
+EW_KERNEL(fp8_tensor_f32, fp8_tensor_k, float)
+EW_KERNEL(fp8_tensor_bf16, fp8_tensor_k, bf16)
+
 // A GEMM's scales, bias and GELU after a bare GEMM into `src` (see EpilogueParams):
 // the operations of cuBLASLt's epilogue in its order (the emulator's GEMM), GELU on
 // the value rounded to T as a separate pass sees it.
@@ -277,7 +328,7 @@ DEV void linear_epilogue(const EpilogueParams& p) {
     GRID_STRIDE(i, (long long)p.rows * p.cols) {
         const long long r = i / p.cols, c = i - r * p.cols;
         float v = to_f32(src[r * p.ld_src + c]);
-        if (xs) v = v * xs[r] * ws[c];
+        if (xs) v = p.scalar ? v * xs[0] * ws[0] : v * xs[r] * ws[c];
         if (b) v += to_f32(b[c]);
         if (p.gelu) v = gelu_tanh_f(to_f32(from_f32<T>(v)));
         dst[r * p.ld_dst + c] = from_f32<T>(v);

@@ -47,7 +47,8 @@ pub struct GpuBackend<E: Exec> {
     pub(crate) attn_launches: [std::sync::atomic::AtomicU64; 2],
     /// `[device] weight_dtype = "fp8"`: the transformer's large Linears go to the
     /// device as fp8 (`crate::fp8`).
-    fp8_weights: bool,
+    /// How (`None`: not at all).
+    fp8_weights: Option<denoised_runtime::fp8::Scaling>,
     /// Output rows of a GGUF-quantised weight one GEMM expands at a time
     /// (`crate::quant`); 0: as many as fit [`crate::quant::TILE_BYTES`].
     pub(crate) quant_tile_rows: usize,
@@ -82,7 +83,7 @@ impl<E: Exec> GpuBackend<E> {
                 crate::attention::AttnKernel::from_env() as u8
             ),
             attn_launches: Default::default(),
-            fp8_weights: false,
+            fp8_weights: None,
             quant_tile_rows: 0,
         }
     }
@@ -94,8 +95,9 @@ impl<E: Exec> GpuBackend<E> {
     }
     /// This backend with the transformer's large Linears in fp8
     /// (`Backend::fp8_weights`); loading them fails on a device without fp8 GEMMs.
-    pub fn with_fp8_weights(mut self, on: bool) -> Self {
-        self.fp8_weights = on;
+    /// `scaling` says how weights and their inputs are scaled (`None`: no fp8).
+    pub fn with_fp8_weights(mut self, scaling: Option<denoised_runtime::fp8::Scaling>) -> Self {
+        self.fp8_weights = scaling;
         self
     }
     /// This backend with image ops chunked to `bytes` of workspace (tests use a few
@@ -103,6 +105,10 @@ impl<E: Exec> GpuBackend<E> {
     pub fn with_image_workspace(mut self, bytes: usize) -> Self {
         self.image_workspace = bytes;
         self
+    }
+    /// How fp8 weights are scaled on this backend (channel where none are asked for).
+    pub fn fp8_scaling(&self) -> denoised_runtime::fp8::Scaling {
+        self.fp8_weights.unwrap_or_default()
     }
     pub fn exec(&self) -> &Arc<E> {
         &self.exec
@@ -291,7 +297,7 @@ impl<E: Exec> Backend for GpuBackend<E> {
     }
 
     fn fp8_weights(&self) -> bool {
-        self.fp8_weights
+        self.fp8_weights.is_some()
     }
 
     fn upload_weight_fp8(&self, parts: &[Stored<'_>]) -> Result<GpuTensor<E>> {

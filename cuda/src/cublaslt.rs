@@ -79,8 +79,8 @@ impl Blas {
         }
         b.plans[&key].as_ref().ok_or_else(|| {
             CudaError::Unsupported(format!(
-                "no cuBLASLt algorithm for GEMM {}x{}x{} (bias {}, GELU {}, fp8 {}, scaled {})",
-                key.m, key.n, key.k, key.bias, key.gelu, key.fp8, key.scaled
+                "no cuBLASLt algorithm for GEMM {}x{}x{} (bias {}, GELU {}, fp8 {}, scaled {}, per tensor {})",
+                key.m, key.n, key.k, key.bias, key.gelu, key.fp8, key.scaled, key.tensor
             ))
         })
     }
@@ -158,8 +158,10 @@ struct PlanKey {
     bias: bool,
     gelu: bool,
     fp8: bool,
-    /// fp8 with outer-vector scales (else unit scales: a bare fp8 GEMM).
+    /// fp8 with scales (else unit scales: a bare fp8 GEMM): one each (`tensor`,
+    /// cuBLASLt's default scalar mode) or outer vectors.
     scaled: bool,
+    tensor: bool,
     /// Byte alignment of W, X, the output (cuBLASLt may pick kernels that assume
     /// more alignment than a column-block view of X has, unless told) and the bias
     /// (which it cannot be told: a launch refused for a misaligned bias refuses only
@@ -180,6 +182,7 @@ impl PlanKey {
             gelu: g.gelu,
             fp8: g.fp8.is_some(),
             scaled: g.fp8.is_some_and(|s| s.x != 0),
+            tensor: g.fp8.is_some_and(|s| s.tensor),
             align: [
                 alignment(g.w),
                 alignment(g.x),
@@ -284,7 +287,9 @@ fn build_plan(handle: ltsys::cublasLtHandle_t, key: &PlanKey) -> Result<Plan> {
             )
             .map_err(blas("FAST_ACCUM"))?;
         }
-        if key.scaled {
+        // Per-tensor scales are cuBLASLt's default (scalar) mode: only the pointers
+        // are set, per call.
+        if key.scaled && !key.tensor {
             let mode =
                 ltsys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
             use ltsys::cublasLtMatmulDescAttributes_t::*;

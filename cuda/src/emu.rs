@@ -203,7 +203,7 @@ impl EmuExec {
 
     /// This emulator refusing, with [`CudaError::Unsupported`], the GEMMs cuBLASLt 13.0
     /// refused on an H100 (docs/performance.md, "The first GPU run"): fp8 with
-    /// outer-vector scales, a bias not 16-byte aligned, an output or row stride not a
+    /// outer-vector scales (per-tensor ones it takes), a bias not 16-byte aligned, an output or row stride not a
     /// multiple of 16 bytes. How tests run the backend's bare-GEMM path without one.
     pub fn with_cublaslt_limits(mut self) -> Self {
         self.cublaslt_limits = true;
@@ -417,7 +417,7 @@ impl Exec for EmuExec {
         }
         let sz = g.dt.size() as u64;
         if self.cublaslt_limits
-            && (g.fp8.is_some_and(|s| s.x != 0)
+            && (g.fp8.is_some_and(|s| s.x != 0 && !s.tensor)
                 || g.bias.is_some_and(|b| b % 16 != 0)
                 || g.out % 16 != 0
                 || (g.ldo as u64 * sz) % 16 != 0)
@@ -444,7 +444,8 @@ impl Exec for EmuExec {
                             acc += operand(g.x, r * g.ldx + i) * operand(g.w, c * g.k + i);
                         }
                         if let Some(s) = g.fp8.filter(|s| s.x != 0) {
-                            acc = acc * load(Dt::F32, s.x, r) * load(Dt::F32, s.w, c);
+                            let (i, j) = if s.tensor { (0, 0) } else { (r, c) };
+                            acc = acc * load(Dt::F32, s.x, i) * load(Dt::F32, s.w, j);
                         }
                         let v = acc + g.bias.map_or(0.0, |b| load(g.dt, b, c));
                         if g.gelu {

@@ -81,12 +81,15 @@ pub struct Gemm {
     pub fp8: Option<Fp8Scales>,
 }
 
-/// The scale vectors of an fp8 [`Gemm`]: `n` f32 values for X's rows and `m` for W's;
-/// both 0 for unit scales (a bare GEMM, whose scales a pass applies after).
+/// The scales of an fp8 [`Gemm`]: `n` f32 values for X's rows and `m` for W's, or with
+/// `tensor` one f32 each (`C = sx * sw * sum`, which cuBLASLt applies inside the GEMM
+/// with its epilogues); both 0 for unit scales (a bare GEMM, whose scales a pass
+/// applies after).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Fp8Scales {
     pub x: u64,
     pub w: u64,
+    pub tensor: bool,
 }
 
 /// A 2-D convolution for a vendor library (cuDNN), without bias: input `x` `[n, h, w, c]`

@@ -8,7 +8,7 @@
 //!   quantises its input per row on the device (`fp8_rows_*`) and runs the fp8 GEMM
 //!   (`Gemm::fp8`), whose output is the device dtype.
 
-use denoised_runtime::fp8::{check_matrix, quantize_rows, DECODE};
+use denoised_runtime::fp8::{check_matrix, quantize_rows, quantize_tensor, Scaling, DECODE};
 use denoised_runtime::{Error, HostSlice, Result, Stored, Tensor};
 
 use crate::backend::{dev, kernel_name, matrix, GpuBackend, GpuTensor};
@@ -101,17 +101,28 @@ impl<E: Exec> GpuBackend<E> {
             [r, c] => (r, c),
             _ => return Err(Error::shape("upload_weight_fp8", format!("{shape:?}"))),
         };
-        let (bytes, scales) = match crate::quant::all_fp8(parts) {
+        let scaling = self.fp8_scaling();
+        let one_scale = parts.windows(2).all(|w| w[0].scale == w[1].scale);
+        let (bytes, scales) = match (crate::quant::all_fp8(parts), scaling) {
             // A checkpoint's own E4M3 bytes (ComfyUI's fp8 files) are used as they
             // are, its per-tensor scale broadcast over the part's rows: no second
-            // rounding.
-            true => fp8_parts(parts),
-            false => {
+            // rounding (per tensor too where every part has the same scale).
+            (true, Scaling::Channel) => fp8_parts(parts),
+            (true, Scaling::Tensor) if one_scale => fp8_parts(parts),
+            _ => {
                 let mut values = Vec::with_capacity(rows * cols);
                 for p in parts {
                     values.extend_from_slice(p.to_f32()?.data());
                 }
-                quantize_rows(&values, cols)
+                match scaling {
+                    Scaling::Channel => quantize_rows(&values, cols),
+                    // One scale, stored for every row: the layout (and a block of
+                    // outputs' offset into it) is the per-channel one.
+                    Scaling::Tensor => {
+                        let (bytes, s) = quantize_tensor(&values);
+                        (bytes, vec![s; rows])
+                    }
+                }
             }
         };
         let w = GpuTensor::alloc_fp8_rows(&**self.exec(), rows, cols, self.dtype())?;
@@ -135,6 +146,60 @@ impl<E: Exec> GpuBackend<E> {
             .flat_map(|(row, s)| row.iter().map(move |&b| DECODE[b as usize] * s))
             .collect();
         Tensor::new([rows, cols], values)
+    }
+
+    /// The input of an fp8 GEMM on this backend's weights: columns `cols` of `x`'s
+    /// rows as packed E4M3 rows, scaled as the weights are
+    /// ([`quantize_rows`](Self::quantize_rows) or
+    /// [`quantize_tensor`](Self::quantize_tensor)).
+    pub(crate) fn quantize_input(
+        &self,
+        x: &GpuTensor<E>,
+        cols: std::ops::Range<usize>,
+    ) -> Result<GpuTensor<E>> {
+        match self.fp8_scaling() {
+            Scaling::Channel => self.quantize_rows(x, cols),
+            Scaling::Tensor => self.quantize_tensor(x, cols),
+        }
+    }
+
+    /// Columns `cols` of `x`'s rows as packed E4M3 rows under one scale, the block's
+    /// `amax / 448`, in the first of the tensor's row scales: a reduction over a fixed
+    /// grid of blocks, then the quantisation (`fp8_amax_*`, `fp8_tensor_*`).
+    pub(crate) fn quantize_tensor(
+        &self,
+        x: &GpuTensor<E>,
+        cols: std::ops::Range<usize>,
+    ) -> Result<GpuTensor<E>> {
+        /// `FP8_AMAX_BLOCKS` in elementwise.cu.
+        const BLOCKS: u32 = 256;
+        let (rows, width) = matrix("linear", x)?;
+        let q = GpuTensor::alloc_fp8_rows(&**self.exec(), rows, cols.len(), x.dtype())?;
+        let maxima = self.exec().alloc(4 * BLOCKS as usize).map_err(dev)?;
+        let p = EwParams {
+            x: x.addr(),
+            y: q.addr(),
+            table: self.exec().addr(&maxima),
+            seg: q.row_scales,
+            rows: rows as i32,
+            cols: width as i32,
+            c0: cols.start as i32,
+            c1: cols.end as i32,
+            ..Default::default()
+        };
+        let reduce = Grid {
+            grid: [BLOCKS, 1, 1],
+            block: [256, 1, 1],
+            smem: 0,
+        };
+        self.launch(kernel_name("fp8_amax", x.dtype()), reduce, &p)?;
+        let n = rows * cols.len();
+        self.launch(
+            kernel_name("fp8_tensor", x.dtype()),
+            Grid::linear(n, 256),
+            &p,
+        )?;
+        Ok(q)
     }
 
     /// The input of an fp8 GEMM: columns `cols` of `x`'s rows as packed E4M3 rows with

@@ -108,7 +108,8 @@ pub struct EpilogueParams {
     pub ld_src: i32,
     pub ld_dst: i32,
     pub gelu: i32,
-    pub pad: i32,
+    /// `xs` and `ws` are one value each (per-tensor fp8 scales), not a vector.
+    pub scalar: i32,
 }
 
 #[repr(C)]

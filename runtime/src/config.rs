@@ -575,6 +575,11 @@ pub struct DeviceConfig {
     /// channel, on GPUs with fp8 tensor cores; the CPU computes the reference), or
     /// empty / `bf16` / `f32` for the device dtype.
     pub weight_dtype: String,
+    /// With fp8 weights, how they and each GEMM's input are scaled: `tensor` (one
+    /// scale each, which cuBLASLt applies inside the GEMM with its bias and GELU
+    /// epilogues; the default, empty) or `channel` (a scale per output channel and per
+    /// token: finer, but Hopper's cuBLASLt runs it bare and a pass rescales).
+    pub fp8_scaling: String,
     /// Threads of each CPU compute process; 0 = the cores split among them.
     pub threads: usize,
 }
@@ -585,6 +590,7 @@ impl Default for DeviceConfig {
             device: "auto".into(),
             dtype: "bf16".into(),
             weight_dtype: String::new(),
+            fp8_scaling: String::new(),
             threads: 0,
         }
     }

@@ -181,6 +181,65 @@ pub fn quantize_rows(values: &[f32], cols: usize) -> (Vec<u8>, Vec<f32>) {
     (bytes, scales)
 }
 
+/// How fp8 weights and the activations that multiply them are scaled
+/// (`[device] fp8_scaling`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Scaling {
+    /// A scale per output channel of a weight and per token of its input: the finer
+    /// rounding, but cuBLASLt on Hopper has no GEMM that applies outer-vector scales,
+    /// so a pass rescales each GEMM's raw sums (docs/gpu.md, "fp8 weights").
+    #[default]
+    Channel,
+    /// One scale per weight matrix and one per input matrix (its amax over the block
+    /// the GEMM reads, found on the device by a reduction): what cuBLASLt applies
+    /// inside the GEMM, with the bias and GELU epilogues, so no pass follows it.
+    Tensor,
+}
+
+impl Scaling {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scaling::Channel => "channel",
+            Scaling::Tensor => "tensor",
+        }
+    }
+    pub fn named(s: &str) -> Option<Self> {
+        match s {
+            "channel" => Some(Scaling::Channel),
+            "tensor" => Some(Scaling::Tensor),
+            _ => None,
+        }
+    }
+    /// `values` (`[rows, cols]` row-major) rounded to E4M3 as this scaling rounds them,
+    /// as f32: the CPU reference of an fp8 weight or an fp8 GEMM's input.
+    pub fn round(self, values: &[f32], cols: usize) -> Vec<f32> {
+        match self {
+            Scaling::Channel => round_rows(values, cols),
+            Scaling::Tensor => {
+                let (bytes, scale) = quantize_tensor(values);
+                bytes.iter().map(|&b| DECODE[b as usize] * scale).collect()
+            }
+        }
+    }
+}
+
+/// Quantises `values` with one scale (`amax / 448`, 1 for all zeros), as
+/// [`quantize`] does for one group: the per-tensor form ([`Scaling::Tensor`]).
+pub fn quantize_tensor(values: &[f32]) -> (Vec<u8>, f32) {
+    use rayon::prelude::*;
+    let amax = values
+        .par_iter()
+        .fold(|| 0f32, |m, v| m.max(v.abs()))
+        .reduce(|| 0f32, f32::max);
+    let scale = if amax > 0.0 && amax.is_finite() {
+        amax / MAX
+    } else {
+        1.0
+    };
+    let inv = 1.0 / scale;
+    (values.par_iter().map(|&v| encode(v * inv)).collect(), scale)
+}
+
 /// The values [`quantize_rows`] stands for: each row rounded to E4M3 under its own
 /// scale, as f32. This is the CPU reference of fp8 weights (docs/gpu.md, "fp8
 /// weights"): weights and activations rounded this way, then the f32 GEMM, is what

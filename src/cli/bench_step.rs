@@ -68,10 +68,14 @@ pub struct Args {
     /// The CPU always computes in f32.
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
     pub dtype: String,
-    /// The transformer's large Linear weights: bf16 (the device dtype) or fp8 (E4M3
-    /// with a scale per output channel; the CPU computes the fp8 reference).
+    /// The transformer's large Linear weights: bf16 (the device dtype) or fp8 (E4M3;
+    /// the CPU computes the fp8 reference).
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "fp8"])]
     pub weight_dtype: String,
+    /// With fp8 weights: `tensor` (one scale per weight and per GEMM input, applied
+    /// inside cuBLASLt's GEMM) or `channel` (per output channel and per token).
+    #[arg(long, default_value = "tensor", value_parser = ["tensor", "channel"])]
+    pub fp8_scaling: String,
     /// Where edits read the template's K/V from: `memory` (resident on the device),
     /// `host` (streamed from host memory: on a GPU from pinned memory on the copy
     /// stream, on the CPU by a loader thread) or `disk` (a template file, page cache
@@ -301,9 +305,9 @@ pub fn run(a: Args) -> CliResult {
             bench(
                 &a,
                 cfg,
-                match a.weight_dtype == "fp8" {
-                    true => CpuBackend::new().with_fp8_weights(),
-                    false => CpuBackend::new(),
+                match fp8_weights(&a)? {
+                    Some(s) => CpuBackend::new().with_fp8_weights(s),
+                    None => CpuBackend::new(),
                 },
                 DType::F32,
                 |be, cache, tier, whole| {
@@ -341,15 +345,24 @@ pub fn run(a: Args) -> CliResult {
     Ok(())
 }
 
+/// `--weight-dtype` and `--fp8-scaling`: fp8 weights and how they are scaled, or none.
+fn fp8_weights(a: &Args) -> CliResult<Option<denoised_runtime::fp8::Scaling>> {
+    Ok(denoised_actors::device::parse_weight_dtype(
+        &a.weight_dtype,
+        &a.fp8_scaling,
+    )?)
+}
+
 /// The measurements on a GPU backend over `exec` (a device, or the emulator for
 /// `selftest --device emu`), one JSON object per line of output.
+
 pub fn measure_gpu<E: Exec>(
     a: &Args,
     cfg: FluxConfig,
     exec: E,
 ) -> CliResult<Vec<serde_json::Value>> {
     let dt = if a.dtype == "f32" { Dt::F32 } else { Dt::Bf16 };
-    let be = GpuBackend::new(exec, dt).with_fp8_weights(a.weight_dtype == "fp8");
+    let be = GpuBackend::new(exec, dt).with_fp8_weights(fp8_weights(a)?);
     let storage = be.storage_dtype();
     if a.cache_tier == "disk" {
         return Err("on a GPU the disk tier is read through the host tier (the cache process prefetches it): use --cache-tier host".into());

@@ -289,6 +289,7 @@ fn bench_steps(t: Target) -> CliResult<Vec<Check>> {
         },
         dtype: "bf16".into(),
         weight_dtype: "bf16".into(),
+        fp8_scaling: "tensor".into(),
         cache_tier: "memory".into(),
         plan: vec!["pipelined".into()],
         profile: None,

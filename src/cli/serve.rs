@@ -68,6 +68,9 @@ pub struct ServeArgs {
     /// scale per output channel; GPUs with fp8 tensor cores) or bf16 (the device dtype).
     #[arg(long, env = "DENOISED_WEIGHT_DTYPE")]
     pub weight_dtype: Option<String>,
+    /// `[device] fp8_scaling`: tensor or channel (with fp8 weights).
+    #[arg(long, env = "DENOISED_FP8_SCALING")]
+    pub fp8_scaling: Option<String>,
     /// `[cluster] port`: the router's cluster node port (0: a free one).
     #[arg(long, env = "DENOISED_CLUSTER_PORT")]
     pub cluster_port: Option<u16>,
@@ -181,13 +184,16 @@ impl ServeArgs {
         if let Some(d) = &self.weight_dtype {
             c.device.weight_dtype = d.clone();
         }
+        if let Some(s) = &self.fp8_scaling {
+            c.device.fp8_scaling = s.clone();
+        }
         if threads > 0 {
             c.device.threads = threads;
         }
         // Fail here, before any process starts, on a bad device or dtype.
         denoised_cuda::parse_list(&c.device.device)?;
         denoised_actors::device::parse_dtype(&c.device.dtype)?;
-        denoised_actors::device::parse_weight_dtype(&c.device.weight_dtype)?;
+        denoised_actors::device::parse_weight_dtype(&c.device.weight_dtype, &c.device.fp8_scaling)?;
         if let Some(p) = self.cluster_port {
             c.cluster.port = p;
         }

@@ -48,7 +48,7 @@ impl<E: Exec> GpuBackend<E> {
         let x = match w.row_scales {
             0 => x,
             _ => {
-                quantised = self.quantize_rows(x, 0..k)?;
+                quantised = self.quantize_input(x, 0..k)?;
                 &quantised
             }
         };
@@ -148,7 +148,7 @@ impl<E: Exec> GpuBackend<E> {
         if w.row_scales != 0 {
             let q = match x.row_scales {
                 0 => {
-                    quantised = self.quantize_rows(x, cols)?;
+                    quantised = self.quantize_input(x, cols)?;
                     &quantised
                 }
                 _ => x,
@@ -159,6 +159,7 @@ impl<E: Exec> GpuBackend<E> {
             g.fp8 = Some(Fp8Scales {
                 x: q.row_scales,
                 w: w.row_scales + 4 * outs.start as u64,
+                tensor: self.fp8_scaling() == denoised_runtime::fp8::Scaling::Tensor,
             });
         }
         self.run_gemm(&g)
@@ -186,7 +187,7 @@ impl<E: Exec> GpuBackend<E> {
             gelu: false,
             out: raw.addr,
             ldo: ld,
-            fp8: g.fp8.map(|_| Fp8Scales { x: 0, w: 0 }),
+            fp8: g.fp8.map(|s| Fp8Scales { x: 0, w: 0, ..s }),
             ..*g
         };
         self.exec.gemm(&bare).map_err(dev)?;
@@ -202,7 +203,7 @@ impl<E: Exec> GpuBackend<E> {
             ld_src: ld as i32,
             ld_dst: g.ldo as i32,
             gelu: g.gelu as i32,
-            pad: 0,
+            scalar: scales.is_some_and(|s| s.tensor) as i32,
         };
         self.launch(
             kernel_name("linear_epilogue", self.dt),

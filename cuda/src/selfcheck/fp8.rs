@@ -8,7 +8,7 @@
 //! swapped operand role or a byte off by one code fails by orders of magnitude.
 
 use denoised_runtime::backend::Backend;
-use denoised_runtime::fp8::quantize_rows;
+use denoised_runtime::fp8::{quantize_rows, quantize_tensor, Scaling};
 use denoised_runtime::{CpuBackend, Result, Stored, Tensor};
 
 use super::{close, Check, Rng};
@@ -47,7 +47,12 @@ pub(super) fn check_fp8_linear<E: Exec>(
         });
         return Ok(());
     }
-    let cpu = CpuBackend::new().with_fp8_weights();
+    let scaling = gpu.fp8_scaling();
+    let tag = match scaling {
+        Scaling::Channel => String::new(),
+        Scaling::Tensor => ", per tensor".to_string(),
+    };
+    let cpu = CpuBackend::new().with_fp8_weights(scaling);
     let (x, w, b) = (
         ragged(rng, 37, 48, 1.0),
         ragged(rng, 24, 32, 0.3),
@@ -60,8 +65,9 @@ pub(super) fn check_fp8_linear<E: Exec>(
     );
     let (xg, bg) = (gpu.upload(&x)?, gpu.upload(&b)?);
 
-    // The activation kernel: bytes and scales equal to the host's quantisation.
-    let q = gpu.quantize_rows(&xg, 8..40)?;
+    // The activation kernels: bytes and scales equal to the host's quantisation (a
+    // scale per row, or one in the first row's place).
+    let q = gpu.quantize_input(&xg, 8..40)?;
     let mut all = vec![0u8; q.row_scales_offset() + 4 * 37];
     gpu.exec()
         .download(q.mem(), 0, &mut all)
@@ -71,12 +77,21 @@ pub(super) fn check_fp8_linear<E: Exec>(
         .chunks_exact(48)
         .flat_map(|r| r[8..40].to_vec())
         .collect();
-    let (bytes, scales) = quantize_rows(&block, 32);
+    let got_scales = from_bytes(Dt::F32, &all[q.row_scales_offset()..]);
+    let (bytes, scales_equal) = match scaling {
+        Scaling::Channel => {
+            let (bytes, scales) = quantize_rows(&block, 32);
+            (bytes, got_scales == scales)
+        }
+        Scaling::Tensor => {
+            let (bytes, scale) = quantize_tensor(&block);
+            (bytes, got_scales[0] == scale)
+        }
+    };
     let wrong = bytes.iter().zip(&all).filter(|(a, b)| a != b).count();
-    let scales_equal = from_bytes(Dt::F32, &all[q.row_scales_offset()..]) == scales;
     out.push(Check::within(
         format!(
-            "fp8 activation bytes vs host ({dt:?}){}",
+            "fp8 activation bytes vs host ({dt:?}){tag}{}",
             if scales_equal { "" } else { ", SCALES DIFFER" }
         ),
         "bytes differing",
@@ -86,7 +101,13 @@ pub(super) fn check_fp8_linear<E: Exec>(
 
     let want = cpu.linear_cols(&x, 8..40, &wc, Some(&b))?;
     let got = gpu.linear_cols(&xg, 8..40, &wg, Some(&bg))?;
-    close(out, "fp8 linear_cols+bias", dt, &gpu.download(&got)?, &want);
+    close(
+        out,
+        &format!("fp8 linear_cols+bias{tag}"),
+        dt,
+        &gpu.download(&got)?,
+        &want,
+    );
 
     let x = ragged(rng, 29, 32, 2.0);
     let xg = gpu.upload(&x)?;
@@ -94,7 +115,7 @@ pub(super) fn check_fp8_linear<E: Exec>(
     let got = gpu.linear_gelu(&xg, &wg, Some(&bg), 0)?;
     close(
         out,
-        "fp8 linear+bias+gelu_tanh",
+        &format!("fp8 linear+bias+gelu_tanh{tag}"),
         dt,
         &gpu.download(&got)?,
         &want,
@@ -106,7 +127,7 @@ pub(super) fn check_fp8_linear<E: Exec>(
     let got = gpu.linear_gelu(&xg, &wg, Some(&bg), 7)?;
     close(
         out,
-        "fp8 linear+bias, gelu_tanh from column 7",
+        &format!("fp8 linear+bias, gelu_tanh from column 7{tag}"),
         dt,
         &gpu.download(&got)?,
         &want,
@@ -114,13 +135,19 @@ pub(super) fn check_fp8_linear<E: Exec>(
 
     let want = cpu.linear_out(&x, &wc, Some(&b), 5..19)?;
     let got = gpu.linear_out(&xg, &wg, Some(&bg), 5..19)?;
-    close(out, "fp8 linear_out+bias", dt, &gpu.download(&got)?, &want);
+    close(
+        out,
+        &format!("fp8 linear_out+bias{tag}"),
+        dt,
+        &gpu.download(&got)?,
+        &want,
+    );
 
     // The weight as the device holds it is the reference's rounded weight.
     let back = gpu.download_weight(&wg)?;
     let same = back.data() == cpu.download_weight(&wc)?.data();
     out.push(Check::within(
-        format!("fp8 weight download ({dt:?})"),
+        format!("fp8 weight download ({dt:?}){tag}"),
         "values differing",
         if same { 0.0 } else { 1.0 },
         0.0,

@@ -118,6 +118,13 @@ pub fn kernels<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
         group(&mut out, &format!("text ops ({dt:?})"), |o| {
             text::check_text_ops(o, &gpu)
         });
+        // fp8 weights and inputs with one scale each, which cuBLASLt applies inside the
+        // GEMM (the other fp8 checks run per channel, in `check_ops`).
+        let per_tensor = GpuBackend::new(make()?, dt)
+            .with_fp8_weights(Some(denoised_runtime::fp8::Scaling::Tensor));
+        group(&mut out, &format!("fp8 linear, per tensor ({dt:?})"), |o| {
+            fp8::check_fp8_linear(o, &per_tensor, &mut Rng(9))
+        });
         // Quantised weights expanded 16 output rows at a time: several tiles per GEMM,
         // the last one partial.
         let tiled = GpuBackend::new(make()?, dt).with_quant_tile_rows(16);

@@ -129,7 +129,7 @@ pub(super) fn check_stored_fp8_weight<E: Exec>(
     if gpu.exec().check_fp8(dt).is_err() {
         return Ok(());
     }
-    let cpu = CpuBackend::new().with_fp8_weights();
+    let cpu = CpuBackend::new().with_fp8_weights(gpu.fp8_scaling());
     // Every finite E4M3 code but the largest few, in two parts of different scales.
     let code = |i: usize| ((i * 37) % 0x7c) as u8 | if i % 3 == 0 { 0x80 } else { 0 };
     let (a, b): (Vec<u8>, Vec<u8>) = (

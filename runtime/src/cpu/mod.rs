@@ -29,8 +29,9 @@ pub struct CpuBackend {
     /// `[device] weight_dtype = "fp8"` on the CPU: the transformer's large Linears
     /// compute the fp8 reference (`Backend::upload_weight_fp8`). It saves neither
     /// memory nor time here (the weights stay f32, and each linear rounds its input
-    /// first); it is how fp8 weights' quality is measured without a GPU.
-    fp8_weights: bool,
+    /// first); it is how fp8 weights' quality is measured without a GPU. `None`:
+    /// no fp8 weights; else how they and their inputs are scaled.
+    fp8_weights: Option<crate::fp8::Scaling>,
 }
 
 /// A Linear weight stored transposed, `[in, out]` row-major: gemm streams it with unit
@@ -45,9 +46,9 @@ pub struct CpuWeight {
     /// `[in, out]`; `[0, 0]` for a quantised weight.
     t: Tensor,
     /// An fp8 weight's reference: `t` holds the E4M3-rounded values (a scale per
-    /// output channel), and each linear rounds its input rows the same way first
-    /// (`crate::fp8::round_rows`).
-    fp8: bool,
+    /// output channel, or one for the matrix), and each linear rounds its input the
+    /// same way first (`crate::fp8::Scaling::round`).
+    fp8: Option<crate::fp8::Scaling>,
     /// The `[out, in]` GGUF blocks of a quantised weight.
     quant: Option<Arc<qlinear::QuantMatrix>>,
 }
@@ -92,9 +93,12 @@ impl CpuBackend {
     pub fn new() -> Self {
         CpuBackend::default()
     }
-    /// This backend with the transformer's large Linears as the fp8 reference.
-    pub fn with_fp8_weights(self) -> Self {
-        CpuBackend { fp8_weights: true }
+    /// This backend with the transformer's large Linears as the fp8 reference, scaled
+    /// per `scaling`.
+    pub fn with_fp8_weights(self, scaling: crate::fp8::Scaling) -> Self {
+        CpuBackend {
+            fp8_weights: Some(scaling),
+        }
     }
 }
 
@@ -149,8 +153,14 @@ fn matrix_dims(op: &'static str, t: &Tensor) -> Result<(usize, usize)> {
 }
 
 /// The input of an fp8 linear: columns `cols` of each row of `x` (rows `width` apart),
-/// rounded to E4M3 with a scale per row, as the device's activation kernel does.
-fn fp8_input(x: &[f32], width: usize, cols: Range<usize>) -> std::borrow::Cow<'_, [f32]> {
+/// rounded to E4M3 with a scale per row or one for the block, as the device's
+/// activation kernels do.
+fn fp8_input(
+    x: &[f32],
+    width: usize,
+    cols: Range<usize>,
+    scaling: crate::fp8::Scaling,
+) -> std::borrow::Cow<'_, [f32]> {
     let k = cols.len();
     let mut block = Vec::with_capacity(x.len() / width.max(1) * k);
     for row in x.chunks_exact(width.max(1)) {
@@ -159,7 +169,7 @@ fn fp8_input(x: &[f32], width: usize, cols: Range<usize>) -> std::borrow::Cow<'_
     if k == 0 {
         return block.into();
     }
-    crate::fp8::round_rows(&block, k).into()
+    scaling.round(&block, k).into()
 }
 
 impl Backend for CpuBackend {
@@ -225,7 +235,7 @@ impl Backend for CpuBackend {
         }
         Ok(CpuWeight {
             t: Tensor::new([k, o], t)?,
-            fp8: false,
+            fp8: None,
             quant: None,
         })
     }
@@ -236,7 +246,7 @@ impl Backend for CpuBackend {
         match qlinear::QuantMatrix::from_parts(parts)? {
             Some(q) => Ok(CpuWeight {
                 t: Tensor::zeros([0, 0]),
-                fp8: false,
+                fp8: None,
                 quant: Some(Arc::new(q)),
             }),
             None => self.upload_weight(&crate::backend::stack_f32(parts)?),
@@ -253,7 +263,7 @@ impl Backend for CpuBackend {
     }
 
     fn fp8_weights(&self) -> bool {
-        self.fp8_weights
+        self.fp8_weights.is_some()
     }
 
     fn upload_weight_fp8(&self, parts: &[crate::Stored<'_>]) -> Result<CpuWeight> {
@@ -264,12 +274,13 @@ impl Backend for CpuBackend {
         let all_fp8 = parts
             .iter()
             .all(|p| matches!(p.format(), crate::StoredFormat::Fp8 { .. }));
+        let scaling = self.fp8_weights.unwrap_or_default();
         let rounded = match all_fp8 {
             true => w,
-            false => Tensor::new(w.shape().to_vec(), crate::fp8::round_rows(w.data(), k))?,
+            false => Tensor::new(w.shape().to_vec(), scaling.round(w.data(), k))?,
         };
         Ok(CpuWeight {
-            fp8: true,
+            fp8: Some(scaling),
             ..self.upload_weight(&rounded)?
         })
     }
@@ -312,8 +323,8 @@ impl Backend for CpuBackend {
             return Tensor::new([n, o], out);
         }
         let (data, xw, c0) = match w.fp8 {
-            true => (fp8_input(x.data(), xw, cols), k, 0),
-            false => (std::borrow::Cow::Borrowed(x.data()), xw, cols.start),
+            Some(s) => (fp8_input(x.data(), xw, cols, s), k, 0),
+            None => (std::borrow::Cow::Borrowed(x.data()), xw, cols.start),
         };
         let out = matmul::linear(
             &data,
@@ -359,8 +370,8 @@ impl Backend for CpuBackend {
         };
         let bias = b.map(|b| &b.data()[outs.clone()]);
         let data = match w.fp8 {
-            true => fp8_input(x.data(), k, 0..k),
-            false => std::borrow::Cow::Borrowed(x.data()),
+            Some(s) => fp8_input(x.data(), k, 0..k, s),
+            None => std::borrow::Cow::Borrowed(x.data()),
         };
         let out = matmul::linear(&data, k, 0, k, wt, outs.len(), bias);
         Tensor::new([n, outs.len()], out)
