@@ -32,6 +32,7 @@ fn the_one_shot_gpu_script_runs_on_the_emulator() {
         "step",
         "step_fa2w",
         "step_fp8",
+        "edit",
         "daemon_load",
     ] {
         assert_eq!(
@@ -81,6 +82,18 @@ fn the_one_shot_gpu_script_runs_on_the_emulator() {
     }
     for key in ["diffusers_full_bf16_ms"] {
         assert!(step.get(key).is_some(), "{key} not named: {step}");
+    }
+    // The template edit, timed by parts.
+    let e = &report["edit"];
+    assert!(e["total_s"].as_f64().is_some_and(|s| s > 0.0), "{e}");
+    for part in [
+        "encode_text_s",
+        "vae_encode_s",
+        "denoise_s",
+        "vae_decode_s",
+        "png_encode_s",
+    ] {
+        assert!(e["parts"][part].as_f64().is_some(), "{part} missing: {e}");
     }
     // The daemon served the load without errors.
     let d = &report["daemon"];

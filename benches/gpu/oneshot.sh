@@ -89,6 +89,7 @@ if [ "$DEV" = emu ]; then
     ATTN_ARGS=(--heads 2 --head-dim 128 --image-tokens 128 --text-tokens 32 --iters 1 --kernel cudnn,fa2,fa2w,mma)
     TORCH_ARGS=(--tiny --device cpu --image-tokens 128 --text-tokens 32 --heads 2 --warmup 0 --iters 1)
     LOAD_ARGS=(--requests 2 --templates 1 --steps 2)
+    EDIT_ARGS=(--pipeline builtin --size 64 --steps 2 --max-sequence-length 32 --iters 1)
     # The other parts run in CI already (tests/gpu_transformer.rs, tests/serve_emu.rs),
     # and the VAE and text encoders stay on the CPU: on the emulator they take minutes.
     SELFTEST_PARTS=kernels
@@ -102,6 +103,7 @@ else
     ATTN_ARGS=(--iters 20 --kernel cudnn,fa2,fa2w,mma)
     TORCH_ARGS=()
     LOAD_ARGS=(--requests 16 --steps 8)
+    EDIT_ARGS=(--pipeline flux1-fill-dev --size 1024 --steps 28 --iters 3)
     SELFTEST_PARTS=kernels,transformer,vae,text,identity,lora,edit-adapters,daemon
     SERVE_ARGS=()
     SCALE=1
@@ -164,7 +166,10 @@ part step_fa2w 150 env DENOISED_ATTN_KERNEL=fa2w "$BIN" bench step --device "$DE
 # The full step with fp8 transformer weights (E4M3, a scale per output channel; the
 # quality figures are in docs/performance.md), beside the bf16 one above.
 part step_fp8 150 "$BIN" bench step --device "$DEV" --dtype bf16 --weight-dtype fp8 --mask-ratio 1.0 "${STEP_ARGS[@]}"
-# 4. A short load on the daemon serving the built-in model on the device.
+# 4. One 1024², m = 0.1, 28-step template edit of a FLUX.1-Fill-dev-size pipeline with
+#    seeded weights, timed end to end by parts (the template captured first, resident).
+part edit 300 "$BIN" bench edit --device "$DEV" --mask-ratio 0.1 "${EDIT_ARGS[@]}"
+# 5. A short load on the daemon serving the built-in model on the device.
 daemon_load() {
     local port=18480 cport=18490 log=$WORK/daemon.log
     "$BIN" serve --config "$ROOT/config.toml" --device "$DEV" --listen "127.0.0.1:$port" \

@@ -32,6 +32,10 @@ pub enum ModelSource {
     BuiltinT2i,
     /// `builtin:flux-small-t2i`: `builtin:flux-small` as a text-to-image pipeline.
     BuiltinSmallT2i,
+    /// `builtin:flux1-fill-dev`: seeded weights at FLUX.1-Fill-dev's size (the 12B
+    /// transformer, FLUX.1's VAE, CLIP-L, T5-XXL): what `bench edit` times on a GPU
+    /// machine without model files. About 17e9 values to seed at load.
+    BuiltinFillDev,
     /// A diffusers pipeline directory (with `transformer/`) or a transformer
     /// directory itself, and the components single files replace.
     Dir(ModelDir),
@@ -73,6 +77,8 @@ impl FromStr for ModelSource {
             ModelSource::BuiltinT2i
         } else if s == "builtin:flux-small-t2i" {
             ModelSource::BuiltinSmallT2i
+        } else if s == "builtin:flux1-fill-dev" {
+            ModelSource::BuiltinFillDev
         } else {
             ModelSource::dir(s)
         })
@@ -86,6 +92,7 @@ impl std::fmt::Display for ModelSource {
             ModelSource::BuiltinSmall => write!(f, "builtin:flux-small"),
             ModelSource::BuiltinT2i => write!(f, "builtin:t2i"),
             ModelSource::BuiltinSmallT2i => write!(f, "builtin:flux-small-t2i"),
+            ModelSource::BuiltinFillDev => write!(f, "builtin:flux1-fill-dev"),
             ModelSource::Dir(d) => {
                 write!(f, "{}", d.root.display())?;
                 let files = &d.files;
@@ -168,13 +175,16 @@ impl ModelSource {
         }
     }
 
-    /// Whether it is one of the seeded models at benchmark scale (`flux-small`), whose
-    /// encoders and VAE are CLIP-L, a T5 of width 768 and FLUX.1's VAE; the tiny
-    /// built-ins take the fixture model's. `None` for a directory.
+    /// Whether it is one of the seeded models at benchmark scale (`flux-small`,
+    /// `flux1-fill-dev`), whose encoders and VAE are CLIP-L, a T5 (of width 768, or
+    /// T5-XXL) and FLUX.1's VAE; the tiny built-ins take the fixture model's. `None`
+    /// for a directory.
     pub fn builtin_small(&self) -> Option<bool> {
         match self {
             ModelSource::Builtin | ModelSource::BuiltinT2i => Some(false),
-            ModelSource::BuiltinSmall | ModelSource::BuiltinSmallT2i => Some(true),
+            ModelSource::BuiltinSmall
+            | ModelSource::BuiltinSmallT2i
+            | ModelSource::BuiltinFillDev => Some(true),
             ModelSource::Dir(_) => None,
         }
     }
@@ -191,6 +201,7 @@ impl ModelSource {
             ModelSource::BuiltinSmallT2i => {
                 Ok(format!("seeded-flux-small-t2i-{BUILTIN_SEED:016x}"))
             }
+            ModelSource::BuiltinFillDev => Ok(format!("seeded-flux1-fill-dev-{BUILTIN_SEED:016x}")),
             ModelSource::Dir(d) => {
                 let mut h = crc32fast::Hasher::new();
                 let mut files: Vec<PathBuf> = match &d.files.transformer {
@@ -224,6 +235,7 @@ impl ModelSource {
             ModelSource::BuiltinSmall => Ok(FluxConfig::small()),
             ModelSource::BuiltinT2i => Ok(FluxConfig::tiny().text_to_image()),
             ModelSource::BuiltinSmallT2i => Ok(FluxConfig::small().text_to_image()),
+            ModelSource::BuiltinFillDev => Ok(FluxConfig::flux1_fill_dev()),
             ModelSource::Dir(d) => match &d.files.transformer {
                 Some(f) => Ok(TransformerFile::open(f, d.transformer_hint().as_ref())?.config),
                 None => FluxConfig::from_file(transformer_dir(&d.root)?.join("config.json")),

@@ -4,6 +4,7 @@ mod adapters;
 mod bench_approx;
 mod bench_attn;
 mod bench_controlnet;
+mod bench_edit;
 mod bench_generate;
 mod bench_launches;
 mod bench_lora;
@@ -122,6 +123,12 @@ pub enum BenchCommand {
     /// line. With --sparse-vae, the VAE of an edit dense against spatially sparse, per
     /// mask ratio and sparse mode.
     Pipeline(bench_pipeline::Args),
+    /// One template edit timed end to end by parts, as the daemon serves it.
+    ///
+    /// A template captured first, then an edit of it (mask of --mask-ratio tokens):
+    /// text encoders, sparse VAE encode, the steps against the resident template,
+    /// sparse VAE decode, PNG encode. One JSON line with `total_s` and `parts`.
+    Edit(bench_edit::Args),
     /// What compressed template forms (fp8, step sharing) change in edits.
     ///
     /// Latent error and PSNR inside the mask against the f32 template; JSON lines.
@@ -217,6 +224,7 @@ fn run_bench(b: BenchCommand) -> CliResult {
         BenchCommand::Weights(a) => bench_weights::run(a),
         BenchCommand::Attn(a) => bench_attn::run(a),
         BenchCommand::Pipeline(a) => bench_pipeline::run(a),
+        BenchCommand::Edit(a) => bench_edit::run(a),
         BenchCommand::CacheQuality(a) => bench_quality::run(a),
         BenchCommand::Lora(a) => bench_lora::run(a),
         BenchCommand::ControlnetStream(a) => bench_controlnet::run(a),
@@ -291,6 +299,10 @@ pub struct ModelDeviceArgs {
     /// reference computation) or `bf16` (the device dtype).
     #[arg(long, env = "DENOISED_WEIGHT_DTYPE", default_value = "bf16")]
     pub weight_dtype: String,
+    /// With fp8 weights: `tensor` (one scale per weight and per GEMM input, applied
+    /// inside cuBLASLt's GEMM) or `channel` (per output channel and per token).
+    #[arg(long, env = "DENOISED_FP8_SCALING", default_value = "tensor", value_parser = ["tensor", "channel"])]
+    pub fp8_scaling: String,
 }
 
 impl ModelDeviceArgs {
@@ -307,10 +319,12 @@ impl ModelDeviceArgs {
         Ok(denoised_actors::device::parse_dtype(&self.dtype)?)
     }
 
-    /// Whether `--weight-dtype` asks for fp8 weights.
-    pub fn fp8_weights(&self) -> CliResult<bool> {
+    /// Whether `--weight-dtype` asks for fp8 weights, and how `--fp8-scaling` scales
+    /// them.
+    pub fn fp8_weights(&self) -> CliResult<Option<denoised_runtime::fp8::Scaling>> {
         Ok(denoised_actors::device::parse_weight_dtype(
             &self.weight_dtype,
+            &self.fp8_scaling,
         )?)
     }
 }

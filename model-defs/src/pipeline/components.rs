@@ -50,6 +50,7 @@ pub(crate) fn text_configs(source: &ModelSource) -> Result<(ClipTextConfig, T5Co
             ClipTextConfig::from_file(d.root.join("text_encoder/config.json"))?,
             T5Config::from_file(d.root.join("text_encoder_2/config.json"))?,
         ),
+        ModelSource::BuiltinFillDev => (ClipTextConfig::clip_l(), T5Config::t5_v1_1_xxl()),
         _ if source.builtin_small() == Some(true) => (ClipTextConfig::clip_l(), small_t5()),
         _ => (
             serde_json::from_str(builtin_files::CLIP_CONFIG).map_err(|e| parse("CLIP", e))?,
