@@ -56,4 +56,5 @@ extern "C" void denoised_emu_param_sizes(unsigned long* out) {
     out[6] = sizeof(ImgParams);
     out[7] = sizeof(EpilogueParams);
     out[8] = sizeof(AttnPackParams);
+    out[9] = sizeof(TextAttnParams);
 }

@@ -608,3 +608,70 @@ extern "C" __global__ void attn_pack_bf16(const AttnPackParams p) { attn_pack<bf
 EMU_EXPORT(attn_pack_bf16, AttnPackParams)
 extern "C" __global__ void attn_unpack_bf16(const AttnPackParams p) { attn_unpack<bf16>(p); }
 EMU_EXPORT(attn_unpack_bf16, AttnPackParams)
+
+// ---- the text encoders' attention (cuda/src/text.rs) ----
+// Every head and query row of a prompt (at most 512 tokens) in one launch per layer,
+// with T5's additive position bias or CLIP's causal mask, the scores scaled by `scale`
+// (T5: 1) before the bias: one warp per (query row, head), four a block, lanes scoring
+// 32 keys at a time with an online softmax in f32 (as attn_simt), the output written to
+// the head's columns. Head dims up to 128 (CLIP and T5 have 64).
+template <class T>
+DEV void text_attn(const TextAttnParams& p) {
+    constexpr int WARPS = 4, MAXJ = 4;  // head_dim <= 128
+    __shared__ float qs[WARPS][128];    // this warp's query row, pre-scaled
+    __shared__ float ps[WARPS][32];     // probabilities of the current 32 keys
+    const int h = blockIdx.y, w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int i = blockIdx.x * WARPS + w;
+    if (i >= p.len) return;  // whole warp; this kernel has only warp barriers
+    const int hd = p.head_dim, inner = p.heads * hd;
+    const long long ld = 3LL * inner;
+    const T* qkv = (const T*)p.qkv;
+    const T* q = qkv + i * ld + h * hd;
+    for (int c = lane; c < hd; c += 32) qs[w][c] = to_f32(q[c]) * p.scale;
+    __syncwarp();
+    float o[MAXJ];
+#pragma unroll
+    for (int jj = 0; jj < MAXJ; jj++) o[jj] = 0.f;
+    float m = NEG_INF, l = 0.f;
+    const int n = p.causal ? i + 1 : p.len;
+    const T* bias = p.bias ? (const T*)p.bias + ((long long)h * p.len + i) * p.len : nullptr;
+    for (int j0 = 0; j0 < n; j0 += 32) {
+        const int j = j0 + lane, nj = min(32, n - j0);
+        float sc = NEG_INF;
+        if (j < n) {
+            const T* k = qkv + j * ld + inner + h * hd;
+            float dot = 0.f;
+            for (int c = 0; c < hd; c++) dot += qs[w][c] * to_f32(k[c]);
+            sc = dot + (bias ? to_f32(bias[j]) : 0.f);
+        }
+        const float mn = fmaxf(m, warp_max(sc));  // finite: key j0 exists
+        const float pr = j < n ? expf(sc - mn) : 0.f;
+        const float alpha = expf(m - mn);
+        l = l * alpha + warp_sum(pr);
+        m = mn;
+        ps[w][lane] = pr;
+        __syncwarp();
+#pragma unroll
+        for (int jj = 0; jj < MAXJ; jj++) o[jj] *= alpha;
+        for (int r = 0; r < nj; r++) {
+            const T* v = qkv + (j0 + r) * ld + 2 * inner + h * hd;
+            const float pv = ps[w][r];
+#pragma unroll
+            for (int jj = 0; jj < MAXJ; jj++) {
+                const int c = lane + 32 * jj;
+                if (c < hd) o[jj] += pv * to_f32(v[c]);
+            }
+        }
+        __syncwarp();
+    }
+    T* out = (T*)p.out + (long long)i * inner + h * hd;
+#pragma unroll
+    for (int jj = 0; jj < MAXJ; jj++) {
+        const int c = lane + 32 * jj;
+        if (c < hd) out[c] = from_f32<T>(o[jj] / l);
+    }
+}
+extern "C" __global__ void text_attn_f32(const TextAttnParams p) { text_attn<float>(p); }
+EMU_EXPORT(text_attn_f32, TextAttnParams)
+extern "C" __global__ void text_attn_bf16(const TextAttnParams p) { text_attn<bf16>(p); }
+EMU_EXPORT(text_attn_bf16, TextAttnParams)

@@ -364,6 +364,17 @@ struct AttnPackParams {
     int values;  // 1: the V columns (slot.v, v_scales); 0: K, or queries
 };
 
+// The text encoders' attention (CLIP, T5), one launch per layer: q | k | v rows of
+// `3 * heads * head_dim`, the output `heads * head_dim` wide.
+struct TextAttnParams {
+    u64 qkv, out;
+    u64 bias;    // T5's position bias [heads * len, len] (T), or 0
+    int len, heads, head_dim;
+    int causal;  // CLIP: row i sees keys 0..=i
+    float scale;
+    int pad;
+};
+
 // Image kernels (cuda/kernels/image.cu), on NHWC activations: element (b, y, x, c) of a
 // [B, H, W, C] image is at ((b*H + y)*W + x)*C + c. Which fields a kernel reads is
 // said at the kernel.

@@ -110,9 +110,9 @@ pub const AVAILABLE: bool = cfg!(denoised_emu);
 
 /// `sizeof` of the C++ parameter structs, in `params.rs` order.
 #[cfg(denoised_emu)]
-pub fn param_sizes() -> [usize; 9] {
-    let mut out = [0 as std::ffi::c_ulong; 9];
-    // SAFETY: writes exactly 9 values.
+pub fn param_sizes() -> [usize; 10] {
+    let mut out = [0 as std::ffi::c_ulong; 10];
+    // SAFETY: writes exactly 10 values.
     unsafe { denoised_emu_param_sizes(out.as_mut_ptr()) };
     out.map(|v| v as usize)
 }

@@ -83,6 +83,8 @@ pub const MODULES: &[Module] = &[
             "attn_fa2w_bf16_d128",
             "attn_pack_bf16",
             "attn_unpack_bf16",
+            "text_attn_f32",
+            "text_attn_bf16",
         ],
     },
     Module {

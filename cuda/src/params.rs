@@ -24,6 +24,7 @@ params!(
     TimestepParams,
     AttnParams,
     AttnPackParams,
+    TextAttnParams,
     ImgParams,
     EpilogueParams
 );
@@ -174,6 +175,25 @@ impl AttnPackParams {
         p.slots[..slots.len()].copy_from_slice(slots);
         p
     }
+}
+
+/// The text encoders' attention, one launch per layer (`crate::text`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TextAttnParams {
+    /// `[len, 3 * heads * head_dim]`: q | k | v.
+    pub qkv: u64,
+    /// `[len, heads * head_dim]`.
+    pub out: u64,
+    /// T5's position bias `[heads * len, len]`, or 0.
+    pub bias: u64,
+    pub len: i32,
+    pub heads: i32,
+    pub head_dim: i32,
+    /// CLIP's causal mask: row i sees keys `0..=i`.
+    pub causal: i32,
+    pub scale: f32,
+    pub pad: i32,
 }
 
 #[repr(C)]

@@ -1,18 +1,20 @@
 //! The text-encoder ops of [`GpuBackend`] (T5's and CLIP's): row norms, the gated and
 //! quick GELUs, and attention with T5's position bias or CLIP's causal mask.
 //!
-//! A prompt is at most 512 tokens, so its attention is done per head with plain
-//! GEMMs: K and V of the head copied out of the fused `q | k | v` rows (V transposed,
-//! the second GEMM's `[head_dim, len]` operand), the scores `[len, len]` softmaxed in
-//! place with the bias or mask, and the head's output copied into its columns. The
-//! FLUX attention kernels are not reused: they have neither an additive bias nor a
-//! causal mask, and T5's head dimension runs to 128 only in its XXL width.
+//! A prompt is at most 512 tokens, so its attention is one launch per layer,
+//! `text_attn_*` (every head and query row, T5's bias or CLIP's causal mask, an online
+//! softmax in f32): T5-XXL's 64 heads took about 6 launches a head (9,200 a prompt) in
+//! the per-head form. That form stays for head dims above 128: K and V of the head
+//! copied out of the fused `q | k | v` rows (V transposed, the second GEMM's
+//! `[head_dim, len]` operand), the scores `[len, len]` softmaxed in place with the bias
+//! or mask, and the head's output copied into its columns. The FLUX attention kernels
+//! are not reused: they have neither an additive bias nor a causal mask.
 
 use denoised_runtime::{Error, Result, TextMask};
 
 use crate::backend::{matrix, GpuBackend, GpuTensor};
 use crate::exec::{Exec, Gemm, Grid};
-use crate::params::{EwParams, ImgParams, LnModParams};
+use crate::params::{EwParams, ImgParams, LnModParams, TextAttnParams};
 
 const BLOCK: u32 = 256;
 /// One warp per row, four warps a block.
@@ -139,8 +141,28 @@ impl<E: Exec> GpuBackend<E> {
                 format!("q|k|v {:?} for {heads} heads of {hd}", qkv.shape()),
             ));
         }
-        let sz = self.dtype().size() as u64;
         let out = self.empty(vec![len, inner])?;
+        if hd <= 128 {
+            let p = TextAttnParams {
+                qkv: qkv.addr(),
+                out: out.addr(),
+                bias: bias.map_or(0, |b| b.addr()),
+                len: len as i32,
+                heads: heads as i32,
+                head_dim: hd as i32,
+                causal: matches!(mask, TextMask::Causal) as i32,
+                scale,
+                pad: 0,
+            };
+            let g = Grid {
+                grid: [len.div_ceil(4) as u32, heads as u32, 1],
+                block: [ROW_BLOCK, 1, 1],
+                smem: 0,
+            };
+            self.launch(self.kernel("text_attn"), g, &p)?;
+            return Ok(out);
+        }
+        let sz = self.dtype().size() as u64;
         let k = self.empty(vec![len, hd])?;
         let vt = self.empty(vec![hd, len])?;
         let scores = self.empty(vec![len, len])?;

@@ -23,6 +23,7 @@ fn param_structs_match_cpp() {
         size_of::<ImgParams>(),
         size_of::<EpilogueParams>(),
         size_of::<AttnPackParams>(),
+        size_of::<TextAttnParams>(),
     ];
     assert_eq!(rust, denoised_cuda::emu::param_sizes());
 }

@@ -20,11 +20,12 @@ const OPERATE: [&str; 10] = [
 ];
 
 /// What `denoised bench --help` lists, in order.
-const MEASURE: [&str; 14] = [
+const MEASURE: [&str; 15] = [
     "step",
     "weights",
     "attn",
     "pipeline",
+    "edit",
     "cache-quality",
     "lora",
     "controlnet-stream",

@@ -9,7 +9,7 @@ use crate::exec::Exec;
 use crate::GpuBackend;
 
 /// Row norms on offset data, both GELUs, and the attention with a causal mask and
-/// with an additive bias, over a 37-token sequence of 3 heads of 16.
+/// with an additive bias, over sequences of 21 to 45 tokens, head dims 16, 64 and 144.
 pub(super) fn check_text_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>) -> Result<()> {
     let cpu = CpuBackend::new();
     let dt = gpu.dtype();
@@ -57,27 +57,32 @@ pub(super) fn check_text_ops<E: Exec>(out: &mut Vec<Check>, gpu: &GpuBackend<E>)
     gpu.quick_gelu(&mut got)?;
     close(out, "quick_gelu", dt, &down(&got)?, &want);
 
-    let (len, heads, hd) = (37, 3, 16);
-    let qkv = rng.tensor(&[len, 3 * heads * hd], 1.0);
-    let bias = rng.tensor(&[heads * len, len], 2.0);
-    let gq = gpu.upload(&qkv)?;
-    let want = cpu.text_attention(&qkv, heads, hd, 0.25, TextMask::Causal)?;
-    let got = gpu.text_attention(&gq, heads, hd, 0.25, TextMask::Causal)?;
-    close(
-        out,
-        "text attention, causal (CLIP)",
-        dt,
-        &down(&got)?,
-        &want,
-    );
-    let want = cpu.text_attention(&qkv, heads, hd, 1.0, TextMask::Bias(&bias))?;
-    let got = gpu.text_attention(&gq, heads, hd, 1.0, TextMask::Bias(&gpu.upload(&bias)?))?;
-    close(
-        out,
-        "text attention, position bias (T5)",
-        dt,
-        &down(&got)?,
-        &want,
-    );
+    // One launch per layer (`text_attn_*`) up to head dim 128, with CLIP's and T5's
+    // head dim (64) among them; above, the per-head GEMM form.
+    for (len, heads, hd) in [(37, 3, 16), (45, 2, 64), (21, 1, 144)] {
+        let qkv = rng.tensor(&[len, 3 * heads * hd], 1.0);
+        let bias = rng.tensor(&[heads * len, len], 2.0);
+        let gq = gpu.upload(&qkv)?;
+        let geometry = format!("{heads}x{hd}, {len} tokens");
+        let want = cpu.text_attention(&qkv, heads, hd, 0.25, TextMask::Causal)?;
+        let got = gpu.text_attention(&gq, heads, hd, 0.25, TextMask::Causal)?;
+        close(
+            out,
+            &format!("text attention, causal (CLIP), {geometry}"),
+            dt,
+            &down(&got)?,
+            &want,
+        );
+        let want = cpu.text_attention(&qkv, heads, hd, 1.0, TextMask::Bias(&bias))?;
+        let gb = gpu.upload(&bias)?;
+        let got = gpu.text_attention(&gq, heads, hd, 1.0, TextMask::Bias(&gb))?;
+        close(
+            out,
+            &format!("text attention, position bias (T5), {geometry}"),
+            dt,
+            &down(&got)?,
+            &want,
+        );
+    }
     Ok(())
 }
