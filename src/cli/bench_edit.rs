@@ -128,17 +128,8 @@ pub fn run(a: Args) -> CliResult {
     }
     let (latents, cache) = st.finish(0)?;
     let cache = Arc::new(cache.ok_or("the capture returned no template cache")?);
-    let (_, dec) = p.decode_recording(latents.data(), latents.cols(), n, n)?;
-    let traces: Vec<u8> = prep
-        .vae_trace
-        .iter()
-        .chain(&dec)
-        .flatten()
-        .copied()
-        .collect();
-    let traces = (!traces.is_empty())
-        .then(|| HostSlice::copy_of(&traces))
-        .transpose()?;
+    let (_, traces) = super::edit::decode_with_traces(&p, &prep, &latents, n, n)?;
+    let traces = traces.map(|t| HostSlice::copy_of(&t)).transpose()?;
     let capture_s = c0.elapsed().as_secs_f64();
 
     // The edit: an irregular mask of the asked share of tokens.

@@ -17,7 +17,9 @@ use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::template_file::{self, TemplateMeta};
 use denoised_models::mask::TokenMask;
 use denoised_models::pipeline::defaults;
-use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Parts, Timings};
+use denoised_models::pipeline::flux_fill::{
+    EditOptions, FluxFill, Noise, Parts, Prepared, Timings,
+};
 use denoised_models::pipeline::image::{
     decode_image, decode_mask, encode_png, from_model_space, Mask,
 };
@@ -454,6 +456,27 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     Ok(())
 }
 
+/// A capture's decode of its final latent, recording the decoder's trace: the output (as
+/// `finish` decodes it, bit for bit) and the template's stored VAE traces (the encode's,
+/// then the decode's), `None` when neither was recorded.
+pub(super) fn decode_with_traces(
+    p: &FluxFill<CpuBackend>,
+    prepared: &Prepared,
+    latents: &Tensor,
+    width: usize,
+    height: usize,
+) -> CliResult<(Tensor, Option<Vec<u8>>)> {
+    let (raw, dec) = p.decode_recording(latents.data(), latents.cols(), width, height)?;
+    let traces: Vec<u8> = prepared
+        .vae_trace
+        .iter()
+        .chain(&dec)
+        .flatten()
+        .copied()
+        .collect();
+    Ok((raw, Some(traces).filter(|t| !t.is_empty())))
+}
+
 pub fn run_capture(a: CaptureArgs) -> CliResult {
     let c = &a.common;
     let (p, mut placed) = load_pipeline(&c.model, &c.device, c.max_pixels)?;
@@ -501,19 +524,9 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
         // The decode recording its trace: the same ops as `finish`'s, bit for bit.
         let t0 = Instant::now();
         let (w, h) = (image.width, image.height);
-        let (raw, dec) = p.decode_recording(latents.data(), latents.cols(), w, h)?;
+        let (raw, traces) = decode_with_traces(&p, &prepared, &latents, w, h)?;
         t.vae_decode_s += t0.elapsed().as_secs_f64();
-        let traces: Vec<u8> = prepared
-            .vae_trace
-            .iter()
-            .chain(&dec)
-            .flatten()
-            .copied()
-            .collect();
-        (
-            from_model_space(raw.data(), w, h),
-            Some(traces).filter(|t| !t.is_empty()),
-        )
+        (from_model_space(raw.data(), w, h), traces)
     } else {
         (p.finish(&prepared, &latents, &opts, &mut t)?, None)
     };
