@@ -72,6 +72,14 @@ struct Builder {
     descs: Vec<Desc>,
 }
 
+impl Drop for Builder {
+    /// Newest first: a plan before the configurations, graph and tensors it was built
+    /// from, as cuDNN's samples destroy them.
+    fn drop(&mut self) {
+        while self.descs.pop().is_some() {}
+    }
+}
+
 impl Builder {
     fn create(&mut self, ty: D) -> Result<sys::cudnnBackendDescriptor_t, CudaError> {
         let mut d = std::ptr::null_mut();
@@ -190,8 +198,8 @@ pub(crate) struct SdpaPlan {
     plan: sys::cudnnBackendDescriptor_t,
     workspace: usize,
     /// Every descriptor the plan was built from (tensors, operation, graph, engine
-    /// configurations), destroyed after it.
-    _descs: Vec<Desc>,
+    /// configurations) and the plan itself, destroyed newest first.
+    _descs: Builder,
 }
 
 // SAFETY: used only under the executor's mutex, like the handle.
@@ -315,7 +323,7 @@ pub(crate) fn plan(handle: sys::cudnnHandle_t, a: &Sdpa) -> Result<SdpaPlan, Cud
         return Ok(SdpaPlan {
             plan,
             workspace: workspace.max(0) as usize,
-            _descs: b.descs,
+            _descs: b,
         });
     }
     Err(CudaError::Unsupported(format!(
