@@ -77,17 +77,10 @@ impl AttnKernel {
             .unwrap_or(AttnKernel::Cudnn)
     }
 
-    /// Our kernel that runs for this choice (the library's fallback for `Cudnn`).
-    fn own(self) -> Self {
-        match self {
-            AttnKernel::Cudnn => AttnKernel::Fa2Wide,
-            k => k,
-        }
-    }
-
-    /// Query rows per block, and the kernel's name at head dim `hd` (64 or 128).
+    /// Query rows per block, and the kernel's name at head dim `hd` (64 or 128): for
+    /// `Cudnn`, its fallback's (fa2w).
     fn tensor_core(self, hd: usize) -> (usize, &'static str) {
-        match (self.own(), hd) {
+        match (self, hd) {
             (AttnKernel::Fa2, 64) => (MMA_TILE, "attn_fa2_bf16_d64"),
             (AttnKernel::Fa2, _) => (MMA_TILE, "attn_fa2_bf16_d128"),
             (AttnKernel::Fa2Wide | AttnKernel::Cudnn, 64) => (2 * MMA_TILE, "attn_fa2w_bf16_d64"),
@@ -101,7 +94,7 @@ impl AttnKernel {
     /// wide kernel's 128-row Q tile (its key tiles are 32 rows at head dim 128: see
     /// attention.cu); the first version's is static.
     fn smem(self, hd: usize) -> u32 {
-        let bytes = match self.own() {
+        let bytes = match self {
             AttnKernel::Fa2 => 4 * FA2_KEYS * hd * 2,
             AttnKernel::Fa2Wide | AttnKernel::Cudnn => {
                 let keys = if hd == 128 { FA2_KEYS / 2 } else { FA2_KEYS };

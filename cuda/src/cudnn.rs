@@ -43,11 +43,22 @@ fn err(what: &str) -> impl Fn(dnn::CudnnError) -> CudaError + '_ {
 /// Whether cuDNN may be used: `DENOISED_CUDNN=0` turns it off (to compare the two
 /// paths on one GPU), and the library must be loadable.
 pub fn wanted_and_present() -> bool {
-    if std::env::var("DENOISED_CUDNN").is_ok_and(|v| v == "0" || v == "off") {
-        return false;
-    }
+    !turned_off() && present()
+}
+
+/// `DENOISED_CUDNN=0` (or `off`).
+fn turned_off() -> bool {
+    std::env::var("DENOISED_CUDNN").is_ok_and(|v| v == "0" || v == "off")
+}
+
+fn present() -> bool {
     // SAFETY: only tries to dlopen the library by its usual names.
     unsafe { sys::is_culib_present() }
+}
+
+/// "cuDNN 9.5.1" for `CUDNN_VERSION` 90501.
+fn version_name(v: usize) -> String {
+    format!("cuDNN {}.{}.{}", v / 10000, (v % 10000) / 100, v % 100)
 }
 
 /// The loaded library's version (`CUDNN_VERSION`: 90501 for 9.5.1); an error unless it
@@ -68,20 +79,15 @@ pub(crate) fn library_version() -> Result<usize, CudaError> {
 /// The cuDNN this process would load, as "cuDNN 9.14.0", or why none (absent, off,
 /// or not cuDNN 9). Needs no GPU: `denoised devices` prints it.
 pub fn library() -> Result<String, String> {
-    if std::env::var("DENOISED_CUDNN").is_ok_and(|v| v == "0" || v == "off") {
+    if turned_off() {
         return Err("off (DENOISED_CUDNN=0)".into());
     }
-    // SAFETY: only tries to dlopen the library by its usual names.
-    if !unsafe { sys::is_culib_present() } {
+    if !present() {
         return Err("libcudnn.so.9 not found on the library path".into());
     }
-    let v = library_version().map_err(|e| e.to_string())?;
-    Ok(format!(
-        "cuDNN {}.{}.{}",
-        v / 10000,
-        (v % 10000) / 100,
-        v % 100
-    ))
+    library_version()
+        .map(version_name)
+        .map_err(|e| e.to_string())
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -178,8 +184,7 @@ impl Cudnn {
 
     /// "cuDNN 9.5.1", from the loaded library.
     pub(crate) fn describe(&self) -> String {
-        let v = self.version;
-        format!("cuDNN {}.{}.{}", v / 10000, (v % 10000) / 100, v % 100)
+        version_name(self.version)
     }
 
     fn plan(c: &Conv, handle: sys::cudnnHandle_t) -> Result<Option<Plan>, CudaError> {
@@ -364,20 +369,17 @@ impl Cudnn {
 
     /// Runs `a`, whose shape [`sdpa_plan`](Self::sdpa_plan) accepted, on the handle's stream.
     pub(crate) fn sdpa_run(&mut self, stream: &Arc<CudaStream>, a: &Sdpa) -> Result<(), CudaError> {
-        let need = match self.attn.get(&a.shape()) {
-            Some(Some(p)) => p.workspace_bytes(),
-            _ => {
-                return Err(CudaError::Unsupported(format!(
-                    "no attention plan for {a:?}"
-                )))
-            }
+        let Some(Some(plan)) = self.attn.get(&a.shape()) else {
+            return Err(CudaError::Unsupported(format!(
+                "no attention plan for {a:?}"
+            )));
         };
+        let need = plan.workspace_bytes();
         let ws = if need > 0 {
             Some(Self::workspace(&mut self.workspace, stream, need)?)
         } else {
             None
         };
-        let plan = self.attn[&a.shape()].as_ref().expect("checked above");
         plan.run(self.handle, stream, a, ws)
     }
 }

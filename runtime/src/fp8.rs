@@ -102,6 +102,16 @@ pub fn check_matrix(
     Ok(())
 }
 
+/// The scale of values whose largest magnitude is `amax`: `amax / 448`, so the largest
+/// is E4M3's largest, or 1 for zeros (and a non-finite amax).
+fn scale_for(amax: f32) -> f32 {
+    if amax > 0.0 && amax.is_finite() {
+        amax / MAX
+    } else {
+        1.0
+    }
+}
+
 /// Quantises a row-major `[rows, cols]` matrix whose columns form `groups` equal
 /// groups, each with its own scale: returns the bytes (row-major, like the input)
 /// and the scales (`amax / 448`, or 1 for a group of zeros). Value `x` of group `g`
@@ -119,16 +129,7 @@ pub fn quantize(values: &[f32], cols: usize, groups: usize) -> (Vec<u8>, Vec<f32
             amax[g] = part.iter().fold(amax[g], |m, v| m.max(v.abs()));
         }
     }
-    let scales: Vec<f32> = amax
-        .iter()
-        .map(|&a| {
-            if a > 0.0 && a.is_finite() {
-                a / MAX
-            } else {
-                1.0
-            }
-        })
-        .collect();
+    let scales: Vec<f32> = amax.iter().map(|&a| scale_for(a)).collect();
     let inv: Vec<f32> = scales.iter().map(|s| 1.0 / s).collect();
     let mut bytes = Vec::with_capacity(values.len());
     for row in values.chunks_exact(cols) {
@@ -231,11 +232,7 @@ pub fn quantize_tensor(values: &[f32]) -> (Vec<u8>, f32) {
         .par_iter()
         .fold(|| 0f32, |m, v| m.max(v.abs()))
         .reduce(|| 0f32, f32::max);
-    let scale = if amax > 0.0 && amax.is_finite() {
-        amax / MAX
-    } else {
-        1.0
-    };
+    let scale = scale_for(amax);
     let inv = 1.0 / scale;
     (values.par_iter().map(|&v| encode(v * inv)).collect(), scale)
 }

@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use denoised_actors::device::{self, StepLimits};
-use denoised_cuda::DeviceSpec;
 use denoised_models::flux::edit::Mode;
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::weights::SplitMix;
@@ -25,7 +24,7 @@ use denoised_models::pipeline::sparse_vae::{SparseVae, SparseVaeSetting};
 use denoised_models::ModelSource;
 use denoised_runtime::HostSlice;
 
-use super::bench_pipeline::{pixel_mask, random_image};
+use super::bench_pipeline::{one_request, pixel_mask, random_image};
 use super::{CliResult, ModelDeviceArgs};
 
 #[derive(clap::Args, Debug)]
@@ -77,16 +76,9 @@ pub fn run(a: Args) -> CliResult {
     p.limits.max_pixels = p.limits.max_pixels.max(n * n);
     p.sparse_vae = SparseVae::new(SparseVaeSetting::Auto, usize::MAX);
     let limits = StepLimits {
-        max_batch: 1,
-        token_budget: 1,
-        max_pixels: n * n,
-        host_template_bytes: u64::MAX,
         // Resident on the device, where the daemon keeps a template in steady use.
         resident_template_bytes: u64::MAX,
-        stages_on_device: device::StagesOnDevice {
-            preprocess: (spec != DeviceSpec::Cpu) as usize,
-            postprocess: (spec != DeviceSpec::Cpu) as usize,
-        },
+        ..one_request(spec, n)
     };
     let mut placed = device::place(&source, spec, dt, fp8, &p, limits)?;
     device::place_stages(spec, dt, &mut p)?;

@@ -83,6 +83,22 @@ pub(super) fn pixel_mask(tm: &TokenMask, n: usize, tok: usize) -> Mask {
     }
 }
 
+/// The step limits of one `n x n` request at a time, every model on `spec` (as a
+/// daemon's workers place them), no template resident.
+pub(super) fn one_request(spec: DeviceSpec, n: usize) -> StepLimits {
+    StepLimits {
+        max_batch: 1,
+        token_budget: 1,
+        max_pixels: n * n,
+        host_template_bytes: u64::MAX,
+        resident_template_bytes: 0,
+        stages_on_device: device::StagesOnDevice {
+            preprocess: (spec != DeviceSpec::Cpu) as usize,
+            postprocess: (spec != DeviceSpec::Cpu) as usize,
+        },
+    }
+}
+
 pub fn run(a: Args) -> CliResult {
     if a.sparse_vae {
         return super::bench_sparse_vae::run(&a);
@@ -99,18 +115,7 @@ pub fn run(a: Args) -> CliResult {
     let fp8_weights = a.device.fp8_weights()?;
     let mut p = FluxFill::load_parts(&source, device::host_backend(spec, fp8_weights), parts)?;
     p.limits.max_pixels = p.limits.max_pixels.max(n * n);
-    let limits = StepLimits {
-        max_batch: 1,
-        token_budget: 1,
-        max_pixels: n * n,
-        host_template_bytes: u64::MAX,
-        resident_template_bytes: 0,
-        stages_on_device: device::StagesOnDevice {
-            preprocess: (spec != DeviceSpec::Cpu) as usize,
-            postprocess: (spec != DeviceSpec::Cpu) as usize,
-        },
-    };
-    let mut placed = device::place(&source, spec, dt, fp8_weights, &p, limits)?;
+    let mut placed = device::place(&source, spec, dt, fp8_weights, &p, one_request(spec, n))?;
     device::place_stages(spec, dt, &mut p)?;
     let load_s = t0.elapsed().as_secs_f64();
     let mut rng = SplitMix::new(5);
