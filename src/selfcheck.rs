@@ -31,6 +31,7 @@ use denoised_models::flux::edit::{
 };
 use denoised_models::flux::model::{FluxInputs, NoObserver};
 use denoised_models::flux::template::{CacheMode, TemplateCache, TemplateLayout};
+use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::TokenMask;
 use denoised_models::planner::{prefix, Choice};
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
@@ -39,7 +40,7 @@ use denoised_models::text::{ClipTextModel, T5Encoder};
 use denoised_models::vae::{AutoencoderKL, DenseVae};
 use denoised_models::FluxTransformer;
 use denoised_runtime::fixtures::{tiny_model_dir, RefCase, Tier};
-use denoised_runtime::{DType, Error, Result};
+use denoised_runtime::{Backend, DType, Error, Result, Tensor};
 
 const CASES: [&str; 4] = [
     "transformer_case1",
@@ -132,6 +133,98 @@ pub fn vae<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
                 ));
             }
         }
+        if !im2col_only {
+            out.extend(sparse_vae(&cpu, &m, dt)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Bound of the device's sparse VAE pass against the CPU's in f32, relative to the
+/// output's largest magnitude: the same values in another summation order (and the
+/// mid block's attention dense on the device), measured at about 1e-6 on the emulator;
+/// a misplaced pixel, tap or group is O(1).
+const SPARSE_VAE_F32_REL_TOL: f64 = 1e-4;
+
+/// The device's sparse VAE passes (SIGE's gather, GEMM and scatter, and the GroupNorm
+/// sums' deltas), against a trace the device recorded, against the CPU's tile-based
+/// ones on the same plan and the CPU's trace: an edit of a disk of a seeded template
+/// image and latent, through each half, under the serving modes (encoder: local regions
+/// and frozen statistics; decoder: local and incremental) and SIGE's dilated regions,
+/// whose tiles are computed whole. And the CPU's pass against the device's trace.
+fn sparse_vae<B: Backend>(cpu: &AutoencoderKL, dev: &DenseVae<B>, dt: Dt) -> Result<Vec<Check>> {
+    use denoised_models::vae::sparse::{Half, RegionMode, SparseOpts, StatsMode};
+    let noise = |shape: [usize; 4], seed: u64| {
+        let mut r = SplitMix::new(seed);
+        let n = shape.iter().product();
+        Tensor::new(shape, (0..n).map(|_| r.uniform() * 2.0 - 1.0).collect())
+    };
+    let disk = |h: usize, w: usize, r: f32| -> Vec<bool> {
+        let (cy, cx) = (h as f32 * 0.4, w as f32 * 0.55);
+        (0..h * w)
+            .map(|i| ((i / w) as f32 - cy).powi(2) + ((i % w) as f32 - cx).powi(2) <= r * r)
+            .collect()
+    };
+    let f = cpu.config().vae_scale_factor();
+    let lc = cpu.config().latent_channels;
+    let (h, w) = (48, 40);
+    let image = noise([1, 3, h, w], 1)?;
+    let latent = noise([1, lc, h / f, w / f], 2)?;
+    let mut out = Vec::new();
+    for (half, template, diff, keep) in [
+        (
+            Half::Encoder,
+            &image,
+            disk(h, w, 7.0),
+            disk(h / f, w / f, 3.0),
+        ),
+        (
+            Half::Decoder,
+            &latent,
+            disk(h / f, w / f, 3.0),
+            disk(h, w, 6.0),
+        ),
+    ] {
+        let trace = match half {
+            Half::Encoder => cpu.trace_encode(template)?,
+            Half::Decoder => cpu.trace_decode(template)?,
+        };
+        // The device records its own trace, as a capture on a device does.
+        let dev_trace = dev.trace(cpu, half, template)?;
+        let on_device = dev.upload_trace(&dev_trace)?;
+        let mut edited = template.clone();
+        let plane = diff.len();
+        let fresh = noise(*<&[usize; 4]>::try_from(template.shape()).expect("4-D"), 3)?;
+        for (i, v) in edited.data_mut().iter_mut().enumerate() {
+            if diff[i % plane] {
+                *v = fresh.data()[i];
+            }
+        }
+        let shape = [edited.shape()[1], edited.shape()[2], edited.shape()[3]];
+        for (region, stats) in [
+            (RegionMode::Local, StatsMode::Frozen),
+            (RegionMode::Local, StatsMode::Incremental),
+            (RegionMode::Dilated(1), StatsMode::Frozen),
+        ] {
+            let opts = SparseOpts {
+                region,
+                stats,
+                tile: 8,
+                crop: false,
+            };
+            let plan = cpu.plan_sparse(half, shape, &diff, &keep, opts)?;
+            let want = cpu.run_sparse(&plan, &edited, &trace)?;
+            let label = format!(
+                "sparse vae {half:?} {region}/{stats} ({dt:?}, {:.0}% of the MACs)",
+                100.0 * plan.report.fraction()
+            );
+            let got = dev.run_sparse(&plan, &edited, &on_device)?;
+            out.push(sparse_check(label.clone(), dt, &got, &want));
+            // The device-recorded trace read by the CPU's pass: its sums and the
+            // attention's K and V (which only the CPU pass reads) are the CPU's too.
+            let got = cpu.run_sparse(&plan, &edited, &dev_trace)?;
+            out.push(sparse_check(format!("{label} [CPU pass]"), dt, &got, &want));
+        }
     }
     Ok(out)
 }
@@ -199,6 +292,24 @@ fn compare(
             let scale = want.data().iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
             Check::within(name.into(), "max rel diff", d / scale, VAE_BF16_REL_TOL)
         }
+    }
+}
+
+fn sparse_check(label: String, dt: Dt, got: &Tensor, want: &Tensor) -> Check {
+    match dt {
+        Dt::F32 => {
+            let scale = want.data().iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+            match got.max_abs_diff(want) {
+                Ok(d) => Check::within(
+                    label,
+                    "max rel diff",
+                    d as f64 / scale,
+                    SPARSE_VAE_F32_REL_TOL,
+                ),
+                Err(e) => Check::fail(label, e.to_string()),
+            }
+        }
+        Dt::Bf16 => compare(&label, dt, got, want, 0.0),
     }
 }
 

@@ -223,7 +223,9 @@ fn stages_on<E: Exec + 'static>(
     // convolution path the VAE takes.
     tracing::info!("VAE convolutions on {name}: {}", backend.conv_path());
     let err = |what: &str, e: denoised_runtime::Error| format!("loading {what} on {name}: {e}");
-    let vae = DenseVae::new(backend.clone(), &pipeline.vae).map_err(|e| err("the VAE", e))?;
+    let vae = DenseVae::new(backend.clone(), &pipeline.vae)
+        .map_err(|e| err("the VAE", e))?
+        .with_trace_bytes(pipeline.sparse_vae.trace_bytes());
     pipeline.place_vae(Arc::new(vae));
     let mut placed = vec!["VAE"];
     if let Ok(t) = pipeline.text() {

@@ -202,3 +202,101 @@ extern "C" __global__ void copy2d_f32(const ImgParams p) { copy2d<float>(p); }
 EMU_EXPORT(copy2d_f32, ImgParams)
 extern "C" __global__ void copy2d_bf16(const ImgParams p) { copy2d<bf16>(p); }
 EMU_EXPORT(copy2d_bf16, ImgParams)
+
+// The spatially sparse VAE (SIGE) on a device: an edit recomputes a layer only at the
+// pixels its region lists (z, u32 indices into the batch-1 output plane) and takes the
+// template's value everywhere else. Three kernels around the executor's GEMM; CPU
+// reference: denoised_runtime::cpu::sparse_conv (the same gather, convolution and
+// scatter, tile by tile).
+
+// Gather: the patch-matrix rows of listed output pixels z[p0 .. p0+rows] (im2col's
+// layout; with z == 0 the pixels p0 .. p0+rows themselves), the preceding GroupNorm
+// applied on the way as x * wt[ch] + bias[ch] (f32 per-channel scale and shift, when
+// wt != 0) and then SiLU when p.silu. The convolution's zero padding stays zero, as
+// the dense layer pads its already normalised input.
+template <class T>
+DEV void sige_gather(const ImgParams& p) {
+    const T* x = (const T*)p.x;
+    T* y = (T*)p.y;
+    const unsigned* pixels = (const unsigned*)p.z;
+    const float* scale = (const float*)p.wt;
+    const float* shift = (const float*)p.bias;
+    const int taps_c = p.kh * p.kw * p.c;
+    const int hu = p.h * p.up, wu = p.w * p.up;
+    IMG_STRIDE(i, (long long)p.rows * taps_c) {
+        long long r = i / taps_c;
+        int col = (int)(i % taps_c);
+        int ch = col % p.c, tap = col / p.c;
+        int ky = tap / p.kw, kx = tap % p.kw;
+        long long pix = pixels ? (long long)pixels[p.p0 + r] : p.p0 + r;
+        int ox = (int)(pix % p.ow), oy = (int)(pix / p.ow);
+        int uy = oy * p.stride + ky - p.pad_t, ux = ox * p.stride + kx - p.pad_l;
+        float v = 0.f;
+        if (uy >= 0 && uy < hu && ux >= 0 && ux < wu) {
+            v = to_f32(x[((long long)(uy / p.up) * p.w + ux / p.up) * p.c + ch]);
+            if (scale) v = v * scale[ch] + shift[ch];
+            if (p.silu) v = v / (1.0f + __expf(-v));
+        }
+        y[i] = from_f32<T>(v);
+    }
+}
+extern "C" __global__ void sige_gather_f32(const ImgParams p) { sige_gather<float>(p); }
+EMU_EXPORT(sige_gather_f32, ImgParams)
+extern "C" __global__ void sige_gather_bf16(const ImgParams p) { sige_gather<bf16>(p); }
+EMU_EXPORT(sige_gather_bf16, ImgParams)
+
+// Scatter: row r of x ([rows, c], the GEMM's output with its bias) into pixel z[r] of
+// y ([pixels, c], already holding the template's value), plus the residual wt at that
+// pixel when wt != 0.
+template <class T>
+DEV void sige_scatter(const ImgParams& p) {
+    const T* x = (const T*)p.x;
+    T* y = (T*)p.y;
+    const unsigned* pixels = (const unsigned*)p.z;
+    const T* residual = (const T*)p.wt;
+    IMG_STRIDE(i, (long long)p.rows * p.c) {
+        long long r = i / p.c;
+        int ch = (int)(i % p.c);
+        long long at = (long long)pixels[r] * p.c + ch;
+        float v = to_f32(x[i]);
+        if (residual) v += to_f32(residual[at]);
+        y[at] = from_f32<T>(v);
+    }
+}
+extern "C" __global__ void sige_scatter_f32(const ImgParams p) { sige_scatter<float>(p); }
+EMU_EXPORT(sige_scatter_f32, ImgParams)
+extern "C" __global__ void sige_scatter_bf16(const ImgParams p) { sige_scatter<bf16>(p); }
+EMU_EXPORT(sige_scatter_bf16, ImgParams)
+
+// How a GroupNorm's sums move when the listed pixels change from y (the template's
+// value) to x (the edit's): block (g, s) takes split s of the p.rows pixels of z in
+// group g's channels and writes (sum(x - y), sum(x^2 - y^2)) to wt[(g*splits + s)*2],
+// the host adding the splits in double (cpu::sparse_conv::GroupSums::update's deltas).
+template <class T>
+DEV void sige_group_delta(const ImgParams& p) {
+    __shared__ float scratch[32];
+    const int g = blockIdx.x, s = blockIdx.y;
+    const int cpg = p.c / p.groups;
+    const long long per = ((long long)p.rows + p.splits - 1) / p.splits;
+    const long long q0 = s * per, q1 = q0 + per < p.rows ? q0 + per : p.rows;
+    const long long n = q1 > q0 ? (q1 - q0) * cpg : 0;
+    const unsigned* pixels = (const unsigned*)p.z;
+    float ds = 0.f, dq = 0.f;
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+        long long at = (long long)pixels[q0 + i / cpg] * p.c + g * cpg + i % cpg;
+        float nv = to_f32(((const T*)p.x)[at]), ov = to_f32(((const T*)p.y)[at]);
+        ds += nv - ov;
+        dq += nv * nv - ov * ov;
+    }
+    ds = block_sum(ds, scratch);
+    dq = block_sum(dq, scratch);
+    if (threadIdx.x == 0) {
+        float* out = (float*)p.wt + ((long long)g * p.splits + s) * 2;
+        out[0] = ds;
+        out[1] = dq;
+    }
+}
+extern "C" __global__ void sige_group_delta_f32(const ImgParams p) { sige_group_delta<float>(p); }
+EMU_EXPORT(sige_group_delta_f32, ImgParams)
+extern "C" __global__ void sige_group_delta_bf16(const ImgParams p) { sige_group_delta<bf16>(p); }
+EMU_EXPORT(sige_group_delta_bf16, ImgParams)

@@ -11,6 +11,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use denoised_runtime::backend::{stacked_shape, AttnSeq, Backend, HeadNorm, Modulation};
+use denoised_runtime::cpu::sparse_conv::PreAct;
 use denoised_runtime::{Conv2dOpts, DeviceTimer, TextMask};
 use denoised_runtime::{DType, Error, HostMemory, HostSlice, Result, SlabProvider, Stored, Tensor};
 
@@ -753,6 +754,43 @@ impl<E: Exec> Backend for GpuBackend<E> {
         out_b: &GpuTensor<E>,
     ) -> Result<GpuTensor<E>> {
         self.image_attention_rows(x, normed, qkv, qkv_b, out, out_b)
+    }
+
+    fn sparse_conv2d(
+        &self,
+        x: &GpuTensor<E>,
+        w: &GpuTensor<E>,
+        b: &GpuTensor<E>,
+        opts: Conv2dOpts,
+        pre: Option<PreAct<'_>>,
+        add: Option<&GpuTensor<E>>,
+        base: &GpuTensor<E>,
+        pixels: &[u32],
+    ) -> Result<GpuTensor<E>> {
+        self.sige_conv2d(x, w, b, opts, pre, add, base, pixels)
+    }
+
+    fn put_pixels(
+        &self,
+        base: &GpuTensor<E>,
+        src: &GpuTensor<E>,
+        px: &[u32],
+    ) -> Result<GpuTensor<E>> {
+        self.sige_put_pixels(base, src, px)
+    }
+
+    fn channel_affine(&self, x: &GpuTensor<E>, pre: PreAct<'_>) -> Result<GpuTensor<E>> {
+        self.sige_channel_affine(x, pre)
+    }
+
+    fn group_sum_deltas(
+        &self,
+        new: &GpuTensor<E>,
+        old: &GpuTensor<E>,
+        px: &[u32],
+        groups: usize,
+    ) -> Result<Vec<(f64, f64)>> {
+        self.sige_group_sum_deltas(new, old, px, groups)
     }
 
     fn layer_norm_affine(

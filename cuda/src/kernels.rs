@@ -104,6 +104,12 @@ pub const MODULES: &[Module] = &[
             "transpose_bf16",
             "copy2d_f32",
             "copy2d_bf16",
+            "sige_gather_f32",
+            "sige_gather_bf16",
+            "sige_scatter_f32",
+            "sige_scatter_bf16",
+            "sige_group_delta_f32",
+            "sige_group_delta_bf16",
         ],
     },
     Module {

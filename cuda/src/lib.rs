@@ -33,6 +33,7 @@ mod quant;
 mod ring;
 mod sdpa;
 pub mod selfcheck;
+mod sige;
 pub mod stream;
 mod tensor;
 mod text;

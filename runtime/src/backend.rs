@@ -12,7 +12,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::error::Result;
+use crate::cpu::sparse_conv::PreAct;
+use crate::error::{Error, Result};
 use crate::host::{HostMemory, HostSlice};
 use crate::stored::Stored;
 use crate::tensor::{DType, Tensor};
@@ -464,6 +465,56 @@ pub trait Backend: Send + Sync {
         out_b: &Self::Tensor,
     ) -> Result<Self::Tensor>;
 
+    // The sparse VAE's ops on a device (SIGE; `denoised_models::vae::sparse`): a layer
+    // of an edit's pass recomputed only at listed pixels (indices into its output
+    // plane, batch 1) on top of the template's value of that layer. The CPU runs its
+    // own tile-based pass (`cpu::sparse_conv`, the reference these are checked
+    // against), so a backend without them says so.
+
+    /// `base` (`[1, O, OH, OW]`, the template's output of this layer) with `pixels`
+    /// recomputed as `conv(pre(x), w) + b (+ add)`: `pre` is a GroupNorm with its
+    /// statistics folded in (`x * scale[c] + shift[c]`, then SiLU when asked), applied
+    /// inside the image and not to the convolution's zero padding.
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_conv2d(
+        &self,
+        _x: &Self::Tensor,
+        _w: &Self::Tensor,
+        _b: &Self::Tensor,
+        _opts: Conv2dOpts,
+        _pre: Option<PreAct<'_>>,
+        _add: Option<&Self::Tensor>,
+        _base: &Self::Tensor,
+        _pixels: &[u32],
+    ) -> Result<Self::Tensor> {
+        Err(no_sparse_vae(&self.name()))
+    }
+    /// `base` with `src`'s values (same shape) at `pixels`.
+    fn put_pixels(
+        &self,
+        _base: &Self::Tensor,
+        _src: &Self::Tensor,
+        _pixels: &[u32],
+    ) -> Result<Self::Tensor> {
+        Err(no_sparse_vae(&self.name()))
+    }
+    /// `pre(x)` at every pixel: a GroupNorm with given statistics (see
+    /// [`sparse_conv2d`](Self::sparse_conv2d)).
+    fn channel_affine(&self, _x: &Self::Tensor, _pre: PreAct<'_>) -> Result<Self::Tensor> {
+        Err(no_sparse_vae(&self.name()))
+    }
+    /// How a GroupNorm's per-group sums move when `old`'s values at `pixels` become
+    /// `new`'s (images of one shape): `(Σ (new - old), Σ (new² - old²))` per group.
+    fn group_sum_deltas(
+        &self,
+        _new: &Self::Tensor,
+        _old: &Self::Tensor,
+        _pixels: &[u32],
+        _groups: usize,
+    ) -> Result<Vec<(f64, f64)>> {
+        Err(no_sparse_vae(&self.name()))
+    }
+
     // Text-encoder ops (T5, CLIP): the rows of a matrix are the tokens of one prompt.
 
     /// LayerNorm of each row with affine `weight` and `bias` `[width]` (CLIP).
@@ -687,4 +738,10 @@ pub fn next_slab_position(
         "block {block} of step {step} {why} (prepared {slabs:?}, next {:?})",
         slabs.get(p)
     )))
+}
+
+fn no_sparse_vae(backend: &str) -> Error {
+    Error::Invalid(format!(
+        "the {backend} backend has no device sparse VAE ops (the CPU runs cpu::sparse_conv's pass)"
+    ))
 }

@@ -184,7 +184,8 @@ impl std::fmt::Display for SparseVaeSetting {
 pub struct PipelineConfig {
     pub sparse_vae: SparseVaeSetting,
     /// Bytes of template VAE traces each preprocess (encoder) and postprocess
-    /// (decoder) process keeps.
+    /// (decoder) process keeps: those it recorded, in host memory, and where its VAE
+    /// runs on a device, the templates' traces resident in device memory.
     pub sparse_vae_trace_bytes: u64,
     /// Bytes of prompt embeddings (T5 and CLIP outputs) each preprocess process keeps:
     /// a repeated prompt skips both text encoders. 0 turns the cache off.

@@ -29,7 +29,7 @@ use crate::scheduler::{FlowMatchEuler, SchedulerConfig};
 use crate::source::{ModelSource, BUILTIN_SEED};
 use crate::text::device::PromptEncoder;
 use crate::text::{ClipTextConfig, ClipTextModel, ClipTokenizer, T5Config, T5Encoder, T5Tokenizer};
-use crate::vae::sparse::Half;
+use crate::vae::sparse::{Half, SparsePlan, VaeTrace};
 use crate::vae::{AutoencoderKL, DenseCoder, VaeConfig, VaeHalves};
 
 /// Per-request options, with FluxFillPipeline's defaults.
@@ -400,11 +400,11 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         })
     }
 
-    /// Runs every dense VAE pass on `device` from now on (a pre- or postprocess worker
-    /// on a GPU). The sparse passes of template edits are CPU-only so far, and a CPU
-    /// sparse pass does not beat a device's dense one, so with a device they are off
-    /// whatever `sparse_vae` says, and captures record no traces
-    /// ([`Self::sparse_vae_on`]).
+    /// Runs every VAE pass on `device` from now on (a pre- or postprocess worker on a
+    /// GPU): the dense ones, the sparse ones of template edits (against the template's
+    /// trace, resident on the device) and the captures' recording ones. The CPU model
+    /// stays for the plans of the sparse passes (shapes and regions) and the K and V of
+    /// a recorded trace's attention.
     pub fn place_vae(&mut self, device: Arc<dyn DenseCoder>) {
         self.vae_device = Some(device);
     }
@@ -414,11 +414,9 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         self.text_device = Some(device);
     }
 
-    /// Whether template edits may run the VAE sparse: `[pipeline] sparse_vae = "auto"`
-    /// and no device VAE.
+    /// Whether template edits may run the VAE sparse: `[pipeline] sparse_vae = "auto"`.
     pub fn sparse_vae_on(&self) -> bool {
-        self.vae_device.is_none()
-            && self.sparse_vae.setting == crate::pipeline::sparse_vae::SparseVaeSetting::Auto
+        self.sparse_vae.setting == crate::pipeline::sparse_vae::SparseVaeSetting::Auto
     }
 
     /// Where the dense VAE passes run: the device's name, or `cpu`.
@@ -441,6 +439,31 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         match &self.vae_device {
             Some(d) => d.decode(z),
             None => self.vae.decode(z),
+        }
+    }
+
+    /// A template edit's sparse VAE pass, on the device when there is one (the
+    /// template's trace resident there under `key`).
+    pub(crate) fn vae_sparse(
+        &self,
+        plan: &SparsePlan,
+        input: &Tensor,
+        trace: &VaeTrace,
+        key: (u64, Half),
+    ) -> Result<Tensor> {
+        match &self.vae_device {
+            Some(d) => d.run_sparse(plan, input, trace, key),
+            None => self.vae.run_sparse(plan, input, trace),
+        }
+    }
+
+    /// The dense pass of `half`, recording a template's trace, on the device when
+    /// there is one.
+    pub(crate) fn vae_trace(&self, half: Half, input: &Tensor) -> Result<VaeTrace> {
+        match (&self.vae_device, half) {
+            (Some(d), _) => d.trace(&self.vae, half, input),
+            (None, Half::Encoder) => self.vae.trace_encode(input),
+            (None, Half::Decoder) => self.vae.trace_decode(input),
         }
     }
 
@@ -600,7 +623,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             dist
         } else if opts.record_vae_trace && self.sparse_vae_can_pay(Half::Encoder, w, h)? {
             // The same ops as `encode`, bit for bit, keeping every value.
-            let trace = self.vae.trace_encode(&masked)?;
+            let trace = self.vae_trace(Half::Encoder, &masked)?;
             vae_trace = Some(trace.to_record(Half::Encoder));
             self.vae.latent_dist(&trace.output().to_tensor())?
         } else {

@@ -94,6 +94,14 @@ impl SparseVae {
     }
 }
 
+impl SparseVae {
+    /// `[pipeline] sparse_vae_trace_bytes`: the bound of this process's recorded
+    /// traces, and of the traces resident on its device when its VAE is on one.
+    pub fn trace_bytes(&self) -> usize {
+        self.traces.lru.capacity()
+    }
+}
+
 impl Default for SparseVae {
     /// Auto, with `[pipeline] sparse_vae_trace_bytes`' default.
     fn default() -> Self {
@@ -243,12 +251,12 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         let traced = sv
             .traces
             .trace_for(key, plan.trace_bytes(), stored, full, || {
-                self.vae.trace_encode(full)
+                self.vae_trace(Half::Encoder, full)
             })?;
         let Some((trace, pass)) = traced else {
             return Ok((self.vae_encode(masked)?, VaePass::Dense));
         };
-        let moments = self.vae.run_sparse(&plan, masked, &trace)?;
+        let moments = self.vae_sparse(&plan, masked, &trace, key)?;
         Ok((self.vae.latent_dist(&moments)?, pass))
     }
 
@@ -293,12 +301,12 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         let traced = sv
             .traces
             .trace_for(key, plan.trace_bytes(), stored, &z, || {
-                self.vae.trace_decode(&z)
+                self.vae_trace(Half::Decoder, &z)
             })?;
         let Some((trace, pass)) = traced else {
             return Ok((self.decode_packed(latents, cols, w, h)?, VaePass::Dense));
         };
-        let out = self.vae.run_sparse(&plan, &unpack(latents)?, &trace)?;
+        let out = self.vae_sparse(&plan, &unpack(latents)?, &trace, key)?;
         Ok((out, pass))
     }
 }
@@ -357,9 +365,8 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         let cfg = self.vae.config();
         let (lh, lw) = (height / vsf, width / vsf);
         let z = unpack_and_denormalize(latents, cols, lh, lw, cfg.shift(), cfg.scale())?;
-        let trace = self
-            .vae
-            .trace_decode(&Tensor::new([1, cfg.latent_channels, lh, lw], z)?)?;
+        let z = Tensor::new([1, cfg.latent_channels, lh, lw], z)?;
+        let trace = self.vae_trace(Half::Decoder, &z)?;
         Ok((
             trace.output().to_tensor(),
             Some(trace.to_record(Half::Decoder)),

@@ -13,20 +13,25 @@ use denoised_runtime::{Backend, Conv2dOpts, Result, Tensor};
 
 use super::config::{VaeConfig, GN_EPS};
 use super::model::{check_input, missing, split_moments, DOWNSAMPLE, UPSAMPLE};
+use super::sparse::{DeviceTrace, Half, SparsePlan, VaeTrace};
 use super::weights::{self, VaeWeights};
 use super::AutoencoderKL;
+use crate::lru::ByteLru;
 
-struct Conv<T> {
-    w: T,
-    b: T,
+pub(super) struct Conv<T> {
+    pub w: T,
+    pub b: T,
 }
 
-struct Norm<T> {
-    w: T,
-    b: T,
+pub(super) struct Norm<T> {
+    pub w: T,
+    pub b: T,
+    /// The affine weight and bias on the host too (a few KB): a sparse pass folds its
+    /// own statistics into a per-channel scale and shift there.
+    pub host: (Vec<f32>, Vec<f32>),
 }
 
-struct Resnet<T> {
+pub(super) struct Resnet<T> {
     norm1: Norm<T>,
     conv1: Conv<T>,
     norm2: Norm<T>,
@@ -34,23 +39,23 @@ struct Resnet<T> {
     shortcut: Option<Conv<T>>,
 }
 
-struct Attention<T, W> {
-    norm: Norm<T>,
-    qkv: W,
-    qkv_b: T,
-    out: W,
-    out_b: T,
+pub(super) struct Attention<T, W> {
+    pub norm: Norm<T>,
+    pub qkv: W,
+    pub qkv_b: T,
+    pub out: W,
+    pub out_b: T,
 }
 
 /// `UNetMidBlock2D`: resnet, optional attention, resnet.
-type Mid<T, W> = (Resnet<T>, Option<Attention<T, W>>, Resnet<T>);
+pub(super) type Mid<T, W> = (Resnet<T>, Option<Attention<T, W>>, Resnet<T>);
 
-struct Block<T> {
+pub(super) struct Block<T> {
     resnets: Vec<Resnet<T>>,
     resample: Option<Conv<T>>,
 }
 
-struct Coder<T, W> {
+pub(super) struct Coder<T, W> {
     conv_in: Conv<T>,
     blocks: Vec<Block<T>>,
     mid: Mid<T, W>,
@@ -65,6 +70,9 @@ pub struct DenseVae<B: Backend> {
     config: VaeConfig,
     encoder: Option<Coder<B::Tensor, B::Weight>>,
     decoder: Option<Coder<B::Tensor, B::Weight>>,
+    /// Template traces resident on the device for the sparse passes, by the key the
+    /// pipeline's trace cache uses (see [`DenseCoder::run_sparse`]).
+    traces: ByteLru<(u64, Half), DeviceTrace<B>>,
 }
 
 impl<B: Backend> DenseVae<B> {
@@ -79,7 +87,15 @@ impl<B: Backend> DenseVae<B> {
             encoder,
             decoder,
             backend,
+            traces: ByteLru::new(0),
         })
+    }
+
+    /// This VAE keeping up to `bytes` of template traces resident on its device (0:
+    /// each sparse pass uploads its trace and drops it).
+    pub fn with_trace_bytes(mut self, bytes: usize) -> Self {
+        self.traces = ByteLru::new(bytes);
+        self
     }
 
     pub fn backend(&self) -> &B {
@@ -96,18 +112,9 @@ impl<B: Backend> DenseVae<B> {
         let e = self.encoder.as_ref().ok_or_else(|| missing("encoder"))?;
         check_input("encode", image, self.config.in_channels, "in_channels")?;
         let b = &self.backend;
-        let mut x = self.conv(
-            &b.upload_image(image)?,
-            &e.conv_in,
-            Conv2dOpts::same(3),
-            None,
-        )?;
-        for block in &e.blocks {
-            x = self.block(x, block, DOWNSAMPLE)?;
-        }
-        x = self.mid(x, &e.mid)?;
-        let moments = b.download_image(&self.head(&x, e)?)?;
-        split_moments(&moments, self.config.latent_channels)
+        let mut ops = self.dense_ops();
+        let moments = forward(&mut ops, Half::Encoder, e, &b.upload_image(image)?)?;
+        split_moments(&b.download_image(&moments)?, self.config.latent_channels)
     }
 
     /// `vae.decode(z).sample` as [`AutoencoderKL::decode`], on the host.
@@ -115,74 +122,146 @@ impl<B: Backend> DenseVae<B> {
         let d = self.decoder.as_ref().ok_or_else(|| missing("decoder"))?;
         check_input("decode", z, self.config.latent_channels, "latent_channels")?;
         let b = &self.backend;
-        let mut x = self.conv(&b.upload_image(z)?, &d.conv_in, Conv2dOpts::same(3), None)?;
-        x = self.mid(x, &d.mid)?;
-        for block in &d.blocks {
-            x = self.block(x, block, UPSAMPLE)?;
-        }
-        b.download_image(&self.head(&x, d)?)
+        let mut ops = self.dense_ops();
+        b.download_image(&forward(&mut ops, Half::Decoder, d, &b.upload_image(z)?)?)
     }
 
+    pub(super) fn dense_ops(&self) -> DenseOps<'_, B> {
+        DenseOps {
+            b: &self.backend,
+            groups: self.config.norm_num_groups,
+        }
+    }
+
+    /// The half's weights on the device.
+    pub(super) fn coder(&self, half: Half) -> Result<&Coder<B::Tensor, B::Weight>> {
+        match half {
+            Half::Encoder => self.encoder.as_ref().ok_or_else(|| missing("encoder")),
+            Half::Decoder => self.decoder.as_ref().ok_or_else(|| missing("decoder")),
+        }
+    }
+}
+
+/// What a pass does at each of the VAE's operations: a convolution with the GroupNorm
+/// (and SiLU) before it folded in, or the mid block's attention with its residual.
+/// The dense pass ([`DenseOps`]) and the sparse one (`super::sparse::device`) walk the
+/// same [`forward`], in the order of the sparse program's ops (`sparse::program`):
+/// conv_in, then the blocks and the mid block in the half's order (a resnet as conv1,
+/// its shortcut, conv2), then conv_out.
+pub(super) trait VaeOps<T, W> {
+    type Value;
     fn conv(
-        &self,
+        &mut self,
+        x: &Self::Value,
+        c: &Conv<T>,
+        opts: Conv2dOpts,
+        pre: Option<(&Norm<T>, bool)>,
+        add: Option<&Self::Value>,
+    ) -> Result<Self::Value>;
+    fn attention(&mut self, x: &Self::Value, a: &Attention<T, W>) -> Result<Self::Value>;
+}
+
+/// One half's forward pass over `ops`.
+pub(super) fn forward<T, W, O: VaeOps<T, W>>(
+    ops: &mut O,
+    half: Half,
+    c: &Coder<T, W>,
+    input: &O::Value,
+) -> Result<O::Value> {
+    let mut x = ops.conv(input, &c.conv_in, Conv2dOpts::same(3), None, None)?;
+    let resample = match half {
+        Half::Encoder => DOWNSAMPLE,
+        Half::Decoder => UPSAMPLE,
+    };
+    if half == Half::Decoder {
+        x = mid(ops, x, &c.mid)?;
+    }
+    for block in &c.blocks {
+        for r in &block.resnets {
+            x = resnet(ops, &x, r)?;
+        }
+        if let Some(s) = &block.resample {
+            x = ops.conv(&x, s, resample, None, None)?;
+        }
+    }
+    if half == Half::Encoder {
+        x = mid(ops, x, &c.mid)?;
+    }
+    ops.conv(
+        &x,
+        &c.conv_out,
+        Conv2dOpts::same(3),
+        Some((&c.norm_out, true)),
+        None,
+    )
+}
+
+/// Resnet, attention (`x + out(attn(GN(x)))`), resnet.
+fn mid<T, W, O: VaeOps<T, W>>(ops: &mut O, x: O::Value, m: &Mid<T, W>) -> Result<O::Value> {
+    let (r0, attn, r1) = m;
+    let mut x = resnet(ops, &x, r0)?;
+    if let Some(a) = attn {
+        x = ops.attention(&x, a)?;
+    }
+    resnet(ops, &x, r1)
+}
+
+/// `shortcut(x) + conv2(silu(gn2(conv1(silu(gn1(x))))))`.
+fn resnet<T, W, O: VaeOps<T, W>>(ops: &mut O, x: &O::Value, r: &Resnet<T>) -> Result<O::Value> {
+    let same3 = Conv2dOpts::same(3);
+    let h = ops.conv(x, &r.conv1, same3, Some((&r.norm1, true)), None)?;
+    let sc = match &r.shortcut {
+        Some(s) => Some(ops.conv(x, s, Conv2dOpts::same(1), None, None)?),
+        None => None,
+    };
+    ops.conv(
+        &h,
+        &r.conv2,
+        same3,
+        Some((&r.norm2, true)),
+        Some(sc.as_ref().unwrap_or(x)),
+    )
+}
+
+/// The dense pass: each op as the backend's GroupNorm, then its convolution.
+pub(super) struct DenseOps<'a, B: Backend> {
+    pub b: &'a B,
+    pub groups: usize,
+}
+
+impl<B: Backend> DenseOps<'_, B> {
+    fn norm(&self, x: &B::Tensor, n: &Norm<B::Tensor>, silu: bool) -> Result<B::Tensor> {
+        self.b.group_norm(x, self.groups, &n.w, &n.b, GN_EPS, silu)
+    }
+}
+
+impl<B: Backend> VaeOps<B::Tensor, B::Weight> for DenseOps<'_, B> {
+    type Value = B::Tensor;
+
+    fn conv(
+        &mut self,
         x: &B::Tensor,
         c: &Conv<B::Tensor>,
         opts: Conv2dOpts,
+        pre: Option<(&Norm<B::Tensor>, bool)>,
         add: Option<&B::Tensor>,
     ) -> Result<B::Tensor> {
-        self.backend.conv2d(x, &c.w, &c.b, opts, add)
+        match pre {
+            Some((n, silu)) => self
+                .b
+                .conv2d(&self.norm(x, n, silu)?, &c.w, &c.b, opts, add),
+            None => self.b.conv2d(x, &c.w, &c.b, opts, add),
+        }
     }
 
-    fn norm(&self, x: &B::Tensor, n: &Norm<B::Tensor>, silu: bool) -> Result<B::Tensor> {
-        let groups = self.config.norm_num_groups;
-        self.backend.group_norm(x, groups, &n.w, &n.b, GN_EPS, silu)
-    }
-
-    fn block(
-        &self,
-        mut x: B::Tensor,
-        b: &Block<B::Tensor>,
-        resample: Conv2dOpts,
+    fn attention(
+        &mut self,
+        x: &B::Tensor,
+        a: &Attention<B::Tensor, B::Weight>,
     ) -> Result<B::Tensor> {
-        for r in &b.resnets {
-            x = self.resnet(&x, r)?;
-        }
-        match &b.resample {
-            Some(c) => self.conv(&x, c, resample, None),
-            None => Ok(x),
-        }
-    }
-
-    /// Resnet, attention (`x + out(attn(GN(x)))`), resnet.
-    fn mid(&self, x: B::Tensor, m: &Mid<B::Tensor, B::Weight>) -> Result<B::Tensor> {
-        let (r0, attn, r1) = m;
-        let mut x = self.resnet(&x, r0)?;
-        if let Some(a) = attn {
-            let normed = self.norm(&x, &a.norm, false)?;
-            x = self
-                .backend
-                .image_attention(&x, &normed, &a.qkv, &a.qkv_b, &a.out, &a.out_b)?;
-        }
-        self.resnet(&x, r1)
-    }
-
-    fn head(&self, x: &B::Tensor, c: &Coder<B::Tensor, B::Weight>) -> Result<B::Tensor> {
-        let h = self.norm(x, &c.norm_out, true)?;
-        self.conv(&h, &c.conv_out, Conv2dOpts::same(3), None)
-    }
-
-    /// `shortcut(x) + conv2(silu(gn2(conv1(silu(gn1(x))))))`.
-    fn resnet(&self, x: &B::Tensor, r: &Resnet<B::Tensor>) -> Result<B::Tensor> {
-        let h = self.norm(x, &r.norm1, true)?;
-        let h = self.conv(&h, &r.conv1, Conv2dOpts::same(3), None)?;
-        let h = self.norm(&h, &r.norm2, true)?;
-        match &r.shortcut {
-            Some(s) => {
-                let sc = self.conv(x, s, Conv2dOpts::same(1), None)?;
-                self.conv(&h, &r.conv2, Conv2dOpts::same(3), Some(&sc))
-            }
-            None => self.conv(&h, &r.conv2, Conv2dOpts::same(3), Some(x)),
-        }
+        let normed = self.norm(x, &a.norm, false)?;
+        self.b
+            .image_attention(x, &normed, &a.qkv, &a.qkv_b, &a.out, &a.out_b)
     }
 }
 
@@ -196,6 +275,19 @@ pub trait DenseCoder: Send + Sync {
     fn decode(&self, z: &Tensor) -> Result<Tensor>;
     /// The backend, for logs and replies (e.g. `emu (F32)`).
     fn device(&self) -> String;
+    /// [`DenseVae::run_sparse`] against `trace`, which is uploaded to the device on
+    /// first use and kept there under `key` (the content it traces, and the half) while
+    /// the device's trace budget holds it.
+    fn run_sparse(
+        &self,
+        plan: &SparsePlan,
+        input: &Tensor,
+        trace: &VaeTrace,
+        key: (u64, Half),
+    ) -> Result<Tensor>;
+    /// [`DenseVae::trace`]: the dense pass of `half` on the device, recording the
+    /// template's trace (`cpu`: the same VAE on the host, for the attention's K and V).
+    fn trace(&self, cpu: &AutoencoderKL, half: Half, input: &Tensor) -> Result<VaeTrace>;
 }
 
 impl<B: Backend> DenseCoder for DenseVae<B> {
@@ -207,6 +299,26 @@ impl<B: Backend> DenseCoder for DenseVae<B> {
     }
     fn device(&self) -> String {
         self.backend.name()
+    }
+    fn run_sparse(
+        &self,
+        plan: &SparsePlan,
+        input: &Tensor,
+        trace: &VaeTrace,
+        key: (u64, Half),
+    ) -> Result<Tensor> {
+        let on_device = match self.traces.get(&key) {
+            Some(t) => t,
+            None => {
+                let t = Arc::new(self.upload_trace(trace)?);
+                self.traces.insert(key, t.clone(), t.bytes());
+                t
+            }
+        };
+        DenseVae::run_sparse(self, plan, input, &on_device)
+    }
+    fn trace(&self, cpu: &AutoencoderKL, half: Half, input: &Tensor) -> Result<VaeTrace> {
+        DenseVae::trace(self, cpu, half, input)
     }
 }
 
@@ -226,6 +338,7 @@ impl<B: Backend> Uploader<'_, B> {
         Ok(Norm {
             w: self.b.upload(&n.w)?,
             b: self.b.upload(&n.b)?,
+            host: (n.w.data().to_vec(), n.b.data().to_vec()),
         })
     }
 

@@ -22,6 +22,7 @@
 //! (docs/performance.md); the serving default is `local`.
 
 mod attention;
+mod device;
 mod exec;
 mod program;
 mod stored;
@@ -37,6 +38,7 @@ use super::model::{split_moments, AutoencoderKL};
 use program::Program;
 
 pub use attention::sparse_attention;
+pub use device::DeviceTrace;
 pub use stored::{check_traces, map_trace, read_trace};
 pub use trace::{TraceValue, VaeTrace};
 
