@@ -2,7 +2,10 @@
 """PyTorch/diffusers baselines for the GPU benchmarks, one JSON line per figure.
 
     python3 benches/torch_reference.py step   # FluxTransformer2DModel full step, bf16, SDPA
-    python3 benches/torch_reference.py attn   # SDPA on the gathered masked-attention problem
+    python3 benches/torch_reference.py attn   # SDPA on the gathered masked-attention problem,
+                                              # by PyTorch's choice and each backend pinned
+    python3 benches/torch_reference.py gemm   # FLUX.1's GEMM shapes: bf16 matmul against
+                                              # torch._scaled_mm with per-tensor fp8 scales
 
 Run it on the same GPU, in the same session, as
 
@@ -104,11 +107,66 @@ def attn(a, device, dtype):
             median_s=median, min_s=best, tflops=flops / median / 1e12, dtype=str(dtype),
             device=str(device), torch=torch.__version__,
         )))
+        # Each backend pinned: which one PyTorch picked, and what cuDNN's own does here.
+        for name, backend in sdpa_backends():
+            row = dict(what="torch_sdpa_backend", backend=name, mask_ratio=m, queries=q_len, keys=k_len)
+            try:
+                from torch.nn.attention import sdpa_kernel
+                with torch.inference_mode(), sdpa_kernel([backend]):
+                    median, best = timed(lambda: F.scaled_dot_product_attention(q, k, v), device, a.warmup, a.iters)
+                row.update(median_s=median, min_s=best, tflops=flops / median / 1e12)
+            except Exception as e:  # a backend that cannot run this shape or device says why
+                row.update(median_s=None, tflops=None, error=str(e).splitlines()[0][:200])
+            print(json.dumps(row))
+
+
+def sdpa_backends():
+    try:
+        from torch.nn.attention import SDPBackend
+    except ImportError:
+        return []
+    names = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"]
+    return [(n.lower(), getattr(SDPBackend, n)) for n in names if hasattr(SDPBackend, n)]
+
+
+# FLUX.1-dev's GEMMs at 4096 image + 512 text tokens, as (rows, out, in): a double
+# block's QKV and MLP in and out, a single block's fused in and out projections.
+FLUX_GEMMS = [(4608, 9216, 3072), (4608, 12288, 3072), (4608, 3072, 12288),
+              (4608, 21504, 3072), (4608, 3072, 15360)]
+
+
+def gemm(a, device, dtype):
+    """bf16 `x @ w.T` against torch._scaled_mm on E4M3 operands with one scale per
+    tensor (what denoised's per-tensor fp8 asks of cuBLASLt), bf16 out."""
+    shapes = [(64, 96, 64), (64, 128, 96)] if a.tiny else FLUX_GEMMS
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    for n, m, k in shapes:
+        x = torch.randn(n, k, device=device, dtype=dtype)
+        w = torch.randn(m, k, device=device, dtype=dtype)
+        flops = 2 * n * m * k
+        with torch.inference_mode():
+            median, best = timed(lambda: x @ w.t(), device, a.warmup, a.iters)
+        row = dict(what="torch_gemm", rows=n, out=m, inner=k, bf16_median_s=median,
+                   bf16_tflops=flops / median / 1e12, device=str(device), torch=torch.__version__)
+        try:
+            if fp8 is None or device.type != "cuda":
+                raise RuntimeError("torch._scaled_mm needs fp8 tensor cores (a CUDA device)")
+            sx, sw = x.abs().max().float() / 448, w.abs().max().float() / 448
+            xq, wq = (x / sx).to(fp8), (w / sw).to(fp8)
+            with torch.inference_mode():
+                median, best = timed(lambda: torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw,
+                                                              out_dtype=dtype), device, a.warmup, a.iters)
+            row.update(fp8_median_s=median, fp8_tflops=flops / median / 1e12,
+                       fp8_over_bf16=median / row["bf16_median_s"])
+        except Exception as e:
+            row.update(fp8_median_s=None, fp8_tflops=None, fp8_over_bf16=None,
+                       fp8_error=str(e).splitlines()[0][:200])
+        print(json.dumps(row))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["step", "attn"])
+    p.add_argument("what", choices=["step", "attn", "gemm"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
     p.add_argument("--image-tokens", type=int, default=4096)
@@ -122,7 +180,7 @@ def main():
     a = p.parse_args()
     device = torch.device(a.device)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    {"step": step, "attn": attn}[a.what](a, device, dtype)
+    {"step": step, "attn": attn, "gemm": gemm}[a.what](a, device, dtype)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ fn the_one_shot_gpu_script_runs_on_the_emulator() {
         "step_fa2w",
         "step_fp8",
         "edit",
+        "kernels",
         "daemon_load",
+        "load_fill_dev",
     ] {
         assert_eq!(
             report["parts"][part]["status"], "ok",
@@ -95,10 +97,33 @@ fn the_one_shot_gpu_script_runs_on_the_emulator() {
     ] {
         assert!(e["parts"][part].as_f64().is_some(), "{part} missing: {e}");
     }
+    // The kernel tables of a full and an m = 0.2 step, GEMMs among their kernels.
+    let k = report["kernels"].as_array().unwrap();
+    let ratios: Vec<f64> = k
+        .iter()
+        .map(|t| t["mask_ratio"].as_f64().unwrap())
+        .collect();
+    assert_eq!(ratios, [1.0, 0.2], "{k:?}");
+    for t in k {
+        let top = t["top"].as_array().unwrap();
+        assert!(top.iter().any(|e| e["name"] == "gemm"), "{t}");
+        assert!(t["kernels_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{t}");
+    }
+    // The PyTorch references and Nsight Compute are named (they need a GPU machine).
+    for a in attn {
+        assert!(a["sdpa_backend_tflops"].is_object(), "{a}");
+    }
+    assert!(report["torch_gemm"].is_array());
+    assert!(report["ncu"]["attention_default"].is_string());
     // The daemon served the load without errors.
     let d = &report["daemon"];
     assert_eq!(d["errors"], 0, "{d}");
     assert!(d["ok"].as_u64().unwrap() > 0, "{d}");
+    // The Fill-dev-size load part, rehearsed on the built-in model.
+    let f = &report["load_fill_dev"];
+    assert_eq!(f["errors"], 0, "{f}");
+    assert!(f["edits_per_s"].as_f64().is_some_and(|r| r > 0.0), "{f}");
+    assert!(f["p95_s"].as_f64().is_some(), "{f}");
     // Targets are checked on a GPU only.
     assert_eq!(report["targets"]["checked"], false);
     assert!(out.path().join("summary.txt").exists());

@@ -67,6 +67,10 @@ def main():
     wide = {round(l["mask_ratio"], 3): l for l in lines("attn") if "tflops" in l and l.get("kernel") == "fa2w"}
     library = {round(l["mask_ratio"], 3): l for l in lines("attn") if "tflops" in l and l.get("kernel") == "cudnn"}
     torch_attn = {round(l["mask_ratio"], 3): l for l in lines("torch_attn") if l.get("what") == "torch_sdpa"}
+    backends = {}
+    for l in lines("torch_attn"):
+        if l.get("what") == "torch_sdpa_backend":
+            backends.setdefault(round(l["mask_ratio"], 3), {})[l["backend"]] = l.get("tflops")
     attention = []
     for m in sorted(set(ours) | set(torch_attn)):
         o, t, f, w, c = ours.get(m), torch_attn.get(m), first.get(m), wide.get(m), library.get(m)
@@ -83,6 +87,8 @@ def main():
             "wide_kernel_ms": w and w["median_s"] * 1e3, "wide_kernel_tflops": w and w["tflops"],
             "cudnn_ms": c["median_s"] * 1e3 if c_ran else None, "cudnn_tflops": c["tflops"] if c_ran else None,
             "cudnn_status": c_status,
+            # PyTorch's SDPA with each backend pinned (TFLOP/s; None where it cannot run).
+            "sdpa_backend_tflops": backends.get(m, {}),
             "clock": o and o.get("clock"),
         })
 
@@ -107,6 +113,17 @@ def main():
         "diffusers_over_denoised": (full_s and torch_step) and full_s / torch_step["median_s"],
     }
 
+    # Where a step's time goes, kernel by kernel (every call timed with CUDA events).
+    kernels = [{"mask_ratio": l["mask_ratio"], "kernels_ms": l["kernels_ms"], "calls": l["calls"],
+                "distinct": l["distinct"], "top": l["kernels"]}
+               for l in lines("kernels") if l.get("what") == "kernel_table"]
+    # PyTorch's per-tensor fp8 GEMM against bf16 at FLUX.1's shapes.
+    torch_gemm = [{k: l.get(k) for k in ("rows", "out", "inner", "bf16_tflops", "fp8_tflops", "fp8_over_bf16", "fp8_error")}
+                  for l in lines("torch_gemm") if l.get("what") == "torch_gemm"]
+    # Nsight Compute's reports are in oneshot.log; here, whether they ran.
+    ncu = {"attention_default": parts.get("attn_ncu", {}).get("status", "not run (name it in ONESHOT_PARTS)"),
+           "attention_fa2": parts.get("attn_ncu_fa2", {}).get("status", "not run (name it in ONESHOT_PARTS)")}
+
     # 4. One template edit end to end, by parts.
     e = next((l for l in lines("edit") if l.get("what") == "template_edit"), None)
     edit_report = {"total_s": e and e["total_s"], "parts": e and e["parts"],
@@ -119,6 +136,13 @@ def main():
     daemon = {k: (serve or {}).get(k) for k in
               ("requests", "ok", "errors", "rejected", "throughput_rps", "p50_s", "p95_s", "denoise_mean_s")}
     daemon["raw"] = serve
+    # The daemon at FLUX.1-Fill-dev size, past saturation (its own part).
+    fill = next((l for l in lines("load_fill_dev") if "errors" in l), None)
+    load_fill_dev = {k: (fill or {}).get(k) for k in
+                     ("requests", "ok", "errors", "rejected", "throughput_rps", "p50_s", "p95_s", "denoise_mean_s")}
+    load_fill_dev["edits_per_s"] = load_fill_dev["throughput_rps"]
+    load_fill_dev["status"] = parts.get("load_fill_dev", {}).get("status", "not run (name it in ONESHOT_PARTS)")
+    load_fill_dev["raw"] = fill
 
     on_gpu = device != "emu"
 
@@ -141,8 +165,8 @@ def main():
         "edit_1024_m01_28_steps_at_most_1_5_s": target(edit_report["total_s"], 1.5),
     }
     report = {"device": device, "machine": machine, "parts": parts, "selftest": selftest,
-              "attention": attention, "step": step, "edit": edit_report, "daemon": daemon,
-              "targets": targets}
+              "attention": attention, "step": step, "kernels": kernels, "torch_gemm": torch_gemm, "ncu": ncu,
+              "edit": edit_report, "daemon": daemon, "load_fill_dev": load_fill_dev, "targets": targets}
     with open(os.path.join(out, "oneshot.json"), "w") as f:
         json.dump(report, f, indent=1)
 
@@ -170,8 +194,18 @@ def main():
              f" {fmt(step['full_bf16_wide_kernel_ms'])} ms; full with fp8 weights {fmt(step['full_fp8_ms'])} ms")
     s.append(f"edit ({edit_report['pipeline']}, {edit_report['size']}², m={edit_report['mask_ratio']}, {edit_report['steps']} steps):"
              f" {fmt(edit_report['total_s'], '.3f')} s end to end; parts {json.dumps(edit_report['parts'])}")
+    for k in kernels:
+        s.append(f"kernels at m={k['mask_ratio']}: {fmt(k['kernels_ms'], '.2f')} ms in {k['calls']} calls; top: "
+                 + ", ".join(f"{t['name']} {100 * t['share']:.0f}%" for t in k["top"][:6]))
+    for g in torch_gemm:
+        s.append(f"torch gemm {g['rows']}x{g['out']}x{g['inner']}: bf16 {fmt(g['bf16_tflops'])} TFLOP/s,"
+                 f" fp8 per-tensor {fmt(g['fp8_tflops'])} TFLOP/s ({fmt(g['fp8_over_bf16'], '.2f')}x the time)")
+    s.append(f"ncu: {json.dumps(ncu)}")
     s.append(f"daemon: {daemon['requests']} requests, {daemon['errors']} errors, {fmt(daemon['throughput_rps'], '.2f')} RPS,"
              f" p50 {fmt(daemon['p50_s'], '.2f')} s, p95 {fmt(daemon['p95_s'], '.2f')} s")
+    s.append(f"load at Fill-dev size ({load_fill_dev['status']}): {load_fill_dev['requests']} requests,"
+             f" {load_fill_dev['errors']} errors, {fmt(load_fill_dev['edits_per_s'], '.2f')} edits/s,"
+             f" p95 {fmt(load_fill_dev['p95_s'], '.2f')} s")
     s.append("targets: " + (json.dumps(targets) if on_gpu else "not checked on the emulator"))
     text = "\n".join(s) + "\n"
     with open(os.path.join(out, "summary.txt"), "w") as f:

@@ -110,6 +110,11 @@ pub struct Args {
     /// block and one single block (docs/gpu.md, "The emulator").
     #[arg(long)]
     pub report_launches: bool,
+    /// On a device (or the emulator): instead of timing, profile one step per
+    /// `--mask-ratio` call by call and print its N most expensive kernels (GEMMs as
+    /// `gemm`, cuDNN's attention as `sdpa`).
+    #[arg(long, value_name = "N")]
+    pub kernel_table: Option<usize>,
 }
 
 fn cache_mode(name: &str) -> CacheMode {
@@ -245,7 +250,7 @@ fn timing(samples: Vec<(f64, f64)>) -> Timing {
 
 /// One step of `jobs` reading `slabs` following `plan`; a device queues the step, so
 /// the clock stops when it has run. Returns the bubble the slabs saw.
-fn step<B: Backend>(
+pub(super) fn step<B: Backend>(
     model: &FluxTransformer<B>,
     jobs: &mut [Job<B::Tensor>],
     slabs: &DeviceTemplates<B::Tensor>,
@@ -284,6 +289,22 @@ pub fn run(a: Args) -> CliResult {
             return Err("--report-launches counts on the emulator: use --device emu".into());
         }
         for line in super::bench_launches::per_block(&cfg, a.image_tokens, a.text_tokens)? {
+            println!("{line}");
+        }
+        return Ok(());
+    }
+    if let Some(top) = a.kernel_table {
+        let lines = match emu_or_select(&a.device)? {
+            None => super::bench_kernels::tables(&a, cfg, denoised_cuda::EmuExec::open()?, top)?,
+            Some(Selected::Cuda(exec)) => {
+                exec.warm_up()?;
+                super::bench_kernels::tables(&a, cfg, *exec, top)?
+            }
+            Some(Selected::Cpu) => {
+                return Err("--kernel-table profiles a device: use --device cuda:N or emu".into())
+            }
+        };
+        for line in lines {
             println!("{line}");
         }
         return Ok(());
@@ -346,7 +367,7 @@ pub fn run(a: Args) -> CliResult {
 }
 
 /// `--weight-dtype` and `--fp8-scaling`: fp8 weights and how they are scaled, or none.
-fn fp8_weights(a: &Args) -> CliResult<Option<denoised_runtime::fp8::Scaling>> {
+pub(super) fn fp8_weights(a: &Args) -> CliResult<Option<denoised_runtime::fp8::Scaling>> {
     Ok(denoised_actors::device::parse_weight_dtype(
         &a.weight_dtype,
         &a.fp8_scaling,

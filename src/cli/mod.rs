@@ -6,6 +6,7 @@ mod bench_attn;
 mod bench_controlnet;
 mod bench_edit;
 mod bench_generate;
+mod bench_kernels;
 mod bench_launches;
 mod bench_lora;
 mod bench_overheads;

@@ -297,6 +297,7 @@ fn bench_steps(t: Target) -> CliResult<Vec<Check>> {
         cache_mode: vec!["kv".into()],
         cache_dtype: vec![],
         report_launches: false,
+        kernel_table: None,
     };
     let cfg = FluxConfig::named(config).expect("a known config");
     let lines = match t {
