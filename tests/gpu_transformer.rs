@@ -312,3 +312,76 @@ fn emulated_vae_workspace_stays_within_the_stage_bound() {
     assert!(enc <= enc_bound, "encode peak {enc} > bound {enc_bound}");
     assert!(dec <= dec_bound, "decode peak {dec} > bound {dec_bound}");
 }
+
+/// With fp8 weights a step also holds each GEMM input quantised to E4M3 and its scales
+/// (per tensor: an amax reduction's partials; per channel: a scale per row). That scratch
+/// is within the same workspace bound, measured as above for full steps and an edit.
+#[test]
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
+fn emulated_fp8_step_workspace_stays_within_the_budget() {
+    use denoised_actors::budget::workspace_bytes;
+    use denoised_models::flux::stepper::{ModelStepper, Stepper};
+    use denoised_runtime::fp8::Scaling;
+
+    let inputs = denoised_models::fixtures::e2e_denoise_inputs(&RefCase::open("e2e").unwrap());
+    let s = Arc::new(FlowMatchEuler::new(&SchedulerConfig::default(), 2, 256).unwrap());
+    let text = inputs.txt.rows();
+    let ring: Vec<bool> = (0..256).map(|i| i % 16 == 0 || i / 16 == 3).collect();
+    let mask = Arc::new(TokenMask::from_tokens(16, 16, &ring).unwrap());
+    let dt = Dt::Bf16;
+    for scaling in [Scaling::Tensor, Scaling::Channel] {
+        let exec = EmuExec::with_capacity(u64::MAX).with_attn_library(usize::MAX);
+        let be = GpuBackend::new(exec.clone(), dt).with_fp8_weights(Some(scaling));
+        let m = FluxTransformer::load(be, tiny_model_dir().join("transformer")).unwrap();
+        let forms = m.memory();
+        assert!(
+            forms.keys().any(|form| form.contains("fp8")),
+            "{scaling:?}: {forms:?}"
+        );
+        let hidden = m.config.hidden();
+        let layout = TemplateLayout::for_model(&m.config, 256, s.steps(), DType::BF16);
+        let mut st = ModelStepper::new(Arc::new(m), u64::MAX / 4, dt.size(), true);
+        st.admit(
+            1,
+            &inputs,
+            s.clone(),
+            Mode::Capture(TemplateCache::new(layout).unwrap()),
+        )
+        .unwrap();
+        while !st.done(1) {
+            st.step(&[1]).unwrap();
+        }
+        let cache = Arc::new(st.finish(1).unwrap().1.unwrap());
+        let edit = Mode::Edit {
+            mask: mask.clone(),
+            cache: cache.clone(),
+        };
+        for (what, modes) in [
+            ("1 full", vec![Mode::Full]),
+            ("4 full", (0..4).map(|_| Mode::Full).collect()),
+            ("1 edit", vec![edit]),
+        ] {
+            let ids: Vec<u64> = (0..modes.len() as u64).map(|i| 100 + i).collect();
+            let mut rows = 0;
+            for (&id, mode) in ids.iter().zip(modes) {
+                rows += text + st.admit(id, &inputs, s.clone(), mode).unwrap();
+            }
+            let context = ids.len() * (text + 256);
+            st.step(&ids).unwrap();
+            exec.reset_peak();
+            let before = exec.in_use_bytes();
+            st.step(&ids).unwrap();
+            let used = exec.peak_bytes() - before;
+            let bound = workspace_bytes(hidden, dt.size(), rows, context);
+            println!(
+                "fp8 {scaling:?} {what}: {rows} rows over {context} tokens: step workspace \
+                 {used} B, budget bound {bound} B ({:.2}x)",
+                bound as f64 / used as f64
+            );
+            assert!(used <= bound, "fp8 {scaling:?} {what}: {used} > {bound}");
+            for id in ids {
+                st.remove(id);
+            }
+        }
+    }
+}

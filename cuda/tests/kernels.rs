@@ -63,6 +63,13 @@ fn emulated_kernels_match_cpu() {
     // dtype (both widths: 16-byte runs and the scalar fallback), the fused LayerNorm
     // (2) and the timestep embedding: a check that stops running shows here.
     assert!(checks.len() >= 75, "only {} checks ran", checks.len());
+    // Fast accumulation over FLUX.1's longest sums, per channel and per tensor.
+    for k in [3072, 15360] {
+        let at_k = checks
+            .iter()
+            .filter(|c| c.name.starts_with(&format!("fp8 linear at K = {k}")));
+        assert!(at_k.count() >= 2, "the fp8 checks at K = {k} ran");
+    }
     let fused = checks
         .iter()
         .filter(|c| c.name.contains(" w45 ") || c.name.contains(" w96 "));

@@ -143,6 +143,29 @@ pub(super) fn check_fp8_linear<E: Exec>(
         &want,
     );
 
+    // FLUX.1's inner dimensions, 3072 (most Linears) to 15360 (a single block's output
+    // projection): fast accumulation (cuBLASLt's FAST_ACCUM, which on Hopper promotes
+    // the tensor cores' partial sums to f32 less often) must hold over the longest
+    // sums the model has, not only over the 32 terms above.
+    for k in [3072, 15360] {
+        let x = ragged(rng, 8, k, 1.0);
+        let w = ragged(rng, 16, k, 0.05);
+        let parts = [Stored::from_tensor("w", &w)];
+        let (wc, wg) = (
+            cpu.upload_weight_fp8(&parts)?,
+            gpu.upload_weight_fp8(&parts)?,
+        );
+        let want = cpu.linear(&x, &wc, None)?;
+        let got = gpu.linear(&gpu.upload(&x)?, &wg, None)?;
+        close(
+            out,
+            &format!("fp8 linear at K = {k}{tag}"),
+            dt,
+            &gpu.download(&got)?,
+            &want,
+        );
+    }
+
     // The weight as the device holds it is the reference's rounded weight.
     let back = gpu.download_weight(&wg)?;
     let same = back.data() == cpu.download_weight(&wc)?.data();
