@@ -471,6 +471,38 @@ mod tests {
     use super::*;
     use denoised_runtime::config::Config;
 
+    /// A preprocess worker on a device keeps only the text encoders' embeddings on the
+    /// host: the layers are dropped once uploaded, the host forward says so, and the
+    /// prompt is still encoded (on the device) as the host encoders did.
+    #[test]
+    #[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
+    fn text_encoders_on_a_device_keep_no_host_layers() {
+        let source: ModelSource = "builtin".parse().unwrap();
+        let mut p = FluxFill::load_parts(&source, CpuBackend::new(), Parts::PREPROCESS).unwrap();
+        let text = p.text().unwrap();
+        let (t5_bytes, clip_bytes) = (text.t5.weight_bytes(), text.clip.weight_bytes());
+        let ids = text.t5_tokenizer.encode("a red hat", 32).unwrap().ids;
+        let want = text.t5.forward(&ids).unwrap();
+        place_stages(DeviceSpec::Emu, Dt::F32, &mut p).unwrap();
+        let text = p.text().unwrap();
+        assert!(
+            text.t5.weight_bytes() < t5_bytes,
+            "{} of {t5_bytes}",
+            text.t5.weight_bytes()
+        );
+        assert!(text.clip.weight_bytes() < clip_bytes);
+        let e = text.t5.forward(&ids).unwrap_err().to_string();
+        assert!(e.contains("embeddings only"), "{e}");
+        assert!(text.clip.forward(&[1, 2]).is_err());
+        let mut t = Default::default();
+        let (got, _, _) = p.encode_prompt("a red hat", 32, &mut t).unwrap();
+        assert!(
+            got.max_abs_diff(&want).unwrap() < 1e-4,
+            "{}",
+            got.max_abs_diff(&want).unwrap()
+        );
+    }
+
     #[test]
     fn placement_splits_cores_and_follows_the_device() {
         let mut c = Config::default();

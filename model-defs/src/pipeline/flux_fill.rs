@@ -412,6 +412,12 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     /// Runs both text encoders on `device` from now on (a preprocess worker on a GPU).
     pub fn place_text(&mut self, device: Arc<dyn PromptEncoder>) {
         self.text_device = Some(device);
+        // The device copies keep the embeddings they look up; the host layers go (T5-XXL's
+        // are 19 GB in f32), so this process holds no second copy of the encoders.
+        if let Some(t) = &mut self.text {
+            t.clip = Arc::new(t.clip.embeddings_only());
+            t.t5 = Arc::new(t.t5.embeddings_only());
+        }
     }
 
     /// Whether template edits may run the VAE sparse: `[pipeline] sparse_vae = "auto"`.

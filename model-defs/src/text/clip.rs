@@ -274,6 +274,21 @@ impl ClipTextModel {
         self.weight_bytes
     }
 
+    /// What a device copy of this model reads on the host (`text::device::ClipOn`):
+    /// the token and position embeddings, without the layers. Its own
+    /// [`forward`](Self::forward) is then an error.
+    pub fn embeddings_only(&self) -> ClipTextModel {
+        ClipTextModel {
+            config: self.config.clone(),
+            token_embedding: self.token_embedding.clone(),
+            position_embedding: self.position_embedding.clone(),
+            layers: Vec::new(),
+            final_w: Vec::new(),
+            final_b: Vec::new(),
+            weight_bytes: 4 * (self.token_embedding.len() + self.position_embedding.len()) as u64,
+        }
+    }
+
     /// The position whose hidden state is `pooler_output`, exactly as transformers
     /// picks it. With `eos_token_id == 2` (FLUX's config) the legacy rule applies:
     /// `argmax(input_ids)`, the first maximal id, which is the first `<|endoftext|>`
@@ -315,6 +330,12 @@ impl ClipTextModel {
     /// `final_layer_norm`) and `pooler_output [hidden]`.
     pub fn forward(&self, ids: &[i64]) -> Result<(Tensor, Vec<f32>)> {
         let c = &self.config;
+        if self.layers.len() != c.num_hidden_layers {
+            return Err(Error::Invalid(
+                "CLIP text encoder: this host copy holds the embeddings only (its layers are on a device)"
+                    .into(),
+            ));
+        }
         let (d, len) = (c.hidden_size, ids.len());
         let mut x = self.input_embeddings(ids)?;
 

@@ -55,7 +55,8 @@ pub struct T5On<B: Backend> {
 }
 
 impl<B: Backend> T5On<B> {
-    /// Uploads `cpu`'s weights (the embedding and the bias table stay on the host).
+    /// Uploads `cpu`'s weights and keeps on the host only what the forward looks up
+    /// there (the embedding and the bias table; [`T5Encoder::embeddings_only`]).
     pub fn new(backend: Arc<B>, cpu: Arc<T5Encoder>) -> Result<Self> {
         let be = &*backend;
         let layers = cpu
@@ -76,7 +77,7 @@ impl<B: Backend> T5On<B> {
         Ok(T5On {
             layers,
             final_norm,
-            cpu,
+            cpu: Arc::new(cpu.embeddings_only()),
             backend,
         })
     }
@@ -123,7 +124,8 @@ pub struct ClipOn<B: Backend> {
 }
 
 impl<B: Backend> ClipOn<B> {
-    /// Uploads `cpu`'s weights (the embeddings stay on the host).
+    /// Uploads `cpu`'s weights and keeps on the host only the embeddings
+    /// ([`ClipTextModel::embeddings_only`]).
     pub fn new(backend: Arc<B>, cpu: Arc<ClipTextModel>) -> Result<Self> {
         let be = &*backend;
         let pair = |w: &[f32], b: &[f32]| -> Result<(B::Tensor, B::Tensor)> {
@@ -147,7 +149,7 @@ impl<B: Backend> ClipOn<B> {
         Ok(ClipOn {
             layers,
             final_ln,
-            cpu,
+            cpu: Arc::new(cpu.embeddings_only()),
             backend,
         })
     }
