@@ -284,6 +284,24 @@ fn on_gpu<E: Exec + 'static>(
     let request_elems = image_tokens * c.in_channels
         + MAX_TEXT_TOKENS * c.joint_attention_dim
         + 2 * largest * c.attention_head_dim;
+    // The attention library's plans for every query bucket of the largest request and
+    // of a 1024² one (the most common size), at the default 512 text tokens: no step
+    // after this builds one (a step of another size builds its own on first use).
+    let t0 = std::time::Instant::now();
+    let keys = [largest, MAX_TEXT_TOKENS + 4096];
+    match model
+        .backend()
+        .warm_attention_plans(c.num_attention_heads, c.attention_head_dim, &keys)
+    {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(
+            "attention plans on {device}: {n} built in {:.2} s",
+            t0.elapsed().as_secs_f64()
+        ),
+        Err(e) => {
+            tracing::warn!("attention plans on {device}: {e} (steps build them on first use)")
+        }
+    }
     let budget = DeviceBudget::compute(&BudgetInputs {
         free: mem.free,
         total: mem.total,

@@ -180,6 +180,48 @@ impl<E: Exec> GpuBackend<E> {
     }
 }
 
+impl<E: Exec> GpuBackend<E> {
+    /// Builds the attention library's plans for the packed calls of every query bucket
+    /// up to `keys` queries, against `keys` keys, for each count in `key_counts` (bf16,
+    /// `heads` of `hd`): the shapes a step of that many tokens makes (a full step's
+    /// double blocks, and edits at any mask), so that no step builds one after
+    /// warm-up. Returns how many plans the library holds for them (0 where the
+    /// library is off, absent or not used for this head size). A shape the library
+    /// refuses is logged once, as at a step, and our kernel will run it.
+    pub fn warm_attention_plans(
+        &self,
+        heads: usize,
+        hd: usize,
+        key_counts: &[usize],
+    ) -> Result<usize> {
+        let used = self.attn_kernel() == crate::AttnKernel::Cudnn
+            && self.dtype() == Dt::Bf16
+            && hd % 8 == 0
+            && hd <= 128;
+        if !used || self.exec().attn_library().is_none() {
+            return Ok(0);
+        }
+        let none = Scratch { q: 0, kv: 0, o: 0 };
+        let mut built = 0;
+        for &nkv in key_counts {
+            for bucket in buckets_up_to(nkv) {
+                let call = packed(none, bucket, nkv, heads, hd);
+                built += self.exec().sdpa_plan(&call).map_err(dev)? as usize;
+            }
+        }
+        Ok(built)
+    }
+}
+
+/// Every query bucket of 1 to `n` queries, smallest first.
+pub(crate) fn buckets_up_to(n: usize) -> Vec<usize> {
+    let mut out = vec![query_bucket(1)];
+    while *out.last().expect("one") < query_bucket(n) {
+        out.push(query_bucket(out.last().expect("one") + 1));
+    }
+    out
+}
+
 /// What the library path needs of a launch: its slots, row references and sequences
 /// (`[q_off, q_len, kv_off, kv_len]`), as `crate::attention` built them.
 pub(crate) struct Described<'a> {
@@ -300,6 +342,20 @@ pub(crate) fn run<E: Exec>(
 mod tests {
     use super::*;
     use crate::params::row_ref;
+
+    #[test]
+    fn the_warm_up_plans_every_bucket_a_step_can_ask_for() {
+        for n in [1, 63, 64, 512, 513, 4608, 16384] {
+            let b = buckets_up_to(n);
+            assert!(b.windows(2).all(|w| w[0] < w[1]), "{b:?}");
+            for q in 1..=n {
+                assert!(b.contains(&query_bucket(q)), "{q} of {n}: {b:?}");
+            }
+            assert_eq!(*b.last().unwrap(), query_bucket(n));
+        }
+        // FLUX.1 at 1024²: 8 buckets to 512, 8 per doubling to 4096, then 4608.
+        assert_eq!(buckets_up_to(4608).len(), 33);
+    }
 
     #[test]
     fn buckets_cover_pad_little_and_are_few() {
