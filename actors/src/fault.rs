@@ -24,6 +24,9 @@
 //!   before it starts (counted in its `denoised_template_disk_load_duration_seconds`): a
 //!   slow disk, so that a test can tell a read that overlapped preprocessing from one
 //!   that followed it;
+//! - `slow_write_ms=N` (cache): each write of a template to the disk tier sleeps N ms
+//!   before it starts: a slow disk, so that a test can tell whether a registration
+//!   is answered before its template is on disk;
 //! - `no_prefetch` (cache, no value): pinning a template that is only on disk does not
 //!   start its read; the read starts when the router asks for the template's cache
 //!   (`Load`), after preprocessing: the regression the prefetch test must catch.
@@ -55,13 +58,16 @@ pub struct Faults {
     pub slow_step: Option<Duration>,
     /// Cache: a sleep before each template read from disk.
     pub slow_read: Option<Duration>,
+    /// Cache: a sleep before each template write to disk.
+    pub slow_write: Option<Duration>,
     /// Cache: a pin does not start a template's read from disk.
     pub no_prefetch: bool,
 }
 
 /// The forms `DENOISED_FAULT` accepts, for its error message.
 const KNOWN: &str = "denoise:panic_at_step=K, ROLE:exit_at_start_from=K, \
-denoise:slow_step_ms=N, cache:slow_read_ms=N or cache:no_prefetch (K >= 0, N >= 1)";
+denoise:slow_step_ms=N, cache:slow_read_ms=N, cache:slow_write_ms=N or cache:no_prefetch \
+(K >= 0, N >= 1)";
 
 impl Faults {
     pub const VAR: &'static str = "DENOISED_FAULT";
@@ -103,6 +109,9 @@ impl Faults {
                 }
                 ("slow_read_ms", Some(n)) if r == Role::Cache && n > 0 => {
                     f.slow_read = f.slow_read.or(ms(n));
+                }
+                ("slow_write_ms", Some(n)) if r == Role::Cache && n > 0 => {
+                    f.slow_write = f.slow_write.or(ms(n));
                 }
                 ("no_prefetch", None) if r == Role::Cache => f.no_prefetch |= mine,
                 _ => return Err(bad()),
@@ -156,6 +165,8 @@ mod tests {
             "denoise:slow_read_ms=5",
             "cache:slow_read_ms=-1",
             "cache:no_prefetch=1",
+            "cache:slow_write_ms=0",
+            "denoise:slow_write_ms=5",
             "router:no_prefetch",
             "cache:prefetch",
         ] {
@@ -166,7 +177,7 @@ mod tests {
 
     #[test]
     fn slow_and_reordering_faults_hold_in_every_incarnation_of_their_role() {
-        let spec = "denoise:slow_step_ms=40,cache:slow_read_ms=1500,cache:no_prefetch";
+        let spec = "denoise:slow_step_ms=40,cache:slow_read_ms=1500,cache:no_prefetch,cache:slow_write_ms=700";
         for incarnation in [0, 3] {
             let d = Faults::parse(spec, Role::Denoise, incarnation).unwrap();
             assert_eq!(
@@ -181,6 +192,7 @@ mod tests {
                 c,
                 Faults {
                     slow_read: Some(Duration::from_millis(1500)),
+                    slow_write: Some(Duration::from_millis(700)),
                     no_prefetch: true,
                     ..Faults::default()
                 }

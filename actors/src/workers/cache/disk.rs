@@ -142,7 +142,12 @@ impl DiskTier {
             };
             let text = serde_json::to_vec_pretty(&stored).map_err(|e| io(&tmp, e))?;
             std::fs::write(tmp.join(INFO), text).map_err(|e| io(&tmp, e))?;
-            std::fs::rename(&tmp, &dir).map_err(|e| io(&dir, e))
+            // On the device before the name: every file and the directory synced, then
+            // renamed into place and the rename synced, so that once the write returns
+            // (and the registration is answered) a crash of the host loses nothing.
+            sync_dir_and_files(&tmp).map_err(|e| io(&tmp, e))?;
+            std::fs::rename(&tmp, &dir).map_err(|e| io(&dir, e))?;
+            sync_path(&self.root).map_err(|e| io(&self.root, e))
         };
         if let Err(e) = write() {
             let _ = std::fs::remove_dir_all(&tmp);
@@ -191,7 +196,9 @@ impl DiskTier {
         let tmp = path.with_extension("tmp");
         let text = serde_json::to_vec(p).map_err(|e| io(&tmp, e))?;
         std::fs::write(&tmp, text).map_err(|e| io(&tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| io(&path, e))
+        sync_path(&tmp).map_err(|e| io(&tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| io(&path, e))?;
+        sync_path(dir).map_err(|e| io(dir, e))
     }
 
     /// Forgets a version's pending record (its write finished, or it is gone).
@@ -376,4 +383,20 @@ fn dir_bytes(dir: &Path) -> u64 {
                 .sum()
         })
         .unwrap_or(0)
+}
+
+/// `fsync` of a file or a directory (a directory's entries: the names in it).
+fn sync_path(path: &Path) -> std::io::Result<()> {
+    std::fs::File::open(path)?.sync_all()
+}
+
+/// Every file directly in `dir`, then `dir` itself, synced.
+fn sync_dir_and_files(dir: &Path) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        if entry.file_type()?.is_file() {
+            sync_path(&entry.path())?;
+        }
+    }
+    sync_path(dir)
 }
