@@ -35,7 +35,8 @@ fn an_edit_runs_on_the_pod_holding_its_template_and_the_cluster_survives_that_po
     assert_eq!(s, 200, "{lobby_on_a}");
 
     // Sent to pod C, run on pod A (which holds the template), the same image as sent
-    // to A directly.
+    // to A directly (once C's view of A is idle after the edit above: see below).
+    wait_idle(&pods[c], "a");
     let (s, via_c) = pods[c].d().post("/v1/edits", &edit_body("room", 5));
     assert_eq!(s, 200, "{via_c}");
     assert_eq!(via_c["pod"], "a", "{via_c}");
@@ -522,4 +523,82 @@ fn generations_are_routed_between_pods() {
         1.0,
         "{m}"
     );
+}
+
+/// Sends `sig` to every process of `d` (its supervisor and its workers).
+fn signal_all(d: &Daemon, sig: i32) {
+    let sup = d.child.id();
+    let mut pids = vec![sup];
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let ppid = stat
+            .rsplit(')')
+            .next()
+            .and_then(|s| s.split_whitespace().nth(1));
+        if ppid == Some(sup.to_string().as_str()) {
+            pids.push(pid);
+        }
+    }
+    for pid in pids {
+        // SAFETY: plain kill(2) of the test's own daemon's processes.
+        unsafe { libc::kill(pid as i32, sig) };
+    }
+}
+
+/// A pod that stops without closing its connections (every process paused, as a host
+/// that hangs looks to its peers: no TCP reset) is marked down once it has not reported
+/// for `DOWN_AFTER` (3 s), and an edit a peer forwarded to it ends then, with a 503 that
+/// names it, instead of waiting out the forward's timeout (three stage timeouts: 30
+/// minutes by default, 60 s here, where without the down check the edit ends after 60 s
+/// with another error, as seen). Resumed, the pod serves again.
+#[test]
+fn an_edit_forwarded_to_a_pod_that_stops_ends_when_that_pod_is_marked_down() {
+    let _one = one_cluster_at_a_time();
+    let pods = start_three("[server]\nstage_timeout_seconds = 20\n");
+    let (a, b) = (0, 1);
+    pods[a].d().template("room", 40);
+    pods[b].wait_for("a's template", Duration::from_secs(10), |v| {
+        v.iter().any(|p| p.0 == "a" && p.2 == 1)
+    });
+    wait_idle(&pods[b], "a");
+    let t0 = Instant::now();
+    let edit = std::thread::scope(|s| {
+        let sent = s.spawn(|| pods[b].d().post("/v1/edits", &edit_body("room", 5)));
+        // Once the edit runs on A (its 40 steps take seconds there), A stops.
+        let m0 = Instant::now();
+        while counter(
+            &pods[a].d().metrics(),
+            "denoised_pod_forwarded_in_total",
+            "",
+        ) < 1.0
+        {
+            assert!(
+                m0.elapsed() < Duration::from_secs(20),
+                "the edit never reached pod a"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        signal_all(pods[a].d(), libc::SIGSTOP);
+        sent.join().unwrap()
+    });
+    let took = t0.elapsed();
+    signal_all(pods[a].d(), libc::SIGCONT);
+    let (s, v) = edit;
+    println!("the forwarded edit ended after {took:?}: {s} {v}");
+    assert_eq!(s, 503, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("pod a"),
+        "{v}"
+    );
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    // Resumed, A reports again and serves its template through B.
+    pods[b].wait_for("a up again", Duration::from_secs(30), |v| up(v, "a"));
+    let (s, v) = pods[b].d().post("/v1/edits", &edit_body("room", 6));
+    assert_eq!(s, 200, "{v}");
 }

@@ -21,6 +21,9 @@ use crate::wire::{ErrorKind, JobId, Res, TemplateInfo, Wire, WireError};
 /// elsewhere until it answers again.
 pub const DOWN_AFTER: Duration = Duration::from_secs(3);
 
+/// How often a forwarded request looks whether its pod was marked down.
+const DOWN_CHECK: Duration = Duration::from_millis(250);
+
 struct Peer {
     cell: ActorCell,
     report: PodReport,
@@ -338,6 +341,12 @@ impl Pods {
         down
     }
 
+    /// Whether peer `name` is up (it reported within [`DOWN_AFTER`] as of the last
+    /// sweep).
+    fn is_up(&self, name: &str) -> bool {
+        self.peers().get(name).is_some_and(|p| p.up)
+    }
+
     fn mark_down(&self, name: &str) {
         let mut peers = self.peers();
         if let Some(p) = peers.get_mut(name) {
@@ -384,6 +393,16 @@ impl Pods {
         let call = node::call(&cell, self.forward_timeout, msg);
         tokio::pin!(call, cancelled);
         let mut told = false;
+        let cancel = || {
+            node::tell(
+                &cell,
+                PodMsg::Cancel(Wire((origin.pod.clone(), origin.job))),
+            )
+        };
+        // Whether the peer still reports: a pod that stops (paused, or a host gone
+        // without a TCP reset) keeps its connection open, so the call alone could wait
+        // out `forward_timeout`.
+        let mut heartbeat = tokio::time::interval(DOWN_CHECK);
         // A cancel here goes on to the pod running it; its answer (cancelled, or done
         // before it could stop) ends the request.
         let r = loop {
@@ -391,8 +410,25 @@ impl Pods {
                 r = &mut call => break r,
                 () = &mut cancelled, if !told => {
                     told = true;
-                    let o = (origin.pod.clone(), origin.job);
-                    node::tell(&cell, PodMsg::Cancel(Wire(o)));
+                    cancel();
+                }
+                _ = heartbeat.tick() => if !self.is_up(name) {
+                    // Marked down mid-edit: the edit ends now, with the pod's name.
+                    // Whether it ran there is unknown, so it is not run again
+                    // elsewhere; the pod is told to stop it should it come back.
+                    cancel();
+                    self.metrics
+                        .pod_forwards
+                        .get_or_create(&[("pod", name.to_string()), ("result", "down".into())])
+                        .inc();
+                    return Some(Err(WireError::new(
+                        ErrorKind::Unavailable,
+                        format!(
+                            "pod {name}, which was running this request, stopped reporting \
+                             (down after {} s without a report); retry it",
+                            DOWN_AFTER.as_secs()
+                        ),
+                    )));
                 }
             }
         };
