@@ -52,8 +52,11 @@ pub type Res<T> = Wire<Result<T, WireError>>;
 pub type Reply<T> = RpcReplyPort<Res<T>>;
 
 mod error;
+pub mod ids;
 pub mod pods;
+
 pub use error::{ErrorKind, WireError};
+pub use ids::{check_template_id, check_version_name};
 
 /// How the region to repaint is given.
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -194,6 +194,16 @@ pub async fn fetch(ctx: &Ctx, cell: ActorCell, id: &str) -> Result<u64, String> 
     })
     .await
     .map_err(|e| e.message)?;
+    // What the peer says is checked before any path is built from it or anything is
+    // adopted: a version of the template asked for, of the model this pod serves.
+    crate::wire::check_version_name(id, &e.name)?;
+    let info = crate::workers::cache::disk::stored_info(&e.info)?;
+    if info.id != id || info.model != ctx.model {
+        return Err(format!(
+            "the peer sent template `{}` of model `{}` for `{id}` of `{}`: refused",
+            info.id, info.model, ctx.model
+        ));
+    }
     let d = disk(ctx)?;
     let rt = tokio::runtime::Handle::current();
     let name = e.name.clone();

@@ -92,16 +92,7 @@ pub(crate) async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -
     check_seq_len(b.max_sequence_length)?;
     let id = match b.id {
         Some(id) => {
-            if id.is_empty()
-                || id.len() > 64
-                || !id
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-            {
-                return Err(ApiError::bad(format!(
-                    "template id `{id}`: use 1-64 characters of [A-Za-z0-9_-]"
-                )));
-            }
+            crate::wire::check_template_id(&id).map_err(ApiError::bad)?;
             // Checked before the capture runs (the cache checks again when storing, so
             // two registrations racing for one id cannot both win).
             if !b.replace && ctx.template(&id).await.is_ok() {
