@@ -527,21 +527,7 @@ fn generations_are_routed_between_pods() {
 
 /// Sends `sig` to every process of `d` (its supervisor and its workers).
 fn signal_all(d: &Daemon, sig: i32) {
-    let sup = d.child.id();
-    let mut pids = vec![sup];
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let ppid = stat
-            .rsplit(')')
-            .next()
-            .and_then(|s| s.split_whitespace().nth(1));
-        if ppid == Some(sup.to_string().as_str()) {
-            pids.push(pid);
-        }
-    }
+    let pids = std::iter::once(d.child.id()).chain(d.workers().into_iter().map(|(pid, _)| pid));
     for pid in pids {
         // SAFETY: plain kill(2) of the test's own daemon's processes.
         unsafe { libc::kill(pid as i32, sig) };

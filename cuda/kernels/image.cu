@@ -10,40 +10,6 @@
 #define IMG_STRIDE(i, n) \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
 
-// Patch matrix of output pixels p0 .. p0+rows: y[r, (ky*kw + kx)*c + ch] is the input
-// under tap (ky, kx) of output pixel p0 + r, zero in the padding. With up == 2 the
-// input is first upsampled 2x (nearest), folded into the read: padded coordinate u
-// reads input row u / 2. Padding is (pad_t, pad_l) before and whatever remains after
-// (FLUX's downsampler pads only bottom and right).
-template <class T>
-DEV void im2col(const ImgParams& p) {
-    const T* x = (const T*)p.x;
-    T* y = (T*)p.y;
-    const int taps_c = p.kh * p.kw * p.c;
-    const int hu = p.h * p.up, wu = p.w * p.up;
-    IMG_STRIDE(i, (long long)p.rows * taps_c) {
-        long long r = i / taps_c;
-        int col = (int)(i % taps_c);
-        int ch = col % p.c, tap = col / p.c;
-        int ky = tap / p.kw, kx = tap % p.kw;
-        long long pix = p.p0 + r;
-        int ox = (int)(pix % p.ow);
-        long long t = pix / p.ow;
-        int oy = (int)(t % p.oh);
-        int b = (int)(t / p.oh);
-        int uy = oy * p.stride + ky - p.pad_t, ux = ox * p.stride + kx - p.pad_l;
-        float v = 0.f;
-        if (uy >= 0 && uy < hu && ux >= 0 && ux < wu) {
-            int iy = uy / p.up, ix = ux / p.up;
-            v = to_f32(x[(((long long)b * p.h + iy) * p.w + ix) * p.c + ch]);
-        }
-        y[i] = from_f32<T>(v);
-    }
-}
-extern "C" __global__ void im2col_f32(const ImgParams p) { im2col<float>(p); }
-EMU_EXPORT(im2col_f32, ImgParams)
-extern "C" __global__ void im2col_bf16(const ImgParams p) { im2col<bf16>(p); }
-EMU_EXPORT(im2col_bf16, ImgParams)
 
 // Sum of v over the block (blockDim.x a multiple of 32, at most 1024), in every thread.
 DEV float block_sum(float v, float* scratch) {
@@ -209,11 +175,16 @@ EMU_EXPORT(copy2d_bf16, ImgParams)
 // reference: denoised_runtime::cpu::sparse_conv (the same gather, convolution and
 // scatter, tile by tile).
 
-// Gather: the patch-matrix rows of listed output pixels z[p0 .. p0+rows] (im2col's
-// layout; with z == 0 the pixels p0 .. p0+rows themselves), the preceding GroupNorm
-// applied on the way as x * wt[ch] + bias[ch] (f32 per-channel scale and shift, when
-// wt != 0) and then SiLU when p.silu. The convolution's zero padding stays zero, as
-// the dense layer pads its already normalised input.
+// Gather: the patch-matrix rows of output pixels: y[r, (ky*kw + kx)*c + ch] is the
+// input under tap (ky, kx) of the r-th pixel, zero in the padding. The pixels are the
+// listed z[p0 .. p0+rows] of one image (a sparse layer's), or with z == 0 the pixels
+// p0 .. p0+rows of the batch in order (im2col, the dense convolution's). With up == 2
+// the input is first upsampled 2x (nearest), folded into the read: padded coordinate u
+// reads input row u / 2. Padding is (pad_t, pad_l) before and whatever remains after
+// (FLUX's downsampler pads only bottom and right). The preceding GroupNorm is applied
+// on the way as x * wt[ch] + bias[ch] (f32 per-channel scale and shift, when wt != 0),
+// then SiLU when p.silu; the zero padding stays zero, as the dense layer pads its
+// already normalised input.
 template <class T>
 DEV void sige_gather(const ImgParams& p) {
     const T* x = (const T*)p.x;
@@ -229,11 +200,14 @@ DEV void sige_gather(const ImgParams& p) {
         int ch = col % p.c, tap = col / p.c;
         int ky = tap / p.kw, kx = tap % p.kw;
         long long pix = pixels ? (long long)pixels[p.p0 + r] : p.p0 + r;
-        int ox = (int)(pix % p.ow), oy = (int)(pix / p.ow);
+        int ox = (int)(pix % p.ow);
+        long long t = pix / p.ow;
+        int oy = (int)(t % p.oh);
+        int b = (int)(t / p.oh);
         int uy = oy * p.stride + ky - p.pad_t, ux = ox * p.stride + kx - p.pad_l;
         float v = 0.f;
         if (uy >= 0 && uy < hu && ux >= 0 && ux < wu) {
-            v = to_f32(x[((long long)(uy / p.up) * p.w + ux / p.up) * p.c + ch]);
+            v = to_f32(x[(((long long)b * p.h + uy / p.up) * p.w + ux / p.up) * p.c + ch]);
             if (scale) v = v * scale[ch] + shift[ch];
             if (p.silu) v = v / (1.0f + __expf(-v));
         }
@@ -244,6 +218,10 @@ extern "C" __global__ void sige_gather_f32(const ImgParams p) { sige_gather<floa
 EMU_EXPORT(sige_gather_f32, ImgParams)
 extern "C" __global__ void sige_gather_bf16(const ImgParams p) { sige_gather<bf16>(p); }
 EMU_EXPORT(sige_gather_bf16, ImgParams)
+extern "C" __global__ void im2col_f32(const ImgParams p) { sige_gather<float>(p); }
+EMU_EXPORT(im2col_f32, ImgParams)
+extern "C" __global__ void im2col_bf16(const ImgParams p) { sige_gather<bf16>(p); }
+EMU_EXPORT(im2col_bf16, ImgParams)
 
 // Scatter: row r of x ([rows, c], the GEMM's output with its bias) into pixel z[r] of
 // y ([pixels, c], already holding the template's value), plus the residual wt at that

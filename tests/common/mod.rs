@@ -263,7 +263,17 @@ impl Daemon {
 
     /// PID of one of the daemon's worker processes, if one runs.
     pub fn worker_pid_opt(&self, role: &str) -> Option<u32> {
+        let role = format!("--role {role}");
+        self.workers()
+            .into_iter()
+            .find(|(_, cmd)| cmd.contains(&role))
+            .map(|(pid, _)| pid)
+    }
+
+    /// The daemon's worker processes (the supervisor's children): PID and command line.
+    pub fn workers(&self) -> Vec<(u32, String)> {
         let sup = self.child.id().to_string();
+        let mut out = vec![];
         for e in std::fs::read_dir("/proc").unwrap().flatten() {
             let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
                 continue;
@@ -273,13 +283,12 @@ impl Daemon {
                 .rsplit(')')
                 .next()
                 .and_then(|s| s.split_whitespace().nth(1));
-            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            if ppid == Some(sup.as_str()) && cmd.contains(&format!("--role {role}")) {
-                return Some(pid);
+            if ppid == Some(sup.as_str()) {
+                let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                out.push((pid, String::from_utf8_lossy(&cmd).replace('\0', " ")));
             }
         }
-        None
+        out
     }
 }
 
