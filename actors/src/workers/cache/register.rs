@@ -194,8 +194,9 @@ impl CacheState {
             if let Some(d) = slow_write {
                 std::thread::sleep(d);
             }
-            // The index keeps a version being written in memory (it is not evictable
-            // before it is stored), so its slices stay valid for this write.
+            // A registration being written is not in the index yet, and a version the
+            // index marks as being written is not evictable before it is stored: either
+            // way its slices stay valid for this write.
             let r = shm.host_slice(&blob).and_then(|bytes| {
                 let cache = TemplateCache::view(layout, bytes)
                     .map_err(|e| WireError::internal(e.to_string()))?;
