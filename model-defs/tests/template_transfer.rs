@@ -108,7 +108,7 @@ impl<W: Write> Write for Cut<W> {
 }
 
 fn fetch(addr: &str, name: &str, dest: &Path) -> denoised_runtime::Result<Received> {
-    receive(TcpStream::connect(addr).unwrap(), name, dest)
+    receive(TcpStream::connect(addr).unwrap(), name, dest, u64::MAX)
 }
 
 fn same_files(a: &Path, b: &Path) {
@@ -231,4 +231,31 @@ fn an_unknown_template_is_refused() {
         .to_string();
     h.join().unwrap().unwrap();
     assert!(err.contains("refused: no template `other` here"), "{err}");
+}
+
+/// A receiver takes no more than it allows: a sender announcing more than `max_bytes`
+/// (cache and VAE traces together) is refused before anything is allocated or written,
+/// and the same transfer within its bound completes.
+#[test]
+fn a_sender_announcing_more_than_the_receiver_allows_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (src, dest) = (tmp.path().join("src"), tmp.path().join("dest"));
+    let l = template(&src, 64);
+    let traces = std::fs::metadata(src.join(template_file::VAE_TRACES))
+        .unwrap()
+        .len();
+    let total = l.total_bytes() as u64 + traces;
+    let (addr, h) = serve_once(src.clone(), None, None);
+    let err = receive(TcpStream::connect(&addr).unwrap(), "t", &dest, total - 1)
+        .unwrap_err()
+        .to_string();
+    let _ = h.join().unwrap();
+    assert!(err.contains("refused"), "{err}");
+    assert!(!dest.exists());
+    let kept = std::fs::metadata(part_dir(&dest).join("cache.bin")).map_or(0, |m| m.len());
+    assert_eq!(kept, 0, "nothing of the data was written");
+    let (addr, h) = serve_once(src.clone(), None, None);
+    receive(TcpStream::connect(&addr).unwrap(), "t", &dest, total).unwrap();
+    h.join().unwrap().unwrap();
+    same_files(&src, &dest);
 }

@@ -51,12 +51,20 @@ fn io(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
     move |e| Error::Invalid(format!("template transfer: {what}: {e}"))
 }
 
+/// The longest request or reply line read (a header is a few KB).
+const MAX_LINE: u64 = 1 << 20;
+
 fn read_line(r: &mut impl BufRead, what: &str) -> Result<String> {
     let mut line = String::new();
-    r.read_line(&mut line).map_err(io(what))?;
+    r.take(MAX_LINE).read_line(&mut line).map_err(io(what))?;
     if line.is_empty() {
         return Err(Error::Invalid(format!(
             "template transfer: {what}: the connection closed"
+        )));
+    }
+    if !line.ends_with('\n') && line.len() as u64 >= MAX_LINE {
+        return Err(Error::Invalid(format!(
+            "template transfer: {what}: a line over {MAX_LINE} bytes"
         )));
     }
     Ok(line)
@@ -147,8 +155,15 @@ pub struct Received {
 
 /// The receiver's side: asks `stream` for template `name` and installs it at `dest`
 /// (which must not exist yet), resuming from what `NAME.part/` beside it holds. On an
-/// error the verified prefix stays there for the next call.
-pub fn receive<S: Read + Write>(stream: S, name: &str, dest: &Path) -> Result<Received> {
+/// error the verified prefix stays there for the next call. `max_bytes` bounds what
+/// the sender may send (cache and VAE traces together): a header or a traces length
+/// that claims more is refused before anything is allocated or written.
+pub fn receive<S: Read + Write>(
+    stream: S,
+    name: &str,
+    dest: &Path,
+    max_bytes: u64,
+) -> Result<Received> {
     let part = part_dir(dest);
     std::fs::create_dir_all(&part).map_err(io("creating the partial directory"))?;
     let offset = verified_prefix(&part)?;
@@ -181,12 +196,26 @@ pub fn receive<S: Read + Write>(stream: S, name: &str, dest: &Path) -> Result<Re
     };
     std::fs::write(&hp, &text).map_err(io("writing the header"))?;
     let h = read_header(&part)?;
+    let claimed = h.layout.total_bytes() as u64 + reply.traces.unwrap_or(0);
+    if claimed > max_bytes {
+        let _ = std::fs::remove_file(&hp);
+        return Err(Error::Invalid(format!(
+            "template transfer: the sender announced {claimed} bytes, over the {max_bytes} this template may take: refused"
+        )));
+    }
     let bytes = receive_data(&mut s, &part, &h, offset)?;
     if let Some(len) = reply.traces {
-        let mut t = vec![0u8; len as usize];
-        s.read_exact(&mut t)
+        // Streamed to the file a chunk at a time: no buffer of the announced size.
+        let tp = part.join(VAE_TRACES);
+        let mut f = std::fs::File::create(&tp).map_err(io("writing the VAE traces"))?;
+        let n = std::io::copy(&mut (&mut s).take(len), &mut f)
             .map_err(io("receiving the VAE traces"))?;
-        std::fs::write(part.join(VAE_TRACES), t).map_err(io("writing the VAE traces"))?;
+        if n != len {
+            return Err(Error::Invalid(format!(
+                "template transfer: the VAE traces ended after {n} of {len} bytes"
+            )));
+        }
+        f.sync_all().map_err(io("syncing the VAE traces"))?;
     }
     std::fs::rename(&part, dest).map_err(io("installing the template"))?;
     Ok(Received {

@@ -204,6 +204,9 @@ pub async fn fetch(ctx: &Ctx, cell: ActorCell, id: &str) -> Result<u64, String> 
             info.id, info.model, ctx.model
         ));
     }
+    // The receiver takes no more than the template's description announces, and never
+    // more than its whole disk tier.
+    let max_bytes = (info.cache_bytes + info.vae_trace_bytes).min(ctx.config.cache.disk_bytes);
     let d = disk(ctx)?;
     let rt = tokio::runtime::Handle::current();
     let name = e.name.clone();
@@ -220,7 +223,8 @@ pub async fn fetch(ctx: &Ctx, cell: ActorCell, id: &str) -> Result<u64, String> 
             pos: 0,
             bytes: 0,
         };
-        template_transfer::receive(&mut stream, &name, &dest).map_err(|e| e.to_string())?;
+        template_transfer::receive(&mut stream, &name, &dest, max_bytes)
+            .map_err(|e| e.to_string())?;
         d.install(&name, &e.info, &e.image)?;
         Ok(stream.bytes)
     })
