@@ -277,6 +277,45 @@ fn a_registration_is_answered_once_its_template_is_on_disk() {
     assert!(edit("reference") == want);
 }
 
+/// A DELETE is durable when it is answered: the version is marked deleted on disk
+/// first, so a crash of the cache process while an edit still reads the template (its
+/// directory stays until the edit is done) does not bring it back. Here the edit's
+/// steps are slowed (`denoise:slow_step_ms`) so that it holds the template through the
+/// DELETE and the kill; without the marker the restarted cache serves it again (seen).
+#[test]
+fn a_deleted_template_stays_deleted_across_a_crash_while_an_edit_reads_it() {
+    let d = Daemon::start_with_env(&[], &[("DENOISED_FAULT", "denoise:slow_step_ms=400")]);
+    d.template("gone", 8);
+    std::thread::scope(|s| {
+        let edit = s.spawn(|| edit(&d, "gone"));
+        // Once the edit is denoising (it holds the template), delete and crash.
+        let t0 = Instant::now();
+        let running = |m: &str| {
+            m.lines()
+                .filter(|l| l.starts_with("denoised_denoise_running_requests"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>()
+        };
+        while running(&d.metrics()) < 1.0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "the edit never started"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (s, v) = d.delete("/v1/templates/gone");
+        assert_eq!(s, 200, "{v}");
+        kill_cache(&d);
+        let _ = edit.join();
+    });
+    let (s, v) = info(&d, "gone");
+    assert_eq!(s, 404, "the deleted template came back: {v}");
+    assert!(
+        !written(&d.cache_dir, "gone"),
+        "its directory is still on disk"
+    );
+}
+
 #[test]
 fn a_y_mode_template_is_half_the_bytes_and_survives_a_restart() {
     let d = Daemon::start(&[]);

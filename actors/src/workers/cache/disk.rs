@@ -42,6 +42,8 @@ pub struct Found {
 
 /// The directory of pending records, under the tier's root.
 const PENDING: &str = ".pending";
+/// The directory of deleted versions' markers, under the tier's root.
+const DELETED: &str = ".deleted";
 
 /// A slice of the cache process's arena and the CRC-32 of its bytes when they were
 /// stored there.
@@ -249,12 +251,45 @@ impl DiskTier {
                 tracing::warn!("removing {}: {e}", dir.display());
             }
         }
+        let _ = std::fs::remove_file(self.tombstone_path(id, version));
+    }
+
+    fn tombstone_path(&self, id: &str, version: u64) -> PathBuf {
+        self.root.join(DELETED).join(format!("{id}@{version}"))
+    }
+
+    /// Marks a version deleted, durably (the marker and its directory synced), before
+    /// its directory goes (edits that read it may hold it a while): a restart removes a
+    /// marked version instead of serving it again ([`scan`](Self::scan)).
+    pub fn tombstone(&self, id: &str, version: u64) -> Result<(), WireError> {
+        let path = self.tombstone_path(id, version);
+        let dir = path.parent().expect("a tombstone's directory");
+        std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+        std::fs::File::create(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| io(&path, e))?;
+        sync_path(dir).map_err(|e| io(dir, e))
     }
 
     /// The templates on disk: the newest complete version of each id. Everything else
     /// is removed (and logged): unfinished writes, older versions, unreadable ones,
     /// ones whose layout `check` refuses.
     pub fn scan(&self, check: impl Fn(&TemplateLayout, &TemplateInfo) -> bool) -> Vec<Found> {
+        // Versions deleted before a crash go first.
+        if let Ok(rd) = std::fs::read_dir(self.root.join(DELETED)) {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().to_string();
+                if let Some((id, v)) = name
+                    .rsplit_once('@')
+                    .and_then(|(id, v)| Some((id, v.parse().ok()?)))
+                {
+                    tracing::info!(
+                        "template cache: removing `{id}` (version {v}), deleted before a restart"
+                    );
+                    self.remove(id, v);
+                }
+            }
+        }
         let Ok(rd) = std::fs::read_dir(&self.root) else {
             return Vec::new();
         };
@@ -325,7 +360,9 @@ impl DiskTier {
     pub fn version_dir(&self, name: &str) -> Option<PathBuf> {
         let ok = !name.contains('/') && !name.starts_with('.') && name.contains('@');
         let dir = self.root.join(name);
-        (ok && dir.join(INFO).is_file()).then_some(dir)
+        // A deleted version whose directory an edit still holds is not exported.
+        let deleted = self.root.join(DELETED).join(name).exists();
+        (ok && !deleted && dir.join(INFO).is_file()).then_some(dir)
     }
 
     /// The directory name of the newest complete version of `id`.

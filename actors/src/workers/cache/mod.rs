@@ -209,15 +209,22 @@ impl Actor for CacheActor {
                 let _ = reply.send(Wire(Ok(list)));
             }
             CacheMsg::Delete(Wire(id), reply) => {
-                let r = match st.index.retire(&id) {
-                    Some(v) => {
+                // Marked deleted on disk before the answer: a restart does not bring it
+                // back, even while edits that read it keep its directory.
+                let marked = match (st.index.version_of(&id), &st.disk) {
+                    (Some(v), Some(disk)) => disk.tombstone(&id, v),
+                    _ => Ok(()),
+                };
+                let r = match marked.map(|()| st.index.retire(&id)) {
+                    Ok(Some(v)) => {
                         // Deleted: a restart must not finish its write.
                         st.forget_pending(v);
                         let info = st.describe(v);
                         st.collect_unreachable();
                         Ok(info)
                     }
-                    None => Err(not_found(&id)),
+                    Ok(None) => Err(not_found(&id)),
+                    Err(e) => Err(e),
                 };
                 st.report();
                 let _ = reply.send(Wire(r));
