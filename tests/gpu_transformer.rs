@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use denoised::selfcheck;
+use denoised_actors::budget::workspace_bytes;
 use denoised_cuda::selfcheck::assert_all_pass;
 use denoised_cuda::{CudaExec, Dt, EmuExec, GpuBackend};
 use denoised_models::flux::edit::Mode;
@@ -102,13 +103,11 @@ fn gpu_transformer_matches_diffusers() {
 #[test]
 #[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
 fn emulated_step_workspace_stays_within_the_budget() {
-    use denoised_actors::budget::workspace_bytes;
     use denoised_models::flux::stepper::{ModelStepper, Stepper};
     use denoised_models::profile::{Fit, Profile};
 
     let inputs = denoised_models::fixtures::e2e_denoise_inputs(&RefCase::open("e2e").unwrap());
     let s = Arc::new(FlowMatchEuler::new(&SchedulerConfig::default(), 3, 256).unwrap());
-    let text = inputs.txt.rows();
     let ring: Vec<bool> = (0..256).map(|i| i % 16 == 0 || i / 16 == 3).collect();
     let mask = Arc::new(TokenMask::from_tokens(16, 16, &ring).unwrap());
     let dt = Dt::Bf16;
@@ -151,28 +150,8 @@ fn emulated_step_workspace_stays_within_the_budget() {
         ("4 edits", (0..4).map(|_| edit(&a)).collect()),
     ];
     for (what, modes) in cases {
-        let ids: Vec<u64> = (0..modes.len() as u64).map(|i| 1000 + i).collect();
-        let mut rows = 0;
-        for (&id, mode) in ids.iter().zip(modes) {
-            rows += text + st.admit(id, &inputs, s.clone(), mode).unwrap();
-        }
-        let context = ids.len() * (text + 256);
-        // The first step makes the template resident; the second is measured.
-        st.step(&ids).unwrap();
-        exec.reset_peak();
-        let before = exec.in_use_bytes();
-        st.step(&ids).unwrap();
-        let used = exec.peak_bytes() - before;
-        let bound = workspace_bytes(hidden, dt.size(), rows, context);
-        println!(
-            "{dt:?} {what}: {rows} rows over {context} tokens: step workspace {used} B, \
-             budget bound {bound} B ({:.2}x)",
-            bound as f64 / used as f64
-        );
-        assert!(used <= bound, "{dt:?} {what}: {used} > {bound}");
-        for id in ids {
-            st.remove(id);
-        }
+        let label = format!("{dt:?} {what}");
+        step_within_bound(&mut st, &exec, &inputs, &s, modes, hidden, dt, &label);
     }
     // One template fits: editing `b` evicts `a`.
     assert_eq!(st.resident().count(), 1);
@@ -319,13 +298,11 @@ fn emulated_vae_workspace_stays_within_the_stage_bound() {
 #[test]
 #[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
 fn emulated_fp8_step_workspace_stays_within_the_budget() {
-    use denoised_actors::budget::workspace_bytes;
     use denoised_models::flux::stepper::{ModelStepper, Stepper};
     use denoised_runtime::fp8::Scaling;
 
     let inputs = denoised_models::fixtures::e2e_denoise_inputs(&RefCase::open("e2e").unwrap());
     let s = Arc::new(FlowMatchEuler::new(&SchedulerConfig::default(), 2, 256).unwrap());
-    let text = inputs.txt.rows();
     let ring: Vec<bool> = (0..256).map(|i| i % 16 == 0 || i / 16 == 3).collect();
     let mask = Arc::new(TokenMask::from_tokens(16, 16, &ring).unwrap());
     let dt = Dt::Bf16;
@@ -361,27 +338,47 @@ fn emulated_fp8_step_workspace_stays_within_the_budget() {
             ("4 full", (0..4).map(|_| Mode::Full).collect()),
             ("1 edit", vec![edit]),
         ] {
-            let ids: Vec<u64> = (0..modes.len() as u64).map(|i| 100 + i).collect();
-            let mut rows = 0;
-            for (&id, mode) in ids.iter().zip(modes) {
-                rows += text + st.admit(id, &inputs, s.clone(), mode).unwrap();
-            }
-            let context = ids.len() * (text + 256);
-            st.step(&ids).unwrap();
-            exec.reset_peak();
-            let before = exec.in_use_bytes();
-            st.step(&ids).unwrap();
-            let used = exec.peak_bytes() - before;
-            let bound = workspace_bytes(hidden, dt.size(), rows, context);
-            println!(
-                "fp8 {scaling:?} {what}: {rows} rows over {context} tokens: step workspace \
-                 {used} B, budget bound {bound} B ({:.2}x)",
-                bound as f64 / used as f64
-            );
-            assert!(used <= bound, "fp8 {scaling:?} {what}: {used} > {bound}");
-            for id in ids {
-                st.remove(id);
-            }
+            let label = format!("fp8 {scaling:?} {what}");
+            step_within_bound(&mut st, &exec, &inputs, &s, modes, hidden, dt, &label);
         }
+    }
+}
+
+/// Admits `modes` (requests of 256 image tokens) to `st`, steps once (templates become
+/// resident), then checks the peak device allocation of a second step against the
+/// budget's workspace bound for its rows and attended tokens.
+#[cfg(target_arch = "x86_64")] // the emulator (see cuda/build.rs)
+#[allow(clippy::too_many_arguments)]
+fn step_within_bound<S: denoised_models::flux::stepper::Stepper>(
+    st: &mut S,
+    exec: &EmuExec,
+    inputs: &denoised_models::flux::edit::DenoiseInputs,
+    s: &Arc<FlowMatchEuler>,
+    modes: Vec<Mode>,
+    hidden: usize,
+    dt: Dt,
+    label: &str,
+) {
+    let text = inputs.txt.rows();
+    let ids: Vec<u64> = (0..modes.len() as u64).map(|i| 1000 + i).collect();
+    let mut rows = 0;
+    for (&id, mode) in ids.iter().zip(modes) {
+        rows += text + st.admit(id, inputs, s.clone(), mode).unwrap();
+    }
+    let context = ids.len() * (text + 256);
+    st.step(&ids).unwrap();
+    exec.reset_peak();
+    let before = exec.in_use_bytes();
+    st.step(&ids).unwrap();
+    let used = exec.peak_bytes() - before;
+    let bound = workspace_bytes(hidden, dt.size(), rows, context);
+    println!(
+        "{label}: {rows} rows over {context} tokens: step workspace {used} B, budget bound \
+         {bound} B ({:.2}x)",
+        bound as f64 / used as f64
+    );
+    assert!(used <= bound, "{label}: {used} > {bound}");
+    for id in ids {
+        st.remove(id);
     }
 }

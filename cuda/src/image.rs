@@ -35,7 +35,7 @@ fn dims4(op: &'static str, what: &str, s: &[usize]) -> Result<[usize; 4]> {
     }
 }
 
-fn i32_of(op: &'static str, v: usize) -> Result<i32> {
+pub(crate) fn i32_of(op: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v)
         .map_err(|_| Error::shape(op, format!("{v} elements exceed a kernel's i32 index")))
 }

@@ -16,6 +16,7 @@ use denoised_runtime::{Conv2dOpts, Error, Result};
 
 use crate::backend::{dev, GpuBackend, GpuTensor};
 use crate::exec::{Exec, Gemm, Grid};
+use crate::image::i32_of;
 use crate::params::ImgParams;
 
 const OP: &str = "sparse VAE";
@@ -36,10 +37,6 @@ fn image(what: &str, s: &[usize]) -> Result<[usize; 3]> {
     }
 }
 
-fn i32_of(v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| Error::shape(OP, format!("{v} exceeds a kernel's i32 index")))
-}
-
 fn check_pixels(pixels: &[u32], plane: usize) -> Result<()> {
     match pixels.iter().find(|&&p| p as usize >= plane) {
         Some(p) => Err(Error::shape(
@@ -58,13 +55,13 @@ impl<E: Exec> GpuBackend<E> {
         let p = ImgParams {
             x: t.addr(),
             y: out.addr(),
-            rows: i32_of(h * w)?,
+            rows: i32_of(OP, h * w)?,
             cols: c as i32,
             ld: c as i32,
             ldy: c as i32,
             ..Default::default()
         };
-        i32_of(h * w * c)?;
+        i32_of(OP, h * w * c)?;
         self.launch(self.kernel("copy2d"), Grid::linear(h * w * c, BLOCK), &p)?;
         Ok(out)
     }
@@ -148,7 +145,7 @@ impl<E: Exec> GpuBackend<E> {
         let chunk = (self.image_workspace / (k * sz)).clamp(1, n);
         let cols = self.empty(vec![chunk, k])?;
         let rows = self.empty(vec![chunk, o])?;
-        i32_of(chunk * k.max(o))?;
+        i32_of(OP, chunk * k.max(o))?;
         let [pt, _, pl, _] = opts.pad;
         for p0 in (0..n).step_by(chunk) {
             let m = chunk.min(n - p0);
@@ -170,7 +167,7 @@ impl<E: Exec> GpuBackend<E> {
                 pad_t: pt as i32,
                 pad_l: pl as i32,
                 up: if opts.upsample2x { 2 } else { 1 },
-                p0: i32_of(p0)?,
+                p0: i32_of(OP, p0)?,
                 rows: m as i32,
                 silu: pre.is_some_and(|p| p.silu) as i32,
                 ..Default::default()
@@ -211,7 +208,7 @@ impl<E: Exec> GpuBackend<E> {
             z: pix,
             wt: add.map_or(0, |a| a.addr()),
             c: c as i32,
-            rows: i32_of(n)?,
+            rows: i32_of(OP, n)?,
             ..Default::default()
         };
         self.launch(self.kernel("sige_scatter"), Grid::linear(n * c, BLOCK), &p)
@@ -266,11 +263,11 @@ impl<E: Exec> GpuBackend<E> {
             kw: 1,
             stride: 1,
             up: 1,
-            rows: i32_of(h * w)?,
+            rows: i32_of(OP, h * w)?,
             silu: pre.silu as i32,
             ..Default::default()
         };
-        i32_of(h * w * c)?;
+        i32_of(OP, h * w * c)?;
         self.launch(
             self.kernel("sige_gather"),
             Grid::linear(h * w * c, BLOCK),
@@ -313,7 +310,7 @@ impl<E: Exec> GpuBackend<E> {
             c: c as i32,
             groups: groups as i32,
             splits: splits as i32,
-            rows: i32_of(n)?,
+            rows: i32_of(OP, n)?,
             ..Default::default()
         };
         let g = Grid {
