@@ -27,8 +27,11 @@ pub struct KernelTime {
 pub struct Profiled<E: Exec> {
     inner: E,
     on: std::sync::atomic::AtomicBool,
-    calls: Mutex<Vec<(&'static str, E::Event, E::Event)>>,
+    calls: Mutex<Vec<Timed<E>>>,
 }
+
+/// A timed call: its name and the timing events around it.
+type Timed<E> = (&'static str, <E as Exec>::Event, <E as Exec>::Event);
 
 impl<E: Exec> Profiled<E> {
     /// `inner`, not timing until [`start`](Self::start).
