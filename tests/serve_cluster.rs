@@ -525,15 +525,6 @@ fn generations_are_routed_between_pods() {
     );
 }
 
-/// Sends `sig` to every process of `d` (its supervisor and its workers).
-fn signal_all(d: &Daemon, sig: i32) {
-    let pids = std::iter::once(d.child.id()).chain(d.workers().into_iter().map(|(pid, _)| pid));
-    for pid in pids {
-        // SAFETY: plain kill(2) of the test's own daemon's processes.
-        unsafe { libc::kill(pid as i32, sig) };
-    }
-}
-
 /// A pod that stops without closing its connections (every process paused, as a host
 /// that hangs looks to its peers: no TCP reset) is marked down once it has not reported
 /// for `DOWN_AFTER` (3 s), and an edit a peer forwarded to it ends then, with a 503 that

@@ -30,10 +30,28 @@
 //! - `no_prefetch` (cache, no value): pinning a template that is only on disk does not
 //!   start its read; the read starts when the router asks for the template's cache
 //!   (`Load`), after preprocessing: the regression the prefetch test must catch.
+//!
+//! **A network cut** (`DENOISED_FAULT_CUT=PATH`, a pod's router): while the file PATH
+//! exists, the pod is cut off its peers and its template registry, as by a network
+//! partition that leaves its processes running: its calls to its peers and to etcd fail
+//! at once and it answers none of its peers' calls ([`cut`]). A switch a test (or a
+//! drill) flips at any moment, which `DENOISED_FAULT`, read at start, is not.
 
+use std::path::PathBuf;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use crate::node::Role;
+
+/// Whether this pod is cut off its peers and registry now (`DENOISED_FAULT_CUT`; see the
+/// module docs). Off, it costs a branch on a static.
+pub fn cut() -> bool {
+    static SWITCH: OnceLock<Option<PathBuf>> = OnceLock::new();
+    SWITCH
+        .get_or_init(|| std::env::var_os("DENOISED_FAULT_CUT").map(PathBuf::from))
+        .as_ref()
+        .is_some_and(|p| p.exists())
+}
 
 /// Exit status of a worker that panicked (Rust's own status for a panicking main).
 pub const EXIT_PANIC: i32 = 101;

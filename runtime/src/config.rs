@@ -441,6 +441,15 @@ pub struct ClusterConfig {
     /// The bandwidth between pods, in MB a second, that routing prices a template copy
     /// at (the cap `transfer_mb_per_s` when lower).
     pub link_mb_per_s: f64,
+    /// The template registry: etcd's client endpoints (`HOST:PORT`, its v3 API), where
+    /// each template's identity (version, digest, tombstone) is kept and changed by
+    /// compare-and-swap. Empty: template identity is each pod's own (best effort).
+    pub registry: Vec<String>,
+    /// The key prefix of this cluster's records in etcd (several clusters may share one).
+    pub registry_prefix: String,
+    /// How long a pod serves the template versions it read from the registry without
+    /// reading them again; an identity change is answered only after it (seconds).
+    pub registry_lease_seconds: f64,
 }
 
 impl Default for ClusterConfig {
@@ -460,6 +469,9 @@ impl Default for ClusterConfig {
             policy: "template_aware".into(),
             // A 10 Gb/s link.
             link_mb_per_s: 1250.0,
+            registry: Vec::new(),
+            registry_prefix: "/denoised".into(),
+            registry_lease_seconds: 3.0,
         }
     }
 }
@@ -512,9 +524,20 @@ impl ClusterConfig {
         if self.template_replicas == 0 {
             return Err("[cluster] template_replicas must be at least 1".into());
         }
+        if !(self.registry_lease_seconds >= 0.3 && self.registry_lease_seconds <= 60.0) {
+            return Err("[cluster] registry_lease_seconds must be within 0.3-60".into());
+        }
+        if !self.registry_prefix.starts_with('/') {
+            return Err("[cluster] registry_prefix must start with `/`".into());
+        }
+        if let Some(bad) = self.registry.iter().find(|e| Self::peer(e).is_none()) {
+            return Err(format!(
+                "[cluster] registry entry {bad:?}: expected HOST:PORT"
+            ));
+        }
         if !self.is_pod() {
-            if !self.peers.is_empty() || self.tls() {
-                return Err("[cluster] peers and tls_* need [cluster] listen".into());
+            if !self.peers.is_empty() || self.tls() || !self.registry.is_empty() {
+                return Err("[cluster] peers, registry and tls_* need [cluster] listen".into());
             }
             return Ok(());
         }

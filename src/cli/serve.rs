@@ -86,6 +86,9 @@ pub struct ServeArgs {
     /// `[cluster] peers`: HOST:PORT or dns:NAME:PORT, comma-separated.
     #[arg(long, env = "DENOISED_PEERS", value_delimiter = ',')]
     pub peers: Option<Vec<String>>,
+    /// `[cluster] registry`: etcd's HOST:PORT endpoints, comma-separated.
+    #[arg(long, env = "DENOISED_REGISTRY", value_delimiter = ',')]
+    pub registry: Option<Vec<String>>,
     /// `[server] log_format`: text or json.
     #[arg(long, env = "DENOISED_LOG_FORMAT")]
     pub log_format: Option<String>,
@@ -205,6 +208,9 @@ impl ServeArgs {
         }
         if let Some(l) = &self.cluster_listen {
             c.cluster.listen = l.clone();
+        }
+        if let Some(r) = &self.registry {
+            c.cluster.registry = r.clone();
         }
         if let Some(p) = &self.peers {
             c.cluster.peers = p.clone();

@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test crate uses its own subset
 
 pub mod cli;
+pub mod etcd;
 pub mod pods;
 
 use std::io::{BufRead, BufReader};

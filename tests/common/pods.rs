@@ -99,9 +99,18 @@ impl Pod {
                     .as_slice(),
             ]
             .concat(),
-            &[("DENOISED_CACHE_DIR", cache.to_str().unwrap())],
+            &[
+                ("DENOISED_CACHE_DIR", cache.to_str().unwrap()),
+                // A switch the nemesis flips (actors/src/fault.rs): off unless it exists.
+                ("DENOISED_FAULT_CUT", self.cut_switch().to_str().unwrap()),
+            ],
             &self.log(),
         ));
+    }
+
+    /// While this file exists the pod is cut off its peers and registry.
+    pub fn cut_switch(&self) -> PathBuf {
+        self.dir.path().join("cut")
     }
 
     pub fn d(&self) -> &Daemon {
@@ -151,6 +160,15 @@ impl Pod {
 
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(self.log()).unwrap_or_default()
+    }
+}
+
+/// Sends `sig` to every process of `d` (its supervisor and its workers).
+pub fn signal_all(d: &Daemon, sig: i32) {
+    let pids = std::iter::once(d.child.id()).chain(d.workers().into_iter().map(|(pid, _)| pid));
+    for pid in pids {
+        // SAFETY: plain kill(2) of the test's own daemon's processes.
+        unsafe { libc::kill(pid as i32, sig) };
     }
 }
 

@@ -22,9 +22,10 @@ use ractor_cluster::{IncomingEncryptionMode, NodeServer, NodeServerMessage};
 
 use crate::router::flow::edit::{edit_obtained, EditInput};
 use crate::router::flow::generate::{generate_here, GenerateInput};
-use crate::router::flow::transfer;
+use crate::router::flow::{identity, transfer};
 use crate::router::service::{cancel, submit_peer, submit_peer_edit, GenerationReply};
 use crate::router::state::jobs::{JobEvent, Previews};
+use crate::router::state::registry::{record, Held};
 use crate::router::state::{Ctx, Listed};
 use crate::wire::pods::{PodJobEvent, PodMsg, PodOrigin, GROUP, SCOPE};
 use crate::wire::{JobId, Wire};
@@ -78,6 +79,7 @@ pub async fn join(ctx: Arc<Ctx>, http: String) -> Result<(), String> {
         if tls.is_some() { " (TLS)" } else { "" }
     );
     tokio::spawn(dial(node, advertised, c.peers.clone(), tls.map(|(_, c)| c)));
+    tokio::spawn(identity::tend(ctx.clone()));
     tokio::spawn(watch(ctx));
     Ok(())
 }
@@ -307,7 +309,7 @@ async fn watch(ctx: Arc<Ctx>) {
         tokio::spawn(transfer::tend(ctx.clone(), learning.clone()));
         let peers: Vec<_> = ractor::pg::get_scoped_members(&SCOPE.into(), &GROUP.into())
             .into_iter()
-            .filter(|c| !c.get_id().is_local())
+            .filter(|c| !c.get_id().is_local() && !crate::fault::cut())
             .collect();
         let asks = peers.into_iter().map(|cell| async move {
             let r = crate::node::ask(&cell, TICK, |p| PodMsg::Report(Wire(()), p)).await;
@@ -315,7 +317,15 @@ async fn watch(ctx: Arc<Ctx>) {
         });
         for (cell, r) in futures_util::future::join_all(asks).await {
             match r {
-                Ok(report) if report.pod != pods.me => {
+                Ok(mut report) if report.pod != pods.me => {
+                    // A peer's copy of a version the registry superseded or deleted is
+                    // not routed to, copied or learnt from (it drops it soon).
+                    if let Some(reg) = &pods.registry {
+                        report.templates.retain(|t| {
+                            reg.record(&t.id)
+                                .is_none_or(|r| record::judge(Some(&r), t.version) == Held::Current)
+                        });
+                    }
                     let name = report.pod.clone();
                     if pods.reported(cell, report) {
                         tracing::info!("pod {name} is up");
@@ -356,6 +366,11 @@ impl Actor for PodActor {
         msg: PodMsg,
         (ctx, out): &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
+        // Cut off its peers (a fault injected): their calls go unanswered (an ask
+        // fails when its reply port drops).
+        if crate::fault::cut() {
+            return Ok(());
+        }
         // Each answer is made on its own task: a slow cache listing or an edit never
         // holds up the next peer's call.
         match msg {
@@ -425,14 +440,7 @@ impl Actor for PodActor {
             }
             PodMsg::Forget(Wire(id)) => {
                 let ctx = ctx.clone();
-                tokio::spawn(async move {
-                    if let Some(p) = &ctx.pods {
-                        p.forgotten(&id);
-                    }
-                    if ctx.delete_template(&id).await.is_ok() {
-                        tracing::info!("template `{id}`: deleted on a peer, and here");
-                    }
-                });
+                tokio::spawn(async move { identity::deleted_at_peer(&ctx, &id).await });
             }
             PodMsg::Event(Wire((job, event))) => {
                 let events = &ctx.metrics.pod_events;

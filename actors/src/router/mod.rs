@@ -67,11 +67,37 @@ pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
         let forward_timeout = Duration::from_secs(3 * server.stage_timeout_seconds);
         let policy = env.config.cluster.policy.parse()?;
         let recipes = state::recipes::Recipes::new(env.config.cache.resolved_dir());
+        let c = &env.config.cluster;
+        let registry = match c.registry.is_empty() {
+            true => {
+                tracing::warn!(
+                    "no [cluster] registry: template identity is best effort (each pod \
+                     checks ids, replaces and deletes against its own copies; docs/cluster.md)"
+                );
+                None
+            }
+            false => {
+                let lease = Duration::from_secs_f64(c.registry_lease_seconds);
+                let r = state::registry::Registry::new(
+                    &c.registry,
+                    &c.registry_prefix,
+                    lease,
+                    &ctx.model,
+                    &c.pod,
+                )?;
+                tracing::info!(
+                    "template identity is kept in the registry, {}",
+                    r.describe()
+                );
+                Some(r)
+            }
+        };
         ctx.pods = Some(state::pods::Pods::new(
-            env.config.cluster.pod.clone(),
+            c.pod.clone(),
             policy,
             forward_timeout,
             recipes,
+            registry,
             ctx.metrics.clone(),
         ));
     }

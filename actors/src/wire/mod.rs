@@ -510,9 +510,17 @@ pub struct InlineDone {
 }
 
 /// A registered template's description.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TemplateInfo {
     pub id: String,
+    /// This registration of it: every create or replace of the id takes a larger one,
+    /// the same on every pod that holds a copy.
+    #[serde(default)]
+    pub version: u64,
+    /// The SHA-256 of what its content is made from (its image and capture
+    /// parameters), hex: a copy or a capture again from its recipe has the same.
+    #[serde(default)]
+    pub digest: String,
     pub model: String,
     pub width: u32,
     pub height: u32,
@@ -565,6 +573,8 @@ pub struct PutTemplate {
     pub vae_traces: Vec<Handle>,
     /// Replace a template of the same id; without it that id is a conflict.
     pub replace: bool,
+    /// The version to store it as (the template registry's); `None`: a new one.
+    pub version: Option<u64>,
 }
 
 /// A template as the cache actor hands it out.
@@ -742,8 +752,10 @@ pub enum CacheMsg {
     Get(Wire<String>, RpcReplyPort<Res<TemplateEntry>>),
     #[rpc]
     List(Wire<()>, RpcReplyPort<Res<Vec<TemplateInfo>>>),
+    /// Deletes a template's current version (only when it is at most the version
+    /// given: older copies than the registry allows go, a newer one stays).
     #[rpc]
-    Delete(Wire<String>, RpcReplyPort<Res<TemplateInfo>>),
+    Delete(Wire<(String, Option<u64>)>, RpcReplyPort<Res<TemplateInfo>>),
     /// A copy of this template from another pod is in the disk tier: index it.
     #[rpc]
     Adopt(Wire<String>, RpcReplyPort<Res<TemplateInfo>>),

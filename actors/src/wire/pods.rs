@@ -60,6 +60,8 @@ pub struct PodRun {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct PodTemplate {
     pub id: String,
+    /// The version it holds (`TemplateInfo::version`).
+    pub version: u64,
     pub host_bytes: u64,
     pub disk_bytes: u64,
     /// Its image tokens and steps (what an edit of it computes).
@@ -243,6 +245,8 @@ pub struct EditOutput {
     pub true_cfg: Option<TrueCfgOutcome>,
     /// The pod that ran it (empty outside a cluster).
     pub pod: String,
+    /// The version of its template it read (0: an edit of an image).
+    pub template_version: u64,
 }
 
 /// A LoRA as a reply reports it: the step of the request's schedule it applied from.

@@ -1,6 +1,8 @@
 //! A template's registration: a capture run (a full generation of the template's image
 //! that records its activations), then its cache, image and VAE traces go to the
-//! cache process, which answers once they are durable.
+//! cache process, which answers once they are durable. With a template registry
+//! (docs/cluster.md) the id is claimed there first (409 when the cluster holds it), and
+//! the stored version becomes the template's by a compare-and-swap there once durable.
 
 use std::time::Instant;
 
@@ -8,11 +10,58 @@ use denoised_models::pipeline::sparse_vae::SparseVaeSetting;
 use denoised_models::planner::CacheMode;
 use denoised_runtime::shm::Handle;
 
+use sha2::{Digest, Sha256};
+
 use super::stages::{denoise, finish_req, postprocess, preprocess, with_retries, Held};
 use crate::daemon::unix_now;
 use crate::router::state::jobs::JobStatus;
+use crate::router::state::registry::Intent;
 use crate::router::state::Ctx;
 use crate::wire::*;
+
+/// Whose version a registration stores.
+pub enum Identity {
+    /// No registry: the cache process's new version, the id checked against this
+    /// pod's own templates.
+    Local,
+    /// A new version, claimed in the registry, committed there once durable.
+    New(Intent),
+    /// The registry's current version, captured again from its recipe (nothing to
+    /// commit).
+    Existing(u64),
+}
+
+/// Claims template id `id` for a registration (`replace`: of a template that may
+/// exist): 409 when it is taken, 503 when the registry does not answer.
+pub async fn claim(ctx: &Ctx, id: &str, replace: bool) -> Result<Identity, WireError> {
+    match ctx.template_registry() {
+        Some(reg) => Ok(Identity::New(reg.begin(id, replace).await?)),
+        // Checked before the capture runs (the cache checks again when storing, so
+        // two registrations racing for one id cannot both win).
+        None if !replace && ctx.template(id).await.is_ok() => Err(WireError::template_exists(id)),
+        None => Ok(Identity::Local),
+    }
+}
+
+/// A template's content digest: SHA-256 over what its content is made from (the
+/// model, its image and the capture's parameters), so that a copy or a capture again
+/// from its recipe has its original's.
+pub fn digest(info: &TemplateInfo, image: &[u8]) -> String {
+    let params = serde_json::json!([
+        info.model,
+        info.prompt,
+        info.steps,
+        info.guidance,
+        info.seed,
+        info.max_sequence_length,
+        info.kv_step_stride,
+        info.loras,
+    ]);
+    let mut h = Sha256::new();
+    h.update(params.to_string().as_bytes());
+    h.update(image);
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
 
 pub struct TemplateInput {
     pub id: String,
@@ -24,6 +73,8 @@ pub struct TemplateInput {
     pub max_sequence_length: u32,
     /// Replace a template of the same id instead of refusing (409).
     pub replace: bool,
+    /// Whose version it stores (see [`claim`]).
+    pub identity: Identity,
     /// What the template caches per block.
     pub cache_mode: CacheMode,
     /// Its slabs are stored every this many steps (`[cache] kv_step_stride`).
@@ -192,6 +243,9 @@ async fn store(
 ) -> Result<TemplateInfo, WireError> {
     let info = TemplateInfo {
         id: input.id.clone(),
+        // The cache's (or the registry's, below), and the digest below.
+        version: 0,
+        digest: String::new(),
         model: ctx.model.clone(),
         width: c.width,
         height: c.height,
@@ -211,14 +265,36 @@ async fn store(
         tiers: TierBytes::default(),
         loras: input.loras.clone(),
     };
+    let info = TemplateInfo {
+        digest: digest(&info, &input.image),
+        ..info
+    };
+    let (version, governed) = match &input.identity {
+        Identity::Local => (None, false),
+        Identity::New(i) => (Some(i.version), true),
+        Identity::Existing(v) => (Some(*v), true),
+    };
     let cache = ctx.cache().await?;
     let put = PutTemplate {
         info,
         blob: c.blob,
         image,
         vae_traces: c.vae_traces,
-        replace: input.replace,
+        // The registry decided whether the id may be taken.
+        replace: input.replace || governed,
+        version,
     };
     let entry = ctx.ask(&cache, |p| CacheMsg::Put(Wire(put), p)).await?;
+    if let (Identity::New(intent), Some(reg)) = (&input.identity, ctx.template_registry()) {
+        if let Err(e) = reg.commit(intent, &entry.info.digest).await {
+            // Refused: not the template's version, it goes. Unanswered: it may be the
+            // template's; kept, and dropped by the first edit that finds the registry
+            // without it (`identity::confirm`).
+            if e.kind == ErrorKind::Conflict {
+                let _ = ctx.delete_template(&intent.id, Some(intent.version)).await;
+            }
+            return Err(e);
+        }
+    }
     Ok(entry.info)
 }

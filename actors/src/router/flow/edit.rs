@@ -184,13 +184,22 @@ pub async fn edit_here(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditO
         Source::Template(id) => Some(ctx.pin_template(id).await?),
         Source::Image(_) => None,
     };
-    let r = edit_pinned(ctx, job, input, template.as_ref(), t0).await;
+    // With a template registry, only its current version is served.
+    let confirmed = match &template {
+        Some(t) => super::identity::confirm(ctx, t).await,
+        None => Ok(()),
+    };
+    let r = match confirmed {
+        Ok(()) => edit_pinned(ctx, job, input, template.as_ref(), t0).await,
+        Err(e) => Err(e),
+    };
     if let Some(t) = &template {
         ctx.unpin(t).await;
     }
     r.map(|mut o| {
         ctx.metrics.observe_edit(&o.timings, o.tokens, o.active);
         o.pod = ctx.pod_name().to_string();
+        o.template_version = template.as_ref().map_or(0, |t| t.version);
         o
     })
 }
@@ -388,6 +397,7 @@ async fn edit_inline(
     held.den.push((den, vec![img.clone()]));
     let bytes = ctx.shm.read_bytes(&img)?;
     Ok(EditOutput {
+        template_version: 0, // edit_here's to fill in
         image: bytes,
         width: d.width,
         height: d.height,
@@ -482,6 +492,7 @@ async fn edit_disaggregated(
     let bytes = ctx.shm.read_bytes(&f.image)?;
     let tokens = prepared.rows * prepared.cols;
     Ok(EditOutput {
+        template_version: 0, // edit_here's to fill in
         image: bytes,
         width: prepared.width,
         height: prepared.height,

@@ -9,6 +9,7 @@ pub mod controlnets;
 pub mod defaults;
 pub mod edit;
 pub mod generate;
+pub mod identity;
 pub mod pod;
 pub(crate) mod stages;
 pub mod transfer;

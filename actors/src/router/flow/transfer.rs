@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use denoised_models::flux::template_transfer;
 use ractor::ActorCell;
 
-use super::capture::{capture, TemplateInput};
+use super::capture::{capture, Identity, TemplateInput};
 use crate::router::state::Ctx;
 use crate::wire::pods::{Exported, PodMsg};
 use crate::wire::{CacheMsg, ErrorKind, JobId, Wire, WireError};
@@ -187,8 +187,17 @@ impl Drop for MeshStream {
 }
 
 /// Fetches the newest version of template `id` from the peer whose pod actor is `cell`
-/// into this pod's disk tier, and has this pod's cache index it. The bytes moved.
-pub async fn fetch(ctx: &Ctx, cell: ActorCell, id: &str) -> Result<u64, String> {
+/// into this pod's disk tier, and has this pod's cache index it (`wanted`: only that
+/// version, the registry's). The bytes moved.
+pub async fn fetch(
+    ctx: &Ctx,
+    cell: ActorCell,
+    id: &str,
+    wanted: Option<u64>,
+) -> Result<u64, String> {
+    if crate::fault::cut() {
+        return Err("cut off its peers (DENOISED_FAULT_CUT)".into());
+    }
     let e = crate::node::ask(&cell, CHUNK_WAIT, |p| {
         PodMsg::Export(Wire(id.to_string()), p)
     })
@@ -202,6 +211,13 @@ pub async fn fetch(ctx: &Ctx, cell: ActorCell, id: &str) -> Result<u64, String> 
         return Err(format!(
             "the peer sent template `{}` of model `{}` for `{id}` of `{}`: refused",
             info.id, info.model, ctx.model
+        ));
+    }
+    if wanted.is_some_and(|v| e.name != format!("{id}@{v}")) {
+        return Err(format!(
+            "the peer holds {} of template `{id}`, not version {}: refused",
+            e.name,
+            wanted.unwrap_or_default()
         ));
     }
     // The receiver takes no more than the template's description announces, and never
@@ -252,11 +268,19 @@ pub fn chosen<'a>(id: &str, pods: &'a [String], replicas: usize) -> Vec<&'a Stri
     ranked
 }
 
-/// Copies template `id` from peer `from` into this pod, counted in the metrics. The
-/// bytes moved.
-pub async fn copy_from(ctx: &Ctx, from: &str, id: &str) -> Result<u64, String> {
-    let r = match ctx.pods.as_ref().and_then(|p| p.cell(from)) {
-        Some(cell) => fetch(ctx, cell, id).await,
+/// Copies template `id` (`wanted`: that version) from peer `from` into this pod,
+/// counted in the metrics. The bytes moved.
+pub async fn copy_from(
+    ctx: &Ctx,
+    from: &str,
+    id: &str,
+    wanted: Option<u64>,
+) -> Result<u64, String> {
+    let r = match ctx.pods.as_ref().and_then(|p| Some((p, p.cell(from)?))) {
+        Some((pods, cell)) => tokio::select! {
+            r = fetch(ctx, cell, id, wanted) => r,
+            () = pods.until_down(from) => Err(format!("pod {from} stopped reporting")),
+        },
         None => Err(format!("pod {from} went away")),
     };
     let result = match &r {
@@ -326,9 +350,14 @@ fn replicate(ctx: &Arc<Ctx>, mine: &HashSet<String>) {
         let Ok(guard) = pods.obtaining(&id).try_lock_owned() else {
             continue;
         };
+        // With a registry, the version it records (reports of others are filtered out).
+        let wanted = ctx
+            .template_registry()
+            .and_then(|r| r.record(&id))
+            .map(|r| r.version);
         let ctx = ctx.clone();
         tokio::spawn(async move {
-            let _ = copy_from(&ctx, &from, &id).await;
+            let _ = copy_from(&ctx, &from, &id, wanted).await;
             drop(guard);
         });
     }
@@ -352,9 +381,15 @@ async fn learn_recipes(ctx: &Ctx, mine: &HashSet<String>) {
         };
         let asked =
             crate::node::ask(&cell, CHUNK_WAIT, |p| PodMsg::Export(Wire(id.clone()), p)).await;
+        let current = |e: &Exported| match ctx.template_registry().and_then(|r| r.record(&id)) {
+            Some(r) if r.deleted || e.name != format!("{id}@{}", r.version) => {
+                Err(format!("{} is not the registry's version", e.name))
+            }
+            _ => Ok(()),
+        };
         match asked
             .map_err(|e| e.message)
-            .and_then(|e| pods.recipes.save(&id, &e.info, &e.image))
+            .and_then(|e| current(&e).and_then(|()| pods.recipes.save(&id, &e.info, &e.image)))
         {
             Ok(()) => tracing::debug!("template `{id}`: kept its recipe"),
             Err(e) => tracing::debug!("template `{id}`: no recipe from pod {from}: {e}"),
@@ -371,12 +406,22 @@ pub async fn obtain(ctx: &Ctx, job: JobId, id: &str, missing: WireError) -> Resu
     let Some(pods) = &ctx.pods else {
         return Err(missing);
     };
+    // With a registry, its current version (404 when it has none).
+    let wanted = super::identity::wanted(ctx, id, missing.clone()).await?;
     let lock = pods.obtaining(id);
     let _held = lock.lock().await;
-    if ctx.template(id).await.is_ok() {
-        return Ok(());
+    match ctx.template(id).await {
+        Ok(t) if wanted.is_none_or(|v| t.version == v) => return Ok(()),
+        // An older copy goes first (a newer one, uncommitted, stays and is refused).
+        Ok(t) if wanted.is_some_and(|v| t.version < v) => {
+            let _ = ctx.delete_template(id, Some(t.version)).await;
+        }
+        _ => {}
     }
-    let recipe = pods.recipes.get(id);
+    let recipe = pods
+        .recipes
+        .get(id)
+        .filter(|(info, _)| wanted.is_none_or(|v| info.version == v));
     if recipe.is_none() && pods.holder(id, &[]).is_none() {
         // This pod's view of its peers may be older than the template (captured a
         // moment ago, seen first by the pod that routed the edit here): ask them now.
@@ -393,7 +438,7 @@ pub async fn obtain(ctx: &Ctx, job: JobId, id: &str, missing: WireError) -> Resu
     let mut tried = vec![];
     while !cheaper {
         if let Some(from) = pods.holder(id, &tried) {
-            if copy_from(ctx, &from, id).await.is_ok() {
+            if copy_from(ctx, &from, id, wanted).await.is_ok() {
                 return Ok(());
             }
             tried.push(from);
@@ -407,15 +452,23 @@ pub async fn obtain(ctx: &Ctx, job: JobId, id: &str, missing: WireError) -> Resu
         }
     }
     let Some((info, image)) = recipe else {
-        return Err(match pods.holders(id).is_empty() {
-            true => missing,
-            false => pods.no_holder(id),
+        return Err(match (wanted, pods.holders(id).is_empty()) {
+            // The registry holds it: it exists, however unreachable its copies are.
+            (Some(v), _) => WireError::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "template `{id}`: no pod that holds its version {v} answers, and no \
+                     recipe of it is here; retry later"
+                ),
+            ),
+            (None, true) => missing,
+            (None, false) => pods.no_holder(id),
         });
     };
     tracing::warn!(
         "template `{id}`: capturing it again from its recipe (no copy, or a copy costs more)"
     );
-    let r = recapture(ctx, job, info, image).await;
+    let r = recapture(ctx, job, info, image, wanted).await;
     let result = if r.is_ok() { "ok" } else { "error" };
     ctx.metrics
         .recaptures
@@ -424,12 +477,14 @@ pub async fn obtain(ctx: &Ctx, job: JobId, id: &str, missing: WireError) -> Resu
     r
 }
 
-/// Captures a template again from its recipe (its description and image), under its id.
+/// Captures a template again from its recipe (its description and image), under its id
+/// (`wanted`: as the registry's version, which the recipe is of).
 async fn recapture(
     ctx: &Ctx,
     job: JobId,
     info: crate::wire::TemplateInfo,
     image: Vec<u8>,
+    wanted: Option<u64>,
 ) -> Result<(), WireError> {
     let cache_mode = match info.cache_mode.as_str() {
         "" => ctx.config.cache.mode.parse(),
@@ -445,6 +500,10 @@ async fn recapture(
         seed: info.seed,
         max_sequence_length: info.max_sequence_length,
         replace: false,
+        identity: match wanted {
+            Some(v) => Identity::Existing(v),
+            None => Identity::Local,
+        },
         cache_mode,
         step_stride: info.kv_step_stride,
         loras: info.loras,

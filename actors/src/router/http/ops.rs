@@ -39,7 +39,10 @@ pub(crate) async fn healthz() -> Json<Health> {
 pub(crate) async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
     let groups = ctx.ready();
     let draining = ctx.admission.is_draining();
-    let ready = !draining && groups.iter().all(|(_, have, want)| have >= want);
+    // With a template registry, not before this pod's templates are reconciled with it.
+    let registry = ctx.template_registry();
+    let reconciled = registry.is_none_or(|r| r.reconciled());
+    let ready = !draining && reconciled && groups.iter().all(|(_, have, want)| have >= want);
     let detail: Value = groups
         .iter()
         .map(|(g, have, want)| (g.to_string(), json!({"live": have, "want": want})))
@@ -74,6 +77,12 @@ pub(crate) async fn readyz(State(ctx): State<Arc<Ctx>>) -> Response {
     if let Some(pods) = &ctx.pods {
         body["pod"] = json!(pods.me);
         body["pods"] = json!(pods.status());
+    }
+    // Whether its reads of the registry are within their lease (edits of templates are
+    // refused otherwise; the pod stays ready for the rest).
+    if let Some(r) = registry {
+        body["registry"] = json!({"at": r.describe(), "reconciled": reconciled,
+            "confirmed": r.confirmed()});
     }
     (status, Json(body)).into_response()
 }

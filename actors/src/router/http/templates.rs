@@ -17,12 +17,12 @@ use super::inputs::{
     check_guidance, check_seq_len, check_steps, default_seq_len, resolve_loras, LoraRef,
 };
 use super::respond::{accepted, joined, with_id, JobAccepted};
-use crate::router::flow::capture::{capture, TemplateInput};
+use crate::router::flow::capture::{capture, claim, TemplateInput};
 use crate::router::flow::defaults;
 use crate::router::service::{admit, submit, Submitted};
 use crate::router::state::jobs::Previews;
 use crate::router::state::Ctx;
-use crate::wire::{TemplateInfo, WireError};
+use crate::wire::TemplateInfo;
 
 /// A template to register: its image is generated once (a capture run) and its
 /// activations cached, so that its edits compute only their masked tokens.
@@ -93,15 +93,11 @@ pub(crate) async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -
     let id = match b.id {
         Some(id) => {
             crate::wire::check_template_id(&id).map_err(ApiError::bad)?;
-            // Checked before the capture runs (the cache checks again when storing, so
-            // two registrations racing for one id cannot both win).
-            if !b.replace && ctx.template(&id).await.is_ok() {
-                return Err(ApiError::from(WireError::template_exists(&id)));
-            }
             id
         }
         None => format!("tpl_{:016x}", ctx.next_job()),
     };
+    let identity = claim(&ctx, &id, b.replace).await?;
     let cache_mode = b
         .cache_mode
         .as_deref()
@@ -117,6 +113,7 @@ pub(crate) async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -
         seed: b.seed,
         max_sequence_length: b.max_sequence_length,
         replace: b.replace,
+        identity,
         cache_mode,
         step_stride: ctx.config.cache.kv_step_stride,
         loras: resolve_loras(&ctx, &b.loras, true)?,
@@ -199,10 +196,7 @@ pub(crate) async fn delete_template(
     State(ctx): State<Arc<Ctx>>,
     Path(id): Path<String>,
 ) -> ApiResult {
-    let info = ctx.delete_template(&id).await?;
     // In a cluster, from every pod (docs/cluster.md).
-    if let Some(pods) = &ctx.pods {
-        pods.forget(&id);
-    }
+    let info = crate::router::flow::identity::delete(&ctx, &id).await?;
     Ok(Json(info).into_response())
 }

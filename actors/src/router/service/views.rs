@@ -63,6 +63,10 @@ pub struct EditReply {
     /// The pod that ran it (in a cluster of pods; docs/cluster.md).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
+    /// The version of its template it read (`TemplateInfo::version`; absent for an
+    /// edit of an uploaded image).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub template_version: Option<u64>,
     /// The image, base64 (absent from a synchronous request's job entry: its client
     /// had it in the reply).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -90,6 +94,7 @@ impl EditReply {
             loras: o.loras.clone(),
             true_cfg: o.true_cfg.clone(),
             pod: (!o.pod.is_empty()).then(|| o.pod.clone()),
+            template_version: (o.template_version > 0).then_some(o.template_version),
             image: with_image.then(|| encode_b64(&o.image)),
         }
     }

@@ -380,10 +380,20 @@ impl Ctx {
         self.ask(&c, |p| CacheMsg::List(Wire(()), p)).await
     }
 
-    pub async fn delete_template(&self, id: &str) -> Result<TemplateInfo, WireError> {
+    /// Deletes this pod's copy of template `id` (`up_to`: only a version up to it).
+    pub async fn delete_template(
+        &self,
+        id: &str,
+        up_to: Option<u64>,
+    ) -> Result<TemplateInfo, WireError> {
         let c = self.cache().await?;
-        self.ask(&c, |p| CacheMsg::Delete(Wire(id.to_string()), p))
+        self.ask(&c, |p| CacheMsg::Delete(Wire((id.to_string(), up_to)), p))
             .await
+    }
+
+    /// The template registry, when this pod has one (`[cluster] registry`).
+    pub fn template_registry(&self) -> Option<&super::registry::Registry> {
+        self.pods.as_ref().and_then(|p| p.registry.as_ref())
     }
 
     /// This pod's name in its cluster (empty outside one).
@@ -410,7 +420,8 @@ impl Ctx {
     /// own; a pod may hold thousands).
     pub async fn pod_report(&self, templates: Listed<'_>) -> PodReport {
         let draining = self.admission.is_draining();
-        let groups_live = self.ready().iter().all(|(_, have, want)| have >= want);
+        let groups_live = self.ready().iter().all(|(_, have, want)| have >= want)
+            && self.template_registry().is_none_or(|r| r.reconciled());
         let listed = match templates {
             Listed::Only(id) => match self.template(id).await {
                 Ok(t) => Ok(vec![t.info]),
@@ -425,6 +436,7 @@ impl Ctx {
                 .into_iter()
                 .map(|t| PodTemplate {
                     id: t.id,
+                    version: t.version,
                     host_bytes: t.tiers.host,
                     disk_bytes: t.tiers.disk,
                     tokens: t.tokens,

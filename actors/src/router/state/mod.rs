@@ -10,5 +10,6 @@ pub mod jobs;
 pub mod pod_route;
 pub mod pods;
 pub mod recipes;
+pub mod registry;
 
 pub use ctx::{AdapterDir, Ctx, GenerationModel, Listed};

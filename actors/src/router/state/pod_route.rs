@@ -225,6 +225,7 @@ mod tests {
                 .iter()
                 .map(|&(id, host)| PodTemplate {
                     id: id.into(),
+                    version: 1,
                     host_bytes: host,
                     disk_bytes: 1 << 20,
                     tokens: 256,

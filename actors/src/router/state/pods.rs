@@ -84,6 +84,9 @@ pub struct Pods {
     router: Mutex<PodRouter>,
     /// The recipes of the templates this pod's peers hold.
     pub recipes: Recipes,
+    /// The template registry (`[cluster] registry`), where template identity is kept;
+    /// without one each pod keeps its own.
+    pub registry: Option<super::registry::Registry>,
     /// One lock per template this pod brings in (a copy, a capture again): edits
     /// and replication that need the same template wait for one another's copy.
     obtaining: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -143,6 +146,7 @@ impl Pods {
         policy: PodPolicy,
         forward_timeout: Duration,
         recipes: Recipes,
+        registry: Option<super::registry::Registry>,
         metrics: RouterMetrics,
     ) -> Self {
         Pods {
@@ -153,6 +157,7 @@ impl Pods {
             http: OnceLock::new(),
             router: Mutex::new(PodRouter::new(policy)),
             recipes,
+            registry,
             obtaining: Mutex::new(HashMap::new()),
             here: Mutex::new(Vec::new()),
             relayed: Mutex::new(HashMap::new()),
@@ -347,6 +352,15 @@ impl Pods {
         self.peers().get(name).is_some_and(|p| p.up)
     }
 
+    /// Returns once peer `name` is marked down: what a call to it races, so that a
+    /// peer that stops answering (paused, cut off: no TCP reset) ends the call within
+    /// [`DOWN_AFTER`] instead of its timeout.
+    pub async fn until_down(&self, name: &str) {
+        while self.is_up(name) {
+            tokio::time::sleep(DOWN_CHECK).await;
+        }
+    }
+
     fn mark_down(&self, name: &str) {
         let mut peers = self.peers();
         if let Some(p) = peers.get_mut(name) {
@@ -390,6 +404,10 @@ impl Pods {
         cancelled: impl std::future::Future<Output = ()>,
     ) -> Option<Result<T, WireError>> {
         let cell = self.cell(name)?;
+        if crate::fault::cut() {
+            self.mark_down(name);
+            return None;
+        }
         let call = node::call(&cell, self.forward_timeout, msg);
         tokio::pin!(call, cancelled);
         let mut told = false;
@@ -465,6 +483,9 @@ impl Pods {
     /// ended, so its last report (up to a second old, the edit counted in it) is
     /// stale where the next decision looks.
     async fn refresh(&self, name: &str, cell: ActorCell) {
+        if crate::fault::cut() {
+            return;
+        }
         let timeout = Duration::from_secs(1);
         match node::ask(&cell, timeout, |p| PodMsg::Report(Wire(()), p)).await {
             Ok(report) if report.pod == name => {
@@ -619,6 +640,7 @@ mod tests {
                 .iter()
                 .map(|&(id, disk)| PodTemplate {
                     id: id.into(),
+                    version: 1,
                     host_bytes: 1,
                     disk_bytes: disk,
                     tokens: 16,
@@ -646,6 +668,7 @@ mod tests {
             PodPolicy::default(),
             Duration::from_secs(1),
             recipes,
+            None,
             m,
         );
         let c = || cell.get_cell();

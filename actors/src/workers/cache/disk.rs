@@ -75,7 +75,10 @@ struct Stored {
 /// The description in a version's `info.json` (as a peer exports it).
 pub fn stored_info(bytes: &[u8]) -> Result<TemplateInfo, String> {
     serde_json::from_slice::<Stored>(bytes)
-        .map(|s| s.info)
+        .map(|s| TemplateInfo {
+            version: s.version,
+            ..s.info
+        })
         .map_err(|e| format!("not a template's description: {e}"))
 }
 
@@ -342,7 +345,10 @@ fn read_found(path: &Path) -> Result<Found, String> {
     let h = template_file::read_header(path).map_err(|e| e.to_string())?;
     let image = std::fs::read(path.join(IMAGE)).map_err(|e| e.to_string())?;
     Ok(Found {
-        info: s.info,
+        info: TemplateInfo {
+            version: s.version,
+            ..s.info
+        },
         version: s.version,
         layout: h.layout,
         bytes: dir_bytes(path),

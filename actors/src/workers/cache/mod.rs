@@ -208,10 +208,15 @@ impl Actor for CacheActor {
                 list.sort_by(|a, b| a.id.cmp(&b.id));
                 let _ = reply.send(Wire(Ok(list)));
             }
-            CacheMsg::Delete(Wire(id), reply) => {
+            CacheMsg::Delete(Wire((id, up_to)), reply) => {
                 // Marked deleted on disk before the answer: a restart does not bring it
                 // back, even while edits that read it keep its directory.
-                let marked = match (st.index.version_of(&id), &st.disk) {
+                let current = st.index.version_of(&id);
+                if current.is_some_and(|v| up_to.is_some_and(|max| v > max)) {
+                    let _ = reply.send(Wire(Err(not_found(&id))));
+                    return Ok(());
+                }
+                let marked = match (current, &st.disk) {
                     (Some(v), Some(disk)) => disk.tombstone(&id, v),
                     _ => Ok(()),
                 };
@@ -293,6 +298,7 @@ impl CacheState {
         let e = &self.entries[&version];
         let s = self.index.get(version).expect("an indexed version");
         TemplateInfo {
+            version,
             kv_dtype: dtype_name(&e.layout),
             cache_mode: e.layout.mode.name().into(),
             kv_step_stride: e.layout.step_stride as u32,

@@ -173,6 +173,7 @@ mod tests {
             vae_trace_bytes: 0,
             tiers: TierBytes::default(),
             loras: Vec::new(),
+            ..Default::default()
         }
     }
 

@@ -16,6 +16,20 @@ impl CacheState {
             if !put.replace && self.index.version_of(&put.info.id).is_some() {
                 return Err(WireError::template_exists(&put.info.id));
             }
+            let version = match put.version {
+                // The registry's: unique per id, and not one this process holds.
+                Some(v) if self.entries.contains_key(&v) => {
+                    return Err(WireError::internal(format!(
+                        "template `{}`: version {v} is held here already",
+                        put.info.id
+                    )));
+                }
+                Some(v) => {
+                    self.next_version = self.next_version.max(v);
+                    v
+                }
+                None => self.new_version(),
+            };
             let i = &put.info;
             let layout = TemplateLayout::infer(
                 &self.model,
@@ -65,8 +79,8 @@ impl CacheState {
                     return Err(e);
                 }
             };
-            let version = self.new_version();
             let info = TemplateInfo {
+                version,
                 cache_bytes: put.blob.len,
                 vae_trace_bytes: trace_len,
                 ..put.info.clone()
