@@ -14,7 +14,7 @@ Kubernetes releases it knows and brings jsonschema and PyYAML, so nothing is fet
 - prometheus-scrape.yml against schemas/prometheus-scrape.json.
 - The ConfigMap's config.toml parses, and agrees with the other objects: the peers'
   headless Service, namespace and port; the GPU count; the /dev/shm size against the
-  arenas; the grace period against the drain.
+  arenas; the grace period against the worst-case stop; the registry against etcd.yaml.
 
 DIR (default: this script's directory) holds the manifests; the schemas are always
 this directory's. Prints one line per check and exits 1 if any failed.
@@ -106,9 +106,23 @@ def consistency(objs, namespace):
         fail(f"/dev/shm: a Memory emptyDir of at least the arenas' {arenas} bytes")
     if quantity(ctr["resources"]["limits"]["memory"]) <= quantity(shm["emptyDir"]["sizeLimit"]):
         fail("the memory limit must exceed /dev/shm's sizeLimit (the arenas count as memory)")
+    # The worst-case stop (actors/src/supervisor.rs): the preStop pause, the router's
+    # drain and 5 s to exit, then five more roles stopped in turn, 10 s each at most.
     drain = cfg.get("server", {}).get("drain_timeout_seconds", 60)
-    if pod.get("terminationGracePeriodSeconds", 30) <= drain:
-        fail(f"terminationGracePeriodSeconds must exceed [server] drain_timeout_seconds ({drain})")
+    pre_stop = ctr.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    worst = pre_stop + drain + 5 + 5 * 10
+    if pod.get("terminationGracePeriodSeconds", 30) <= worst:
+        fail(f"terminationGracePeriodSeconds must exceed the worst-case stop ({worst} s: "
+             f"preStop {pre_stop} + drain {drain} + 5 + 5 x 10)")
+    # The registry: the etcd members etcd.yaml runs, at their client port.
+    etcd = objs.get(("Service", "denoised-etcd"))
+    etcd_sts = objs.get(("StatefulSet", "denoised-etcd"))
+    if etcd and etcd_sts:
+        port = [p["port"] for p in etcd["spec"]["ports"] if p["name"] == "client"][0]
+        want = [f"denoised-etcd-{i}.denoised-etcd.{namespace}.svc.cluster.local:{port}"
+                for i in range(etcd_sts["spec"]["replicas"])]
+        if cluster.get("registry") != want:
+            fail(f"[cluster] registry {cluster.get('registry')!r}: not etcd.yaml's members {want!r}")
     for key in ("tls_ca", "tls_cert", "tls_key"):
         if cluster.get(key) and not cluster[key].startswith("/etc/denoised/tls/"):
             fail(f"[cluster] {key} is not in the mounted Secret (/etc/denoised/tls/)")
