@@ -1,7 +1,8 @@
 //! The import structure of the actors crate, checked from its sources: the router's
 //! layers import downwards only (edges → service → flows → state, docs/architecture.md
-//! "The router's layers"), no import circle passes through a router file, and no
-//! worker module (workers, denoise, controlnet) imports the router.
+//! "The router's layers"), no import circle passes through a router file, no worker
+//! module (workers, denoise, controlnet) imports the router, and the wire layer
+//! (`wire/`, `node.rs`) imports no other module of the crate.
 //!
 //! The graph is built per file: a file imports another when it names an item of that
 //! file's module through a `crate::`, `super::` or `self::` path (a `use` or a path
@@ -375,6 +376,22 @@ fn no_worker_module_imports_the_router() {
             if worker && d.first().is_some_and(|s| s == "router") {
                 bad.push(format!("{} imports {}", name(m), name(d)));
             }
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// The wire layer is a leaf that the router and the workers both import: `wire/` and
+/// `node.rs` import nothing of the crate but each other (message types live there, not
+/// in the module of the worker that answers them).
+#[test]
+fn the_wire_layer_imports_no_other_module_of_the_crate() {
+    let g = graph(&actors_src());
+    let leaf = |m: &[String]| m.first().is_some_and(|s| s == "wire" || s == "node");
+    let mut bad = Vec::new();
+    for (m, deps) in g.iter().filter(|(m, _)| leaf(m)) {
+        for d in deps.iter().filter(|d| !leaf(d)) {
+            bad.push(format!("{} imports {}", name(m), name(d)));
         }
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));

@@ -24,8 +24,6 @@
 //! hidden width per row and per attended token; tests/gpu_transformer.rs measures the
 //! peak allocation of real steps on the emulated device and checks it stays below.
 
-use serde::{Deserialize, Serialize};
-
 /// Device bytes per computed row of a batched forward, in units of `hidden * dtype`,
 /// and per attended token (the text and every image token of each request).
 ///
@@ -70,25 +68,7 @@ pub struct BudgetInputs {
     pub stage_bytes: u64,
 }
 
-/// The budget, as logged at start and shown in `/readyz`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeviceBudget {
-    pub total_bytes: u64,
-    pub weights_bytes: u64,
-    pub workspace_bytes: u64,
-    /// The running requests' tensors.
-    #[serde(default)]
-    pub requests_bytes: u64,
-    /// Buffers of streamed templates.
-    #[serde(default)]
-    pub slab_buffer_bytes: u64,
-    pub reserve_bytes: u64,
-    /// The pre- and postprocess workers on this device.
-    #[serde(default)]
-    pub stage_bytes: u64,
-    /// Device memory for resident templates.
-    pub template_bytes: u64,
-}
+pub use crate::wire::DeviceBudget;
 
 /// The step workspace for `rows` computed rows attending over `context` tokens.
 pub fn workspace_bytes(hidden: usize, dtype_bytes: usize, rows: usize, context: usize) -> u64 {

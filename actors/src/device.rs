@@ -40,12 +40,7 @@ pub struct StepLimits {
     pub stages_on_device: StagesOnDevice,
 }
 
-/// How many pre- and postprocess workers share a denoise worker's device.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct StagesOnDevice {
-    pub preprocess: usize,
-    pub postprocess: usize,
-}
+pub use crate::node::StagesOnDevice;
 
 impl StepLimits {
     /// Resident template bytes within `allowed` (what the device leaves).

@@ -118,7 +118,7 @@ pub struct WorkerEnv {
     /// A denoise worker's: the pre- and postprocess workers placed on its device,
     /// which its memory budget sets aside.
     #[serde(default)]
-    pub stages_on_device: crate::device::StagesOnDevice,
+    pub stages_on_device: StagesOnDevice,
 }
 
 impl WorkerEnv {
@@ -507,4 +507,11 @@ impl Shm {
     pub fn used_bytes(&self) -> u64 {
         self.arena().used_bytes()
     }
+}
+
+/// How many pre- and postprocess workers share a denoise worker's device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StagesOnDevice {
+    pub preprocess: usize,
+    pub postprocess: usize,
 }

@@ -13,7 +13,6 @@
 //! `GpuBackend` per process would let them run on a GPU, which nothing here has been
 //! measured on yet.
 
-pub mod messages;
 pub mod stream;
 
 use std::collections::HashMap;

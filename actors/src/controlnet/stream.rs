@@ -26,27 +26,12 @@ use denoised_models::flux::control_feed::{ControlFeed, FeedLayout};
 use denoised_runtime::shm::futex;
 use denoised_runtime::{Error, HostSlice, Result, Tensor};
 use prometheus_client::metrics::histogram::Histogram;
-use serde::{Deserialize, Serialize};
 
 /// A block word's value when the service failed the step.
 pub const FAILED: u32 = u32::MAX;
 const ALIGN: usize = 64;
 
-/// Where a stream lies and what it carries (the service's reply to a start).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct StreamLayout {
-    pub doubles: u32,
-    pub singles: u32,
-    /// Latent rows: every token.
-    pub rows: u32,
-    /// Latent columns (the transformer's out_channels).
-    pub cols: u32,
-    /// Rows of each residual: every token for a generation, an edit's active ones.
-    pub residual_rows: u32,
-    pub hidden: u32,
-    /// The scale the summed residuals are added with.
-    pub scale: f32,
-}
+pub use crate::wire::controlnet::StreamLayout;
 
 impl StreamLayout {
     pub fn blocks(&self) -> usize {

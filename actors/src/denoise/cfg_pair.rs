@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 use denoised_models::flux::edit::CfgPartner;
 use denoised_runtime::shm::futex;
 use denoised_runtime::{Error, HostSlice, Result};
-use serde::{Deserialize, Serialize};
 
 const ALIGN: usize = 64;
 /// The words: each branch's published step, and the router's abandonment.
@@ -29,17 +28,7 @@ const ABANDONED: usize = 2;
 const CHECK_EVERY: Duration = Duration::from_millis(500);
 const GIVE_UP: Duration = Duration::from_secs(300);
 
-/// A pair's slice: where it is and its size (the router's, lent to both workers).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CfgPairRef {
-    pub slot: denoised_runtime::shm::Handle,
-    /// Rows and columns of a velocity (`[N, C]`).
-    pub rows: u32,
-    pub cols: u32,
-    /// Which branch the receiving worker runs.
-    pub positive: bool,
-    pub scale: f32,
-}
+pub use crate::wire::CfgPairRef;
 
 /// Bytes of a pair's slice for `[rows, cols]` velocities.
 pub fn pair_bytes(rows: usize, cols: usize) -> usize {

@@ -250,7 +250,7 @@ pub enum DenoiseWork {
         /// exchange with the other (then `true_cfg` is `None`; a negative branch's
         /// `inputs` carry the negative prompt).
         #[serde(default)]
-        cfg_pair: Option<crate::denoise::cfg_pair::CfgPairRef>,
+        cfg_pair: Option<CfgPairRef>,
     },
     /// A full run that records a template cache of this mode, its slabs stored every
     /// `step_stride` steps.
@@ -509,90 +509,6 @@ pub struct InlineDone {
     pub postprocess_s: f64,
 }
 
-/// A registered template's description.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct TemplateInfo {
-    pub id: String,
-    /// This registration of it: every create or replace of the id takes a larger one,
-    /// the same on every pod that holds a copy.
-    #[serde(default)]
-    pub version: u64,
-    /// The SHA-256 of what its content is made from (its image and capture
-    /// parameters), hex: a copy or a capture again from its recipe has the same.
-    #[serde(default)]
-    pub digest: String,
-    pub model: String,
-    pub width: u32,
-    pub height: u32,
-    /// Image tokens (the template's cache covers all of them).
-    pub tokens: u32,
-    pub steps: u32,
-    pub guidance: f32,
-    pub seed: u64,
-    pub prompt: String,
-    pub max_sequence_length: u32,
-    pub cache_bytes: u64,
-    pub created_unix: f64,
-    /// The storage dtype of its K/V (the capturing device's): `f32` or `bf16`.
-    #[serde(default)]
-    pub kv_dtype: String,
-    /// What it caches per block: `kv` or `y`.
-    #[serde(default)]
-    pub cache_mode: String,
-    /// Its slabs are stored every this many steps (step sharing; 1: every step).
-    #[serde(default = "one")]
-    pub kv_step_stride: u32,
-    /// Bytes of its stored VAE traces (the sparse VAE's; 0 when it was captured with
-    /// `[pipeline] sparse_vae = "off"`), beside `cache_bytes`; both count in `tiers`.
-    #[serde(default)]
-    pub vae_trace_bytes: u64,
-    /// Where it is now: its bytes in each tier of the template cache (0 where it is
-    /// not). Filled in when it is described.
-    #[serde(default)]
-    pub tiers: TierBytes,
-    /// The LoRAs it was captured with; its edits run with them.
-    #[serde(default)]
-    pub loras: Vec<WireLora>,
-}
-
-/// A template's footprint in each tier of the template cache.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct TierBytes {
-    pub host: u64,
-    pub disk: u64,
-}
-
-/// router → cache: store a template (the cache actor copies both slices into its arena).
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct PutTemplate {
-    pub info: TemplateInfo,
-    pub blob: Handle,
-    pub image: Handle,
-    /// Its VAE traces (one record each, `denoised_models::vae::sparse::stored`), which
-    /// the cache stores as one slice.
-    pub vae_traces: Vec<Handle>,
-    /// Replace a template of the same id; without it that id is a conflict.
-    pub replace: bool,
-    /// The version to store it as (the template registry's); `None`: a new one.
-    pub version: Option<u64>,
-}
-
-/// A template as the cache actor hands it out.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct TemplateEntry {
-    pub info: TemplateInfo,
-    /// This registration of the template: unique, also across restarts, and the same
-    /// in every tier (what pins and device caches name).
-    pub version: u64,
-    /// Its cache in the host tier, when it is there (else it is on disk: `Load` it).
-    pub blob: Option<Handle>,
-    /// Its VAE traces in the host tier, when it has them and they are there (they
-    /// come and go with `blob`).
-    pub vae_traces: Option<Handle>,
-    /// The template's encoded image bytes (always in the host tier: they are small).
-    pub image: Handle,
-}
-
 /// Progress of a request, denoise → router after each of its steps.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Progress {
@@ -672,7 +588,7 @@ pub struct WorkerInfo {
     pub components: Vec<denoised_models::pipeline::flux_fill::Component>,
     /// A GPU (or emulated) denoise worker's device memory budget; null elsewhere.
     /// (No `skip_serializing_if`: cluster messages are postcard, which is positional.)
-    pub device_budget: Option<crate::budget::DeviceBudget>,
+    pub device_budget: Option<DeviceBudget>,
     /// A GPU (or emulated) denoise worker's attention path: cuDNN's fused SDPA, or
     /// our kernel and why. Null elsewhere.
     pub attention: Option<String>,
@@ -798,13 +714,14 @@ pub enum MetricsMsg {
     Scrape(Wire<()>, RpcReplyPort<Res<String>>),
 }
 
-// The approximate cache's lookups and stores live with the cache process.
-pub use crate::workers::cache::messages::{ApproxHit, ApproxPut, ApproxQuery};
-
-// The ControlNet service's messages live with it.
-pub use crate::controlnet::messages::{
-    ControlNetMsg, ControlStart, ControlStreamRef, WireControlNet,
-};
+pub mod approx;
+pub mod controlnet;
+mod device;
+mod templates;
+pub use approx::{ApproxHit, ApproxPut, ApproxQuery};
+pub use controlnet::{ControlNetMsg, ControlStart, ControlStreamRef, WireControlNet};
+pub use device::{CfgPairRef, DeviceBudget};
+pub use templates::{PutTemplate, TemplateEntry, TemplateInfo, TierBytes};
 
 /// Process-group names under which each group's actors register.
 pub mod groups {
@@ -816,10 +733,6 @@ pub mod groups {
     pub const CONTROLNET: &str = "denoised.controlnet";
     /// Every worker process's metrics actor (see `crate::metrics`).
     pub const METRICS: &str = "denoised.metrics";
-}
-
-fn one() -> u32 {
-    1
 }
 
 #[cfg(test)]

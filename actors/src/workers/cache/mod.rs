@@ -39,7 +39,6 @@ mod copy;
 pub mod disk;
 mod found;
 pub mod index;
-pub mod messages;
 pub mod noise;
 pub mod recover;
 mod register;

@@ -1,6 +1,6 @@
-//! The approximate cache's messages (`CacheMsg::ApproxLookup` / `ApproxPut`, see
-//! `crate::wire`): what a generation is matched by, a hit, and a missed generation's
-//! states to keep (the cache process serves them, `super::noise`).
+//! The approximate cache's messages (`CacheMsg::ApproxLookup` / `ApproxPut`): what a
+//! generation is matched by, a hit, and a missed generation's states to keep (the
+//! cache process serves them, `crate::workers::cache::noise`).
 
 use denoised_runtime::shm::Handle;
 use serde::{Deserialize, Serialize};

@@ -1,6 +1,7 @@
 //! The ControlNet service's messages (see `crate::wire` for how messages travel):
 //! the router opens and closes a request's residual stream; the stream itself is
-//! shared memory (`super::stream`).
+//! shared memory (`crate::controlnet::stream`, which reads and writes it by its
+//! [`StreamLayout`]).
 
 use denoised_runtime::shm::Handle;
 use ractor::RpcReplyPort;
@@ -42,7 +43,23 @@ pub struct ControlStart {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ControlStreamRef {
     pub slot: Handle,
-    pub layout: crate::controlnet::stream::StreamLayout,
+    pub layout: StreamLayout,
+}
+
+/// Where a stream lies and what it carries (the service's reply to a start).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StreamLayout {
+    pub doubles: u32,
+    pub singles: u32,
+    /// Latent rows: every token.
+    pub rows: u32,
+    /// Latent columns (the transformer's out_channels).
+    pub cols: u32,
+    /// Rows of each residual: every token for a generation, an edit's active ones.
+    pub residual_rows: u32,
+    pub hidden: u32,
+    /// The scale the summed residuals are added with.
+    pub scale: f32,
 }
 
 #[derive(RactorClusterMessage)]
