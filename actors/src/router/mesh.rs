@@ -79,6 +79,7 @@ pub async fn join(ctx: Arc<Ctx>, http: String) -> Result<(), String> {
         if tls.is_some() { " (TLS)" } else { "" }
     );
     tokio::spawn(dial(node, advertised, c.peers.clone(), tls.map(|(_, c)| c)));
+    transfer::sweep_staging(&ctx);
     tokio::spawn(identity::tend(ctx.clone()));
     tokio::spawn(watch(ctx));
     Ok(())

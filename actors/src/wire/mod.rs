@@ -672,9 +672,11 @@ pub enum CacheMsg {
     /// given: older copies than the registry allows go, a newer one stays).
     #[rpc]
     Delete(Wire<(String, Option<u64>)>, RpcReplyPort<Res<TemplateInfo>>),
-    /// A copy of this template from another pod is in the disk tier: index it.
+    /// A copy of template `.0` from another pod, received complete by the router in its
+    /// staging directory at `.1`: move it into the disk tier and index it (the cache
+    /// process is the only writer of its tier).
     #[rpc]
-    Adopt(Wire<String>, RpcReplyPort<Res<TemplateInfo>>),
+    Adopt(Wire<(String, String)>, RpcReplyPort<Res<TemplateInfo>>),
     /// `Get` for an edit: the template stays (pinned: never evicted, its slices valid
     /// even if it is deleted or replaced meanwhile) until the matching `Unpin`. A
     /// template only on disk starts loading into the host tier at once; the reply does

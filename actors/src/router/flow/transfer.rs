@@ -33,9 +33,26 @@ use crate::workers::cache::disk::DiskTier;
 /// How long a stream's next chunk may take (the sender reads its disk at its cap).
 const CHUNK_WAIT: Duration = Duration::from_secs(30);
 
-/// The pod's disk tier of templates (the cache process's, read and written here).
+/// The pod's disk tier of templates, which copies to peers are read from (the cache
+/// process is its only writer: a copy from a peer is received beside it, [`staging`]).
 fn disk(ctx: &Ctx) -> Result<DiskTier, String> {
     DiskTier::open(&ctx.config.cache.resolved_dir(), &ctx.model)
+}
+
+/// Where this router receives copies from peers before the cache moves them in.
+pub fn staging(ctx: &Ctx) -> std::path::PathBuf {
+    DiskTier::staging(&ctx.config.cache.resolved_dir(), &ctx.model)
+}
+
+/// Removes what copies cut short left in the staging directory (at start: no copy runs).
+pub fn sweep_staging(ctx: &Ctx) {
+    let dir = staging(ctx);
+    if let Ok(rd) = std::fs::read_dir(&dir) {
+        for e in rd.flatten() {
+            tracing::info!("removing a copy cut short: {}", e.path().display());
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// The sending side: the streams this pod's peers have open.
@@ -223,12 +240,13 @@ pub async fn fetch(
     // The receiver takes no more than the template's description announces, and never
     // more than its whole disk tier.
     let max_bytes = (info.cache_bytes + info.vae_trace_bytes).min(ctx.config.cache.disk_bytes);
-    let d = disk(ctx)?;
+    let dir = staging(ctx);
+    let dest = dir.join(&e.name);
+    let staged = dest.to_string_lossy().to_string();
     let rt = tokio::runtime::Handle::current();
     let name = e.name.clone();
     let moved = tokio::task::spawn_blocking(move || -> Result<u64, String> {
-        std::fs::create_dir_all(d.incoming()).map_err(|e| e.to_string())?;
-        let dest = d.incoming().join(&name);
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
         let _ = std::fs::remove_dir_all(&dest);
         let mut stream = MeshStream {
             cell,
@@ -239,17 +257,26 @@ pub async fn fetch(
             pos: 0,
             bytes: 0,
         };
-        template_transfer::receive(&mut stream, &name, &dest, max_bytes)
-            .map_err(|e| e.to_string())?;
-        d.install(&name, &e.info, &e.image)?;
-        Ok(stream.bytes)
+        let r = template_transfer::receive(&mut stream, &name, &dest, max_bytes)
+            .map_err(|e| e.to_string())
+            .and_then(|_| DiskTier::stage(&dest, &e.info, &e.image).map_err(|e| e.to_string()));
+        if r.is_err() {
+            let _ = std::fs::remove_dir_all(&dest);
+        }
+        r.map(|()| stream.bytes)
     })
     .await
     .map_err(|e| e.to_string())??;
     let c = ctx.cache().await.map_err(|e| e.message)?;
-    ctx.ask(&c, |p| CacheMsg::Adopt(Wire(id.to_string()), p))
-        .await
-        .map_err(|e| e.message)?;
+    let adopted = ctx
+        .ask(&c, |p| {
+            CacheMsg::Adopt(Wire((id.to_string(), staged.clone())), p)
+        })
+        .await;
+    if adopted.is_err() {
+        let _ = std::fs::remove_dir_all(&staged);
+    }
+    adopted.map_err(|e| e.message)?;
     Ok(moved)
 }
 

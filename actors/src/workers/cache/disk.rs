@@ -82,6 +82,8 @@ pub fn stored_info(bytes: &[u8]) -> Result<TemplateInfo, String> {
         .map_err(|e| format!("not a template's description: {e}"))
 }
 
+/// The tier. Its writing methods are the cache process's alone (`pub(super)`): the
+/// router reads it (copies to peers) and stages copies from peers beside it.
 #[derive(Clone)]
 pub struct DiskTier {
     root: PathBuf,
@@ -109,7 +111,7 @@ impl DiskTier {
     }
 
     /// Writes a version; returns its bytes on disk.
-    pub fn write(
+    pub(super) fn write(
         &self,
         version: u64,
         info: &TemplateInfo,
@@ -194,7 +196,7 @@ impl DiskTier {
 
     /// Records a version as pending (written to a temporary file and renamed, so a
     /// crash leaves either the whole record or none).
-    pub fn write_pending(&self, p: &Pending) -> Result<(), WireError> {
+    pub(super) fn write_pending(&self, p: &Pending) -> Result<(), WireError> {
         let path = self.pending_path(p.version);
         let dir = path.parent().expect("a pending record's directory");
         std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
@@ -207,7 +209,7 @@ impl DiskTier {
     }
 
     /// Forgets a version's pending record (its write finished, or it is gone).
-    pub fn remove_pending(&self, version: u64) {
+    pub(super) fn remove_pending(&self, version: u64) {
         let path = self.pending_path(version);
         if let Err(e) = std::fs::remove_file(&path) {
             if e.kind() != std::io::ErrorKind::NotFound {
@@ -247,7 +249,7 @@ impl DiskTier {
     }
 
     /// Removes a version's directory.
-    pub fn remove(&self, id: &str, version: u64) {
+    pub(super) fn remove(&self, id: &str, version: u64) {
         let dir = self.dir(id, version);
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             if e.kind() != std::io::ErrorKind::NotFound {
@@ -264,7 +266,7 @@ impl DiskTier {
     /// Marks a version deleted, durably (the marker and its directory synced), before
     /// its directory goes (edits that read it may hold it a while): a restart removes a
     /// marked version instead of serving it again ([`scan`](Self::scan)).
-    pub fn tombstone(&self, id: &str, version: u64) -> Result<(), WireError> {
+    pub(super) fn tombstone(&self, id: &str, version: u64) -> Result<(), WireError> {
         let path = self.tombstone_path(id, version);
         let dir = path.parent().expect("a tombstone's directory");
         std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
@@ -277,7 +279,10 @@ impl DiskTier {
     /// The templates on disk: the newest complete version of each id. Everything else
     /// is removed (and logged): unfinished writes, older versions, unreadable ones,
     /// ones whose layout `check` refuses.
-    pub fn scan(&self, check: impl Fn(&TemplateLayout, &TemplateInfo) -> bool) -> Vec<Found> {
+    pub(super) fn scan(
+        &self,
+        check: impl Fn(&TemplateLayout, &TemplateInfo) -> bool,
+    ) -> Vec<Found> {
         // Versions deleted before a crash go first.
         if let Ok(rd) = std::fs::read_dir(self.root.join(DELETED)) {
             for e in rd.flatten() {
@@ -396,19 +401,47 @@ impl DiskTier {
         Some((name, info, image))
     }
 
-    /// Where a copy from a peer is received (a name no template id can take).
-    pub fn incoming(&self) -> PathBuf {
-        self.root.join(".incoming")
+    /// Where the router receives copies from peers for this tier: beside it, not in it
+    /// (`<dir>/.incoming/<model>/`), so that the cache process stays the only writer of
+    /// the tier; on the same filesystem, so that a copy moves in by a rename.
+    pub fn staging(dir: &Path, model: &str) -> PathBuf {
+        dir.join(".incoming").join(model)
     }
 
-    /// Completes a copy received at `incoming/<name>` with its description and image,
-    /// and moves it into the tier.
-    pub fn install(&self, name: &str, info: &[u8], image: &[u8]) -> Result<(), String> {
-        let src = self.incoming().join(name);
-        std::fs::write(src.join(IMAGE), image).map_err(|e| e.to_string())?;
-        std::fs::write(src.join(INFO), info).map_err(|e| e.to_string())?;
-        read_found(&src).map_err(|e| format!("{}: {e}", src.display()))?;
-        std::fs::rename(&src, self.root.join(name)).map_err(|e| e.to_string())
+    /// Moves a copy of a version of template `id`, received complete at `staged` (its
+    /// template file, description and image), into the tier: checked first (its name
+    /// and description), synced, renamed into place.
+    pub(super) fn install(&self, id: &str, staged: &Path) -> Result<(), String> {
+        let name = staged
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        crate::wire::check_version_name(id, &name)?;
+        let found = read_found(staged).map_err(|e| format!("{}: {e}", staged.display()))?;
+        if found.info.id != id {
+            return Err(format!(
+                "{}: a copy of `{}`, not `{id}`",
+                staged.display(),
+                found.info.id
+            ));
+        }
+        let dest = self.root.join(&name);
+        if dest.exists() {
+            // This version is here already (a copy raced another).
+            let _ = std::fs::remove_dir_all(staged);
+            return Ok(());
+        }
+        let fail = |e: std::io::Error| format!("{}: {e}", dest.display());
+        sync_dir_and_files(staged).map_err(fail)?;
+        std::fs::rename(staged, &dest).map_err(fail)?;
+        sync_path(&self.root).map_err(fail)
+    }
+
+    /// Writes a received copy's description and image beside its template file (the
+    /// router does, in its staging directory, before the cache installs it).
+    pub fn stage(staged: &Path, info: &[u8], image: &[u8]) -> std::io::Result<()> {
+        std::fs::write(staged.join(IMAGE), image)?;
+        std::fs::write(staged.join(INFO), info)
     }
 
     /// The newest complete version of `id` on disk (a copy just installed).

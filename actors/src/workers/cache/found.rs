@@ -66,9 +66,14 @@ impl CacheState {
         Ok(())
     }
 
-    /// Indexes the copy of template `id` another pod's router just installed in the
-    /// disk tier (docs/cluster.md), unless this cache has that version or a newer one.
-    pub(super) fn adopt(&mut self, id: &str) -> Result<TemplateInfo, WireError> {
+    /// Moves a copy of template `id` from another pod, which this pod's router received
+    /// at `staged`, into the disk tier (docs/cluster.md) and indexes it, unless this
+    /// cache has that version or a newer one.
+    pub(super) fn adopt(&mut self, id: &str, staged: &str) -> Result<TemplateInfo, WireError> {
+        if let Some(d) = &self.disk {
+            d.install(id, std::path::Path::new(staged))
+                .map_err(WireError::internal)?;
+        }
         let found = self.disk.as_ref().and_then(|d| d.find(id));
         let Some(f) = found else {
             return Err(not_found(id));

@@ -194,8 +194,8 @@ impl Actor for CacheActor {
                 let r = st.entry_of(&id);
                 let _ = reply.send(Wire(r));
             }
-            CacheMsg::Adopt(Wire(id), reply) => {
-                let _ = reply.send(Wire(st.adopt(&id)));
+            CacheMsg::Adopt(Wire((id, staged)), reply) => {
+                let _ = reply.send(Wire(st.adopt(&id, &staged)));
             }
             CacheMsg::List(_, reply) => {
                 let mut list: Vec<TemplateInfo> = st
