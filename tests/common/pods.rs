@@ -103,6 +103,9 @@ impl Pod {
                 ("DENOISED_CACHE_DIR", cache.to_str().unwrap()),
                 // A switch the nemesis flips (actors/src/fault.rs): off unless it exists.
                 ("DENOISED_FAULT_CUT", self.cut_switch().to_str().unwrap()),
+                // The supervisor's status file, in the pod's directory: a pod killed
+                // (-9) leaves it there, removed with the directory.
+                ("RUNTIME_DIRECTORY", dir.to_str().unwrap()),
             ],
             &self.log(),
         ));
