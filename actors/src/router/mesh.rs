@@ -27,8 +27,8 @@ use crate::router::service::{cancel, submit_peer, submit_peer_edit, GenerationRe
 use crate::router::state::jobs::{JobEvent, Previews};
 use crate::router::state::registry::{record, Held};
 use crate::router::state::{Ctx, Listed};
-use crate::wire::pods::{PodJobEvent, PodMsg, PodOrigin, GROUP, SCOPE};
-use crate::wire::{JobId, Wire};
+use crate::wire::pods::{FromPeer, PodJobEvent, PodMsg, PodOrigin, GROUP, SCOPE};
+use crate::wire::{JobId, Wire, WireError};
 
 /// How often the peers are asked for their reports, and dialled when not connected.
 const TICK: Duration = Duration::from_secs(1);
@@ -313,7 +313,7 @@ async fn watch(ctx: Arc<Ctx>) {
             .filter(|c| !c.get_id().is_local() && !crate::fault::cut())
             .collect();
         let asks = peers.into_iter().map(|cell| async move {
-            let r = crate::node::ask(&cell, TICK, |p| PodMsg::Report(Wire(()), p)).await;
+            let r = crate::node::ask(&cell, TICK, |p| PodMsg::Report(FromPeer::of(()), p)).await;
             (cell, r)
         });
         for (cell, r) in futures_util::future::join_all(asks).await {
@@ -375,13 +375,13 @@ impl Actor for PodActor {
         // Each answer is made on its own task: a slow cache listing or an edit never
         // holds up the next peer's call.
         match msg {
-            PodMsg::Report(_, reply) => {
+            PodMsg::Report(FromPeer(Ok(())), reply) => {
                 let ctx = ctx.clone();
                 tokio::spawn(async move {
                     let _ = reply.send(Wire(Ok(ctx.pod_report(Listed::All).await)));
                 });
             }
-            PodMsg::Edit(Wire(mut e), reply) => {
+            PodMsg::Edit(FromPeer(Ok(mut e)), reply) => {
                 ctx.metrics.pod_forwarded_in.inc();
                 let origin = e.origin.take();
                 let input = EditInput::from_pod(e);
@@ -399,7 +399,7 @@ impl Actor for PodActor {
                     },
                 );
             }
-            PodMsg::Generate(Wire(mut g), reply) => {
+            PodMsg::Generate(FromPeer(Ok(mut g)), reply) => {
                 ctx.metrics.pod_forwarded_in.inc();
                 let origin = g.origin.take();
                 let format = g.format;
@@ -417,20 +417,20 @@ impl Actor for PodActor {
                     },
                 );
             }
-            PodMsg::Export(Wire(id), reply) => {
+            PodMsg::Export(FromPeer(Ok(id)), reply) => {
                 let _ = reply.send(Wire(out.export(ctx, &id)));
             }
-            PodMsg::Open(Wire(request), reply) => {
+            PodMsg::Open(FromPeer(Ok(request)), reply) => {
                 let _ = reply.send(Wire(out.open(ctx, request)));
             }
-            PodMsg::Next(Wire(id), reply) => {
+            PodMsg::Next(FromPeer(Ok(id)), reply) => {
                 let out = out.clone();
                 tokio::spawn(async move {
                     let _ = reply.send(Wire(out.next(id).await));
                 });
             }
-            PodMsg::Close(Wire(id)) => out.close(id),
-            PodMsg::Cancel(Wire(origin)) => {
+            PodMsg::Close(FromPeer(Ok(id))) => out.close(id),
+            PodMsg::Cancel(FromPeer(Ok(origin))) => {
                 let ctx = ctx.clone();
                 tokio::spawn(async move {
                     let job = ctx.pods.as_ref().and_then(|p| p.relayed(&origin));
@@ -439,11 +439,11 @@ impl Actor for PodActor {
                     }
                 });
             }
-            PodMsg::Forget(Wire(id)) => {
+            PodMsg::Forget(FromPeer(Ok(id))) => {
                 let ctx = ctx.clone();
                 tokio::spawn(async move { identity::deleted_at_peer(&ctx, &id).await });
             }
-            PodMsg::Event(Wire((job, event))) => {
+            PodMsg::Event(FromPeer(Ok((job, event)))) => {
                 let events = &ctx.metrics.pod_events;
                 events.get_or_create(&[("direction", "in")]).inc();
                 match event {
@@ -457,8 +457,33 @@ impl Actor for PodActor {
                     PodJobEvent::Preview { step, jpeg } => ctx.jobs.preview(job, step, jpeg),
                 }
             }
+            undecodable => refuse(undecodable),
         }
         Ok(())
+    }
+}
+
+/// A peer's message that did not decode (a pod of another version): a call is answered
+/// with the error, a tell is logged.
+fn refuse(msg: PodMsg) {
+    let why = |what: &str, e: String| {
+        let m = format!("pod message {what} does not decode here: {e} (a pod of another version?)");
+        tracing::warn!("{m}");
+        WireError::bad_input(m)
+    };
+    match msg {
+        PodMsg::Report(FromPeer(Err(e)), r) => drop(r.send(Wire(Err(why("Report", e))))),
+        PodMsg::Edit(FromPeer(Err(e)), r) => drop(r.send(Wire(Err(why("Edit", e))))),
+        PodMsg::Generate(FromPeer(Err(e)), r) => drop(r.send(Wire(Err(why("Generate", e))))),
+        PodMsg::Export(FromPeer(Err(e)), r) => drop(r.send(Wire(Err(why("Export", e))))),
+        PodMsg::Open(FromPeer(Err(e)), r) => drop(r.send(Wire(Err(why("Open", e))))),
+        PodMsg::Next(FromPeer(Err(e)), r) => drop(r.send(Wire(Err(why("Next", e))))),
+        PodMsg::Close(FromPeer(Err(e))) => drop(why("Close", e)),
+        PodMsg::Event(FromPeer(Err(e))) => drop(why("Event", e)),
+        PodMsg::Cancel(FromPeer(Err(e))) => drop(why("Cancel", e)),
+        PodMsg::Forget(FromPeer(Err(e))) => drop(why("Forget", e)),
+        // Decoded: the handler's arms take every such message.
+        _ => {}
     }
 }
 
@@ -498,7 +523,7 @@ async fn relay(ctx: Arc<Ctx>, job: JobId, origin: PodOrigin) {
                 jpeg: jpeg.to_vec(),
             },
         };
-        crate::node::tell(&cell, PodMsg::Event(Wire((origin.job, event))));
+        crate::node::tell(&cell, PodMsg::Event(FromPeer::of((origin.job, event))));
         let events = &ctx.metrics.pod_events;
         events.get_or_create(&[("direction", "out")]).inc();
     }

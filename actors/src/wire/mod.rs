@@ -32,12 +32,21 @@ impl<T: Serialize + DeserializeOwned> BytesConvertable for Wire<T> {
         postcard::to_stdvec(&self.0).expect("postcard encodes the wire types")
     }
     fn from_bytes(bytes: Vec<u8>) -> Self {
-        // ractor_cluster's trait has no error path. Peers are authenticated by the
-        // cookie and run the same binary, so a payload that does not decode is a bug
-        // (or a version skew across hosts). ractor catches the panic and drops the
-        // message; a dropped call is then only noticed by its caller when the
-        // connection closes (calls have no timeout), so keep the wire types in step.
-        Wire(postcard::from_bytes(&bytes).expect("cluster message does not decode"))
+        // ractor_cluster's trait has no error path. A reply (`Res<T>`, a `Result<_,
+        // WireError>`) that does not decode becomes an error reply: the postcard bytes of
+        // an `Err(WireError)` decode as any such `Result`. Anything else that does not
+        // decode is a bug in this process's own messages (peers' requests travel as
+        // `pods::FromPeer`, which keeps the failure): ractor catches the panic and drops it.
+        match postcard::from_bytes(&bytes) {
+            Ok(v) => Wire(v),
+            Err(e) => {
+                let err: Result<(), WireError> = Err(WireError::internal(format!(
+                    "a reply that does not decode ({e}): a peer of another version?"
+                )));
+                let bytes = postcard::to_stdvec(&err).expect("postcard encodes an error");
+                Wire(postcard::from_bytes(&bytes).expect("cluster message does not decode"))
+            }
+        }
     }
 }
 

@@ -3,8 +3,9 @@
 //! travel, like the bus's) to the pod that holds its template; the result comes back
 //! whole. Latents and activations never leave their pod.
 
-use ractor::RpcReplyPort;
+use ractor::{BytesConvertable, RpcReplyPort};
 use ractor_cluster::RactorClusterMessage;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::{DenoiseStats, FinishParams, JobId, Res, StageTimings, Wire};
@@ -274,32 +275,88 @@ pub struct Exported {
     pub image: Vec<u8>,
 }
 
+/// What a peer sends (postcard, as [`Wire`]), or why it did not decode: pods of two
+/// versions may meet during a rolling upgrade, and a call whose message does not decode
+/// is answered with that error instead of going unanswered.
+#[derive(Clone, Debug)]
+pub struct FromPeer<T>(pub Result<T, String>);
+
+impl<T> FromPeer<T> {
+    pub fn of(v: T) -> Self {
+        FromPeer(Ok(v))
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> BytesConvertable for FromPeer<T> {
+    fn into_bytes(self) -> Vec<u8> {
+        match self.0 {
+            Ok(v) => Wire(v).into_bytes(),
+            // Never sent: a peer's message is built `Ok`.
+            Err(_) => Vec::new(),
+        }
+    }
+    fn from_bytes(bytes: Vec<u8>) -> Self {
+        FromPeer(postcard::from_bytes(&bytes).map_err(|e| e.to_string()))
+    }
+}
+
 /// A pod's actor, called by its peers' routers.
 #[derive(RactorClusterMessage)]
 pub enum PodMsg {
     #[rpc]
-    Report(Wire<()>, RpcReplyPort<Res<PodReport>>),
+    Report(FromPeer<()>, RpcReplyPort<Res<PodReport>>),
     #[rpc]
-    Edit(Wire<PodEdit>, RpcReplyPort<Res<EditOutput>>),
+    Edit(FromPeer<PodEdit>, RpcReplyPort<Res<EditOutput>>),
     #[rpc]
-    Generate(Wire<PodGenerate>, RpcReplyPort<Res<GenerateOutput>>),
+    Generate(FromPeer<PodGenerate>, RpcReplyPort<Res<GenerateOutput>>),
     /// The newest version of a template this pod holds on disk.
     #[rpc]
-    Export(Wire<String>, RpcReplyPort<Res<Exported>>),
+    Export(FromPeer<String>, RpcReplyPort<Res<Exported>>),
     /// Opens a template transfer: the receiver's request (`template_transfer`'s
     /// request line); the reply is the stream's id.
     #[rpc]
-    Open(Wire<Vec<u8>>, RpcReplyPort<Res<u64>>),
+    Open(FromPeer<Vec<u8>>, RpcReplyPort<Res<u64>>),
     /// The stream's next bytes (empty: its end).
     #[rpc]
-    Next(Wire<u64>, RpcReplyPort<Res<Vec<u8>>>),
+    Next(FromPeer<u64>, RpcReplyPort<Res<Vec<u8>>>),
     /// The receiver is done with the stream (finished or not).
-    Close(Wire<u64>),
+    Close(FromPeer<u64>),
     /// An event of a job this pod forwarded (its id here), from the pod running it.
-    Event(Wire<(JobId, PodJobEvent)>),
+    Event(FromPeer<(JobId, PodJobEvent)>),
     /// The forwarded edit of (pod, job there) was cancelled where it came from.
-    Cancel(Wire<(String, JobId)>),
+    Cancel(FromPeer<(String, JobId)>),
     /// A template was deleted (`DELETE /v1/templates/{id}` at a pod that held it): this
     /// pod drops its copy and recipe.
-    Forget(Wire<String>),
+    Forget(FromPeer<String>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{ErrorKind, WireError};
+
+    /// A peer's message that does not decode (a pod of another version) keeps why, for
+    /// the pod actor to answer with; a reply that does not decode becomes an error reply
+    /// (what `Wire` does for every `Result<_, WireError>`), not a dropped message.
+    #[test]
+    fn messages_that_do_not_decode_become_errors() {
+        let edit = FromPeer::<PodEdit>::from_bytes(vec![0xff; 5]);
+        assert!(edit.0.is_err(), "{:?}", edit.0.map(|_| ()));
+        let fine = FromPeer::of("room".to_string()).into_bytes();
+        assert_eq!(FromPeer::<String>::from_bytes(fine).0.unwrap(), "room");
+        let reply = <Res<PodReport>>::from_bytes(vec![0, 0xff, 0xff]);
+        let e = reply.0.unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Internal, "{e:?}");
+        assert!(e.message.contains("does not decode"), "{e:?}");
+        let ok: Res<u64> = Wire(Ok(7));
+        assert_eq!(<Res<u64>>::from_bytes(ok.into_bytes()).0, Ok(7));
+        let err: Res<u64> = Wire(Err(WireError::bad_input("no")));
+        assert_eq!(
+            <Res<u64>>::from_bytes(err.into_bytes())
+                .0
+                .unwrap_err()
+                .message,
+            "no"
+        );
+    }
 }

@@ -19,7 +19,7 @@ use super::stages::{
 use crate::router::state::jobs::JobStatus;
 use crate::router::state::pods::Need;
 use crate::router::state::Ctx;
-use crate::wire::pods::{PodEdit, PodMask, PodMsg};
+use crate::wire::pods::{FromPeer, PodEdit, PodMask, PodMsg};
 use crate::wire::*;
 
 /// Where an edit's image comes from.
@@ -149,7 +149,7 @@ pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput
     let forward = |origin, p| {
         let mut e = fwd.clone();
         e.origin = Some(origin);
-        PodMsg::Edit(Wire(e), p)
+        PodMsg::Edit(FromPeer::of(e), p)
     };
     on_pod((ctx, pods, job), need, forward, || {
         edit_obtained(ctx, job, input)

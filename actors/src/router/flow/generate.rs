@@ -22,7 +22,7 @@ use crate::metrics::router::ApproxResult;
 use crate::node;
 use crate::router::state::pods::Need;
 use crate::router::state::Ctx;
-use crate::wire::pods::{PodGenerate, PodMsg, PodRun};
+use crate::wire::pods::{FromPeer, PodGenerate, PodMsg, PodRun};
 use crate::wire::*;
 
 pub struct GenerateInput {
@@ -134,7 +134,7 @@ pub async fn generate(
     let forward = |origin, p| {
         let mut g = fwd.clone();
         g.origin = Some(origin);
-        PodMsg::Generate(Wire(g), p)
+        PodMsg::Generate(FromPeer::of(g), p)
     };
     on_pod((ctx, pods, job), need, forward, || {
         generate_here(ctx, job, input)

@@ -26,7 +26,7 @@ use ractor::ActorCell;
 
 use super::capture::{capture, Identity, TemplateInput};
 use crate::router::state::Ctx;
-use crate::wire::pods::{Exported, PodMsg};
+use crate::wire::pods::{Exported, FromPeer, PodMsg};
 use crate::wire::{CacheMsg, ErrorKind, JobId, Wire, WireError};
 use crate::workers::cache::disk::DiskTier;
 
@@ -180,11 +180,11 @@ impl Read for MeshStream {
     fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
         if self.id.is_none() {
             let request = std::mem::take(&mut self.request);
-            self.id = Some(self.call(|p| PodMsg::Open(Wire(request), p))?);
+            self.id = Some(self.call(|p| PodMsg::Open(FromPeer::of(request), p))?);
         }
         if self.pos == self.chunk.len() {
             let id = self.id.unwrap_or_default();
-            self.chunk = self.call(|p| PodMsg::Next(Wire(id), p))?;
+            self.chunk = self.call(|p| PodMsg::Next(FromPeer::of(id), p))?;
             self.pos = 0;
             self.bytes += self.chunk.len() as u64;
         }
@@ -198,7 +198,7 @@ impl Read for MeshStream {
 impl Drop for MeshStream {
     fn drop(&mut self) {
         if let Some(id) = self.id {
-            crate::node::tell(&self.cell, PodMsg::Close(Wire(id)));
+            crate::node::tell(&self.cell, PodMsg::Close(FromPeer::of(id)));
         }
     }
 }
@@ -216,7 +216,7 @@ pub async fn fetch(
         return Err("cut off its peers (DENOISED_FAULT_CUT)".into());
     }
     let e = crate::node::ask(&cell, CHUNK_WAIT, |p| {
-        PodMsg::Export(Wire(id.to_string()), p)
+        PodMsg::Export(FromPeer::of(id.to_string()), p)
     })
     .await
     .map_err(|e| e.message)?;
@@ -406,8 +406,10 @@ async fn learn_recipes(ctx: &Ctx, mine: &HashSet<String>) {
         else {
             continue;
         };
-        let asked =
-            crate::node::ask(&cell, CHUNK_WAIT, |p| PodMsg::Export(Wire(id.clone()), p)).await;
+        let asked = crate::node::ask(&cell, CHUNK_WAIT, |p| {
+            PodMsg::Export(FromPeer::of(id.clone()), p)
+        })
+        .await;
         let current = |e: &Exported| match ctx.template_registry().and_then(|r| r.record(&id)) {
             Some(r) if r.deleted || e.name != format!("{id}@{}", r.version) => {
                 Err(format!("{} is not the registry's version", e.name))

@@ -14,8 +14,8 @@ use super::recipes::Recipes;
 use crate::metrics::router::RouterMetrics;
 use crate::node;
 use crate::routing::pods::{PodPolicy, PodRouter};
-use crate::wire::pods::{PodMsg, PodOrigin, PodReport, PodRun, PodTemplate};
-use crate::wire::{ErrorKind, JobId, Res, TemplateInfo, Wire, WireError};
+use crate::wire::pods::{FromPeer, PodMsg, PodOrigin, PodReport, PodRun, PodTemplate};
+use crate::wire::{ErrorKind, JobId, Res, TemplateInfo, WireError};
 
 /// A peer that has not answered a report for this long is down: its edits go
 /// elsewhere until it answers again.
@@ -414,7 +414,7 @@ impl Pods {
         let cancel = || {
             node::tell(
                 &cell,
-                PodMsg::Cancel(Wire((origin.pod.clone(), origin.job))),
+                PodMsg::Cancel(FromPeer::of((origin.pod.clone(), origin.job))),
             )
         };
         // Whether the peer still reports: a pod that stops (paused, or a host gone
@@ -487,7 +487,7 @@ impl Pods {
             return;
         }
         let timeout = Duration::from_secs(1);
-        match node::ask(&cell, timeout, |p| PodMsg::Report(Wire(()), p)).await {
+        match node::ask(&cell, timeout, |p| PodMsg::Report(FromPeer::of(()), p)).await {
             Ok(report) if report.pod == name => {
                 self.reported(cell, report);
             }
@@ -526,7 +526,7 @@ impl Pods {
     pub fn forget(&self, id: &str) {
         self.forgotten(id);
         for p in self.peers().values().filter(|p| p.up) {
-            node::tell(&p.cell, PodMsg::Forget(Wire(id.to_string())));
+            node::tell(&p.cell, PodMsg::Forget(FromPeer::of(id.to_string())));
         }
     }
 
