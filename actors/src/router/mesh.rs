@@ -57,7 +57,8 @@ pub async fn join(ctx: Arc<Ctx>, http: String) -> Result<(), String> {
         // Pods dial the peers they are given, not their peers' peers.
         Some(NodeConnectionMode::Isolated),
     )
-    .with_listen_addr(listen.ip());
+    .with_listen_addr(listen.ip())
+    .with_max_inbound_frame_size(crate::wire::pods::MAX_FRAME_BYTES);
     let (node, _) = Actor::spawn(None, server, ())
         .await
         .map_err(|e| format!("cannot start the cluster listener on {listen}: {e}"))?;
@@ -395,7 +396,7 @@ impl Actor for PodActor {
                         edit_obtained(&ctx, job, &input).await
                     },
                     move |r| {
-                        let _ = reply.send(Wire(r.map(|(_, o)| o)));
+                        let _ = reply.send(Wire(r.and_then(|(_, o)| fitting(o))));
                     },
                 );
             }
@@ -413,7 +414,7 @@ impl Actor for PodActor {
                     },
                     move |job, o| GenerationReply::new(job, o, format, false),
                     move |r| {
-                        let _ = reply.send(Wire(r.map(|(_, o)| o)));
+                        let _ = reply.send(Wire(r.and_then(|(_, o)| fitting(o))));
                     },
                 );
             }
@@ -461,6 +462,19 @@ impl Actor for PodActor {
         }
         Ok(())
     }
+}
+
+/// A forwarded request's result, or the error that it cannot travel back in one frame
+/// (a reply over the peer's frame limit would close the session).
+fn fitting<T: serde::Serialize>(o: T) -> Result<T, WireError> {
+    crate::wire::pods::fits_a_frame(&o)
+        .map(|()| o)
+        .map_err(|n| {
+            WireError::new(
+                crate::wire::ErrorKind::TooLarge,
+                format!("the result ({n} bytes) is too large to return between pods"),
+            )
+        })
 }
 
 /// A peer's message that did not decode (a pod of another version): a call is answered

@@ -15,6 +15,22 @@ use super::{DenoiseStats, FinishParams, JobId, Res, StageTimings, Wire};
 pub const SCOPE: &str = "denoised.cluster";
 pub const GROUP: &str = "denoised.pods";
 
+/// The largest frame a pod takes from a peer: ractor_cluster's inbound limit, set
+/// explicitly (its default is 16 MiB, under `[server] max_body_bytes`' 32 MiB), since a
+/// frame over it closes the session with that peer. Template copies travel in 1 MiB
+/// chunks; a request or a reply that would not fit is not sent ([`fits_a_frame`]).
+pub const MAX_FRAME_BYTES: u64 = 64 << 20;
+
+/// Whether `v` travels in one frame between pods (with room for the envelope): its
+/// encoded size when it does not.
+pub fn fits_a_frame<T: Serialize>(v: &T) -> Result<(), usize> {
+    let n = postcard::experimental::serialized_size(v).unwrap_or(usize::MAX);
+    match n as u64 + (1 << 20) <= MAX_FRAME_BYTES {
+        true => Ok(()),
+        false => Err(n),
+    }
+}
+
 /// A pod's state as its peers see it (asked for every second).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct PodReport {
@@ -358,5 +374,15 @@ mod tests {
                 .message,
             "no"
         );
+    }
+
+    /// What travels in one frame: a mask at `[server] max_body_bytes` (32 MiB) does; one
+    /// over the frame limit does not, by its encoded size.
+    #[test]
+    fn a_message_over_the_frame_limit_is_told_apart() {
+        let mask = |n: usize| PodMask::Image(vec![7; n]);
+        assert_eq!(fits_a_frame(&mask(32 << 20)), Ok(()));
+        let big = MAX_FRAME_BYTES as usize;
+        assert!(fits_a_frame(&mask(big)).unwrap_err() > big);
     }
 }

@@ -142,6 +142,12 @@ pub async fn edit(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditOutput
     let (Some(pods), Some(fwd)) = (&ctx.pods, input.to_pod()) else {
         return edit_obtained(ctx, job, input).await;
     };
+    // An edit too large to travel between pods (its mask) runs here: its template
+    // comes by a copy, which travels in chunks, instead of the edit in one frame.
+    if let Err(n) = crate::wire::pods::fits_a_frame(&fwd) {
+        tracing::info!("edit of {n} bytes: too large to forward, run here");
+        return edit_obtained(ctx, job, input).await;
+    }
     let need = Need::Template {
         id: &fwd.template,
         text: fwd.max_sequence_length,
