@@ -21,13 +21,14 @@ pub fn one_cluster_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 
 pub const COOKIE: &str = "pods-of-a-test";
 
-/// A pod: its directory (config, shared memory, cache, log) and its daemon.
+/// A pod: its directory (config, shared memory, cache, log) and its daemon. Fields drop
+/// in order: the daemon stops before its directory goes.
 pub struct Pod {
     pub name: String,
     pub ip: String,
     pub port: u16,
-    pub dir: tempfile::TempDir,
     pub d: Option<Daemon>,
+    pub dir: tempfile::TempDir,
     /// `--model` (the built-in Fill model when `None`).
     pub model: Option<String>,
 }
@@ -47,8 +48,8 @@ impl Pod {
             name: name.into(),
             ip: ip.into(),
             port: free_port(ip),
-            dir: tempfile::tempdir().unwrap(),
             d: None,
+            dir: tempfile::tempdir().unwrap(),
             model: None,
         }
     }
