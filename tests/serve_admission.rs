@@ -1,4 +1,5 @@
-//! Admission holds on every route that starts work (issue 34), against the real daemon
+//! Admission holds on every route that starts work (issues 34, 47: template captures and
+//! streamed edits too), against the real daemon
 //! with `[server] max_queued_requests = 2`: a request of `n` images holds `n` slots
 //! until its flows end, a client that disconnects keeps its slots until its flows end,
 //! `n` above the limit is a 400, and `n` beyond the room left is a 429, not a hang.
@@ -356,4 +357,49 @@ fn image_edits_hold_their_slots_until_their_flows_end() {
     let msg = v["error"]["message"].as_str().unwrap();
     assert!(msg.contains("max_queued_requests"), "{msg}");
     assert_eq!(probe(&d), 400, "a refused request holds no slot");
+}
+
+/// A template capture (`POST /v1/templates`, async) and a streamed edit hold their slots
+/// until their flows end: with both held at the denoise stage the router is full (429),
+/// and once they finish their slots come back.
+#[test]
+fn template_captures_and_streamed_edits_hold_their_slots_until_their_flows_end() {
+    let d = Daemon::start(&["--max-queued-requests", LIMIT]);
+    d.template("room", 2);
+    wait_idle(&d);
+
+    let held = Stopped::denoise(&d);
+    let r0 = routed(&d);
+    let (s, v) = d.post(
+        "/v1/templates",
+        &json!({"image": image_b64(), "id": "hall", "steps": 2, "async": true}),
+    );
+    assert_eq!(s, 202, "{v}");
+    let job = v["id"].as_str().unwrap().to_string();
+    let mut streamed = json!({"template_id": "room", "prompt": "a cat", "mask": mask_b64()});
+    streamed["stream"] = json!(true);
+    let stream = post_in_background(
+        &d,
+        "/v1/edits",
+        "application/json",
+        serde_json::to_vec(&streamed).unwrap(),
+    );
+    wait_routed(&d, r0, 2.0);
+    assert_eq!(
+        in_flight(&d),
+        2.0,
+        "the capture and the streamed edit hold a slot each"
+    );
+    assert_eq!(probe(&d), 429);
+    drop(held);
+    let (s, _) = stream.join().unwrap();
+    assert_eq!(s, 200);
+    assert_eq!(wait_job(&d, &job)["status"], "succeeded");
+    wait_idle(&d);
+    let (s, v) = d.post("/v1/edits", &edit_body_of("hall"));
+    assert_eq!(s, 200, "{v}");
+}
+
+fn edit_body_of(template: &str) -> Value {
+    json!({"template_id": template, "prompt": "a cat", "mask": mask_b64()})
 }
