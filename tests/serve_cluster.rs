@@ -397,7 +397,8 @@ fn pods_take_turns_under_round_robin_and_share_a_busy_template_under_template_aw
 #[test]
 fn a_template_is_copied_to_a_second_pod_which_serves_it_bit_for_bit_and_after_its_first_pod_dies() {
     let _one = one_cluster_at_a_time();
-    let mut pods = start_three("template_replicas = 2\n");
+    // (Copies are made again at once when a holder is lost: no grace period.)
+    let mut pods = start_three("template_replicas = 2\nreplicate_after_seconds = 0\n");
     let a = 0;
     pods[a].d().template("room", 4);
     let t0 = Instant::now();

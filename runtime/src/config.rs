@@ -441,6 +441,9 @@ pub struct ClusterConfig {
     /// The bandwidth between pods, in MB a second, that routing prices a template copy
     /// at (the cap `transfer_mb_per_s` when lower).
     pub link_mb_per_s: f64,
+    /// A holder that stopped being usable (restarting, draining) less than this long
+    /// ago still counts as holding its templates: no copies are made for it (seconds).
+    pub replicate_after_seconds: f64,
     /// The template registry: etcd's client endpoints (`HOST:PORT`, its v3 API), where
     /// each template's identity (version, digest, tombstone) is kept and changed by
     /// compare-and-swap. Empty: template identity is each pod's own (best effort).
@@ -469,6 +472,7 @@ impl Default for ClusterConfig {
             policy: "template_aware".into(),
             // A 10 Gb/s link.
             link_mb_per_s: 1250.0,
+            replicate_after_seconds: 300.0,
             registry: Vec::new(),
             registry_prefix: "/denoised".into(),
             registry_lease_seconds: 3.0,
@@ -523,6 +527,9 @@ impl ClusterConfig {
         }
         if self.template_replicas == 0 {
             return Err("[cluster] template_replicas must be at least 1".into());
+        }
+        if !(self.replicate_after_seconds >= 0.0) {
+            return Err("[cluster] replicate_after_seconds must be 0 or more".into());
         }
         if !(self.registry_lease_seconds >= 0.3 && self.registry_lease_seconds <= 60.0) {
             return Err("[cluster] registry_lease_seconds must be within 0.3-60".into());

@@ -355,7 +355,8 @@ fn replicate(ctx: &Arc<Ctx>, mine: &HashSet<String>) {
     if replicas <= 1 {
         return;
     }
-    let (up, held) = pods.placement();
+    let grace = Duration::from_secs_f64(ctx.config.cluster.replicate_after_seconds);
+    let (up, held) = pods.placement(grace);
     let mut everyone = up.clone();
     everyone.push(pods.me.clone());
     for (id, holders) in held {
@@ -395,7 +396,7 @@ fn replicate(ctx: &Arc<Ctx>, mine: &HashSet<String>) {
 /// description and image).
 async fn learn_recipes(ctx: &Ctx, mine: &HashSet<String>) {
     let Some(pods) = &ctx.pods else { return };
-    let (_, held) = pods.placement();
+    let (_, held) = pods.placement(Duration::ZERO);
     for id in held.into_keys() {
         if mine.contains(&id) || pods.recipes.has(&id) || pods.was_forgotten(&id) {
             continue;

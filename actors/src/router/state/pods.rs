@@ -29,6 +29,8 @@ struct Peer {
     report: PodReport,
     seen: Instant,
     up: bool,
+    /// When it last reported ready (or when it first reported).
+    ready_at: Instant,
 }
 
 impl Peer {
@@ -314,13 +316,19 @@ impl Pods {
             return false;
         }
         let came_up = peers.get(&name).is_none_or(|p| !p.up);
+        let now = Instant::now();
+        let ready_at = match (report.ready, peers.get(&name)) {
+            (false, Some(p)) => p.ready_at,
+            _ => now,
+        };
         peers.insert(
             name,
             Peer {
                 cell,
                 report,
-                seen: Instant::now(),
+                seen: now,
                 up: true,
+                ready_at,
             },
         );
         self.count_up(&peers);
@@ -575,12 +583,21 @@ impl Pods {
     }
 
     /// The peers up and ready, and each template they hold with its holders among them.
-    pub fn placement(&self) -> (Vec<String>, BTreeMap<String, Vec<String>>) {
+    /// A peer that stopped being usable less than `grace` ago (restarting, draining,
+    /// briefly cut off) still counts as holding its templates: a rolling restart does
+    /// not copy every template it holds elsewhere (`[cluster] replicate_after_seconds`).
+    pub fn placement(&self, grace: Duration) -> (Vec<String>, BTreeMap<String, Vec<String>>) {
         let peers = self.peers();
         let mut up = vec![];
         let mut held: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for (name, p) in usable(&peers, &[]) {
-            up.push(name.clone());
+        for (name, p) in peers.iter() {
+            let usable = p.usable();
+            if !usable && p.ready_at.elapsed() >= grace {
+                continue;
+            }
+            if usable {
+                up.push(name.clone());
+            }
             for t in &p.report.templates {
                 held.entry(t.id.clone()).or_default().push(name.clone());
             }
@@ -688,9 +705,17 @@ mod tests {
         pods.reported(c(), report("b", 2.0, true, 0, &[("t", 1)]));
         assert!(!pods.reported(c(), report("b", 1.0, false, 0, &[])));
         assert_eq!(pods.holder("t", &[]).as_deref(), Some("b"));
-        let (up, held) = pods.placement();
+        let (up, held) = pods.placement(Duration::ZERO);
         assert_eq!(up, ["a", "b", "c"]);
         assert_eq!(held["t"], ["a", "b", "c"]);
+        // Within the grace period, d (not ready: restarting) still counts as a holder
+        // (no copy is made for it), and b, draining, too; after it, neither does.
+        pods.reported(c(), report("b", 2.0, false, 0, &[("t", 1)]));
+        let (up, held) = pods.placement(Duration::from_secs(60));
+        assert_eq!(up, ["a", "c"]);
+        assert_eq!(held["t"], ["a", "b", "c", "d"]);
+        let (_, held) = pods.placement(Duration::ZERO);
+        assert_eq!(held["t"], ["a", "c"]);
         cell.stop(None);
     }
 }
