@@ -20,6 +20,12 @@ pub fn check_template_id(id: &str) -> Result<(), String> {
     }
 }
 
+/// The name of version `version` of template `id`: its directory in the disk tier, and
+/// what a peer exports it as.
+pub fn version_name(id: &str, version: u64) -> String {
+    format!("{id}@{version}")
+}
+
 /// Whether `name` is the name of a version directory of template `id`,
 /// `<id>@<version>`: what a peer sends when it exports a template, checked before any
 /// path is built from it.

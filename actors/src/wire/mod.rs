@@ -65,7 +65,7 @@ pub mod ids;
 pub mod pods;
 
 pub use error::{ErrorKind, WireError};
-pub use ids::{check_template_id, check_version_name};
+pub use ids::{check_template_id, check_version_name, version_name};
 
 /// How the region to repaint is given.
 #[derive(Clone, Debug, Serialize, Deserialize)]

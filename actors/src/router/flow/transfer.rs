@@ -230,7 +230,7 @@ pub async fn fetch(
             info.id, info.model, ctx.model
         ));
     }
-    if wanted.is_some_and(|v| e.name != format!("{id}@{v}")) {
+    if wanted.is_some_and(|v| e.name != crate::wire::version_name(id, v)) {
         return Err(format!(
             "the peer holds {} of template `{id}`, not version {}: refused",
             e.name,
@@ -412,7 +412,7 @@ async fn learn_recipes(ctx: &Ctx, mine: &HashSet<String>) {
         })
         .await;
         let current = |e: &Exported| match ctx.template_registry().and_then(|r| r.record(&id)) {
-            Some(r) if r.deleted || e.name != format!("{id}@{}", r.version) => {
+            Some(r) if r.deleted || e.name != crate::wire::version_name(&id, r.version) => {
                 Err(format!("{} is not the registry's version", e.name))
             }
             _ => Ok(()),

@@ -25,12 +25,10 @@ impl Recipes {
     }
 
     fn path(&self, id: &str) -> Option<PathBuf> {
-        // Template ids are [A-Za-z0-9_-]; anything else is not one of theirs.
-        let ok = !id.is_empty()
-            && id
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        ok.then(|| self.dir.join(id))
+        // Anything but a template id is not one of theirs (nor a safe path part).
+        crate::wire::check_template_id(id)
+            .ok()
+            .map(|()| self.dir.join(id))
     }
 
     pub fn has(&self, id: &str) -> bool {

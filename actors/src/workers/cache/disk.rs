@@ -107,7 +107,7 @@ impl DiskTier {
     }
 
     fn dir(&self, id: &str, version: u64) -> PathBuf {
-        self.root.join(format!("{id}@{version}"))
+        self.root.join(crate::wire::version_name(id, version))
     }
 
     /// Writes a version; returns its bytes on disk.
@@ -260,7 +260,9 @@ impl DiskTier {
     }
 
     fn tombstone_path(&self, id: &str, version: u64) -> PathBuf {
-        self.root.join(DELETED).join(format!("{id}@{version}"))
+        self.root
+            .join(DELETED)
+            .join(crate::wire::version_name(id, version))
     }
 
     /// Marks a version deleted, durably (the marker and its directory synced), before
