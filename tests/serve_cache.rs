@@ -438,6 +438,27 @@ fn memory_holds_its_capacity_and_disk_drops_the_least_recently_used() {
     assert_eq!(ids, ["t0", "t2", "t3"], "{tiers:?}");
     assert_eq!(edit(&d, "t1").0, 404);
     assert_eq!(edit(&d, "t2").0, 200);
+    // What the tier's capacity covers beside it: recipes kept for peers and a copy
+    // from a peer cut short, 0.6 MB each here. Either alone leaves room for three
+    // templates (8.66 MB); both, for two only.
+    let model = std::fs::read_dir(&d.cache_dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .find(|n| !n.starts_with('.') && n != "noise" && d.cache_dir.join(n).is_dir())
+        .expect("the disk tier's directory");
+    let recipe = d.cache_dir.join(".recipes").join("far");
+    let partial = d.cache_dir.join(".incoming").join(model).join("x@1.part");
+    for dir in [&recipe, &partial] {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join("bytes"), vec![0u8; 600_000]).unwrap();
+    }
+    d.template("t4", 4);
+    on_disk(&d, "t4");
+    let tiers = host(&d);
+    println!("after a fifth beside 1.2 MB: {tiers:?}");
+    let ids: Vec<&str> = tiers.iter().map(|t| t.0.as_str()).collect();
+    assert_eq!(ids, ["t2", "t4"], "{tiers:?}");
 }
 
 /// The faults of the prefetch tests: every read of a template from disk takes at

@@ -580,3 +580,59 @@ fn an_edit_forwarded_to_a_pod_that_stops_ends_when_that_pod_is_marked_down() {
     let (s, v) = pods[b].d().post("/v1/edits", &edit_body("room", 6));
     assert_eq!(s, 200, "{v}");
 }
+
+/// Recipes on need: with `recipe_copies = 1` one pod besides a template's holder keeps
+/// its recipe and the third does not (each of the three would before: every pod kept
+/// every recipe). Once the holder is gone, an edit sent to the third is captured there
+/// from the recipe it asks the keeper for, and equals the holder's edit bit for bit
+/// (without the ask it has no recipe: a 503, as seen).
+#[test]
+fn a_pod_asks_for_a_recipe_it_does_not_keep_when_it_needs_it() {
+    let _one = one_cluster_at_a_time();
+    let mut pods = start_three("recipe_copies = 1\n");
+    let (a, b, c) = (0, 1, 2);
+    pods[a].d().template("room", 4);
+    let recipes = |p: &Pod| counter(&p.d().metrics(), "denoised_pod_recipes", "");
+    let t0 = Instant::now();
+    while recipes(&pods[b]) + recipes(&pods[c]) < 1.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "no pod kept the recipe"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // A few rounds of recipe learning later, still one keeper.
+    std::thread::sleep(Duration::from_secs(3));
+    let (keeper, other) = match (recipes(&pods[b]), recipes(&pods[c])) {
+        (1.0, 0.0) => (b, c),
+        (0.0, 1.0) => (c, b),
+        kept => panic!("recipes kept by b and c: {kept:?}"),
+    };
+    println!(
+        "{} keeps the recipe, {} does not",
+        pods[keeper].name, pods[other].name
+    );
+    let (s, on_a) = pods[a].d().post("/v1/edits", &edit_body("room", 5));
+    assert_eq!(s, 200, "{on_a}");
+    let mut sup = pods[a].d.take().unwrap();
+    sup.child.kill().unwrap();
+    sup.child.wait().unwrap();
+    pods[other].wait_for("a down", Duration::from_secs(10), |v| !up(v, "a"));
+    let (s, v) = pods[other].d().post("/v1/edits", &edit_body("room", 5));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["pod"].as_str(), Some(pods[other].name.as_str()), "{v}");
+    assert_eq!(
+        edit_image(&v),
+        edit_image(&on_a),
+        "the recaptured edit differs"
+    );
+    let m = pods[other].d().metrics();
+    assert_eq!(
+        counter(&m, "denoised_template_recaptures_total", "result=\"ok\""),
+        1.0,
+        "{m}"
+    );
+    // Kept once asked for (the gauge follows at the next round of recipe learning).
+    wait_metric(&pods[other], "denoised_pod_recipes", 1.0);
+    drop(sup);
+}

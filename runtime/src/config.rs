@@ -431,6 +431,10 @@ pub struct ClusterConfig {
     /// How many pods keep a copy of each template on their disk (1: the one that
     /// captured it).
     pub template_replicas: u32,
+    /// How many pods besides a template's holders keep its recipe (its description and
+    /// image: what capturing it again needs), so it outlives every copy; the others
+    /// ask for it when they need it.
+    pub recipe_copies: u32,
     /// The most a pod sends of its templates to its peers, in MB (1e6 bytes) a second
     /// per transfer; 0: no cap.
     pub transfer_mb_per_s: f64,
@@ -468,6 +472,7 @@ impl Default for ClusterConfig {
             tls_cert: String::new(),
             tls_key: String::new(),
             template_replicas: 1,
+            recipe_copies: 2,
             transfer_mb_per_s: 0.0,
             policy: "template_aware".into(),
             // A 10 Gb/s link.

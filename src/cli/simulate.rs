@@ -8,9 +8,13 @@
 use std::path::PathBuf;
 
 use denoised_actors::batching::BatchConfig;
+use denoised_actors::routing::beats::{polled, pushed, Sizes};
 use denoised_actors::routing::pods::{MissPrices, PodPolicy};
-use denoised_actors::routing::sim::{simulate_pods, Done, Fleet, Placement, SimRequest, Source};
+use denoised_actors::routing::sim::{
+    simulate_pods, simulate_pods_noting, Changes, Done, Fleet, Placement, SimRequest, Source,
+};
 use denoised_actors::routing::{Incoming, Policy, ProfileCost, StepCost, TemplateNeed};
+use denoised_actors::wire::pods::{encoded_size, PodReport, PodRun, PodTemplate, PodWorker};
 use denoised_models::flux::cost::StepShape;
 use denoised_models::flux::template::{storage_dtype, TemplateLayout};
 use denoised_models::flux::weights::SplitMix;
@@ -224,7 +228,8 @@ pub fn run(a: Args) -> CliResult {
     for &pp in &pod_policies {
         for &p in &policies {
             let t0 = std::time::Instant::now();
-            let done = simulate_pods(&reqs, &fleet, batch, (pp, p), &cost)?;
+            let mut changes = Changes::default();
+            let done = simulate_pods_noting(&reqs, &fleet, batch, (pp, p), &cost, &mut changes)?;
             let mut line = summary(&done, &reqs, a.overhead_s);
             let extra = serde_json::json!({
                 "policy": p.name(), "workers": a.workers, "rps": rps, "requests": a.requests,
@@ -234,6 +239,7 @@ pub fn run(a: Args) -> CliResult {
             line.extend(extra.as_object().cloned().unwrap_or_default());
             if a.pods > 1 {
                 let transfers = done.iter().filter(|d| d.transfer).count();
+                line.insert("mesh".into(), mesh(&a, &done, &reqs, &changes));
                 let pods = serde_json::json!({
                     "pods": a.pods, "pod_policy": pp.name(), "templates": a.templates,
                     "template_skew": a.template_skew, "template_bytes": bytes,
@@ -246,6 +252,62 @@ pub fn run(a: Args) -> CliResult {
         }
     }
     Ok(())
+}
+
+/// The mesh's control traffic in this run (messages and payload bytes a second, summed
+/// over the pods): beats as the mesh paces them, over the run's changes, beside the
+/// asks every second they replaced. A report's size is that of one whose workers run
+/// half-full batches; a pod's template list, the mean number of templates the pods
+/// hold at the end.
+fn mesh(a: &Args, done: &[Done], reqs: &[SimRequest], changes: &Changes) -> serde_json::Value {
+    let span = done.iter().map(|d| d.finish).fold(0.0, f64::max) - reqs[0].arrival.min(0.0);
+    let run = PodRun {
+        text: a.text_tokens as u32,
+        active: a.image_tokens as u32 / 4,
+        image: a.image_tokens as u32,
+        steps_left: a.steps / 2,
+    };
+    let report = PodReport {
+        pod: "pod-000".into(),
+        started_unix: 1.8e9,
+        http: "10.0.0.1:8080".into(),
+        ready: true,
+        in_flight: (a.workers * a.max_batch / 2) as u32,
+        limit: (a.workers * a.max_batch) as u32,
+        templates: vec![],
+        listed: false,
+        listing: u64::MAX / 3,
+        workers: vec![
+            PodWorker {
+                max_batch: a.max_batch as u32,
+                running: vec![run; a.max_batch / 2],
+            };
+            a.workers
+        ],
+        queued: vec![],
+        fetching: vec![],
+    };
+    let template = PodTemplate {
+        id: "template-00042".into(),
+        version: 1_800_000_000_000_000,
+        host_bytes: 1 << 33,
+        disk_bytes: 1 << 33,
+        tokens: a.image_tokens as u32,
+        steps: a.steps,
+    };
+    let held = changes.held.iter().sum::<usize>().div_ceil(a.pods);
+    let sizes = Sizes {
+        report: encoded_size(&report) as f64,
+        listing: (encoded_size(&template) * held) as f64,
+        ask: 0.0,
+    };
+    let push = pushed(&changes.load, &changes.templates, span, sizes);
+    serde_json::json!({
+        "span_s": span, "report_bytes": sizes.report, "listing_bytes": sizes.listing,
+        "templates_held": held,
+        "pushed": push, "polled": polled(a.pods, sizes),
+        "idle_pushed": pushed(&vec![vec![]; a.pods], &[], span, sizes),
+    })
 }
 
 /// Poisson arrivals at `rps`, mask ratios from the trace, templates by popularity.

@@ -143,7 +143,7 @@ impl RouterMetrics {
         );
         r.register(
             "pod_reports",
-            "Load reports received from each peer pod",
+            "Reports received from each peer pod (its beats, and those asked of it)",
             m.pod_reports.clone(),
         );
         r.register(

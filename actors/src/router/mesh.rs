@@ -1,9 +1,10 @@
 //! The pod's edge toward its peers (docs/cluster.md), beside the HTTP API and the
 //! workers' bus: a second ractor_cluster node on `[cluster] listen` (its cookie shared
 //! by the cluster; TLS with the cluster's CA when `tls_*` are set), the pod actor its
-//! peers call (reports, forwarded edits), a loop that dials the peers (`[cluster]
-//! peers`, DNS names re-resolved) and one that asks each for its report every second
-//! and marks down those that stop answering ([`crate::router::state::pods`]).
+//! peers call (beats, forwarded edits, copies), a loop that dials the peers (`[cluster]
+//! peers`, DNS names re-resolved), one that pushes this pod's beats to them
+//! ([`crate::routing::beats`]) and one that marks down those whose beats stop
+//! ([`crate::router::state::pods`]).
 //!
 //! The pod actors are in a process-group scope of their own ([`SCOPE`]). A router's
 //! workers stay its own: ractor_cluster tells a node's peers of that node's own actors
@@ -25,9 +26,9 @@ use crate::router::flow::generate::{generate_here, GenerateInput};
 use crate::router::flow::{identity, transfer};
 use crate::router::service::{cancel, submit_peer, submit_peer_edit, GenerationReply};
 use crate::router::state::jobs::{JobEvent, Previews};
-use crate::router::state::registry::{record, Held};
 use crate::router::state::{Ctx, Listed};
-use crate::wire::pods::{FromPeer, PodJobEvent, PodMsg, PodOrigin, GROUP, SCOPE};
+use crate::routing::beats;
+use crate::wire::pods::{Exported, FromPeer, PodJobEvent, PodMsg, PodOrigin, GROUP, SCOPE};
 use crate::wire::{JobId, Wire, WireError};
 
 /// How often the peers are asked for their reports, and dialled when not connected.
@@ -82,6 +83,7 @@ pub async fn join(ctx: Arc<Ctx>, http: String) -> Result<(), String> {
     tokio::spawn(dial(node, advertised, c.peers.clone(), tls.map(|(_, c)| c)));
     transfer::sweep_staging(&ctx);
     tokio::spawn(identity::tend(ctx.clone()));
+    tokio::spawn(beat(ctx.clone()));
     tokio::spawn(watch(ctx));
     Ok(())
 }
@@ -301,35 +303,28 @@ async fn dial(
     }
 }
 
-/// Asks every peer's pod actor for its report each [`TICK`], and marks down those that
-/// stop answering.
+/// Each [`TICK`]: asks for its report each peer's pod actor this pod has not heard
+/// from (a pod that joined or restarted: after that its beats come by themselves),
+/// marks down the peers silent for `DOWN_AFTER`, and tends replication and recipes.
 async fn watch(ctx: Arc<Ctx>) {
     let Some(pods) = &ctx.pods else { return };
     let learning = Arc::new(tokio::sync::Mutex::new(()));
     loop {
         tokio::time::sleep(TICK).await;
         tokio::spawn(transfer::tend(ctx.clone(), learning.clone()));
-        let peers: Vec<_> = ractor::pg::get_scoped_members(&SCOPE.into(), &GROUP.into())
+        let unknown: Vec<_> = ractor::pg::get_scoped_members(&SCOPE.into(), &GROUP.into())
             .into_iter()
-            .filter(|c| !c.get_id().is_local() && !crate::fault::cut())
+            .filter(|c| !c.get_id().is_local() && !crate::fault::cut() && !pods.knows(c))
             .collect();
-        let asks = peers.into_iter().map(|cell| async move {
+        let asks = unknown.into_iter().map(|cell| async move {
             let r = crate::node::ask(&cell, TICK, |p| PodMsg::Report(FromPeer::of(()), p)).await;
             (cell, r)
         });
         for (cell, r) in futures_util::future::join_all(asks).await {
             match r {
-                Ok(mut report) if report.pod != pods.me => {
-                    // A peer's copy of a version the registry superseded or deleted is
-                    // not routed to, copied or learnt from (it drops it soon).
-                    if let Some(reg) = &pods.registry {
-                        report.templates.retain(|t| {
-                            reg.record(&t.id)
-                                .is_none_or(|r| record::judge(Some(&r), t.version) == Held::Current)
-                        });
-                    }
+                Ok(report) if report.pod != pods.me => {
                     let name = report.pod.clone();
-                    if pods.reported(cell, report) {
+                    if pods.reported(cell, report).came_up {
                         tracing::info!("pod {name} is up");
                     }
                 }
@@ -344,6 +339,55 @@ async fn watch(ctx: Arc<Ctx>) {
             );
         }
     }
+}
+
+/// Pushes this pod's report to every peer as beats, paced by [`beats::Pacer`]: looked
+/// at each `TICK_S`, sent when its load, readiness or templates changed (and the last
+/// beat is old enough) or as a heartbeat. Its template list goes only in the beat
+/// after it changed.
+async fn beat(ctx: Arc<Ctx>) {
+    let Some(pods) = &ctx.pods else { return };
+    let start = std::time::Instant::now();
+    let mut pacer = beats::Pacer::default();
+    let (mut load, mut sent_listing) = (None, None);
+    loop {
+        tokio::time::sleep(Duration::from_secs_f64(beats::TICK_S)).await;
+        if crate::fault::cut() {
+            continue;
+        }
+        let now = Some(load_signature(&ctx.pod_report(Listed::Omitted).await));
+        let touched = pods.take_touched();
+        let changed = touched || now != load;
+        load = now;
+        if !pacer.due(start.elapsed().as_secs_f64(), changed) {
+            continue;
+        }
+        let mut report = ctx.pod_report(Listed::All).await;
+        if sent_listing == Some(report.listing) {
+            report.templates.clear();
+            report.listed = false;
+        } else if report.listed {
+            sent_listing = Some(report.listing);
+        }
+        for cell in ractor::pg::get_scoped_members(&SCOPE.into(), &GROUP.into()) {
+            if !cell.get_id().is_local() {
+                crate::node::tell(&cell, PodMsg::Beat(FromPeer::of(report.clone())));
+            }
+        }
+    }
+}
+
+/// What of a pod's report counts as a change worth a beat: its readiness, its
+/// requests (how many, where) and the templates it brings in, not the steps its
+/// running requests have left (which move at every step, as its peers expect).
+fn load_signature(r: &crate::wire::pods::PodReport) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    (r.ready, r.in_flight, r.limit, r.queued.len(), &r.fetching).hash(&mut h);
+    for w in &r.workers {
+        w.running.len().hash(&mut h);
+    }
+    h.finish()
 }
 
 /// The actor this pod's peers call.
@@ -440,6 +484,17 @@ impl Actor for PodActor {
                     }
                 });
             }
+            PodMsg::Beat(FromPeer(Ok(report))) => {
+                let ctx = ctx.clone();
+                tokio::spawn(async move { beaten(&ctx, report).await });
+            }
+            PodMsg::Recipe(FromPeer(Ok(id)), reply) => {
+                let kept = ctx.pods.as_ref().and_then(|p| p.recipes.stored(&id));
+                let _ = reply.send(Wire(match kept {
+                    Some((info, image)) => recipe(&id, info, image),
+                    None => out.export(ctx, &id),
+                }));
+            }
             PodMsg::Forget(FromPeer(Ok(id))) => {
                 let ctx = ctx.clone();
                 tokio::spawn(async move { identity::deleted_at_peer(&ctx, &id).await });
@@ -462,6 +517,36 @@ impl Actor for PodActor {
         }
         Ok(())
     }
+}
+
+/// A peer's beat: its report, taken as an answer to an ask would be; a peer that
+/// sent a beat this pod cannot place (its list changed in a beat missed) is asked for
+/// its whole report.
+async fn beaten(ctx: &Ctx, report: crate::wire::pods::PodReport) {
+    let Some(pods) = &ctx.pods else { return };
+    if report.pod == pods.me {
+        return;
+    }
+    let name = report.pod.clone();
+    let Some((cell, heard)) = pods.beat(report) else {
+        return;
+    };
+    if heard.came_up {
+        tracing::info!("pod {name} is up");
+    }
+    if heard.stale {
+        pods.refresh(&name, cell).await;
+    }
+}
+
+/// A kept recipe as a peer is sent it (its version's name from its description).
+fn recipe(id: &str, info: Vec<u8>, image: Vec<u8>) -> Result<Exported, WireError> {
+    let stored = crate::workers::cache::disk::stored_info(&info).map_err(WireError::internal)?;
+    Ok(Exported {
+        name: crate::wire::version_name(id, stored.version),
+        info,
+        image,
+    })
 }
 
 /// A forwarded request's result, or the error that it cannot travel back in one frame
@@ -496,6 +581,8 @@ fn refuse(msg: PodMsg) {
         PodMsg::Event(FromPeer(Err(e))) => drop(why("Event", e)),
         PodMsg::Cancel(FromPeer(Err(e))) => drop(why("Cancel", e)),
         PodMsg::Forget(FromPeer(Err(e))) => drop(why("Forget", e)),
+        PodMsg::Beat(FromPeer(Err(e))) => drop(why("Beat", e)),
+        PodMsg::Recipe(FromPeer(Err(e)), r) => drop(r.send(Wire(Err(why("Recipe", e))))),
         // Decoded: the handler's arms take every such message.
         _ => {}
     }

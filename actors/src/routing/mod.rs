@@ -26,6 +26,7 @@ use denoised_models::flux::cost::{forward_flops, StepShape};
 use denoised_models::flux::FluxConfig;
 use denoised_models::profile::Profile;
 
+pub mod beats;
 pub mod pods;
 pub mod sim;
 #[cfg(test)]

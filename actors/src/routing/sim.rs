@@ -167,9 +167,35 @@ pub fn simulate_pods(
     reqs: &[SimRequest],
     fleet: &Fleet,
     batch: BatchConfig,
-    (pod_policy, policy): (PodPolicy, Policy),
+    policies: (PodPolicy, Policy),
     cost: &dyn StepCost,
 ) -> Result<Vec<Done>, String> {
+    simulate_pods_noting(reqs, fleet, batch, policies, cost, &mut Changes::default())
+}
+
+/// When each pod's state changed in a run, as its peers would be told
+/// ([`super::beats`]): its load (a request routed to it, started or ended there) and
+/// its template list (a copy arrived).
+#[derive(Clone, Debug, Default)]
+pub struct Changes {
+    pub load: Vec<Vec<f64>>,
+    pub templates: Vec<Vec<f64>>,
+    /// The templates each pod holds at the end (its disk's, or its memory's without
+    /// a disk limit).
+    pub held: Vec<usize>,
+}
+
+/// [`simulate_pods`], noting in `changes` when each pod's state changed.
+pub fn simulate_pods_noting(
+    reqs: &[SimRequest],
+    fleet: &Fleet,
+    batch: BatchConfig,
+    (pod_policy, policy): (PodPolicy, Policy),
+    cost: &dyn StepCost,
+    changes: &mut Changes,
+) -> Result<Vec<Done>, String> {
+    changes.load = vec![vec![]; fleet.pods];
+    changes.templates = vec![vec![]; fleet.pods];
     if fleet.pods == 0 || fleet.workers_per_pod == 0 {
         return Err("a fleet of no workers".into());
     }
@@ -234,7 +260,11 @@ pub fn simulate_pods(
                 now = t;
                 let w = &mut pods[pi].workers[wi];
                 let (plan, _) = w.step.take().expect("a step in flight");
-                for id in w.sched.complete_step(&plan) {
+                let finished = w.sched.complete_step(&plan);
+                if !finished.is_empty() {
+                    changes.load[pi].push(now);
+                }
+                for id in finished {
                     let (admitted, worker, source) = admit[&id];
                     let (peer, transfer) = via_peer[id as usize];
                     out[id as usize] = Some(Done {
@@ -258,6 +288,7 @@ pub fn simulate_pods(
                 p.fetching.retain(|f| f.0 != v);
                 p.host.touch(v);
                 p.disk.touch(v);
+                changes.templates[pi].push(now);
                 pi
             }
             (_, _, Some(a)) => {
@@ -279,6 +310,7 @@ pub fn simulate_pods(
                 ready[next] = at;
                 via_peer[next] = (at > now, started);
                 pods[pi].queue.push_back(next);
+                changes.load[pi].push(now);
                 next += 1;
                 pi
             }
@@ -321,6 +353,9 @@ pub fn simulate_pods(
                 continue;
             }
             let mut load = 0.0;
+            if !plan.admitted().is_empty() {
+                changes.load[pi].push(now);
+            }
             for &id in plan.admitted() {
                 let (source, s) = acquire(&mut pods, pi, wi, fleet, reqs[id as usize].req);
                 load += s;
@@ -337,6 +372,10 @@ pub fn simulate_pods(
             w.step = Some((plan, now + dt));
         }
     }
+    changes.held = pods
+        .iter()
+        .map(|p| p.disk.items.len().max(p.host.items.len()))
+        .collect();
     out.into_iter()
         .enumerate()
         .map(|(i, d)| d.ok_or_else(|| format!("request {i} never finished")))

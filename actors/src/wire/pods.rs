@@ -1,7 +1,8 @@
-//! Messages between pods (docs/cluster.md): what crosses hosts. A pod's router asks
-//! each peer's pod actor for its report, and forwards an edit whole (its mask's bytes
-//! travel, like the bus's) to the pod that holds its template; the result comes back
-//! whole. Latents and activations never leave their pod.
+//! Messages between pods (docs/cluster.md): what crosses hosts. A pod pushes its report
+//! to its peers' pod actors as beats (on change, and as a heartbeat; its template list
+//! only when that changed), and forwards an edit whole (its mask's bytes travel, like
+//! the bus's) to the pod that holds its template; the result comes back whole. Latents
+//! and activations never leave their pod.
 
 use ractor::{BytesConvertable, RpcReplyPort};
 use ractor_cluster::RactorClusterMessage;
@@ -21,17 +22,23 @@ pub const GROUP: &str = "denoised.pods";
 /// chunks; a request or a reply that would not fit is not sent ([`fits_a_frame`]).
 pub const MAX_FRAME_BYTES: u64 = 64 << 20;
 
+/// The bytes `v` takes on the wire (postcard; ractor_cluster's envelope not counted).
+pub fn encoded_size<T: Serialize>(v: &T) -> usize {
+    postcard::experimental::serialized_size(v).unwrap_or(usize::MAX)
+}
+
 /// Whether `v` travels in one frame between pods (with room for the envelope): its
 /// encoded size when it does not.
 pub fn fits_a_frame<T: Serialize>(v: &T) -> Result<(), usize> {
-    let n = postcard::experimental::serialized_size(v).unwrap_or(usize::MAX);
+    let n = encoded_size(v);
     match n as u64 + (1 << 20) <= MAX_FRAME_BYTES {
         true => Ok(()),
         false => Err(n),
     }
 }
 
-/// A pod's state as its peers see it (asked for every second).
+/// A pod's state as its peers see it: pushed as a beat ([`PodMsg::Beat`]), or answered
+/// when a peer asks ([`PodMsg::Report`]).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct PodReport {
     /// Its name (`[cluster] pod`).
@@ -46,8 +53,13 @@ pub struct PodReport {
     /// Requests admitted and not answered, against its limit.
     pub in_flight: u32,
     pub limit: u32,
-    /// The templates it holds.
+    /// The templates it holds, when `listed`; else empty (a beat: its list is the one
+    /// it last sent, the one whose fingerprint is `listing`).
     pub templates: Vec<PodTemplate>,
+    pub listed: bool,
+    /// A fingerprint of its whole template list: a peer whose copy of the list has
+    /// another one missed a change, and asks for the report.
+    pub listing: u64,
     /// Its denoise workers as its router sees them (their own reports after every
     /// step, with the requests sent to them since).
     pub workers: Vec<PodWorker>,
@@ -344,6 +356,13 @@ pub enum PodMsg {
     /// A template was deleted (`DELETE /v1/templates/{id}` at a pod that held it): this
     /// pod drops its copy and recipe.
     Forget(FromPeer<String>),
+    /// A peer's report, pushed: when its state changed, and at least every heartbeat
+    /// (docs/cluster.md, "Beats").
+    Beat(FromPeer<PodReport>),
+    /// A template's recipe (its description and image, no template file), from the
+    /// recipes this pod keeps or from its own copy: asked when needed.
+    #[rpc]
+    Recipe(FromPeer<String>, RpcReplyPort<Res<Exported>>),
 }
 
 #[cfg(test)]

@@ -285,6 +285,7 @@ async fn store(
         version,
     };
     let entry = ctx.ask(&cache, |p| CacheMsg::Put(Wire(put), p)).await?;
+    ctx.templates_changed();
     if let (Identity::New(intent), Some(reg)) = (&input.identity, ctx.template_registry()) {
         if let Err(e) = reg.commit(intent, &entry.info.digest).await {
             // Refused: not the template's version, it goes. Unanswered: it may be the

@@ -7,7 +7,7 @@
 //!
 //! A pod that an edit is routed to and lacks its template [`obtain`]s it: a copy from a
 //! peer, or, when no pod holds it any more, a capture again from its recipe
-//! ([`learn_recipes`] keeps every peer template's).
+//! ([`learn_recipes`] keeps some, [`recipe_from_peers`] asks for the others).
 //!
 //! [`replicate`] keeps `[cluster] template_replicas` copies of each template: every pod
 //! ranks the pods up by a hash of (template, pod), and a pod among the first that lack
@@ -276,6 +276,7 @@ pub async fn fetch(
     if adopted.is_err() {
         let _ = std::fs::remove_dir_all(&staged);
     }
+    ctx.templates_changed();
     adopted.map_err(|e| e.message)?;
     Ok(moved)
 }
@@ -391,41 +392,111 @@ fn replicate(ctx: &Arc<Ctx>, mine: &HashSet<String>) {
     }
 }
 
-/// Keeps the recipe of every template a peer up holds and this pod (holding `mine`)
-/// has neither a recipe nor a copy of (asked of a holder whose disk has it: its
-/// description and image).
+/// Keeps the recipe of each template a peer up holds that this pod (holding `mine`) is
+/// to keep a recipe of: among the first `[cluster] recipe_copies` of the pods that lack
+/// the template, by the ranking [`chosen`] gives every router alike (asked of a holder
+/// whose disk has it: its description and image). The other pods ask for it when they
+/// need it ([`recipe_from_peers`]).
 async fn learn_recipes(ctx: &Ctx, mine: &HashSet<String>) {
     let Some(pods) = &ctx.pods else { return };
-    let (_, held) = pods.placement(Duration::ZERO);
-    for id in held.into_keys() {
+    let (up, held) = pods.placement(Duration::ZERO);
+    let copies = ctx.config.cluster.recipe_copies as usize;
+    for (id, holders) in held {
         if mine.contains(&id) || pods.recipes.has(&id) || pods.was_forgotten(&id) {
             continue;
         }
-        let Some((from, cell)) = pods
-            .holder(&id, &[])
-            .and_then(|from| Some((from.clone(), pods.cell(&from)?)))
-        else {
+        let lacking: Vec<String> = up
+            .iter()
+            .chain(std::iter::once(&pods.me))
+            .filter(|p| !holders.contains(p))
+            .cloned()
+            .collect();
+        if !chosen(&id, &lacking, copies).contains(&&pods.me) {
+            continue;
+        }
+        let Some(from) = pods.holder(&id, &[]) else {
             continue;
         };
-        let asked = crate::node::ask(&cell, CHUNK_WAIT, |p| {
-            PodMsg::Export(FromPeer::of(id.clone()), p)
-        })
-        .await;
-        let current = |e: &Exported| match ctx.template_registry().and_then(|r| r.record(&id)) {
-            Some(r) if r.deleted || e.name != crate::wire::version_name(&id, r.version) => {
-                Err(format!("{} is not the registry's version", e.name))
-            }
-            _ => Ok(()),
-        };
-        match asked
-            .map_err(|e| e.message)
-            .and_then(|e| current(&e).and_then(|()| pods.recipes.save(&id, &e.info, &e.image)))
-        {
-            Ok(()) => tracing::debug!("template `{id}`: kept its recipe"),
+        match ask_recipe(ctx, &from, &id, Ask::Export).await {
+            Ok((info, image)) => match pods.recipes.save(&id, &info, &image) {
+                Ok(()) => tracing::debug!("template `{id}`: kept its recipe"),
+                Err(e) => tracing::debug!("template `{id}`: cannot keep its recipe: {e}"),
+            },
             Err(e) => tracing::debug!("template `{id}`: no recipe from pod {from}: {e}"),
         }
     }
     ctx.metrics.pod_recipes.set(pods.recipes.count() as i64);
+}
+
+/// What to ask a peer for a recipe: the description and image of its copy
+/// (`Export`), or of its copy or the recipe it keeps (`Recipe`).
+#[derive(Clone, Copy)]
+enum Ask {
+    Export,
+    Recipe,
+}
+
+/// Template `id`'s recipe (its stored description, its image) from peer `from`: of
+/// the registry's version, when there is one.
+async fn ask_recipe(
+    ctx: &Ctx,
+    from: &str,
+    id: &str,
+    ask: Ask,
+) -> Result<(Vec<u8>, Vec<u8>), String> {
+    let (pods, cell) = ctx
+        .pods
+        .as_ref()
+        .and_then(|p| Some((p, p.cell(from)?)))
+        .ok_or_else(|| format!("pod {from} went away"))?;
+    let msg = |p| match ask {
+        Ask::Export => PodMsg::Export(FromPeer::of(id.to_string()), p),
+        Ask::Recipe => PodMsg::Recipe(FromPeer::of(id.to_string()), p),
+    };
+    if crate::fault::cut() {
+        return Err("cut off its peers (DENOISED_FAULT_CUT)".into());
+    }
+    // An edit may be waiting on it: a peer that stops answering ends the ask when it
+    // is marked down, not at the timeout.
+    let e = tokio::select! {
+        r = crate::node::ask(&cell, CHUNK_WAIT, msg) => r.map_err(|e| e.message)?,
+        () = pods.until_down(from) => return Err(format!("pod {from} stopped reporting")),
+    };
+    crate::wire::check_version_name(id, &e.name)?;
+    let info = crate::workers::cache::disk::stored_info(&e.info)?;
+    if info.id != id || info.model != ctx.model {
+        return Err(format!(
+            "{} is of template `{}` of model `{}`",
+            e.name, info.id, info.model
+        ));
+    }
+    match ctx.template_registry().and_then(|r| r.record(id)) {
+        Some(r) if r.deleted || e.name != crate::wire::version_name(id, r.version) => {
+            Err(format!("{} is not the registry's version", e.name))
+        }
+        _ => Ok((e.info, e.image)),
+    }
+}
+
+/// Template `id`'s recipe from a peer up that keeps it or holds a copy, asked in the
+/// order [`chosen`] ranks them (its recipe's keepers first): for an edit that needs to
+/// capture it again here and has no recipe of its own. Kept here once found.
+async fn recipe_from_peers(ctx: &Ctx, id: &str) -> Option<(crate::wire::TemplateInfo, Vec<u8>)> {
+    let pods = ctx.pods.as_ref()?;
+    let (up, _) = pods.placement(Duration::ZERO);
+    for from in chosen(id, &up, up.len()) {
+        match ask_recipe(ctx, from, id, Ask::Recipe).await {
+            Ok((info, image)) => {
+                tracing::info!("template `{id}`: its recipe came from pod {from}");
+                if let Err(e) = pods.recipes.save(id, &info, &image) {
+                    tracing::warn!("template `{id}`: cannot keep its recipe: {e}");
+                }
+                return pods.recipes.get(id);
+            }
+            Err(e) => tracing::debug!("template `{id}`: no recipe from pod {from}: {e}"),
+        }
+    }
+    None
 }
 
 /// Brings template `id` into this pod for an edit that found it missing (`missing`,
@@ -448,14 +519,18 @@ pub async fn obtain(ctx: &Ctx, job: JobId, id: &str, missing: WireError) -> Resu
         }
         _ => {}
     }
-    let recipe = pods
-        .recipes
-        .get(id)
-        .filter(|(info, _)| wanted.is_none_or(|v| info.version == v));
+    let kept = |r: Option<(crate::wire::TemplateInfo, Vec<u8>)>| {
+        r.filter(|(info, _)| wanted.is_none_or(|v| info.version == v))
+    };
+    let mut recipe = kept(pods.recipes.get(id));
     if recipe.is_none() && pods.holder(id, &[]).is_none() {
         // This pod's view of its peers may be older than the template (captured a
         // moment ago, seen first by the pod that routed the edit here): ask them now.
         pods.refresh_all().await;
+        if pods.holder(id, &[]).is_none() {
+            // No copy is left: its recipe, from a pod that keeps it.
+            recipe = kept(recipe_from_peers(ctx, id).await);
+        }
     }
     // A copy, unless capturing it again is cheaper by the cost model (a large template
     // over a slow link), as routing priced it.

@@ -387,8 +387,19 @@ impl Ctx {
         up_to: Option<u64>,
     ) -> Result<TemplateInfo, WireError> {
         let c = self.cache().await?;
-        self.ask(&c, |p| CacheMsg::Delete(Wire((id.to_string(), up_to)), p))
-            .await
+        let r = self
+            .ask(&c, |p| CacheMsg::Delete(Wire((id.to_string(), up_to)), p))
+            .await;
+        self.templates_changed();
+        r
+    }
+
+    /// This pod's templates changed (a capture, a copy, a delete): its next beat tells
+    /// its peers without waiting for a heartbeat.
+    pub fn templates_changed(&self) {
+        if let Some(p) = &self.pods {
+            p.touch();
+        }
     }
 
     /// The template registry, when this pod has one (`[cluster] registry`).
@@ -420,6 +431,7 @@ impl Ctx {
     /// own; a pod may hold thousands).
     pub async fn pod_report(&self, templates: Listed<'_>) -> PodReport {
         let draining = self.admission.is_draining();
+        let whole = matches!(templates, Listed::All);
         let groups_live = self.ready().iter().all(|(_, have, want)| have >= want)
             && self.template_registry().is_none_or(|r| r.reconciled());
         let listed = match templates {
@@ -448,6 +460,7 @@ impl Ctx {
                 vec![]
             }
         };
+        let listing = fingerprint(&templates);
         let run = |r: &Running| PodRun {
             text: r.shape.text as u32,
             active: r.shape.active as u32,
@@ -464,6 +477,8 @@ impl Ctx {
             in_flight: self.admission.in_flight() as u32,
             limit: self.admission.limit() as u32,
             templates,
+            listed: whole,
+            listing,
             workers: workers
                 .iter()
                 .map(|(running, max_batch)| PodWorker {
@@ -497,4 +512,15 @@ impl Ctx {
         .map(|(g, want)| (g, node::members(g).len(), want))
         .collect()
     }
+}
+
+/// A fingerprint of a pod's template list (what its beats carry in its place while it
+/// does not change).
+fn fingerprint(templates: &[PodTemplate]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    postcard::to_allocvec(templates)
+        .unwrap_or_default()
+        .hash(&mut h);
+    h.finish()
 }

@@ -232,6 +232,8 @@ mod tests {
                     steps: 28,
                 })
                 .collect(),
+            listed: true,
+            listing: 0,
             workers: vec![PodWorker {
                 max_batch: 4,
                 running: vec![run; busy.min(4)],

@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use super::pod_route::{self, Pricing, TemplateSize};
 use super::recipes::Recipes;
+use super::registry::{record, Held};
 use crate::metrics::router::RouterMetrics;
 use crate::node;
 use crate::routing::pods::{PodPolicy, PodRouter};
@@ -26,7 +27,10 @@ const DOWN_CHECK: Duration = Duration::from_millis(250);
 
 struct Peer {
     cell: ActorCell,
+    /// Its last report, with the template list it last sent (`listing`: that list's
+    /// fingerprint; `None`: this pod has not had it whole).
     report: PodReport,
+    listing: Option<u64>,
     seen: Instant,
     up: bool,
     /// When it last reported ready (or when it first reported).
@@ -105,6 +109,9 @@ pub struct Pods {
     /// many have ended.
     refreshing: tokio::sync::Mutex<()>,
     refreshes: std::sync::atomic::AtomicU64,
+    /// This router changed the pod's templates (a capture, a copy, a delete) since
+    /// the last beat: the next one goes without waiting for a heartbeat.
+    touched: std::sync::atomic::AtomicBool,
 }
 
 /// How long a deleted template's recipe is not learnt again (its peers drop their
@@ -122,6 +129,15 @@ impl Drop for Counted<'_> {
         let mut here = self.pods.here.lock().unwrap_or_else(|p| p.into_inner());
         here.retain(|h| h.0 != self.job);
     }
+}
+
+/// What a peer's report told ([`Pods::reported`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Heard {
+    /// The peer is new, or was down.
+    pub came_up: bool,
+    /// This pod lacks the peer's current template list: ask it for its report.
+    pub stale: bool,
 }
 
 /// What a request asks of the pod that runs it.
@@ -166,7 +182,20 @@ impl Pods {
             forgotten: Mutex::new(HashMap::new()),
             refreshing: tokio::sync::Mutex::new(()),
             refreshes: std::sync::atomic::AtomicU64::new(0),
+            touched: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// This pod's templates changed: its peers are told at its next beat.
+    pub fn touch(&self) {
+        self.touched
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether this pod's templates changed since the last call.
+    pub fn take_touched(&self) -> bool {
+        self.touched
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
     }
 
     /// Template `id` was deleted (here or on a peer): its recipe goes, and is not
@@ -298,26 +327,42 @@ impl Pods {
         self.peers.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A peer's report arrived through `cell` (its pod actor). True when the peer is
-    /// new or was down. A report of an older daemon of the same name (an orphaned
-    /// router still draining after its pod restarted) is ignored while the newer one
-    /// answers.
-    pub fn reported(&self, cell: ActorCell, report: PodReport) -> bool {
+    /// A peer's report arrived through `cell` (its pod actor), asked for or pushed as a
+    /// beat. A report of an older daemon of the same name (an orphaned router still
+    /// draining after its pod restarted) is ignored while the newer one answers. A beat
+    /// without its template list keeps the list this pod has of that peer; when that is
+    /// not the one the beat's fingerprint names (a beat with a change was missed), the
+    /// answer says to ask the peer for its whole report. With a registry, templates of
+    /// versions it superseded or deleted are left out (the peer drops them soon).
+    pub fn reported(&self, cell: ActorCell, mut report: PodReport) -> Heard {
         self.metrics
             .pod_reports
             .get_or_create(&[("pod", report.pod.clone())])
             .inc();
         let mut peers = self.peers();
         let name = report.pod.clone();
-        if peers
-            .get(&name)
-            .is_some_and(|p| p.up && p.report.started_unix > report.started_unix)
-        {
-            return false;
+        let old = peers.get(&name);
+        if old.is_some_and(|p| p.up && p.report.started_unix > report.started_unix) {
+            return Heard::default();
         }
-        let came_up = peers.get(&name).is_none_or(|p| !p.up);
+        let same = old.filter(|p| p.report.started_unix == report.started_unix);
+        let listing = match (report.listed, same) {
+            (true, _) => Some(report.listing),
+            (false, Some(p)) => {
+                report.templates = p.report.templates.clone();
+                p.listing.filter(|&l| l == report.listing)
+            }
+            (false, None) => None,
+        };
+        if let Some(reg) = &self.registry {
+            report.templates.retain(|t| {
+                reg.record(&t.id)
+                    .is_none_or(|r| record::judge(Some(&r), t.version) == Held::Current)
+            });
+        }
+        let came_up = old.is_none_or(|p| !p.up);
         let now = Instant::now();
-        let ready_at = match (report.ready, peers.get(&name)) {
+        let ready_at = match (report.ready, old) {
             (false, Some(p)) => p.ready_at,
             _ => now,
         };
@@ -326,13 +371,35 @@ impl Pods {
             Peer {
                 cell,
                 report,
+                listing,
                 seen: now,
                 up: true,
                 ready_at,
             },
         );
         self.count_up(&peers);
-        came_up
+        Heard {
+            came_up,
+            stale: listing.is_none(),
+        }
+    }
+
+    /// A beat from peer `report.pod`, through the pod actor this pod knows it by; `None`
+    /// from a pod (or a daemon of it) this pod has not asked for its report yet.
+    pub fn beat(&self, report: PodReport) -> Option<(ActorCell, Heard)> {
+        let cell = self
+            .peers()
+            .get(&report.pod)
+            .filter(|p| p.report.started_unix == report.started_unix)
+            .map(|p| p.cell.clone())?;
+        Some((cell.clone(), self.reported(cell, report)))
+    }
+
+    /// Whether `cell` is the pod actor of a peer this pod has heard from.
+    pub fn knows(&self, cell: &ActorCell) -> bool {
+        self.peers()
+            .values()
+            .any(|p| p.cell.get_id() == cell.get_id())
     }
 
     fn count_up(&self, peers: &BTreeMap<String, Peer>) {
@@ -488,9 +555,9 @@ impl Pods {
     }
 
     /// Asks peer `name` for its report now: an edit this router forwarded there has
-    /// ended, so its last report (up to a second old, the edit counted in it) is
-    /// stale where the next decision looks.
-    async fn refresh(&self, name: &str, cell: ActorCell) {
+    /// ended, so its last report (the edit counted in it) is stale where the next
+    /// decision looks; or a beat said this pod missed a change of its templates.
+    pub async fn refresh(&self, name: &str, cell: ActorCell) {
         if crate::fault::cut() {
             return;
         }
@@ -624,98 +691,4 @@ impl Pods {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::wire::pods::PodTemplate;
-    use ractor::{Actor, ActorProcessingErr, ActorRef};
-
-    struct Nobody;
-    impl Actor for Nobody {
-        type Msg = ();
-        type State = ();
-        type Arguments = ();
-        async fn pre_start(&self, _: ActorRef<()>, _: ()) -> Result<(), ActorProcessingErr> {
-            Ok(())
-        }
-    }
-
-    fn report(
-        pod: &str,
-        started: f64,
-        ready: bool,
-        busy: u32,
-        templates: &[(&str, u64)],
-    ) -> PodReport {
-        PodReport {
-            pod: pod.into(),
-            started_unix: started,
-            http: String::new(),
-            ready,
-            in_flight: busy,
-            limit: 10,
-            templates: templates
-                .iter()
-                .map(|&(id, disk)| PodTemplate {
-                    id: id.into(),
-                    version: 1,
-                    host_bytes: 1,
-                    disk_bytes: disk,
-                    tokens: 16,
-                    steps: 4,
-                })
-                .collect(),
-            workers: vec![],
-            queued: vec![],
-            fetching: vec![],
-        }
-    }
-
-    #[tokio::test]
-    async fn a_copy_comes_from_the_least_busy_ready_pod_whose_disk_holds_the_template() {
-        let (cell, _) = Actor::spawn(None, Nobody, ()).await.unwrap();
-        let m = crate::metrics::router::RouterMetrics::register(
-            &mut Default::default(),
-            &mut Default::default(),
-            Default::default(),
-        );
-        let d = tempfile::tempdir().unwrap();
-        let recipes = Recipes::new(d.path().to_path_buf());
-        let pods = Pods::new(
-            "me".into(),
-            PodPolicy::default(),
-            Duration::from_secs(1),
-            recipes,
-            None,
-            m,
-        );
-        let c = || cell.get_cell();
-        // (Templates by their bytes on disk: 0 while the disk copy is being written.)
-        pods.reported(c(), report("a", 1.0, true, 5, &[("t", 1)]));
-        pods.reported(c(), report("b", 1.0, true, 0, &[("t", 0)]));
-        pods.reported(c(), report("c", 1.0, true, 2, &[("t", 1)]));
-        pods.reported(c(), report("d", 1.0, false, 0, &[("t", 1)]));
-        // The least busy with a disk copy; not ready is never chosen.
-        assert_eq!(pods.holder("t", &[]).as_deref(), Some("c"));
-        assert_eq!(pods.holder("t", &["c".into()]).as_deref(), Some("a"));
-        assert_eq!(pods.holder("t", &["c".into(), "a".into()]), None);
-        assert!(pods.writing("t", &["c".into(), "a".into()]));
-        assert!(!pods.writing("t", &["b".into()]));
-        assert_eq!(pods.holder("u", &[]), None);
-        // An older daemon of b (an orphan draining) does not displace the newer one.
-        pods.reported(c(), report("b", 2.0, true, 0, &[("t", 1)]));
-        assert!(!pods.reported(c(), report("b", 1.0, false, 0, &[])));
-        assert_eq!(pods.holder("t", &[]).as_deref(), Some("b"));
-        let (up, held) = pods.placement(Duration::ZERO);
-        assert_eq!(up, ["a", "b", "c"]);
-        assert_eq!(held["t"], ["a", "b", "c"]);
-        // Within the grace period, d (not ready: restarting) still counts as a holder
-        // (no copy is made for it), and b, draining, too; after it, neither does.
-        pods.reported(c(), report("b", 2.0, false, 0, &[("t", 1)]));
-        let (up, held) = pods.placement(Duration::from_secs(60));
-        assert_eq!(up, ["a", "c"]);
-        assert_eq!(held["t"], ["a", "b", "c", "d"]);
-        let (_, held) = pods.placement(Duration::ZERO);
-        assert_eq!(held["t"], ["a", "c"]);
-        cell.stop(None);
-    }
-}
+mod tests;

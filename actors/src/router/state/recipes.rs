@@ -1,9 +1,9 @@
 //! Templates' recipes (docs/cluster.md): what a pod needs to capture a template again
 //! when every pod that held it is lost — its description (prompt, seed, steps, LoRAs:
 //! the capture's parameters) and its image, a few MB where the template is tens of GB.
-//! Every pod keeps the recipe of every template its peers report, under
+//! `[cluster] recipe_copies` pods besides a template's holders keep its recipe, under
 //! `<cache dir>/.recipes/<id>/` (a name the disk tier's scan passes over), so a
-//! template outlives all its copies.
+//! template outlives all its copies; another pod asks one of them when it needs it.
 
 use std::path::PathBuf;
 
@@ -66,6 +66,27 @@ impl Recipes {
         Some((self.info(id)?, image))
     }
 
+    /// Template `id`'s description as stored and its image (what a peer is sent).
+    pub fn stored(&self, id: &str) -> Option<(Vec<u8>, Vec<u8>)> {
+        let p = self.path(id)?;
+        Some((
+            std::fs::read(p.join(INFO)).ok()?,
+            std::fs::read(p.join(IMAGE)).ok()?,
+        ))
+    }
+
+    /// The ids of the recipes this pod keeps.
+    pub fn ids(&self) -> Vec<String> {
+        std::fs::read_dir(&self.dir)
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().to_string())
+                    .filter(|n| !n.starts_with('.'))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Drops template `id`'s recipe.
     pub fn remove(&self, id: &str) {
         if let Some(p) = self.path(id) {
@@ -75,13 +96,7 @@ impl Recipes {
 
     /// How many recipes this pod keeps.
     pub fn count(&self) -> usize {
-        std::fs::read_dir(&self.dir)
-            .map(|rd| {
-                rd.flatten()
-                    .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
-                    .count()
-            })
-            .unwrap_or(0)
+        self.ids().len()
     }
 }
 

@@ -410,6 +410,17 @@ impl DiskTier {
         dir.join(".incoming").join(model)
     }
 
+    /// The bytes beside the tier that its capacity (`[cache] disk_bytes`) covers too:
+    /// the copies from peers being received (and what one cut short left) and the
+    /// recipes the router keeps (`<cache dir>/.recipes/`).
+    pub fn beside_bytes(&self) -> u64 {
+        let (Some(dir), Some(model)) = (self.root.parent(), self.root.file_name()) else {
+            return 0;
+        };
+        let staging = Self::staging(dir, &model.to_string_lossy());
+        tree_bytes(&staging) + tree_bytes(&dir.join(".recipes"))
+    }
+
     /// Moves a copy of a version of template `id`, received complete at `staged` (its
     /// template file, description and image), into the tier: checked first (its name
     /// and description), synced, renamed into place.
@@ -477,4 +488,18 @@ fn sync_dir_and_files(dir: &Path) -> std::io::Result<()> {
         }
     }
     sync_path(dir)
+}
+
+/// The bytes of the files under `path` (0 where there is none).
+fn tree_bytes(path: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(path) else {
+        return 0;
+    };
+    rd.flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => tree_bytes(&e.path()),
+            Ok(_) => e.metadata().map_or(0, |m| m.len()),
+            Err(_) => 0,
+        })
+        .sum()
 }

@@ -378,9 +378,14 @@ impl CacheState {
         }
     }
 
-    /// Drops the least recently used templates while the disk tier is over capacity.
+    /// Drops the least recently used templates while the disk tier, with the copies
+    /// being received and the recipes kept beside it, is over capacity.
     fn enforce_disk_capacity(&mut self) {
-        for v in self.index.disk_victims(self.disk_bytes) {
+        let beside = self.disk.as_ref().map_or(0, |d| d.beside_bytes());
+        for v in self
+            .index
+            .disk_victims(self.disk_bytes.saturating_sub(beside))
+        {
             tracing::info!(
                 "template cache: dropping `{}` (the disk tier is full)",
                 self.entries[&v].info.id
