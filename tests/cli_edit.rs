@@ -227,7 +227,14 @@ fn template_capture_and_mask_aware_edits() {
         "{log}"
     );
     let (img, res) = (png_file(&input), png_file(&edited));
-    let mask = decode_mask(&std::fs::read(case("e2e_mask.png")).unwrap(), 64, 64, &LIM).unwrap();
+    let mask = decode_mask(
+        &std::fs::read(case("e2e_mask.png")).unwrap(),
+        64,
+        64,
+        &LIM,
+        Default::default(),
+    )
+    .unwrap();
     let mut changed_inside = 0;
     for i in 0..64 * 64 {
         let (a, b) = (&res.data[i * 3..i * 3 + 3], &img.data[i * 3..i * 3 + 3]);
@@ -511,8 +518,9 @@ fn bad_inputs_give_clear_errors() {
     std::fs::write(&text, "this is not an image").unwrap();
     run_fail(base(&input, &text), "mask: not a PNG or JPEG");
 
-    let small = solid_png(dir.path(), "small.png", 32, 32, 0);
-    run_fail(base(&input, &small), "mask is 32x32 but the image is 64x64");
+    // (A mask of the image's aspect is resized to it; another is refused.)
+    let small = solid_png(dir.path(), "small.png", 32, 16, 0);
+    run_fail(base(&input, &small), "mask is 32x16 but the image is 64x64");
 
     let odd = solid_png(dir.path(), "odd.png", 30, 32, 0);
     run_fail(base(&odd, &mask), "not a multiple of 4 pixels");
@@ -662,7 +670,14 @@ fn an_fp8_edit_on_the_emulator_differs_from_bf16_and_keeps_the_unmasked_pixels()
     };
     let bf16 = edit("bf16.png", &[]);
     let img = png_file(&input);
-    let mask = decode_mask(&std::fs::read(&mask_png).unwrap(), 64, 64, &LIM).unwrap();
+    let mask = decode_mask(
+        &std::fs::read(&mask_png).unwrap(),
+        64,
+        64,
+        &LIM,
+        Default::default(),
+    )
+    .unwrap();
     for scaling in ["tensor", "channel"] {
         let fp8 = edit(
             &format!("fp8_{scaling}.png"),

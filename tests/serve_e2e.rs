@@ -303,6 +303,112 @@ fn static_batching_holds_a_request_until_the_batch_ends() {
     assert_eq!(b["batch"]["max"], 1);
 }
 
+/// A mask painted in a drawing app (black, opaque strokes on a transparent layer) edits
+/// its strokes: the same image as the white-on-black mask of the same pixels. Read as
+/// luma (`mask_channel`), its black strokes select nothing: a 400 that says so.
+#[test]
+fn a_mask_painted_in_alpha_edits_the_painted_pixels() {
+    let d = Daemon::start(&[]);
+    d.template("room", 4);
+    let grey = image::load_from_memory(&std::fs::read(case("e2e_mask.png")).unwrap())
+        .unwrap()
+        .into_luma8();
+    let strokes = image::RgbaImage::from_fn(grey.width(), grey.height(), |x, y| {
+        image::Rgba([
+            0,
+            0,
+            0,
+            if grey.get_pixel(x, y).0[0] >= 128 {
+                255
+            } else {
+                0
+            },
+        ])
+    });
+    let mut painted = vec![];
+    strokes
+        .write_to(
+            &mut std::io::Cursor::new(&mut painted),
+            image::ImageFormat::Png,
+        )
+        .unwrap();
+    let edit = |mask: String, channel: Option<&str>| {
+        let mut body = json!({"template_id": "room", "mask": mask, "prompt": "a cat", "seed": 5});
+        if let Some(c) = channel {
+            body["mask_channel"] = json!(c);
+        }
+        d.post("/v1/edits", &body)
+    };
+    let (s, white) = edit(mask_b64(), None);
+    assert_eq!(s, 200, "{white}");
+    let (s, alpha) = edit(b64(&painted), None);
+    assert_eq!(s, 200, "{alpha}");
+    assert_eq!(alpha["active_tokens"], white["active_tokens"]);
+    assert!(
+        edit_image(&alpha) == edit_image(&white),
+        "the painted mask edits other pixels"
+    );
+    let (s, v) = edit(b64(&painted), Some("luma"));
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("selects no pixel"),
+        "{v}"
+    );
+}
+
+/// `Accept: image/png` (or `image/jpeg`) gets the image's bytes, the reply's fields in
+/// headers: the PNG is the JSON reply's image, byte for byte; the JPEG decodes.
+#[test]
+fn an_edit_replies_with_the_image_bytes_when_asked() {
+    let d = Daemon::start(&[]);
+    d.template("room", 4);
+    let body = json!({"template_id": "room", "mask": mask_b64(), "prompt": "a cat", "seed": 5});
+    let (s, v) = d.post("/v1/edits", &body);
+    assert_eq!(s, 200, "{v}");
+    let asking = |accept: &str| {
+        let r = d
+            .http
+            .post(format!("{}/v1/edits", d.url))
+            .header("accept", accept)
+            .json(&body)
+            .send()
+            .unwrap();
+        let status = r.status().as_u16();
+        let headers = r.headers().clone();
+        (status, headers, r.bytes().unwrap().to_vec())
+    };
+    let (s, h, png) = asking("image/png");
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&png));
+    assert_eq!(h["content-type"], "image/png");
+    assert_eq!(
+        png,
+        edit_image(&v),
+        "the PNG differs from the JSON reply's image"
+    );
+    assert_eq!(h["x-denoised-width"], v["width"].to_string().as_str());
+    assert_eq!(
+        h["x-denoised-active-tokens"],
+        v["active_tokens"].to_string().as_str()
+    );
+    assert!(h.contains_key("x-request-id") && h.contains_key("x-denoised-timings"));
+    let (s, h, jpeg) = asking("image/jpeg, application/json;q=0.5");
+    assert_eq!(
+        (s, &h["content-type"]),
+        (200, &"image/jpeg".parse().unwrap())
+    );
+    let img = image::load_from_memory_with_format(&jpeg, image::ImageFormat::Jpeg).unwrap();
+    assert_eq!((img.width(), img.height()), (64, 64));
+    let (s, h, json) = asking("application/json");
+    assert_eq!(
+        (s, &h["content-type"]),
+        (200, &"application/json".parse().unwrap())
+    );
+    assert!(serde_json::from_slice::<Value>(&json).unwrap()["image"].is_string());
+}
+
 #[test]
 fn bad_requests_get_json_errors_and_the_daemon_keeps_serving() {
     let dir = tempfile::tempdir().unwrap();
@@ -315,14 +421,15 @@ fn bad_requests_get_json_errors_and_the_daemon_keeps_serving() {
         b.truncate(b.len() / 2);
         b64(&b)
     };
-    let small_mask = {
+    let flat_mask = |width: usize, height: usize, level: u8| {
         let img = Rgb8 {
-            width: 32,
-            height: 32,
-            data: vec![255; 32 * 32 * 3],
+            width,
+            height,
+            data: vec![level; width * height * 3],
         };
         b64(&denoised_models::pipeline::image::encode_png(&img).unwrap())
     };
+    let small_mask = flat_mask(32, 16, 255);
     let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
         (
             "unknown template",
@@ -346,7 +453,13 @@ fn bad_requests_get_json_errors_and_the_daemon_keeps_serving() {
             "mask of the wrong size",
             serde_json::to_vec(&json!({"template_id": "t", "mask": small_mask})).unwrap(),
             400,
-            "32x32",
+            "32x16",
+        ),
+        (
+            "an all-black mask",
+            serde_json::to_vec(&json!({"template_id": "t", "mask": flat_mask(64, 64, 0)})).unwrap(),
+            400,
+            "selects no pixel",
         ),
         (
             "steps out of range",

@@ -13,20 +13,22 @@ use denoised_models::mask::TokenMask;
 use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Prepared, Timings};
 use denoised_models::pipeline::generate::GenerateOptions;
 use denoised_models::pipeline::image::{
-    decode_image, decode_mask, encode_jpeg, encode_png, from_model_space, Mask, Rgb8,
+    decode_edit_mask, decode_image, encode_jpeg, encode_png, from_model_space, Mask, Rgb8,
 };
 use denoised_models::pipeline::paste::paste_back;
 use denoised_models::pipeline::sparse_vae::VaePass;
 use denoised_runtime::shm::Handle;
 use denoised_runtime::{CpuBackend, HostSlice, Tensor};
 
-use crate::wire::{ErrorKind, FinishParams, GenParams, ImageFormat, MaskSpec, WireError};
+use crate::wire::{
+    ErrorKind, FinishParams, GenParams, ImageFormat, MaskChannel, MaskSpec, WireError,
+};
 
 pub type Pipeline = FluxFill<CpuBackend>;
 
 /// The mask of a request, with encoded bytes already read from shared memory.
 pub enum MaskInput<'a> {
-    Image(&'a [u8]),
+    Image(&'a [u8], MaskChannel),
     Boxes(&'a [[u32; 4]]),
     Polygons(&'a [Vec<[f32; 2]>]),
     Empty,
@@ -36,7 +38,7 @@ impl<'a> MaskInput<'a> {
     /// The mask of a request: `image_mask` holds the bytes of a `MaskSpec::Image`.
     pub fn new(spec: &'a MaskSpec, image_mask: Option<&'a [u8]>) -> Self {
         match (spec, image_mask) {
-            (MaskSpec::Image(_), Some(b)) => MaskInput::Image(b),
+            (MaskSpec::Image(_, channel), Some(b)) => MaskInput::Image(b, *channel),
             (MaskSpec::Boxes(b), _) => MaskInput::Boxes(b),
             (MaskSpec::Polygons(p), _) => MaskInput::Polygons(p),
             _ => MaskInput::Empty,
@@ -131,7 +133,7 @@ pub fn rasterize(spec: &MaskInput<'_>, width: usize, height: usize) -> Mask {
                 fill_polygon(poly, width, height, &mut data);
             }
         }
-        MaskInput::Image(_) | MaskInput::Empty => {}
+        MaskInput::Image(..) | MaskInput::Empty => {}
     }
     Mask {
         width,
@@ -241,7 +243,9 @@ pub fn prepare(
     let image = decode_image(image_bytes, &limits).map_err(input_error)?;
     let (w, h) = (image.width, image.height);
     let mask = match mask {
-        MaskInput::Image(b) => decode_mask(b, w, h, &limits).map_err(input_error)?,
+        MaskInput::Image(b, channel) => {
+            decode_edit_mask(b, w, h, &limits, channel).map_err(input_error)?
+        }
         other => {
             check_shapes(&other)?;
             rasterize(&other, w, h)

@@ -29,7 +29,7 @@ fn image_and_mask_preprocessing_match_diffusers() {
         Tier::Strict,
     );
 
-    let mask = decode_mask(&read("e2e_mask.png"), 64, 64, &LIM).unwrap();
+    let mask = decode_mask(&read("e2e_mask.png"), 64, 64, &LIM, Default::default()).unwrap();
     let want = case.tensor("mask_image");
     let got: Vec<f32> = mask.data.iter().map(|&m| m as u8 as f32).collect();
     assert_eq!(got, want.data(), "binarised mask must match exactly");

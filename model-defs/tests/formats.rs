@@ -55,7 +55,14 @@ fn e2e(source: &ModelSource) -> (Rgb8, Vec<f32>) {
         .unwrap();
     let cases = fixtures_dir().join("cases");
     let image = decode_image(&read(cases.join("e2e_input.png")), &p.limits).unwrap();
-    let mask = decode_mask(&read(cases.join("e2e_mask.png")), 64, 64, &p.limits).unwrap();
+    let mask = decode_mask(
+        &read(cases.join("e2e_mask.png")),
+        64,
+        64,
+        &p.limits,
+        Default::default(),
+    )
+    .unwrap();
     let opts = EditOptions {
         steps: 4,
         guidance: 30.0,

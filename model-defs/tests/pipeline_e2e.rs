@@ -37,7 +37,7 @@ fn end_to_end_matches_diffusers() {
         .unwrap();
     let prompt = case.params["prompt"].as_str().unwrap();
     let image = decode_image(&read("e2e_input.png"), &p.limits).unwrap();
-    let mask = decode_mask(&read("e2e_mask.png"), 64, 64, &p.limits).unwrap();
+    let mask = decode_mask(&read("e2e_mask.png"), 64, 64, &p.limits, Default::default()).unwrap();
     let opts = EditOptions {
         steps: 4,
         guidance: 30.0,
@@ -129,7 +129,7 @@ fn paste_back_keeps_every_unmasked_pixel() {
     let case = RefCase::open("e2e").unwrap();
     let p = FluxFill::load(&ModelSource::dir(tiny_model_dir()), CpuBackend::new()).unwrap();
     let image = decode_image(&read("e2e_input.png"), &p.limits).unwrap();
-    let mask = decode_mask(&read("e2e_mask.png"), 64, 64, &p.limits).unwrap();
+    let mask = decode_mask(&read("e2e_mask.png"), 64, 64, &p.limits, Default::default()).unwrap();
     let opts = EditOptions {
         steps: 4,
         max_sequence_length: 32,

@@ -307,8 +307,14 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     };
     let image = decode_image(&read(&image_path)?, &p.limits)
         .map_err(|e| format!("{}: {e}", image_path.display()))?;
-    let mask = decode_mask(&read(&a.mask)?, image.width, image.height, &p.limits)
-        .map_err(|e| format!("{}: {e}", a.mask.display()))?;
+    let mask = decode_mask(
+        &read(&a.mask)?,
+        image.width,
+        image.height,
+        &p.limits,
+        Default::default(),
+    )
+    .map_err(|e| format!("{}: {e}", a.mask.display()))?;
     let (steps, guidance) = match &template {
         Some((_, m)) => {
             for (flag, given, have) in [

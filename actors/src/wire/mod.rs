@@ -64,14 +64,16 @@ mod error;
 pub mod ids;
 pub mod pods;
 
+pub use denoised_models::pipeline::image::MaskChannel;
 pub use error::{ErrorKind, WireError};
 pub use ids::{check_template_id, check_version_name, version_name};
 
 /// How the region to repaint is given.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum MaskSpec {
-    /// An encoded image (PNG/JPEG) of the image's size: white (>= 50% luma) = repaint.
-    Image(Handle),
+    /// An encoded image (PNG/JPEG) of the image's size or aspect, and the channel that
+    /// marks the pixels to repaint (white luma, or opaque alpha).
+    Image(Handle, MaskChannel),
     /// Rectangles `[x, y, width, height]` in pixels.
     Boxes(Vec<[u32; 4]>),
     /// Polygons of `[x, y]` pixel vertices (even-odd fill, pixel centres).

@@ -9,7 +9,7 @@ use ractor_cluster::RactorClusterMessage;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::{DenoiseStats, FinishParams, JobId, Res, StageTimings, Wire};
+use super::{DenoiseStats, FinishParams, JobId, MaskChannel, Res, StageTimings, Wire};
 
 /// The process-group scope and group of the pods' actors (apart from the groups of a
 /// pod's workers).
@@ -249,7 +249,7 @@ impl Previews {
 /// How a forwarded edit's region is given (an encoded image's bytes travel).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum PodMask {
-    Image(Vec<u8>),
+    Image(Vec<u8>, MaskChannel),
     Boxes(Vec<[u32; 4]>),
     Polygons(Vec<Vec<[f32; 2]>>),
 }
@@ -399,7 +399,7 @@ mod tests {
     /// over the frame limit does not, by its encoded size.
     #[test]
     fn a_message_over_the_frame_limit_is_told_apart() {
-        let mask = |n: usize| PodMask::Image(vec![7; n]);
+        let mask = |n: usize| PodMask::Image(vec![7; n], MaskChannel::Auto);
         assert_eq!(fits_a_frame(&mask(32 << 20)), Ok(()));
         let big = MAX_FRAME_BYTES as usize;
         assert!(fits_a_frame(&mask(big)).unwrap_err() > big);

@@ -54,7 +54,7 @@ pub(crate) fn read_request(
 ) -> Result<(Vec<u8>, Option<Vec<u8>>), WireError> {
     let image = shm.read_bytes(image)?;
     let mask = match mask {
-        MaskSpec::Image(h) => Some(shm.read_bytes(h)?),
+        MaskSpec::Image(h, _) => Some(shm.read_bytes(h)?),
         _ => None,
     };
     Ok((image, mask))

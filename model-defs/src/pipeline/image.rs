@@ -7,10 +7,13 @@
 //!   [-1, 1] (`2x - 1`). Sizes must be multiples of the token size `2 * vae_scale_factor`
 //!   (16 for FLUX.1): other sizes are **rejected**, not resized, because resizing would
 //!   change every pixel, and paste-back promises that unmasked pixels come back exactly.
-//! - **Masks** may be grayscale, grayscale+alpha, RGB or RGBA images of the same size as
-//!   the image. They are converted to luminance as PIL's `convert("L")` does
-//!   (`(19595 R + 38470 G + 7471 B + 32768) >> 16`, alpha ignored), scaled by 1/255 and
-//!   binarised: `>= 0.5` (luminance 128 and up) means "repaint".
+//! - **Masks** may be grayscale, grayscale+alpha, RGB or RGBA images of the image's size
+//!   (or of its aspect, resized to it). They are converted to luminance as PIL's
+//!   `convert("L")` does (`(19595 R + 38470 G + 7471 B + 32768) >> 16`), scaled by 1/255
+//!   and binarised: `>= 0.5` (luminance 128 and up) means "repaint". A mask whose alpha
+//!   channel is not opaque everywhere (strokes on a transparent layer) is read from its
+//!   alpha instead, opaque meaning "repaint" ([`MaskChannel`]). A mask that selects no
+//!   pixel is refused.
 //! - Decoding is bounded: dimensions are read from the header and checked against the
 //!   pixel limit before any pixel buffer is allocated.
 
@@ -130,51 +133,140 @@ pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<Rgb8> {
     })
 }
 
-/// A mask image, which must be `width x height`.
+/// Which channel of a mask image marks the pixels to repaint.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MaskChannel {
+    /// Alpha when the mask has an alpha channel that is not opaque everywhere (strokes
+    /// painted on a transparent layer, as drawing apps save them), else luma.
+    #[default]
+    Auto,
+    /// Luminance: white (128 and up) is repaint; alpha is ignored.
+    Luma,
+    /// Alpha: opaque (128 and up) is repaint, transparent is kept.
+    Alpha,
+}
+
+/// A mask image for an image of `width x height`: the same size, or the same aspect
+/// (within 1%), then resized to it (a triangle filter; binarised after).
 fn decode_mask_image(
     bytes: &[u8],
     width: usize,
     height: usize,
     limits: &ImageLimits,
 ) -> Result<DynamicImage> {
-    let img = decode(bytes, "mask", limits)?;
+    // A mask is resized to the image, so its sides need not be multiples of the token.
+    let any_side = ImageLimits {
+        multiple_of: 1,
+        ..*limits
+    };
+    let img = decode(bytes, "mask", &any_side)?;
     let (w, h) = (img.width() as usize, img.height() as usize);
-    if (w, h) != (width, height) {
+    if (w, h) == (width, height) {
+        return Ok(img);
+    }
+    let (aspect, want) = (w as f64 / h as f64, width as f64 / height as f64);
+    if (aspect / want - 1.0).abs() > 0.01 {
         return Err(Error::Invalid(format!(
-            "mask is {w}x{h} but the image is {width}x{height}"
+            "mask is {w}x{h} but the image is {width}x{height}: another aspect ratio \
+             (a mask of another size is resized to the image only when their aspects match)"
         )));
     }
-    Ok(img)
+    let filter = image::imageops::FilterType::Triangle;
+    Ok(img.resize_exact(width as u32, height as u32, filter))
 }
 
-/// Decodes a mask image and binarises it; it must be `width x height`.
+/// Decodes a mask image and binarises it, reading the channel `channel` names (the
+/// native API's masks); it must be `width x height` or of that aspect. An empty mask is
+/// a mask (`denoised edit` reproduces a template's capture with one).
 pub fn decode_mask(
     bytes: &[u8],
     width: usize,
     height: usize,
     limits: &ImageLimits,
+    channel: MaskChannel,
 ) -> Result<Mask> {
+    read_mask(bytes, width, height, limits, channel).map(|(m, _)| m)
+}
+
+/// [`decode_mask`] for a request to the daemon: a mask that selects no pixel is an
+/// error that says how to mark one (an edit of nothing is a client's mistake there).
+pub fn decode_edit_mask(
+    bytes: &[u8],
+    width: usize,
+    height: usize,
+    limits: &ImageLimits,
+    channel: MaskChannel,
+) -> Result<Mask> {
+    let (mask, alpha) = read_mask(bytes, width, height, limits, channel)?;
+    if mask.data.contains(&true) {
+        return Ok(mask);
+    }
+    Err(Error::Invalid(match alpha {
+        true => "the mask selects no pixel: read from its alpha channel (it has \
+                 transparent pixels), none is opaque; paint the area to repaint opaque, \
+                 or send mask_channel \"luma\" to read its brightness"
+            .into(),
+        false => "the mask selects no pixel: none is white (brightness 128 or more); \
+                  paint the area to repaint white, or opaque on a transparent layer"
+            .into(),
+    }))
+}
+
+/// A mask, and whether it was read from its alpha channel.
+fn read_mask(
+    bytes: &[u8],
+    width: usize,
+    height: usize,
+    limits: &ImageLimits,
+    channel: MaskChannel,
+) -> Result<(Mask, bool)> {
     let img = decode_mask_image(bytes, width, height, limits)?;
-    let lum: Vec<u8> = match img {
-        DynamicImage::ImageLuma8(g) => g.into_raw(),
-        DynamicImage::ImageLumaA8(g) => g.into_raw().chunks_exact(2).map(|p| p[0]).collect(),
-        other => other
+    let alpha = match channel {
+        MaskChannel::Luma => false,
+        MaskChannel::Alpha if !img.color().has_alpha() => {
+            return Err(Error::Invalid(
+                "mask_channel is alpha but the mask has no alpha channel".into(),
+            ))
+        }
+        MaskChannel::Alpha => true,
+        MaskChannel::Auto => img.color().has_alpha() && !opaque(&img),
+    };
+    let level: Vec<u8> = match (alpha, img) {
+        (true, img) => img.into_rgba8().pixels().map(|p| p.0[3]).collect(),
+        (false, DynamicImage::ImageLuma8(g)) => g.into_raw(),
+        (false, DynamicImage::ImageLumaA8(g)) => {
+            g.into_raw().chunks_exact(2).map(|p| p[0]).collect()
+        }
+        (false, other) => other
             .into_rgb8()
             .into_raw()
             .chunks_exact(3)
             .map(|p| pil_luma(p[0], p[1], p[2]))
             .collect(),
     };
-    Ok(Mask {
+    let data: Vec<bool> = level.into_iter().map(|l| l >= 128).collect();
+    let mask = Mask {
         width,
         height,
-        data: lum.into_iter().map(|l| l >= 128).collect(),
-    })
+        data,
+    };
+    Ok((mask, alpha))
+}
+
+/// Whether every pixel of `img` is opaque (an alpha channel that says nothing).
+fn opaque(img: &DynamicImage) -> bool {
+    match img {
+        DynamicImage::ImageLumaA8(g) => g.pixels().all(|p| p.0[1] == 255),
+        DynamicImage::ImageRgba8(g) => g.pixels().all(|p| p.0[3] == 255),
+        other => other.to_rgba8().pixels().all(|p| p.0[3] == 255),
+    }
 }
 
 /// The mask of an image in OpenAI's convention (the Images API's edits): its fully
 /// transparent pixels (alpha 0) are the area to edit. `bytes` is a PNG with an alpha
-/// channel, of `width x height` (the image itself, when the request has no mask).
+/// channel, of `width x height` or its aspect (the image itself, when the request has
+/// no mask).
 pub fn decode_alpha_mask(
     bytes: &[u8],
     width: usize,
@@ -188,6 +280,13 @@ pub fn decode_alpha_mask(
         ));
     }
     let data: Vec<bool> = img.into_rgba8().pixels().map(|p| p.0[3] == 0).collect();
+    if !data.contains(&true) {
+        return Err(Error::Invalid(
+            "the mask selects no pixel: none is fully transparent (without a mask, none of \
+             the image's); make the area to edit transparent"
+                .into(),
+        ));
+    }
     Ok(Mask {
         width,
         height,
@@ -316,7 +415,14 @@ mod tests {
             "alpha 0 is the edit area; any other alpha is kept"
         );
         // As the native API's mask, it reads back the same.
-        let back = decode_mask(&encode_mask_png(&m).unwrap(), 8, 4, &LIM).unwrap();
+        let back = decode_mask(
+            &encode_mask_png(&m).unwrap(),
+            8,
+            4,
+            &LIM,
+            Default::default(),
+        )
+        .unwrap();
         assert_eq!(back, m);
         // A mask without alpha says what it lacks; a wrong size is refused.
         let grey = png(DynamicImage::ImageLuma8(image::GrayImage::new(8, 4)));
@@ -325,6 +431,90 @@ mod tests {
             .to_string();
         assert!(e.contains("no alpha channel"), "{e}");
         assert!(decode_alpha_mask(&grey, 4, 4, &LIM).is_err());
+    }
+
+    /// A mask painted in a drawing app: black, opaque strokes on a transparent layer.
+    fn strokes(w: u32, h: u32) -> (Vec<u8>, Vec<bool>) {
+        let inside = |x: u32, y: u32| x >= w / 2 && y < h / 2;
+        let rgba = image::RgbaImage::from_fn(w, h, |x, y| match inside(x, y) {
+            true => image::Rgba([0, 0, 0, 255]),
+            false => image::Rgba([0, 0, 0, 0]),
+        });
+        let want = (0..h)
+            .flat_map(|y| (0..w).map(move |x| inside(x, y)))
+            .collect();
+        (png(DynamicImage::ImageRgba8(rgba)), want)
+    }
+
+    #[test]
+    fn masks_painted_in_alpha_are_read_from_alpha() {
+        let (bytes, want) = strokes(8, 4);
+        let m = decode_mask(&bytes, 8, 4, &LIM, MaskChannel::Auto).unwrap();
+        assert_eq!(m.data, want, "opaque strokes are the area to repaint");
+        assert_eq!(
+            decode_mask(&bytes, 8, 4, &LIM, MaskChannel::Alpha).unwrap(),
+            m
+        );
+        // Read as luma, black strokes select nothing: a 400 that says so.
+        let e = decode_edit_mask(&bytes, 8, 4, &LIM, MaskChannel::Luma)
+            .unwrap_err()
+            .to_string();
+        let nothing = decode_mask(&bytes, 8, 4, &LIM, MaskChannel::Luma).unwrap();
+        assert!(!nothing.data.contains(&true), "an empty mask, for the CLI");
+        assert!(e.contains("selects no pixel") && e.contains("white"), "{e}");
+        // An opaque mask's alpha says nothing: luma, as before.
+        let grey =
+            image::GrayImage::from_fn(8, 4, |x, _| image::Luma([if x < 2 { 255 } else { 0 }]));
+        let opaque = png(DynamicImage::ImageRgba8(
+            DynamicImage::ImageLuma8(grey).into_rgba8(),
+        ));
+        let m = decode_mask(&opaque, 8, 4, &LIM, MaskChannel::Auto).unwrap();
+        assert_eq!(m.data.iter().filter(|&&b| b).count(), 8);
+        // Forcing alpha on a mask without one is an error that says so.
+        let rgb = png(DynamicImage::ImageRgb8(image::RgbImage::new(8, 4)));
+        let e = decode_mask(&rgb, 8, 4, &LIM, MaskChannel::Alpha)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no alpha channel"), "{e}");
+        // All black, all transparent: nothing selected, each with its own fix.
+        let e = decode_edit_mask(&rgb, 8, 4, &LIM, MaskChannel::Auto)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("selects no pixel") && e.contains("paint the area"),
+            "{e}"
+        );
+        let clear = png(DynamicImage::ImageRgba8(image::RgbaImage::new(8, 4)));
+        let e = decode_edit_mask(&clear, 8, 4, &LIM, MaskChannel::Auto)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("selects no pixel") && e.contains("alpha"), "{e}");
+        let e = decode_alpha_mask(&opaque, 8, 4, &LIM)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("none is fully transparent"), "{e}");
+    }
+
+    #[test]
+    fn a_mask_of_the_images_aspect_is_resized_to_it_and_another_is_refused() {
+        // Painted at half the image's size (and not a multiple of the token size).
+        let (half, _) = strokes(10, 6);
+        let (full, want) = strokes(20, 12);
+        let m = decode_mask(&half, 20, 12, &LIM, MaskChannel::Auto).unwrap();
+        assert_eq!((m.width, m.height), (20, 12));
+        let same = m.data.iter().zip(&want).filter(|(a, b)| a == b).count();
+        assert!(same >= 240 - 12, "{same} of 240 pixels as at full size");
+        assert_eq!(
+            decode_mask(&full, 20, 12, &LIM, MaskChannel::Auto)
+                .unwrap()
+                .data,
+            want
+        );
+        let (square, _) = strokes(12, 12);
+        let e = decode_mask(&square, 20, 12, &LIM, MaskChannel::Auto)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("another aspect ratio"), "{e}");
     }
 
     #[test]
@@ -339,7 +529,7 @@ mod tests {
             png(DynamicImage::ImageRgb8(rgb)),
             png(DynamicImage::ImageRgba8(rgba)),
         ] {
-            let m = decode_mask(&bytes, 8, 4, &LIM).unwrap();
+            let m = decode_mask(&bytes, 8, 4, &LIM, Default::default()).unwrap();
             assert_eq!(m.data, want);
         }
     }
@@ -358,9 +548,13 @@ mod tests {
             multiple_of: 4,
         };
         assert!(err(decode_image(&ok, &small)).contains("exceeds the limit"));
-        let e = decode_mask(&ok, 16, 8, &LIM).unwrap_err().to_string();
+        let e = decode_mask(&ok, 16, 8, &LIM, Default::default())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("mask is 8x8 but the image is 16x8"), "{e}");
-        let e = decode_mask(b"hello", 8, 8, &LIM).unwrap_err().to_string();
+        let e = decode_mask(b"hello", 8, 8, &LIM, Default::default())
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("mask:"), "{e}");
     }
 
@@ -384,7 +578,7 @@ mod tests {
             .max()
             .unwrap();
         assert!(worst < 40, "{worst}");
-        let m = decode_mask(&jpg, 16, 8, &LIM).unwrap();
+        let m = decode_mask(&jpg, 16, 8, &LIM, Default::default()).unwrap();
         assert_eq!(m.data.len(), 128);
     }
 

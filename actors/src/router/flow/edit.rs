@@ -29,7 +29,7 @@ pub enum Source {
 }
 
 pub enum MaskIn {
-    Image(Vec<u8>),
+    Image(Vec<u8>, MaskChannel),
     Boxes(Vec<[u32; 4]>),
     Polygons(Vec<Vec<[f32; 2]>>),
 }
@@ -60,7 +60,7 @@ impl EditInput {
     pub fn of_template(id: String, mask_png: Vec<u8>, prompt: String, seed: u64) -> Self {
         EditInput {
             source: Source::Template(id),
-            mask: MaskIn::Image(mask_png),
+            mask: MaskIn::Image(mask_png, MaskChannel::Auto),
             steps: None,
             guidance: None,
             prompt,
@@ -88,7 +88,7 @@ impl EditInput {
         Some(PodEdit {
             template: template.clone(),
             mask: match &self.mask {
-                MaskIn::Image(b) => PodMask::Image(b.clone()),
+                MaskIn::Image(b, c) => PodMask::Image(b.clone(), *c),
                 MaskIn::Boxes(b) => PodMask::Boxes(b.clone()),
                 MaskIn::Polygons(p) => PodMask::Polygons(p.clone()),
             },
@@ -110,7 +110,7 @@ impl EditInput {
         EditInput {
             source: Source::Template(e.template),
             mask: match e.mask {
-                PodMask::Image(b) => MaskIn::Image(b),
+                PodMask::Image(b, c) => MaskIn::Image(b, c),
                 PodMask::Boxes(b) => MaskIn::Boxes(b),
                 PodMask::Polygons(p) => MaskIn::Polygons(p),
             },
@@ -309,10 +309,10 @@ fn prepare_req(
         (Source::Template(_), None) => unreachable!("resolved by the caller"),
     };
     let mask = match &input.mask {
-        MaskIn::Image(b) => {
+        MaskIn::Image(b, channel) => {
             let h = ctx.shm.write_bytes(b)?;
             held.own.push(h.clone());
-            MaskSpec::Image(h)
+            MaskSpec::Image(h, *channel)
         }
         MaskIn::Boxes(b) => MaskSpec::Boxes(b.clone()),
         MaskIn::Polygons(p) => MaskSpec::Polygons(p.clone()),

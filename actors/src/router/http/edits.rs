@@ -16,7 +16,7 @@ use super::inputs::{
     check_cfg, check_guidance, check_seq_len, check_steps, default_seq_len, no_cfg,
     resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
 };
-use super::respond::{respond, JobAccepted, Reply};
+use super::respond::{respond, Body, JobAccepted, Reply};
 use crate::router::flow::defaults;
 use crate::router::flow::edit::{edit, EditInput, MaskIn, Source};
 use crate::router::flow::generate::true_cfg_of;
@@ -24,6 +24,29 @@ use crate::router::service::{admit, submit, EditReply, Submitted};
 use crate::router::state::jobs::Previews;
 use crate::router::state::Ctx;
 use crate::wire::{FinishParams, ImageFormat};
+
+/// Which channel of a mask image marks the pixels to repaint (`wire::MaskChannel`).
+#[derive(Clone, Copy, Debug, Default, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum MaskChannelBody {
+    /// Alpha where the mask has transparent pixels, else luma.
+    #[default]
+    Auto,
+    /// White (luminance 128 and up) is repaint.
+    Luma,
+    /// Opaque (alpha 128 and up) is repaint.
+    Alpha,
+}
+
+impl From<MaskChannelBody> for crate::wire::MaskChannel {
+    fn from(c: MaskChannelBody) -> Self {
+        match c {
+            MaskChannelBody::Auto => crate::wire::MaskChannel::Auto,
+            MaskChannelBody::Luma => crate::wire::MaskChannel::Luma,
+            MaskChannelBody::Alpha => crate::wire::MaskChannel::Alpha,
+        }
+    }
+}
 
 /// An edit: of a template (`template_id`) or of an inline `image`, with exactly one
 /// of `mask`, `boxes` and `polygons`.
@@ -34,8 +57,16 @@ pub(crate) struct EditBody {
     template_id: Option<String>,
     /// An image to edit in full: base64 PNG or JPEG (a data URL too).
     image: Option<String>,
-    /// The mask: base64 PNG, white where the image changes.
+    /// The mask: base64 PNG or JPEG of the image's size (or its aspect: resized to
+    /// it), white where the image changes; a PNG whose alpha is not opaque everywhere
+    /// (strokes painted on a transparent layer) is read from its alpha, opaque where
+    /// the image changes (see `mask_channel`).
     mask: Option<String>,
+    /// Which channel of `mask` marks the pixels to repaint: `auto` (the default: alpha
+    /// where the mask has transparent pixels, else luma), `luma` (white) or `alpha`
+    /// (opaque).
+    #[serde(default)]
+    mask_channel: MaskChannelBody,
     /// The mask as pixel rectangles `[x, y, width, height]`.
     boxes: Option<Vec<[u32; 4]>>,
     /// The mask as polygons of `[x, y]` pixel points.
@@ -109,7 +140,7 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, Reply)> {
             )),
         };
     let mask = match (b.mask, b.boxes, b.polygons) {
-        (Some(m), None, None) => MaskIn::Image(b64("mask", &m)?),
+        (Some(m), None, None) => MaskIn::Image(b64("mask", &m)?, b.mask_channel.into()),
         (None, Some(bx), None) => MaskIn::Boxes(bx),
         (None, None, Some(p)) => MaskIn::Polygons(p),
         _ => {
@@ -122,7 +153,7 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, Reply)> {
     let shapes = match &mask {
         MaskIn::Boxes(bx) => crate::stages::MaskInput::Boxes(bx),
         MaskIn::Polygons(p) => crate::stages::MaskInput::Polygons(p),
-        MaskIn::Image(_) => crate::stages::MaskInput::Empty,
+        MaskIn::Image(..) => crate::stages::MaskInput::Empty,
     };
     crate::stages::check_shapes(&shapes)?;
     if b.dilation > 64 || b.feather > 64 {
@@ -154,8 +185,8 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, Reply)> {
 #[utoipa::path(post, path = "/v1/edits", tag = "edits",
     request_body(content = EditBody, content_type = "application/json"),
     responses(
-        (status = 200, description = "The edited image. With `stream`, the job's events instead (`GET /v1/jobs/{id}/events`).",
-            content((EditReply = "application/json"), (String = "text/event-stream")),
+        (status = 200, description = "The edited image. With `Accept: image/png` or `image/jpeg` (`image/*`: the request's `format`), the image's bytes, the reply's other fields in `x-denoised-*` headers (a synchronous request's). With `stream`, the job's events instead (`GET /v1/jobs/{id}/events`).",
+            content((EditReply = "application/json"), (String = "text/event-stream"), (Vec<u8> = "image/png"), (Vec<u8> = "image/jpeg")),
             headers(("x-request-id" = String, description = "The request's id."))),
         (status = 202, description = "`async`: the job to poll.", body = JobAccepted),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
@@ -168,12 +199,14 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, Reply)> {
 pub(crate) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
     // Before reading the body: an overloaded server refuses at once.
     let permit = admit(&ctx)?;
+    let accept = Body::of(req.headers());
     let b: EditBody = parse(&body(&ctx, req).await?)?;
     check_steps(&ctx, b.steps)?;
     check_guidance(b.guidance)?;
     check_seq_len(b.max_sequence_length)?;
     let preview_every = b.preview_every;
-    let (input, reply) = edit_input(&ctx, b)?;
+    let (mut input, reply) = edit_input(&ctx, b)?;
+    input.finish.format = accept.format(input.finish.format);
     let format = input.finish.format;
     let steps = input.steps.unwrap_or(0);
     // A synchronous client gets the image in its response; the job table keeps only the
@@ -188,8 +221,9 @@ pub(crate) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> Ap
         move |ctx, job| async move { edit(&ctx, job, &input).await },
         move |job, o| EditReply::new(job, o, format, keep),
     );
-    respond(&ctx, job, task, reply, move |out| {
-        Json(EditReply::new(job, out, format, true)).into_response()
+    respond(&ctx, job, task, reply, move |out| match accept {
+        Body::Json => Json(EditReply::new(job, out, format, true)).into_response(),
+        image => image.reply(&EditReply::new(job, out, format, false), &out.image, format),
     })
     .await
 }

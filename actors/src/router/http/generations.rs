@@ -17,7 +17,7 @@ use super::inputs::{
     check_cfg, check_guidance, check_seq_len, check_steps, default_seq_len, no_cfg,
     resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
 };
-use super::respond::{respond, JobAccepted, Reply};
+use super::respond::{respond, Body, JobAccepted, Reply};
 use crate::router::flow::generate::{generate, ApproxMode, GenerateInput, GenerateOutput};
 use crate::router::service::{admit, submit, GenerationReply, Submitted};
 use crate::router::state::admission::Permit;
@@ -104,8 +104,8 @@ pub(crate) fn start(
 #[utoipa::path(post, path = "/v1/generations", tag = "generations",
     request_body(content = GenerationBody, content_type = "application/json"),
     responses(
-        (status = 200, description = "The generated image. With `stream`, the job's events instead (`GET /v1/jobs/{id}/events`).",
-            content((GenerationReply = "application/json"), (String = "text/event-stream")),
+        (status = 200, description = "The generated image. With `Accept: image/png` or `image/jpeg` (`image/*`: the request's `format`), the image's bytes, the reply's other fields in `x-denoised-*` headers (a synchronous request's). With `stream`, the job's events instead (`GET /v1/jobs/{id}/events`).",
+            content((GenerationReply = "application/json"), (String = "text/event-stream"), (Vec<u8> = "image/png"), (Vec<u8> = "image/jpeg")),
             headers(("x-request-id" = String, description = "The request's id."))),
         (status = 202, description = "`async`: the job to poll.", body = JobAccepted),
         (status = 400, description = "Bad input, or a Fill model (it edits only).", body = ErrorBody),
@@ -117,10 +117,11 @@ pub(crate) fn start(
     ))]
 pub(crate) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request) -> ApiResult {
     let permit = admit(&ctx)?;
+    let accept = Body::of(req.headers());
     let b: GenerationBody = parse(&body(&ctx, req).await?)?;
     check(&ctx, b.steps, b.guidance, b.max_sequence_length)?;
     check_cfg(b.true_cfg_scale)?;
-    let format = b.format;
+    let format = accept.format(b.format);
     let input = GenerateInput {
         prompt: b.prompt,
         steps: b.steps,
@@ -141,8 +142,13 @@ pub(crate) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request)
     // the description then.
     let previews = Previews::Every(b.preview_every);
     let Submitted { job, task } = start(&ctx, permit, input, reply.keeps_result(), previews);
-    respond(&ctx, job, task, reply, move |out| {
-        Json(GenerationReply::new(job, out, format, true)).into_response()
+    respond(&ctx, job, task, reply, move |out| match accept {
+        Body::Json => Json(GenerationReply::new(job, out, format, true)).into_response(),
+        image => image.reply(
+            &GenerationReply::new(job, out, format, false),
+            &out.image,
+            format,
+        ),
     })
     .await
 }

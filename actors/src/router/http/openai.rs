@@ -51,7 +51,7 @@ use crate::router::service::{admit, encode_b64, submit, units, EditReply, Submit
 use crate::router::state::admission::RETRY_AFTER_S;
 use crate::router::state::jobs::Previews;
 use crate::router::state::Ctx;
-use crate::wire::{ImageFormat, JobId, StageTimings, WireError};
+use crate::wire::{ImageFormat, JobId, MaskChannel, StageTimings, WireError};
 
 /// The most images one request asks for (OpenAI's limit).
 pub(crate) const MAX_N: u32 = 10;
@@ -349,7 +349,8 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
                 Some(t) => Source::Template(t.clone()),
                 None => Source::Image(image.clone()),
             },
-            mask: MaskIn::Image(mask_png.clone()),
+            // Made here from OpenAI's alpha rule: white is the area to edit.
+            mask: MaskIn::Image(mask_png.clone(), MaskChannel::Luma),
             steps: f.steps,
             guidance: f.guidance,
             prompt: f.prompt.clone(),
