@@ -88,6 +88,17 @@ fn inspect_tells_what_each_file_is() {
         assert!(l["fits_model"]["modules"].as_u64().unwrap() > 0, "{l}");
     }
 
+    // Without a model directory, a head size other than FLUX.1's leaves the RoPE axes
+    // unknown: the layout is named all the same, and why there is no config.
+    let out = ok(&["inspect", s(&formats("flux1-fill-tiny.safetensors"))]);
+    let t: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (t["component"].as_str(), t["layout"].as_str()),
+        (Some("transformer"), Some("bfl"))
+    );
+    assert!(t["config"].is_null(), "{t}");
+    assert!(t["config_error"].as_str().unwrap().contains("RoPE"), "{t}");
+
     let (success, _, stderr) = denoised(&["inspect", s(&formats("unsupported-Q2_K.gguf"))]);
     assert!(!success);
     assert!(

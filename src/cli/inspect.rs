@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use denoised_models::flux::lora::LoraFile;
 use denoised_models::flux::lora_formats::LoraFormat;
-use denoised_models::flux::single_file::TransformerFile;
+use denoised_models::flux::single_file::{key_layout, TransformerFile};
 use denoised_models::text::t5_file::T5File;
 use denoised_models::vae::single_file::VaeFile;
 use denoised_models::ModelSource;
@@ -35,7 +35,7 @@ pub fn inspect(a: &Args) -> CliResult<Value> {
     let file = checkpoint::open(&a.file)?;
     let names = file.names();
     let dir = a.model.as_ref().and_then(|m| m.model_dir());
-    let mut out = json!({
+    let out = json!({
         "file": a.file.display().to_string(),
         "container": file.container(),
         "tensors": names.len(),
@@ -64,7 +64,25 @@ pub fn inspect(a: &Args) -> CliResult<Value> {
         || has("transformer_blocks.")
     {
         let hint = dir.and_then(|d| d.transformer_hint());
-        let t = TransformerFile::open(&a.file, hint.as_ref())?;
+        let t = match TransformerFile::open(&a.file, hint.as_ref()) {
+            Ok(t) => t,
+            // Its layout still, when its config cannot be read off its shapes (a head
+            // size whose RoPE axes no model directory gives).
+            Err(e) => match key_layout(&names) {
+                Some((layout, prefix)) => {
+                    let v = json!({
+                        "component": "transformer",
+                        "layout": format!("{layout:?}").to_lowercase(),
+                        "prefix": prefix,
+                        "config": null,
+                        "config_error": e.to_string(),
+                        "use": "--transformer FILE (with --model DIR for the other components)",
+                    });
+                    return Ok(merged(out, v));
+                }
+                None => return Err(e.into()),
+            },
+        };
         let kind = match (t.config.in_channels, t.config.guidance_embeds) {
             (i, _) if i != t.config.out_channels() => "FLUX.1 Fill",
             (_, true) => "FLUX.1-dev (text to image, guidance embedding)",
@@ -96,8 +114,13 @@ pub fn inspect(a: &Args) -> CliResult<Value> {
     } else {
         json!({"component": "unknown"})
     };
+    Ok(merged(out, component))
+}
+
+/// `out` with `component`'s fields added.
+fn merged(mut out: Value, component: Value) -> Value {
     if let (Value::Object(o), Value::Object(c)) = (&mut out, component) {
         o.extend(c);
     }
-    Ok(out)
+    out
 }

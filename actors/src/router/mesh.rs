@@ -31,7 +31,8 @@ use crate::routing::beats;
 use crate::wire::pods::{Exported, FromPeer, PodJobEvent, PodMsg, PodOrigin, GROUP, SCOPE};
 use crate::wire::{JobId, Wire, WireError};
 
-/// How often the peers are asked for their reports, and dialled when not connected.
+/// How often peers not heard from are asked for their report, peers not connected are
+/// dialled, and silent ones are marked down.
 const TICK: Duration = Duration::from_secs(1);
 
 /// Joins this pod to its cluster: starts its peer node, its pod actor and the loops.

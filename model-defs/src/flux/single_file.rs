@@ -56,6 +56,27 @@ fn ignorable(key: &str) -> bool {
     key == "scaled_fp8" || key.ends_with(".scale_input")
 }
 
+/// The key layout of a transformer file whose keys are `names`, and the prefix they
+/// carry; `None` for keys of neither layout. Read off the names alone, so it names the
+/// layout of a file whose config cannot be inferred.
+pub fn key_layout(names: &[String]) -> Option<(Layout, String)> {
+    let layout = if bfl::is_bfl(names.iter().map(String::as_str)) {
+        Layout::Bfl
+    } else if names.iter().any(|n| n.starts_with("transformer_blocks.")) {
+        Layout::Diffusers
+    } else {
+        return None;
+    };
+    let comfy = names
+        .iter()
+        .any(|n| n.starts_with("model.diffusion_model."));
+    let prefix = match layout {
+        Layout::Bfl if comfy => "model.diffusion_model.",
+        _ => "",
+    };
+    Some((layout, prefix.to_string()))
+}
+
 impl TransformerFile {
     /// Opens `path` (safetensors or GGUF) and infers the config from its shapes. The
     /// shapes cannot tell the RoPE axes: they come from `hint` (the model
@@ -68,27 +89,12 @@ impl TransformerFile {
             path: path.to_path_buf(),
             reason,
         };
-        let layout = if bfl::is_bfl(names.iter().map(String::as_str)) {
-            Layout::Bfl
-        } else if names.iter().any(|n| n.starts_with("transformer_blocks.")) {
-            Layout::Diffusers
-        } else {
+        let Some((layout, prefix)) = key_layout(&names) else {
             return Err(bad(format!(
                 "not a FLUX transformer: no `double_blocks.*` (BFL layout) or `transformer_blocks.*` (diffusers layout) keys; it has {}",
                 first_few(names.iter().map(String::as_str).collect())
             )));
         };
-        let prefix = match layout {
-            Layout::Bfl
-                if names
-                    .iter()
-                    .any(|n| n.starts_with("model.diffusion_model.")) =>
-            {
-                "model.diffusion_model."
-            }
-            _ => "",
-        }
-        .to_string();
         let shape = |key: &str| -> Option<Vec<usize>> {
             file.info(&format!("{prefix}{key}")).map(|(s, _)| s)
         };
