@@ -13,7 +13,6 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
-use denoised_models::pipeline::image::{encode_png, Rgb8};
 use serde_json::{json, Value};
 
 /// T5 tokens of every request here: the transformer's work scales with text + image
@@ -159,18 +158,12 @@ fn emu_daemon_equals_the_cli_and_keeps_the_identity_invariant() {
         "daemon and CLI images differ on the emulator"
     );
 
-    // The identity invariant through the daemon: an empty mask computes no image
-    // token, so every latent is the template's and the image is its reconstruction.
-    let input = png(&std::fs::read(case("e2e_input.png")).unwrap());
-    let black = Rgb8 {
-        width: input.width,
-        height: input.height,
-        data: vec![0; input.data.len()],
-    };
-    let empty = b64(&encode_png(&black).unwrap());
+    // The identity invariant through the daemon: an empty mask (no boxes; an image
+    // mask that selects nothing is a 400) computes no image token, so every latent is
+    // the template's and the image is its reconstruction.
     let v = edit(
         &d,
-        json!({"template_id": "room", "mask": empty, "paste_back": false, "prompt": "other", "seed": 11}),
+        json!({"template_id": "room", "boxes": [], "paste_back": false, "prompt": "other", "seed": 11}),
     );
     assert_eq!(v["active_tokens"], 0, "{v}");
     let recon = png(&std::fs::read(tdir.join("reconstruction.png")).unwrap());

@@ -655,15 +655,14 @@ fn daemon(t: Target) -> CliResult<Vec<Check>> {
         pass: changed_inside > 0,
     });
 
-    // The identity invariant through the daemon: with an empty mask no image token is
-    // computed, so the prompt and seed cannot matter and both images are the
-    // template's reconstruction.
-    let empty = mask_png(&|_| false)?;
+    // The identity invariant through the daemon: with an empty mask (no boxes; an image
+    // mask that selects nothing is a 400) no image token is computed, so the prompt
+    // and seed cannot matter and both images are the template's reconstruction.
     let mut images = Vec::new();
     for (prompt, seed) in [("a dog", 7), ("something else", 8)] {
         let (s, v) = d.post(
             "/v1/edits",
-            &json!({"template_id": "selftest", "mask": empty, "paste_back": false,
+            &json!({"template_id": "selftest", "boxes": [], "paste_back": false,
                     "prompt": prompt, "seed": seed, "max_sequence_length": SEQ}),
         )?;
         if s != 200 || v["active_tokens"] != 0 {
