@@ -220,16 +220,7 @@ pub async fn fetch(
     })
     .await
     .map_err(|e| e.message)?;
-    // What the peer says is checked before any path is built from it or anything is
-    // adopted: a version of the template asked for, of the model this pod serves.
-    crate::wire::check_version_name(id, &e.name)?;
-    let info = crate::workers::cache::disk::stored_info(&e.info)?;
-    if info.id != id || info.model != ctx.model {
-        return Err(format!(
-            "the peer sent template `{}` of model `{}` for `{id}` of `{}`: refused",
-            info.id, info.model, ctx.model
-        ));
-    }
+    let info = exported(ctx, id, &e)?;
     if wanted.is_some_and(|v| e.name != crate::wire::version_name(id, v)) {
         return Err(format!(
             "the peer holds {} of template `{id}`, not version {}: refused",
@@ -428,6 +419,21 @@ async fn learn_recipes(ctx: &Ctx, mine: &HashSet<String>) {
     ctx.metrics.pod_recipes.set(pods.recipes.count() as i64);
 }
 
+/// The description of what a peer exported for template `id`, checked before any path
+/// is built from it or anything is kept: a version of that template, of the model this
+/// pod serves.
+fn exported(ctx: &Ctx, id: &str, e: &Exported) -> Result<crate::wire::TemplateInfo, String> {
+    crate::wire::check_version_name(id, &e.name)?;
+    let info = crate::workers::cache::disk::stored_info(&e.info)?;
+    if info.id != id || info.model != ctx.model {
+        return Err(format!(
+            "the peer sent template `{}` of model `{}` for `{id}` of `{}`: refused",
+            info.id, info.model, ctx.model
+        ));
+    }
+    Ok(info)
+}
+
 /// What to ask a peer for a recipe: the description and image of its copy
 /// (`Export`), or of its copy or the recipe it keeps (`Recipe`).
 #[derive(Clone, Copy)]
@@ -462,14 +468,7 @@ async fn ask_recipe(
         r = crate::node::ask(&cell, CHUNK_WAIT, msg) => r.map_err(|e| e.message)?,
         () = pods.until_down(from) => return Err(format!("pod {from} stopped reporting")),
     };
-    crate::wire::check_version_name(id, &e.name)?;
-    let info = crate::workers::cache::disk::stored_info(&e.info)?;
-    if info.id != id || info.model != ctx.model {
-        return Err(format!(
-            "{} is of template `{}` of model `{}`",
-            e.name, info.id, info.model
-        ));
-    }
+    exported(ctx, id, &e)?;
     match ctx.template_registry().and_then(|r| r.record(id)) {
         Some(r) if r.deleted || e.name != crate::wire::version_name(id, r.version) => {
             Err(format!("{} is not the registry's version", e.name))
