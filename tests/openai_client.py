@@ -1,7 +1,7 @@
 """The official `openai` Python client against a running denoised daemon.
 
 Run by tests/openai_client.rs (which starts the daemon and checks the images):
-    python3 tests/openai_client.py edit URL IMAGE.png MASK.png OUT_PREFIX
+    python3 tests/openai_client.py edit URL IMAGE.png MASK.png OUT_PREFIX SIZE
     python3 tests/openai_client.py generate URL OUT_PREFIX
 Each writes OUT_PREFIX.0.png and OUT_PREFIX.1.png and prints the reply's model name
 (a generation also prints each image's approx_cache extension, as JSON lines). Each
@@ -79,7 +79,7 @@ client = OpenAI(base_url=url + "/v1", api_key="unused")
 if mode == "generate":
     generate(client, sys.argv[3])
     sys.exit(0)
-image, mask, out = sys.argv[3:6]
+image, mask, out, size = sys.argv[3:7]
 
 # Two edits of the image where the mask is transparent; seed and steps are extensions.
 with open(image, "rb") as im, open(mask, "rb") as mk:
@@ -89,7 +89,7 @@ with open(image, "rb") as im, open(mask, "rb") as mk:
         mask=mk,
         prompt="a red ball",
         n=2,
-        size="64x64",
+        size=size,
         response_format="b64_json",
         extra_body={"seed": 3, "steps": 4},
     )
@@ -99,14 +99,14 @@ assert len(r.data) == 2, r
 def stream_edit():
     with open(image, "rb") as im, open(mask, "rb") as mk:
         return list(client.images.edit(
-            model="any-name", image=im, mask=mk, prompt="a red ball", n=1, size="64x64",
+            model="any-name", image=im, mask=mk, prompt="a red ball", n=1, size=size,
             stream=True, partial_images=2, extra_body={"seed": 3, "steps": 6},
         ))
 
 
 with open(image, "rb") as im, open(mask, "rb") as mk:
     six = client.images.edit(
-        model="any-name", image=im, mask=mk, prompt="a red ball", n=1, size="64x64",
+        model="any-name", image=im, mask=mk, prompt="a red ball", n=1, size=size,
         response_format="b64_json", extra_body={"seed": 3, "steps": 6},
     )
 streamed(stream_edit, "image_edit", six.data[0].b64_json)

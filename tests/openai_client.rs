@@ -1,6 +1,6 @@
-//! The official `openai` Python client (PyPI) against the real daemon: it edits an
-//! image with a transparent-area mask through `POST /v1/images/edits`, and the pixels
-//! outside the mask come back untouched; it generates images from a prompt through
+//! The official `openai` Python client (PyPI) against the real daemon: it edits a
+//! 1080x1350 image with a transparent-area mask through `POST /v1/images/edits`, and it
+//! comes back at 1080x1350 with the pixels outside the mask untouched; it generates images from a prompt through
 //! `POST /v1/images/generations` on a text-to-image model. `.ci/run` installs the client into
 //! `target/pyclient` and sets `DENOISED_PYCLIENT`; where it is missing the test says so
 //! and skips.
@@ -49,15 +49,19 @@ fn the_openai_client_edits_an_image_with_a_transparent_mask() {
             return;
         }
     };
-    let d = Daemon::start(&[]);
-    let input = png(&std::fs::read(case("e2e_input.png")).unwrap());
-    let (w, h) = (input.width as u32, input.height as u32);
-    // The area to edit: a transparent rectangle; the rest opaque.
-    let edit = |x: u32, y: u32| (16..40).contains(&x) && (20..44).contains(&y);
+    // A phone photo's size (any size is taken: it is computed at a work size, capped
+    // small here so that the tiny model is quick, and comes back at 1080x1350).
+    let (_dir, d) = Daemon::with_config("[server]\nmax_megapixels = 0.02\n");
+    let fixture = png(&std::fs::read(case("e2e_input.png")).unwrap());
+    let (w, h) = (1080u32, 1350u32);
+    // The fixture stretched over the photo (nearest pixel).
     let px = |x: u32, y: u32| {
-        let i = 3 * (y * w + x) as usize;
-        [input.data[i], input.data[i + 1], input.data[i + 2]]
+        let (fx, fy) = (x * 64 / w, y * 64 / h);
+        let i = 3 * (fy * 64 + fx) as usize;
+        [fixture.data[i], fixture.data[i + 1], fixture.data[i + 2]]
     };
+    // The area to edit: a transparent rectangle; the rest opaque.
+    let edit = |x: u32, y: u32| (270..675).contains(&x) && (420..925).contains(&y);
     let image = RgbaImage::from_fn(w, h, |x, y| {
         let [r, g, b] = px(x, y);
         Rgba([r, g, b, 255])
@@ -84,6 +88,7 @@ fn the_openai_client_edits_an_image_with_a_transparent_mask() {
             ip.to_str().unwrap(),
             mp.to_str().unwrap(),
             out.to_str().unwrap(),
+            &format!("{w}x{h}"),
         ])
         .output()
         .unwrap();
@@ -101,7 +106,7 @@ fn the_openai_client_edits_an_image_with_a_transparent_mask() {
     let mut outputs = Vec::new();
     for i in 0..2 {
         let got = png(&std::fs::read(dir.path().join(format!("out.{i}.png"))).unwrap());
-        assert_eq!((got.width, got.height), (input.width, input.height));
+        assert_eq!((got.width, got.height), (w as usize, h as usize));
         let (mut outside_changed, mut inside_changed) = (0, 0);
         for y in 0..h {
             for x in 0..w {

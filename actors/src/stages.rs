@@ -13,9 +13,12 @@ use denoised_models::mask::TokenMask;
 use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Prepared, Timings};
 use denoised_models::pipeline::generate::GenerateOptions;
 use denoised_models::pipeline::image::{
-    decode_edit_mask, decode_image, encode_jpeg, encode_png, from_model_space, Mask, Rgb8,
+    decode_edit_mask, decode_image, encode_jpeg, encode_png, from_model_space, ImageLimits, Mask,
+    Rgb8,
 };
 use denoised_models::pipeline::paste::paste_back;
+use denoised_models::pipeline::sizing;
+pub use denoised_models::pipeline::sizing::Source;
 use denoised_models::pipeline::sparse_vae::VaePass;
 use denoised_runtime::shm::Handle;
 use denoised_runtime::{CpuBackend, HostSlice, Tensor};
@@ -56,6 +59,16 @@ pub struct Stage1 {
     pub prompt_cache_hit: bool,
     /// The negative prompt's embeddings (true CFG): `[T', joint]`, pooled.
     pub negative: Option<(denoised_runtime::Tensor, Vec<f32>)>,
+    /// The input's image and mask, when the edit is computed at another size.
+    pub source: Option<Source>,
+}
+
+/// The sizes an edit's image may have: `max_pixels` as uploaded, `max_area` as
+/// computed (`denoised_models::pipeline::sizing`).
+#[derive(Clone, Copy, Debug)]
+pub struct Sizes {
+    pub max_pixels: usize,
+    pub max_area: usize,
 }
 
 /// Maps an engine error on client data to a 4xx-class error.
@@ -234,23 +247,30 @@ pub fn prepare(
     image_bytes: &[u8],
     mask: MaskInput<'_>,
     params: &GenParams,
-    max_pixels: usize,
+    sizes: Sizes,
     (vae, negative_prompt): (TemplateVae, Option<&str>),
 ) -> Result<Stage1, WireError> {
     let t0 = Instant::now();
-    let mut limits = p.limits;
-    limits.max_pixels = max_pixels;
+    // Any size is taken up to the input limit; the work size is whole tokens.
+    let limits = ImageLimits {
+        max_pixels: sizes.max_pixels,
+        multiple_of: 1,
+    };
     let image = decode_image(image_bytes, &limits).map_err(input_error)?;
-    let (w, h) = (image.width, image.height);
+    let (iw, ih) = (image.width, image.height);
     let mask = match mask {
         MaskInput::Image(b, channel) => {
-            decode_edit_mask(b, w, h, &limits, channel).map_err(input_error)?
+            decode_edit_mask(b, iw, ih, &limits, channel).map_err(input_error)?
         }
         other => {
             check_shapes(&other)?;
-            rasterize(&other, w, h)
+            rasterize(&other, iw, ih)
         }
     };
+    let block = 2 * p.vae_scale_factor();
+    let work = sizing::work_size(iw, ih, block, sizes.max_area);
+    let (image, mask, source) = sizing::to_work(image, mask, work);
+    let (w, h) = (image.width, image.height);
     let mut opts = EditOptions {
         steps: params.steps as usize,
         guidance: params.guidance,
@@ -260,7 +280,6 @@ pub fn prepare(
         ..Default::default()
     };
     vae.options(&mut opts);
-    let block = 2 * p.vae_scale_factor();
     let token_mask =
         TokenMask::from_pixels(&mask.data, h, w, block, opts.dilation).map_err(input_error)?;
     let mut t = Timings::default();
@@ -282,6 +301,7 @@ pub fn prepare(
         vae_pass: t.vae_encode_pass,
         prompt_cache_hit: t.prompt_cache_hit,
         negative,
+        source,
     })
 }
 
@@ -343,6 +363,7 @@ pub fn prepare_generate(
         vae_pass: VaePass::None,
         prompt_cache_hit: t.prompt_cache_hit,
         negative,
+        source: None,
     })
 }
 
@@ -364,12 +385,13 @@ pub struct Finish {
 
 /// VAE decode, paste-back and encoding of a finished latent. For a template edit
 /// (`template`) with paste-back, the decoder may run sparse against the template's
-/// trace; a capture (`record_trace`) records it.
+/// trace; a capture (`record_trace`) records it. With a `source` (an edit computed at
+/// another size than its input's), the result is resized to the input's size and
+/// pasted back over it there.
 #[allow(clippy::too_many_arguments)]
 pub fn finish(
     p: &Pipeline,
-    image: &Rgb8,
-    mask: &Mask,
+    (image, mask, source): (&Rgb8, &Mask, Option<&Source>),
     latents: &[f32],
     cols: usize,
     params: &FinishParams,
@@ -390,6 +412,14 @@ pub fn finish(
         (raw, pass, None)
     };
     let generated = from_model_space(raw.data(), image.width, image.height);
+    // Pasted back at the input's resolution: its own pixels, not resampled ones.
+    let (generated, image, mask) = match source {
+        Some(s) => {
+            let (w, h) = (s.image.width, s.image.height);
+            (sizing::resize_rgb(&generated, w, h), &s.image, &s.mask)
+        }
+        None => (generated, image, mask),
+    };
     let out = if params.paste_back {
         paste_back(image, &generated, mask, params.feather as usize)
     } else {

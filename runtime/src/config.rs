@@ -268,8 +268,15 @@ pub struct ServerConfig {
     pub listen: String,
     /// Largest accepted request body in bytes (base64 images included).
     pub max_body_bytes: usize,
-    /// Largest accepted image, in pixels (width x height).
+    /// Largest image computed, in pixels (width x height): a generation's size, and
+    /// what the device budget is sized for.
     pub max_pixels: usize,
+    /// Largest accepted uploaded image (or mask), in pixels: 413 above it.
+    pub max_input_pixels: usize,
+    /// The area an edit is computed at is capped to this many megapixels (of 1024 x
+    /// 1024 pixels; and to `max_pixels`): a larger image is scaled down to it and its
+    /// result back to its size (`denoised_models::pipeline::sizing`).
+    pub max_megapixels: f64,
     /// Most denoising steps a request may ask for.
     pub max_steps: usize,
     /// When not empty, every /v1 request must carry `Authorization: Bearer <token>`.
@@ -300,6 +307,10 @@ impl Default for ServerConfig {
             listen: "127.0.0.1:8080".into(),
             max_body_bytes: 32 << 20,
             max_pixels: 2048 * 2048,
+            // 32 MiP: 8192 x 4096, above what phones and most cameras take.
+            max_input_pixels: 32 << 20,
+            // As diffusers' Kontext pipeline caps `max_area` (1024 ** 2).
+            max_megapixels: 1.0,
             max_steps: 100,
             api_token: String::new(),
             job_ttl_seconds: 600,
@@ -310,6 +321,27 @@ impl Default for ServerConfig {
             log_format: "text".into(),
             routing_policy: "mask_aware".into(),
         }
+    }
+}
+
+impl ServerConfig {
+    /// The largest area an edit is computed at, in pixels.
+    pub fn max_area(&self) -> usize {
+        ((self.max_megapixels * (1 << 20) as f64) as usize).min(self.max_pixels)
+    }
+
+    /// The keys' consistency, before any process starts.
+    pub fn check(&self) -> Result<(), String> {
+        if !(self.max_megapixels.is_finite() && self.max_area() >= 256) {
+            return Err(format!(
+                "[server] max_megapixels {} (with max_pixels {}) leaves no 16 x 16 image to compute",
+                self.max_megapixels, self.max_pixels
+            ));
+        }
+        if self.max_input_pixels == 0 {
+            return Err("[server] max_input_pixels must be above 0".into());
+        }
+        Ok(())
     }
 }
 

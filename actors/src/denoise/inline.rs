@@ -30,6 +30,8 @@ use crate::workers::preprocess::read_request;
 pub struct InlineJob {
     pub reply: Reply<InlineDone>,
     prepared: Prepared,
+    /// The input's image and mask when computed at another size.
+    source: Option<stages::Source>,
     finish: Option<FinishParams>,
     tokens: u32,
     active: u32,
@@ -86,10 +88,13 @@ pub fn submit(
         let params = &req.prepare.params;
         // The baseline runs the VAE dense ([pipeline] sparse_vae is the disaggregated
         // workers').
-        let max_pixels = req.prepare.max_pixels as usize;
+        let sizes = stages::Sizes {
+            max_pixels: req.prepare.max_pixels as usize,
+            max_area: req.prepare.max_area as usize,
+        };
         // No template traces (a dense VAE) and no negative prompt (no true CFG).
         let none = (Default::default(), None);
-        let built = stages::prepare(&p, &image, mask, params, max_pixels, none).and_then(|s1| {
+        let built = stages::prepare(&p, &image, mask, params, sizes, none).and_then(|s1| {
             let n = s1.token_mask.len();
             let schedule = FlowMatchEuler::new(&p.scheduler, params.steps as usize, n)
                 .map_err(|e| WireError::bad_input(e.to_string()))?;
@@ -132,14 +137,16 @@ pub fn submit(
                 control: None,
                 partner: None,
             };
-            Ok((r, s1.prepared, active, pixel_ratio, s1.prompt_cache_hit))
+            let s = (s1.prepared, s1.source);
+            Ok((r, s, active, pixel_ratio, s1.prompt_cache_hit))
         });
         match built {
-            Ok((r, prepared, active, pixel_ratio, prompt_cache_hit)) => {
+            Ok((r, (prepared, source), active, pixel_ratio, prompt_cache_hit)) => {
                 let job = InlineJob {
                     reply,
                     tokens: prepared.inputs.tokens() as u32,
                     prepared,
+                    source,
                     finish: req.finish,
                     active,
                     pixel_ratio,
@@ -175,6 +182,10 @@ pub(super) fn finish(
             cache: cache.clone(),
             width: job.prepared.image.width as u32,
             height: job.prepared.image.height as u32,
+            input_size: job
+                .source
+                .as_ref()
+                .map(|s| (s.image.width as u32, s.image.height as u32)),
             tokens: job.tokens,
             active: job.active,
             pixel_ratio: job.pixel_ratio,
@@ -194,8 +205,7 @@ pub(super) fn finish(
         let t0 = Instant::now();
         let r = stages::finish(
             &p,
-            &job.prepared.image,
-            &job.prepared.mask,
+            (&job.prepared.image, &job.prepared.mask, job.source.as_ref()),
             latents.data(),
             latents.cols(),
             &params,

@@ -101,7 +101,21 @@ pub struct PrepareReq {
     pub job: JobId,
     pub input: PrepareInput,
     pub params: GenParams,
+    /// An edit's largest input image; a generation's largest size (`[server]`).
     pub max_pixels: u64,
+    /// The largest area an edit is computed at (`ServerConfig::max_area`).
+    pub max_area: u64,
+}
+
+/// An edit's image and pixel mask at the input's size, when it is computed at another
+/// (`denoised_models::pipeline::sizing`): RGB8 `[h, w, 3]` and 0/1 `[h, w]`, for the
+/// paste-back at the input's resolution.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SourceRefs {
+    pub image: Handle,
+    pub mask: Handle,
+    pub width: u32,
+    pub height: u32,
 }
 
 /// What a request prepares from besides its prompt.
@@ -205,13 +219,26 @@ pub struct PreparedRefs {
     /// The negative prompt's embeddings (true CFG).
     #[serde(default)]
     pub negative: Option<NegativeHandles>,
+    /// The input's image and mask when `width x height` is not its size.
+    #[serde(default)]
+    pub source: Option<SourceRefs>,
 }
 
 impl PreparedRefs {
+    /// The size of the image the request returns: its input's.
+    pub fn output_size(&self) -> (u32, u32) {
+        self.source
+            .as_ref()
+            .map_or((self.width, self.height), |s| (s.width, s.height))
+    }
+
     /// The slices of the preprocess worker's arena this reply lends to the router.
     pub fn handles(&self) -> Vec<Handle> {
         let mut h = self.inputs.all();
         h.extend([self.image.clone(), self.mask.clone()]);
+        if let Some(s) = &self.source {
+            h.extend([s.image.clone(), s.mask.clone()]);
+        }
         h.extend(self.vae_trace.clone());
         if let Some(n) = &self.negative {
             h.extend([n.txt.clone(), n.pooled.clone()]);
@@ -472,6 +499,10 @@ pub struct FinishReq {
     /// What the VAE decoder does with a template's traces (an edit's also needs
     /// `template`).
     pub vae: VaeTraces,
+    /// The input's image and mask, when `width x height` is not its size: the result
+    /// is resized to it and pasted back there.
+    #[serde(default)]
+    pub source: Option<SourceRefs>,
 }
 
 /// postprocess → router: the encoded output image in the postprocess worker's arena.
@@ -508,8 +539,12 @@ pub struct InlineDone {
     /// Encoded output image, in the denoise worker's arena (None for a capture).
     pub image: Option<Handle>,
     pub cache: Option<Handle>,
+    /// The size it was computed at.
     pub width: u32,
     pub height: u32,
+    /// The input's size, when it was computed at another (the image is the input's).
+    #[serde(default)]
+    pub input_size: Option<(u32, u32)>,
     pub tokens: u32,
     pub active: u32,
     pub pixel_ratio: f64,

@@ -259,8 +259,12 @@ pub enum PodMask {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct EditOutput {
     pub image: Vec<u8>,
+    /// The image's size: its input's.
     pub width: u32,
     pub height: u32,
+    /// The size it was computed at (`denoised_models::pipeline::sizing`).
+    #[serde(default)]
+    pub computed: (u32, u32),
     pub tokens: u32,
     pub active: u32,
     pub pixel_ratio: f64,

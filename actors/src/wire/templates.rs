@@ -19,8 +19,16 @@ pub struct TemplateInfo {
     #[serde(default)]
     pub digest: String,
     pub model: String,
+    /// The size it is computed at: its image's in whole tokens, scaled down to `[server]
+    /// max_megapixels` when larger (its cache's size).
     pub width: u32,
     pub height: u32,
+    /// Its image's own size: its edits' masks are of it, and their replies come back
+    /// at it (0 in a description written before sizes were free: `width` x `height`).
+    #[serde(default)]
+    pub image_width: u32,
+    #[serde(default)]
+    pub image_height: u32,
     /// Image tokens (the template's cache covers all of them).
     pub tokens: u32,
     pub steps: u32,

@@ -47,6 +47,16 @@ fn finish_to_shm(p: &Pipeline, shm: &Shm, req: &FinishReq) -> Result<Finished, W
     let (w, h) = (req.width as usize, req.height as usize);
     let image = stages::rgb_from_bytes(shm.read_bytes(&req.image)?, w, h)?;
     let mask = stages::mask_from_bytes(shm.read_bytes(&req.mask)?, w, h)?;
+    let source = match &req.source {
+        Some(s) => {
+            let (sw, sh) = (s.width as usize, s.height as usize);
+            Some(stages::Source {
+                image: stages::rgb_from_bytes(shm.read_bytes(&s.image)?, sw, sh)?,
+                mask: stages::mask_from_bytes(shm.read_bytes(&s.mask)?, sw, sh)?,
+            })
+        }
+        None => None,
+    };
     // The finished latent is decoded straight out of the denoise worker's arena, and a
     // template's final latent (the last of its cache) out of the cache's.
     let cols = req.latents.shape.get(1).copied().unwrap_or(0);
@@ -77,7 +87,8 @@ fn finish_to_shm(p: &Pipeline, shm: &Shm, req: &FinishReq) -> Result<Finished, W
             traces: traces.as_ref(),
         });
         let record = matches!(req.vae, VaeTraces::Capture);
-        stages::finish(p, &image, &mask, l, cols, &req.params, template, record)
+        let pixels = (&image, &mask, source.as_ref());
+        stages::finish(p, pixels, l, cols, &req.params, template, record)
     })??;
     let image = shm.write_bytes(&f.bytes)?;
     let vae_trace = f

@@ -11,7 +11,7 @@ use crate::node::Shm;
 use crate::stages::{self, MaskInput, Pipeline, TemplateVae};
 use crate::wire::{
     InputHandles, MaskSpec, NegativeHandles, PrepareInput, PrepareReq, PreparedRefs, PreprocessMsg,
-    VaeTraces, Wire, WireError,
+    SourceRefs, VaeTraces, Wire, WireError,
 };
 
 /// The preprocess group's stage.
@@ -86,7 +86,11 @@ pub fn prepare_to_shm(
                 VaeTraces::None => TemplateVae::None,
             };
             let negative = negative_prompt.as_deref();
-            stages::prepare(p, &image, mask, &req.params, max_pixels, (vae, negative))?
+            let sizes = stages::Sizes {
+                max_pixels,
+                max_area: req.max_area as usize,
+            };
+            stages::prepare(p, &image, mask, &req.params, sizes, (vae, negative))?
         }
         PrepareInput::Generate {
             width,
@@ -136,6 +140,21 @@ pub fn prepare_to_shm(
             written.push(h.clone());
             Some(h)
         });
+        let source = match &s1.source {
+            Some(src) => {
+                let image = shm.write_bytes(&src.image.data)?;
+                written.push(image.clone());
+                let mask = shm.write_bytes(&stages::mask_to_bytes(&src.mask))?;
+                written.push(mask.clone());
+                Some(SourceRefs {
+                    image,
+                    mask,
+                    width: src.image.width as u32,
+                    height: src.image.height as u32,
+                })
+            }
+            None => None,
+        };
         let tm = &s1.token_mask;
         Ok(PreparedRefs {
             inputs,
@@ -153,6 +172,7 @@ pub fn prepare_to_shm(
             prompt_cache_hit: s1.prompt_cache_hit,
             vae_trace,
             negative,
+            source,
         })
     })();
     if result.is_err() {

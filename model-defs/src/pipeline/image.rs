@@ -4,9 +4,11 @@
 //! so that results match the reference pipeline bit for bit:
 //!
 //! - **Images** are converted to RGB, scaled to [0, 1] (`u8 / 255`) and normalised to
-//!   [-1, 1] (`2x - 1`). Sizes must be multiples of the token size `2 * vae_scale_factor`
-//!   (16 for FLUX.1): other sizes are **rejected**, not resized, because resizing would
-//!   change every pixel, and paste-back promises that unmasked pixels come back exactly.
+//!   [-1, 1] (`2x - 1`); EXIF orientation is applied (a photo is what a viewer shows).
+//!   The pipeline computes sizes that are multiples of the token size `2 *
+//!   vae_scale_factor` (16 for FLUX.1); `ImageLimits::multiple_of` refuses others (the
+//!   CLI's reference runs), while the daemon takes any size and computes it at a work
+//!   size ([`super::sizing`]), pasting back at the input's own resolution.
 //! - **Masks** may be grayscale, grayscale+alpha, RGB or RGBA images of the image's size
 //!   (or of its aspect, resized to it). They are converted to luminance as PIL's
 //!   `convert("L")` does (`(19595 R + 38470 G + 7471 B + 32768) >> 16`), scaled by 1/255
@@ -20,7 +22,7 @@
 use std::io::Cursor;
 
 use denoised_runtime::{Error, Result};
-use image::{DynamicImage, ImageFormat, ImageReader};
+use image::{DynamicImage, ImageDecoder, ImageFormat, ImageReader};
 
 /// An RGB image, 8 bits per channel, row-major `[H, W, 3]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -96,9 +98,16 @@ fn decode(bytes: &[u8], what: &str, limits: &ImageLimits) -> Result<DynamicImage
     lim.max_image_height = Some(h);
     lim.max_alloc = Some((limits.max_pixels as u64) * 16 + (1 << 20));
     reader.limits(lim);
-    reader
-        .decode()
-        .map_err(|e| Error::Invalid(format!("{what}: corrupt or truncated image: {e}")))
+    let corrupt = |e| Error::Invalid(format!("{what}: corrupt or truncated image: {e}"));
+    let mut decoder = reader.into_decoder().map_err(corrupt)?;
+    // A phone stores a photo as its sensor read it and says in EXIF how to turn it;
+    // unreadable metadata is no orientation (the pixels are what matter).
+    let orientation = decoder
+        .orientation()
+        .unwrap_or(image::metadata::Orientation::NoTransforms);
+    let mut img = DynamicImage::from_decoder(decoder).map_err(corrupt)?;
+    img.apply_orientation(orientation);
+    Ok(img)
 }
 
 pub(crate) fn check_size(what: &str, w: usize, h: usize, limits: &ImageLimits) -> Result<()> {
@@ -378,6 +387,40 @@ mod tests {
         img.write_to(&mut Cursor::new(&mut v), ImageFormat::Png)
             .unwrap();
         v
+    }
+
+    /// A phone's photo with EXIF Orientation 6, written by PIL: decoded as a viewer
+    /// shows it (PIL's `exif_transpose`), not as stored.
+    #[test]
+    fn exif_orientation_is_honoured() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/photos/");
+        let any = ImageLimits {
+            max_pixels: 1 << 20,
+            multiple_of: 1,
+        };
+        let jpg = std::fs::read(format!("{dir}exif_rotated.jpg")).unwrap();
+        let shown = std::fs::read(format!("{dir}exif_rotated_display.png")).unwrap();
+        let got = decode_image(&jpg, &any).unwrap();
+        let want = decode_image(&shown, &any).unwrap();
+        assert_eq!(
+            (got.width, got.height),
+            (32, 48),
+            "stored 48x32, shown 32x48"
+        );
+        // Red on top, blue below, as PIL shows it (two JPEG decoders differ by a few
+        // levels at the colour seam, so the comparison is by pixel, within 24 levels).
+        assert_eq!((want.width, want.height), (32, 48));
+        let far = got
+            .data
+            .iter()
+            .zip(&want.data)
+            .filter(|(a, b)| a.abs_diff(**b) > 24)
+            .count();
+        assert_eq!(far, 0, "pixels unlike PIL's exif_transpose");
+        assert!(
+            got.data[0] > 200 && got.data[got.data.len() - 1] > 200,
+            "red top, blue bottom"
+        );
     }
 
     #[test]

@@ -11,5 +11,6 @@ pub mod image;
 pub mod paste;
 pub mod preview;
 pub mod prompts;
+pub mod sizing;
 pub mod sparse_vae;
 pub mod stage_memory;

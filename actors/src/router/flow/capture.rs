@@ -120,6 +120,8 @@ struct Captured {
     blob: Handle,
     width: u32,
     height: u32,
+    /// The image's own size (`width` x `height` is the computed one).
+    image: (u32, u32),
     tokens: u32,
     vae_traces: Vec<Handle>,
 }
@@ -148,7 +150,8 @@ async fn capture_once(
             negative_prompt: None,
         },
         params: params.clone(),
-        max_pixels: ctx.config.server.max_pixels as u64,
+        max_pixels: ctx.config.server.max_input_pixels as u64,
+        max_area: ctx.config.server.max_area() as u64,
     };
     let work = DenoiseWork::Capture {
         mode: input.cache_mode,
@@ -189,6 +192,8 @@ async fn capture_disaggregated(
         let whole = FinishParams::whole_image(ImageFormat::Png);
         let fin = FinishReq {
             vae: VaeTraces::Capture,
+            // Only the trace is kept: no image at the input's size to make.
+            source: None,
             ..finish_req(job, &prepared, &d, whole)
         };
         let f = postprocess(ctx, job, fin, held).await?;
@@ -199,6 +204,7 @@ async fn capture_disaggregated(
         blob,
         width: prepared.width,
         height: prepared.height,
+        image: prepared.output_size(),
         tokens: prepared.rows * prepared.cols,
         vae_traces,
     })
@@ -228,6 +234,7 @@ async fn capture_inline(
         blob,
         width: d.width,
         height: d.height,
+        image: d.input_size.unwrap_or((d.width, d.height)),
         tokens: d.tokens,
         vae_traces: Vec::new(),
     })
@@ -249,6 +256,8 @@ async fn store(
         model: ctx.model.clone(),
         width: c.width,
         height: c.height,
+        image_width: c.image.0,
+        image_height: c.image.1,
         tokens: c.tokens,
         steps: params.steps,
         guidance: params.guidance,

@@ -329,7 +329,8 @@ fn prepare_req(
             negative_prompt: input.true_cfg().map(|(n, _)| n.to_string()),
         },
         params: params.clone(),
-        max_pixels: ctx.config.server.max_pixels as u64,
+        max_pixels: ctx.config.server.max_input_pixels as u64,
+        max_area: ctx.config.server.max_area() as u64,
     })
 }
 
@@ -405,8 +406,9 @@ async fn edit_inline(
     Ok(EditOutput {
         template_version: 0, // edit_here's to fill in
         image: bytes,
-        width: d.width,
-        height: d.height,
+        width: d.input_size.map_or(d.width, |s| s.0),
+        height: d.input_size.map_or(d.height, |s| s.1),
+        computed: (d.width, d.height),
         tokens: d.tokens,
         active: d.active,
         pixel_ratio: d.pixel_ratio,
@@ -500,8 +502,9 @@ async fn edit_disaggregated(
     Ok(EditOutput {
         template_version: 0, // edit_here's to fill in
         image: bytes,
-        width: prepared.width,
-        height: prepared.height,
+        width: prepared.output_size().0,
+        height: prepared.output_size().1,
+        computed: (prepared.width, prepared.height),
         tokens,
         active: if template.is_some() {
             prepared.active.len() as u32

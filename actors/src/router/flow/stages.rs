@@ -219,6 +219,7 @@ pub(crate) fn finish_req(
         params,
         template: None,
         vae: VaeTraces::None,
+        source: prepared.source.clone(),
     }
 }
 

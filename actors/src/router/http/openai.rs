@@ -12,7 +12,8 @@
 //! `POST /v1/images/edits` maps onto the native edit flow (`/v1/edits`):
 //! - multipart `image` (or `image[]`, one image), `mask`, `prompt`, `n` (1-10: that
 //!   many edits, seeds `seed`, `seed + 1`, ...), `size` (`auto`, or the image's own
-//!   size: images are edited at their size, never resized), `response_format`
+//!   size: an edit comes back at its image's size, whatever size it was computed
+//!   at), `response_format`
 //!   (`b64_json`; `url` is refused: nothing here hosts files), `model` (one model is
 //!   served: any name is accepted and the reply names the served model);
 //! - the mask in OpenAI's convention: its fully transparent pixels (alpha 0) are the
@@ -119,7 +120,7 @@ pub struct ImagesEditForm {
     prompt: String,
     /// 1-10 images, seeds `seed`, `seed + 1`, ...
     n: Option<u32>,
-    /// `auto` or the image's own `WIDTHxHEIGHT` (images are edited at their size).
+    /// `auto` or the image's own `WIDTHxHEIGHT` (an edit comes back at its image's size).
     size: Option<String>,
     /// `b64_json` only.
     response_format: Option<String>,
@@ -315,7 +316,7 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
     check_seq_len(f.max_sequence_length)?;
     // Decoding is CPU work: off the async threads.
     let limits = ImageLimits {
-        max_pixels: ctx.config.server.max_pixels,
+        max_pixels: ctx.config.server.max_input_pixels,
         multiple_of: 1,
     };
     let (image, mask_png, (w, h)) = {
@@ -326,7 +327,7 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             let (w, h) = (img.width, img.height);
             if let Some((sw, sh)) = size.filter(|&s| s != (w, h)) {
                 return Err(ApiError::bad(format!(
-                    "`size` {sw}x{sh} differs from the image's {w}x{h}: images are edited at their own size (or use \"auto\")"
+                    "`size` {sw}x{sh} differs from the image's {w}x{h}: an edit comes back at its image's size (or use \"auto\")"
                 )));
             }
             let m = decode_alpha_mask(mask.as_deref().unwrap_or(&image), w, h, &limits)

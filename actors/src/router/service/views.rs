@@ -40,9 +40,14 @@ pub struct EditReply {
     /// The request's id (its job name; also the `x-request-id` header).
     pub id: String,
     pub format: ImageFormat,
+    /// The image's size: the input's.
     pub width: u32,
     pub height: u32,
-    /// Image tokens of the output.
+    /// The size it was computed at: the input's rounded to whole tokens (16 pixels),
+    /// scaled down to `[server] max_megapixels` when larger.
+    pub computed_width: u32,
+    pub computed_height: u32,
+    /// Image tokens of the computed image.
     pub tokens: u32,
     /// Tokens computed: a template edit's masked tokens (all of them for a full run).
     pub active_tokens: u32,
@@ -81,6 +86,8 @@ impl EditReply {
             format,
             width: o.width,
             height: o.height,
+            computed_width: o.computed.0,
+            computed_height: o.computed.1,
             tokens: o.tokens,
             active_tokens: o.active,
             mask_ratio: o.pixel_ratio,

@@ -108,14 +108,16 @@ async function onImageFile(file) {
   $("source-info").textContent = `${file.name}: ${img.naturalWidth}x${img.naturalHeight}`;
 }
 
-// A template's image is not retrievable over the API: show its size, blank.
+// A template's image is not retrievable over the API: show its size, blank. Its mask
+// is of its image's size (`width` x `height` are the size it is computed at).
 function onTemplate(t) {
-  setSource({ image: null, template: t.id, width: t.width, height: t.height });
+  const [w, h] = [t.image_width || t.width, t.image_height || t.height];
+  setSource({ image: null, template: t.id, width: w, height: h });
   const ctx = $("image-canvas").getContext("2d");
   ctx.fillStyle = "#bbb";
-  ctx.fillRect(0, 0, t.width, t.height);
+  ctx.fillRect(0, 0, w, h);
   $("before").src = $("image-canvas").toDataURL("image/png");
-  $("source-info").textContent = `template ${t.id}: ${t.width}x${t.height}, ${t.steps} steps (its image stays on the server)`;
+  $("source-info").textContent = `template ${t.id}: ${w}x${h}, ${t.steps} steps (its image stays on the server)`;
 }
 
 function setSource(s) {
@@ -153,7 +155,9 @@ async function refreshTemplates() {
   const sel = $("template-select");
   const keep = sel.value;
   sel.replaceChildren(new Option("(none)", ""));
-  for (const t of templates) sel.add(new Option(`${t.id} (${t.width}x${t.height})`, t.id));
+  for (const t of templates) {
+    sel.add(new Option(`${t.id} (${t.image_width || t.width}x${t.image_height || t.height})`, t.id));
+  }
   sel.value = templates.some((t) => t.id === keep) ? keep : "";
 }
 
