@@ -13,8 +13,8 @@ use denoised_models::mask::TokenMask;
 use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Prepared, Timings};
 use denoised_models::pipeline::generate::GenerateOptions;
 use denoised_models::pipeline::image::{
-    decode_edit_mask, decode_image, encode_jpeg, encode_png, from_model_space, ImageLimits, Mask,
-    Rgb8,
+    decode_edit_mask, decode_image, encode_jpeg, encode_png, encode_webp, from_model_space,
+    ImageLimits, Mask, Rgb8,
 };
 use denoised_models::pipeline::paste::paste_back;
 use denoised_models::pipeline::sizing;
@@ -425,11 +425,13 @@ pub fn finish(
     } else {
         generated
     };
+    let quality = params.format.quality(params.compression);
     let bytes = match params.format {
-        ImageFormat::Png => encode_png(&out),
-        ImageFormat::Jpeg => encode_jpeg(&out, 92),
-    }
-    .map_err(internal)?;
+        ImageFormat::Png => encode_png(&out).map_err(internal)?,
+        ImageFormat::Jpeg => encode_jpeg(&out, quality).map_err(internal)?,
+        // Its side limit is the client's to meet (a 400 naming it).
+        ImageFormat::Webp => encode_webp(&out, quality).map_err(input_error)?,
+    };
     Ok(Finish { bytes, pass, trace })
 }
 

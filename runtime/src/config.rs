@@ -299,6 +299,13 @@ pub struct ServerConfig {
     /// Which denoise worker takes each request (`mask_aware`, `least_requests`,
     /// `least_tokens`, `round_robin`; see `denoised_actors::routing`).
     pub routing_policy: String,
+    /// How long an image given by URL (OpenAI's `response_format: "url"`) is kept.
+    pub image_url_ttl_seconds: u64,
+    /// Memory those images may take in the router (the oldest go first beyond it).
+    pub image_store_bytes: u64,
+    /// The base of those URLs as clients reach this daemon (`https://images.example`);
+    /// empty: `http://` and the request's `Host`.
+    pub public_url: String,
 }
 
 impl Default for ServerConfig {
@@ -320,6 +327,10 @@ impl Default for ServerConfig {
             drain_timeout_seconds: 60,
             log_format: "text".into(),
             routing_policy: "mask_aware".into(),
+            // OpenAI's URLs last an hour.
+            image_url_ttl_seconds: 3600,
+            image_store_bytes: 1 << 30,
+            public_url: String::new(),
         }
     }
 }

@@ -132,6 +132,8 @@ pub struct PodGenerate {
     pub max_sequence_length: u32,
     pub approx: ApproxMode,
     pub format: super::ImageFormat,
+    #[serde(default)]
+    pub compression: Option<u8>,
     pub negative_prompt: Option<String>,
     pub true_cfg_scale: f32,
     pub origin: Option<PodOrigin>,

@@ -373,6 +373,21 @@ pub fn encode_jpeg(img: &Rgb8, quality: u8) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// WebP's largest side (its header has 14 bits a side).
+pub const WEBP_MAX_SIDE: usize = 16383;
+
+/// Encodes RGB as lossy WebP at `quality` (0-100), by libwebp.
+pub fn encode_webp(img: &Rgb8, quality: u8) -> Result<Vec<u8>> {
+    if img.width > WEBP_MAX_SIDE || img.height > WEBP_MAX_SIDE {
+        return Err(Error::Invalid(format!(
+            "a {}x{} image cannot be WebP (at most {WEBP_MAX_SIDE} pixels a side): ask for png or jpeg",
+            img.width, img.height
+        )));
+    }
+    let enc = webp::Encoder::from_rgb(&img.data, img.width as u32, img.height as u32);
+    Ok(enc.encode(quality.min(100) as f32).to_vec())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -421,6 +436,30 @@ mod tests {
             got.data[0] > 200 && got.data[got.data.len() - 1] > 200,
             "red top, blue bottom"
         );
+    }
+
+    /// Lossy WebP: a valid file (libwebp decodes it, at its size, close to the
+    /// input), smaller at a lower quality.
+    #[test]
+    fn webp_is_lossy_and_smaller_at_a_lower_quality() {
+        let img = Rgb8 {
+            width: 96,
+            height: 64,
+            data: (0..96 * 64 * 3).map(|i| ((i * 37) % 251) as u8).collect(),
+        };
+        let (hi, lo) = (
+            encode_webp(&img, 95).unwrap(),
+            encode_webp(&img, 20).unwrap(),
+        );
+        assert!(lo.len() < hi.len(), "{} vs {}", lo.len(), hi.len());
+        let back = webp::Decoder::new(&hi).decode().unwrap();
+        assert_eq!((back.width(), back.height()), (96, 64));
+        let wide = Rgb8 {
+            width: WEBP_MAX_SIDE + 1,
+            height: 1,
+            data: vec![0; (WEBP_MAX_SIDE + 1) * 3],
+        };
+        assert!(encode_webp(&wide, 90).is_err());
     }
 
     #[test]

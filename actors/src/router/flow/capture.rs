@@ -189,7 +189,7 @@ async fn capture_disaggregated(
     if record {
         // The decoder's trace is the dense decode of the final latent, recorded
         // (when sparse decodes of the template's edits can pay).
-        let whole = FinishParams::whole_image(ImageFormat::Png);
+        let whole = FinishParams::whole_image(ImageFormat::Png, None);
         let fin = FinishReq {
             vae: VaeTraces::Capture,
             // Only the trace is kept: no image at the input's size to make.

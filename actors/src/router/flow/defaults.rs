@@ -16,10 +16,11 @@ pub const PASTE_BACK: bool = true;
 pub const TRUE_CFG_SCALE: f32 = 1.0;
 
 /// How an edit's image is finished unless the request says otherwise.
-pub fn finish(format: ImageFormat) -> FinishParams {
+pub fn finish(format: ImageFormat, compression: Option<u8>) -> FinishParams {
     FinishParams {
         paste_back: PASTE_BACK,
         feather: FEATHER,
         format,
+        compression,
     }
 }

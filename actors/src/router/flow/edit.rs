@@ -67,7 +67,7 @@ impl EditInput {
             seed,
             dilation: 0,
             max_sequence_length: defaults::MAX_SEQUENCE_LENGTH,
-            finish: defaults::finish(ImageFormat::Png),
+            finish: defaults::finish(ImageFormat::Png, None),
             // A template edit runs with its template's LoRAs.
             loras: vec![],
             controlnets: vec![],

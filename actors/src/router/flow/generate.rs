@@ -35,6 +35,8 @@ pub struct GenerateInput {
     pub max_sequence_length: u32,
     pub approx: ApproxMode,
     pub format: ImageFormat,
+    /// The quality of a JPEG or WebP (`FinishParams::compression`).
+    pub compression: Option<u8>,
     pub loras: Vec<WireLora>,
     /// True CFG: FluxPipeline's `negative_prompt` and `true_cfg_scale` (it runs when
     /// both are given and the scale is above 1).
@@ -61,6 +63,7 @@ impl GenerateInput {
             max_sequence_length: self.max_sequence_length,
             approx: self.approx,
             format: self.format,
+            compression: self.compression,
             negative_prompt: self.negative_prompt.clone(),
             true_cfg_scale: self.true_cfg_scale,
             origin: None,
@@ -79,6 +82,7 @@ impl GenerateInput {
             max_sequence_length: g.max_sequence_length,
             approx: g.approx,
             format: g.format,
+            compression: g.compression,
             loras: vec![],
             negative_prompt: g.negative_prompt,
             true_cfg_scale: g.true_cfg_scale,
@@ -347,7 +351,12 @@ async fn generate_once(
         }
     }
     // The whole image is generated: nothing to paste back.
-    let fin = finish_req(job, &prepared, &d, FinishParams::whole_image(input.format));
+    let fin = finish_req(
+        job,
+        &prepared,
+        &d,
+        FinishParams::whole_image(input.format, input.compression),
+    );
     let f = postprocess(ctx, job, fin, held).await?;
     Ok(GenerateOutput {
         image: ctx.shm.read_bytes(&f.image)?,

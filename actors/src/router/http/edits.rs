@@ -13,8 +13,8 @@ use utoipa::ToSchema;
 use super::error::{ApiError, ApiResult, ErrorBody};
 use super::extract::{b64, body, parse};
 use super::inputs::{
-    check_cfg, check_guidance, check_seq_len, check_steps, default_seq_len, no_cfg,
-    resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
+    check_cfg, check_compression, check_guidance, check_seq_len, check_steps, default_seq_len,
+    no_cfg, resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
 };
 use super::respond::{respond, Body, JobAccepted, Reply};
 use crate::router::flow::defaults;
@@ -90,8 +90,12 @@ pub(crate) struct EditBody {
     /// The soft edge of the paste, in pixels (0-64).
     #[serde(default = "feather")]
     feather: u32,
+    /// `png` (the default), `jpeg` or `webp`.
     #[serde(default)]
     format: ImageFormat,
+    /// The quality of a `jpeg` or `webp` image, 0-100 (OpenAI's `output_compression`:
+    /// lower is smaller; default JPEG 92, WebP 90); PNG ignores it.
+    output_compression: Option<u8>,
     /// Answer 202 at once with a job to poll.
     #[serde(default, rename = "async")]
     run_async: bool,
@@ -156,6 +160,7 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, Reply)> {
         MaskIn::Image(..) => crate::stages::MaskInput::Empty,
     };
     crate::stages::check_shapes(&shapes)?;
+    check_compression(b.output_compression)?;
     if b.dilation > 64 || b.feather > 64 {
         return Err(ApiError::bad("dilation and feather must be at most 64"));
     }
@@ -172,6 +177,7 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, Reply)> {
             paste_back: b.paste_back,
             feather: b.feather,
             format: b.format,
+            compression: b.output_compression,
         },
         loras,
         controlnets,
@@ -185,8 +191,8 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, Reply)> {
 #[utoipa::path(post, path = "/v1/edits", tag = "edits",
     request_body(content = EditBody, content_type = "application/json"),
     responses(
-        (status = 200, description = "The edited image. With `Accept: image/png` or `image/jpeg` (`image/*`: the request's `format`), the image's bytes, the reply's other fields in `x-denoised-*` headers (a synchronous request's). With `stream`, the job's events instead (`GET /v1/jobs/{id}/events`).",
-            content((EditReply = "application/json"), (String = "text/event-stream"), (Vec<u8> = "image/png"), (Vec<u8> = "image/jpeg")),
+        (status = 200, description = "The edited image. With `Accept: image/png`, `image/jpeg` or `image/webp` (`image/*`: the request's `format`), the image's bytes, the reply's other fields in `x-denoised-*` headers (a synchronous request's). With `stream`, the job's events instead (`GET /v1/jobs/{id}/events`).",
+            content((EditReply = "application/json"), (String = "text/event-stream"), (Vec<u8> = "image/png"), (Vec<u8> = "image/jpeg"), (Vec<u8> = "image/webp")),
             headers(("x-request-id" = String, description = "The request's id."))),
         (status = 202, description = "`async`: the job to poll.", body = JobAccepted),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),

@@ -217,7 +217,8 @@ fn openai_end(kind: &str, size: &str, view: Option<JobView>) -> Event {
                 (Some(w), Some(h)) => format!("{w}x{h}"),
                 _ => size.to_string(),
             };
-            let mut v = openai_image(&name, &size, b64, "png");
+            let format = r["format"].as_str().unwrap_or("png");
+            let mut v = openai_image(&name, &size, b64, format);
             let none = json!({"image_tokens": 0, "text_tokens": 0});
             v["usage"] = json!({"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
                 "input_tokens_details": none});

@@ -14,8 +14,8 @@ use utoipa::ToSchema;
 use super::error::{ApiResult, ErrorBody};
 use super::extract::{body, parse};
 use super::inputs::{
-    check_cfg, check_guidance, check_seq_len, check_steps, default_seq_len, no_cfg,
-    resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
+    check_cfg, check_compression, check_guidance, check_seq_len, check_steps, default_seq_len,
+    no_cfg, resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
 };
 use super::respond::{respond, Body, JobAccepted, Reply};
 use crate::router::flow::generate::{generate, ApproxMode, GenerateInput, GenerateOutput};
@@ -41,8 +41,12 @@ pub(crate) struct GenerationBody {
     height: Option<u32>,
     #[serde(default = "default_seq_len")]
     max_sequence_length: u32,
+    /// `png` (the default), `jpeg` or `webp`.
     #[serde(default)]
     format: ImageFormat,
+    /// The quality of a `jpeg` or `webp` image, 0-100 (OpenAI's `output_compression`:
+    /// lower is smaller; default JPEG 92, WebP 90); PNG ignores it.
+    output_compression: Option<u8>,
     /// What the approximate cache (similar prompts' states) may do.
     #[serde(default)]
     approx_cache: ApproxMode,
@@ -104,8 +108,8 @@ pub(crate) fn start(
 #[utoipa::path(post, path = "/v1/generations", tag = "generations",
     request_body(content = GenerationBody, content_type = "application/json"),
     responses(
-        (status = 200, description = "The generated image. With `Accept: image/png` or `image/jpeg` (`image/*`: the request's `format`), the image's bytes, the reply's other fields in `x-denoised-*` headers (a synchronous request's). With `stream`, the job's events instead (`GET /v1/jobs/{id}/events`).",
-            content((GenerationReply = "application/json"), (String = "text/event-stream"), (Vec<u8> = "image/png"), (Vec<u8> = "image/jpeg")),
+        (status = 200, description = "The generated image. With `Accept: image/png`, `image/jpeg` or `image/webp` (`image/*`: the request's `format`), the image's bytes, the reply's other fields in `x-denoised-*` headers (a synchronous request's). With `stream`, the job's events instead (`GET /v1/jobs/{id}/events`).",
+            content((GenerationReply = "application/json"), (String = "text/event-stream"), (Vec<u8> = "image/png"), (Vec<u8> = "image/jpeg"), (Vec<u8> = "image/webp")),
             headers(("x-request-id" = String, description = "The request's id."))),
         (status = 202, description = "`async`: the job to poll.", body = JobAccepted),
         (status = 400, description = "Bad input, or a Fill model (it edits only).", body = ErrorBody),
@@ -121,6 +125,7 @@ pub(crate) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request)
     let b: GenerationBody = parse(&body(&ctx, req).await?)?;
     check(&ctx, b.steps, b.guidance, b.max_sequence_length)?;
     check_cfg(b.true_cfg_scale)?;
+    check_compression(b.output_compression)?;
     let format = accept.format(b.format);
     let input = GenerateInput {
         prompt: b.prompt,
@@ -132,6 +137,7 @@ pub(crate) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request)
         max_sequence_length: b.max_sequence_length,
         approx: b.approx_cache,
         format,
+        compression: b.output_compression,
         loras: resolve_loras(&ctx, &b.loras, false)?,
         negative_prompt: b.negative_prompt,
         true_cfg_scale: b.true_cfg_scale,

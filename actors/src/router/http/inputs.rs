@@ -44,6 +44,16 @@ pub(crate) fn check_seq_len(n: u32) -> ApiResult<()> {
     Ok(())
 }
 
+/// OpenAI's `output_compression`: a percentage, the quality of a JPEG or WebP.
+pub(crate) fn check_compression(c: Option<u8>) -> ApiResult<()> {
+    match c {
+        Some(c) if c > 100 => Err(ApiError::bad(format!(
+            "`output_compression` {c} out of range 0..=100"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Checks true CFG's scale (one that is not a finite number is refused).
 pub(crate) fn check_cfg(scale: f32) -> ApiResult<()> {
     if !scale.is_finite() {

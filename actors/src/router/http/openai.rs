@@ -4,18 +4,19 @@
 //!
 //! `POST /v1/images/generations` maps onto the native generation flow: `prompt`, `n`
 //! (1-10: that many images, seeds `seed`, `seed + 1`, ...), `size` (`WIDTHxHEIGHT` or
-//! `auto`, the model's default), `response_format` (`b64_json`; `url` is refused:
-//! nothing here hosts files) and `model` (one model is served: any name is accepted and
-//! the reply names the served model); extensions: `seed`, `steps`, `guidance`,
+//! `auto`, the model's default), `response_format` (`b64_json`, or `url`: the router's
+//! image store, `GET /v1/images/{id}`), `output_format` (`png`, `jpeg`, `webp`) and
+//! `output_compression` (0-100, their quality), and `model` (one model is served: any
+//! name is accepted and the reply names the served model); extensions: `seed`, `steps`, `guidance`,
 //! `max_sequence_length`, `approx_cache`, `loras`, `controlnets`, true CFG.
 //!
 //! `POST /v1/images/edits` maps onto the native edit flow (`/v1/edits`):
 //! - multipart `image` (or `image[]`, one image), `mask`, `prompt`, `n` (1-10: that
 //!   many edits, seeds `seed`, `seed + 1`, ...), `size` (`auto`, or the image's own
 //!   size: an edit comes back at its image's size, whatever size it was computed
-//!   at), `response_format`
-//!   (`b64_json`; `url` is refused: nothing here hosts files), `model` (one model is
-//!   served: any name is accepted and the reply names the served model);
+//!   at), `response_format`, `output_format`, `output_compression` (as generations
+//!   take them), `model` (one model is served: any name is accepted and the reply
+//!   names the served model);
 //! - the mask in OpenAI's convention: its fully transparent pixels (alpha 0) are the
 //!   area to edit; without a mask, the image's own transparency is the mask;
 //! - extensions as extra form fields: `seed`, `steps`, `guidance`,
@@ -39,6 +40,7 @@ use super::error::{ApiError, ApiResult, ErrorBody, ErrorClass};
 use super::events::{events, Flavour};
 use super::extract::{body, parse, read_multipart};
 use super::generations::{check, start};
+use super::images::{base_url, Output};
 use super::inputs::{
     check_cfg, check_guidance, check_seq_len, check_steps, default_seq_len, no_cfg,
     resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
@@ -48,7 +50,7 @@ use crate::daemon::job_name;
 use crate::router::flow::defaults;
 use crate::router::flow::edit::{edit, EditInput, MaskIn, Source};
 use crate::router::flow::generate::{ApproxMode, ApproxOutcome, GenerateInput};
-use crate::router::service::{admit, encode_b64, submit, units, EditReply, Submitted};
+use crate::router::service::{admit, submit, units, EditReply, Submitted};
 use crate::router::state::admission::RETRY_AFTER_S;
 use crate::router::state::jobs::Previews;
 use crate::router::state::Ctx;
@@ -84,7 +86,7 @@ pub struct ImagesReply {
     pub data: Vec<ImageData>,
     /// The served model's fingerprint (whatever `model` the request named).
     pub model: String,
-    /// `png`.
+    /// `png`, `jpeg` or `webp` (the request's `output_format`).
     pub output_format: String,
     /// `WIDTHxHEIGHT`.
     pub size: String,
@@ -93,7 +95,13 @@ pub struct ImagesReply {
 /// One image of an [`ImagesReply`], with denoised's extensions.
 #[derive(Serialize, ToSchema)]
 pub struct ImageData {
-    pub b64_json: String,
+    /// The image, base64 (`response_format: "b64_json"`, the default).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub b64_json: Option<String>,
+    /// Where to get the image (`response_format: "url"`): `GET /v1/images/{id}`, with
+    /// the API's bearer token, for `[server] image_url_ttl_seconds`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
     /// The image's request id (a job name).
     pub id: String,
     /// What the approximate cache did (generations only).
@@ -122,8 +130,12 @@ pub struct ImagesEditForm {
     n: Option<u32>,
     /// `auto` or the image's own `WIDTHxHEIGHT` (an edit comes back at its image's size).
     size: Option<String>,
-    /// `b64_json` only.
+    /// `b64_json` (the default) or `url` (`GET /v1/images/{id}`).
     response_format: Option<String>,
+    /// `png` (the default), `jpeg` or `webp`.
+    output_format: Option<String>,
+    /// 0-100: the quality of a `jpeg` or `webp` (lower is smaller).
+    output_compression: Option<u8>,
     /// Any name: one model is served.
     model: Option<String>,
     seed: Option<u64>,
@@ -194,6 +206,7 @@ struct Form {
     max_sequence_length: u32,
     template_id: Option<String>,
     stream: Option<Streamed>,
+    output: Output,
 }
 
 /// OpenAI's `stream: true`, with its `partial_images` (0-3).
@@ -269,8 +282,10 @@ async fn form(ctx: &Ctx, req: Request) -> ApiResult<Form> {
         max_sequence_length: defaults::MAX_SEQUENCE_LENGTH,
         template_id: None,
         stream: None,
+        output: Output::of(None, None, None)?,
     };
     let (mut prompt, mut stream, mut partials) = (None, false, None);
+    let (mut format, mut compression, mut response) = (None, None, None);
     for (name, v) in text {
         match name.as_str() {
             "prompt" => prompt = Some(v),
@@ -282,12 +297,9 @@ async fn form(ctx: &Ctx, req: Request) -> ApiResult<Form> {
                     .ok_or_else(|| ApiError::bad(format!("`size`: {v:?} is not WIDTHxHEIGHT")))?;
                 f.size = Some((number("size", w)?, number("size", h)?));
             }
-            "response_format" if v == "b64_json" => {}
-            "response_format" => {
-                return Err(ApiError::bad(format!(
-                    "`response_format`: {v:?} is not supported; images come back as b64_json"
-                )))
-            }
+            "response_format" => response = Some(v),
+            "output_format" => format = Some(v),
+            "output_compression" => compression = Some(number("output_compression", &v)?),
             "seed" => f.seed = number("seed", &v)?,
             "steps" => f.steps = Some(number("steps", &v)?),
             "guidance" => f.guidance = Some(number("guidance", &v)?),
@@ -305,12 +317,15 @@ async fn form(ctx: &Ctx, req: Request) -> ApiResult<Form> {
         return Err(ApiError::bad(format!("`n` must be 1 to {MAX_N}")));
     }
     f.stream = streamed(stream, partials, f.n)?;
+    f.output = Output::of(format.as_deref(), compression, response.as_deref())?;
     Ok(f)
 }
 
 async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
     let permit = admit(&ctx)?;
+    let base = base_url(&ctx, req.headers());
     let f = form(&ctx, req).await?;
+    let out = f.output;
     check_steps(&ctx, f.steps)?;
     check_guidance(f.guidance)?;
     check_seq_len(f.max_sequence_length)?;
@@ -358,7 +373,7 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             seed: f.seed.wrapping_add(i as u64),
             dilation: 0,
             max_sequence_length: f.max_sequence_length,
-            finish: defaults::finish(ImageFormat::Png),
+            finish: defaults::finish(out.format, out.compression),
             // A template edit runs with its template's LoRAs.
             loras: vec![],
             controlnets: vec![],
@@ -377,7 +392,7 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             steps,
             previews,
             move |c, job| async move { edit(&c, job, &input).await },
-            move |job, o| EditReply::new(job, o, ImageFormat::Png, keep),
+            move |job, o| EditReply::new(job, o, out.format, keep),
         ));
     }
     if let Some(s) = f.stream {
@@ -386,19 +401,26 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
     let mut data = Vec::new();
     for Submitted { job, task } in tasks {
         let o = joined(task).await?;
+        let (b64_json, url) = out.entry(&ctx, &base, &o.image)?;
         data.push(ImageData {
-            b64_json: encode_b64(&o.image),
+            b64_json,
+            url,
             id: job_name(job),
             approx_cache: None,
             timings: o.timings,
             pod: (!o.pod.is_empty()).then_some(o.pod),
         });
     }
-    Ok(images_reply(&ctx, data, (w as u32, h as u32)))
+    Ok(images_reply(&ctx, data, (w as u32, h as u32), out.format))
 }
 
-/// OpenAI's images reply: `data` (one entry per image) of `size` pixels, PNG.
-fn images_reply(ctx: &Ctx, data: Vec<ImageData>, (w, h): (u32, u32)) -> Response {
+/// OpenAI's images reply: `data` (one entry per image) of `size` pixels.
+fn images_reply(
+    ctx: &Ctx,
+    data: Vec<ImageData>,
+    (w, h): (u32, u32),
+    format: ImageFormat,
+) -> Response {
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -406,7 +428,7 @@ fn images_reply(ctx: &Ctx, data: Vec<ImageData>, (w, h): (u32, u32)) -> Response
         created,
         data,
         model: ctx.model.clone(),
-        output_format: "png".into(),
+        output_format: format.name().into(),
         size: format!("{w}x{h}"),
     };
     (StatusCode::OK, Json(body)).into_response()
@@ -423,8 +445,12 @@ pub(crate) struct ImagesBody {
     n: u32,
     /// `WIDTHxHEIGHT` or `auto` (the model's default).
     size: Option<String>,
-    /// `b64_json` only.
+    /// `b64_json` (the default) or `url` (`GET /v1/images/{id}`).
     response_format: Option<String>,
+    /// `png` (the default), `jpeg` or `webp`.
+    output_format: Option<String>,
+    /// 0-100: the quality of a `jpeg` or `webp` (lower is smaller).
+    output_compression: Option<u8>,
     #[serde(default)]
     seed: u64,
     steps: Option<u32>,
@@ -480,6 +506,7 @@ fn size(s: &str) -> ApiResult<Option<(u32, u32)>> {
 
 async fn generations(ctx: Arc<Ctx>, req: Request) -> ApiResult {
     let permit = admit(&ctx)?;
+    let base = base_url(&ctx, req.headers());
     let b: ImagesBody = parse(&body(&ctx, req).await?)?;
     let prompt = b
         .prompt
@@ -488,11 +515,11 @@ async fn generations(ctx: Arc<Ctx>, req: Request) -> ApiResult {
     if b.n == 0 || b.n > MAX_N {
         return Err(ApiError::bad(format!("`n` must be 1 to {MAX_N}")));
     }
-    if let Some(f) = b.response_format.as_deref().filter(|f| *f != "b64_json") {
-        return Err(ApiError::bad(format!(
-            "`response_format`: {f:?} is not supported; images come back as b64_json"
-        )));
-    }
+    let out = Output::of(
+        b.output_format.as_deref(),
+        b.output_compression,
+        b.response_format.as_deref(),
+    )?;
     check(&ctx, b.steps, b.guidance, b.max_sequence_length)?;
     let wh = b.size.as_deref().map(size).transpose()?.flatten();
     let loras = resolve_loras(&ctx, &b.loras, false)?;
@@ -514,7 +541,8 @@ async fn generations(ctx: Arc<Ctx>, req: Request) -> ApiResult {
                 height: wh.map(|s| s.1),
                 max_sequence_length: b.max_sequence_length,
                 approx: b.approx_cache,
-                format: ImageFormat::Png,
+                format: out.format,
+                compression: out.compression,
                 loras: loras.clone(),
                 negative_prompt: b.negative_prompt.clone(),
                 true_cfg_scale: b.true_cfg_scale,
@@ -532,13 +560,15 @@ async fn generations(ctx: Arc<Ctx>, req: Request) -> ApiResult {
     for Submitted { job, task } in tasks {
         let o = joined(task).await?;
         dims = (o.width, o.height);
+        let (b64_json, url) = out.entry(&ctx, &base, &o.image)?;
         data.push(ImageData {
-            b64_json: encode_b64(&o.image),
+            b64_json,
+            url,
             id: job_name(job),
             approx_cache: Some(o.approx),
             timings: o.timings,
             pod: (!o.pod.is_empty()).then_some(o.pod),
         });
     }
-    Ok(images_reply(&ctx, data, dims))
+    Ok(images_reply(&ctx, data, dims, out.format))
 }

@@ -16,7 +16,7 @@ use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{adapters, admin, edits, events, generations, jobs, openai, ops, templates};
+use super::{adapters, admin, edits, events, generations, images, jobs, openai, ops, templates};
 use crate::router::state::Ctx;
 
 #[derive(OpenApi)]
@@ -70,6 +70,7 @@ pub fn table() -> OpenApiRouter<Arc<Ctx>> {
         .routes(routes!(generations::create_generation))
         .routes(routes!(openai::images_generations))
         .routes(routes!(openai::images_edits))
+        .routes(routes!(images::get_image))
         .routes(routes!(jobs::get_job, jobs::cancel_job))
         .routes(routes!(events::job_events))
         .routes(routes!(adapters::list, adapters::upload))
@@ -148,6 +149,7 @@ mod tests {
             ("/v1/generations", vec!["post"]),
             ("/v1/images/generations", vec!["post"]),
             ("/v1/images/edits", vec!["post"]),
+            ("/v1/images/{id}", vec!["get"]),
             ("/v1/jobs/{id}", vec!["get", "delete"]),
             ("/v1/jobs/{id}/events", vec!["get"]),
             ("/v1/adapters", vec!["get", "post"]),

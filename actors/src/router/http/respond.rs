@@ -115,8 +115,8 @@ pub(crate) fn accepted(job: u64) -> Response {
 }
 
 /// What a synchronous reply's body is, by the request's `Accept`: JSON (the default,
-/// and for `*/*`), or the image's own bytes (`image/png`, `image/jpeg`; `image/*`: in
-/// the request's `format`). The first range it names that is one of these decides.
+/// and for `*/*`), or the image's own bytes (`image/png`, `image/jpeg`, `image/webp`;
+/// `image/*`: in the request's `format`). The first range it names that is one of these decides.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Body {
     Json,
@@ -142,6 +142,7 @@ impl Body {
                 "application/json" | "*/*" => return Body::Json,
                 "image/png" => return Body::Image(Some(ImageFormat::Png)),
                 "image/jpeg" => return Body::Image(Some(ImageFormat::Jpeg)),
+                "image/webp" => return Body::Image(Some(ImageFormat::Webp)),
                 "image/*" => return Body::Image(None),
                 _ => {}
             }
@@ -169,13 +170,9 @@ impl Body {
         if self == Body::Json {
             return Json(reply).into_response();
         }
-        let mime = match format {
-            ImageFormat::Png => "image/png",
-            ImageFormat::Jpeg => "image/jpeg",
-        };
         let mut r = (
             StatusCode::OK,
-            [(header::CONTENT_TYPE, mime)],
+            [(header::CONTENT_TYPE, format.mime())],
             image.to_vec(),
         )
             .into_response();

@@ -85,6 +85,8 @@ pub struct Ctx {
     supervisor: libc::pid_t,
     /// When the daemon started (Unix seconds).
     pub started_unix: f64,
+    /// Images given by URL (`response_format: "url"`).
+    pub images: super::images::Images,
 }
 
 impl Ctx {
@@ -113,7 +115,6 @@ impl Ctx {
             env.status_file.clone(),
         );
         Ctx {
-            config,
             shm,
             jobs,
             model,
@@ -134,6 +135,11 @@ impl Ctx {
             // SAFETY: getppid has no preconditions.
             supervisor: unsafe { libc::getppid() },
             started_unix: env.started_unix,
+            images: super::images::Images::new(
+                Duration::from_secs(config.server.image_url_ttl_seconds),
+                config.server.image_store_bytes as usize,
+            ),
+            config,
         }
     }
 
