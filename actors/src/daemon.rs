@@ -41,6 +41,12 @@ pub async fn terminated() {
     term.recv().await;
 }
 
+/// Where the routers of a daemon keep their idempotency keys: beside the supervisor's
+/// status file, so that they outlive a router and go with the daemon.
+pub fn idempotency_file(status_file: &std::path::Path) -> std::path::PathBuf {
+    status_file.with_extension("idempotency.jsonl")
+}
+
 /// What the supervisor tells the router (through `WorkerEnv::status_file`): the
 /// worker slots it gave up restarting, and why (`/readyz` shows them), and how many
 /// times it restarted each worker (a metric).

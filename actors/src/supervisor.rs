@@ -444,6 +444,7 @@ pub fn serve(mut config: Config, listen: Option<String>) -> Result<(), String> {
     }
     let _ = shm::cleanup_namespace(&shm_dir, &namespace);
     let _ = std::fs::remove_file(&status_file);
+    let _ = std::fs::remove_file(crate::daemon::idempotency_file(&status_file));
     fatal.map_or(Ok(()), Err)
 }
 

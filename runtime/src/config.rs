@@ -306,6 +306,8 @@ pub struct ServerConfig {
     /// The base of those URLs as clients reach this daemon (`https://images.example`);
     /// empty: `http://` and the request's `Host`.
     pub public_url: String,
+    /// How long an `Idempotency-Key` stands for its first request.
+    pub idempotency_window_seconds: u64,
 }
 
 impl Default for ServerConfig {
@@ -331,6 +333,8 @@ impl Default for ServerConfig {
             image_url_ttl_seconds: 3600,
             image_store_bytes: 1 << 30,
             public_url: String::new(),
+            // A day, as Stripe keeps its keys.
+            idempotency_window_seconds: 86400,
         }
     }
 }

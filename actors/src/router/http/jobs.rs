@@ -73,7 +73,13 @@ pub struct Cancelling {
         (status = 404, description = "Unknown job (or its result expired).", body = ErrorBody),
     ))]
 pub(crate) async fn get_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
-    let job = job_id(&id)?;
+    describe(&ctx, job_id(&id)?).await
+}
+
+/// Job `job` as `GET /v1/jobs/{id}` shows it (also an idempotent request's replay when
+/// its first reply was not kept).
+pub(crate) async fn describe(ctx: &Ctx, job: u64) -> ApiResult {
+    let id = crate::daemon::job_name(job);
     let Some(view) = ctx.jobs.get(job).await else {
         if ctx.lost_jobs.as_ref().is_some_and(|r| r.contains(&job)) {
             // A job of a router that died: whatever it was doing is gone.

@@ -10,6 +10,7 @@ pub mod error;
 mod events;
 mod extract;
 mod generations;
+mod idempotency;
 mod images;
 pub mod inputs;
 mod jobs;

@@ -398,6 +398,7 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
     if let Some(s) = f.stream {
         return stream_reply(&ctx, tasks[0].job, "image_edit", s, format!("{w}x{h}")).await;
     }
+    let first = tasks[0].job;
     let mut data = Vec::new();
     for Submitted { job, task } in tasks {
         let o = joined(task).await?;
@@ -411,7 +412,8 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             pod: (!o.pod.is_empty()).then_some(o.pod),
         });
     }
-    Ok(images_reply(&ctx, data, (w as u32, h as u32), out.format))
+    let r = images_reply(&ctx, data, (w as u32, h as u32), out.format);
+    Ok(with_id(first, r))
 }
 
 /// OpenAI's images reply: `data` (one entry per image) of `size` pixels.
@@ -555,6 +557,7 @@ async fn generations(ctx: Arc<Ctx>, req: Request) -> ApiResult {
         let size = b.size.clone().unwrap_or_else(|| "auto".into());
         return stream_reply(&ctx, tasks[0].job, "image_generation", s, size).await;
     }
+    let first = tasks[0].job;
     let mut data = Vec::new();
     let mut dims = (0, 0);
     for Submitted { job, task } in tasks {
@@ -570,5 +573,5 @@ async fn generations(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             pod: (!o.pod.is_empty()).then_some(o.pod),
         });
     }
-    Ok(images_reply(&ctx, data, dims, out.format))
+    Ok(with_id(first, images_reply(&ctx, data, dims, out.format)))
 }

@@ -54,6 +54,33 @@ impl Modify for BearerToken {
     }
 }
 
+/// The `Idempotency-Key` header of every POST that starts work
+/// (`super::idempotency`), added to those operations once the route table has made
+/// them ([`finished`]) rather than to each by hand.
+struct IdempotencyKey;
+
+impl Modify for IdempotencyKey {
+    fn modify(&self, doc: &mut Document) {
+        use utoipa::openapi::path::{ParameterBuilder, ParameterIn};
+        use utoipa::openapi::{ObjectBuilder, Required, Type};
+        for path in super::idempotency::WORK {
+            let Some(op) = doc.paths.paths.get_mut(path).and_then(|p| p.post.as_mut()) else {
+                continue;
+            };
+            let p = ParameterBuilder::new()
+                .name("Idempotency-Key")
+                .parameter_in(ParameterIn::Header)
+                .required(Required::False)
+                .description(Some(
+                    "1-255 visible ASCII characters: the same request again with this key (within `[server] idempotency_window_seconds`) gets the first one's reply, marked `Idempotent-Replayed: true`, instead of a new job; the key with another request is a 409.",
+                ))
+                .schema(Some(ObjectBuilder::new().schema_type(Type::String)))
+                .build();
+            op.parameters.get_or_insert_with(Vec::new).push(p);
+        }
+    }
+}
+
 /// Every route of the API with its operation.
 pub fn table() -> OpenApiRouter<Arc<Ctx>> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
@@ -79,7 +106,13 @@ pub fn table() -> OpenApiRouter<Arc<Ctx>> {
 
 /// The generated document.
 pub fn document() -> Document {
-    table().into_openapi()
+    finished(table().into_openapi())
+}
+
+/// The route table's document with what is added to its operations.
+fn finished(mut doc: Document) -> Document {
+    IdempotencyKey.modify(&mut doc);
+    doc
 }
 
 /// The document as `/openapi.json` serves it (pretty JSON, as committed).
@@ -99,7 +132,7 @@ static SERVED: OnceLock<String> = OnceLock::new();
 
 /// Keeps the document the router serves (made once, with its route table).
 pub(super) fn serve(doc: Document) {
-    let _ = SERVED.set(pretty(&doc));
+    let _ = SERVED.set(pretty(&finished(doc)));
 }
 
 /// This API's OpenAPI document (the one docs/openapi.json holds).

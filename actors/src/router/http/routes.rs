@@ -32,6 +32,11 @@ pub fn app(ctx: Arc<Ctx>) -> Router {
             )
         })
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route") })
+        // After the token check: a key is looked at only for an authorised request.
+        .layer(middleware::from_fn_with_state(
+            ctx.clone(),
+            super::idempotency::idempotent,
+        ))
         .layer(middleware::from_fn_with_state(ctx.clone(), auth))
         .layer(middleware::from_fn_with_state(ctx.clone(), observe))
         // Our own limit check (in `body`) gives the JSON error; axum's default 2 MiB

@@ -87,6 +87,8 @@ pub struct Ctx {
     pub started_unix: f64,
     /// Images given by URL (`response_format: "url"`).
     pub images: super::images::Images,
+    /// Idempotency keys (`Idempotency-Key`), kept across this daemon's routers.
+    pub keys: super::idempotency::Keys,
 }
 
 impl Ctx {
@@ -135,6 +137,11 @@ impl Ctx {
             // SAFETY: getppid has no preconditions.
             supervisor: unsafe { libc::getppid() },
             started_unix: env.started_unix,
+            keys: super::idempotency::Keys::open(
+                Some(crate::daemon::idempotency_file(&env.status_file)),
+                config.server.idempotency_window_seconds as f64,
+                unix_now(),
+            ),
             images: super::images::Images::new(
                 Duration::from_secs(config.server.image_url_ttl_seconds),
                 config.server.image_store_bytes as usize,

@@ -6,6 +6,7 @@
 pub mod admission;
 pub mod balance;
 mod ctx;
+pub mod idempotency;
 pub mod images;
 pub mod jobs;
 pub mod pod_route;
