@@ -127,3 +127,159 @@ fn alpha_mask() -> Vec<u8> {
         .unwrap();
     v
 }
+
+/// A webhook receiver on loopback: records each request (headers, body) and answers
+/// the statuses of `answers` in turn (200 once they run out), closing each connection.
+struct Receiver {
+    port: u16,
+    got: std::sync::Arc<std::sync::Mutex<Vec<(Instant, Vec<(String, String)>, String)>>>,
+}
+
+impl Receiver {
+    fn start(answers: Vec<u16>) -> Receiver {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let g = got.clone();
+        std::thread::spawn(move || {
+            let mut answers = answers.into_iter();
+            for s in l.incoming().flatten() {
+                let mut r = BufReader::new(s);
+                let mut headers = Vec::new();
+                let mut line = String::new();
+                r.read_line(&mut line).unwrap();
+                loop {
+                    line.clear();
+                    if r.read_line(&mut line).unwrap() == 0 || line.trim().is_empty() {
+                        break;
+                    }
+                    let (k, v) = line.split_once(':').unwrap();
+                    headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+                }
+                let len: usize = headers
+                    .iter()
+                    .find(|(k, _)| k == "content-length")
+                    .map_or(0, |(_, v)| v.parse().unwrap());
+                let mut body = vec![0; len];
+                r.read_exact(&mut body).unwrap();
+                g.lock()
+                    .unwrap()
+                    .push((Instant::now(), headers, String::from_utf8(body).unwrap()));
+                let status = answers.next().unwrap_or(200);
+                let mut s = r.into_inner();
+                let _ = write!(
+                    s,
+                    "HTTP/1.1 {status} X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                );
+            }
+        });
+        Receiver { port, got }
+    }
+
+    /// Waits until `n` requests came (or 30 s), then a little more for any extra.
+    fn wait(&self, n: usize) -> Vec<(Instant, Vec<(String, String)>, String)> {
+        let t0 = Instant::now();
+        while self.got.lock().unwrap().len() < n && t0.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(1500));
+        self.got.lock().unwrap().clone()
+    }
+}
+
+fn header<'a>(h: &'a [(String, String)], name: &str) -> &'a str {
+    h.iter()
+        .find(|(k, _)| k == name)
+        .map_or("", |(_, v)| v.as_str())
+}
+
+/// Standard Webhooks' check, written from the specification with the HMAC crate: the
+/// signature is `v1,` and base64(HMAC-SHA256(secret, "{id}.{timestamp}.{body}")).
+fn verify(secret: &[u8], h: &[(String, String)], body: &str) -> bool {
+    use base64::Engine;
+    use hmac::{KeyInit, Mac};
+    let signed = format!(
+        "{}.{}.{}",
+        header(h, "webhook-id"),
+        header(h, "webhook-timestamp"),
+        body
+    );
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret).unwrap();
+    mac.update(signed.as_bytes());
+    let want = base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes());
+    header(h, "webhook-signature")
+        .split(' ')
+        .any(|s| s == format!("v1,{want}"))
+}
+
+/// One signed delivery per job, verified with the secret; a receiver that fails twice
+/// gets it on the third try (the same message id each time); a host off the allow-list
+/// (or a webhook on a synchronous request) is refused when the job is submitted.
+#[test]
+fn webhooks_deliver_each_job_once_signed_and_retry_until_received() {
+    use base64::Engine;
+    let secret: Vec<u8> = (0u8..32)
+        .map(|i| i.wrapping_mul(37).wrapping_add(11))
+        .collect();
+    let whsec = format!(
+        "whsec_{}",
+        base64::engine::general_purpose::STANDARD.encode(&secret)
+    );
+    let cfg = format!("[webhooks]\nallowed_hosts = [\"127.0.0.1\"]\nsecret = \"{whsec}\"\n");
+    let (_dir, d) = Daemon::with_config(&cfg);
+    d.template("room", 4);
+    let edit = |hook: &str, run_async: bool| {
+        d.post(
+            "/v1/edits",
+            &json!({"template_id": "room", "mask": mask_b64(), "async": run_async,
+                    "webhook": hook, "seed": 3}),
+        )
+    };
+
+    let ok = Receiver::start(vec![]);
+    let (s, v) = edit(&format!("http://127.0.0.1:{}/hook", ok.port), true);
+    assert_eq!(s, 202, "{v}");
+    let job = v["id"].as_str().unwrap().to_string();
+    let got = ok.wait(1);
+    assert_eq!(got.len(), 1, "one delivery per job");
+    let (_, h, body) = &got[0];
+    assert!(
+        verify(&secret, h, body),
+        "the signature does not verify: {h:?}"
+    );
+    assert!(!verify(b"another secret of 32 bytes......", h, body));
+    assert_eq!(header(h, "webhook-id"), format!("msg_{job}"));
+    let b: Value = serde_json::from_str(body).unwrap();
+    assert_eq!(b["type"], "job.succeeded");
+    assert_eq!(b["data"]["id"], job.as_str());
+    assert!(b["data"]["result"]["image"].is_string(), "the job's result");
+
+    let flaky = Receiver::start(vec![500, 503]);
+    let (s, v) = edit(&format!("http://127.0.0.1:{}/hook", flaky.port), true);
+    assert_eq!(s, 202, "{v}");
+    let got = flaky.wait(3);
+    assert_eq!(got.len(), 3, "two failures, then the delivery");
+    let ids: Vec<&str> = got
+        .iter()
+        .map(|(_, h, _)| header(h, "webhook-id"))
+        .collect();
+    assert!(ids.iter().all(|i| *i == ids[0]), "{ids:?}");
+    assert!(got.iter().all(|(_, h, b)| verify(&secret, h, b)));
+    // Backoff: about 1 s, then 2 s.
+    let gaps: Vec<f64> = got
+        .windows(2)
+        .map(|w| (w[1].0 - w[0].0).as_secs_f64())
+        .collect();
+    assert!(gaps[0] >= 0.9 && gaps[1] >= 1.9, "{gaps:?}");
+
+    let (s, v) = edit("http://example.com/hook", true);
+    assert_eq!(s, 400, "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("allowed_hosts"));
+    let (s, v) = edit(&format!("http://127.0.0.1:{}/hook", ok.port), false);
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(ok.got.lock().unwrap().len(), 1, "a refused job called back");
+}

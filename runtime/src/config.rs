@@ -23,6 +23,45 @@ pub struct Config {
     pub pipeline: PipelineConfig,
     pub approx_cache: ApproxCacheConfig,
     pub adapters: AdaptersConfig,
+    pub webhooks: WebhooksConfig,
+}
+
+/// `[webhooks]`: where async jobs may call back when they end (a request's `webhook`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WebhooksConfig {
+    /// The hosts a webhook may name (`host` or `host:port`); empty: webhooks are off.
+    /// Nothing else is ever called, so a client cannot make the daemon reach into its
+    /// network.
+    pub allowed_hosts: Vec<String>,
+    /// The signing secret, in Standard Webhooks' form: `whsec_` and base64 bytes.
+    pub secret: String,
+}
+
+impl WebhooksConfig {
+    /// The secret's bytes, or why it is not one.
+    pub fn key(&self) -> Result<Vec<u8>, String> {
+        use base64::Engine;
+        let b64 = self
+            .secret
+            .strip_prefix("whsec_")
+            .ok_or("[webhooks] secret must be `whsec_` and base64 (Standard Webhooks)")?;
+        base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .map_err(|e| format!("[webhooks] secret: not base64 after `whsec_`: {e}"))
+            .and_then(|k| match k.len() >= 24 {
+                true => Ok(k),
+                false => Err("[webhooks] secret: at least 24 bytes (Standard Webhooks)".into()),
+            })
+    }
+
+    /// The keys' consistency, before any process starts.
+    pub fn check(&self) -> Result<(), String> {
+        if self.allowed_hosts.is_empty() {
+            return Ok(());
+        }
+        self.key().map(|_| ())
+    }
 }
 
 /// `[adapters]`: LoRAs of the transformer (docs/design.md §Adapters).

@@ -65,6 +65,8 @@ pub struct RouterMetrics {
     /// Events of forwarded edits, by direction: `out` to the pod each came from, `in`
     /// from the pod running it.
     pub pod_events: Family<[(&'static str, &'static str); 1], Counter>,
+    /// Webhook tries, by outcome (`delivered`, `failed`: retried, or given up).
+    pub webhooks: Family<[(&'static str, &'static str); 1], Counter>,
 }
 
 impl RouterMetrics {
@@ -99,7 +101,13 @@ impl RouterMetrics {
             recaptures: Family::default(),
             pod_recipes: Gauge::default(),
             pod_events: Family::default(),
+            webhooks: Family::default(),
         };
+        r.register(
+            "webhook_tries",
+            "Webhook deliveries tried, by outcome (delivered: a 2xx; failed: another status or no answer, then retried until given up)",
+            m.webhooks.clone(),
+        );
         r.register(
             "pod_events",
             "Events of forwarded edits (status, step, preview), by direction: out (to the pod the edit came from), in (from the pod running it)",
@@ -263,6 +271,12 @@ impl RouterMetrics {
                 ("policy", policy.to_string()),
             ])
             .inc();
+    }
+
+    /// Records a webhook try.
+    pub fn webhook(&self, delivered: bool) {
+        let outcome = if delivered { "delivered" } else { "failed" };
+        self.webhooks.get_or_create(&[("outcome", outcome)]).inc();
     }
 
     /// Records a served edit: the time of each of its stages, its mask ratio

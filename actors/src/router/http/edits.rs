@@ -13,8 +13,8 @@ use utoipa::ToSchema;
 use super::error::{ApiError, ApiResult, ErrorBody};
 use super::extract::{b64, body, parse};
 use super::inputs::{
-    check_cfg, check_compression, check_guidance, check_seq_len, check_steps, default_seq_len,
-    no_cfg, resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
+    call_back, check_cfg, check_compression, check_guidance, check_seq_len, check_steps,
+    default_seq_len, no_cfg, resolve_controlnets, resolve_loras, webhook, ControlNetRef, LoraRef,
 };
 use super::respond::{respond, Body, JobAccepted, Reply};
 use crate::router::flow::defaults;
@@ -99,6 +99,9 @@ pub(crate) struct EditBody {
     /// Answer 202 at once with a job to poll.
     #[serde(default, rename = "async")]
     run_async: bool,
+    /// With `async`: post the job's end to this URL, signed (Standard Webhooks; its
+    /// host must be in `[webhooks] allowed_hosts`).
+    webhook: Option<String>,
     /// Answer with the job's events (`text/event-stream`: `status`, `step`, `preview`,
     /// then `done` with this reply's JSON, or `error`).
     #[serde(default)]
@@ -211,6 +214,7 @@ pub(crate) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> Ap
     check_guidance(b.guidance)?;
     check_seq_len(b.max_sequence_length)?;
     let preview_every = b.preview_every;
+    let hook = webhook(&ctx, b.webhook.as_deref(), b.run_async)?;
     let (mut input, reply) = edit_input(&ctx, b)?;
     input.finish.format = accept.format(input.finish.format);
     let format = input.finish.format;
@@ -227,6 +231,7 @@ pub(crate) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> Ap
         move |ctx, job| async move { edit(&ctx, job, &input).await },
         move |job, o| EditReply::new(job, o, format, keep),
     );
+    call_back(&ctx, job, hook);
     respond(&ctx, job, task, reply, move |out| match accept {
         Body::Json => Json(EditReply::new(job, out, format, true)).into_response(),
         image => image.reply(&EditReply::new(job, out, format, false), &out.image, format),

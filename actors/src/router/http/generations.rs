@@ -14,8 +14,8 @@ use utoipa::ToSchema;
 use super::error::{ApiResult, ErrorBody};
 use super::extract::{body, parse};
 use super::inputs::{
-    check_cfg, check_compression, check_guidance, check_seq_len, check_steps, default_seq_len,
-    no_cfg, resolve_controlnets, resolve_loras, ControlNetRef, LoraRef,
+    call_back, check_cfg, check_compression, check_guidance, check_seq_len, check_steps,
+    default_seq_len, no_cfg, resolve_controlnets, resolve_loras, webhook, ControlNetRef, LoraRef,
 };
 use super::respond::{respond, Body, JobAccepted, Reply};
 use crate::router::flow::generate::{generate, ApproxMode, GenerateInput, GenerateOutput};
@@ -53,6 +53,9 @@ pub(crate) struct GenerationBody {
     /// Answer 202 at once with a job to poll.
     #[serde(default, rename = "async")]
     run_async: bool,
+    /// With `async`: post the job's end to this URL, signed (Standard Webhooks; its
+    /// host must be in `[webhooks] allowed_hosts`).
+    webhook: Option<String>,
     /// Answer with the job's events (`text/event-stream`: `status`, `step`, `preview`,
     /// then `done` with this reply's JSON, or `error`).
     #[serde(default)]
@@ -126,6 +129,7 @@ pub(crate) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request)
     check(&ctx, b.steps, b.guidance, b.max_sequence_length)?;
     check_cfg(b.true_cfg_scale)?;
     check_compression(b.output_compression)?;
+    let hook = webhook(&ctx, b.webhook.as_deref(), b.run_async)?;
     let format = accept.format(b.format);
     let input = GenerateInput {
         prompt: b.prompt,
@@ -148,6 +152,7 @@ pub(crate) async fn create_generation(State(ctx): State<Arc<Ctx>>, req: Request)
     // the description then.
     let previews = Previews::Every(b.preview_every);
     let Submitted { job, task } = start(&ctx, permit, input, reply.keeps_result(), previews);
+    call_back(&ctx, job, hook);
     respond(&ctx, job, task, reply, move |out| match accept {
         Body::Json => Json(GenerationReply::new(job, out, format, true)).into_response(),
         image => image.reply(

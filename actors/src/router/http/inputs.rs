@@ -1,6 +1,7 @@
 //! The pieces of request bodies that several routes share, checked and turned into a
 //! flow's inputs here at the edge: the schedule's bounds, true CFG's scale, a
-//! request's `loras` (resolved against `[adapters] dir`) and `controlnets`.
+//! request's `loras` (resolved against `[adapters] dir`) and `controlnets`, its
+//! `output_compression` and its `webhook`.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -10,9 +11,12 @@ use super::error::ApiError;
 use super::extract::b64;
 use crate::denoise::adapters::{adapter_path, check_name};
 use crate::router::flow::controlnets::ControlNetInput;
+use std::sync::Arc;
+
 use crate::router::flow::defaults;
+use crate::router::service::webhooks::{self, Hook};
 use crate::router::state::Ctx;
-use crate::wire::WireLora;
+use crate::wire::{JobId, WireLora};
 
 type ApiResult<T> = Result<T, ApiError>;
 
@@ -42,6 +46,25 @@ pub(crate) fn check_seq_len(n: u32) -> ApiResult<()> {
         )));
     }
     Ok(())
+}
+
+/// A request's `webhook`: only on an async request (a synchronous one has its reply),
+/// to a host of `[webhooks] allowed_hosts` (`crate::router::service::webhooks`).
+pub(crate) fn webhook(ctx: &Ctx, url: Option<&str>, run_async: bool) -> ApiResult<Option<Hook>> {
+    match (url, run_async) {
+        (None, _) => Ok(None),
+        (Some(_), false) => Err(ApiError::bad(
+            "`webhook` needs `async: true` (a synchronous request has its reply)",
+        )),
+        (Some(u), true) => webhooks::check(ctx, u).map(Some).map_err(ApiError::from),
+    }
+}
+
+/// Calls `hook` (if any) when `job` ends.
+pub(crate) fn call_back(ctx: &Arc<Ctx>, job: JobId, hook: Option<Hook>) {
+    if let Some(h) = hook {
+        webhooks::deliver_when_done(ctx.clone(), job, h);
+    }
 }
 
 /// OpenAI's `output_compression`: a percentage, the quality of a JPEG or WebP.

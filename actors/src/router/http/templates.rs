@@ -14,7 +14,8 @@ use utoipa::ToSchema;
 use super::error::{ApiError, ApiResult, ErrorBody};
 use super::extract::{b64, body, parse, read_multipart};
 use super::inputs::{
-    check_guidance, check_seq_len, check_steps, default_seq_len, resolve_loras, LoraRef,
+    call_back, check_guidance, check_seq_len, check_steps, default_seq_len, resolve_loras, webhook,
+    LoraRef,
 };
 use super::respond::{accepted, joined, with_id, JobAccepted};
 use crate::router::flow::capture::{capture, claim, TemplateInput};
@@ -48,6 +49,9 @@ pub(crate) struct TemplateBody {
     /// Answer 202 at once with a job to poll.
     #[serde(default, rename = "async")]
     run_async: bool,
+    /// With `async`: post the job's end to this URL, signed (Standard Webhooks; its
+    /// host must be in `[webhooks] allowed_hosts`).
+    webhook: Option<String>,
     /// Replace a template of the same id (409 without it).
     #[serde(default)]
     replace: bool,
@@ -97,6 +101,7 @@ pub(crate) async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -
         }
         None => format!("tpl_{:016x}", ctx.next_job()),
     };
+    let hook = webhook(&ctx, b.webhook.as_deref(), b.run_async)?;
     let identity = claim(&ctx, &id, b.replace).await?;
     let cache_mode = b
         .cache_mode
@@ -128,6 +133,7 @@ pub(crate) async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -
         move |ctx, job| async move { capture(&ctx, job, &input).await },
         |_, info| info.clone(),
     );
+    call_back(&ctx, job, hook);
     if b.run_async {
         return Ok(accepted(job));
     }

@@ -26,6 +26,7 @@ use crate::wire::pods::EditOutput;
 use crate::wire::{DenoiseMsg, ImageFormat, JobId, Wire, WireError};
 
 mod views;
+pub mod webhooks;
 
 pub use views::{encode_b64, BatchSizes, EditReply, GenerationReply};
 
