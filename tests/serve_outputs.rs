@@ -74,6 +74,25 @@ fn jpeg_and_webp_replies_are_valid_and_smaller_at_a_lower_compression() {
     assert_eq!(r.headers()["content-type"], "image/webp");
     let webp = r.bytes().unwrap();
     assert_eq!(decoded_size(&webp, "image/webp"), (64, 64));
+    // An async job's image from `GET /v1/jobs/{id}` with `Accept`: its own bytes.
+    let (s, v) = d.post(
+        "/v1/edits",
+        &json!({"template_id": "room", "mask": mask_b64(), "format": "webp", "async": true}),
+    );
+    assert_eq!(s, 202, "{v}");
+    let done = wait_job(&d, v["id"].as_str().unwrap());
+    let r = d
+        .http
+        .get(format!("{}/v1/jobs/{}", d.url, v["id"].as_str().unwrap()))
+        .header("accept", "image/*")
+        .send()
+        .unwrap();
+    assert_eq!(r.headers()["content-type"], "image/webp");
+    assert_eq!(
+        r.bytes().unwrap().to_vec(),
+        unb64(done["result"]["image"].as_str().unwrap()),
+        "the job's binary reply is not its JSON result's image"
+    );
     for bad in [
         json!({"template_id": "room", "mask": mask_b64(), "output_compression": 101}),
         json!({"template_id": "room", "mask": mask_b64(), "format": "gif"}),

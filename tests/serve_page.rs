@@ -152,7 +152,8 @@ fn the_playground_page_edits_an_uploaded_image_with_a_painted_mask() {
     let state = b.js(
         "return {state: window.__state, status: document.getElementById('status').textContent, \
          seen: window.__seen, previews: window.__previews.length, mask: window.__lastMask, \
-         result: window.__result, download: document.getElementById('download').getAttribute('href')}",
+         result: window.__result, shown: window.__shown, \
+         download: document.getElementById('download').getAttribute('href')}",
         json!([]),
     );
     b.screenshot(&dir.join("after.png"));
@@ -201,12 +202,20 @@ fn the_playground_page_edits_an_uploaded_image_with_a_painted_mask() {
         previews.len() >= 2,
         "fewer than two distinct previews shown"
     );
+    // The result is the job's binary reply, shown (and downloaded) from its bytes.
+    assert!(
+        state["shown"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("blob:")),
+        "{}",
+        state["shown"]
+    );
     assert_eq!(
         srcs.last().copied(),
-        state["result"].as_str(),
+        state["shown"].as_str(),
         "the result is shown last"
     );
-    assert_eq!(state["download"], state["result"]);
+    assert_eq!(state["download"], state["shown"]);
 
     check_outside_mask(
         &std::fs::read(&input).unwrap(),

@@ -12,11 +12,12 @@ use serde_json::{json, Value};
 use utoipa::ToSchema;
 
 use super::error::{ApiError, ApiResult, ErrorBody, ErrorDetail};
+use super::respond::Body;
 use crate::daemon::parse_job_name;
 use crate::router::service::cancel;
 use crate::router::state::jobs::JobStatus;
 use crate::router::state::Ctx;
-use crate::wire::{ErrorKind, WireError};
+use crate::wire::{ErrorKind, ImageFormat, WireError};
 
 pub(crate) fn job_id(s: &str) -> ApiResult<u64> {
     parse_job_name(s).ok_or_else(|| unknown(s))
@@ -68,12 +69,49 @@ pub struct Cancelling {
 #[utoipa::path(get, path = "/v1/jobs/{id}", tag = "jobs",
     params(("id" = String, Path, description = "The job's id (`job_...`).")),
     responses(
-        (status = 200, body = JobReply),
+        (status = 200, description = "The job. With `Accept: image/png`, `image/jpeg`, `image/webp` or `image/*`, a job that succeeded with an image (an async or streamed request's) answers its image's bytes in the format it was made in, the result's other fields in `x-denoised-*` headers (`406` while it has none).",
+            content((JobReply = "application/json"), (Vec<u8> = "image/*"))),
         (status = 401, body = ErrorBody),
         (status = 404, description = "Unknown job (or its result expired).", body = ErrorBody),
+        (status = 406, description = "An image was asked for and the job has none (yet).", body = ErrorBody),
     ))]
-pub(crate) async fn get_job(State(ctx): State<Arc<Ctx>>, Path(id): Path<String>) -> ApiResult {
-    describe(&ctx, job_id(&id)?).await
+pub(crate) async fn get_job(
+    State(ctx): State<Arc<Ctx>>,
+    Path(id): Path<String>,
+    headers: axum::http::HeaderMap,
+) -> ApiResult {
+    let job = job_id(&id)?;
+    match Body::of(&headers) {
+        Body::Json => describe(&ctx, job).await,
+        asked => image(&ctx, job, &id, asked).await,
+    }
+}
+
+/// A finished job's image as the binary reply `asked` (its own format: the image was
+/// encoded when the job ran).
+async fn image(ctx: &Ctx, job: u64, id: &str, asked: Body) -> ApiResult {
+    let view = ctx.jobs.get(job).await.ok_or_else(|| unknown(id))?;
+    let none = || {
+        ApiError::new(
+            StatusCode::NOT_ACCEPTABLE,
+            "not_acceptable",
+            format!(
+                "job `{id}` has no image (yet): it is {}; ask for application/json",
+                json!(view.status).as_str().unwrap_or("?")
+            ),
+        )
+    };
+    let mut result = view.result.clone().ok_or_else(none)?;
+    let bytes = result["image"]
+        .as_str()
+        .map(|s| super::extract::b64("image", s))
+        .transpose()?;
+    let bytes = bytes.ok_or_else(none)?;
+    let format: ImageFormat = serde_json::from_value(result["format"].clone()).unwrap_or_default();
+    if let Some(o) = result.as_object_mut() {
+        o.remove("image");
+    }
+    Ok(asked.reply(&result, &bytes, format))
 }
 
 /// Job `job` as `GET /v1/jobs/{id}` shows it (also an idempotent request's replay when

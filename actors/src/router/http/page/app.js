@@ -299,7 +299,7 @@ async function readEvents(response, onEvent) {
         if (line.startsWith("event:")) name = line.slice(6).trim();
         else if (line.startsWith("data:")) data += line.slice(5).trimStart();
       }
-      if (data) onEvent(name, JSON.parse(data));
+      if (data) await onEvent(name, JSON.parse(data));
     }
   }
 }
@@ -310,7 +310,7 @@ function setProgress(step, steps) {
   $("progress").setAttribute("value", String(step));
 }
 
-function onEvent(name, data) {
+async function onEvent(name, data) {
   if (name === "status") {
     // While it waits, `ahead` is its place in the queue.
     const ahead = data.ahead ? ` (${data.ahead} ahead in the queue)` : "";
@@ -323,20 +323,33 @@ function onEvent(name, data) {
     const src = `data:image/${data.format};base64,${data.image}`;
     window.__previews.push(src);
     $("after").src = src;
-  } else if (name === "done") showResult(data);
+  } else if (name === "done") await showResult(data);
   else if (name === "error") throw new Error(errorText(data, "stream"));
 }
 
-function showResult(r) {
-  const src = `data:image/${r.format === "jpeg" ? "jpeg" : "png"};base64,${r.image}`;
-  window.__result = src;
-  $("after").src = src;
-  $("download").href = src;
-  $("download").download = `edit.${r.format === "jpeg" ? "jpg" : "png"}`;
+// The result is fetched as the daemon's binary reply (`Accept: image/*` on its job):
+// the image's own bytes, shown and downloaded as they are, whatever its size.
+async function showResult(r) {
+  const res = await api(`/v1/jobs/${r.id}`, { headers: { Accept: "image/*" } });
+  if (!res.ok) throw new Error(errorText(await res.json().catch(() => ({})), res.status));
+  const blob = await res.blob();
+  const url = URL.createObjectURL(blob);
+  // For a browser test: the bytes as a data URL, and what is shown.
+  window.__result = await new Promise((resolve) => {
+    const fr = new FileReader();
+    fr.onload = () => resolve(fr.result);
+    fr.readAsDataURL(blob);
+  });
+  window.__shown = url;
+  $("after").src = url;
+  $("download").href = url;
+  $("download").download = `edit.${{ "image/jpeg": "jpg", "image/webp": "webp" }[blob.type] || "png"}`;
   $("download").hidden = false;
   const max = Number($("progress").getAttribute("max"));
   setProgress(max, max);
-  say(`done: ${r.width}x${r.height} in ${r.timings ? r.timings.total_s.toFixed(2) + " s" : "?"}`);
+  const computed = r.computed_width && (r.computed_width !== r.width || r.computed_height !== r.height)
+    ? ` (computed at ${r.computed_width}x${r.computed_height})` : "";
+  say(`done: ${r.width}x${r.height}${computed} in ${r.timings ? r.timings.total_s.toFixed(2) + " s" : "?"}`);
 }
 
 async function submitEdit(e) {
