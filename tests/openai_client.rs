@@ -51,7 +51,7 @@ fn the_openai_client_edits_an_image_with_a_transparent_mask() {
     };
     // A phone photo's size (any size is taken: it is computed at a work size, capped
     // small here so that the tiny model is quick, and comes back at 1080x1350).
-    let (_dir, d) = Daemon::with_config("[server]\nmax_megapixels = 0.02\n");
+    let (_dir, d) = Daemon::with_config("[server]\nmax_megapixels = 0.25\n");
     let fixture = png(&std::fs::read(case("e2e_input.png")).unwrap());
     let (w, h) = (1080u32, 1350u32);
     // The fixture stretched over the photo (nearest pixel).

@@ -3,9 +3,9 @@
 //! and comes back at its own size, every pixel outside its mask the input's own, bit
 //! for bit; above `[server] max_input_pixels` it is a 413.
 //!
-//! The daemon runs with `max_megapixels = 0.02` (20,971 pixels, about 144 x 144) so
-//! that the tiny built-in model computes these photos in a fraction of a second on the
-//! CPU. Its token is 4 pixels (a VAE that halves, patches of 2), FLUX.1's 16.
+//! The daemon runs with `max_megapixels = 0.25` (1024 tokens: 512 x 512 for FLUX.1, 128
+//! x 128 for the tiny built-in model, whose token is 4 pixels: a VAE that halves,
+//! patches of 2) so that these photos compute in a fraction of a second on the CPU.
 
 mod common;
 
@@ -16,7 +16,7 @@ use denoised_models::pipeline::image::Rgb8;
 use image::{DynamicImage, ImageFormat, Rgba, RgbaImage};
 use serde_json::{json, Value};
 
-const CONFIG: &str = "[server]\nmax_megapixels = 0.02\n";
+const CONFIG: &str = "[server]\nmax_megapixels = 0.25\n";
 
 /// A photo-like image: smooth gradients with some texture.
 fn photo(w: u32, h: u32) -> image::RgbImage {
@@ -108,8 +108,8 @@ fn a_phone_photo_with_a_mask_painted_in_alpha_comes_back_at_its_size() {
     assert_eq!(s, 200, "{}", error_of(&v));
     assert_eq!(
         (v["computed_width"].as_u64(), v["computed_height"].as_u64()),
-        (Some(128), Some(160)),
-        "1080x1350 capped to 0.02 MP (x 0.1199) is computed at 128x160"
+        (Some(112), Some(140)),
+        "1080x1350 capped to 16,384 pixels (x 0.106: 114.5 x 143.1) is computed at 112x140"
     );
     check_pasted(&v, &input, stroke);
 
@@ -156,8 +156,8 @@ fn a_camera_photo_is_computed_at_the_capped_size_and_returned_at_its_own() {
     );
     assert_eq!(
         (v["computed_width"].as_u64(), v["computed_height"].as_u64()),
-        (Some(164), Some(124)),
-        "4000x3000 capped to 0.02 MP (x 0.0418: 167.2 x 125.4) is computed at 164x124"
+        (Some(144), Some(108)),
+        "4000x3000 capped to 16,384 pixels (x 0.0370: 147.8 x 110.9) is computed at 144x108"
     );
     check_pasted(&v, &input, in_box);
 

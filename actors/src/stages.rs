@@ -63,12 +63,12 @@ pub struct Stage1 {
     pub source: Option<Source>,
 }
 
-/// The sizes an edit's image may have: `max_pixels` as uploaded, `max_area` as
-/// computed (`denoised_models::pipeline::sizing`).
+/// The sizes an edit's image may have: `max_pixels` as uploaded, `max_tokens` (of the
+/// model's) as computed (`denoised_models::pipeline::sizing`).
 #[derive(Clone, Copy, Debug)]
 pub struct Sizes {
     pub max_pixels: usize,
-    pub max_area: usize,
+    pub max_tokens: usize,
 }
 
 /// Maps an engine error on client data to a 4xx-class error.
@@ -268,7 +268,7 @@ pub fn prepare(
         }
     };
     let block = 2 * p.vae_scale_factor();
-    let work = sizing::work_size(iw, ih, block, sizes.max_area);
+    let work = sizing::work_size(iw, ih, block, sizes.max_tokens * block * block);
     let (image, mask, source) = sizing::to_work(image, mask, work);
     let (w, h) = (image.width, image.height);
     let mut opts = EditOptions {

@@ -313,8 +313,10 @@ pub struct ServerConfig {
     /// Largest accepted uploaded image (or mask), in pixels: 413 above it.
     pub max_input_pixels: usize,
     /// The area an edit is computed at is capped to this many megapixels (of 1024 x
-    /// 1024 pixels; and to `max_pixels`): a larger image is scaled down to it and its
-    /// result back to its size (`denoised_models::pipeline::sizing`).
+    /// 1024 FLUX.1 pixels, i.e. 4096 tokens of 16 pixels a megapixel: a model with
+    /// smaller tokens is capped at the same tokens; and to `max_pixels`): a larger
+    /// image is scaled down to it and its result back to its size
+    /// (`denoised_models::pipeline::sizing`).
     pub max_megapixels: f64,
     /// Most denoising steps a request may ask for.
     pub max_steps: usize,
@@ -379,14 +381,17 @@ impl Default for ServerConfig {
 }
 
 impl ServerConfig {
-    /// The largest area an edit is computed at, in pixels.
-    pub fn max_area(&self) -> usize {
-        ((self.max_megapixels * (1 << 20) as f64) as usize).min(self.max_pixels)
+    /// The most image tokens an edit is computed at: `max_megapixels` of FLUX.1's
+    /// 16-pixel tokens (4096 a megapixel), within `max_pixels`. The cost of an edit is
+    /// in its tokens, so a model with smaller tokens (the built-in one's are 4 pixels)
+    /// gets the same bound, not 16 times as many tokens.
+    pub fn max_edit_tokens(&self) -> usize {
+        ((self.max_megapixels * (1 << 20) as f64) as usize).min(self.max_pixels) / 256
     }
 
     /// The keys' consistency, before any process starts.
     pub fn check(&self) -> Result<(), String> {
-        if !(self.max_megapixels.is_finite() && self.max_area() >= 256) {
+        if !(self.max_megapixels.is_finite() && self.max_edit_tokens() >= 1) {
             return Err(format!(
                 "[server] max_megapixels {} (with max_pixels {}) leaves no 16 x 16 image to compute",
                 self.max_megapixels, self.max_pixels

@@ -90,7 +90,7 @@ pub fn submit(
         // workers').
         let sizes = stages::Sizes {
             max_pixels: req.prepare.max_pixels as usize,
-            max_area: req.prepare.max_area as usize,
+            max_tokens: req.prepare.max_tokens as usize,
         };
         // No template traces (a dense VAE) and no negative prompt (no true CFG).
         let none = (Default::default(), None);

@@ -103,8 +103,8 @@ pub struct PrepareReq {
     pub params: GenParams,
     /// An edit's largest input image; a generation's largest size (`[server]`).
     pub max_pixels: u64,
-    /// The largest area an edit is computed at (`ServerConfig::max_area`).
-    pub max_area: u64,
+    /// The most image tokens an edit is computed at (`ServerConfig::max_edit_tokens`).
+    pub max_tokens: u64,
 }
 
 /// An edit's image and pixel mask at the input's size, when it is computed at another

@@ -88,7 +88,7 @@ pub fn prepare_to_shm(
             let negative = negative_prompt.as_deref();
             let sizes = stages::Sizes {
                 max_pixels,
-                max_area: req.max_area as usize,
+                max_tokens: req.max_tokens as usize,
             };
             stages::prepare(p, &image, mask, &req.params, sizes, (vae, negative))?
         }

@@ -330,7 +330,7 @@ fn prepare_req(
         },
         params: params.clone(),
         max_pixels: ctx.config.server.max_input_pixels as u64,
-        max_area: ctx.config.server.max_area() as u64,
+        max_tokens: ctx.config.server.max_edit_tokens() as u64,
     })
 }
 

@@ -234,7 +234,7 @@ async fn generate_once(
         params: params.clone(),
         max_pixels: ctx.config.server.max_pixels as u64,
         // Its size is the one asked for (within `max_pixels`), never resized.
-        max_area: 0,
+        max_tokens: 0,
     };
     let mut prepared = preprocess(ctx, job, prepare, held).await?;
     let steps = params.steps;
