@@ -44,19 +44,19 @@ pub(crate) async fn idempotent(State(ctx): State<Arc<Ctx>>, req: Request, next: 
         .map(|v| v.to_str().map(str::to_string));
     let starts_work = req.method() == Method::POST && WORK.contains(&req.uri().path());
     match key {
-        Some(key) if starts_work => with_key(&ctx, key.ok(), req, next)
+        Some(key) if starts_work => with_key(ctx, key.ok(), req, next)
             .await
             .unwrap_or_else(IntoResponse::into_response),
         _ => next.run(req).await,
     }
 }
 
-async fn with_key(ctx: &Ctx, key: Option<String>, req: Request, next: Next) -> ApiResult {
+async fn with_key(ctx: Arc<Ctx>, key: Option<String>, req: Request, next: Next) -> ApiResult {
     let key = key
         .filter(|k| (1..=255).contains(&k.len()) && k.bytes().all(|b| b.is_ascii_graphic()))
         .ok_or_else(|| ApiError::bad("`Idempotency-Key` must be 1-255 visible ASCII characters"))?;
     let (parts, b) = req.into_parts();
-    let bytes = body(ctx, Request::from_parts(parts.clone(), b)).await?;
+    let bytes = body(&ctx, Request::from_parts(parts.clone(), b)).await?;
     let digest = digest(&parts, &bytes).await;
     let now = unix_now();
     match ctx.keys.begin(&key, &digest, now) {
@@ -70,12 +70,17 @@ async fn with_key(ctx: &Ctx, key: Option<String>, req: Request, next: Next) -> A
             "conflict",
             format!("a request with `Idempotency-Key` {key:?} is still being answered: retry when it has been"),
         )),
-        Found::Replay(e) => Ok(replayed(ctx, e).await),
+        Found::Replay(e) => Ok(replayed(&ctx, e).await),
         Found::New => {
-            let r = next
-                .run(Request::from_parts(parts, Body::from(bytes)))
-                .await;
-            Ok(first(ctx, key, digest, now, r).await)
+            // On a task of its own, so that a client that goes away (the one that will
+            // retry) does not stop the key from being recorded with its reply.
+            let req = Request::from_parts(parts, Body::from(bytes));
+            let run = tokio::spawn(async move {
+                let r = next.run(req).await;
+                first(&ctx, key, digest, now, r).await
+            });
+            run.await
+                .map_err(|e| ApiError::internal(format!("the request's task failed: {e}")))
         }
     }
 }
