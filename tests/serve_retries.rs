@@ -60,6 +60,27 @@ fn the_same_post_with_one_idempotency_key_starts_one_job() {
         .as_str()
         .unwrap()
         .contains("another request"));
+    // A client that times out and retries: the first request runs on, its retry gets
+    // 409 while it does and then its reply, replayed (one job).
+    let gone = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_millis(30))
+        .build()
+        .unwrap()
+        .post(format!("{}/v1/edits", d.url))
+        .header("idempotency-key", "timed-out")
+        .json(&body)
+        .send();
+    assert!(gone.is_err(), "the edit answered within 30 ms");
+    let t0 = Instant::now();
+    let (s, _, replayed, v) = loop {
+        let r = post_keyed(&d, "/v1/edits", "timed-out", &body);
+        if r.0 != 409 || t0.elapsed() > Duration::from_secs(30) {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!((s, replayed), (200, true), "{}", v["error"]);
+    assert_eq!(v["image"], v1["image"], "the same edit, replayed");
     // Without a key, the same body is a new job.
     let (s, v) = d.post("/v1/edits", &body);
     assert_eq!(s, 200);
