@@ -10,13 +10,14 @@ use axum::Json;
 use serde::Deserialize;
 use utoipa::ToSchema;
 
+use super::binary::Body;
 use super::error::{ApiError, ApiResult, ErrorBody};
 use super::extract::{b64, body, parse};
 use super::inputs::{
     call_back, check_cfg, check_compression, check_guidance, check_seq_len, check_steps,
     default_seq_len, no_cfg, resolve_controlnets, resolve_loras, webhook, ControlNetRef, LoraRef,
 };
-use super::respond::{respond, Body, JobAccepted, Reply};
+use super::respond::{respond, JobAccepted, Reply};
 use crate::router::flow::defaults;
 use crate::router::flow::edit::{edit, EditInput, MaskIn, Source};
 use crate::router::flow::generate::true_cfg_of;

@@ -11,13 +11,14 @@ use axum::Json;
 use serde::Deserialize;
 use utoipa::ToSchema;
 
+use super::binary::Body;
 use super::error::{ApiResult, ErrorBody};
 use super::extract::{body, parse};
 use super::inputs::{
     call_back, check_cfg, check_compression, check_guidance, check_seq_len, check_steps,
     default_seq_len, no_cfg, resolve_controlnets, resolve_loras, webhook, ControlNetRef, LoraRef,
 };
-use super::respond::{respond, Body, JobAccepted, Reply};
+use super::respond::{respond, JobAccepted, Reply};
 use crate::router::flow::generate::{generate, ApproxMode, GenerateInput, GenerateOutput};
 use crate::router::service::{admit, submit, GenerationReply, Submitted};
 use crate::router::state::admission::Permit;

@@ -11,8 +11,8 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use utoipa::ToSchema;
 
+use super::binary::Body;
 use super::error::{ApiError, ApiResult, ErrorBody, ErrorDetail};
-use super::respond::Body;
 use crate::daemon::parse_job_name;
 use crate::router::service::cancel;
 use crate::router::state::jobs::JobStatus;

@@ -5,6 +5,7 @@
 
 mod adapters;
 mod admin;
+mod binary;
 mod edits;
 pub mod error;
 mod events;
