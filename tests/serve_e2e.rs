@@ -444,6 +444,15 @@ fn bad_requests_get_json_errors_and_the_daemon_keeps_serving() {
             "base64",
         ),
         (
+            "an image by URL",
+            serde_json::to_vec(
+                &json!({"image": "https://example.com/a.png", "mask": mask_b64(), "steps": 2}),
+            )
+            .unwrap(),
+            400,
+            "URL is not fetched",
+        ),
+        (
             "corrupt image",
             serde_json::to_vec(&json!({"image": bad_png, "mask": mask_b64(), "steps": 2})).unwrap(),
             400,

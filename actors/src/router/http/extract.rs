@@ -55,6 +55,13 @@ pub(crate) fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> ApiResult<T
 }
 
 pub(crate) fn b64(field: &str, s: &str) -> ApiResult<Vec<u8>> {
+    // No URL is ever fetched on input: the daemon does not reach out on a client's word.
+    let lower = s.trim_start().get(..8).unwrap_or("").to_ascii_lowercase();
+    if lower.starts_with("http://") || lower.starts_with("https://") {
+        return Err(ApiError::bad(format!(
+            "{field}: a URL is not fetched (the daemon reaches no address a client names); send the image's bytes, base64 or as a data URL"
+        )));
+    }
     // Accept data URLs too (`data:image/png;base64,...`).
     let s = s.split_once(";base64,").map_or(s, |(_, d)| d);
     base64::engine::general_purpose::STANDARD
