@@ -126,16 +126,19 @@ impl Keys {
     /// Records the job a reserved key's request started, durably when there is a file
     /// (before its reply leaves).
     pub fn record(&self, e: Entry) -> std::io::Result<()> {
-        let mut line_entry = e.clone();
-        if line_entry
-            .reply
-            .as_ref()
-            .is_some_and(|r| r.body.len() > FILE_BODY_BYTES)
-        {
-            line_entry.reply = None;
-        }
         let appended = match &self.file {
-            Some(f) => append(f, &line_entry),
+            Some(f) => {
+                // The file keeps a small reply; a large one's key names its job only.
+                let small = e.reply.as_ref().filter(|r| r.body.len() <= FILE_BODY_BYTES);
+                let line = Entry {
+                    key: e.key.clone(),
+                    digest: e.digest.clone(),
+                    job: e.job,
+                    created_unix: e.created_unix,
+                    reply: small.cloned(),
+                };
+                append(f, &line)
+            }
             None => Ok(()),
         };
         let mut s = self.lock();
