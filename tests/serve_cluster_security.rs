@@ -81,12 +81,13 @@ fn ca(dir: &Path, name: &str) {
     );
 }
 
-/// A pod's certificate for `ip`, signed by the authority `ca`: the `[cluster]` keys.
+/// Pod `name`'s certificate for `ip` (its DNS name and its address), signed by the
+/// authority `ca`: the `[cluster]` keys.
 fn pod_cert(dir: &Path, ca: &str, trust: &str, name: &str, ip: &str) -> String {
     let ext = dir.join(format!("{name}.ext"));
     std::fs::write(
         &ext,
-        format!("subjectAltName=IP:{ip}\nextendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n"),
+        format!("subjectAltName=DNS:{name},IP:{ip}\nextendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n"),
     )
     .unwrap();
     let (key, csr, crt) = (
@@ -143,21 +144,28 @@ fn pod_cert(dir: &Path, ca: &str, trust: &str, name: &str, ip: &str) -> String {
     )
 }
 
-#[test]
-fn pods_speak_tls_and_refuse_a_certificate_the_cluster_ca_did_not_sign() {
-    // openssl (Debian's package, which .ci/run installs) makes the certificates: a tool
-    // under the skip policy like the others.
+/// Whether `openssl` (Debian's package, which .ci/run installs) is there to make the
+/// certificates: a tool under the skip policy like the others.
+fn have_openssl(test: &str) -> bool {
     let found = Command::new("openssl")
         .arg("version")
         .stdout(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
     if !found {
-        return denoised_runtime::skip::skip(
-            "pods_speak_tls_and_refuse_a_certificate_the_cluster_ca_did_not_sign",
+        denoised_runtime::skip::skip(
+            test,
             denoised_runtime::skip::Need::Tool,
             "no `openssl` on the PATH",
         );
+    }
+    found
+}
+
+#[test]
+fn pods_speak_tls_and_refuse_a_certificate_the_cluster_ca_did_not_sign() {
+    if !have_openssl("pods_speak_tls_and_refuse_a_certificate_the_cluster_ca_did_not_sign") {
+        return;
     }
     let _one = one_cluster_at_a_time();
     let certs = tempfile::tempdir().unwrap();
@@ -212,4 +220,90 @@ fn pods_speak_tls_and_refuse_a_certificate_the_cluster_ca_did_not_sign() {
         "{}",
         d.log_text()
     );
+}
+
+/// With TLS a pod's name comes from its certificate: a pod whose certificate does not
+/// name it does not start, and one that starts anyway (a fault lets it: an impostor
+/// with a certificate the cluster CA signed for another name) and says it is pod a is
+/// refused by its peers, which keep routing a's work to the real a.
+#[test]
+fn a_pod_is_the_pod_its_certificate_names() {
+    if !have_openssl("a_pod_is_the_pod_its_certificate_names") {
+        return;
+    }
+    let _one = one_cluster_at_a_time();
+    let certs = tempfile::tempdir().unwrap();
+    let dir = certs.path();
+    ca(dir, "cluster");
+    let mut a = Pod::new("a", "127.0.0.2");
+    let mut b = Pod::new("b", "127.0.0.3");
+    // Says it is a, with the certificate of pod m.
+    let mut m = Pod::new("a", "127.0.0.5");
+    let all = [a.addr(), b.addr(), m.addr()];
+    let m_keys = pod_cert(dir, "cluster", "cluster", "m", "127.0.0.5");
+
+    // Without the fault it refuses to start, and says why.
+    let config = m.config(&all, COOKIE, &m_keys);
+    let out = Command::new(env!("CARGO_BIN_EXE_denoised"))
+        .args(["serve", "--listen", "127.0.0.5:0", "--config"])
+        .arg(&config)
+        .env("DENOISED_CACHE_DIR", m.dir.path().join("cache"))
+        .env("RUNTIME_DIRECTORY", m.dir.path())
+        .env("DENOISED_FAULT", "")
+        .stdout(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("does not name this pod"), "{said}");
+
+    a.start_with(
+        &all,
+        COOKIE,
+        &pod_cert(dir, "cluster", "cluster", "a", "127.0.0.2"),
+    );
+    b.start_with(
+        &all,
+        COOKIE,
+        &pod_cert(dir, "cluster", "cluster", "b", "127.0.0.3"),
+    );
+    m.fault = Some("router:claim_any_name".into());
+    m.start_with(&all, COOKIE, &m_keys);
+    a.wait_for("b up", Duration::from_secs(20), |v| up(v, "b"));
+    b.wait_for("a up", Duration::from_secs(20), |v| up(v, "a"));
+    a.d().template("room", 4);
+    b.wait_for("a's template", Duration::from_secs(10), |v| {
+        v.iter().any(|p| p.0 == "a" && p.2 == 1)
+    });
+    // The impostor beats each second; its peers refuse each beat and its report.
+    let t0 = Instant::now();
+    while !b.log_text().contains("says it is pod \"a\"")
+        && !b.log_text().contains("says it is from pod \"a\"")
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "b logged no refusal:\n{}",
+            b.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_secs(1));
+        // "a" in b's view is still the real a: up, with its template.
+        let (_, v) = b.d().get("/readyz");
+        let pods = v["pods"].as_array().unwrap();
+        let named_a: Vec<_> = pods.iter().filter(|p| p["pod"] == "a").collect();
+        assert_eq!(named_a.len(), 1, "{v}");
+        assert_eq!(
+            named_a[0]["http"],
+            a.d().url.trim_start_matches("http://"),
+            "{v}"
+        );
+        assert_eq!(named_a[0]["templates"], 1, "{v}");
+        let (s, e) = b.d().post("/v1/edits", &edit_body("room", 5));
+        assert_eq!((s, e["pod"].as_str()), (200, Some("a")), "{e}");
+    }
+    // The impostor is in no pod's view.
+    let seen: Vec<String> = a.peers().into_iter().map(|p| p.0).collect();
+    assert_eq!(seen, ["b"]);
 }

@@ -29,7 +29,10 @@
 //!   is answered before its template is on disk;
 //! - `no_prefetch` (cache, no value): pinning a template that is only on disk does not
 //!   start its read; the read starts when the router asks for the template's cache
-//!   (`Load`), after preprocessing: the regression the prefetch test must catch.
+//!   (`Load`), after preprocessing: the regression the prefetch test must catch;
+//! - `claim_any_name` (router, no value): with `[cluster] tls_*`, the pod starts with a
+//!   certificate that does not name it, which it otherwise refuses: an impostor, whose
+//!   peers must refuse its name (tests/serve_cluster_security.rs).
 //!
 //! **A network cut** (`DENOISED_FAULT_CUT=PATH`, a pod's router): while the file PATH
 //! exists, the pod is cut off its peers and its template registry, as by a network
@@ -80,12 +83,14 @@ pub struct Faults {
     pub slow_write: Option<Duration>,
     /// Cache: a pin does not start a template's read from disk.
     pub no_prefetch: bool,
+    /// Router: with TLS, starts with a certificate that does not name its pod.
+    pub claim_any_name: bool,
 }
 
 /// The forms `DENOISED_FAULT` accepts, for its error message.
 const KNOWN: &str = "denoise:panic_at_step=K, ROLE:exit_at_start_from=K, \
-denoise:slow_step_ms=N, cache:slow_read_ms=N, cache:slow_write_ms=N or cache:no_prefetch \
-(K >= 0, N >= 1)";
+denoise:slow_step_ms=N, cache:slow_read_ms=N, cache:slow_write_ms=N, cache:no_prefetch \
+or router:claim_any_name (K >= 0, N >= 1)";
 
 impl Faults {
     pub const VAR: &'static str = "DENOISED_FAULT";
@@ -132,6 +137,7 @@ impl Faults {
                     f.slow_write = f.slow_write.or(ms(n));
                 }
                 ("no_prefetch", None) if r == Role::Cache => f.no_prefetch |= mine,
+                ("claim_any_name", None) if r == Role::Router => f.claim_any_name |= mine,
                 _ => return Err(bad()),
             }
         }
@@ -187,10 +193,19 @@ mod tests {
             "denoise:slow_write_ms=5",
             "router:no_prefetch",
             "cache:prefetch",
+            "router:claim_any_name=1",
+            "cache:claim_any_name",
         ] {
             assert!(Faults::parse(bad, Role::Denoise, 0).is_err(), "{bad}");
             assert!(Faults::parse(bad, Role::Cache, 0).is_err(), "{bad}");
         }
+        let claim = "router:claim_any_name";
+        assert!(
+            Faults::parse(claim, Role::Router, 0)
+                .unwrap()
+                .claim_any_name
+        );
+        assert_eq!(Faults::parse(claim, Role::Cache, 0), Ok(Faults::default()));
     }
 
     #[test]

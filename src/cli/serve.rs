@@ -222,6 +222,9 @@ impl ServeArgs {
             // Every process of the daemon gets the same name (in a StatefulSet: its pod's).
             c.cluster.pod = denoised_actors::node::host_name();
         }
+        // Its certificate must name the pod: refused here, not by a router that
+        // restarts in a loop.
+        denoised_actors::router::check_tls(&c.cluster)?;
         if let Some(f) = &self.log_format {
             c.server.log_format = f.clone();
         }

@@ -31,6 +31,8 @@ pub struct Pod {
     pub dir: tempfile::TempDir,
     /// `--model` (the built-in Fill model when `None`).
     pub model: Option<String>,
+    /// `DENOISED_FAULT` (actors/src/fault.rs), when set.
+    pub fault: Option<String>,
 }
 
 /// A free port on `ip` for a pod's cluster listener.
@@ -51,6 +53,7 @@ impl Pod {
             d: None,
             dir: tempfile::tempdir().unwrap(),
             model: None,
+            fault: None,
         }
     }
 
@@ -69,25 +72,8 @@ impl Pod {
 
     /// [`Pod::start`] with more `[cluster]` keys.
     pub fn start_with(&mut self, peers: &[String], cookie: &str, more: &str) {
-        let (dir, cache, shm) = (
-            self.dir.path(),
-            self.dir.path().join("cache"),
-            self.dir.path().join("shm"),
-        );
-        std::fs::create_dir_all(&shm).unwrap();
-        let config = dir.join("config.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "[cluster]\npod = {:?}\nlisten = {:?}\npeers = {:?}\ncookie = {:?}\nshm_dir = {:?}\n{more}",
-                self.name,
-                self.addr(),
-                peers,
-                cookie,
-                shm.to_str().unwrap()
-            ),
-        )
-        .unwrap();
+        let (dir, cache) = (self.dir.path(), self.dir.path().join("cache"));
+        let config = self.config(peers, cookie, more);
         self.d = Some(Daemon::start_at(
             &format!("{}:0", self.ip),
             &[
@@ -107,9 +93,30 @@ impl Pod {
                 // The supervisor's status file, in the pod's directory: a pod killed
                 // (-9) leaves it there, removed with the directory.
                 ("RUNTIME_DIRECTORY", dir.to_str().unwrap()),
+                ("DENOISED_FAULT", self.fault.as_deref().unwrap_or("")),
             ],
             &self.log(),
         ));
+    }
+
+    /// Writes its configuration file (what [`Pod::start_with`] starts it with).
+    pub fn config(&self, peers: &[String], cookie: &str, more: &str) -> PathBuf {
+        let shm = self.dir.path().join("shm");
+        std::fs::create_dir_all(&shm).unwrap();
+        let config = self.dir.path().join("config.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[cluster]\npod = {:?}\nlisten = {:?}\npeers = {:?}\ncookie = {:?}\nshm_dir = {:?}\n{more}",
+                self.name,
+                self.addr(),
+                peers,
+                cookie,
+                shm.to_str().unwrap()
+            ),
+        )
+        .unwrap();
+        config
     }
 
     /// While this file exists the pod is cut off its peers and registry.

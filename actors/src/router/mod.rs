@@ -24,6 +24,8 @@ pub mod service;
 pub mod state;
 mod watchdog;
 
+pub use mesh::check_tls;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -99,6 +101,7 @@ pub async fn run(env: WorkerEnv, listen: String) -> Result<(), String> {
             recipes,
             registry,
             ctx.metrics.clone(),
+            c.tls(),
         ));
     }
     // A text-to-image model (its transformer reads the packed latents alone) serves

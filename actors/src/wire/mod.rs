@@ -61,6 +61,7 @@ pub type Res<T> = Wire<Result<T, WireError>>;
 pub type Reply<T> = RpcReplyPort<Res<T>>;
 
 mod error;
+mod from_peer;
 pub mod ids;
 pub mod pods;
 

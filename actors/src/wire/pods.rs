@@ -4,12 +4,12 @@
 //! the bus's) to the pod that holds its template; the result comes back whole. Latents
 //! and activations never leave their pod.
 
-use ractor::{BytesConvertable, RpcReplyPort};
+use ractor::RpcReplyPort;
 use ractor_cluster::RactorClusterMessage;
-use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::{DenoiseStats, FinishParams, JobId, MaskChannel, Res, StageTimings, Wire};
+pub use super::from_peer::{FromPeer, SessionKey, Stamp, EXPORTER_LABEL};
+use super::{DenoiseStats, FinishParams, JobId, MaskChannel, Res, StageTimings, Wire, WireError};
 
 /// The process-group scope and group of the pods' actors (apart from the groups of a
 /// pod's workers).
@@ -309,31 +309,6 @@ pub struct Exported {
     pub image: Vec<u8>,
 }
 
-/// What a peer sends (postcard, as [`Wire`]), or why it did not decode: pods of two
-/// versions may meet during a rolling upgrade, and a call whose message does not decode
-/// is answered with that error instead of going unanswered.
-#[derive(Clone, Debug)]
-pub struct FromPeer<T>(pub Result<T, String>);
-
-impl<T> FromPeer<T> {
-    pub fn of(v: T) -> Self {
-        FromPeer(Ok(v))
-    }
-}
-
-impl<T: Serialize + DeserializeOwned> BytesConvertable for FromPeer<T> {
-    fn into_bytes(self) -> Vec<u8> {
-        match self.0 {
-            Ok(v) => Wire(v).into_bytes(),
-            // Never sent: a peer's message is built `Ok`.
-            Err(_) => Vec::new(),
-        }
-    }
-    fn from_bytes(bytes: Vec<u8>) -> Self {
-        FromPeer(postcard::from_bytes(&bytes).map_err(|e| e.to_string()))
-    }
-}
-
 /// A pod's actor, called by its peers' routers.
 #[derive(RactorClusterMessage)]
 pub enum PodMsg {
@@ -371,20 +346,90 @@ pub enum PodMsg {
     Recipe(FromPeer<String>, RpcReplyPort<Res<Exported>>),
 }
 
+/// Each variant's [`FromPeer`], whatever its type.
+macro_rules! each {
+    ($msg:expr, $m:ident => $e:expr) => {
+        match $msg {
+            PodMsg::Report($m, ..) => $e,
+            PodMsg::Edit($m, ..) => $e,
+            PodMsg::Generate($m, ..) => $e,
+            PodMsg::Export($m, ..) => $e,
+            PodMsg::Open($m, ..) => $e,
+            PodMsg::Next($m, ..) => $e,
+            PodMsg::Close($m) => $e,
+            PodMsg::Event($m) => $e,
+            PodMsg::Cancel($m) => $e,
+            PodMsg::Forget($m) => $e,
+            PodMsg::Beat($m) => $e,
+            PodMsg::Recipe($m, ..) => $e,
+        }
+    };
+}
+
+impl PodMsg {
+    /// Seals the message as pod `from`'s for the session it goes on (wire/from_peer.rs).
+    pub fn seal(&mut self, from: &str, key: Option<&SessionKey>) {
+        each!(self, m => m.seal(from, key))
+    }
+
+    /// What the receiver checks of its sender ([`Stamp`]).
+    pub fn stamp(&self) -> Stamp<'_> {
+        each!(self, m => m.stamp())
+    }
+
+    /// Why the message did not decode, if it did not.
+    pub fn undecodable(&self) -> Option<&str> {
+        each!(self, m => m.body.as_ref().err().map(String::as_str))
+    }
+
+    /// The message's name, for logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PodMsg::Report(..) => "Report",
+            PodMsg::Edit(..) => "Edit",
+            PodMsg::Generate(..) => "Generate",
+            PodMsg::Export(..) => "Export",
+            PodMsg::Open(..) => "Open",
+            PodMsg::Next(..) => "Next",
+            PodMsg::Close(..) => "Close",
+            PodMsg::Event(..) => "Event",
+            PodMsg::Cancel(..) => "Cancel",
+            PodMsg::Forget(..) => "Forget",
+            PodMsg::Beat(..) => "Beat",
+            PodMsg::Recipe(..) => "Recipe",
+        }
+    }
+
+    /// Answers the message with `e` if it is a call (a tell has no one to answer).
+    pub fn refuse(self, e: WireError) {
+        match self {
+            PodMsg::Report(_, r) => drop(r.send(Wire(Err(e)))),
+            PodMsg::Edit(_, r) => drop(r.send(Wire(Err(e)))),
+            PodMsg::Generate(_, r) => drop(r.send(Wire(Err(e)))),
+            PodMsg::Export(_, r) => drop(r.send(Wire(Err(e)))),
+            PodMsg::Open(_, r) => drop(r.send(Wire(Err(e)))),
+            PodMsg::Next(_, r) => drop(r.send(Wire(Err(e)))),
+            PodMsg::Recipe(_, r) => drop(r.send(Wire(Err(e)))),
+            PodMsg::Close(_)
+            | PodMsg::Event(_)
+            | PodMsg::Cancel(_)
+            | PodMsg::Forget(_)
+            | PodMsg::Beat(_) => {}
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::{ErrorKind, WireError};
+    use crate::wire::ErrorKind;
+    use ractor::BytesConvertable;
 
-    /// A peer's message that does not decode (a pod of another version) keeps why, for
-    /// the pod actor to answer with; a reply that does not decode becomes an error reply
-    /// (what `Wire` does for every `Result<_, WireError>`), not a dropped message.
+    /// A reply that does not decode becomes an error reply (what `Wire` does for every
+    /// `Result<_, WireError>`), not a dropped message (a peer's message that does not
+    /// decode: wire/from_peer.rs).
     #[test]
-    fn messages_that_do_not_decode_become_errors() {
-        let edit = FromPeer::<PodEdit>::from_bytes(vec![0xff; 5]);
-        assert!(edit.0.is_err(), "{:?}", edit.0.map(|_| ()));
-        let fine = FromPeer::of("room".to_string()).into_bytes();
-        assert_eq!(FromPeer::<String>::from_bytes(fine).0.unwrap(), "room");
+    fn replies_that_do_not_decode_become_errors() {
         let reply = <Res<PodReport>>::from_bytes(vec![0, 0xff, 0xff]);
         let e = reply.0.unwrap_err();
         assert_eq!(e.kind, ErrorKind::Internal, "{e:?}");

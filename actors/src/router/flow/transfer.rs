@@ -25,6 +25,7 @@ use denoised_models::flux::template_transfer;
 use ractor::ActorCell;
 
 use super::capture::{capture, Identity, TemplateInput};
+use crate::router::state::sessions::Sessions;
 use crate::router::state::Ctx;
 use crate::wire::pods::{Exported, FromPeer, PodMsg};
 use crate::wire::{CacheMsg, ErrorKind, JobId, Wire, WireError};
@@ -147,6 +148,7 @@ impl Outgoing {
 /// request, sent with `Open` at its first read; reads pull `Next` chunks.
 struct MeshStream {
     cell: ActorCell,
+    sessions: Arc<Sessions>,
     rt: tokio::runtime::Handle,
     request: Vec<u8>,
     id: Option<u64>,
@@ -161,7 +163,7 @@ impl MeshStream {
         build: impl FnOnce(ractor::RpcReplyPort<crate::wire::Res<T>>) -> PodMsg,
     ) -> std::io::Result<T> {
         self.rt
-            .block_on(crate::node::ask(&self.cell, CHUNK_WAIT, build))
+            .block_on(self.sessions.ask(&self.cell, CHUNK_WAIT, build))
             .map_err(|e| std::io::Error::other(e.message))
     }
 }
@@ -198,7 +200,8 @@ impl Read for MeshStream {
 impl Drop for MeshStream {
     fn drop(&mut self) {
         if let Some(id) = self.id {
-            crate::node::tell(&self.cell, PodMsg::Close(FromPeer::of(id)));
+            self.sessions
+                .tell(&self.cell, PodMsg::Close(FromPeer::of(id)));
         }
     }
 }
@@ -215,11 +218,17 @@ pub async fn fetch(
     if crate::fault::cut() {
         return Err("cut off its peers (DENOISED_FAULT_CUT)".into());
     }
-    let e = crate::node::ask(&cell, CHUNK_WAIT, |p| {
-        PodMsg::Export(FromPeer::of(id.to_string()), p)
-    })
-    .await
-    .map_err(|e| e.message)?;
+    let sessions = ctx
+        .pods
+        .as_ref()
+        .map(|p| p.sessions.clone())
+        .ok_or("not a pod of a cluster")?;
+    let e = sessions
+        .ask(&cell, CHUNK_WAIT, |p| {
+            PodMsg::Export(FromPeer::of(id.to_string()), p)
+        })
+        .await
+        .map_err(|e| e.message)?;
     let info = exported(ctx, id, &e)?;
     if wanted.is_some_and(|v| e.name != crate::wire::version_name(id, v)) {
         return Err(format!(
@@ -241,6 +250,7 @@ pub async fn fetch(
         let _ = std::fs::remove_dir_all(&dest);
         let mut stream = MeshStream {
             cell,
+            sessions,
             rt,
             request: vec![],
             id: None,
@@ -465,7 +475,7 @@ async fn ask_recipe(
     // An edit may be waiting on it: a peer that stops answering ends the ask when it
     // is marked down, not at the timeout.
     let e = tokio::select! {
-        r = crate::node::ask(&cell, CHUNK_WAIT, msg) => r.map_err(|e| e.message)?,
+        r = pods.sessions.ask(&cell, CHUNK_WAIT, msg) => r.map_err(|e| e.message)?,
         () = pods.until_down(from) => return Err(format!("pod {from} stopped reporting")),
     };
     exported(ctx, id, &e)?;

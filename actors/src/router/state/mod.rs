@@ -13,5 +13,6 @@ pub mod pod_route;
 pub mod pods;
 pub mod recipes;
 pub mod registry;
+pub mod sessions;
 
 pub use ctx::{AdapterDir, Ctx, GenerationModel, Listed};

@@ -12,8 +12,8 @@ use serde::Serialize;
 use super::pod_route::{self, Pricing, TemplateSize};
 use super::recipes::Recipes;
 use super::registry::{record, Held};
+use super::sessions::Sessions;
 use crate::metrics::router::RouterMetrics;
-use crate::node;
 use crate::routing::pods::{PodPolicy, PodRouter};
 use crate::wire::pods::{FromPeer, PodMsg, PodOrigin, PodReport, PodRun, PodTemplate};
 use crate::wire::{ErrorKind, JobId, Res, TemplateInfo, WireError};
@@ -79,6 +79,8 @@ pub struct PeerStatus {
 pub struct Pods {
     /// This pod's name.
     pub me: String,
+    /// The sessions with the peers: every message to a peer leaves through them.
+    pub sessions: Arc<Sessions>,
     peers: Mutex<BTreeMap<String, Peer>>,
     /// How long a forwarded edit may take (the pod that runs it has its own stage
     /// deadlines; this bounds a peer that stops answering mid-edit).
@@ -166,8 +168,10 @@ impl Pods {
         recipes: Recipes,
         registry: Option<super::registry::Registry>,
         metrics: RouterMetrics,
+        tls: bool,
     ) -> Self {
         Pods {
+            sessions: Arc::new(Sessions::new(me.clone(), tls)),
             me,
             peers: Mutex::new(BTreeMap::new()),
             forward_timeout,
@@ -335,6 +339,9 @@ impl Pods {
     /// answer says to ask the peer for its whole report. With a registry, templates of
     /// versions it superseded or deleted are left out (the peer drops them soon).
     pub fn reported(&self, cell: ActorCell, mut report: PodReport) -> Heard {
+        if !self.sessions.names(&cell, &report.pod) {
+            return Heard::default();
+        }
         self.metrics
             .pod_reports
             .get_or_create(&[("pod", report.pod.clone())])
@@ -483,11 +490,11 @@ impl Pods {
             self.mark_down(name);
             return None;
         }
-        let call = node::call(&cell, self.forward_timeout, msg);
+        let call = self.sessions.call(&cell, self.forward_timeout, msg);
         tokio::pin!(call, cancelled);
         let mut told = false;
         let cancel = || {
-            node::tell(
+            self.sessions.tell(
                 &cell,
                 PodMsg::Cancel(FromPeer::of((origin.pod.clone(), origin.job))),
             )
@@ -562,7 +569,11 @@ impl Pods {
             return;
         }
         let timeout = Duration::from_secs(1);
-        match node::ask(&cell, timeout, |p| PodMsg::Report(FromPeer::of(()), p)).await {
+        match self
+            .sessions
+            .ask(&cell, timeout, |p| PodMsg::Report(FromPeer::of(()), p))
+            .await
+        {
             Ok(report) if report.pod == name => {
                 self.reported(cell, report);
             }
@@ -601,7 +612,8 @@ impl Pods {
     pub fn forget(&self, id: &str) {
         self.forgotten(id);
         for p in self.peers().values().filter(|p| p.up) {
-            node::tell(&p.cell, PodMsg::Forget(FromPeer::of(id.to_string())));
+            self.sessions
+                .tell(&p.cell, PodMsg::Forget(FromPeer::of(id.to_string())));
         }
     }
 

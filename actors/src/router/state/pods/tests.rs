@@ -56,6 +56,7 @@ fn pods_for_test() -> (Pods, tempfile::TempDir) {
         recipes,
         None,
         m,
+        false,
     );
     (pods, d)
 }

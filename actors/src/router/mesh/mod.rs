@@ -21,11 +21,14 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ractor_cluster::node::NodeConnectionMode;
 use ractor_cluster::{IncomingEncryptionMode, NodeServer, NodeServerMessage};
 
+mod tls;
+
 use crate::router::flow::edit::{edit_obtained, EditInput};
 use crate::router::flow::generate::{generate_here, GenerateInput};
 use crate::router::flow::{identity, transfer};
 use crate::router::service::{cancel, submit_peer, submit_peer_edit, GenerationReply};
 use crate::router::state::jobs::{JobEvent, Previews};
+use crate::router::state::sessions::Sessions;
 use crate::router::state::{Ctx, Listed};
 use crate::routing::beats;
 use crate::wire::pods::{Exported, FromPeer, PodJobEvent, PodMsg, PodOrigin, GROUP, SCOPE};
@@ -43,32 +46,63 @@ pub async fn join(ctx: Arc<Ctx>, http: String) -> Result<(), String> {
         .listen
         .parse()
         .map_err(|e| format!("[cluster] listen: {e}"))?;
+    let sessions = match &ctx.pods {
+        Some(p) => p.sessions.clone(),
+        None => return Err("a pod without its peers' state".into()),
+    };
     let tls = match c.tls() {
-        true => Some(tls(c)?),
+        true => Some(tls::config(c, &sessions.me)?),
         false => None,
     };
     let advertised = advertised(listen).await;
+    let (port, encryption, bind) = match &tls {
+        None => (listen.port(), None, listen.ip()),
+        // ractor_cluster's own listener cannot be turned off: with TLS it listens on a
+        // loopback port no peer dials, behind the same CA check; this pod's own TLS
+        // listener ([`tls::serve`]) takes `listen`.
+        Some(t) => (
+            0,
+            Some(IncomingEncryptionMode::Tls(t.acceptor.clone())),
+            std::net::Ipv4Addr::LOCALHOST.into(),
+        ),
+    };
     let server = NodeServer::new(
-        listen.port(),
+        port,
         c.cookie.clone(),
         c.pod.clone(),
         // What a peer's session says this pod is: the address its peers dial.
         advertised.ip().to_string(),
-        tls.as_ref()
-            .map(|(a, _)| IncomingEncryptionMode::Tls(a.clone())),
+        encryption,
         // Pods dial the peers they are given, not their peers' peers.
         Some(NodeConnectionMode::Isolated),
     )
-    .with_listen_addr(listen.ip())
+    .with_listen_addr(bind)
     .with_max_inbound_frame_size(crate::wire::pods::MAX_FRAME_BYTES);
     let (node, _) = Actor::spawn(None, server, ())
         .await
         .map_err(|e| format!("cannot start the cluster listener on {listen}: {e}"))?;
     node.cast(NodeServerMessage::SubscribeToEvents {
         id: "refusals".into(),
-        subscription: Box::new(Refusals::default()),
+        subscription: Box::new(Refusals::new(sessions.clone())),
     })
     .map_err(|e| e.to_string())?;
+    if let Some(t) = &tls {
+        // The name its sessions give: the port its peers dial (after the loopback
+        // listener's own change, which its start sent first).
+        node.cast(NodeServerMessage::PortChanged {
+            port: listen.port(),
+        })
+        .map_err(|e| e.to_string())?;
+        let l = tokio::net::TcpListener::bind(listen)
+            .await
+            .map_err(|e| format!("cannot start the cluster listener on {listen}: {e}"))?;
+        tokio::spawn(tls::serve(
+            l,
+            t.acceptor.clone(),
+            node.clone(),
+            sessions.clone(),
+        ));
+    }
     if let Some(p) = &ctx.pods {
         let _ = p.http.set(http);
     }
@@ -81,7 +115,12 @@ pub async fn join(ctx: Arc<Ctx>, http: String) -> Result<(), String> {
         c.pod,
         if tls.is_some() { " (TLS)" } else { "" }
     );
-    tokio::spawn(dial(node, advertised, c.peers.clone(), tls.map(|(_, c)| c)));
+    tokio::spawn(dial(
+        node,
+        advertised,
+        c.peers.clone(),
+        tls.map(|t| (t.connector, sessions)),
+    ));
     transfer::sweep_staging(&ctx);
     tokio::spawn(identity::tend(ctx.clone()));
     tokio::spawn(beat(ctx.clone()));
@@ -89,32 +128,54 @@ pub async fn join(ctx: Arc<Ctx>, http: String) -> Result<(), String> {
     Ok(())
 }
 
-/// Logs the sessions with peers that ended before they authenticated: a peer with
-/// another cookie (a TLS handshake that fails never becomes a session; ractor_cluster's
-/// listener logs those). Once per address until it authenticates: a refused peer
-/// dials again every second.
-#[derive(Default)]
+/// Whether `[cluster] tls_*` (when set) load and the certificate names the pod: checked
+/// before the daemon starts any process.
+pub fn check_tls(c: &ClusterConfig) -> Result<(), String> {
+    match c.tls() {
+        true => tls::config(c, &c.pod).map(drop),
+        false => Ok(()),
+    }
+}
+
+/// Tells the sessions' state of each session's node id and end, and logs the sessions
+/// with peers that ended before they authenticated: a peer with another cookie (a TLS
+/// handshake that fails never becomes a session; the certificate check logs those).
+/// Once per address until it authenticates: a refused peer dials again every second.
 struct Refusals {
+    sessions: Arc<Sessions>,
     authenticated: std::sync::Mutex<HashSet<u64>>,
     said: std::sync::Mutex<HashSet<std::net::IpAddr>>,
 }
 
+impl Refusals {
+    fn new(sessions: Arc<Sessions>) -> Self {
+        Refusals {
+            sessions,
+            authenticated: Default::default(),
+            said: Default::default(),
+        }
+    }
+}
+
 impl ractor_cluster::NodeEventSubscription for Refusals {
-    fn node_session_opened(&self, _: ractor_cluster::node::NodeServerSessionInformation) {}
+    fn node_session_opened(&self, s: ractor_cluster::node::NodeServerSessionInformation) {
+        self.sessions.attached(s.node_id, &s.peer_addr);
+    }
 
     fn node_session_authenticated(&self, s: ractor_cluster::node::NodeServerSessionInformation) {
         self.authenticated.lock().unwrap().insert(s.node_id);
-        if let Ok(a) = s.peer_addr.parse::<SocketAddr>() {
+        if let Some(a) = tls::peer_addr(&s.peer_addr) {
             self.said.lock().unwrap().remove(&a.ip());
         }
     }
 
     fn node_session_disconnected(&self, s: ractor_cluster::node::NodeServerSessionInformation) {
+        self.sessions.closed(s.node_id);
         if self.authenticated.lock().unwrap().remove(&s.node_id) {
             return;
         }
-        let ip = s.peer_addr.parse::<SocketAddr>().map(|a| a.ip());
-        if ip.is_ok_and(|ip| !self.said.lock().unwrap().insert(ip)) {
+        let ip = tls::peer_addr(&s.peer_addr).map(|a| a.ip());
+        if ip.is_some_and(|ip| !self.said.lock().unwrap().insert(ip)) {
             return;
         }
         match s.is_server {
@@ -127,89 +188,6 @@ impl ractor_cluster::NodeEventSubscription for Refusals {
                 s.peer_addr
             ),
         }
-    }
-}
-
-/// The TLS acceptor and connector of a pod: its certificate, and the cluster's CA as
-/// the only root, for both sides (a peer must present a certificate the CA signed).
-fn tls(
-    c: &ClusterConfig,
-) -> Result<(tokio_rustls::TlsAcceptor, tokio_rustls::TlsConnector), String> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let certs = |f: &str| -> Result<Vec<CertificateDer<'static>>, String> {
-        CertificateDer::pem_file_iter(f)
-            .and_then(|i| i.collect::<Result<Vec<_>, _>>())
-            .map_err(|e| format!("[cluster] {f}: {e}"))
-    };
-    let mut roots = rustls::RootCertStore::empty();
-    for ca in certs(&c.tls_ca)? {
-        roots
-            .add(ca)
-            .map_err(|e| format!("[cluster] tls_ca {}: {e}", c.tls_ca))?;
-    }
-    let roots = Arc::new(roots);
-    let chain = certs(&c.tls_cert)?;
-    let key = PrivateKeyDer::from_pem_file(&c.tls_key)
-        .map_err(|e| format!("[cluster] tls_key {}: {e}", c.tls_key))?;
-    let verifier = rustls::server::WebPkiClientVerifier::builder(roots.clone())
-        .build()
-        .map_err(|e| format!("[cluster] tls_ca: {e}"))?;
-    let server = rustls::ServerConfig::builder()
-        .with_client_cert_verifier(Arc::new(Logged(verifier)))
-        .with_single_cert(chain.clone(), key.clone_key())
-        .map_err(|e| format!("[cluster] tls_cert: {e}"))?;
-    let client = rustls::ClientConfig::builder()
-        .with_root_certificates(roots)
-        .with_client_auth_cert(chain, key)
-        .map_err(|e| format!("[cluster] tls_cert: {e}"))?;
-    Ok((
-        tokio_rustls::TlsAcceptor::from(Arc::new(server)),
-        tokio_rustls::TlsConnector::from(Arc::new(client)),
-    ))
-}
-
-/// The cluster CA's check of a peer's certificate, logging a refusal (the TLS
-/// handshake then fails, and ractor_cluster's listener drops the connection quietly).
-#[derive(Debug)]
-struct Logged(Arc<dyn rustls::server::danger::ClientCertVerifier>);
-
-impl rustls::server::danger::ClientCertVerifier for Logged {
-    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
-        self.0.root_hint_subjects()
-    }
-
-    fn verify_client_cert(
-        &self,
-        end_entity: &rustls::pki_types::CertificateDer<'_>,
-        intermediates: &[rustls::pki_types::CertificateDer<'_>],
-        now: rustls::pki_types::UnixTime,
-    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
-        self.0
-            .verify_client_cert(end_entity, intermediates, now)
-            .inspect_err(|e| tracing::warn!("refused a peer's certificate: {e}"))
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.supported_verify_schemes()
     }
 }
 
@@ -251,7 +229,7 @@ async fn dial(
     node: ActorRef<NodeServerMessage>,
     me: SocketAddr,
     peers: Vec<String>,
-    tls: Option<tokio_rustls::TlsConnector>,
+    tls: Option<(tokio_rustls::TlsConnector, Arc<Sessions>)>,
 ) {
     let mut failing: HashSet<SocketAddr> = HashSet::new();
     loop {
@@ -269,7 +247,7 @@ async fn dial(
                 None => tokio::time::timeout(TICK * 2, ractor_cluster::client_connect(&node, addr))
                     .await
                     .map(|r| r.map_err(|e| e.to_string())),
-                Some(c) => {
+                Some((c, sessions)) => {
                     let name = match rustls::pki_types::ServerName::try_from(host.clone()) {
                         Ok(n) => n,
                         Err(e) => {
@@ -277,12 +255,8 @@ async fn dial(
                             continue;
                         }
                     };
-                    tokio::time::timeout(
-                        TICK * 2,
-                        ractor_cluster::client_connect_enc(&node, addr, c.clone(), name),
-                    )
-                    .await
-                    .map(|r| r.map_err(|e| e.to_string()))
+                    tokio::time::timeout(TICK * 2, tls::connect(&node, addr, c, name, sessions))
+                        .await
                 }
             };
             match r {
@@ -318,7 +292,10 @@ async fn watch(ctx: Arc<Ctx>) {
             .filter(|c| !c.get_id().is_local() && !crate::fault::cut() && !pods.knows(c))
             .collect();
         let asks = unknown.into_iter().map(|cell| async move {
-            let r = crate::node::ask(&cell, TICK, |p| PodMsg::Report(FromPeer::of(()), p)).await;
+            let r = pods
+                .sessions
+                .ask(&cell, TICK, |p| PodMsg::Report(FromPeer::of(()), p))
+                .await;
             (cell, r)
         });
         for (cell, r) in futures_util::future::join_all(asks).await {
@@ -372,7 +349,8 @@ async fn beat(ctx: Arc<Ctx>) {
         }
         for cell in ractor::pg::get_scoped_members(&SCOPE.into(), &GROUP.into()) {
             if !cell.get_id().is_local() {
-                crate::node::tell(&cell, PodMsg::Beat(FromPeer::of(report.clone())));
+                pods.sessions
+                    .tell(&cell, PodMsg::Beat(FromPeer::of(report.clone())));
             }
         }
     }
@@ -418,16 +396,27 @@ impl Actor for PodActor {
         if crate::fault::cut() {
             return Ok(());
         }
+        if let Some(pods) = &ctx.pods {
+            if let Err(e) = admitted(&pods.sessions, &msg) {
+                msg.refuse(e);
+                return Ok(());
+            }
+        }
         // Each answer is made on its own task: a slow cache listing or an edit never
         // holds up the next peer's call.
         match msg {
-            PodMsg::Report(FromPeer(Ok(())), reply) => {
+            PodMsg::Report(_, reply) => {
                 let ctx = ctx.clone();
                 tokio::spawn(async move {
                     let _ = reply.send(Wire(Ok(ctx.pod_report(Listed::All).await)));
                 });
             }
-            PodMsg::Edit(FromPeer(Ok(mut e)), reply) => {
+            PodMsg::Edit(
+                FromPeer {
+                    body: Ok(mut e), ..
+                },
+                reply,
+            ) => {
                 ctx.metrics.pod_forwarded_in.inc();
                 let origin = e.origin.take();
                 let input = EditInput::from_pod(e);
@@ -445,7 +434,12 @@ impl Actor for PodActor {
                     },
                 );
             }
-            PodMsg::Generate(FromPeer(Ok(mut g)), reply) => {
+            PodMsg::Generate(
+                FromPeer {
+                    body: Ok(mut g), ..
+                },
+                reply,
+            ) => {
                 ctx.metrics.pod_forwarded_in.inc();
                 let origin = g.origin.take();
                 let format = g.format;
@@ -463,20 +457,27 @@ impl Actor for PodActor {
                     },
                 );
             }
-            PodMsg::Export(FromPeer(Ok(id)), reply) => {
+            PodMsg::Export(FromPeer { body: Ok(id), .. }, reply) => {
                 let _ = reply.send(Wire(out.export(ctx, &id)));
             }
-            PodMsg::Open(FromPeer(Ok(request)), reply) => {
+            PodMsg::Open(
+                FromPeer {
+                    body: Ok(request), ..
+                },
+                reply,
+            ) => {
                 let _ = reply.send(Wire(out.open(ctx, request)));
             }
-            PodMsg::Next(FromPeer(Ok(id)), reply) => {
+            PodMsg::Next(FromPeer { body: Ok(id), .. }, reply) => {
                 let out = out.clone();
                 tokio::spawn(async move {
                     let _ = reply.send(Wire(out.next(id).await));
                 });
             }
-            PodMsg::Close(FromPeer(Ok(id))) => out.close(id),
-            PodMsg::Cancel(FromPeer(Ok(origin))) => {
+            PodMsg::Close(FromPeer { body: Ok(id), .. }) => out.close(id),
+            PodMsg::Cancel(FromPeer {
+                body: Ok(origin), ..
+            }) => {
                 let ctx = ctx.clone();
                 tokio::spawn(async move {
                     let job = ctx.pods.as_ref().and_then(|p| p.relayed(&origin));
@@ -485,22 +486,27 @@ impl Actor for PodActor {
                     }
                 });
             }
-            PodMsg::Beat(FromPeer(Ok(report))) => {
+            PodMsg::Beat(FromPeer {
+                body: Ok(report), ..
+            }) => {
                 let ctx = ctx.clone();
                 tokio::spawn(async move { beaten(&ctx, report).await });
             }
-            PodMsg::Recipe(FromPeer(Ok(id)), reply) => {
+            PodMsg::Recipe(FromPeer { body: Ok(id), .. }, reply) => {
                 let kept = ctx.pods.as_ref().and_then(|p| p.recipes.stored(&id));
                 let _ = reply.send(Wire(match kept {
                     Some((info, image)) => recipe(&id, info, image),
                     None => out.export(ctx, &id),
                 }));
             }
-            PodMsg::Forget(FromPeer(Ok(id))) => {
+            PodMsg::Forget(FromPeer { body: Ok(id), .. }) => {
                 let ctx = ctx.clone();
                 tokio::spawn(async move { identity::deleted_at_peer(&ctx, &id).await });
             }
-            PodMsg::Event(FromPeer(Ok((job, event)))) => {
+            PodMsg::Event(FromPeer {
+                body: Ok((job, event)),
+                ..
+            }) => {
                 let events = &ctx.metrics.pod_events;
                 events.get_or_create(&[("direction", "in")]).inc();
                 match event {
@@ -514,7 +520,8 @@ impl Actor for PodActor {
                     PodJobEvent::Preview { step, jpeg } => ctx.jobs.preview(job, step, jpeg),
                 }
             }
-            undecodable => refuse(undecodable),
+            // Refused above.
+            _ => {}
         }
         Ok(())
     }
@@ -563,29 +570,44 @@ fn fitting<T: serde::Serialize>(o: T) -> Result<T, WireError> {
         })
 }
 
-/// A peer's message that did not decode (a pod of another version): a call is answered
-/// with the error, a tell is logged.
-fn refuse(msg: PodMsg) {
-    let why = |what: &str, e: String| {
-        let m = format!("pod message {what} does not decode here: {e} (a pod of another version?)");
+/// Whether a peer's message is taken: it decoded (a pod of another version may send
+/// one that does not), it comes from the pod it names (with TLS: that pod's
+/// certificate; router/state/sessions.rs), and the pod its content names (a forwarded
+/// request's origin, a cancel's, a beat's report) is that one.
+fn admitted(sessions: &Sessions, msg: &PodMsg) -> Result<(), WireError> {
+    if let Some(e) = msg.undecodable() {
+        let m = format!(
+            "pod message {} does not decode here: {e} (a pod of another version?)",
+            msg.kind()
+        );
         tracing::warn!("{m}");
-        WireError::bad_input(m)
-    };
-    match msg {
-        PodMsg::Report(FromPeer(Err(e)), r) => drop(r.send(Wire(Err(why("Report", e))))),
-        PodMsg::Edit(FromPeer(Err(e)), r) => drop(r.send(Wire(Err(why("Edit", e))))),
-        PodMsg::Generate(FromPeer(Err(e)), r) => drop(r.send(Wire(Err(why("Generate", e))))),
-        PodMsg::Export(FromPeer(Err(e)), r) => drop(r.send(Wire(Err(why("Export", e))))),
-        PodMsg::Open(FromPeer(Err(e)), r) => drop(r.send(Wire(Err(why("Open", e))))),
-        PodMsg::Next(FromPeer(Err(e)), r) => drop(r.send(Wire(Err(why("Next", e))))),
-        PodMsg::Close(FromPeer(Err(e))) => drop(why("Close", e)),
-        PodMsg::Event(FromPeer(Err(e))) => drop(why("Event", e)),
-        PodMsg::Cancel(FromPeer(Err(e))) => drop(why("Cancel", e)),
-        PodMsg::Forget(FromPeer(Err(e))) => drop(why("Forget", e)),
-        PodMsg::Beat(FromPeer(Err(e))) => drop(why("Beat", e)),
-        PodMsg::Recipe(FromPeer(Err(e)), r) => drop(r.send(Wire(Err(why("Recipe", e))))),
-        // Decoded: the handler's arms take every such message.
-        _ => {}
+        return Err(WireError::bad_input(m));
+    }
+    let from = msg.stamp().from;
+    sessions
+        .check(msg.stamp())
+        .map_err(|e| WireError::new(crate::wire::ErrorKind::Conflict, e))?;
+    let named = match msg {
+        PodMsg::Edit(m, _) => m.body.as_ref().ok().and_then(|e| e.origin.as_ref()),
+        PodMsg::Generate(m, _) => m.body.as_ref().ok().and_then(|g| g.origin.as_ref()),
+        _ => None,
+    }
+    .map(|o| o.pod.as_str())
+    .or(match msg {
+        PodMsg::Cancel(m) => m.body.as_ref().ok().map(|(pod, _)| pod.as_str()),
+        PodMsg::Beat(m) => m.body.as_ref().ok().map(|r| r.pod.as_str()),
+        _ => None,
+    });
+    match named {
+        Some(pod) if pod != from => {
+            let m = format!(
+                "pod message {} names pod {pod:?} but comes from pod {from:?}: refused",
+                msg.kind()
+            );
+            tracing::warn!("{m}");
+            Err(WireError::new(crate::wire::ErrorKind::Conflict, m))
+        }
+        _ => Ok(()),
     }
 }
 
@@ -625,7 +647,8 @@ async fn relay(ctx: Arc<Ctx>, job: JobId, origin: PodOrigin) {
                 jpeg: jpeg.to_vec(),
             },
         };
-        crate::node::tell(&cell, PodMsg::Event(FromPeer::of((origin.job, event))));
+        pods.sessions
+            .tell(&cell, PodMsg::Event(FromPeer::of((origin.job, event))));
         let events = &ctx.metrics.pod_events;
         events.get_or_create(&[("direction", "out")]).inc();
     }
