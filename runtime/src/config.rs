@@ -11,7 +11,9 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 
 mod server;
+mod templates;
 pub use server::{ServerConfig, WebhooksConfig};
+pub use templates::TemplatesConfig;
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -27,6 +29,7 @@ pub struct Config {
     pub approx_cache: ApproxCacheConfig,
     pub adapters: AdaptersConfig,
     pub webhooks: WebhooksConfig,
+    pub templates: TemplatesConfig,
 }
 
 /// `[adapters]`: LoRAs of the transformer (docs/design.md §Adapters).

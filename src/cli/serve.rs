@@ -218,6 +218,7 @@ impl ServeArgs {
         c.cluster.check()?;
         c.server.check()?;
         c.webhooks.check()?;
+        c.templates.check()?;
         if c.cluster.is_pod() && c.cluster.pod.is_empty() {
             // Every process of the daemon gets the same name (in a StatefulSet: its pod's).
             c.cluster.pod = denoised_actors::node::host_name();

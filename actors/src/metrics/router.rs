@@ -67,6 +67,9 @@ pub struct RouterMetrics {
     pub pod_events: Family<[(&'static str, &'static str); 1], Counter>,
     /// Webhook tries, by outcome (`delivered`, `failed`: retried, or given up).
     pub webhooks: Family<[(&'static str, &'static str); 1], Counter>,
+    /// Edits of uploaded images under `[templates] auto`, by outcome (`hit`, `miss`,
+    /// `captured`).
+    pub auto_templates: Family<[(&'static str, &'static str); 1], Counter>,
 }
 
 impl RouterMetrics {
@@ -102,7 +105,13 @@ impl RouterMetrics {
             pod_recipes: Gauge::default(),
             pod_events: Family::default(),
             webhooks: Family::default(),
+            auto_templates: Family::default(),
         };
+        r.register(
+            "auto_templates",
+            "Edits of uploaded images with [templates] auto, by outcome (hit: an edit of the image's template; captured: this edit captured it; miss: a full run)",
+            m.auto_templates.clone(),
+        );
         r.register(
             "webhook_tries",
             "Webhook deliveries tried, by outcome (delivered: a 2xx; failed: another status or no answer, then retried until given up)",

@@ -282,6 +282,22 @@ pub struct EditOutput {
     pub pod: String,
     /// The version of its template it read (0: an edit of an image).
     pub template_version: u64,
+    /// What `[templates] auto` made of an edit of an uploaded image (set where the
+    /// edit arrived).
+    pub auto_template: Option<AutoTemplate>,
+}
+
+/// The template an edit of an uploaded image used under `[templates] auto` (docs/api.md,
+/// "Templates that make themselves").
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct AutoTemplate {
+    /// The image's template: `auto_` and its digest (of the image, the model, the size
+    /// and the steps).
+    pub id: String,
+    /// The edit read the template, which existed before it.
+    pub hit: bool,
+    /// This edit captured the template (its second sighting), then read it.
+    pub captured: bool,
 }
 
 /// A LoRA as a reply reports it: the step of the request's schedule it applied from.

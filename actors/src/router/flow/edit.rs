@@ -28,6 +28,20 @@ pub enum Source {
     Image(Vec<u8>),
 }
 
+/// What an edit of an uploaded image does under `[templates] auto` (flow/auto.rs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Auto {
+    /// Nothing: it runs in full.
+    Off,
+    /// Reads the image's template when there is one, without counting a sighting (the
+    /// second and later images of one OpenAI request, which is one sighting).
+    Use,
+    /// Counts a sighting, captures the template when that sighting is admitted, and
+    /// reads it when there is one.
+    See,
+}
+
+#[derive(Clone)]
 pub enum MaskIn {
     Image(Vec<u8>, MaskChannel),
     Boxes(Vec<[u32; 4]>),
@@ -52,9 +66,32 @@ pub struct EditInput {
     /// negative branch reads the same template.
     pub negative_prompt: Option<String>,
     pub true_cfg_scale: f32,
+    /// What `[templates] auto` does with an upload (flow/auto.rs).
+    pub auto: Auto,
 }
 
 impl EditInput {
+    /// This edit of another source (an upload's edit as an edit of its template:
+    /// without ControlNets, which flow/auto.rs leaves to full runs).
+    pub fn of(&self, source: Source) -> Self {
+        EditInput {
+            source,
+            mask: self.mask.clone(),
+            steps: self.steps,
+            guidance: self.guidance,
+            prompt: self.prompt.clone(),
+            seed: self.seed,
+            dilation: self.dilation,
+            max_sequence_length: self.max_sequence_length,
+            finish: self.finish.clone(),
+            loras: self.loras.clone(),
+            controlnets: vec![],
+            negative_prompt: self.negative_prompt.clone(),
+            true_cfg_scale: self.true_cfg_scale,
+            auto: Auto::Off,
+        }
+    }
+
     /// An edit of template `id` with every other field at its default (the bus's
     /// edits, which give only these).
     pub fn of_template(id: String, mask_png: Vec<u8>, prompt: String, seed: u64) -> Self {
@@ -73,6 +110,7 @@ impl EditInput {
             controlnets: vec![],
             negative_prompt: None,
             true_cfg_scale: defaults::TRUE_CFG_SCALE,
+            auto: Auto::Off,
         }
     }
 
@@ -125,6 +163,7 @@ impl EditInput {
             controlnets: vec![],
             negative_prompt: e.negative_prompt,
             true_cfg_scale: e.true_cfg_scale,
+            auto: Auto::Off,
         }
     }
 
@@ -405,6 +444,7 @@ async fn edit_inline(
     let bytes = ctx.shm.read_bytes(&img)?;
     Ok(EditOutput {
         template_version: 0, // edit_here's to fill in
+        auto_template: None,
         image: bytes,
         width: d.input_size.map_or(d.width, |s| s.0),
         height: d.input_size.map_or(d.height, |s| s.1),
@@ -501,6 +541,7 @@ async fn edit_disaggregated(
     let tokens = prepared.rows * prepared.cols;
     Ok(EditOutput {
         template_version: 0, // edit_here's to fill in
+        auto_template: None,
         image: bytes,
         width: prepared.output_size().0,
         height: prepared.output_size().1,

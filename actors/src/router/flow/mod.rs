@@ -3,6 +3,7 @@
 //! flows' own ([`crate::wire::WireError`]), mapped to HTTP statuses at the edge.
 
 pub mod adapters;
+pub mod auto;
 pub mod capture;
 pub mod cfg_split;
 pub mod controlnets;

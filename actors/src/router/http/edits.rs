@@ -18,8 +18,9 @@ use super::inputs::{
     default_seq_len, no_cfg, resolve_controlnets, resolve_loras, webhook, ControlNetRef, LoraRef,
 };
 use super::respond::{respond, JobAccepted, Reply};
+use crate::router::flow::auto::edit_auto;
 use crate::router::flow::defaults;
-use crate::router::flow::edit::{edit, EditInput, MaskIn, Source};
+use crate::router::flow::edit::{Auto, EditInput, MaskIn, Source};
 use crate::router::flow::generate::true_cfg_of;
 use crate::router::service::{admit, submit, EditReply, Submitted};
 use crate::router::state::jobs::Previews;
@@ -187,6 +188,7 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, Reply)> {
         controlnets,
         negative_prompt: b.negative_prompt,
         true_cfg_scale: b.true_cfg_scale,
+        auto: Auto::See,
     };
     Ok((input, reply))
 }
@@ -229,7 +231,7 @@ pub(crate) async fn create_edit(State(ctx): State<Arc<Ctx>>, req: Request) -> Ap
         "edit",
         steps,
         Previews::Every(preview_every),
-        move |ctx, job| async move { edit(&ctx, job, &input).await },
+        move |ctx, job| async move { edit_auto(&ctx, job, &input).await },
         move |job, o| EditReply::new(job, o, format, keep),
     );
     call_back(&ctx, job, hook);

@@ -47,8 +47,9 @@ use super::inputs::{
 };
 use super::respond::{joined, with_id};
 use crate::daemon::job_name;
+use crate::router::flow::auto::edit_auto;
 use crate::router::flow::defaults;
-use crate::router::flow::edit::{edit, EditInput, MaskIn, Source};
+use crate::router::flow::edit::{Auto, EditInput, MaskIn, Source};
 use crate::router::flow::generate::{ApproxMode, ApproxOutcome, GenerateInput};
 use crate::router::service::{admit, submit, units, EditReply, Submitted};
 use crate::router::state::admission::RETRY_AFTER_S;
@@ -111,6 +112,10 @@ pub struct ImageData {
     /// The pod that ran it (in a cluster of pods; docs/cluster.md).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
+    /// An edit of an uploaded image under `[templates] auto`: the image's template, and
+    /// whether this edit read it or captured it (edits only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auto_template: Option<crate::wire::pods::AutoTemplate>,
 }
 
 /// `POST /v1/images/edits`' multipart form (read part by part, not by serde: this
@@ -379,6 +384,8 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             controlnets: vec![],
             negative_prompt: None,
             true_cfg_scale: defaults::TRUE_CFG_SCALE,
+            // One request is one sighting of its image, however many images it asks.
+            auto: if i == 0 { Auto::See } else { Auto::Use },
         };
         let steps = input.steps.unwrap_or(0);
         let previews = f
@@ -391,7 +398,7 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             "edit",
             steps,
             previews,
-            move |c, job| async move { edit(&c, job, &input).await },
+            move |c, job| async move { edit_auto(&c, job, &input).await },
             move |job, o| EditReply::new(job, o, out.format, keep),
         ));
     }
@@ -410,6 +417,7 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             approx_cache: None,
             timings: o.timings,
             pod: (!o.pod.is_empty()).then_some(o.pod),
+            auto_template: o.auto_template,
         });
     }
     let r = images_reply(&ctx, data, (w as u32, h as u32), out.format);
@@ -571,6 +579,7 @@ async fn generations(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             approx_cache: Some(o.approx),
             timings: o.timings,
             pod: (!o.pod.is_empty()).then_some(o.pod),
+            auto_template: None,
         });
     }
     Ok(with_id(first, images_reply(&ctx, data, dims, out.format)))

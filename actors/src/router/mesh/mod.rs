@@ -1,8 +1,10 @@
 //! The pod's edge toward its peers (docs/cluster.md), beside the HTTP API and the
 //! workers' bus: a second ractor_cluster node on `[cluster] listen` (its cookie shared
-//! by the cluster; TLS with the cluster's CA when `tls_*` are set), the pod actor its
-//! peers call (beats, forwarded edits, copies), a loop that dials the peers (`[cluster]
-//! peers`, DNS names re-resolved), one that pushes this pod's beats to them
+//! by the cluster; TLS with the cluster's CA when `tls_*` are set, on this pod's own
+//! listener and dialer: [`tls`]), the pod actor its peers call (beats, forwarded edits,
+//! copies: each message checked for the pod it comes from, [`admitted`]), a loop that
+//! dials the peers (`[cluster] peers`, DNS names re-resolved), one that pushes this
+//! pod's beats to them
 //! ([`crate::routing::beats`]) and one that marks down those whose beats stop
 //! ([`crate::router::state::pods`]).
 //!
@@ -10,6 +12,8 @@
 //! workers stay its own: ractor_cluster tells a node's peers of that node's own actors
 //! only, never of the remote ones it knows (tests/serve_cluster.rs checks each pod
 //! counts its own workers).
+
+mod tls;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -20,8 +24,6 @@ use denoised_runtime::config::ClusterConfig;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ractor_cluster::node::NodeConnectionMode;
 use ractor_cluster::{IncomingEncryptionMode, NodeServer, NodeServerMessage};
-
-mod tls;
 
 use crate::router::flow::edit::{edit_obtained, EditInput};
 use crate::router::flow::generate::{generate_here, GenerateInput};

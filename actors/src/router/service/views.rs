@@ -11,6 +11,7 @@ use crate::daemon::job_name;
 use crate::router::flow::adapters::LoraApplied;
 use crate::router::flow::edit::EditOutput;
 use crate::router::flow::generate::{ApproxOutcome, GenerateOutput, TrueCfgOutcome};
+use crate::wire::pods::AutoTemplate;
 use crate::wire::{DenoiseStats, ImageFormat, JobId, StageTimings};
 
 /// The batches a request's steps ran in.
@@ -72,6 +73,10 @@ pub struct EditReply {
     /// edit of an uploaded image).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub template_version: Option<u64>,
+    /// An edit of an uploaded image under `[templates] auto`: the image's template and
+    /// whether this edit read it (`hit`), captured it, or ran in full (neither).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auto_template: Option<AutoTemplate>,
     /// The image, base64 (absent from a synchronous request's job entry: its client
     /// had it in the reply).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -102,6 +107,7 @@ impl EditReply {
             true_cfg: o.true_cfg.clone(),
             pod: (!o.pod.is_empty()).then(|| o.pod.clone()),
             template_version: (o.template_version > 0).then_some(o.template_version),
+            auto_template: o.auto_template.clone(),
             image: with_image.then(|| encode_b64(&o.image)),
         }
     }

@@ -89,6 +89,8 @@ pub struct Ctx {
     pub images: super::images::Images,
     /// Idempotency keys (`Idempotency-Key`), kept across this daemon's routers.
     pub keys: super::idempotency::Keys,
+    /// The uploaded images seen, toward templates that make themselves (`[templates]`).
+    pub sightings: std::sync::Mutex<super::sightings::Sightings>,
 }
 
 impl Ctx {
@@ -116,7 +118,14 @@ impl Ctx {
             &mut daemon_registry,
             env.status_file.clone(),
         );
+        let t = &config.templates;
+        let sightings = super::sightings::Sightings::new(
+            t.auto_admit_after,
+            t.auto_window_seconds,
+            t.auto_track,
+        );
         Ctx {
+            sightings: std::sync::Mutex::new(sightings),
             shm,
             jobs,
             model,

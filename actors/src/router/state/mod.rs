@@ -14,5 +14,6 @@ pub mod pods;
 pub mod recipes;
 pub mod registry;
 pub mod sessions;
+pub mod sightings;
 
 pub use ctx::{AdapterDir, Ctx, GenerationModel, Listed};
