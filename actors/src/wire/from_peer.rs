@@ -38,8 +38,6 @@ pub struct FromPeer<T> {
     seal: [u8; 32],
     /// SHA-256 of the body's bytes: computed when sealed, or as received.
     digest: [u8; 32],
-    /// The body's bytes as sealed, sent as they are (encoded once).
-    sealed: Option<Vec<u8>>,
 }
 
 /// What a receiver checks of a message, whatever its type.
@@ -83,7 +81,6 @@ impl<T: Serialize> FromPeer<T> {
             body: Ok(v),
             seal: [0; 32],
             digest: [0; 32],
-            sealed: None,
         }
     }
 
@@ -93,7 +90,6 @@ impl<T: Serialize> FromPeer<T> {
         let Ok(v) = &self.body else { return };
         let bytes = postcard::to_stdvec(v).expect("postcard encodes the wire types");
         self.digest = Sha256::digest(&bytes).into();
-        self.sealed = Some(bytes);
         self.from = from.to_string();
         self.seal = match key {
             Some(k) => mac(k, from, &self.digest).finalize().into_bytes().into(),
@@ -121,11 +117,10 @@ impl<T> FromPeer<T> {
 
 impl<T: Serialize + DeserializeOwned> BytesConvertable for FromPeer<T> {
     fn into_bytes(self) -> Vec<u8> {
-        let body = match (self.sealed, &self.body) {
-            (Some(bytes), _) => bytes,
-            (None, Ok(v)) => postcard::to_stdvec(v).expect("postcard encodes the wire types"),
+        let body = match &self.body {
+            Ok(v) => postcard::to_stdvec(v).expect("postcard encodes the wire types"),
             // Never sent: a peer's message is built `Ok`.
-            (None, Err(_)) => Vec::new(),
+            Err(_) => Vec::new(),
         };
         let e = Envelope {
             from: self.from,
@@ -140,7 +135,6 @@ impl<T: Serialize + DeserializeOwned> BytesConvertable for FromPeer<T> {
             Ok(e) => FromPeer {
                 body: postcard::from_bytes(&e.body).map_err(|e| e.to_string()),
                 digest: Sha256::digest(&e.body).into(),
-                sealed: None,
                 from: e.from,
                 seal: e.seal,
             },
@@ -149,7 +143,6 @@ impl<T: Serialize + DeserializeOwned> BytesConvertable for FromPeer<T> {
                 body: Err(e.to_string()),
                 seal: [0; 32],
                 digest: [0; 32],
-                sealed: None,
             },
         }
     }

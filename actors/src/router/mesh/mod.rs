@@ -589,16 +589,17 @@ fn admitted(sessions: &Sessions, msg: &PodMsg) -> Result<(), WireError> {
     sessions
         .check(msg.stamp())
         .map_err(|e| WireError::new(crate::wire::ErrorKind::Conflict, e))?;
-    fn origin(o: Option<&PodOrigin>) -> Option<&str> {
-        o.map(|o| o.pod.as_str())
-    }
     let named = match msg {
-        PodMsg::Edit(m, _) => origin(m.body.as_ref().ok().and_then(|e| e.origin.as_ref())),
-        PodMsg::Generate(m, _) => origin(m.body.as_ref().ok().and_then(|g| g.origin.as_ref())),
+        PodMsg::Edit(m, _) => m.body.as_ref().ok().and_then(|e| e.origin.as_ref()),
+        PodMsg::Generate(m, _) => m.body.as_ref().ok().and_then(|g| g.origin.as_ref()),
+        _ => None,
+    }
+    .map(|o| o.pod.as_str())
+    .or(match msg {
         PodMsg::Cancel(m) => m.body.as_ref().ok().map(|(pod, _)| pod.as_str()),
         PodMsg::Beat(m) => m.body.as_ref().ok().map(|r| r.pod.as_str()),
         _ => None,
-    };
+    });
     match named {
         Some(pod) if pod != from => {
             let m = format!(
