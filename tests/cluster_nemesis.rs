@@ -130,8 +130,9 @@ fn check(history: &[Op]) -> Vec<String> {
                         && concurrent.iter().any(|w| w.kind != Kind::Delete && w.maybe_write()));
                 if !ok {
                     bad.push(format!(
-                        "edit read version {v:?}, the newest acknowledged at its start was {:?}: {e:?}",
-                        newest.map(|w| (w.kind, w.version))
+                        "edit read version {v:?}, the newest acknowledged at its start was {:?}: {e:?}{}",
+                        newest.map(|w| (w.kind, w.version)),
+                        around(&writes, e)
                     ));
                 }
             }
@@ -143,6 +144,30 @@ fn check(history: &[Op]) -> Vec<String> {
         }
     }
     bad
+}
+
+/// The writes of an edit's template from 10 s before it to its end, one a line: what a
+/// violation is read against.
+fn around(writes: &[&Op], e: &Op) -> String {
+    let mut near: Vec<&&Op> = writes
+        .iter()
+        .filter(|w| w.end > e.start - 10.0 && w.start < e.end)
+        .collect();
+    near.sort_by(|a, b| a.start.total_cmp(&b.start));
+    near.iter().map(|w| format!("\n    {w:?}")).collect()
+}
+
+/// Writes the pods' logs into `DENOISED_NEMESIS_LOGS` when it drops, if that is set.
+struct KeepLogs<'a>(&'a [Pod]);
+
+impl Drop for KeepLogs<'_> {
+    fn drop(&mut self) {
+        if let Ok(dir) = std::env::var("DENOISED_NEMESIS_LOGS") {
+            for p in self.0 {
+                let _ = std::fs::write(format!("{dir}/{}.log", p.name), p.log_text());
+            }
+        }
+    }
 }
 
 /// The pods' current HTTP addresses (`None` while one is down).
@@ -203,7 +228,12 @@ fn client(n: usize, urls: Urls, t0: Instant, stop: Arc<AtomicBool>) -> Vec<Op> {
                     Kind::Edit => v["template_version"].as_u64(),
                     _ => v["version"].as_u64(),
                 };
-                let detail = v["error"]["message"].as_str().unwrap_or("").to_string();
+                // A refusal's reason; for an edit served, the pod that ran it.
+                let detail = match (v["error"]["message"].as_str(), v["pod"].as_str()) {
+                    (Some(m), _) => m.to_string(),
+                    (None, Some(pod)) => format!("ran at {pod}"),
+                    (None, None) => String::new(),
+                };
                 (s, false, version, detail)
             }
             Err(e) => (0, e.is_timeout(), None, e.to_string()),
@@ -249,6 +279,10 @@ fn nemesis(
                 urls.lock().unwrap()[p] = None;
                 signal_all(pods[p].d(), libc::SIGKILL);
                 pods[p].d = None;
+                if let Ok(dir) = std::env::var("DENOISED_NEMESIS_LOGS") {
+                    let to = format!("{dir}/{}.log.{turn}", pods[p].name);
+                    std::fs::write(to, pods[p].log_text()).unwrap();
+                }
                 std::thread::sleep(Duration::from_secs(1));
                 pods[p].start_with(&all, COOKIE, keys);
                 urls.lock().unwrap()[p] = Some(pods[p].d().url.clone());
@@ -368,6 +402,9 @@ fn no_fault_makes_a_pod_serve_a_stale_lost_or_deleted_template() {
         .flat_map(|c| c.join().unwrap())
         .collect();
 
+    // The pods' logs, for a closer look at a failed run (`DENOISED_NEMESIS_LOGS=DIR`,
+    // with `DENOISED_TEST_LOG=info`), kept however the test ends.
+    let _logs = KeepLogs(&pods);
     // Healed: every pod up and reconciled, then the final reads.
     for p in &pods {
         p.wait_for("its peers up", Duration::from_secs(30), |v| {
@@ -416,6 +453,7 @@ fn no_fault_makes_a_pod_serve_a_stale_lost_or_deleted_template() {
     for b in &bad {
         println!("  {b}");
     }
+    drop(_logs);
     drop(pods);
     assert!(
         history

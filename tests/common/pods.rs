@@ -74,6 +74,7 @@ impl Pod {
     pub fn start_with(&mut self, peers: &[String], cookie: &str, more: &str) {
         let (dir, cache) = (self.dir.path(), self.dir.path().join("cache"));
         let config = self.config(peers, cookie, more);
+        let log_level = std::env::var("DENOISED_TEST_LOG").unwrap_or_else(|_| "warn".into());
         self.d = Some(Daemon::start_at(
             &format!("{}:0", self.ip),
             &[
@@ -94,6 +95,8 @@ impl Pod {
                 // (-9) leaves it there, removed with the directory.
                 ("RUNTIME_DIRECTORY", dir.to_str().unwrap()),
                 ("DENOISED_FAULT", self.fault.as_deref().unwrap_or("")),
+                // The pods' log level: warnings, unless a closer look asks for more.
+                ("DENOISED_LOG", &log_level),
             ],
             &self.log(),
         ));

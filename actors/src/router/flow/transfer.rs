@@ -218,11 +218,9 @@ pub async fn fetch(
     if crate::fault::cut() {
         return Err("cut off its peers (DENOISED_FAULT_CUT)".into());
     }
-    let sessions = ctx
-        .pods
-        .as_ref()
-        .map(|p| p.sessions.clone())
-        .ok_or("not a pod of a cluster")?;
+    let pods = ctx.pods.as_ref().ok_or("not a pod of a cluster")?;
+    let sessions = pods.sessions.clone();
+    let asked = Instant::now();
     let e = sessions
         .ask(&cell, CHUNK_WAIT, |p| {
             PodMsg::Export(FromPeer::of(id.to_string()), p)
@@ -268,6 +266,12 @@ pub async fn fetch(
     })
     .await
     .map_err(|e| e.to_string())??;
+    // A delete that crossed the copy (told by a peer meanwhile) wins: the copy is of
+    // what was deleted.
+    if pods.forgotten_since(id, asked) {
+        let _ = std::fs::remove_dir_all(&staged);
+        return Err(format!("template `{id}` was deleted while it was copied"));
+    }
     let c = ctx.cache().await.map_err(|e| e.message)?;
     let adopted = ctx
         .ask(&c, |p| {
@@ -418,7 +422,11 @@ async fn learn_recipes(ctx: &Ctx, mine: &HashSet<String>) {
         let Some(from) = pods.holder(&id, &[]) else {
             continue;
         };
+        let asked = Instant::now();
         match ask_recipe(ctx, &from, &id, Ask::Export).await {
+            Ok(_) if pods.forgotten_since(&id, asked) => {
+                tracing::debug!("template `{id}`: deleted while its recipe came: not kept")
+            }
             Ok((info, image)) => match pods.recipes.save(&id, &info, &image) {
                 Ok(()) => tracing::debug!("template `{id}`: kept its recipe"),
                 Err(e) => tracing::debug!("template `{id}`: cannot keep its recipe: {e}"),
@@ -494,7 +502,12 @@ async fn recipe_from_peers(ctx: &Ctx, id: &str) -> Option<(crate::wire::Template
     let pods = ctx.pods.as_ref()?;
     let (up, _) = pods.placement(Duration::ZERO);
     for from in chosen(id, &up, up.len()) {
+        let asked = Instant::now();
         match ask_recipe(ctx, from, id, Ask::Recipe).await {
+            Ok(_) if pods.forgotten_since(id, asked) => {
+                tracing::info!("template `{id}`: deleted while its recipe came from pod {from}");
+                return None;
+            }
             Ok((info, image)) => {
                 tracing::info!("template `{id}`: its recipe came from pod {from}");
                 if let Err(e) = pods.recipes.save(id, &info, &image) {

@@ -217,6 +217,13 @@ impl Pods {
         m.get(id).is_some_and(|t| t.elapsed() < FORGOTTEN_FOR)
     }
 
+    /// Whether template `id` was deleted at or after `t`: a recipe asked of a peer at
+    /// `t` and answered after such a delete is of what was deleted, and is not kept.
+    pub fn forgotten_since(&self, id: &str, t: Instant) -> bool {
+        let m = self.forgotten.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(id).is_some_and(|at| *at >= t)
+    }
+
     /// Notes that job `here` runs the edit `origin` forwarded (`None`: it ended).
     pub fn relaying(&self, origin: (String, JobId), here: Option<JobId>) {
         let mut m = self.relayed.lock().unwrap_or_else(|p| p.into_inner());
