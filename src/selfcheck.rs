@@ -520,6 +520,7 @@ pub fn lora<E: Exec>(make: impl Fn() -> Result<E>) -> Result<Vec<Check>> {
         txt_ids: Tensor::zeros([32, 3]),
         pooled: randn(32),
         guidance: 3.5,
+        reference: None,
     };
     let s = Arc::new(FlowMatchEuler::new(&SchedulerConfig::default(), 3, 256)?);
 

@@ -68,6 +68,77 @@ fn edit_matches_diffusers_on(device: &[&str]) {
 }
 
 #[test]
+fn instruction_edit_matches_diffusers_flux_kontext_through_the_cli() {
+    // A FLUX.1 Kontext directory (tests/fixtures/gen_kontext_fixtures.py) edited without
+    // a mask: the directory and the BFL single file of its transformer, on the CPU and
+    // with every model on the emulated GPU backend in f32.
+    let cases: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(case("kontext_cases.json")).unwrap()).unwrap();
+    let c = &cases["cases"]["kontext_instruct"];
+    let p = &c["params"];
+    let model = fixtures().join(c["model_dir"].as_str().unwrap());
+    let bfl = fixtures().join("formats/flux1-kontext-tiny.safetensors");
+    let (steps, guidance, seq, area) = (
+        p["num_inference_steps"].to_string(),
+        p["guidance_scale"].to_string(),
+        p["max_sequence_length"].to_string(),
+        p["max_area"].to_string(),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("kontext.png");
+    let want = png_file(&case("kontext_instruct_output.png"));
+    let (image, noise) = (case("e2e_input.png"), case(c["file"].as_str().unwrap()));
+    for extra in [
+        &["--device", "cpu"][..],
+        &["--device", "emu", "--dtype", "f32"],
+        &["--device", "cpu", "--transformer", s(&bfl)],
+    ] {
+        let mut args = vec![
+            "edit",
+            "--model",
+            s(&model),
+            "--image",
+            s(&image),
+            "--prompt",
+            cases["prompt"].as_str().unwrap(),
+            "--steps",
+            &steps,
+            "--guidance",
+            &guidance,
+            "--max-sequence-length",
+            &seq,
+            "--max-area",
+            &area,
+            "--no-auto-resize",
+            // diffusers' noise as the fixture keeps it, [1, C, h, w], packed by the CLI.
+            "--noise",
+            s(&noise),
+            "--out",
+            s(&out),
+        ];
+        args.extend_from_slice(extra);
+        let said = ok(&args);
+        assert!(said.contains("instruction edit: reference 64x64, output 64x64"), "{said}");
+        let (worst, off) = png_file(&out).level_diff(&want);
+        println!("kontext {extra:?} vs diffusers: max level diff {worst}, {off} values differ");
+        assert!(worst <= 1, "{extra:?}: max level diff {worst}");
+    }
+    // A FLUX.1 Fill model needs the mask, and says what an edit without one needs.
+    fails(
+        &[
+            "edit",
+            "--image",
+            s(&image),
+            "--prompt",
+            "a",
+            "--out",
+            s(&out),
+        ],
+        "needs a FLUX.1 Kontext model",
+    );
+}
+
+#[test]
 fn generate_matches_diffusers_flux_pipeline_through_the_cli() {
     // FLUX.1-dev and -schnell layouts (tests/fixtures/gen_t2i_fixtures.py), on the CPU
     // and with every model on the emulated GPU backend in f32.

@@ -83,6 +83,7 @@ pub fn batch_assembly(requests: usize, steps: usize) -> Result<Summary, String> 
             txt_ids: Tensor::zeros([8, 3]),
             pooled: rand(c.pooled_projection_dim),
             guidance: 30.0,
+            reference: None,
         };
         let schedule =
             FlowMatchEuler::new(&Default::default(), steps, l).map_err(|e| e.to_string())?;

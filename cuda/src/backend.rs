@@ -531,9 +531,11 @@ impl<E: Exec> Backend for GpuBackend<E> {
         v_rows: Range<usize>,
         alpha: f32,
     ) -> Result<()> {
-        let (n, width) = matrix("axpy_cols", x)?;
+        let (rows, width) = matrix("axpy_cols", x)?;
         let (vn, vw) = matrix("axpy_cols", v)?;
-        if cols.end > width || vw != cols.len() || v_rows.len() != n || v_rows.end > vn {
+        // The first `n` rows of `x` move (see the trait): the kernel sees only them.
+        let n = v_rows.len();
+        if cols.end > width || vw != cols.len() || n > rows || v_rows.end > vn {
             return Err(Error::shape(
                 "axpy_cols",
                 format!(

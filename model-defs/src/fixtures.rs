@@ -3,9 +3,10 @@
 //! by `denoised_runtime::fixtures`.
 
 use denoised_runtime::fixtures::RefCase;
-use denoised_runtime::Tensor;
+use denoised_runtime::{CpuBackend, Tensor};
 
-use crate::flux::edit::DenoiseInputs;
+use crate::flux::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job};
+use crate::flux::FluxTransformer;
 use crate::mask::TokenMask;
 
 /// `[1, N, C]` → `[N, C]`.
@@ -38,6 +39,7 @@ pub fn e2e_denoise_inputs(case: &RefCase) -> DenoiseInputs {
         txt_ids: case.tensor("txt_ids"),
         pooled: case.tensor("pooled_prompt_embeds").into_data(),
         guidance: case.tensor("guidance").data()[0],
+        reference: None,
     }
 }
 
@@ -51,4 +53,37 @@ pub fn e2e_token_mask(case: &RefCase, dilation: usize) -> TokenMask {
         .map(|&v| v >= 0.5)
         .collect();
     TokenMask::from_pixels(&px, 64, 64, 4, dilation).expect("the e2e mask's shape")
+}
+
+/// The largest absolute difference of `a` from `b`, and `b`'s largest magnitude.
+pub fn max_abs(a: &[f32], b: &[f32]) -> (f32, f32) {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).fold((0.0, 0.0), |(d, m), (x, y)| {
+        (f32::max(d, (x - y).abs()), f32::max(m, y.abs()))
+    })
+}
+
+/// Runs a full `job` to its end on the CPU, checking its latents after each remaining
+/// step against the rows of `want` (`[S', 1, N, C]`, the first for the job's current
+/// step) within `1e-5` of their largest magnitude; returns the final packed latents.
+pub fn run_checked(
+    m: &FluxTransformer<CpuBackend>,
+    mut job: Job<Tensor>,
+    want: &Tensor,
+    label: &str,
+) -> Tensor {
+    let first = job.step();
+    let per = want.len() / want.shape()[0];
+    while !job.done() {
+        let i = job.step();
+        let plan = crate::planner::prefix(m.num_blocks(), 0);
+        step_batch_with(m, &mut [&mut job], &DeviceTemplates::new(), &plan).unwrap();
+        let got = job.computed_latents(m).unwrap();
+        let j = i - first;
+        let (d, mx) = max_abs(got.data(), &want.data()[j * per..(j + 1) * per]);
+        println!("{label} step {i}: max abs diff {d:.2e} of {mx:.2}");
+        assert!(d <= 1e-5 * mx, "{label} step {i}: {d:.2e} of {mx:.2}");
+    }
+    assert_eq!((job.step() - first) * per, want.len(), "{label}: every step checked");
+    job.finish(m).unwrap().0
 }

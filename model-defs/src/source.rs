@@ -175,6 +175,22 @@ impl ModelSource {
         }
     }
 
+    /// The diffusers pipeline class its directory's `model_index.json` names
+    /// (`FluxFillPipeline`, `FluxKontextPipeline`, ...); `None` for a built-in model
+    /// or a directory without one (a transformer directory).
+    pub fn pipeline_class(&self) -> Result<Option<String>> {
+        let Some(d) = self.model_dir() else {
+            return Ok(None);
+        };
+        let path = d.root.join("model_index.json");
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            return Ok(None);
+        };
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::Invalid(format!("{}: {e}", path.display())))?;
+        Ok(v["_class_name"].as_str().map(str::to_string))
+    }
+
     /// Whether it is one of the seeded models at benchmark scale (`flux-small`,
     /// `flux1-fill-dev`), whose encoders and VAE are CLIP-L, a T5 (of width 768, or
     /// T5-XXL) and FLUX.1's VAE; the tiny built-ins take the fixture model's. `None`

@@ -10,8 +10,8 @@
 
 use std::sync::Arc;
 
-use denoised_models::flux::edit::{step_batch_with, DenoiseInputs, DeviceTemplates, Job, Mode};
-use denoised_models::flux::FluxTransformer;
+use denoised_models::fixtures::{max_abs, run_checked};
+use denoised_models::flux::edit::{DenoiseInputs, Job, Mode};
 use denoised_models::pipeline::flux_fill::{FluxFill, PipelineKind, Timings};
 use denoised_models::pipeline::generate::GenerateOptions;
 use denoised_models::pipeline::image::{decode_image, from_model_space};
@@ -20,47 +20,6 @@ use denoised_models::ModelSource;
 use denoised_runtime::fixtures::fixtures_dir;
 use denoised_runtime::weights::SafetensorsFile;
 use denoised_runtime::{CpuBackend, Tensor};
-
-fn max_abs(a: &[f32], b: &[f32]) -> (f32, f32) {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).fold((0.0, 0.0), |(d, m), (x, y)| {
-        (f32::max(d, (x - y).abs()), f32::max(m, y.abs()))
-    })
-}
-
-/// Runs `job` to its end, checking the latents after each remaining step against the
-/// rows of `want` (`[S', 1, 256, 64]`, the first for the job's current step); returns
-/// the final packed latents.
-fn run_checked(
-    m: &FluxTransformer<CpuBackend>,
-    mut job: Job<Tensor>,
-    want: &Tensor,
-    label: &str,
-) -> Tensor {
-    let per = 256 * 64;
-    let first = job.step();
-    while !job.done() {
-        let i = job.step();
-        step_batch_with(
-            m,
-            &mut [&mut job],
-            &DeviceTemplates::new(),
-            &denoised_models::planner::prefix(m.num_blocks(), 0),
-        )
-        .unwrap();
-        let got = job.computed_latents(m).unwrap();
-        let j = i - first;
-        let (d, mx) = max_abs(got.data(), &want.data()[j * per..(j + 1) * per]);
-        println!("{label} step {i}: max abs diff {d:.2e} of {mx:.2}");
-        assert!(d <= 1e-5 * mx, "{label} step {i}: {d:.2e} of {mx:.2}");
-    }
-    assert_eq!(
-        (job.step() - first) * per,
-        want.len(),
-        "{label}: every step checked"
-    );
-    job.finish(m).unwrap().0
-}
 
 /// The decoder output of `latents` as 8-bit pixels, within 1 level of the fixture PNG.
 fn check_png(fill: &FluxFill<CpuBackend>, raw: &Tensor, png: &str, label: &str) {

@@ -324,9 +324,11 @@ pub trait Backend: Send + Sync {
         Ok(None)
     }
 
-    /// `x[:, cols] += alpha * v[v_rows, :]`, computed in f32 and stored in `x`'s type:
-    /// a request's Euler update on the device its latents live on (`v_rows` is the
-    /// request's window of a batch's packed velocity).
+    /// `x[..n, cols] += alpha * v[v_rows, :]` with `n = v_rows.len()` (at most `x`'s
+    /// rows), computed in f32 and stored in `x`'s type: a request's Euler update on the
+    /// device its latents live on (`v_rows` is the request's window of a batch's packed
+    /// velocity). Rows of `x` after the first `n` are left as they are: a Kontext
+    /// request's reference tokens, which the transformer sees but the step does not move.
     fn axpy_cols(
         &self,
         x: &mut Self::Tensor,

@@ -108,6 +108,7 @@ fn inputs(c: &FluxConfig, side: usize, text: usize, seed: u64) -> CliResult<Arc<
         txt_ids: Tensor::zeros([text, 3]),
         pooled: rand(c.pooled_projection_dim),
         guidance: 3.5,
+        reference: None,
     }))
 }
 

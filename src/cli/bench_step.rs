@@ -145,6 +145,7 @@ pub(super) fn random_inputs(
             .map(|_| rng.normal())
             .collect(),
         guidance: 30.0,
+        reference: None,
     })
 }
 

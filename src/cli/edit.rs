@@ -17,9 +17,12 @@ use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::template_file::{self, TemplateMeta};
 use denoised_models::mask::TokenMask;
 use denoised_models::pipeline::defaults;
+use denoised_models::pipeline::fill::pack_latents;
 use denoised_models::pipeline::flux_fill::{
-    EditOptions, FluxFill, Noise, Parts, Prepared, Timings,
+    EditOptions, FluxFill, Noise, Parts, PipelineKind, Prepared, Timings,
 };
+use denoised_models::pipeline::image::Rgb8;
+use denoised_models::pipeline::{kontext, sizing};
 use denoised_models::pipeline::image::{
     decode_image, decode_mask, encode_png, from_model_space, Mask,
 };
@@ -84,9 +87,21 @@ pub struct EditArgs {
     /// Input image (PNG or JPEG). Optional with --template (the template's image).
     #[arg(long)]
     pub image: Option<PathBuf>,
-    /// Mask image of the same size: white (>= 50% luminance) = repaint.
+    /// Mask image of the same size: white (>= 50% luminance) = repaint. Required on a
+    /// FLUX.1 Fill model. On a FLUX.1 Kontext model an edit without one is an
+    /// instruction edit (FluxKontextPipeline: `--prompt` says what to change); with one,
+    /// the instruction edit's result is pasted back inside it only.
     #[arg(long)]
-    pub mask: PathBuf,
+    pub mask: Option<PathBuf>,
+    /// Kontext instruction edits: the output's area in pixels, at the image's aspect
+    /// (diffusers' `max_area`).
+    #[arg(long, value_name = "PIXELS", default_value_t = kontext::MAX_AREA)]
+    pub max_area: usize,
+    /// Kontext instruction edits: keep the image's own size as the reference instead of
+    /// resizing it to the nearest of Kontext's preferred resolutions (diffusers'
+    /// `_auto_resize=False`).
+    #[arg(long)]
+    pub no_auto_resize: bool,
     /// A captured template directory: compute only the masked tokens.
     #[arg(long)]
     pub template: Option<PathBuf>,
@@ -205,14 +220,25 @@ pub(super) fn read_noise(path: &Path) -> CliResult<Noise> {
             None
         })
     };
-    let noise = Noise {
-        initial_latents: get("initial_latents")?,
-        posterior_eps: get("posterior_eps")?,
+    // Packed `initial_latents`, or diffusers' `[1, C, h, w]` noise, packed here.
+    let initial_latents = match (get("initial_latents")?, get("noise")?) {
+        (Some(l), _) => l,
+        (None, Some(n)) if n.shape().len() == 4 => {
+            let &[_, c, h, w] = n.shape() else { unreachable!() };
+            pack_latents(n.data(), c, h, w)?
+        }
+        _ => {
+            return Err(format!(
+                "{}: no `initial_latents` (packed) or `noise` ([1, C, h, w]) tensor",
+                path.display()
+            )
+            .into())
+        }
     };
-    if noise.initial_latents.is_none() {
-        return Err(format!("{}: no `initial_latents` tensor", path.display()).into());
-    }
-    Ok(noise)
+    Ok(Noise {
+        initial_latents: Some(initial_latents),
+        posterior_eps: get("posterior_eps")?,
+    })
 }
 
 /// Runs a request to the end on the placed model with a progress bar (and a preview
@@ -307,14 +333,22 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     };
     let image = decode_image(&read(&image_path)?, &p.limits)
         .map_err(|e| format!("{}: {e}", image_path.display()))?;
+    let kontext = p.kind == PipelineKind::Kontext;
+    let mask_path = match &a.mask {
+        Some(m) => m,
+        None if kontext && template.is_none() => {
+            return instruction_edit(&a, &p, &mut placed, &lora.uses, image, &mut t)
+        }
+        None => return Err("--mask is required: FLUX.1 Fill repaints the masked area (an edit without a mask is an instruction edit, which needs a FLUX.1 Kontext model)".into()),
+    };
     let mask = decode_mask(
-        &read(&a.mask)?,
+        &read(mask_path)?,
         image.width,
         image.height,
         &p.limits,
         Default::default(),
     )
-    .map_err(|e| format!("{}: {e}", a.mask.display()))?;
+    .map_err(|e| format!("{}: {e}", mask_path.display()))?;
     let (steps, guidance) = match &template {
         Some((_, m)) => {
             for (flag, given, have) in [
@@ -344,7 +378,10 @@ pub fn run_edit(a: EditArgs) -> CliResult {
         }
         None => (
             c.steps.unwrap_or(defaults::STEPS as usize),
-            c.guidance.unwrap_or(defaults::EDIT_GUIDANCE),
+            c.guidance.unwrap_or(match kontext {
+                true => defaults::KONTEXT_GUIDANCE,
+                false => defaults::EDIT_GUIDANCE,
+            }),
         ),
     };
     let opts = EditOptions {
@@ -459,6 +496,67 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     }
     write_png(&a.out, &out, &mut t)?;
     report(c.timings, &t, "edit", &a.out);
+    Ok(())
+}
+
+/// A FLUX.1 Kontext instruction edit (no mask), as `FluxKontextPipeline` runs it: the
+/// output at `--max-area` with the image's aspect, the image as the reference at its
+/// own size or Kontext's nearest preferred one (Lanczos, as diffusers resizes it).
+fn instruction_edit(
+    a: &EditArgs,
+    p: &FluxFill<CpuBackend>,
+    placed: &mut Placed,
+    loras: &[LoraUse],
+    image: Rgb8,
+    t: &mut Timings,
+) -> CliResult {
+    let c = &a.common;
+    if !a.controlnet.controlnets.is_empty() {
+        return Err("ControlNets with a FLUX.1 Kontext model are not built yet".into());
+    }
+    let block = 2 * p.vae_scale_factor();
+    let (reference, output) = kontext::kontext_sizes(
+        image.width,
+        image.height,
+        a.max_area,
+        block,
+        !a.no_auto_resize,
+    );
+    let image = match (image.width, image.height) == reference {
+        true => image,
+        false => sizing::resize_rgb(&image, reference.0, reference.1),
+    };
+    let steps = c.steps.unwrap_or(defaults::STEPS as usize);
+    let opts = EditOptions {
+        steps,
+        guidance: c.guidance.unwrap_or(defaults::KONTEXT_GUIDANCE),
+        seed: c.seed,
+        max_sequence_length: c.max_sequence_length,
+        // The whole output is generated: nothing to paste back.
+        paste_back: false,
+        ..Default::default()
+    };
+    let noise = a.noise.as_deref().map(read_noise).transpose()?.unwrap_or_default();
+    let prepared = p.prepare_kontext(&image, output, &c.prompt, &opts, &noise, t)?;
+    let cfg = a.true_cfg.prepare(p, c.max_sequence_length, t)?;
+    let schedule = p.schedule(steps, output.0, output.1)?;
+    let preview = PreviewFile::new(c.preview.as_deref(), &c.model, &p.vae, output)?;
+    eprintln!(
+        "instruction edit: reference {}x{}, output {}x{}",
+        reference.0, reference.1, output.0, output.1
+    );
+    let (latents, _) = denoise(
+        placed,
+        &prepared.inputs,
+        schedule,
+        Mode::Full,
+        (loras, cfg.as_ref(), None),
+        preview.as_ref(),
+        t,
+    )?;
+    let out = p.finish_edit(&prepared, &latents, None, &opts, t)?;
+    write_png(&a.out, &out, t)?;
+    report(c.timings, t, "edit", &a.out);
     Ok(())
 }
 

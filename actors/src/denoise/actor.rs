@@ -506,6 +506,7 @@ fn read_inputs(shm: &Shm, h: &InputHandles) -> Result<DenoiseInputs, WireError> 
         txt_ids: shm.read_tensor(&h.txt_ids)?,
         pooled: shm.read_tensor(&h.pooled)?.data().to_vec(),
         guidance: h.guidance,
+        reference: None,
     })
 }
 

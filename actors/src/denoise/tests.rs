@@ -42,6 +42,7 @@ pub(super) fn inputs(seed: u64) -> Arc<DenoiseInputs> {
         txt_ids: Tensor::zeros([8, 3]),
         pooled: rand(c.pooled_projection_dim),
         guidance: 30.0,
+        reference: None,
     })
 }
 

@@ -55,12 +55,28 @@ pub struct DenoiseInputs {
     pub txt_ids: Tensor,
     pub pooled: Vec<f32>,
     pub guidance: f32,
+    /// FLUX.1 Kontext's reference image, when the request has one.
+    pub reference: Option<Reference>,
 }
 
 impl DenoiseInputs {
+    /// The noisy image tokens (a Kontext request's reference tokens are not counted).
     pub fn tokens(&self) -> usize {
         self.latents.rows()
     }
+}
+
+/// FLUX.1 Kontext's reference image (`FluxKontextPipeline`): its packed latents join
+/// the sequence after the noisy tokens, with their own position ids (first coordinate
+/// 1), so every block attends to them; the step never moves them, and their
+/// prediction is dropped (`noise_pred[:, :latents.size(1)]`).
+#[derive(Clone, Debug)]
+pub struct Reference {
+    /// `[R, C + K]`: packed latents, laid out as the noisy rows are (a Kontext model
+    /// has no Fill conditioning, so `K` is 0).
+    pub latents: Tensor,
+    /// `[R, 3]`.
+    pub ids: Tensor,
 }
 
 /// The negative branch of true classifier-free guidance (FluxPipeline's
@@ -110,6 +126,8 @@ pub struct Job<T> {
     /// Token rows computed each step, and the rest (edits only).
     active: Vec<u32>,
     inactive: Vec<u32>,
+    /// Kontext reference rows, computed after the active ones and never stepped.
+    reference: usize,
     /// An edit's inactive rows for planned full blocks and Y-mode templates: their
     /// inputs on the host, and on the device once a step first needs them.
     rest_host: Option<RestHost>,
@@ -185,13 +203,17 @@ impl<T> Job<T> {
                 (mask.active().to_vec(), mask.inactive())
             }
         };
-        let k = inputs.cond.cols();
-        let (x, ids) = computed_rows(inputs, &active);
+        if inputs.reference.is_some() && !matches!(mode, Mode::Full) {
+            return Err(Error::Invalid(
+                "a Kontext request (with a reference image) runs in full: templates of it are not built yet".into(),
+            ));
+        }
+        let (img, ids) = job_rows(inputs, &active)?;
         let tensors = RequestTensors::upload(
             model.backend(),
             &model.config,
-            &Tensor::new([active.len(), c + k], x)?,
-            &Tensor::new([active.len(), 3], ids)?,
+            &img,
+            &ids,
             &inputs.txt,
             &inputs.txt_ids,
             &inputs.pooled,
@@ -206,6 +228,7 @@ impl<T> Job<T> {
             schedule,
             step: 0,
             mode,
+            reference: img.rows() - active.len(),
             active,
             inactive,
             rest_host,
@@ -274,13 +297,12 @@ impl<T> Job<T> {
                 "true CFG runs on full runs and edits (not captures), with a finite scale".into(),
             ));
         }
-        let (c, k) = (inputs.latents.cols(), inputs.cond.cols());
-        let (x, ids) = computed_rows(inputs, &self.active);
+        let (img, ids) = job_rows(inputs, &self.active)?;
         let tensors = RequestTensors::upload(
             model.backend(),
             &model.config,
-            &Tensor::new([self.active.len(), c + k], x)?,
-            &Tensor::new([self.active.len(), 3], ids)?,
+            &img,
+            &ids,
             &cfg.txt,
             &cfg.txt_ids,
             &cfg.pooled,
@@ -333,8 +355,8 @@ impl<T> Job<T> {
     pub fn shape(&self) -> StepShape {
         StepShape {
             text: self.tensors.txt_rows(),
-            active: self.active.len(),
-            image: self.tokens,
+            active: self.active.len() + self.reference,
+            image: self.tokens + self.reference,
         }
     }
 
@@ -447,17 +469,32 @@ impl<T> Job<T> {
     }
 }
 
-/// The computed `rows` of `[latent | conditioning]`, and their position ids.
-fn computed_rows(inputs: &DenoiseInputs, rows: &[u32]) -> (Vec<f32>, Vec<f32>) {
+/// A job's image rows `[A (+ R), C + K]` and their position ids: the computed `rows`
+/// of `[latent | conditioning]`, then a Kontext request's reference rows.
+fn job_rows(inputs: &DenoiseInputs, rows: &[u32]) -> Result<(Tensor, Tensor)> {
     let (c, k) = (inputs.latents.cols(), inputs.cond.cols());
-    let mut x = Vec::with_capacity(rows.len() * (c + k));
-    let mut ids = Vec::with_capacity(rows.len() * 3);
+    let r = inputs.reference.as_ref();
+    let n = rows.len() + r.map_or(0, |r| r.latents.rows());
+    if let Some(r) = r.filter(|r| r.latents.cols() != c + k || r.ids.shape() != [r.latents.rows(), 3]) {
+        return Err(Error::Invalid(format!(
+            "reference latents {:?} and ids {:?} for {} latent and {k} conditioning channels",
+            r.latents.shape(),
+            r.ids.shape(),
+            c
+        )));
+    }
+    let mut x = Vec::with_capacity(n * (c + k));
+    let mut ids = Vec::with_capacity(n * 3);
     for &t in rows {
         x.extend_from_slice(inputs.latents.row(t as usize));
         x.extend_from_slice(inputs.cond.row(t as usize));
         ids.extend_from_slice(inputs.img_ids.row(t as usize));
     }
-    (x, ids)
+    if let Some(r) = r {
+        x.extend_from_slice(r.latents.data());
+        ids.extend_from_slice(r.ids.data());
+    }
+    Ok((Tensor::new([n, c + k], x)?, Tensor::new([n, 3], ids)?))
 }
 
 /// An edit's inactive rows on the host: what the full blocks of a plan compute them
@@ -677,6 +714,8 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
     for (&i, rows) in live.iter().zip(&velocity.rows) {
         let j = &mut *jobs[i];
         let c = j.latent_channels;
+        // The rows the step moves: a Kontext job's reference rows (after them) stay.
+        let rows = &(rows.start..rows.start + j.active.len());
         let dt = j.schedule.sigmas[j.step + 1] - j.schedule.sigmas[j.step];
         if let Some(p) = &j.partner {
             // The same step as a batched negative branch takes, from the other
@@ -698,10 +737,8 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
         if let Some((neg, scale)) = &mut j.cfg {
             // x += dt (v_neg + s (v_pos - v_neg)) = dt s v_pos + dt (1 - s) v_neg, on
             // both branches' rows (they stay equal).
-            let nr = negative_rows
-                .next()
-                .expect("a negative branch's rows")
-                .clone();
+            let nr = negative_rows.next().expect("a negative branch's rows");
+            let nr = nr.start..nr.start + j.active.len();
             let v = &velocity.packed;
             for img in [&mut j.tensors.img, &mut neg.img] {
                 be.axpy_cols(img, 0..c, v, rows.clone(), dt * *scale)?;

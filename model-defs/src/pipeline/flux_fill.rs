@@ -204,13 +204,18 @@ impl Component {
 
 /// Which diffusers pipeline a checkpoint is for, from its transformer's input
 /// channels: FluxFillPipeline conditions each token on the masked image and the mask
-/// (`2 * 4c + 4 f^2` inputs), FluxPipeline only on the noisy latents (`4c`).
+/// (`2 * 4c + 4 f^2` inputs), FluxPipeline only on the noisy latents (`4c`). A
+/// FLUX.1 Kontext checkpoint has FLUX.1-dev's channels: its directory's
+/// `model_index.json` names `FluxKontextPipeline`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum PipelineKind {
     /// FLUX.1 Fill: edits (image, mask, prompt) and template captures.
     Fill,
     /// FLUX.1-dev or -schnell: text-to-image generations.
     TextToImage,
+    /// FLUX.1 Kontext: instruction edits (an image and a prompt; a mask, when given,
+    /// confines the result by paste-back).
+    Kontext,
 }
 
 impl PipelineKind {
@@ -219,10 +224,16 @@ impl PipelineKind {
         match (self, want) {
             (a, b) if a == b => Ok(()),
             (PipelineKind::TextToImage, _) => Err(Error::Invalid(
-                "the loaded model is a text-to-image model (FluxPipeline): it generates images from prompts and does not edit them; serve a FLUX.1 Fill checkpoint for edits".into(),
+                "the loaded model is a text-to-image model (FluxPipeline): it generates images from prompts and does not edit them; serve a FLUX.1 Fill checkpoint for masked edits, or FLUX.1 Kontext for instruction edits".into(),
+            )),
+            (PipelineKind::Fill, PipelineKind::Kontext) => Err(Error::Invalid(
+                "the loaded model is a FLUX.1 Fill model: an edit needs a mask (the area to repaint); instruction edits without one need a FLUX.1 Kontext model".into(),
             )),
             (PipelineKind::Fill, _) => Err(Error::Invalid(
                 "the loaded model is a FLUX.1 Fill model: it edits images and does not generate from a prompt alone; serve a FLUX.1-dev or -schnell checkpoint for generations".into(),
+            )),
+            (PipelineKind::Kontext, _) => Err(Error::Invalid(
+                "the loaded model is a FLUX.1 Kontext model: it edits images by instruction (an image and a prompt) and does not generate from a prompt alone; serve a FLUX.1-dev or -schnell checkpoint for generations".into(),
             )),
         }
     }
@@ -269,8 +280,9 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     pub fn load_parts(source: &ModelSource, backend: B, parts: Parts) -> Result<Self> {
         let seed = BUILTIN_SEED;
         let config = source.transformer_config()?;
+        let kontext = source.pipeline_class()?.is_some_and(|c| c.starts_with("FluxKontext"));
         // A text-to-image pipeline encodes no image: its preprocessing is text and noise.
-        let parts = match config.in_channels == config.out_channels() {
+        let parts = match config.in_channels == config.out_channels() && !kontext {
             true => Parts {
                 vae: VaeHalves {
                     encoder: false,
@@ -325,7 +337,18 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 )
             }
         };
-        Self::assemble(config, transformer, vae, text, scheduler, fingerprint)
+        let mut p = Self::assemble(config, transformer, vae, text, scheduler, fingerprint)?;
+        if kontext {
+            if p.kind != PipelineKind::TextToImage {
+                return Err(Error::Invalid(format!(
+                    "model_index.json names a Kontext pipeline, but its transformer has {} input channels, not FLUX.1-dev's {}",
+                    p.config.in_channels,
+                    p.config.out_channels()
+                )));
+            }
+            p.kind = PipelineKind::Kontext;
+        }
+        Ok(p)
     }
     /// A pipeline of seeded components at benchmark scale (`flux-small`): the
     /// flux-small transformer, FLUX.1's VAE, CLIP-L and a T5 of width 768 (the
@@ -588,7 +611,9 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         Ok((embeds, pooled, truncated))
     }
 
-    /// Preprocessing: text, Fill conditioning from the VAE, and the initial noise.
+    /// Preprocessing: text, Fill conditioning from the VAE, and the initial noise. On
+    /// a Kontext model, an instruction edit of `image` at its size (its reference
+    /// image), whose result `mask` confines at paste-back.
     pub fn prepare(
         &self,
         image: &Rgb8,
@@ -598,13 +623,27 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         noise: &Noise,
         t: &mut Timings,
     ) -> Result<Prepared> {
-        self.kind.require(PipelineKind::Fill)?;
         if (mask.width, mask.height) != (image.width, image.height) {
             return Err(Error::Invalid(format!(
                 "mask is {}x{} but the image is {}x{}",
                 mask.width, mask.height, image.width, image.height
             )));
         }
+        if self.kind == PipelineKind::Kontext {
+            if opts.template_edit || opts.record_vae_trace {
+                return Err(Error::Invalid(
+                    "templates of a FLUX.1 Kontext model are not built yet: edit the image itself".into(),
+                ));
+            }
+            let size = (image.width, image.height);
+            let p = self.prepare_kontext(image, size, prompt, opts, noise, t)?;
+            return Ok(Prepared {
+                image: image.clone(),
+                mask: mask.clone(),
+                ..p
+            });
+        }
+        self.kind.require(PipelineKind::Fill)?;
         let (txt, pooled, prompt_truncated) =
             self.encode_prompt(prompt, opts.max_sequence_length, t)?;
         let (w, h) = (image.width, image.height);
@@ -668,6 +707,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 txt_ids: Tensor::zeros([t_len, 3]),
                 pooled,
                 guidance: opts.guidance,
+                reference: None,
             },
             image: image.clone(),
             mask: mask.clone(),

@@ -121,6 +121,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 txt_ids: Tensor::zeros([t_len, 3]),
                 pooled,
                 guidance: opts.guidance,
+                reference: None,
             },
             // The whole image is generated: finishing without paste-back decodes it
             // all, whatever these hold.

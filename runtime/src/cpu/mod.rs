@@ -586,7 +586,7 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let (n, width) = matrix_dims("axpy_cols", x)?;
         let (vn, vw) = matrix_dims("axpy_cols", v)?;
-        if cols.end > width || vw != cols.len() || v_rows.len() != n || v_rows.end > vn {
+        if cols.end > width || vw != cols.len() || v_rows.len() > n || v_rows.end > vn {
             return Err(Error::shape(
                 "axpy_cols",
                 format!(
