@@ -3,6 +3,7 @@
 Run by tests/openai_client.rs (which starts the daemon and checks the images):
     python3 tests/openai_client.py edit URL IMAGE.png MASK.png OUT_PREFIX SIZE
     python3 tests/openai_client.py generate URL OUT_PREFIX
+    python3 tests/openai_client.py instruct URL IMAGE.png MASK.png OUT_PREFIX  (a Kontext daemon)
 Each writes OUT_PREFIX.0.png and OUT_PREFIX.1.png and prints the reply's model name
 (a generation also prints each image's approx_cache extension, as JSON lines). Each
 also streams one image with `stream=True, partial_images=2` and checks the events.
@@ -78,6 +79,17 @@ mode, url = sys.argv[1:3]
 client = OpenAI(base_url=url + "/v1", api_key="unused")
 if mode == "generate":
     generate(client, sys.argv[3])
+    sys.exit(0)
+if mode == "instruct":
+    # A FLUX.1 Kontext daemon: an instruction edit (no mask), then the same with a mask.
+    image, mask, out = sys.argv[3:6]
+    for i, with_mask in enumerate((False, True)):
+        with open(image, "rb") as im:
+            kw = {"mask": open(mask, "rb")} if with_mask else {}
+            r = client.images.edit(model="any-name", image=im, prompt="make the walls blue",
+                                   response_format="b64_json", extra_body={"seed": 3, "steps": 4}, **kw)
+        with open(f"{out}.{i}.png", "wb") as f:
+            f.write(base64.b64decode(r.data[0].b64_json))
     sys.exit(0)
 image, mask, out, size = sys.argv[3:7]
 

@@ -1,7 +1,8 @@
 //! The official `openai` Python client (PyPI) against the real daemon: it edits a
 //! 1080x1350 image with a transparent-area mask through `POST /v1/images/edits`, and it
 //! comes back at 1080x1350 with the pixels outside the mask untouched; it generates images from a prompt through
-//! `POST /v1/images/generations` on a text-to-image model. `.ci/run` installs the client into
+//! `POST /v1/images/generations` on a text-to-image model; and it edits by instruction
+//! (no mask) on a FLUX.1 Kontext model. `.ci/run` installs the client into
 //! `target/pyclient` and sets `DENOISED_PYCLIENT`; where it is missing the test says so
 //! and skips.
 
@@ -175,4 +176,57 @@ fn the_openai_client_generates_images() {
         .collect();
     assert_eq!(approx[2]["hit"], true, "{stdout}");
     assert_eq!(images[2], images[0], "a hit of the same prompt and seed");
+}
+
+#[test]
+fn the_openai_client_edits_by_instruction_on_a_kontext_model() {
+    let mut py = match python() {
+        Ok(c) => c,
+        Err(why) => {
+            skip(
+                "openai_client::the_openai_client_edits_by_instruction_on_a_kontext_model",
+                Need::Tool,
+                &why,
+            );
+            return;
+        }
+    };
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/flux-kontext-tiny");
+    let d = Daemon::start(&["--model", model]);
+    let input = png(&std::fs::read(case("e2e_input.png")).unwrap());
+    // OpenAI's mask: the area to edit transparent, the rest opaque.
+    let edit = |x: u32, y: u32| (16..48).contains(&x) && (8..40).contains(&y);
+    let mask = RgbaImage::from_fn(64, 64, |x, y| Rgba([0, 0, 0, if edit(x, y) { 0 } else { 255 }]));
+    let dir = tempfile::tempdir().unwrap();
+    let (mp, out) = (dir.path().join("mask.png"), dir.path().join("out"));
+    mask.save(&mp).unwrap();
+    let o = py
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py"))
+        .args(["instruct", &d.url, case("e2e_input.png").to_str().unwrap()])
+        .args([mp.to_str().unwrap(), out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "the client failed:\n{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let read = |i: usize| png(&std::fs::read(dir.path().join(format!("out.{i}.png"))).unwrap());
+    // Without a mask: the image's size, and an image that differs from the input.
+    let whole = read(0);
+    assert_eq!((whole.width, whole.height), (64, 64));
+    let (worst, off) = whole.level_diff(&input);
+    assert!(worst > 10 && off > 1000, "the instruction changed little: {worst}, {off}");
+    // With a mask: the pixels outside it are the input's.
+    let masked = read(1);
+    for y in 0..64 {
+        for x in 0..64 {
+            let i = 3 * (y * 64 + x) as usize;
+            if !edit(x, y) {
+                assert_eq!(masked.data[i..i + 3], input.data[i..i + 3], "({x}, {y}) changed");
+            }
+        }
+    }
+    assert_ne!(masked.data, input.data, "nothing changed inside the mask");
 }

@@ -10,7 +10,9 @@
 use std::time::Instant;
 
 use denoised_models::mask::TokenMask;
-use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Prepared, Timings};
+use denoised_models::pipeline::flux_fill::{
+    EditOptions, FluxFill, Noise, PipelineKind, Prepared, Timings,
+};
 use denoised_models::pipeline::generate::GenerateOptions;
 use denoised_models::pipeline::image::{
     decode_edit_mask, decode_image, encode_jpeg, encode_png, encode_webp, from_model_space,
@@ -35,6 +37,8 @@ pub enum MaskInput<'a> {
     Boxes(&'a [[u32; 4]]),
     Polygons(&'a [Vec<[f32; 2]>]),
     Empty,
+    /// No mask: every pixel may change (a Kontext instruction edit).
+    Whole,
 }
 
 impl<'a> MaskInput<'a> {
@@ -44,6 +48,7 @@ impl<'a> MaskInput<'a> {
             (MaskSpec::Image(_, channel), Some(b)) => MaskInput::Image(b, *channel),
             (MaskSpec::Boxes(b), _) => MaskInput::Boxes(b),
             (MaskSpec::Polygons(p), _) => MaskInput::Polygons(p),
+            (MaskSpec::Whole, _) => MaskInput::Whole,
             _ => MaskInput::Empty,
         }
     }
@@ -146,6 +151,7 @@ pub fn rasterize(spec: &MaskInput<'_>, width: usize, height: usize) -> Mask {
                 fill_polygon(poly, width, height, &mut data);
             }
         }
+        MaskInput::Whole => data.fill(true),
         MaskInput::Image(..) | MaskInput::Empty => {}
     }
     Mask {
@@ -258,6 +264,9 @@ pub fn prepare(
     };
     let image = decode_image(image_bytes, &limits).map_err(input_error)?;
     let (iw, ih) = (image.width, image.height);
+    if matches!(mask, MaskInput::Whole) && p.kind != PipelineKind::Kontext {
+        return Err(input_error(p.kind.require(PipelineKind::Kontext).unwrap_err()));
+    }
     let mask = match mask {
         MaskInput::Image(b, channel) => {
             decode_edit_mask(b, iw, ih, &limits, channel).map_err(input_error)?

@@ -191,6 +191,13 @@ impl ModelSource {
         Ok(v["_class_name"].as_str().map(str::to_string))
     }
 
+    /// Whether it is a FLUX.1 Kontext pipeline (its `model_index.json` says so).
+    pub fn is_kontext(&self) -> Result<bool> {
+        Ok(self
+            .pipeline_class()?
+            .is_some_and(|c| c.starts_with("FluxKontext")))
+    }
+
     /// Whether it is one of the seeded models at benchmark scale (`flux-small`,
     /// `flux1-fill-dev`), whose encoders and VAE are CLIP-L, a T5 (of width 768, or
     /// T5-XXL) and FLUX.1's VAE; the tiny built-ins take the fixture model's. `None`

@@ -506,7 +506,13 @@ fn read_inputs(shm: &Shm, h: &InputHandles) -> Result<DenoiseInputs, WireError> 
         txt_ids: shm.read_tensor(&h.txt_ids)?,
         pooled: shm.read_tensor(&h.pooled)?.data().to_vec(),
         guidance: h.guidance,
-        reference: None,
+        reference: match &h.reference {
+            Some((latents, ids)) => Some(denoised_models::flux::edit::Reference {
+                latents: shm.read_tensor(latents)?,
+                ids: shm.read_tensor(ids)?,
+            }),
+            None => None,
+        },
     })
 }
 

@@ -81,6 +81,8 @@ pub enum MaskSpec {
     Polygons(Vec<Vec<[f32; 2]>>),
     /// Nothing to repaint: a template capture.
     Empty,
+    /// No mask: the whole image may change (a FLUX.1 Kontext instruction edit).
+    Whole,
 }
 
 /// Generation parameters of a request (validated by the router).
@@ -179,18 +181,24 @@ pub struct InputHandles {
     pub txt_ids: Handle,
     pub pooled: Handle,
     pub guidance: f32,
+    /// A Kontext request's reference tokens: their latents and ids.
+    pub reference: Option<(Handle, Handle)>,
 }
 
 impl InputHandles {
     pub fn all(&self) -> Vec<Handle> {
-        vec![
+        let mut all = vec![
             self.latents.clone(),
             self.cond.clone(),
             self.img_ids.clone(),
             self.txt.clone(),
             self.txt_ids.clone(),
             self.pooled.clone(),
-        ]
+        ];
+        if let Some((latents, ids)) = &self.reference {
+            all.extend([latents.clone(), ids.clone()]);
+        }
+        all
     }
 }
 

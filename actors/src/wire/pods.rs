@@ -254,6 +254,7 @@ pub enum PodMask {
     Image(Vec<u8>, MaskChannel),
     Boxes(Vec<[u32; 4]>),
     Polygons(Vec<Vec<[f32; 2]>>),
+    Whole,
 }
 
 /// An edit's result: the encoded image and what the reply says of its run. A forwarded

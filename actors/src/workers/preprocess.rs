@@ -122,6 +122,10 @@ pub fn prepare_to_shm(
             txt_ids: put(&i.txt_ids)?,
             pooled: put(&pooled)?,
             guidance: i.guidance,
+            reference: match &i.reference {
+                Some(r) => Some((put(&r.latents)?, put(&r.ids)?)),
+                None => None,
+            },
         };
         let negative = match &s1.negative {
             Some((txt, pooled)) => Some(NegativeHandles {

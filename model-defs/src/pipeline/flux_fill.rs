@@ -280,7 +280,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     pub fn load_parts(source: &ModelSource, backend: B, parts: Parts) -> Result<Self> {
         let seed = BUILTIN_SEED;
         let config = source.transformer_config()?;
-        let kontext = source.pipeline_class()?.is_some_and(|c| c.starts_with("FluxKontext"));
+        let kontext = source.is_kontext()?;
         // A text-to-image pipeline encodes no image: its preprocessing is text and noise.
         let parts = match config.in_channels == config.out_channels() && !kontext {
             true => Parts {

@@ -35,7 +35,7 @@ fn key_of(ctx: &Ctx, input: &EditInput) -> Option<(String, [u8; 32])> {
     {
         return None;
     }
-    let (steps, guidance, text) = capture_params(input);
+    let (steps, guidance, text) = capture_params(ctx, input);
     let mut h = Sha256::new();
     h.update(b"denoised auto template v1\0");
     h.update(ctx.model.as_bytes());
@@ -54,10 +54,10 @@ fn key_of(ctx: &Ctx, input: &EditInput) -> Option<(String, [u8; 32])> {
 }
 
 /// The steps, guidance and text length its template is captured with: the edit's.
-fn capture_params(input: &EditInput) -> (u32, f32, u32) {
+fn capture_params(ctx: &Ctx, input: &EditInput) -> (u32, f32, u32) {
     (
         input.steps.unwrap_or(defaults::STEPS),
-        input.guidance.unwrap_or(defaults::EDIT_GUIDANCE),
+        input.guidance.unwrap_or(ctx.edit_guidance),
         input.max_sequence_length,
     )
 }
@@ -158,7 +158,7 @@ async fn capture_for(ctx: &Ctx, job: JobId, input: &EditInput, id: &str) -> Resu
             "a template edit has no image to capture",
         ));
     };
-    let (steps, guidance, max_sequence_length) = capture_params(input);
+    let (steps, guidance, max_sequence_length) = capture_params(ctx, input);
     let t = TemplateInput {
         id: id.to_string(),
         image: image.clone(),

@@ -46,6 +46,9 @@ pub enum MaskIn {
     Image(Vec<u8>, MaskChannel),
     Boxes(Vec<[u32; 4]>),
     Polygons(Vec<Vec<[f32; 2]>>),
+    /// None given: an instruction edit of the whole image (a FLUX.1 Kontext model; a
+    /// Fill model refuses it).
+    Whole,
 }
 
 pub struct EditInput {
@@ -129,6 +132,7 @@ impl EditInput {
                 MaskIn::Image(b, c) => PodMask::Image(b.clone(), *c),
                 MaskIn::Boxes(b) => PodMask::Boxes(b.clone()),
                 MaskIn::Polygons(p) => PodMask::Polygons(p.clone()),
+                MaskIn::Whole => PodMask::Whole,
             },
             steps: self.steps,
             guidance: self.guidance,
@@ -151,6 +155,7 @@ impl EditInput {
                 PodMask::Image(b, c) => MaskIn::Image(b, c),
                 PodMask::Boxes(b) => MaskIn::Boxes(b),
                 PodMask::Polygons(p) => MaskIn::Polygons(p),
+                PodMask::Whole => MaskIn::Whole,
             },
             steps: e.steps,
             guidance: e.guidance,
@@ -260,7 +265,7 @@ async fn edit_pinned(
         Some(t) => template_schedule(input, &t.info)?,
         None => (
             input.steps.unwrap_or(defaults::STEPS),
-            input.guidance.unwrap_or(defaults::EDIT_GUIDANCE),
+            input.guidance.unwrap_or(ctx.edit_guidance),
         ),
     };
     ctx.jobs.steps(job, steps);
@@ -355,6 +360,7 @@ fn prepare_req(
         }
         MaskIn::Boxes(b) => MaskSpec::Boxes(b.clone()),
         MaskIn::Polygons(p) => MaskSpec::Polygons(p.clone()),
+        MaskIn::Whole => MaskSpec::Whole,
     };
     Ok(PrepareReq {
         job,

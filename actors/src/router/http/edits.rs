@@ -62,7 +62,9 @@ pub(crate) struct EditBody {
     /// The mask: base64 PNG or JPEG of the image's size (or its aspect: resized to
     /// it), white where the image changes; a PNG whose alpha is not opaque everywhere
     /// (strokes painted on a transparent layer) is read from its alpha, opaque where
-    /// the image changes (see `mask_channel`).
+    /// the image changes (see `mask_channel`). Omitted (with no `boxes` or `polygons`)
+    /// on an image: an instruction edit of the whole image, which needs a FLUX.1
+    /// Kontext model (a Fill model answers 400).
     mask: Option<String>,
     /// Which channel of `mask` marks the pixels to repaint: `auto` (the default: alpha
     /// where the mask has transparent pixels, else luma), `luma` (white) or `alpha`
@@ -152,9 +154,11 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, Reply)> {
         (Some(m), None, None) => MaskIn::Image(b64("mask", &m)?, b.mask_channel.into()),
         (None, Some(bx), None) => MaskIn::Boxes(bx),
         (None, None, Some(p)) => MaskIn::Polygons(p),
+        // An instruction edit (a FLUX.1 Kontext model); a template edit needs its mask.
+        (None, None, None) if matches!(source, Source::Image(_)) => MaskIn::Whole,
         _ => {
             return Err(ApiError::bad(
-                "give exactly one of `mask` (base64 image), `boxes` and `polygons`",
+                "give exactly one of `mask` (base64 image), `boxes` and `polygons` (or none, for an instruction edit of an image on a FLUX.1 Kontext model)",
             ))
         }
     };
@@ -162,7 +166,7 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, Reply)> {
     let shapes = match &mask {
         MaskIn::Boxes(bx) => crate::stages::MaskInput::Boxes(bx),
         MaskIn::Polygons(p) => crate::stages::MaskInput::Polygons(p),
-        MaskIn::Image(..) => crate::stages::MaskInput::Empty,
+        MaskIn::Image(..) | MaskIn::Whole => crate::stages::MaskInput::Empty,
     };
     crate::stages::check_shapes(&shapes)?;
     check_compression(b.output_compression)?;

@@ -18,7 +18,9 @@
 //!   take them), `model` (one model is served: any name is accepted and the reply
 //!   names the served model);
 //! - the mask in OpenAI's convention: its fully transparent pixels (alpha 0) are the
-//!   area to edit; without a mask, the image's own transparency is the mask;
+//!   area to edit; without a mask, the image's own transparency is the mask, and an
+//!   image without any is an instruction edit of the whole image (a FLUX.1 Kontext
+//!   model; a Fill model answers that it needs a mask);
 //! - extensions as extra form fields: `seed`, `steps`, `guidance`,
 //!   `max_sequence_length`, and `template_id` (a mask-aware edit of that template:
 //!   the template's image is the source, and the uploaded image only carries the mask
@@ -341,6 +343,7 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
     };
     let (image, mask_png, (w, h)) = {
         let (image, mask, size) = (f.image, f.mask, f.size);
+        let templated = f.template_id.is_some();
         tokio::task::spawn_blocking(move || -> ApiResult<_> {
             let bad = |e: denoised_runtime::Error| ApiError::bad(e.to_string());
             let img = decode_image(&image, &limits).map_err(bad)?;
@@ -350,14 +353,20 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
                     "`size` {sw}x{sh} differs from the image's {w}x{h}: an edit comes back at its image's size (or use \"auto\")"
                 )));
             }
-            let m = decode_alpha_mask(mask.as_deref().unwrap_or(&image), w, h, &limits)
-                .map_err(|e| match mask {
-                    Some(_) => bad(e),
-                    None => ApiError::bad(format!(
+            let m = match decode_alpha_mask(mask.as_deref().unwrap_or(&image), w, h, &limits) {
+                Ok(m) => Some(m),
+                Err(e) if mask.is_some() => return Err(bad(e)),
+                // No mask and no transparency: an instruction edit of the whole image
+                // (a FLUX.1 Kontext model; a Fill model says it needs a mask).
+                Err(_) if !templated => None,
+                Err(e) => {
+                    return Err(ApiError::bad(format!(
                         "no `mask`, and the image cannot serve as one: {e}"
-                    )),
-                })?;
-            Ok((image, encode_mask_png(&m).map_err(bad)?, (w, h)))
+                    )))
+                }
+            };
+            let png = m.map(|m| encode_mask_png(&m)).transpose().map_err(bad)?;
+            Ok((image, png, (w, h)))
         })
         .await
         .map_err(|e| ApiError::from(WireError::internal(format!("decode task: {e}"))))??
@@ -371,7 +380,10 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
                 None => Source::Image(image.clone()),
             },
             // Made here from OpenAI's alpha rule: white is the area to edit.
-            mask: MaskIn::Image(mask_png.clone(), MaskChannel::Luma),
+            mask: match &mask_png {
+                Some(m) => MaskIn::Image(m.clone(), MaskChannel::Luma),
+                None => MaskIn::Whole,
+            },
             steps: f.steps,
             guidance: f.guidance,
             prompt: f.prompt.clone(),

@@ -53,6 +53,9 @@ pub struct Ctx {
     pub jobs: Jobs,
     /// Fingerprint of the served model (recorded in template descriptions).
     pub model: String,
+    /// An edit's default guidance: FluxFillPipeline's, or FluxKontextPipeline's when
+    /// the model is a Kontext one (read from its `model_index.json` at start).
+    pub edit_guidance: f32,
     next_job: AtomicU64,
     /// Ids an earlier router of this daemon gave out, when this one is a restart: their
     /// jobs died with it, and `GET /v1/jobs/{id}` says so instead of "unknown".
@@ -124,7 +127,12 @@ impl Ctx {
             t.auto_window_seconds,
             t.auto_track,
         );
+        let kontext = denoised_models::ModelSource::from_config(&config.model)
+            .and_then(|s| s.is_kontext())
+            .unwrap_or(false);
+        use denoised_models::pipeline::defaults::{EDIT_GUIDANCE, KONTEXT_GUIDANCE};
         Ctx {
+            edit_guidance: if kontext { KONTEXT_GUIDANCE } else { EDIT_GUIDANCE },
             sightings: std::sync::Mutex::new(sightings),
             shm,
             jobs,
