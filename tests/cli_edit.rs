@@ -123,6 +123,21 @@ fn instruction_edit_matches_diffusers_flux_kontext_through_the_cli() {
         println!("kontext {extra:?} vs diffusers: max level diff {worst}, {off} values differ");
         assert!(worst <= 1, "{extra:?}: max level diff {worst}");
     }
+    // With a mask: FluxKontextInpaintPipeline (strength 0.75, no paste-back, as the
+    // fixture ran it).
+    let c = &cases["cases"]["kontext_inpaint"];
+    let (noise, mask) = (case(c["file"].as_str().unwrap()), case("e2e_mask.png"));
+    let strength = c["params"]["strength"].to_string();
+    let mut args = vec!["edit", "--model", s(&model), "--image", s(&image)];
+    args.extend(["--mask", s(&mask), "--strength", &strength]);
+    args.extend(["--prompt", cases["prompt"].as_str().unwrap(), "--steps", &steps]);
+    args.extend(["--guidance", &guidance, "--max-sequence-length", &seq]);
+    args.extend(["--noise", s(&noise), "--no-paste-back", "--out", s(&out)]);
+    let said = ok(&args);
+    assert!(said.contains("masked instruction edit: 64x64, strength 0.75"), "{said}");
+    let (worst, off) = png_file(&out).level_diff(&png_file(&case("kontext_inpaint_output.png")));
+    println!("kontext inpaint vs diffusers: max level diff {worst}, {off} values differ");
+    assert!(worst <= 1, "masked: max level diff {worst}");
     // A FLUX.1 Fill model needs the mask, and says what an edit without one needs.
     fails(
         &[

@@ -13,7 +13,7 @@ use denoised_models::fixtures::{max_abs, run_checked};
 use denoised_models::flux::edit::{Job, Mode};
 use denoised_models::pipeline::fill::pack_latents;
 use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, PipelineKind, Timings};
-use denoised_models::pipeline::image::{decode_image, from_model_space};
+use denoised_models::pipeline::image::{decode_image, decode_mask, from_model_space};
 use denoised_models::pipeline::kontext::kontext_sizes;
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
 use denoised_models::ModelSource;
@@ -95,6 +95,56 @@ fn instruction_edit_matches_diffusers_flux_kontext_pipeline() {
             from_model_space(raw.data(), 64, 64).level_diff(&decode_image(&png, &fill.limits).unwrap());
         assert!(worst <= 1, "{label}: PNG levels differ by {worst}");
     }
+}
+
+#[test]
+fn masked_edit_matches_diffusers_flux_kontext_inpaint_pipeline() {
+    let cases: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixtures_dir().join("cases/kontext_cases.json")).unwrap(),
+    )
+    .unwrap();
+    let case = &cases["cases"]["kontext_inpaint"];
+    let params = &case["params"];
+    let steps = params["num_inference_steps"].as_u64().unwrap() as usize;
+    let dir = fixtures_dir().join(case["model_dir"].as_str().unwrap());
+    let fill = FluxFill::load(&ModelSource::dir(dir), CpuBackend::new()).unwrap();
+    let f = SafetensorsFile::open(fixtures_dir().join("cases/kontext_inpaint.safetensors")).unwrap();
+    let want = |name: &str| f.tensor_f32(name).unwrap();
+    let read = |name: &str| std::fs::read(fixtures_dir().join("cases").join(name)).unwrap();
+    let image = decode_image(&read("e2e_input.png"), &fill.limits).unwrap();
+    let mask = decode_mask(&read("e2e_mask.png"), 64, 64, &fill.limits, Default::default()).unwrap();
+    let noise = want("noise");
+    let opts = EditOptions {
+        steps,
+        guidance: params["guidance_scale"].as_f64().unwrap() as f32,
+        max_sequence_length: params["max_sequence_length"].as_u64().unwrap() as usize,
+        ..Default::default()
+    };
+    let noise = Noise {
+        initial_latents: Some(pack_latents(noise.data(), 16, 32, 32).unwrap()),
+        posterior_eps: None,
+    };
+    let strength = params["strength"].as_f64().unwrap() as f32;
+    let prompt = cases["prompt"].as_str().unwrap();
+    let (prep, start) = fill
+        .prepare_kontext_inpaint(&image, &mask, prompt, &opts, strength, &noise, &mut Timings::default())
+        .unwrap();
+    assert_eq!(start, 1, "strength 0.75 of 4 steps starts at the second");
+    let r = prep.inputs.reference.as_ref().unwrap();
+    let (d, mx) = max_abs(r.latents.data(), want("image_latents").data());
+    assert!(d <= 1e-5 * mx, "image latents: {d:.2e} of {mx:.2}");
+    let m = fill.shared_transformer().unwrap();
+    let schedule = fill.schedule(steps, 64, 64).unwrap();
+    let job = Job::new(&m, &prep.inputs, schedule, Mode::Full)
+        .unwrap()
+        .starting_at(start)
+        .unwrap();
+    let latents = run_checked(&m, job, &want("step_latents"), "inpaint");
+    let raw = fill.decode_raw(&latents, 64, 64).unwrap();
+    let got = from_model_space(raw.data(), 64, 64);
+    let (worst, _) = got.level_diff(&decode_image(&read("kontext_inpaint_output.png"), &fill.limits).unwrap());
+    println!("inpaint: PNG max level diff {worst}");
+    assert!(worst <= 1, "inpaint: PNG levels differ by {worst}");
 }
 
 /// The Kontext directory with its transformer given as the BFL-layout single file of

@@ -79,6 +79,13 @@ pub struct Args {
     /// Print exactly one JSON line on stdout at the end (the report still goes to stderr).
     #[arg(long)]
     pub json: bool,
+    /// Clients that never register a template: each edit uploads its image
+    /// (`image` + `boxes`), one of --templates popular images with this probability,
+    /// else an image never sent before. Against a daemon with `[templates] auto`, the
+    /// popular ones become templates by themselves; the report counts the replies'
+    /// `auto_template` hits, captures and misses.
+    #[arg(long, value_name = "FRACTION")]
+    pub repeat_rate: Option<f64>,
 }
 
 /// Mask and box sides snap to this many pixels: the tiny built-in model has 4-pixel
@@ -169,6 +176,20 @@ fn mean(v: impl IntoIterator<Item = f64>) -> Option<f64> {
 /// A deterministic template image: gradients and a checkerboard whose phase varies with
 /// `k`, so templates differ.
 fn synthetic_png(width: usize, height: usize, k: usize) -> CliResult<Vec<u8>> {
+    Ok(encode_png(&synthetic(width, height, k))?)
+}
+
+/// An upload no client sent before (`--repeat-rate`): a synthetic image with `n`
+/// written into its first two pixels.
+fn one_off_png(width: usize, height: usize, n: u64) -> CliResult<Vec<u8>> {
+    let mut img = synthetic(width, height, (n % 4) as usize);
+    for (d, b) in img.data.iter_mut().zip(n.to_le_bytes().iter().take(6)) {
+        *d = *b;
+    }
+    Ok(encode_png(&img)?)
+}
+
+fn synthetic(width: usize, height: usize, k: usize) -> Rgb8 {
     let mut data = Vec::with_capacity(width * height * 3);
     for y in 0..height {
         for x in 0..width {
@@ -178,11 +199,11 @@ fn synthetic_png(width: usize, height: usize, k: usize) -> CliResult<Vec<u8>> {
             data.push(if check { 200 } else { 40 } ^ (k as u8 * 37));
         }
     }
-    Ok(encode_png(&Rgb8 {
+    Rgb8 {
         width,
         height,
         data,
-    })?)
+    }
 }
 
 /// Mask ratios from a trace file: one number a line, others skipped, clamped to [0, 1].
@@ -217,6 +238,14 @@ struct Sample {
     mask_ratio: f64,
     timings: ServerTimings,
     batch: Batch,
+    /// An upload's template that made itself (`[templates] auto`).
+    auto_template: Option<AutoTemplate>,
+}
+
+#[derive(Deserialize)]
+struct AutoTemplate {
+    hit: bool,
+    captured: bool,
 }
 
 #[derive(Deserialize)]
@@ -339,6 +368,11 @@ async fn bench(a: Args) -> CliResult {
     // Templates are registered before the clock starts: capture is a full run.
     let file_image = a.image.as_ref().map(std::fs::read).transpose()?;
     let mut templates = Vec::new();
+    let mut rng = Rng(a.seed);
+    if let Some(rate) = a.repeat_rate {
+        let plan = uploads(&a, rate, &ratios, file_image.as_deref(), &mut rng)?;
+        return run_plan(&a, &api, plan, 0).await;
+    }
     for k in 0..a.templates {
         let image = match &file_image {
             Some(b) => b.clone(),
@@ -369,11 +403,7 @@ async fn bench(a: Args) -> CliResult {
     }
 
     // The whole workload is drawn up front, so the timing loop only sleeps and spawns.
-    let mut rng = Rng(a.seed);
-    let times = arrivals(&mut rng, a.rps, a.requests, a.duration);
-    if times.is_empty() {
-        return Err("no request arrives within --duration at this --rps".into());
-    }
+    let times = planned_arrivals(&a, &mut rng)?;
     // Each planned request: (arrival time in s, requested mask ratio, body).
     let plan: Vec<(f64, f64, Value)> = times
         .iter()
@@ -389,14 +419,76 @@ async fn bench(a: Args) -> CliResult {
             (t, ratio, body)
         })
         .collect();
-    // The realised offered rate: arrivals over the window they were drawn in.
-    let window = match a.duration {
-        Some(d) if a.requests.is_none_or(|n| times.len() < n) => d,
-        _ => *times.last().unwrap(),
-    };
-    let offered_rps = times.len() as f64 / window;
+    run_plan(&a, &api, plan, templates.len()).await
+}
 
-    let outcomes = dispatch(&api, &plan, a.concurrency_limit).await?;
+/// The arrival times of `a`'s workload (seconds from the start).
+fn planned_arrivals(a: &Args, rng: &mut Rng) -> CliResult<Vec<f64>> {
+    let times = arrivals(rng, a.rps, a.requests, a.duration);
+    if times.is_empty() {
+        return Err("no request arrives within --duration at this --rps".into());
+    }
+    Ok(times)
+}
+
+/// `--repeat-rate`'s workload: each edit uploads one of `a.templates` popular images
+/// with probability `rate`, else a one-off, with a box of a drawn ratio.
+fn uploads(
+    a: &Args,
+    rate: f64,
+    ratios: &[f64],
+    file_image: Option<&[u8]>,
+    rng: &mut Rng,
+) -> CliResult<Vec<(f64, f64, Value)>> {
+    if !(0.0..=1.0).contains(&rate) {
+        return Err("--repeat-rate is a fraction, 0 to 1".into());
+    }
+    let (w, h) = (a.width, a.height);
+    let popular: Vec<Vec<u8>> = (0..a.templates.max(1))
+        .map(|k| match (k, file_image) {
+            (0, Some(b)) => Ok(b.to_vec()),
+            _ => synthetic_png(w, h, k),
+        })
+        .collect::<CliResult<_>>()?;
+    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+    let popular: Vec<String> = popular.iter().map(|p| b64(p)).collect();
+    let times = planned_arrivals(a, rng)?;
+    let mut plan = Vec::with_capacity(times.len());
+    for (i, t) in times.into_iter().enumerate() {
+        let image = match rng.unit() < rate {
+            true => popular[rng.below(popular.len() as u64) as usize].clone(),
+            // Unique to this run and request: the seed keeps runs apart.
+            false => b64(&one_off_png(w, h, (a.seed << 32) | i as u64)?),
+        };
+        let ratio = ratios[rng.below(ratios.len() as u64) as usize];
+        let body = json!({
+            "image": image,
+            "boxes": [mask_box(rng, ratio, w as u32, h as u32)],
+            "prompt": a.prompt,
+            "steps": a.steps,
+            "seed": rng.next_u64() >> 12,
+        });
+        plan.push((t, ratio, body));
+    }
+    Ok(plan)
+}
+
+/// Sends `plan` and reports on it (`templates`: how many were registered for it).
+async fn run_plan(
+    a: &Args,
+    api: &Arc<Api>,
+    plan: Vec<(f64, f64, Value)>,
+    templates: usize,
+) -> CliResult {
+    // The realised offered rate: arrivals over the window they were drawn in.
+    let last = plan.last().map_or(0.0, |p| p.0);
+    let window = match a.duration {
+        Some(d) if a.requests.is_none_or(|n| plan.len() < n) => d,
+        _ => last,
+    };
+    let offered_rps = plan.len() as f64 / window;
+
+    let outcomes = dispatch(api, &plan, a.concurrency_limit).await?;
     let first_arrival = plan[0].0;
     let last_done = outcomes.iter().map(|o| o.0).fold(first_arrival, f64::max);
     let duration_s = last_done - first_arrival;
@@ -461,7 +553,11 @@ async fn bench(a: Args) -> CliResult {
         "batch_hist": batch_hist,
         "mask_ratio_mean": mean(ok.iter().map(|s| s.mask_ratio)),
         "requested_mask_ratio_mean": mean(plan.iter().map(|p| p.1)),
-        "templates": templates.len(),
+        "templates": templates,
+        "repeat_rate": a.repeat_rate,
+        "auto_hits": ok.iter().filter(|s| s.auto_template.as_ref().is_some_and(|t| t.hit)).count(),
+        "auto_captured": ok.iter().filter(|s| s.auto_template.as_ref().is_some_and(|t| t.captured)).count(),
+        "auto_misses": ok.iter().filter(|s| s.auto_template.as_ref().is_some_and(|t| !t.hit && !t.captured)).count(),
         "steps": a.steps,
         "mask_trace": a.mask_trace.as_ref().map(|p| p.display().to_string()),
     });
@@ -550,6 +646,9 @@ fn print_human(r: &Value, hist: &BTreeMap<u32, u64>, errors: &[String]) {
     );
     line("batch", "batch_mean");
     eprintln!("batch size: request-steps {hist:?}");
+    if !r["repeat_rate"].is_null() {
+        line("uploads", "repeat_rate auto_hits auto_captured auto_misses");
+    }
     let mut seen: Vec<&String> = Vec::new();
     for e in errors {
         if !seen.contains(&e) && seen.len() < 5 {
@@ -562,6 +661,28 @@ fn print_human(r: &Value, hist: &BTreeMap<u32, u64>, errors: &[String]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn uploads_repeat_popular_images_at_the_rate_and_never_repeat_one_offs() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: Args,
+        }
+        let cli = Cli::parse_from(["x", "--requests", "400", "--rps", "100", "--templates", "3"]);
+        let plan = uploads(&cli.a, 0.7, &[0.2], None, &mut Rng(5)).unwrap();
+        let images: Vec<&str> = plan.iter().map(|p| p.2["image"].as_str().unwrap()).collect();
+        let mut seen = std::collections::HashMap::<&str, usize>::new();
+        for i in &images {
+            *seen.entry(i).or_default() += 1;
+        }
+        let repeated: usize = seen.values().filter(|&&n| n > 1).sum();
+        // Three popular images; every other image is sent once.
+        assert_eq!(seen.values().filter(|&&n| n > 1).count(), 3);
+        let rate = repeated as f64 / images.len() as f64;
+        assert!((rate - 0.7).abs() < 0.07, "repeat rate {rate}");
+    }
 
     #[test]
     fn percentile_matches_brute_force() {

@@ -102,6 +102,10 @@ pub struct EditArgs {
     /// `_auto_resize=False`).
     #[arg(long)]
     pub no_auto_resize: bool,
+    /// Kontext masked edits: how much of the schedule runs (diffusers' `strength`: 1
+    /// starts from noise, less starts part way from the image's latents).
+    #[arg(long, default_value_t = 1.0)]
+    pub strength: f32,
     /// A captured template directory: compute only the masked tokens.
     #[arg(long)]
     pub template: Option<PathBuf>,
@@ -244,12 +248,13 @@ pub(super) fn read_noise(path: &Path) -> CliResult<Noise> {
 /// Runs a request to the end on the placed model with a progress bar (and a preview
 /// file rewritten after each step, when asked): its final latent and, for a capture,
 /// its template.
+/// `start`: the step it starts at (0 but for a masked Kontext edit of strength below 1).
 /// `loras`: the unmerged LoRAs it runs with (uploaded by `LoraArgs::apply`); `cfg`:
 /// true CFG's negative branch; `control`: ControlNet residuals.
 pub(super) fn denoise(
     placed: &mut Placed,
     inputs: &DenoiseInputs,
-    schedule: FlowMatchEuler,
+    (schedule, start): (FlowMatchEuler, usize),
     mode: Mode,
     (loras, cfg, control): (&[LoraUse], Option<&TrueCfg>, Option<Arc<dyn ControlFeed>>),
     preview: Option<&PreviewFile>,
@@ -260,6 +265,10 @@ pub(super) fn denoise(
     let t0 = Instant::now();
     let st = &mut placed.stepper;
     st.admit(ONE, inputs, Arc::new(schedule), mode)?;
+    if start > 0 {
+        // A masked Kontext edit of strength below 1 starts part way.
+        st.skip_to(ONE, start)?;
+    }
     st.set_loras(ONE, loras.to_vec())?;
     if let Some(cfg) = cfg {
         st.set_true_cfg(ONE, inputs, cfg)?;
@@ -334,11 +343,11 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     let image = decode_image(&read(&image_path)?, &p.limits)
         .map_err(|e| format!("{}: {e}", image_path.display()))?;
     let kontext = p.kind == PipelineKind::Kontext;
+    if kontext && template.is_none() {
+        return kontext_edit(&a, &p, &mut placed, &lora.uses, image, &mut t);
+    }
     let mask_path = match &a.mask {
         Some(m) => m,
-        None if kontext && template.is_none() => {
-            return instruction_edit(&a, &p, &mut placed, &lora.uses, image, &mut t)
-        }
         None => return Err("--mask is required: FLUX.1 Fill repaints the masked area (an edit without a mask is an instruction edit, which needs a FLUX.1 Kontext model)".into()),
     };
     let mask = decode_mask(
@@ -433,7 +442,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
             denoise(
                 &mut placed,
                 &prepared.inputs,
-                schedule,
+                (schedule, 0),
                 mode,
                 (&lora.uses, cfg.as_ref(), control),
                 preview.as_ref(),
@@ -476,7 +485,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
             denoise(
                 &mut placed,
                 &prepared.inputs,
-                schedule,
+                (schedule, 0),
                 mode,
                 (&lora.uses, cfg.as_ref(), control),
                 preview.as_ref(),
@@ -499,10 +508,12 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     Ok(())
 }
 
-/// A FLUX.1 Kontext instruction edit (no mask), as `FluxKontextPipeline` runs it: the
-/// output at `--max-area` with the image's aspect, the image as the reference at its
-/// own size or Kontext's nearest preferred one (Lanczos, as diffusers resizes it).
-fn instruction_edit(
+/// A FLUX.1 Kontext edit. Without a mask, an instruction edit as `FluxKontextPipeline`
+/// runs it: the output at `--max-area` with the image's aspect, the image as the
+/// reference at its own size or Kontext's nearest preferred one (Lanczos, as diffusers
+/// resizes it). With one, `FluxKontextInpaintPipeline`'s masked edit at the image's
+/// size (`--strength`), pasted back unless `--no-paste-back`.
+fn kontext_edit(
     a: &EditArgs,
     p: &FluxFill<CpuBackend>,
     placed: &mut Placed,
@@ -514,41 +525,53 @@ fn instruction_edit(
     if !a.controlnet.controlnets.is_empty() {
         return Err("ControlNets with a FLUX.1 Kontext model are not built yet".into());
     }
-    let block = 2 * p.vae_scale_factor();
-    let (reference, output) = kontext::kontext_sizes(
-        image.width,
-        image.height,
-        a.max_area,
-        block,
-        !a.no_auto_resize,
-    );
-    let image = match (image.width, image.height) == reference {
-        true => image,
-        false => sizing::resize_rgb(&image, reference.0, reference.1),
-    };
     let steps = c.steps.unwrap_or(defaults::STEPS as usize);
-    let opts = EditOptions {
+    let noise = a.noise.as_deref().map(read_noise).transpose()?.unwrap_or_default();
+    let mut opts = EditOptions {
         steps,
         guidance: c.guidance.unwrap_or(defaults::KONTEXT_GUIDANCE),
         seed: c.seed,
         max_sequence_length: c.max_sequence_length,
-        // The whole output is generated: nothing to paste back.
-        paste_back: false,
+        paste_back: !a.no_paste_back,
+        feather: a.feather,
         ..Default::default()
     };
-    let noise = a.noise.as_deref().map(read_noise).transpose()?.unwrap_or_default();
-    let prepared = p.prepare_kontext(&image, output, &c.prompt, &opts, &noise, t)?;
+    let (prepared, start) = match &a.mask {
+        None => {
+            let block = 2 * p.vae_scale_factor();
+            let (w, h) = (image.width, image.height);
+            let auto = !a.no_auto_resize;
+            let (reference, output) = kontext::kontext_sizes(w, h, a.max_area, block, auto);
+            let image = match (w, h) == reference {
+                true => image,
+                false => sizing::resize_rgb(&image, reference.0, reference.1),
+            };
+            eprintln!(
+                "instruction edit: reference {}x{}, output {}x{}",
+                reference.0, reference.1, output.0, output.1
+            );
+            // The whole output is generated: nothing to paste back.
+            opts.paste_back = false;
+            let prepared = p.prepare_kontext(&image, output, &c.prompt, &opts, &noise, t)?;
+            (prepared, 0)
+        }
+        Some(path) => {
+            let (w, h) = (image.width, image.height);
+            let mask = decode_mask(&read(path)?, w, h, &p.limits, Default::default())
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            eprintln!("masked instruction edit: {w}x{h}, strength {}", a.strength);
+            let prompt = &c.prompt;
+            p.prepare_kontext_inpaint(&image, &mask, prompt, &opts, a.strength, &noise, t)?
+        }
+    };
+    let (w, h) = (prepared.image.width, prepared.image.height);
     let cfg = a.true_cfg.prepare(p, c.max_sequence_length, t)?;
-    let schedule = p.schedule(steps, output.0, output.1)?;
-    let preview = PreviewFile::new(c.preview.as_deref(), &c.model, &p.vae, output)?;
-    eprintln!(
-        "instruction edit: reference {}x{}, output {}x{}",
-        reference.0, reference.1, output.0, output.1
-    );
+    let schedule = p.schedule(steps, w, h)?;
+    let preview = PreviewFile::new(c.preview.as_deref(), &c.model, &p.vae, (w, h))?;
     let (latents, _) = denoise(
         placed,
         &prepared.inputs,
-        schedule,
+        (schedule, start),
         Mode::Full,
         (loras, cfg.as_ref(), None),
         preview.as_ref(),
@@ -617,7 +640,7 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
     let (latents, cache) = denoise(
         &mut placed,
         &prepared.inputs,
-        schedule,
+        (schedule, 0),
         mode,
         (&lora.uses, None, None),
         preview.as_ref(),

@@ -145,7 +145,7 @@ pub fn run(a: GenerateArgs) -> CliResult {
     let latents = denoise(
         &mut placed,
         &prepared.inputs,
-        schedule,
+        (schedule, 0),
         mode,
         extra,
         preview.as_ref(),

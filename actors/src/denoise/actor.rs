@@ -507,9 +507,17 @@ fn read_inputs(shm: &Shm, h: &InputHandles) -> Result<DenoiseInputs, WireError> 
         pooled: shm.read_tensor(&h.pooled)?.data().to_vec(),
         guidance: h.guidance,
         reference: match &h.reference {
-            Some((latents, ids)) => Some(denoised_models::flux::edit::Reference {
-                latents: shm.read_tensor(latents)?,
-                ids: shm.read_tensor(ids)?,
+            Some(r) => Some(denoised_models::flux::edit::Reference {
+                latents: shm.read_tensor(&r.latents)?,
+                ids: shm.read_tensor(&r.ids)?,
+                inpaint: match &r.inpaint {
+                    Some([mask, image, noise]) => Some(denoised_models::flux::edit::Inpaint {
+                        mask: shm.read_tensor(mask)?,
+                        image: shm.read_tensor(image)?,
+                        noise: shm.read_tensor(noise)?,
+                    }),
+                    None => None,
+                },
             }),
             None => None,
         },

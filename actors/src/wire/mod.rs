@@ -181,8 +181,18 @@ pub struct InputHandles {
     pub txt_ids: Handle,
     pub pooled: Handle,
     pub guidance: f32,
-    /// A Kontext request's reference tokens: their latents and ids.
-    pub reference: Option<(Handle, Handle)>,
+    /// A Kontext request's reference tokens.
+    pub reference: Option<ReferenceHandles>,
+}
+
+/// A Kontext request's reference tokens in shared memory
+/// (`denoised_models::flux::edit::Reference`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ReferenceHandles {
+    pub latents: Handle,
+    pub ids: Handle,
+    /// A masked edit's hold on the unmasked latents: its mask, image latents, noise.
+    pub inpaint: Option<[Handle; 3]>,
 }
 
 impl InputHandles {
@@ -195,8 +205,9 @@ impl InputHandles {
             self.txt_ids.clone(),
             self.pooled.clone(),
         ];
-        if let Some((latents, ids)) = &self.reference {
-            all.extend([latents.clone(), ids.clone()]);
+        if let Some(r) = &self.reference {
+            all.extend([r.latents.clone(), r.ids.clone()]);
+            all.extend(r.inpaint.iter().flatten().cloned());
         }
         all
     }

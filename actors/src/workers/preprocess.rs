@@ -9,7 +9,7 @@ use denoised_runtime::Tensor;
 use super::{ComputeActor, Stage, StageCommand};
 use crate::node::Shm;
 use crate::stages::{self, MaskInput, Pipeline, TemplateVae};
-use crate::wire::{
+use crate::wire::{ReferenceHandles, 
     InputHandles, MaskSpec, NegativeHandles, PrepareInput, PrepareReq, PreparedRefs, PreprocessMsg,
     SourceRefs, VaeTraces, Wire, WireError,
 };
@@ -123,7 +123,14 @@ pub fn prepare_to_shm(
             pooled: put(&pooled)?,
             guidance: i.guidance,
             reference: match &i.reference {
-                Some(r) => Some((put(&r.latents)?, put(&r.ids)?)),
+                Some(r) => Some(ReferenceHandles {
+                    latents: put(&r.latents)?,
+                    ids: put(&r.ids)?,
+                    inpaint: match &r.inpaint {
+                        Some(ip) => Some([put(&ip.mask)?, put(&ip.image)?, put(&ip.noise)?]),
+                        None => None,
+                    },
+                }),
                 None => None,
             },
         };

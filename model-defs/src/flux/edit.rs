@@ -77,6 +77,38 @@ pub struct Reference {
     pub latents: Tensor,
     /// `[R, 3]`.
     pub ids: Tensor,
+    /// A masked edit (`FluxKontextInpaintPipeline`): what holds the unmasked latents.
+    pub inpaint: Option<Inpaint>,
+}
+
+/// `FluxKontextInpaintPipeline`'s hold on the area outside the mask: after each step
+/// the latents there are the image's, noised to the next step's sigma
+/// (`scale_noise(image_latents, t_next, noise)`; the image's own after the last), so
+/// only the masked area is generated.
+#[derive(Clone, Debug)]
+pub struct Inpaint {
+    /// `[L, C]`: 1 where the latents may change (the mask at latent resolution, packed
+    /// like the latents), else 0.
+    pub mask: Tensor,
+    /// `[L, C]`: the image's packed latents (at the output's size).
+    pub image: Tensor,
+    /// `[L, C]`: the noise the run started from.
+    pub noise: Tensor,
+}
+
+impl Inpaint {
+    /// `x[..L, ..C]` outside the mask becomes `sigma * noise + (1 - sigma) * image`.
+    fn hold(&self, x: &mut [f32], width: usize, sigma: f32) {
+        let c = self.mask.cols();
+        let (m, z, n) = (self.mask.data(), self.image.data(), self.noise.data());
+        for (row, xr) in x.chunks_mut(width).take(self.mask.rows()).enumerate() {
+            for (k, v) in xr[..c].iter_mut().enumerate() {
+                let i = row * c + k;
+                let held = sigma * n[i] + (1.0 - sigma) * z[i];
+                *v = m[i] * *v + (1.0 - m[i]) * held;
+            }
+        }
+    }
 }
 
 /// The negative branch of true classifier-free guidance (FluxPipeline's
@@ -128,6 +160,8 @@ pub struct Job<T> {
     inactive: Vec<u32>,
     /// Kontext reference rows, computed after the active ones and never stepped.
     reference: usize,
+    /// A Kontext masked edit's hold on the unmasked latents, applied after each step.
+    inpaint: Option<Inpaint>,
     /// An edit's inactive rows for planned full blocks and Y-mode templates: their
     /// inputs on the host, and on the device once a step first needs them.
     rest_host: Option<RestHost>,
@@ -203,6 +237,17 @@ impl<T> Job<T> {
                 (mask.active().to_vec(), mask.inactive())
             }
         };
+        let inpaint = inputs.reference.as_ref().and_then(|r| r.inpaint.clone());
+        if let Some(ip) = &inpaint {
+            for t in [&ip.mask, &ip.image, &ip.noise] {
+                if t.shape() != [l, c] {
+                    return Err(Error::Invalid(format!(
+                        "inpaint tensors {:?} for {l} tokens of {c} channels",
+                        t.shape()
+                    )));
+                }
+            }
+        }
         if inputs.reference.is_some() && !matches!(mode, Mode::Full) {
             return Err(Error::Invalid(
                 "a Kontext request (with a reference image) runs in full: templates of it are not built yet".into(),
@@ -229,6 +274,7 @@ impl<T> Job<T> {
             step: 0,
             mode,
             reference: img.rows() - active.len(),
+            inpaint,
             active,
             inactive,
             rest_host,
@@ -749,6 +795,14 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
             continue;
         }
         be.axpy_cols(&mut j.tensors.img, 0..c, &velocity.packed, rows.clone(), dt)?;
+        if let Some(ip) = &j.inpaint {
+            // On the host: a download and an upload of the job's rows per step (a
+            // device kernel for it is not written yet).
+            let mut x = be.download(&j.tensors.img)?;
+            let width = x.cols();
+            ip.hold(x.data_mut(), width, j.schedule.sigmas[j.step + 1]);
+            j.tensors.img = be.upload(&x)?;
+        }
         if let Mode::Capture(cache) = &j.mode {
             let latent = be.gather_cols(&j.tensors.img, 0..j.tokens, 0..c)?;
             be.store(&latent, &cache.latent_slice(j.step)?, DType::F32)?;

@@ -613,7 +613,8 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
 
     /// Preprocessing: text, Fill conditioning from the VAE, and the initial noise. On
     /// a Kontext model, an instruction edit of `image` at its size (its reference
-    /// image), whose result `mask` confines at paste-back.
+    /// image): of the whole image when `mask` is full, else a masked one
+    /// (`FluxKontextInpaintPipeline`, strength 1).
     pub fn prepare(
         &self,
         image: &Rgb8,
@@ -634,6 +635,10 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 return Err(Error::Invalid(
                     "templates of a FLUX.1 Kontext model are not built yet: edit the image itself".into(),
                 ));
+            }
+            if !mask.data.iter().all(|&m| m) {
+                let (p, _) = self.prepare_kontext_inpaint(image, mask, prompt, opts, 1.0, noise, t)?;
+                return Ok(p);
             }
             let size = (image.width, image.height);
             let p = self.prepare_kontext(image, size, prompt, opts, noise, t)?;

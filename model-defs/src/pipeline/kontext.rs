@@ -17,10 +17,10 @@ use std::time::Instant;
 
 use denoised_runtime::{Backend, Error, Result, Tensor};
 
-use super::fill::normalize_and_pack;
+use super::fill::{normalize_and_pack, pack_latents};
 use super::flux_fill::{EditOptions, FluxFill, Noise, PipelineKind, Prepared, Timings};
 use super::image::{to_model_space, Mask, Rgb8};
-use crate::flux::edit::{DenoiseInputs, Reference};
+use crate::flux::edit::{DenoiseInputs, Inpaint, Reference};
 use crate::flux::embed::image_ids;
 use crate::flux::weights::SplitMix;
 
@@ -83,6 +83,14 @@ pub fn kontext_sizes(
         false => (width, height),
     };
     ((down(rw), down(rh)), (down(out_w), down(out_h)))
+}
+
+/// The step a masked edit of `strength` starts at, as diffusers' `get_timesteps`:
+/// `int(steps - min(steps * strength, steps))` (strength 1 starts from pure noise).
+pub fn start_step(steps: usize, strength: f32) -> usize {
+    let n = steps as f64;
+    let init = (n * strength as f64).min(n);
+    (n - init).max(0.0) as usize
 }
 
 impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
@@ -159,6 +167,83 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         })
     }
 
+    /// Preprocessing of a masked instruction edit, as `FluxKontextInpaintPipeline`
+    /// computes it: the image (at its size, whole tokens) is the reference and the
+    /// latents outside `mask` follow it, re-noised to each step's sigma ([`Inpaint`]);
+    /// the run starts at step [`start_step`] of `opts.steps` (returned with it), from
+    /// `noise.initial_latents` as they are when given (diffusers' `latents=`), else
+    /// from the image's latents noised to that step's sigma with noise drawn from the
+    /// seed.
+    pub fn prepare_kontext_inpaint(
+        &self,
+        image: &Rgb8,
+        mask: &Mask,
+        prompt: &str,
+        opts: &EditOptions,
+        strength: f32,
+        noise: &Noise,
+        t: &mut Timings,
+    ) -> Result<(Prepared, usize)> {
+        if !(strength > 0.0 && strength <= 1.0) {
+            return Err(Error::Invalid(format!("strength {strength} is not in (0, 1]")));
+        }
+        let (w, h) = (image.width, image.height);
+        if (mask.width, mask.height) != (w, h) {
+            return Err(Error::Invalid(format!(
+                "mask is {}x{} but the image is {w}x{h}",
+                mask.width, mask.height
+            )));
+        }
+        let start = start_step(opts.steps, strength);
+        if start >= opts.steps {
+            return Err(Error::Invalid(format!(
+                "strength {strength} leaves none of the {} steps to run",
+                opts.steps
+            )));
+        }
+        let mut p = self.prepare_kontext(image, (w, h), prompt, opts, noise, t)?;
+        let inputs = &mut p.inputs;
+        let reference = inputs.reference.as_mut().expect("a Kontext request's reference");
+        let image_latents = reference.latents.clone();
+        let n = inputs.latents.clone();
+        if noise.initial_latents.is_none() {
+            let sigma = self.schedule(opts.steps, w, h)?.sigmas[start];
+            let x = n.data().iter().zip(image_latents.data());
+            let noised = x.map(|(n, z)| sigma * n + (1.0 - sigma) * z).collect();
+            inputs.latents = Tensor::new([n.rows(), n.cols()], noised)?;
+        }
+        reference.inpaint = Some(Inpaint {
+            mask: self.mask_latents(mask)?,
+            image: image_latents,
+            noise: n,
+        });
+        Ok((
+            Prepared {
+                image: image.clone(),
+                mask: mask.clone(),
+                ..p
+            },
+            start,
+        ))
+    }
+
+    /// A pixel mask at latent resolution (nearest: latent pixel `(i, j)` is pixel
+    /// `(i f, j f)`, as torch's `interpolate` picks it), repeated over the latent
+    /// channels and packed like the latents: `[L, 4c]` of 0 and 1.
+    fn mask_latents(&self, mask: &Mask) -> Result<Tensor> {
+        let vsf = self.vae_scale_factor();
+        let c = self.vae.config().latent_channels;
+        let (lh, lw) = (mask.height / vsf, mask.width / vsf);
+        let plane: Vec<f32> = (0..lh * lw)
+            .map(|i| {
+                let (y, x) = (i / lw * vsf, i % lw * vsf);
+                mask.data[y * mask.width + x] as u8 as f32
+            })
+            .collect();
+        let planes: Vec<f32> = (0..c).flat_map(|_| plane.iter().copied()).collect();
+        pack_latents(&planes, c, lh, lw)
+    }
+
     /// The reference image's tokens: the VAE posterior's mean (diffusers'
     /// `sample_mode="argmax"`), normalised and packed, with ids `(1, row, col)`.
     fn reference_latents(&self, image: &Rgb8) -> Result<Reference> {
@@ -183,6 +268,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         Ok(Reference {
             latents,
             ids: Tensor::new([rows * cols, 3], ids)?,
+            inpaint: None,
         })
     }
 }
@@ -190,6 +276,14 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn masked_edits_start_where_diffusers_does() {
+        assert_eq!(start_step(4, 0.75), 1);
+        assert_eq!(start_step(28, 1.0), 0);
+        assert_eq!(start_step(28, 0.6), 11);
+        assert_eq!(start_step(10, 0.05), 9);
+    }
 
     #[test]
     fn sizes_follow_diffusers() {
