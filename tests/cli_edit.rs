@@ -118,7 +118,10 @@ fn instruction_edit_matches_diffusers_flux_kontext_through_the_cli() {
         ];
         args.extend_from_slice(extra);
         let said = ok(&args);
-        assert!(said.contains("instruction edit: reference 64x64, output 64x64"), "{said}");
+        assert!(
+            said.contains("instruction edit: reference 64x64, output 64x64"),
+            "{said}"
+        );
         let (worst, off) = png_file(&out).level_diff(&want);
         println!("kontext {extra:?} vs diffusers: max level diff {worst}, {off} values differ");
         assert!(worst <= 1, "{extra:?}: max level diff {worst}");
@@ -130,11 +133,19 @@ fn instruction_edit_matches_diffusers_flux_kontext_through_the_cli() {
     let strength = c["params"]["strength"].to_string();
     let mut args = vec!["edit", "--model", s(&model), "--image", s(&image)];
     args.extend(["--mask", s(&mask), "--strength", &strength]);
-    args.extend(["--prompt", cases["prompt"].as_str().unwrap(), "--steps", &steps]);
+    args.extend([
+        "--prompt",
+        cases["prompt"].as_str().unwrap(),
+        "--steps",
+        &steps,
+    ]);
     args.extend(["--guidance", &guidance, "--max-sequence-length", &seq]);
     args.extend(["--noise", s(&noise), "--no-paste-back", "--out", s(&out)]);
     let said = ok(&args);
-    assert!(said.contains("masked instruction edit: 64x64, strength 0.75"), "{said}");
+    assert!(
+        said.contains("masked instruction edit: 64x64, strength 0.75"),
+        "{said}"
+    );
     let (worst, off) = png_file(&out).level_diff(&png_file(&case("kontext_inpaint_output.png")));
     println!("kontext inpaint vs diffusers: max level diff {worst}, {off} values differ");
     assert!(worst <= 1, "masked: max level diff {worst}");

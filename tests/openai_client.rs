@@ -191,17 +191,25 @@ fn the_openai_client_edits_by_instruction_on_a_kontext_model() {
             return;
         }
     };
-    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/flux-kontext-tiny");
+    let model = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/flux-kontext-tiny"
+    );
     let d = Daemon::start(&["--model", model]);
     let input = png(&std::fs::read(case("e2e_input.png")).unwrap());
     // OpenAI's mask: the area to edit transparent, the rest opaque.
     let edit = |x: u32, y: u32| (16..48).contains(&x) && (8..40).contains(&y);
-    let mask = RgbaImage::from_fn(64, 64, |x, y| Rgba([0, 0, 0, if edit(x, y) { 0 } else { 255 }]));
+    let mask = RgbaImage::from_fn(64, 64, |x, y| {
+        Rgba([0, 0, 0, if edit(x, y) { 0 } else { 255 }])
+    });
     let dir = tempfile::tempdir().unwrap();
     let (mp, out) = (dir.path().join("mask.png"), dir.path().join("out"));
     mask.save(&mp).unwrap();
     let o = py
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py"))
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/openai_client.py"
+        ))
         .args(["instruct", &d.url, case("e2e_input.png").to_str().unwrap()])
         .args([mp.to_str().unwrap(), out.to_str().unwrap()])
         .output()
@@ -217,14 +225,21 @@ fn the_openai_client_edits_by_instruction_on_a_kontext_model() {
     let whole = read(0);
     assert_eq!((whole.width, whole.height), (64, 64));
     let (worst, off) = whole.level_diff(&input);
-    assert!(worst > 10 && off > 1000, "the instruction changed little: {worst}, {off}");
+    assert!(
+        worst > 10 && off > 1000,
+        "the instruction changed little: {worst}, {off}"
+    );
     // With a mask: the pixels outside it are the input's.
     let masked = read(1);
     for y in 0..64 {
         for x in 0..64 {
             let i = 3 * (y * 64 + x) as usize;
             if !edit(x, y) {
-                assert_eq!(masked.data[i..i + 3], input.data[i..i + 3], "({x}, {y}) changed");
+                assert_eq!(
+                    masked.data[i..i + 3],
+                    input.data[i..i + 3],
+                    "({x}, {y}) changed"
+                );
             }
         }
     }

@@ -27,7 +27,10 @@ fn a_kontext_daemon_edits_by_instruction_as_the_cli_does() {
     };
     let (status, v) = d.post("/v1/edits", &body(None));
     assert_eq!(status, 200, "{v}");
-    assert_eq!((v["width"].as_u64(), v["tokens"].as_u64()), (Some(64), Some(256)));
+    assert_eq!(
+        (v["width"].as_u64(), v["tokens"].as_u64()),
+        (Some(64), Some(256))
+    );
     let served = png(&edit_image(&v));
 
     // The same edit through the CLI: the daemon's default guidance on a Kontext model
@@ -57,7 +60,10 @@ fn a_kontext_daemon_edits_by_instruction_as_the_cli_does() {
     let cli = png(&std::fs::read(&out).unwrap());
     let (worst, off) = served.level_diff(&cli);
     println!("served vs CLI: max level diff {worst}, {off} values differ");
-    assert_eq!(worst, 0, "the daemon's instruction edit differs from the CLI's");
+    assert_eq!(
+        worst, 0,
+        "the daemon's instruction edit differs from the CLI's"
+    );
     let original = png(&input);
     let (changed, _) = served.level_diff(&original);
     assert!(changed > 10, "the instruction changed nothing ({changed})");

@@ -265,7 +265,9 @@ pub fn prepare(
     let image = decode_image(image_bytes, &limits).map_err(input_error)?;
     let (iw, ih) = (image.width, image.height);
     if matches!(mask, MaskInput::Whole) && p.kind != PipelineKind::Kontext {
-        return Err(input_error(p.kind.require(PipelineKind::Kontext).unwrap_err()));
+        return Err(input_error(
+            p.kind.require(PipelineKind::Kontext).unwrap_err(),
+        ));
     }
     let mask = match mask {
         MaskInput::Image(b, channel) => {

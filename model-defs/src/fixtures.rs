@@ -84,6 +84,10 @@ pub fn run_checked(
         println!("{label} step {i}: max abs diff {d:.2e} of {mx:.2}");
         assert!(d <= 1e-5 * mx, "{label} step {i}: {d:.2e} of {mx:.2}");
     }
-    assert_eq!((job.step() - first) * per, want.len(), "{label}: every step checked");
+    assert_eq!(
+        (job.step() - first) * per,
+        want.len(),
+        "{label}: every step checked"
+    );
     job.finish(m).unwrap().0
 }

@@ -32,7 +32,11 @@ fn instruction_edit_matches_diffusers_flux_kontext_pipeline() {
     let steps = params["num_inference_steps"].as_u64().unwrap() as usize;
     let dir = fixtures_dir().join(case["model_dir"].as_str().unwrap());
     let fill = FluxFill::load(&ModelSource::dir(dir.clone()), CpuBackend::new()).unwrap();
-    assert_eq!(fill.kind, PipelineKind::Kontext, "model_index.json names FluxKontextPipeline");
+    assert_eq!(
+        fill.kind,
+        PipelineKind::Kontext,
+        "model_index.json names FluxKontextPipeline"
+    );
     let f = SafetensorsFile::open(
         fixtures_dir()
             .join("cases")
@@ -63,7 +67,14 @@ fn instruction_edit_matches_diffusers_flux_kontext_pipeline() {
     };
     let prompt = cases["prompt"].as_str().unwrap();
     let prep = fill
-        .prepare_kontext(&image, output, prompt, &opts, &noise, &mut Timings::default())
+        .prepare_kontext(
+            &image,
+            output,
+            prompt,
+            &opts,
+            &noise,
+            &mut Timings::default(),
+        )
         .unwrap();
     let r = prep.inputs.reference.as_ref().unwrap();
     let (d, mx) = max_abs(r.latents.data(), want("image_latents").data());
@@ -76,10 +87,17 @@ fn instruction_edit_matches_diffusers_flux_kontext_pipeline() {
     let schedule = FlowMatchEuler::new(&sc, steps, 256).unwrap();
     let (ds, _) = max_abs(&schedule.sigmas, want("sigmas").data());
     assert!(ds <= 1e-6, "sigmas differ by {ds:.2e}");
-    for (label, fill) in [("diffusers directory", fill), ("BFL single file", bfl(&dir))] {
+    for (label, fill) in [
+        ("diffusers directory", fill),
+        ("BFL single file", bfl(&dir)),
+    ] {
         let m = fill.shared_transformer().unwrap();
         let job = Job::new(&m, &prep.inputs, schedule.clone(), Mode::Full).unwrap();
-        assert_eq!(job.shape().active, 512, "noisy and reference tokens computed");
+        assert_eq!(
+            job.shape().active,
+            512,
+            "noisy and reference tokens computed"
+        );
         let latents = run_checked(&m, job, &want("step_latents"), label);
         let raw = fill.decode_raw(&latents, 64, 64).unwrap();
         let n = 64 * 64;
@@ -91,8 +109,8 @@ fn instruction_edit_matches_diffusers_flux_kontext_pipeline() {
         println!("{label}: image max abs diff {d:.2e}");
         assert!(d <= 1e-4, "{label} image: {d:.2e}");
         let png = std::fs::read(fixtures_dir().join("cases/kontext_instruct_output.png")).unwrap();
-        let (worst, _) =
-            from_model_space(raw.data(), 64, 64).level_diff(&decode_image(&png, &fill.limits).unwrap());
+        let (worst, _) = from_model_space(raw.data(), 64, 64)
+            .level_diff(&decode_image(&png, &fill.limits).unwrap());
         assert!(worst <= 1, "{label}: PNG levels differ by {worst}");
     }
 }
@@ -108,26 +126,41 @@ fn masked_edit_matches_diffusers_flux_kontext_inpaint_pipeline() {
     let steps = params["num_inference_steps"].as_u64().unwrap() as usize;
     let dir = fixtures_dir().join(case["model_dir"].as_str().unwrap());
     let fill = FluxFill::load(&ModelSource::dir(dir), CpuBackend::new()).unwrap();
-    let f = SafetensorsFile::open(fixtures_dir().join("cases/kontext_inpaint.safetensors")).unwrap();
+    let f =
+        SafetensorsFile::open(fixtures_dir().join("cases/kontext_inpaint.safetensors")).unwrap();
     let want = |name: &str| f.tensor_f32(name).unwrap();
     let read = |name: &str| std::fs::read(fixtures_dir().join("cases").join(name)).unwrap();
     let image = decode_image(&read("e2e_input.png"), &fill.limits).unwrap();
-    let mask = decode_mask(&read("e2e_mask.png"), 64, 64, &fill.limits, Default::default()).unwrap();
+    let mask = decode_mask(
+        &read("e2e_mask.png"),
+        64,
+        64,
+        &fill.limits,
+        Default::default(),
+    )
+    .unwrap();
     let noise = want("noise");
     let opts = EditOptions {
         steps,
         guidance: params["guidance_scale"].as_f64().unwrap() as f32,
         max_sequence_length: params["max_sequence_length"].as_u64().unwrap() as usize,
+        strength: params["strength"].as_f64().unwrap() as f32,
         ..Default::default()
     };
     let noise = Noise {
         initial_latents: Some(pack_latents(noise.data(), 16, 32, 32).unwrap()),
         posterior_eps: None,
     };
-    let strength = params["strength"].as_f64().unwrap() as f32;
     let prompt = cases["prompt"].as_str().unwrap();
     let (prep, start) = fill
-        .prepare_kontext_inpaint(&image, &mask, prompt, &opts, strength, &noise, &mut Timings::default())
+        .prepare_kontext_inpaint(
+            &image,
+            &mask,
+            prompt,
+            &opts,
+            &noise,
+            &mut Timings::default(),
+        )
         .unwrap();
     assert_eq!(start, 1, "strength 0.75 of 4 steps starts at the second");
     let r = prep.inputs.reference.as_ref().unwrap();
@@ -142,7 +175,8 @@ fn masked_edit_matches_diffusers_flux_kontext_inpaint_pipeline() {
     let latents = run_checked(&m, job, &want("step_latents"), "inpaint");
     let raw = fill.decode_raw(&latents, 64, 64).unwrap();
     let got = from_model_space(raw.data(), 64, 64);
-    let (worst, _) = got.level_diff(&decode_image(&read("kontext_inpaint_output.png"), &fill.limits).unwrap());
+    let (worst, _) =
+        got.level_diff(&decode_image(&read("kontext_inpaint_output.png"), &fill.limits).unwrap());
     println!("inpaint: PNG max level diff {worst}");
     assert!(worst <= 1, "inpaint: PNG levels differ by {worst}");
 }
@@ -170,16 +204,14 @@ fn a_fill_model_refuses_an_edit_without_a_mask_and_kontext_refuses_templates() {
         height: 64,
         data: vec![128; 64 * 64 * 3],
     };
-    let Err(e) = fill
-        .prepare_kontext(
-            &image,
-            (64, 64),
-            "x",
-            &EditOptions::default(),
-            &Noise::default(),
-            &mut Timings::default(),
-        )
-    else {
+    let Err(e) = fill.prepare_kontext(
+        &image,
+        (64, 64),
+        "x",
+        &EditOptions::default(),
+        &Noise::default(),
+        &mut Timings::default(),
+    ) else {
         panic!("a Fill model took an instruction edit");
     };
     assert!(e.to_string().contains("needs a mask"), "{e}");

@@ -672,7 +672,10 @@ mod tests {
         }
         let cli = Cli::parse_from(["x", "--requests", "400", "--rps", "100", "--templates", "3"]);
         let plan = uploads(&cli.a, 0.7, &[0.2], None, &mut Rng(5)).unwrap();
-        let images: Vec<&str> = plan.iter().map(|p| p.2["image"].as_str().unwrap()).collect();
+        let images: Vec<&str> = plan
+            .iter()
+            .map(|p| p.2["image"].as_str().unwrap())
+            .collect();
         let mut seen = std::collections::HashMap::<&str, usize>::new();
         for i in &images {
             *seen.entry(i).or_default() += 1;

@@ -22,11 +22,11 @@ use denoised_models::pipeline::flux_fill::{
     EditOptions, FluxFill, Noise, Parts, PipelineKind, Prepared, Timings,
 };
 use denoised_models::pipeline::image::Rgb8;
-use denoised_models::pipeline::{kontext, sizing};
 use denoised_models::pipeline::image::{
     decode_image, decode_mask, encode_png, from_model_space, Mask,
 };
 use denoised_models::pipeline::sparse_vae::{SparseVae, SparseVaeSetting};
+use denoised_models::pipeline::{kontext, sizing};
 use denoised_models::vae::sparse::check_traces;
 use denoised_models::{FlowMatchEuler, ModelSource};
 use denoised_runtime::weights::SafetensorsFile;
@@ -228,7 +228,9 @@ pub(super) fn read_noise(path: &Path) -> CliResult<Noise> {
     let initial_latents = match (get("initial_latents")?, get("noise")?) {
         (Some(l), _) => l,
         (None, Some(n)) if n.shape().len() == 4 => {
-            let &[_, c, h, w] = n.shape() else { unreachable!() };
+            let &[_, c, h, w] = n.shape() else {
+                unreachable!()
+            };
             pack_latents(n.data(), c, h, w)?
         }
         _ => {
@@ -404,6 +406,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
         template_edit: template.is_some(),
         vae_traces,
         record_vae_trace: false,
+        strength: a.strength,
     };
     let noise = a
         .noise
@@ -526,7 +529,12 @@ fn kontext_edit(
         return Err("ControlNets with a FLUX.1 Kontext model are not built yet".into());
     }
     let steps = c.steps.unwrap_or(defaults::STEPS as usize);
-    let noise = a.noise.as_deref().map(read_noise).transpose()?.unwrap_or_default();
+    let noise = a
+        .noise
+        .as_deref()
+        .map(read_noise)
+        .transpose()?
+        .unwrap_or_default();
     let mut opts = EditOptions {
         steps,
         guidance: c.guidance.unwrap_or(defaults::KONTEXT_GUIDANCE),
@@ -534,6 +542,7 @@ fn kontext_edit(
         max_sequence_length: c.max_sequence_length,
         paste_back: !a.no_paste_back,
         feather: a.feather,
+        strength: a.strength,
         ..Default::default()
     };
     let (prepared, start) = match &a.mask {
@@ -561,7 +570,7 @@ fn kontext_edit(
                 .map_err(|e| format!("{}: {e}", path.display()))?;
             eprintln!("masked instruction edit: {w}x{h}, strength {}", a.strength);
             let prompt = &c.prompt;
-            p.prepare_kontext_inpaint(&image, &mask, prompt, &opts, a.strength, &noise, t)?
+            p.prepare_kontext_inpaint(&image, &mask, prompt, &opts, &noise, t)?
         }
     };
     let (w, h) = (prepared.image.width, prepared.image.height);

@@ -9,9 +9,9 @@ use denoised_runtime::Tensor;
 use super::{ComputeActor, Stage, StageCommand};
 use crate::node::Shm;
 use crate::stages::{self, MaskInput, Pipeline, TemplateVae};
-use crate::wire::{ReferenceHandles, 
+use crate::wire::{
     InputHandles, MaskSpec, NegativeHandles, PrepareInput, PrepareReq, PreparedRefs, PreprocessMsg,
-    SourceRefs, VaeTraces, Wire, WireError,
+    ReferenceHandles, SourceRefs, VaeTraces, Wire, WireError,
 };
 
 /// The preprocess group's stage.

@@ -521,7 +521,9 @@ fn job_rows(inputs: &DenoiseInputs, rows: &[u32]) -> Result<(Tensor, Tensor)> {
     let (c, k) = (inputs.latents.cols(), inputs.cond.cols());
     let r = inputs.reference.as_ref();
     let n = rows.len() + r.map_or(0, |r| r.latents.rows());
-    if let Some(r) = r.filter(|r| r.latents.cols() != c + k || r.ids.shape() != [r.latents.rows(), 3]) {
+    if let Some(r) =
+        r.filter(|r| r.latents.cols() != c + k || r.ids.shape() != [r.latents.rows(), 3])
+    {
         return Err(Error::Invalid(format!(
             "reference latents {:?} and ids {:?} for {} latent and {k} conditioning channels",
             r.latents.shape(),

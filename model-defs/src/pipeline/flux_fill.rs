@@ -53,6 +53,9 @@ pub struct EditOptions {
     pub vae_traces: Option<HostSlice>,
     /// A template capture: record the encoder's trace ([`Prepared::vae_trace`]).
     pub record_vae_trace: bool,
+    /// A masked Kontext edit: how much of the schedule runs (diffusers' `strength`;
+    /// 1 starts from noise).
+    pub strength: f32,
 }
 
 impl Default for EditOptions {
@@ -68,6 +71,7 @@ impl Default for EditOptions {
             template_edit: false,
             vae_traces: None,
             record_vae_trace: false,
+            strength: 1.0,
         }
     }
 }
@@ -633,11 +637,16 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         if self.kind == PipelineKind::Kontext {
             if opts.template_edit || opts.record_vae_trace {
                 return Err(Error::Invalid(
-                    "templates of a FLUX.1 Kontext model are not built yet: edit the image itself".into(),
+                    "templates of a FLUX.1 Kontext model are not built yet: edit the image itself"
+                        .into(),
                 ));
             }
             if !mask.data.iter().all(|&m| m) {
-                let (p, _) = self.prepare_kontext_inpaint(image, mask, prompt, opts, 1.0, noise, t)?;
+                let opts = EditOptions {
+                    strength: 1.0,
+                    ..opts.clone()
+                };
+                let (p, _) = self.prepare_kontext_inpaint(image, mask, prompt, &opts, noise, t)?;
                 return Ok(p);
             }
             let size = (image.width, image.height);

@@ -110,7 +110,10 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         self.kind.require(PipelineKind::Kontext)?;
         let (w, h) = output;
         let block = 2 * self.vae_scale_factor();
-        for (what, (x, y)) in [("reference image", (image.width, image.height)), ("output", output)] {
+        for (what, (x, y)) in [
+            ("reference image", (image.width, image.height)),
+            ("output", output),
+        ] {
             if x == 0 || y == 0 || x % block != 0 || y % block != 0 {
                 return Err(Error::Invalid(format!(
                     "the {what} is {x}x{y}: a Kontext edit needs sides that are multiples of {block}"
@@ -170,7 +173,8 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     /// Preprocessing of a masked instruction edit, as `FluxKontextInpaintPipeline`
     /// computes it: the image (at its size, whole tokens) is the reference and the
     /// latents outside `mask` follow it, re-noised to each step's sigma ([`Inpaint`]);
-    /// the run starts at step [`start_step`] of `opts.steps` (returned with it), from
+    /// the run starts at step [`start_step`] of `opts.steps` at `opts.strength`
+    /// (returned with it), from
     /// `noise.initial_latents` as they are when given (diffusers' `latents=`), else
     /// from the image's latents noised to that step's sigma with noise drawn from the
     /// seed.
@@ -180,12 +184,14 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         mask: &Mask,
         prompt: &str,
         opts: &EditOptions,
-        strength: f32,
         noise: &Noise,
         t: &mut Timings,
     ) -> Result<(Prepared, usize)> {
+        let strength = opts.strength;
         if !(strength > 0.0 && strength <= 1.0) {
-            return Err(Error::Invalid(format!("strength {strength} is not in (0, 1]")));
+            return Err(Error::Invalid(format!(
+                "strength {strength} is not in (0, 1]"
+            )));
         }
         let (w, h) = (image.width, image.height);
         if (mask.width, mask.height) != (w, h) {
@@ -203,7 +209,10 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         }
         let mut p = self.prepare_kontext(image, (w, h), prompt, opts, noise, t)?;
         let inputs = &mut p.inputs;
-        let reference = inputs.reference.as_mut().expect("a Kontext request's reference");
+        let reference = inputs
+            .reference
+            .as_mut()
+            .expect("a Kontext request's reference");
         let image_latents = reference.latents.clone();
         let n = inputs.latents.clone();
         if noise.initial_latents.is_none() {

@@ -84,9 +84,11 @@ pub async fn edit_auto(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditO
         captured,
     };
     let mut captured = false;
+    let capturing = ctx.auto_captures.of(&id);
     let present = if exists(ctx, &id).await {
         true
     } else if input.auto == Auto::See && admitted(ctx, key) {
+        let _one = capturing.lock().await;
         match capture_for(ctx, job, input, &id).await {
             Ok(()) => {
                 captured = true;
@@ -103,6 +105,11 @@ pub async fn edit_auto(ctx: &Ctx, job: JobId, input: &EditInput) -> Result<EditO
                 false
             }
         }
+    } else if capturing.try_lock().is_err() {
+        // Its capture is under way (another edit's): a template edit once it is done,
+        // rather than a full run beside it.
+        drop(capturing.lock().await);
+        exists(ctx, &id).await
     } else {
         false
     };

@@ -56,6 +56,9 @@ pub struct Ctx {
     /// An edit's default guidance: FluxFillPipeline's, or FluxKontextPipeline's when
     /// the model is a Kontext one (read from its `model_index.json` at start).
     pub edit_guidance: f32,
+    /// Captures of uploads as templates under way (`[templates] auto`), by template
+    /// id: an edit of the same image waits for one instead of running in full beside it.
+    pub auto_captures: super::keyed::KeyedLocks,
     next_job: AtomicU64,
     /// Ids an earlier router of this daemon gave out, when this one is a restart: their
     /// jobs died with it, and `GET /v1/jobs/{id}` says so instead of "unknown".
@@ -132,7 +135,12 @@ impl Ctx {
             .unwrap_or(false);
         use denoised_models::pipeline::defaults::{EDIT_GUIDANCE, KONTEXT_GUIDANCE};
         Ctx {
-            edit_guidance: if kontext { KONTEXT_GUIDANCE } else { EDIT_GUIDANCE },
+            edit_guidance: if kontext {
+                KONTEXT_GUIDANCE
+            } else {
+                EDIT_GUIDANCE
+            },
+            auto_captures: Default::default(),
             sightings: std::sync::Mutex::new(sightings),
             shm,
             jobs,

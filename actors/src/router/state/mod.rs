@@ -9,6 +9,7 @@ mod ctx;
 pub mod idempotency;
 pub mod images;
 pub mod jobs;
+pub mod keyed;
 pub mod pod_route;
 pub mod pods;
 pub mod recipes;

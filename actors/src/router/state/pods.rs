@@ -97,7 +97,7 @@ pub struct Pods {
     pub registry: Option<super::registry::Registry>,
     /// One lock per template this pod brings in (a copy, a capture again): edits
     /// and replication that need the same template wait for one another's copy.
-    obtaining: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    obtaining: super::keyed::KeyedLocks,
     /// Template edits routed here that have not reached the balancer yet (they are
     /// being brought in or preprocessed): they count in this pod's queue, as forwarded
     /// ones count in a peer's until its next report.
@@ -180,7 +180,7 @@ impl Pods {
             router: Mutex::new(PodRouter::new(policy)),
             recipes,
             registry,
-            obtaining: Mutex::new(HashMap::new()),
+            obtaining: Default::default(),
             here: Mutex::new(Vec::new()),
             relayed: Mutex::new(HashMap::new()),
             forgotten: Mutex::new(HashMap::new()),
@@ -255,17 +255,12 @@ impl Pods {
 
     /// The lock of bringing template `id` into this pod.
     pub fn obtaining(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
-        let mut m = self.obtaining.lock().unwrap_or_else(|p| p.into_inner());
-        m.entry(id.to_string()).or_default().clone()
+        self.obtaining.of(id)
     }
 
     /// The templates this pod is bringing in now.
     pub fn fetching(&self) -> Vec<String> {
-        let m = self.obtaining.lock().unwrap_or_else(|p| p.into_inner());
-        m.iter()
-            .filter(|(_, l)| l.try_lock().is_err())
-            .map(|(id, _)| id.clone())
-            .collect()
+        self.obtaining.held()
     }
 
     /// Where a request should run, by the pod policy ([`pod_route::choose`]) over this

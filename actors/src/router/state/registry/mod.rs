@@ -61,7 +61,7 @@ pub struct Registry {
     /// One registration of an id at a time at this pod: the cache makes a stored
     /// version current at once, so a second one that lost its compare-and-swap would
     /// otherwise take the winner's copy down with its own.
-    claims: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    claims: super::keyed::KeyedLocks,
     /// Whether this pod's templates were reconciled with the registry since it started
     /// (it is not ready before).
     reconciled: AtomicBool,
@@ -177,12 +177,7 @@ impl Registry {
 
     /// Waits for this pod's registration of `id` under way, if any, to end.
     async fn claim(&self, id: &str) -> tokio::sync::OwnedMutexGuard<()> {
-        let lock = {
-            let mut m = self.claims.lock().unwrap_or_else(|p| p.into_inner());
-            m.retain(|_, l| Arc::strong_count(l) > 1);
-            m.entry(id.to_string()).or_default().clone()
-        };
-        lock.lock_owned().await
+        self.claims.of(id).lock_owned().await
     }
 
     fn intent(
