@@ -4,7 +4,8 @@
 //! - [`weights`]: the parameter set, loaded from diffusers or generated from a seed.
 //! - [`embed`]: timestep/guidance sinusoids and the 3-axis RoPE tables.
 //! - [`model`]: the forward pass over a packed batch of requests.
-//! - [`edit`]: jobs and the batched step; [`slabs`]: where edits read cached slabs from.
+//! - [`edit`]: jobs and the batched step; [`slabs`]: where edits read cached slabs from;
+//!   [`reference`]: a Kontext request's reference tokens.
 
 pub mod adapters;
 pub mod bfl;
@@ -22,6 +23,7 @@ pub mod model;
 mod observer;
 mod packing;
 pub mod plan;
+pub mod reference;
 pub mod request;
 pub mod single_file;
 pub mod slabs;

@@ -8,6 +8,7 @@ pub mod fill;
 pub mod flux_fill;
 pub mod generate;
 pub mod image;
+mod kind;
 pub mod kontext;
 pub mod paste;
 pub mod preview;
