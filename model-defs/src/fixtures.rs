@@ -91,3 +91,37 @@ pub fn run_checked(
     );
     job.finish(m).unwrap().0
 }
+
+/// Checks a decoder output `raw` (`[1, 3, H, W]`, model space) against diffusers': its
+/// float image `want` (`output_type="np"`, `[1, H, W, 3]`) within 1e-4 when given, and
+/// its PNG `cases/<png>` within 1 level.
+pub fn check_decoded(raw: &Tensor, want: Option<&Tensor>, png: &str, label: &str) {
+    use crate::pipeline::image::{decode_image, from_model_space, ImageLimits};
+    let &[1, 3, h, w] = raw.shape() else {
+        panic!(
+            "{label}: a decoder output is [1, 3, H, W], not {:?}",
+            raw.shape()
+        )
+    };
+    let n = w * h;
+    if let Some(want) = want {
+        let np: Vec<f32> = (0..n)
+            .flat_map(|i| (0..3).map(move |c| (i, c)))
+            .map(|(i, c)| (raw.data()[c * n + i] * 0.5 + 0.5).clamp(0.0, 1.0))
+            .collect();
+        let (d, _) = max_abs(&np, want.data());
+        println!("{label}: image max abs diff {d:.2e}");
+        assert!(d <= 1e-4, "{label} image: {d:.2e}");
+    }
+    let path = denoised_runtime::fixtures::fixtures_dir()
+        .join("cases")
+        .join(png);
+    let limits = ImageLimits {
+        max_pixels: 1 << 24,
+        multiple_of: 1,
+    };
+    let png = decode_image(&std::fs::read(path).unwrap(), &limits).unwrap();
+    let (worst, _) = from_model_space(raw.data(), w, h).level_diff(&png);
+    println!("{label}: PNG max level diff {worst}");
+    assert!(worst <= 1, "{label}: PNG levels differ by {worst}");
+}

@@ -10,24 +10,15 @@
 
 use std::sync::Arc;
 
-use denoised_models::fixtures::{max_abs, run_checked};
+use denoised_models::fixtures::{check_decoded, run_checked};
 use denoised_models::flux::edit::{DenoiseInputs, Job, Mode};
 use denoised_models::pipeline::flux_fill::{FluxFill, PipelineKind, Timings};
 use denoised_models::pipeline::generate::GenerateOptions;
-use denoised_models::pipeline::image::{decode_image, from_model_space};
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
 use denoised_models::ModelSource;
 use denoised_runtime::fixtures::fixtures_dir;
 use denoised_runtime::weights::SafetensorsFile;
 use denoised_runtime::{CpuBackend, Tensor};
-
-/// The decoder output of `latents` as 8-bit pixels, within 1 level of the fixture PNG.
-fn check_png(fill: &FluxFill<CpuBackend>, raw: &Tensor, png: &str, label: &str) {
-    let png = std::fs::read(fixtures_dir().join("cases").join(png)).unwrap();
-    let (worst, _) =
-        from_model_space(raw.data(), 64, 64).level_diff(&decode_image(&png, &fill.limits).unwrap());
-    assert!(worst <= 1, "{label} PNG levels differ by {worst}");
-}
 
 #[test]
 fn text_to_image_loop_matches_diffusers_flux_pipeline() {
@@ -81,15 +72,8 @@ fn text_to_image_loop_matches_diffusers_flux_pipeline() {
         let job = Job::new(m, &inputs, schedule, Mode::Full).unwrap();
         let latents = run_checked(m, job, &want("step_latents"), variant);
         let raw = fill.decode_raw(&latents, 64, 64).unwrap();
-        let n = 64 * 64;
-        let np: Vec<f32> = (0..n)
-            .flat_map(|i| (0..3).map(move |c| (i, c)))
-            .map(|(i, c)| (raw.data()[c * n + i] * 0.5 + 0.5).clamp(0.0, 1.0))
-            .collect();
-        let (d, _) = max_abs(&np, want("output").data());
-        println!("{variant} image: max abs diff {d:.2e}");
-        assert!(d <= 1e-4, "{variant} image: {d:.2e}");
-        check_png(&fill, &raw, &format!("t2i_{variant}_output.png"), variant);
+        let png = format!("t2i_{variant}_output.png");
+        check_decoded(&raw, Some(&want("output")), &png, variant);
 
         // The resume fixture: prompt B from prompt A's state after step k, on the rest of
         // the same schedule (what an approximate-cache hit at k computes).
@@ -117,9 +101,9 @@ fn text_to_image_loop_matches_diffusers_flux_pipeline() {
         let label = format!("{variant} resumed at {k}");
         let latents = run_checked(m, job, &want("resume_step_latents"), &label);
         let raw = fill.decode_raw(&latents, 64, 64).unwrap();
-        check_png(
-            &fill,
+        check_decoded(
             &raw,
+            None,
             &format!("t2i_{variant}_resume_output.png"),
             &label,
         );

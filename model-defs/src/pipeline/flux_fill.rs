@@ -86,6 +86,23 @@ pub struct Noise {
     pub posterior_eps: Option<Tensor>,
 }
 
+/// A request's initial packed latents `[n, c]`: `given` (diffusers' `latents`, to
+/// reproduce its run) when it has that many values, else drawn from `rng`.
+pub(crate) fn initial_latents_or(
+    given: Option<&Tensor>,
+    [n, c]: [usize; 2],
+    rng: &mut SplitMix,
+) -> Result<Tensor> {
+    match given {
+        Some(l) if l.len() == n * c => Tensor::new([n, c], l.data().to_vec()),
+        Some(l) => Err(Error::Invalid(format!(
+            "initial_latents has shape {:?}, expected [{n}, {c}]",
+            l.shape()
+        ))),
+        None => Tensor::new([n, c], (0..n * c).map(|_| rng.normal()).collect()),
+    }
+}
+
 /// Seconds spent in each stage of one request.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct Timings {
@@ -666,16 +683,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         t.vae_encode_s += t0.elapsed().as_secs_f64();
 
         let oc = self.config.out_channels();
-        let latents = match &noise.initial_latents {
-            Some(l) if l.len() == n * oc => Tensor::new([n, oc], l.data().to_vec())?,
-            Some(l) => {
-                return Err(Error::Invalid(format!(
-                    "initial_latents has shape {:?}, expected [{n}, {oc}]",
-                    l.shape()
-                )))
-            }
-            None => Tensor::new([n, oc], (0..n * oc).map(|_| rng.normal()).collect())?,
-        };
+        let latents = initial_latents_or(noise.initial_latents.as_ref(), [n, oc], &mut rng)?;
         let t_len = txt.rows();
         Ok(Prepared {
             inputs: DenoiseInputs {

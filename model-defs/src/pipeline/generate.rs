@@ -9,7 +9,7 @@
 
 use denoised_runtime::{Backend, Error, Result, Tensor};
 
-use super::flux_fill::{FluxFill, PipelineKind, Prepared, Timings};
+use super::flux_fill::{initial_latents_or, FluxFill, PipelineKind, Prepared, Timings};
 use super::image::{check_size, Mask, Rgb8};
 use crate::flux::edit::{DenoiseInputs, TrueCfg};
 use crate::flux::embed::image_ids;
@@ -90,6 +90,20 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         t: &mut Timings,
     ) -> Result<Prepared> {
         self.kind.require(PipelineKind::TextToImage)?;
+        self.prepare_from_noise(prompt, opts, initial_latents, t)
+    }
+
+    /// What a generation and a Kontext edit prepare alike: the prompt's embeddings and
+    /// the initial noise over the `opts.width x opts.height` grid, conditioned on
+    /// nothing else (a Kontext edit adds its reference), and a blank image under a full
+    /// mask.
+    pub(super) fn prepare_from_noise(
+        &self,
+        prompt: &str,
+        opts: &GenerateOptions,
+        initial_latents: Option<&Tensor>,
+        t: &mut Timings,
+    ) -> Result<Prepared> {
         let (w, h) = (opts.width, opts.height);
         check_size("size", w, h, &self.limits)?;
         let (txt, pooled, prompt_truncated) =
@@ -97,24 +111,14 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
         let (rows, cols) = self.tokens(w, h);
         let n = rows * cols;
         let oc = self.config.out_channels();
-        let latents = match initial_latents {
-            Some(l) if l.len() == n * oc => Tensor::new([n, oc], l.data().to_vec())?,
-            Some(l) => {
-                return Err(Error::Invalid(format!(
-                    "initial_latents has shape {:?}, expected [{n}, {oc}] for {w}x{h}",
-                    l.shape()
-                )))
-            }
-            None => {
-                let mut rng = SplitMix::new(opts.seed);
-                Tensor::new([n, oc], (0..n * oc).map(|_| rng.normal()).collect())?
-            }
-        };
+        let mut rng = SplitMix::new(opts.seed);
+        let latents = initial_latents_or(initial_latents, [n, oc], &mut rng)?;
         let t_len = txt.rows();
         Ok(Prepared {
             inputs: DenoiseInputs {
                 latents,
-                // FluxPipeline conditions on nothing but the text.
+                // FluxPipeline conditions on nothing but the text (Kontext adds its
+                // reference tokens).
                 cond: Tensor::new([n, 0], Vec::new())?,
                 img_ids: Tensor::new([n, 3], image_ids(rows, cols))?,
                 txt,

@@ -19,10 +19,10 @@ use denoised_runtime::{Backend, Error, Result, Tensor};
 
 use super::fill::{normalize_and_pack, pack_latents};
 use super::flux_fill::{EditOptions, FluxFill, Noise, PipelineKind, Prepared, Timings};
+use super::generate::GenerateOptions;
 use super::image::{to_model_space, Mask, Rgb8};
-use crate::flux::edit::{DenoiseInputs, Inpaint, Reference};
+use crate::flux::edit::{Inpaint, Reference};
 use crate::flux::embed::image_ids;
-use crate::flux::weights::SplitMix;
 
 /// `PREFERRED_KONTEXT_RESOLUTIONS` of diffusers' `pipeline_flux_kontext.py`, as
 /// `(width, height)`: the sizes Kontext was trained at.
@@ -120,54 +120,19 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 )));
             }
         }
-        let (txt, pooled, prompt_truncated) =
-            self.encode_prompt(prompt, opts.max_sequence_length, t)?;
-        let t0 = Instant::now();
-        let reference = self.reference_latents(image)?;
-        t.vae_encode_s += t0.elapsed().as_secs_f64();
-        let (rows, cols) = self.tokens(w, h);
-        let n = rows * cols;
-        let oc = self.config.out_channels();
-        let latents = match &noise.initial_latents {
-            Some(l) if l.len() == n * oc => Tensor::new([n, oc], l.data().to_vec())?,
-            Some(l) => {
-                return Err(Error::Invalid(format!(
-                    "initial_latents has shape {:?}, expected [{n}, {oc}] for {w}x{h}",
-                    l.shape()
-                )))
-            }
-            None => {
-                let mut rng = SplitMix::new(opts.seed);
-                Tensor::new([n, oc], (0..n * oc).map(|_| rng.normal()).collect())?
-            }
+        let grid = GenerateOptions {
+            steps: opts.steps,
+            guidance: opts.guidance,
+            seed: opts.seed,
+            max_sequence_length: opts.max_sequence_length,
+            width: w,
+            height: h,
         };
-        let t_len = txt.rows();
-        Ok(Prepared {
-            inputs: DenoiseInputs {
-                latents,
-                // Kontext conditions on the text and the reference tokens only.
-                cond: Tensor::new([n, 0], Vec::new())?,
-                img_ids: Tensor::new([n, 3], image_ids(rows, cols))?,
-                txt,
-                txt_ids: Tensor::zeros([t_len, 3]),
-                pooled,
-                guidance: opts.guidance,
-                reference: Some(reference),
-            },
-            // The whole output is generated: a paste-back over it is the identity.
-            image: Rgb8 {
-                width: w,
-                height: h,
-                data: vec![0; w * h * 3],
-            },
-            mask: Mask {
-                width: w,
-                height: h,
-                data: vec![true; w * h],
-            },
-            prompt_truncated,
-            vae_trace: None,
-        })
+        let mut p = self.prepare_from_noise(prompt, &grid, noise.initial_latents.as_ref(), t)?;
+        let t0 = Instant::now();
+        p.inputs.reference = Some(self.reference_latents(image)?);
+        t.vae_encode_s += t0.elapsed().as_secs_f64();
+        Ok(p)
     }
 
     /// Preprocessing of a masked instruction edit, as `FluxKontextInpaintPipeline`
