@@ -149,6 +149,27 @@ fn instruction_edit_matches_diffusers_flux_kontext_through_the_cli() {
     let (worst, off) = png_file(&out).level_diff(&png_file(&case("kontext_inpaint_output.png")));
     println!("kontext inpaint vs diffusers: max level diff {worst}, {off} values differ");
     assert!(worst <= 1, "masked: max level diff {worst}");
+    // With a separate reference image (diffusers' image_reference, at its own size).
+    let c = &cases["cases"]["kontext_inpaint_reference"];
+    let (noise, reference) = (
+        case(c["file"].as_str().unwrap()),
+        case("kontext_reference.png"),
+    );
+    let n = args.iter().position(|a| *a == "--noise").unwrap();
+    args[n + 1] = s(&noise);
+    args.extend(["--image-reference", s(&reference), "--no-auto-resize"]);
+    let said = ok(&args);
+    assert!(
+        said.contains("reference image: 48x80 read at 48x80"),
+        "{said}"
+    );
+    let want = png_file(&case("kontext_inpaint_reference_output.png"));
+    let (worst, off) = png_file(&out).level_diff(&want);
+    println!("kontext inpaint with a reference vs diffusers: max level diff {worst}, {off} values differ");
+    assert!(
+        worst <= 1,
+        "masked with a reference: max level diff {worst}"
+    );
     // A FLUX.1 Fill model needs the mask, and says what an edit without one needs.
     fails(
         &[

@@ -149,7 +149,20 @@ fn a_flood_of_one_off_images_does_not_evict_a_template_in_use() {
 /// whatever its `n`; the second request captures, the third reads the template.
 #[test]
 fn openai_edits_of_one_image_become_template_edits() {
-    let (_dir, d) = Daemon::with_config(AUTO);
+    openai_sightings(AUTO);
+}
+
+/// Likewise on a FLUX.1 Kontext model (its masked edits; a template of it caches the
+/// reference tokens too).
+#[test]
+fn openai_edits_on_a_kontext_model_become_template_edits() {
+    let model = common::cli::fixtures().join("flux-kontext-tiny");
+    let toml = format!("[model]\nsource = \"{}\"\n{AUTO}", model.display());
+    openai_sightings(&toml);
+}
+
+fn openai_sightings(toml: &str) {
+    let (_dir, d) = Daemon::with_config(toml);
     let image = unb64(&image_b64());
     // OpenAI's mask: transparent where to edit (the fixture mask's white).
     let luma = image::load_from_memory(&unb64(&mask_b64()))

@@ -198,6 +198,21 @@ impl ModelSource {
             .is_some_and(|c| c.starts_with("FluxKontext")))
     }
 
+    /// Which pipeline it is for, read from its configs without loading weights: what
+    /// `FluxFill::load` decides (Kontext by its `model_index.json`, else by the
+    /// transformer's input channels).
+    pub fn pipeline_kind(&self) -> Result<crate::pipeline::flux_fill::PipelineKind> {
+        use crate::pipeline::flux_fill::PipelineKind;
+        if self.is_kontext()? {
+            return Ok(PipelineKind::Kontext);
+        }
+        let c = self.transformer_config()?;
+        Ok(match c.in_channels == c.out_channels() {
+            true => PipelineKind::TextToImage,
+            false => PipelineKind::Fill,
+        })
+    }
+
     /// Whether it is one of the seeded models at benchmark scale (`flux-small`,
     /// `flux1-fill-dev`), whose encoders and VAE are CLIP-L, a T5 (of width 768, or
     /// T5-XXL) and FLUX.1's VAE; the tiny built-ins take the fixture model's. `None`

@@ -14,7 +14,7 @@ use denoised_models::flux::edit::{Job, Mode};
 use denoised_models::pipeline::fill::pack_latents;
 use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, PipelineKind, Timings};
 use denoised_models::pipeline::image::{decode_image, decode_mask};
-use denoised_models::pipeline::kontext::kontext_sizes;
+use denoised_models::pipeline::kontext::{kontext_sizes, InpaintImages};
 use denoised_models::scheduler::{FlowMatchEuler, SchedulerConfig};
 use denoised_models::ModelSource;
 use denoised_runtime::fixtures::fixtures_dir;
@@ -107,17 +107,32 @@ fn instruction_edit_matches_diffusers_flux_kontext_pipeline() {
 
 #[test]
 fn masked_edit_matches_diffusers_flux_kontext_inpaint_pipeline() {
+    masked_case("kontext_inpaint", None);
+}
+
+/// With a separate reference image (`image_reference`, 48x80 on a 64x64 edit): the
+/// reference tokens are its own, on its own grid; the hold still follows the image.
+#[test]
+fn masked_edit_with_a_separate_reference_matches_diffusers() {
+    masked_case("kontext_inpaint_reference", Some("kontext_reference.png"));
+}
+
+fn masked_case(name: &str, reference: Option<&str>) {
     let cases: serde_json::Value = serde_json::from_slice(
         &std::fs::read(fixtures_dir().join("cases/kontext_cases.json")).unwrap(),
     )
     .unwrap();
-    let case = &cases["cases"]["kontext_inpaint"];
+    let case = &cases["cases"][name];
     let params = &case["params"];
     let steps = params["num_inference_steps"].as_u64().unwrap() as usize;
     let dir = fixtures_dir().join(case["model_dir"].as_str().unwrap());
     let fill = FluxFill::load(&ModelSource::dir(dir), CpuBackend::new()).unwrap();
-    let f =
-        SafetensorsFile::open(fixtures_dir().join("cases/kontext_inpaint.safetensors")).unwrap();
+    let f = SafetensorsFile::open(
+        fixtures_dir()
+            .join("cases")
+            .join(format!("{name}.safetensors")),
+    )
+    .unwrap();
     let want = |name: &str| f.tensor_f32(name).unwrap();
     let read = |name: &str| std::fs::read(fixtures_dir().join("cases").join(name)).unwrap();
     let image = decode_image(&read("e2e_input.png"), &fill.limits).unwrap();
@@ -129,6 +144,7 @@ fn masked_edit_matches_diffusers_flux_kontext_inpaint_pipeline() {
         Default::default(),
     )
     .unwrap();
+    let separate = reference.map(|r| decode_image(&read(r), &fill.limits).unwrap());
     let noise = want("noise");
     let opts = EditOptions {
         steps,
@@ -142,29 +158,38 @@ fn masked_edit_matches_diffusers_flux_kontext_inpaint_pipeline() {
         posterior_eps: None,
     };
     let prompt = cases["prompt"].as_str().unwrap();
+    let images = InpaintImages {
+        image: &image,
+        mask: &mask,
+        reference: separate.as_ref(),
+    };
     let (prep, start) = fill
-        .prepare_kontext_inpaint(
-            &image,
-            &mask,
-            prompt,
-            &opts,
-            &noise,
-            &mut Timings::default(),
-        )
+        .prepare_kontext_inpaint(images, prompt, &opts, &noise, &mut Timings::default())
         .unwrap();
     assert_eq!(start, 1, "strength 0.75 of 4 steps starts at the second");
     let r = prep.inputs.reference.as_ref().unwrap();
-    let (d, mx) = max_abs(r.latents.data(), want("image_latents").data());
-    assert!(d <= 1e-5 * mx, "image latents: {d:.2e} of {mx:.2}");
+    let held = &r.inpaint.as_ref().unwrap().image;
+    let refs = match reference {
+        Some(_) => want("reference_latents"),
+        None => want("image_latents"),
+    };
+    for (what, got, want) in [
+        ("reference latents", &r.latents, &refs),
+        ("image latents", held, &want("image_latents")),
+    ] {
+        let (d, mx) = max_abs(got.data(), want.data());
+        assert!(d <= 1e-5 * mx, "{name}: {what}: {d:.2e} of {mx:.2}");
+    }
     let m = fill.shared_transformer().unwrap();
     let schedule = fill.schedule(steps, 64, 64).unwrap();
     let job = Job::new(&m, &prep.inputs, schedule, Mode::Full)
         .unwrap()
         .starting_at(start)
         .unwrap();
-    let latents = run_checked(&m, job, &want("step_latents"), "inpaint");
+    assert_eq!(job.shape().image, 256 + r.latents.rows());
+    let latents = run_checked(&m, job, &want("step_latents"), name);
     let raw = fill.decode_raw(&latents, 64, 64).unwrap();
-    check_decoded(&raw, None, "kontext_inpaint_output.png", "inpaint");
+    check_decoded(&raw, None, &format!("{name}_output.png"), name);
 }
 
 /// The Kontext directory with its transformer given as the BFL-layout single file of
@@ -183,7 +208,7 @@ fn bfl(dir: &std::path::Path) -> FluxFill<CpuBackend> {
 }
 
 #[test]
-fn a_fill_model_refuses_an_edit_without_a_mask_and_kontext_refuses_templates() {
+fn a_fill_model_refuses_an_edit_without_a_mask() {
     let fill = FluxFill::load(&ModelSource::Builtin, CpuBackend::new()).unwrap();
     let image = denoised_models::pipeline::image::Rgb8 {
         width: 64,

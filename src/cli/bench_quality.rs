@@ -75,7 +75,7 @@ fn rel_errors(a: &Tensor, b: &Tensor) -> (f64, f64) {
 }
 
 /// PSNR in dB of `a` against `b` over the pixels `mask` marks (infinite when equal).
-fn psnr_in(a: &Rgb8, b: &Rgb8, mask: &Mask) -> f64 {
+pub(super) fn psnr_in(a: &Rgb8, b: &Rgb8, mask: &Mask) -> f64 {
     let (mut se, mut n) = (0f64, 0usize);
     for (i, &on) in mask.data.iter().enumerate() {
         if on {

@@ -90,7 +90,7 @@ pub struct EditArgs {
     /// Mask image of the same size: white (>= 50% luminance) = repaint. Required on a
     /// FLUX.1 Fill model. On a FLUX.1 Kontext model an edit without one is an
     /// instruction edit (FluxKontextPipeline: `--prompt` says what to change); with one,
-    /// the instruction edit's result is pasted back inside it only.
+    /// a masked edit (FluxKontextInpaintPipeline) pasted back inside it only.
     #[arg(long)]
     pub mask: Option<PathBuf>,
     /// Kontext instruction edits: the output's area in pixels, at the image's aspect
@@ -106,6 +106,11 @@ pub struct EditArgs {
     /// starts from noise, less starts part way from the image's latents).
     #[arg(long, default_value_t = 1.0)]
     pub strength: f32,
+    /// Kontext masked edits: a separate reference image the model reads instead of the
+    /// image (diffusers' `image_reference`): at Kontext's nearest preferred resolution,
+    /// or its own size with --no-auto-resize.
+    #[arg(long, value_name = "FILE")]
+    pub image_reference: Option<PathBuf>,
     /// A captured template directory: compute only the masked tokens.
     #[arg(long)]
     pub template: Option<PathBuf>,
@@ -345,6 +350,9 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     let image = decode_image(&read(&image_path)?, &p.limits)
         .map_err(|e| format!("{}: {e}", image_path.display()))?;
     let kontext = p.kind == PipelineKind::Kontext;
+    if a.image_reference.is_some() && !(kontext && template.is_none() && a.mask.is_some()) {
+        return Err("--image-reference is a masked Kontext edit's (--mask, no --template)".into());
+    }
     if kontext && template.is_none() {
         return kontext_edit(&a, &p, &mut placed, &lora.uses, image, &mut t);
     }
@@ -389,10 +397,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
         }
         None => (
             c.steps.unwrap_or(defaults::STEPS as usize),
-            c.guidance.unwrap_or(match kontext {
-                true => defaults::KONTEXT_GUIDANCE,
-                false => defaults::EDIT_GUIDANCE,
-            }),
+            c.guidance.unwrap_or(p.kind.edit_guidance()),
         ),
     };
     let opts = EditOptions {
@@ -455,8 +460,8 @@ pub fn run_edit(a: EditArgs) -> CliResult {
         }
         Some((dir, _)) => {
             let (rows, cols) = p.tokens(image.width, image.height);
-            let layout =
-                TemplateLayout::for_model(&p.config, rows * cols, steps, placed.template_dtype());
+            let grid = p.kind.template_tokens(rows * cols);
+            let layout = TemplateLayout::for_model(&p.config, grid, steps, placed.template_dtype());
             let loaded = template_file::load(dir, &p.fingerprint, &layout)?;
             if loaded.kv_dtype != placed.template_dtype() {
                 // Exact one way (bf16 values are f32 values) and a rounding the device
@@ -511,6 +516,21 @@ pub fn run_edit(a: EditArgs) -> CliResult {
     Ok(())
 }
 
+/// A masked Kontext edit's separate reference image, sized as
+/// `FluxKontextInpaintPipeline` sizes `image_reference` (Lanczos, as diffusers resizes).
+fn kontext_reference(p: &FluxFill<CpuBackend>, a: &EditArgs, path: &Path) -> CliResult<Rgb8> {
+    let image =
+        decode_image(&read(path)?, &p.limits).map_err(|e| format!("{}: {e}", path.display()))?;
+    let block = 2 * p.vae_scale_factor();
+    let (w, h) = (image.width, image.height);
+    let ((rw, rh), _) = kontext::kontext_sizes(w, h, a.max_area, block, !a.no_auto_resize);
+    eprintln!("reference image: {w}x{h} read at {rw}x{rh}");
+    Ok(match (w, h) == (rw, rh) {
+        true => image,
+        false => sizing::resize_rgb(&image, rw, rh),
+    })
+}
+
 /// A FLUX.1 Kontext edit. Without a mask, an instruction edit as `FluxKontextPipeline`
 /// runs it: the output at `--max-area` with the image's aspect, the image as the
 /// reference at its own size or Kontext's nearest preferred one (Lanczos, as diffusers
@@ -537,7 +557,7 @@ fn kontext_edit(
         .unwrap_or_default();
     let mut opts = EditOptions {
         steps,
-        guidance: c.guidance.unwrap_or(defaults::KONTEXT_GUIDANCE),
+        guidance: c.guidance.unwrap_or(p.kind.edit_guidance()),
         seed: c.seed,
         max_sequence_length: c.max_sequence_length,
         paste_back: !a.no_paste_back,
@@ -569,8 +589,16 @@ fn kontext_edit(
             let mask = decode_mask(&read(path)?, w, h, &p.limits, Default::default())
                 .map_err(|e| format!("{}: {e}", path.display()))?;
             eprintln!("masked instruction edit: {w}x{h}, strength {}", a.strength);
-            let prompt = &c.prompt;
-            p.prepare_kontext_inpaint(&image, &mask, prompt, &opts, &noise, t)?
+            let separate = match &a.image_reference {
+                Some(path) => Some(kontext_reference(p, a, path)?),
+                None => None,
+            };
+            let images = kontext::InpaintImages {
+                image: &image,
+                mask: &mask,
+                reference: separate.as_ref(),
+            };
+            p.prepare_kontext_inpaint(images, &c.prompt, &opts, &noise, t)?
         }
     };
     let (w, h) = (prepared.image.width, prepared.image.height);
@@ -627,10 +655,11 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
         height: image.height,
         data: vec![false; image.width * image.height],
     };
-    let record = a.sparse_vae == SparseVaeSetting::Auto;
+    // A Kontext edit's VAE runs dense (its reference is the whole image): no traces.
+    let record = a.sparse_vae == SparseVaeSetting::Auto && p.kind != PipelineKind::Kontext;
     let opts = EditOptions {
         steps: c.steps.unwrap_or(defaults::STEPS as usize),
-        guidance: c.guidance.unwrap_or(defaults::EDIT_GUIDANCE),
+        guidance: c.guidance.unwrap_or(p.kind.edit_guidance()),
         seed: c.seed,
         max_sequence_length: c.max_sequence_length,
         paste_back: false,
@@ -640,9 +669,9 @@ pub fn run_capture(a: CaptureArgs) -> CliResult {
     let prepared = p.prepare(&image, &mask, &c.prompt, &opts, &Noise::default(), &mut t)?;
     let schedule = p.schedule(opts.steps, image.width, image.height)?;
     let (rows, cols) = p.tokens(image.width, image.height);
-    let layout =
-        TemplateLayout::for_model(&p.config, rows * cols, opts.steps, placed.template_dtype())
-            .with_mode(a.cache_mode.parse()?);
+    let grid = p.kind.template_tokens(rows * cols);
+    let layout = TemplateLayout::for_model(&p.config, grid, opts.steps, placed.template_dtype())
+        .with_mode(a.cache_mode.parse()?);
     let mode = Mode::Capture(TemplateCache::new(layout)?);
     let size = (image.width, image.height);
     let preview = PreviewFile::new(c.preview.as_deref(), &c.model, &p.vae, size)?;

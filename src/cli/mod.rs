@@ -9,6 +9,7 @@ mod bench_generate;
 mod bench_kernels;
 mod bench_launches;
 mod bench_lora;
+mod bench_mask_aware;
 mod bench_overheads;
 mod bench_pipeline;
 mod bench_quality;
@@ -134,6 +135,9 @@ pub enum BenchCommand {
     ///
     /// Latent error and PSNR inside the mask against the f32 template; JSON lines.
     CacheQuality(bench_quality::Args),
+    /// What computing only the masked tokens (a template edit) changes against the
+    /// dense edit, for Fill and Kontext: PSNR inside and outside the mask.
+    MaskAwareQuality(bench_mask_aware::Args),
     /// What LoRAs cost on seeded weights: merge, unmerged steps, asynchronous loading.
     ///
     /// Read, upload, merge and unmerge times, the unmerged step's overhead, and the time
@@ -227,6 +231,7 @@ fn run_bench(b: BenchCommand) -> CliResult {
         BenchCommand::Pipeline(a) => bench_pipeline::run(a),
         BenchCommand::Edit(a) => bench_edit::run(a),
         BenchCommand::CacheQuality(a) => bench_quality::run(a),
+        BenchCommand::MaskAwareQuality(a) => bench_mask_aware::run(a),
         BenchCommand::Lora(a) => bench_lora::run(a),
         BenchCommand::ControlnetStream(a) => bench_controlnet::run(a),
         BenchCommand::Overheads(a) => bench_overheads::run(a),

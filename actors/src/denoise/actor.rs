@@ -412,8 +412,11 @@ impl DenoiseState {
         Ok(layout)
     }
 
+    /// The layout of a template of an image of `tokens` tokens (a Kontext template
+    /// also holds its reference tokens).
     fn layout(&self, tokens: usize, steps: u32, dtype: DType) -> TemplateLayout {
-        TemplateLayout::for_model(&self.pipeline.config, tokens, steps as usize, dtype)
+        let grid = self.pipeline.kind.template_tokens(tokens);
+        TemplateLayout::for_model(&self.pipeline.config, grid, steps as usize, dtype)
     }
 
     /// The template's cache, read in place in the cache process's arena. Its key (how
@@ -438,7 +441,7 @@ impl DenoiseState {
         }
         let layout = TemplateLayout::infer(
             &self.pipeline.config,
-            tokens as usize,
+            self.pipeline.kind.template_tokens(tokens as usize),
             steps as usize,
             t.step_stride as usize,
             t.blob.len,

@@ -108,7 +108,7 @@ pub fn submit(
                 (DenoiseWork::Capture { mode, step_stride }, _) => {
                     let layout = TemplateLayout::for_model(
                         &p.config,
-                        n,
+                        p.kind.template_tokens(n),
                         params.steps as usize,
                         template_dtype,
                     )

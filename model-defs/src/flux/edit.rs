@@ -114,8 +114,12 @@ pub struct Job<T> {
     /// Token rows computed each step, and the rest (edits only).
     active: Vec<u32>,
     inactive: Vec<u32>,
-    /// Kontext reference rows, computed after the active ones and never stepped.
+    /// Kontext reference rows computed after the active ones and never stepped (an
+    /// edit of a template reads them from it instead: they are among its inactive rows).
     reference: usize,
+    /// Rows of its token grid: the noisy tokens, then a Kontext request's reference
+    /// tokens (a Kontext template caches both).
+    grid: usize,
     /// A Kontext masked edit's hold on the unmasked latents, applied after each step.
     inpaint: Option<Inpaint>,
     /// An edit's inactive rows for planned full blocks and Y-mode templates: their
@@ -145,6 +149,7 @@ impl<T> Job<T> {
     ) -> Result<Self> {
         let schedule = schedule.into();
         let l = inputs.tokens();
+        let grid = l + inputs.reference.as_ref().map_or(0, |r| r.latents.rows());
         let c = inputs.latents.cols();
         if inputs.cond.rows() != l || inputs.img_ids.shape() != [l, 3] {
             return Err(Error::Invalid(format!(
@@ -155,9 +160,9 @@ impl<T> Job<T> {
         }
         let check = |what: &str, cache: &TemplateCache| -> Result<()> {
             let lay = cache.layout();
-            if lay.tokens != l || lay.latent_channels != c || lay.steps != schedule.steps() {
+            if lay.tokens != grid || lay.latent_channels != c || lay.steps != schedule.steps() {
                 return Err(Error::Invalid(format!(
-                    "{what} of {l} tokens x {c} channels x {} steps with a template of {} tokens x {} channels x {} steps",
+                    "{what} of {grid} tokens x {c} channels x {} steps with a template of {} tokens x {} channels x {} steps",
                     schedule.steps(),
                     lay.tokens,
                     lay.latent_channels,
@@ -190,10 +195,13 @@ impl<T> Job<T> {
                         "edit with an incomplete template cache".into(),
                     ));
                 }
-                (mask.active().to_vec(), mask.inactive())
+                // A Kontext template's reference rows follow the noisy ones: inactive.
+                let mut inactive = mask.inactive();
+                inactive.extend(l as u32..grid as u32);
+                (mask.active().to_vec(), inactive)
             }
         };
-        let inpaint = inputs.reference.as_ref().and_then(|r| r.inpaint.clone());
+        let mut inpaint = inputs.reference.as_ref().and_then(|r| r.inpaint.clone());
         if let Some(ip) = &inpaint {
             for t in [&ip.mask, &ip.image, &ip.noise] {
                 if t.shape() != [l, c] {
@@ -204,12 +212,12 @@ impl<T> Job<T> {
                 }
             }
         }
-        if inputs.reference.is_some() && !matches!(mode, Mode::Full) {
-            return Err(Error::Invalid(
-                "a Kontext request (with a reference image) runs in full: templates of it are not built yet".into(),
-            ));
+        // An edit computes its active rows only: its hold covers those.
+        let computes_reference = !matches!(mode, Mode::Edit { .. });
+        if !computes_reference {
+            inpaint = inpaint.map(|ip| ip.rows(&active));
         }
-        let (img, ids) = job_rows(inputs, &active)?;
+        let (img, ids) = job_rows(inputs, &active, computes_reference)?;
         let tensors = RequestTensors::upload(
             model.backend(),
             &model.config,
@@ -222,7 +230,10 @@ impl<T> Job<T> {
         if let Mode::Capture(cache) = &mode {
             model.backend().pin_host(cache.bytes().memory())?;
         }
-        let rest_host = (!inactive.is_empty()).then(|| RestHost::new(inputs, &inactive));
+        let rest_host = match inactive.is_empty() {
+            true => None,
+            false => Some(RestHost::new(inputs, &inactive)?),
+        };
         Ok(Job {
             tensors,
             guidance: inputs.guidance,
@@ -230,6 +241,7 @@ impl<T> Job<T> {
             step: 0,
             mode,
             reference: img.rows() - active.len(),
+            grid,
             inpaint,
             active,
             inactive,
@@ -305,7 +317,7 @@ impl<T> Job<T> {
                 "true CFG runs on full runs and edits (not captures), with a finite scale".into(),
             ));
         }
-        let (img, ids) = job_rows(inputs, &self.active)?;
+        let (img, ids) = job_rows(inputs, &self.active, self.reference > 0)?;
         let tensors = RequestTensors::upload(
             model.backend(),
             &model.config,
@@ -364,7 +376,7 @@ impl<T> Job<T> {
         StepShape {
             text: self.tensors.txt_rows(),
             active: self.active.len() + self.reference,
-            image: self.tokens + self.reference,
+            image: self.grid,
         }
     }
 
@@ -395,7 +407,12 @@ impl<T> Job<T> {
         let data = out.data_mut();
         let rest = host.latent(cache, &self.inactive, self.step)?;
         for (rows, from) in [(&self.inactive, &rest), (&self.active, &mine)] {
-            for (r, &t) in rows.iter().enumerate() {
+            // Reference rows (after the grid's noisy ones) are not latents to steer.
+            for (r, &t) in rows
+                .iter()
+                .enumerate()
+                .filter(|(_, &t)| (t as usize) < self.tokens)
+            {
                 let t = t as usize;
                 data[t * c..(t + 1) * c].copy_from_slice(from.row(r));
             }
@@ -437,8 +454,11 @@ impl<T> Job<T> {
             return Ok(mine.clone());
         };
         let c = self.latent_channels;
+        // A Kontext template's latents carry its reference rows after the noisy ones.
         let mut out = cache.latent(self.schedule.steps() - 1)?;
-        debug_assert_eq!(out.shape(), [self.tokens, c]);
+        if out.rows() > self.tokens {
+            out = Tensor::new([self.tokens, c], out.data()[..self.tokens * c].to_vec())?;
+        }
         let data = out.data_mut();
         for (r, &t) in self.active.iter().enumerate() {
             let t = t as usize;
@@ -478,33 +498,94 @@ impl<T> Job<T> {
 }
 
 /// A job's image rows `[A (+ R), C + K]` and their position ids: the computed `rows`
-/// of `[latent | conditioning]`, then a Kontext request's reference rows.
-fn job_rows(inputs: &DenoiseInputs, rows: &[u32]) -> Result<(Tensor, Tensor)> {
-    let (c, k) = (inputs.latents.cols(), inputs.cond.cols());
-    let r = inputs.reference.as_ref();
-    let n = rows.len() + r.map_or(0, |r| r.latents.rows());
-    if let Some(r) =
-        r.filter(|r| r.latents.cols() != c + k || r.ids.shape() != [r.latents.rows(), 3])
-    {
-        return Err(Error::Invalid(format!(
-            "reference latents {:?} and ids {:?} for {} latent and {k} conditioning channels",
-            r.latents.shape(),
-            r.ids.shape(),
-            c
-        )));
+/// of `[latent | conditioning]`, then, with `reference`, a Kontext request's
+/// reference rows.
+fn job_rows(inputs: &DenoiseInputs, rows: &[u32], reference: bool) -> Result<(Tensor, Tensor)> {
+    let grid = Grid::new(inputs)?;
+    let refs = grid.l..grid.l + if reference { grid.reference_rows() } else { 0 };
+    let rows: Vec<u32> = rows.iter().copied().chain(refs.map(|t| t as u32)).collect();
+    Ok((grid.inputs(&rows)?, grid.ids(&rows)?))
+}
+
+/// A request's token grid: its `L` noisy tokens, then a Kontext request's `R`
+/// reference tokens (whose latents never change), as a Kontext template lays them out.
+#[derive(Clone, Copy)]
+struct Grid<'a> {
+    inputs: &'a DenoiseInputs,
+    l: usize,
+}
+
+impl<'a> Grid<'a> {
+    fn new(inputs: &'a DenoiseInputs) -> Result<Self> {
+        let (c, k) = (inputs.latents.cols(), inputs.cond.cols());
+        if let Some(r) = inputs
+            .reference
+            .as_ref()
+            .filter(|r| r.latents.cols() != c + k || r.ids.shape() != [r.latents.rows(), 3])
+        {
+            return Err(Error::Invalid(format!(
+                "reference latents {:?} and ids {:?} for {c} latent and {k} conditioning channels",
+                r.latents.shape(),
+                r.ids.shape(),
+            )));
+        }
+        Ok(Grid {
+            inputs,
+            l: inputs.tokens(),
+        })
     }
-    let mut x = Vec::with_capacity(n * (c + k));
-    let mut ids = Vec::with_capacity(n * 3);
-    for &t in rows {
-        x.extend_from_slice(inputs.latents.row(t as usize));
-        x.extend_from_slice(inputs.cond.row(t as usize));
-        ids.extend_from_slice(inputs.img_ids.row(t as usize));
+
+    fn reference_rows(&self) -> usize {
+        self.inputs
+            .reference
+            .as_ref()
+            .map_or(0, |r| r.latents.rows())
     }
-    if let Some(r) = r {
-        x.extend_from_slice(r.latents.data());
-        ids.extend_from_slice(r.ids.data());
+
+    /// Row `t`'s `[latent | conditioning]` (a reference row's is its latents').
+    fn row(&self, t: usize) -> (&'a [f32], &'a [f32]) {
+        let i = self.inputs;
+        match i.reference.as_ref().filter(|_| t >= self.l) {
+            Some(r) => r.latents.row(t - self.l).split_at(i.latents.cols()),
+            None => (i.latents.row(t), i.cond.row(t)),
+        }
     }
-    Ok((Tensor::new([n, c + k], x)?, Tensor::new([n, 3], ids)?))
+
+    fn gather(&self, rows: &[u32], cols: usize, f: impl Fn(usize) -> &'a [f32]) -> Result<Tensor> {
+        let data = rows.iter().flat_map(|&t| f(t as usize)).copied().collect();
+        Tensor::new([rows.len(), cols], data)
+    }
+
+    /// `[rows, C + K]` inputs at the start.
+    fn inputs(&self, rows: &[u32]) -> Result<Tensor> {
+        let w = self.inputs.latents.cols() + self.inputs.cond.cols();
+        let mut x = Vec::with_capacity(rows.len() * w);
+        for &t in rows {
+            let (lat, cond) = self.row(t as usize);
+            x.extend_from_slice(lat);
+            x.extend_from_slice(cond);
+        }
+        Tensor::new([rows.len(), w], x)
+    }
+
+    /// `[rows, C]` initial latents.
+    fn latents(&self, rows: &[u32]) -> Result<Tensor> {
+        self.gather(rows, self.inputs.latents.cols(), |t| self.row(t).0)
+    }
+
+    /// `[rows, K]` conditioning.
+    fn cond(&self, rows: &[u32]) -> Result<Tensor> {
+        self.gather(rows, self.inputs.cond.cols(), |t| self.row(t).1)
+    }
+
+    /// `[rows, 3]` position ids.
+    fn ids(&self, rows: &[u32]) -> Result<Tensor> {
+        let (i, l) = (self.inputs, self.l);
+        self.gather(rows, 3, |t| match i.reference.as_ref().filter(|_| t >= l) {
+            Some(r) => r.ids.row(t - l),
+            None => i.img_ids.row(t),
+        })
+    }
 }
 
 /// An edit's inactive rows on the host: what the full blocks of a plan compute them
@@ -519,12 +600,13 @@ struct RestHost {
 }
 
 impl RestHost {
-    fn new(inputs: &DenoiseInputs, rows: &[u32]) -> Self {
-        RestHost {
-            latent0: inputs.latents.gather(rows),
-            cond: inputs.cond.gather(rows),
-            ids: inputs.img_ids.gather(rows),
-        }
+    fn new(inputs: &DenoiseInputs, rows: &[u32]) -> Result<Self> {
+        let grid = Grid::new(inputs)?;
+        Ok(RestHost {
+            latent0: grid.latents(rows)?,
+            cond: grid.cond(rows)?,
+            ids: grid.ids(rows)?,
+        })
     }
 
     /// `[R, C]` latents of the rows at `step` of `cache`.
@@ -768,7 +850,8 @@ pub fn step_batch_with<B: Backend, S: SlabSource<B::Tensor>>(
             j.tensors.img = be.upload(&x)?;
         }
         if let Mode::Capture(cache) = &j.mode {
-            let latent = be.gather_cols(&j.tensors.img, 0..j.tokens, 0..c)?;
+            // Every row, a Kontext capture's reference rows too (its template's grid).
+            let latent = be.gather_cols(&j.tensors.img, 0..j.grid, 0..c)?;
             be.store(&latent, &cache.latent_slice(j.step)?, DType::F32)?;
         }
         j.step += 1;

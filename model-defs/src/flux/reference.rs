@@ -47,4 +47,13 @@ impl Inpaint {
             }
         }
     }
+
+    /// The hold of only `rows` (an edit's computed rows, in that order).
+    pub(super) fn rows(&self, rows: &[u32]) -> Inpaint {
+        Inpaint {
+            mask: self.mask.gather(rows),
+            image: self.image.gather(rows),
+            noise: self.noise.gather(rows),
+        }
+    }
 }

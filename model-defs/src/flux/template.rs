@@ -28,6 +28,7 @@ use denoised_runtime::stored::encode;
 use denoised_runtime::{fp8, DType, Error, HostSlice, Result, SlabShape, Stored, Tensor};
 
 use super::config::FluxConfig;
+use crate::pipeline::flux_fill::PipelineKind;
 pub use crate::planner::CacheMode;
 
 /// A template slab storage dtype by name: `f32`, `bf16` or `fp8` (E4M3 with a scale per
@@ -51,6 +52,36 @@ pub fn storage_name(dt: DType) -> &'static str {
         DType::F8E4M3 => "fp8",
         DType::F16 => "f16",
         DType::U8 => "u8",
+    }
+}
+
+/// A served model as its templates' layouts depend on it: the transformer's config,
+/// and its pipeline (a Kontext template's grid holds the reference tokens too).
+#[derive(Clone, Debug)]
+pub struct TemplateModel {
+    pub config: FluxConfig,
+    pub kind: PipelineKind,
+}
+
+impl TemplateModel {
+    /// The model of `source`, read from its configs.
+    pub fn of(source: &crate::ModelSource) -> Result<Self> {
+        Ok(TemplateModel {
+            config: source.transformer_config()?,
+            kind: source.pipeline_kind()?,
+        })
+    }
+
+    /// [`TemplateLayout::infer`] for a template of an image of `tokens` tokens.
+    pub fn infer(
+        &self,
+        tokens: usize,
+        steps: usize,
+        step_stride: usize,
+        bytes: u64,
+    ) -> Option<TemplateLayout> {
+        let grid = self.kind.template_tokens(tokens);
+        TemplateLayout::infer(&self.config, grid, steps, step_stride, bytes)
     }
 }
 

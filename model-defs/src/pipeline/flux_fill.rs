@@ -341,7 +341,17 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     /// transformer's joint dimension), with the built-in tokenizers. For measuring
     /// stage times without real weights.
     pub fn seeded_small(backend: B, seed: u64) -> Result<Self> {
-        let config = FluxConfig::small();
+        Self::seeded_small_as(backend, FluxConfig::small(), seed, "")
+    }
+
+    /// [`seeded_small`](Self::seeded_small) with the transformer's `config`; `tag`
+    /// marks the fingerprint.
+    pub(crate) fn seeded_small_as(
+        backend: B,
+        config: FluxConfig,
+        seed: u64,
+        tag: &str,
+    ) -> Result<Self> {
         let transformer = FluxTransformer::seeded(backend, config.clone(), seed)?;
         let vae = AutoencoderKL::seeded(VaeConfig::flux1(), seed ^ 1)?;
         let text = seeded_text(ClipTextConfig::clip_l(), small_t5(), seed)?;
@@ -351,7 +361,7 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             vae,
             Some(text),
             SchedulerConfig::default(),
-            format!("seeded-flux-small-{seed:016x}"),
+            format!("seeded-flux-small{tag}-{seed:016x}"),
         )
     }
 
@@ -617,18 +627,20 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
             )));
         }
         if self.kind == PipelineKind::Kontext {
-            if opts.template_edit || opts.record_vae_trace {
-                return Err(Error::Invalid(
-                    "templates of a FLUX.1 Kontext model are not built yet: edit the image itself"
-                        .into(),
-                ));
-            }
+            // A template's capture (an empty mask: every noisy token held to the
+            // image's) and its edits prepare as any masked edit does; their VAE runs
+            // dense (no sparse traces: the reference is the whole image).
             if !mask.data.iter().all(|&m| m) {
                 let opts = EditOptions {
                     strength: 1.0,
                     ..opts.clone()
                 };
-                let (p, _) = self.prepare_kontext_inpaint(image, mask, prompt, &opts, noise, t)?;
+                let images = super::kontext::InpaintImages {
+                    image,
+                    mask,
+                    reference: None,
+                };
+                let (p, _) = self.prepare_kontext_inpaint(images, prompt, &opts, noise, t)?;
                 return Ok(p);
             }
             let size = (image.width, image.height);

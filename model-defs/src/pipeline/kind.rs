@@ -13,12 +13,31 @@ pub enum PipelineKind {
     Fill,
     /// FLUX.1-dev or -schnell: text-to-image generations.
     TextToImage,
-    /// FLUX.1 Kontext: instruction edits (an image and a prompt; a mask, when given,
-    /// confines the result by paste-back).
+    /// FLUX.1 Kontext: instruction edits (an image and a prompt) and masked edits
+    /// (`FluxKontextInpaintPipeline`), of an image or of a template.
     Kontext,
 }
 
 impl PipelineKind {
+    /// An edit's or a template's default guidance: FluxKontextPipeline's on a Kontext
+    /// model, else FluxFillPipeline's.
+    pub fn edit_guidance(self) -> f32 {
+        match self {
+            PipelineKind::Kontext => super::defaults::KONTEXT_GUIDANCE,
+            _ => super::defaults::EDIT_GUIDANCE,
+        }
+    }
+
+    /// Rows of a template's grid for an image of `tokens` tokens: a Kontext
+    /// template's cache holds the reference tokens (the image itself, at its size)
+    /// after the noisy ones.
+    pub fn template_tokens(self, tokens: usize) -> usize {
+        match self {
+            PipelineKind::Kontext => 2 * tokens,
+            _ => tokens,
+        }
+    }
+
     /// What a request of another kind is told.
     pub fn require(self, want: PipelineKind) -> Result<()> {
         match (self, want) {

@@ -21,6 +21,7 @@ use super::fill::{normalize_and_pack, pack_latents};
 use super::flux_fill::{EditOptions, FluxFill, Noise, PipelineKind, Prepared, Timings};
 use super::generate::GenerateOptions;
 use super::image::{to_model_space, Mask, Rgb8};
+use crate::flux::config::FluxConfig;
 use crate::flux::edit::{Inpaint, Reference};
 use crate::flux::embed::image_ids;
 
@@ -93,7 +94,29 @@ pub fn start_step(steps: usize, strength: f32) -> usize {
     (n - init).max(0.0) as usize
 }
 
+/// What a masked Kontext edit reads: the image, the mask over it, and optionally a
+/// separate reference image (diffusers' `image_reference`; else the image is its own).
+#[derive(Clone, Copy)]
+pub struct InpaintImages<'a> {
+    pub image: &'a Rgb8,
+    pub mask: &'a Mask,
+    pub reference: Option<&'a Rgb8>,
+}
+
 impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
+    /// A FLUX.1 Kontext pipeline of seeded components at benchmark scale: as
+    /// [`seeded_small`](Self::seeded_small), with FLUX.1-dev's input channels.
+    pub fn seeded_small_kontext(backend: B, seed: u64) -> Result<Self> {
+        let small = FluxConfig::small();
+        let config = FluxConfig {
+            in_channels: small.out_channels(),
+            ..small
+        };
+        let mut p = Self::seeded_small_as(backend, config, seed, "-kontext")?;
+        p.kind = PipelineKind::Kontext;
+        Ok(p)
+    }
+
     /// Preprocessing of an instruction edit: the prompt's embeddings, the reference
     /// image's latents (`image`, at its reference size) and the initial noise over an
     /// `output` (`(width, height)`) grid (`noise.initial_latents`, packed `[N, 4c]`:
@@ -136,8 +159,10 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     }
 
     /// Preprocessing of a masked instruction edit, as `FluxKontextInpaintPipeline`
-    /// computes it: the image (at its size, whole tokens) is the reference and the
-    /// latents outside `mask` follow it, re-noised to each step's sigma ([`Inpaint`]);
+    /// computes it: the image (at its size, whole tokens) is the reference, or
+    /// `images.reference` at its own size (diffusers' `image_reference`), and the
+    /// latents outside `images.mask` follow the image, re-noised to each step's sigma
+    /// ([`Inpaint`]);
     /// the run starts at step [`start_step`] of `opts.steps` at `opts.strength`
     /// (returned with it), from
     /// `noise.initial_latents` as they are when given (diffusers' `latents=`), else
@@ -145,13 +170,17 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
     /// seed.
     pub fn prepare_kontext_inpaint(
         &self,
-        image: &Rgb8,
-        mask: &Mask,
+        images: InpaintImages<'_>,
         prompt: &str,
         opts: &EditOptions,
         noise: &Noise,
         t: &mut Timings,
     ) -> Result<(Prepared, usize)> {
+        let InpaintImages {
+            image,
+            mask,
+            reference: separate,
+        } = images;
         let strength = opts.strength;
         if !(strength > 0.0 && strength <= 1.0) {
             return Err(Error::Invalid(format!(
@@ -172,13 +201,22 @@ impl<B: Backend<Tensor = Tensor>> FluxFill<B> {
                 opts.steps
             )));
         }
-        let mut p = self.prepare_kontext(image, (w, h), prompt, opts, noise, t)?;
+        let reads = separate.unwrap_or(image);
+        let mut p = self.prepare_kontext(reads, (w, h), prompt, opts, noise, t)?;
         let inputs = &mut p.inputs;
         let reference = inputs
             .reference
             .as_mut()
             .expect("a Kontext request's reference");
-        let image_latents = reference.latents.clone();
+        let image_latents = match separate {
+            None => reference.latents.clone(),
+            Some(_) => {
+                let t0 = Instant::now();
+                let z = self.reference_latents(image)?.latents;
+                t.vae_encode_s += t0.elapsed().as_secs_f64();
+                z
+            }
+        };
         let n = inputs.latents.clone();
         if noise.initial_latents.is_none() {
             let sigma = self.schedule(opts.steps, w, h)?.sigmas[start];

@@ -114,7 +114,7 @@ pub(crate) async fn create_template(State(ctx): State<Arc<Ctx>>, req: Request) -
         image,
         prompt: b.prompt,
         steps: b.steps.unwrap_or(defaults::STEPS),
-        guidance: b.guidance.unwrap_or(defaults::EDIT_GUIDANCE),
+        guidance: b.guidance.unwrap_or(ctx.edit_guidance),
         seed: b.seed,
         max_sequence_length: b.max_sequence_length,
         replace: b.replace,

@@ -130,16 +130,11 @@ impl Ctx {
             t.auto_window_seconds,
             t.auto_track,
         );
-        let kontext = denoised_models::ModelSource::from_config(&config.model)
-            .and_then(|s| s.is_kontext())
-            .unwrap_or(false);
-        use denoised_models::pipeline::defaults::{EDIT_GUIDANCE, KONTEXT_GUIDANCE};
+        let kind = denoised_models::ModelSource::from_config(&config.model)
+            .and_then(|s| s.pipeline_kind())
+            .unwrap_or(denoised_models::pipeline::flux_fill::PipelineKind::Fill);
         Ctx {
-            edit_guidance: if kontext {
-                KONTEXT_GUIDANCE
-            } else {
-                EDIT_GUIDANCE
-            },
+            edit_guidance: kind.edit_guidance(),
             auto_captures: Default::default(),
             sightings: std::sync::Mutex::new(sightings),
             shm,

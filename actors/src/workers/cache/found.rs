@@ -19,7 +19,10 @@ impl CacheState {
         let mut found = disk.scan(|l, info| {
             info.model == fingerprint
                 && l.fits(&TemplateLayout::for_model(
-                    &model, l.tokens, l.steps, l.dtype,
+                    &model.config,
+                    l.tokens,
+                    l.steps,
+                    l.dtype,
                 ))
         });
         // Oldest first, so that the use order starts as the registration order.

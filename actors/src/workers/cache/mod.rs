@@ -47,8 +47,7 @@ pub mod start;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use denoised_models::flux::template::{TemplateCache, TemplateLayout};
-use denoised_models::FluxConfig;
+use denoised_models::flux::template::{TemplateCache, TemplateLayout, TemplateModel};
 use denoised_runtime::shm::Handle;
 use denoised_runtime::HostSlice;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -68,7 +67,7 @@ pub struct CacheArgs {
     pub shm: Arc<Shm>,
     pub metrics: CacheMetrics,
     /// The served model (the layout of its templates) and its fingerprint.
-    pub model: FluxConfig,
+    pub model: TemplateModel,
     pub fingerprint: String,
     /// `[cache] dir` resolved, and `[cache] disk_bytes` (0: no disk tier).
     pub dir: std::path::PathBuf,
@@ -115,7 +114,7 @@ pub struct CacheState {
     entries: HashMap<u64, Entry>,
     disk: Option<DiskTier>,
     disk_bytes: u64,
-    model: FluxConfig,
+    model: TemplateModel,
     metrics: CacheMetrics,
     myself: ActorRef<CacheMsg>,
     /// Registrations whose copy into the host tier is running: who to answer, and

@@ -15,8 +15,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use denoised_models::flux::template::{TemplateCache, TemplateLayout};
-use denoised_models::FluxConfig;
+use denoised_models::flux::template::{TemplateCache, TemplateModel};
 use denoised_runtime::shm::ArenaView;
 use denoised_runtime::HostSlice;
 
@@ -32,7 +31,7 @@ pub fn finish_writes(env: &WorkerEnv) -> (usize, usize) {
         return (0, 0);
     }
     let source = env.model_source();
-    let (model, fingerprint) = match (source.transformer_config(), source.fingerprint()) {
+    let (model, fingerprint) = match (TemplateModel::of(&source), source.fingerprint()) {
         (Ok(m), Ok(f)) => (m, f),
         (Err(e), _) | (_, Err(e)) => {
             tracing::error!("template cache: cannot check for unfinished writes: {e}");
@@ -59,7 +58,7 @@ pub fn finish_writes(env: &WorkerEnv) -> (usize, usize) {
 /// there is none); removes their records.
 fn finish_all(
     disk: &DiskTier,
-    model: &FluxConfig,
+    model: &TemplateModel,
     arena: &Result<Arc<ArenaView>, String>,
 ) -> (usize, usize) {
     let pending = disk.pending();
@@ -100,7 +99,7 @@ fn finish_all(
 /// Writes one pending version from the old arena; its bytes on disk.
 fn finish(
     disk: &DiskTier,
-    model: &FluxConfig,
+    model: &TemplateModel,
     arena: &Arc<ArenaView>,
     p: &Pending,
 ) -> Result<u64, String> {
@@ -118,14 +117,14 @@ fn finish(
         Ok(s)
     };
     let i = &p.info;
-    let layout = TemplateLayout::infer(
-        model,
-        i.tokens as usize,
-        i.steps as usize,
-        i.kv_step_stride as usize,
-        p.cache.handle.len,
-    )
-    .ok_or_else(|| format!("its cache of {} bytes fits no layout", p.cache.handle.len))?;
+    let layout = model
+        .infer(
+            i.tokens as usize,
+            i.steps as usize,
+            i.kv_step_stride as usize,
+            p.cache.handle.len,
+        )
+        .ok_or_else(|| format!("its cache of {} bytes fits no layout", p.cache.handle.len))?;
     let cache =
         TemplateCache::view(layout, slice(&p.cache, "cache")?).map_err(|e| e.to_string())?;
     let image = slice(&p.image, "image")?;
@@ -146,6 +145,7 @@ fn finish(
 
 #[cfg(test)]
 mod tests {
+    use denoised_models::flux::template::TemplateLayout;
     use denoised_models::ModelSource;
     use denoised_runtime::shm::Arena;
     use denoised_runtime::DType;
@@ -182,10 +182,10 @@ mod tests {
     /// slice was freed, and every one without the arena are lost, never written.
     #[test]
     fn pending_templates_are_written_from_the_arena_only_when_intact() {
-        let model = ModelSource::Builtin.transformer_config().unwrap();
+        let model = TemplateModel::of(&ModelSource::Builtin).unwrap();
         let (shm, dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let mut arena = Arena::create(shm.path(), "t", "cache0", 64 << 20).unwrap();
-        let layout = TemplateLayout::for_model(&model, 16, 2, DType::F32);
+        let layout = TemplateLayout::for_model(&model.config, 16, 2, DType::F32);
         let bytes: Vec<u8> = (0..layout.total_bytes())
             .map(|i| (i * 7 % 251) as u8)
             .collect();

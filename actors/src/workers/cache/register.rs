@@ -31,19 +31,19 @@ impl CacheState {
                 None => self.new_version(),
             };
             let i = &put.info;
-            let layout = TemplateLayout::infer(
-                &self.model,
-                i.tokens as usize,
-                i.steps as usize,
-                i.kv_step_stride as usize,
-                put.blob.len,
-            )
-            .ok_or_else(|| {
-                WireError::internal(format!(
-                    "a template of {} bytes matches no layout of {} tokens x {} steps",
-                    put.blob.len, i.tokens, i.steps
-                ))
-            })?;
+            let layout = (self.model)
+                .infer(
+                    i.tokens as usize,
+                    i.steps as usize,
+                    i.kv_step_stride as usize,
+                    put.blob.len,
+                )
+                .ok_or_else(|| {
+                    WireError::internal(format!(
+                        "a template of {} bytes matches no layout of {} tokens x {} steps",
+                        put.blob.len, i.tokens, i.steps
+                    ))
+                })?;
             let (dst, bytes) = self.alloc(put.blob.len as usize)?;
             let mut trace_len: u64 = put.vae_traces.iter().map(|h| h.len).sum();
             // Traces are an optimisation: without room for them the template is stored

@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use denoised_models::flux::template::TemplateModel;
+use denoised_models::pipeline::flux_fill::PipelineKind;
 use ractor::{Actor, ActorCell};
 
 use super::{noise, CacheActor, CacheArgs};
@@ -20,12 +22,11 @@ pub async fn spawn(
 ) -> Result<ActorCell, String> {
     let metrics = CacheMetrics::register(registry.registry());
     let source = env.model_source();
-    let model = source.transformer_config().map_err(|e| e.to_string())?;
-    // Noise states are a text-to-image model's (its transformer reads the packed
-    // latents alone).
-    let noise = match model.in_channels == model.out_channels() {
-        true => crate::approx::from_config(&env.config.approx_cache)?,
-        false => None,
+    let model = TemplateModel::of(&source).map_err(|e| e.to_string())?;
+    // Noise states are a text-to-image model's generations'.
+    let noise = match model.kind {
+        PipelineKind::TextToImage => crate::approx::from_config(&env.config.approx_cache)?,
+        _ => None,
     };
     let a = &env.config.approx_cache;
     let noise = noise.map(|index| {
