@@ -245,4 +245,15 @@ fn kontext_templates_serve_masked_edits_registered_or_made_by_themselves() {
         outcomes[2].2 < 128,
         "the hit computes its masked tokens only"
     );
+    // An instruction edit (no mask) computes every token: never a template edit.
+    for _ in 0..2 {
+        let (status, v) = d.post(
+            "/v1/edits",
+            &json!({"image": b64(&input), "prompt": "make the walls blue", "steps": 4,
+                    "max_sequence_length": 32}),
+        );
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["active_tokens"], v["tokens"], "{v}");
+        assert!(v.get("auto_template").is_none(), "{v}");
+    }
 }

@@ -7,10 +7,9 @@ use serde::{Deserialize, Serialize};
 #[serde(default, deny_unknown_fields)]
 pub struct TemplatesConfig {
     /// An uploaded image edited `auto_admit_after` times within `auto_window_seconds`
-    /// is captured as a template, and its later edits are template edits. Off (the
-    /// default for now: a template edit is the mask-aware approximation of the full
-    /// run, and the suites that compare repeated full runs are not yet sorted from
-    /// those that may take it): every edit of an upload runs in full.
+    /// is captured as a template, and its later edits are template edits (on by
+    /// default: what denoised is for; a request's `auto_template: false` keeps its
+    /// full run). Off: every edit of an upload runs in full.
     pub auto: bool,
     /// The sighting that captures it (2: the second; 1 captures every upload).
     pub auto_admit_after: u32,
@@ -24,7 +23,7 @@ pub struct TemplatesConfig {
 impl Default for TemplatesConfig {
     fn default() -> Self {
         TemplatesConfig {
-            auto: false,
+            auto: true,
             auto_admit_after: 2,
             auto_window_seconds: 3600.0,
             auto_track: 65536,

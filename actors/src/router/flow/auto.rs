@@ -16,19 +16,21 @@ use sha2::{Digest, Sha256};
 
 use super::capture::{capture, claim, TemplateInput};
 use super::defaults;
-use super::edit::{edit, Auto, EditInput, EditOutput, Source};
+use super::edit::{edit, Auto, EditInput, EditOutput, MaskIn, Source};
 use crate::router::state::Ctx;
 use crate::wire::pods::AutoTemplate;
 use crate::wire::{ErrorKind, JobId, WireError};
 
-/// The image's template id and sighting key, when the edit can use one: an upload
-/// without LoRAs or ControlNets of its own (a template edit runs with its template's
-/// LoRAs, so an edit with others keeps its full run).
+/// The image's template id and sighting key, when the edit can use one: a masked edit
+/// of an upload without LoRAs or ControlNets of its own (a template edit runs with its
+/// template's LoRAs, so an edit with others keeps its full run; a Kontext instruction
+/// edit, with no mask, computes every token and is no template edit).
 fn key_of(ctx: &Ctx, input: &EditInput) -> Option<(String, [u8; 32])> {
     let Source::Image(image) = &input.source else {
         return None;
     };
     if input.auto == Auto::Off
+        || matches!(input.mask, MaskIn::Whole)
         || !ctx.config.templates.auto
         || !input.loras.is_empty()
         || !input.controlnets.is_empty()

@@ -122,6 +122,15 @@ pub(crate) struct EditBody {
     negative_prompt: Option<String>,
     #[serde(default = "no_cfg")]
     true_cfg_scale: f32,
+    /// `false`: this edit of an uploaded image runs in full, whatever `[templates]
+    /// auto` would do with it, and counts no sighting (for a run that must be the
+    /// dense one).
+    #[serde(default = "auto_on")]
+    use_auto_template: bool,
+}
+
+fn auto_on() -> bool {
+    true
 }
 
 fn paste_back() -> bool {
@@ -192,7 +201,10 @@ fn edit_input(ctx: &Ctx, b: EditBody) -> ApiResult<(EditInput, Reply)> {
         controlnets,
         negative_prompt: b.negative_prompt,
         true_cfg_scale: b.true_cfg_scale,
-        auto: Auto::See,
+        auto: match b.use_auto_template {
+            true => Auto::See,
+            false => Auto::Off,
+        },
     };
     Ok((input, reply))
 }

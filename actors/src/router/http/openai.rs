@@ -22,9 +22,10 @@
 //!   image without any is an instruction edit of the whole image (a FLUX.1 Kontext
 //!   model; a Fill model answers that it needs a mask);
 //! - extensions as extra form fields: `seed`, `steps`, `guidance`,
-//!   `max_sequence_length`, and `template_id` (a mask-aware edit of that template:
-//!   the template's image is the source, and the uploaded image only carries the mask
-//!   when there is no `mask`).
+//!   `max_sequence_length`, `template_id` (a mask-aware edit of that template: the
+//!   template's image is the source, and the uploaded image only carries the mask
+//!   when there is no `mask`), and `use_auto_template` (`false`: a full run whatever
+//!   `[templates] auto` would do).
 
 use std::sync::Arc;
 
@@ -152,6 +153,9 @@ pub struct ImagesEditForm {
     /// A mask-aware edit of this template: its image is the source, and the uploaded
     /// image only carries the mask when there is no `mask`.
     template_id: Option<String>,
+    /// `false`: the edit runs in full, whatever `[templates] auto` would do with its
+    /// image, and counts no sighting.
+    use_auto_template: Option<bool>,
     /// `true`: stream `image_edit.partial_image` events (`partial_images` of them, 0-3)
     /// and `image_edit.completed` (`text/event-stream`; one image a request).
     stream: Option<bool>,
@@ -212,6 +216,8 @@ struct Form {
     guidance: Option<f32>,
     max_sequence_length: u32,
     template_id: Option<String>,
+    /// `use_auto_template` (default true).
+    auto: bool,
     stream: Option<Streamed>,
     output: Output,
 }
@@ -288,6 +294,7 @@ async fn form(ctx: &Ctx, req: Request) -> ApiResult<Form> {
         guidance: None,
         max_sequence_length: defaults::MAX_SEQUENCE_LENGTH,
         template_id: None,
+        auto: true,
         stream: None,
         output: Output::of(None, None, None)?,
     };
@@ -312,6 +319,7 @@ async fn form(ctx: &Ctx, req: Request) -> ApiResult<Form> {
             "guidance" => f.guidance = Some(number("guidance", &v)?),
             "max_sequence_length" => f.max_sequence_length = number("max_sequence_length", &v)?,
             "template_id" => f.template_id = Some(v),
+            "use_auto_template" => f.auto = v.trim() != "false",
             "stream" => stream = v.trim() == "true",
             "partial_images" => partials = Some(number("partial_images", &v)?),
             // `model` (one model is served), `user`, and OpenAI's rendering options
@@ -397,7 +405,11 @@ async fn edits(ctx: Arc<Ctx>, req: Request) -> ApiResult {
             negative_prompt: None,
             true_cfg_scale: defaults::TRUE_CFG_SCALE,
             // One request is one sighting of its image, however many images it asks.
-            auto: if i == 0 { Auto::See } else { Auto::Use },
+            auto: match (f.auto, i) {
+                (false, _) => Auto::Off,
+                (true, 0) => Auto::See,
+                (true, _) => Auto::Use,
+            },
         };
         let steps = input.steps.unwrap_or(0);
         let previews = f
