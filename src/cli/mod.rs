@@ -135,8 +135,7 @@ pub enum BenchCommand {
     ///
     /// Latent error and PSNR inside the mask against the f32 template; JSON lines.
     CacheQuality(bench_quality::Args),
-    /// What computing only the masked tokens (a template edit) changes against the
-    /// dense edit, for Fill and Kontext: PSNR inside and outside the mask.
+    /// Template edits against dense ones (Fill, Kontext): PSNR in and outside the mask.
     MaskAwareQuality(bench_mask_aware::Args),
     /// What LoRAs cost on seeded weights: merge, unmerged steps, asynchronous loading.
     ///

@@ -20,13 +20,14 @@ const OPERATE: [&str; 10] = [
 ];
 
 /// What `denoised bench --help` lists, in order.
-const MEASURE: [&str; 15] = [
+const MEASURE: [&str; 16] = [
     "step",
     "weights",
     "attn",
     "pipeline",
     "edit",
     "cache-quality",
+    "mask-aware-quality",
     "lora",
     "controlnet-stream",
     "overheads",

@@ -15,6 +15,7 @@ pub mod controlnet;
 pub mod cost;
 pub mod edit;
 pub mod embed;
+mod grid;
 mod host;
 mod inactive;
 pub mod lora;
