@@ -292,8 +292,10 @@ fn image_edits_hold_their_slots_until_their_flows_end() {
     .save(&mask_path)
     .unwrap();
     let mask = std::fs::read(&mask_path).unwrap();
+    // Full runs (no auto template): the flows reach the stopped worker at once, not
+    // behind a capture of the image.
     let native_edit = json!({"image": image_b64(), "mask": mask_b64(), "steps": 2,
-                             "max_sequence_length": 16});
+                             "max_sequence_length": 16, "use_auto_template": false});
     let edits = |n: &str| {
         form(&[
             ("image", Some("image.png"), &image),
@@ -302,6 +304,7 @@ fn image_edits_hold_their_slots_until_their_flows_end() {
             ("n", None, n.as_bytes()),
             ("steps", None, b"2"),
             ("max_sequence_length", None, b"16"),
+            ("use_auto_template", None, b"false"),
         ])
     };
 

@@ -214,3 +214,34 @@ fn openai_sightings(toml: &str) {
     let three = send(1, 3);
     assert_eq!(auto_of(&three["data"][0]), (id, true, false), "{three}");
 }
+
+/// On by default; `[templates] auto = false` turns it off (every edit of an upload a
+/// full run, with no `auto_template` in its reply), and so does a request's
+/// `use_auto_template: false` under the default.
+#[test]
+fn auto_templates_are_on_by_default_and_turn_off() {
+    let image = image_b64();
+    let d = Daemon::start(&[]);
+    edit(&d, &image, [0, 0, 24, 24], "a cat", 1);
+    let (s, v) = d.post(
+        "/v1/edits",
+        &json!({"image": image, "boxes": [[8, 8, 40, 40]], "prompt": "a dog", "seed": 2,
+                "steps": 3, "use_auto_template": false}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert!(v.get("auto_template").is_none(), "{v}");
+    assert_eq!(v["active_tokens"], v["tokens"], "{v}");
+    let second = edit(&d, &image, [8, 8, 40, 40], "a dog", 2);
+    assert!(
+        auto_of(&second).2,
+        "the default captures the second sighting: {second}"
+    );
+    drop(d);
+
+    let (_dir, off) = Daemon::with_config("[templates]\nauto = false\n");
+    for seed in 1..=3 {
+        let v = edit(&off, &image, [8, 8, 40, 40], "a dog", seed);
+        assert!(v.get("auto_template").is_none(), "{v}");
+        assert_eq!(v["active_tokens"], v["tokens"], "{v}");
+    }
+}
