@@ -24,20 +24,19 @@ use denoised_models::flux::edit::{run_to_end, DeviceTemplates, Job, Mode};
 use denoised_models::flux::template::{TemplateCache, TemplateLayout};
 use denoised_models::flux::weights::SplitMix;
 use denoised_models::mask::{read_ratio_trace, TokenMask};
-use denoised_models::pipeline::flux_fill::{EditOptions, FluxFill, Noise, Timings};
+use denoised_models::pipeline::flux_fill::{EditOptions, Noise, Timings};
 use denoised_models::pipeline::image::{Mask, Rgb8};
-use denoised_models::ModelSource;
-use denoised_runtime::{CpuBackend, DType};
+use denoised_runtime::DType;
 
 use super::bench_pipeline::{pixel_mask, random_image};
-use super::bench_quality::psnr_in;
+use super::bench_quality::{check_sizes, load, psnr_in};
 use super::{CliResult, DeviceArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// `builtin` (the tiny Fill model), `flux-small` (seeded flux-small Fill),
     /// `flux-small-kontext` (the same with FLUX.1-dev's input channels, as Kontext),
-    /// or a diffusers directory (Fill or Kontext).
+    /// or a diffusers directory (Fill or Kontext): as `bench cache-quality`.
     #[arg(long, default_value = "flux-small")]
     pub pipeline: String,
     /// Image side in pixels (square).
@@ -71,25 +70,10 @@ fn max_level_in(a: &Rgb8, b: &Rgb8, mask: &Mask) -> u8 {
         .unwrap_or(0)
 }
 
-fn load(name: &str, backend: CpuBackend, seed: u64) -> CliResult<FluxFill<CpuBackend>> {
-    Ok(match name {
-        "builtin" => FluxFill::load(&ModelSource::Builtin, backend)?,
-        "flux-small" => FluxFill::seeded_small(backend, seed)?,
-        "flux-small-kontext" => FluxFill::seeded_small_kontext(backend, seed)?,
-        dir => FluxFill::load(&ModelSource::dir(PathBuf::from(dir)), backend)?,
-    })
-}
-
 pub fn run(a: Args) -> CliResult {
     let p = load(&a.pipeline, a.device.cpu_backend()?, a.seed)?;
     let n = a.size;
-    let tok = 2 * p.vae_scale_factor();
-    if n == 0 || n % tok != 0 || a.masks == 0 || a.steps == 0 {
-        return Err(format!(
-            "--size must be a positive multiple of {tok}; --masks, --steps positive"
-        )
-        .into());
-    }
+    let tok = check_sizes(&p, n, a.masks, a.steps)?;
     let trace = read_ratio_trace(&a.mask_trace)?;
     let mut rng = SplitMix::new(a.seed ^ 0x3a5c);
     let image = random_image(n, &mut rng);

@@ -29,8 +29,9 @@ use super::{CliResult, DeviceArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// `builtin` (the tiny model) or `flux-small` (seeded flux-small transformer,
-    /// FLUX.1 VAE, CLIP-L, a 768-wide T5).
+    /// `builtin` (the tiny model), `flux-small` (seeded flux-small transformer,
+    /// FLUX.1 VAE, CLIP-L, a 768-wide T5), `flux-small-kontext` (the same as a Kontext
+    /// model), or a diffusers directory.
     #[arg(long, default_value = "flux-small")]
     pub pipeline: String,
     /// Image side in pixels (square).
@@ -92,21 +93,38 @@ pub(super) fn psnr_in(a: &Rgb8, b: &Rgb8, mask: &Mask) -> f64 {
     10.0 * (255.0f64 * 255.0 / (se / n.max(1) as f64)).log10()
 }
 
-pub fn run(a: Args) -> CliResult {
-    let backend: CpuBackend = a.device.cpu_backend()?;
-    let p = match a.pipeline.as_str() {
+/// A quality benchmark's pipeline by name: `builtin`, `flux-small`,
+/// `flux-small-kontext`, or a diffusers directory.
+pub(super) fn load(name: &str, backend: CpuBackend, seed: u64) -> CliResult<FluxFill<CpuBackend>> {
+    Ok(match name {
         "builtin" => FluxFill::load(&ModelSource::Builtin, backend)?,
-        "flux-small" => FluxFill::seeded_small(backend, a.seed)?,
-        other => return Err(format!("unknown --pipeline `{other}`: builtin or flux-small").into()),
-    };
-    let n = a.size;
+        "flux-small" => FluxFill::seeded_small(backend, seed)?,
+        "flux-small-kontext" => FluxFill::seeded_small_kontext(backend, seed)?,
+        dir => FluxFill::load(&ModelSource::dir(PathBuf::from(dir)), backend)?,
+    })
+}
+
+/// Checks a quality benchmark's sizes and returns the pipeline's token side in pixels.
+pub(super) fn check_sizes(
+    p: &FluxFill<CpuBackend>,
+    size: usize,
+    masks: usize,
+    steps: usize,
+) -> CliResult<usize> {
     let tok = 2 * p.vae_scale_factor();
-    if n == 0 || n % tok != 0 || a.masks == 0 || a.steps == 0 {
+    if size == 0 || size % tok != 0 || masks == 0 || steps == 0 {
         return Err(format!(
             "--size must be a positive multiple of {tok}; --masks, --steps positive"
         )
         .into());
     }
+    Ok(tok)
+}
+
+pub fn run(a: Args) -> CliResult {
+    let p = load(&a.pipeline, a.device.cpu_backend()?, a.seed)?;
+    let n = a.size;
+    let tok = check_sizes(&p, n, a.masks, a.steps)?;
     let trace = read_ratio_trace(&a.mask_trace)?;
     let mut rng = SplitMix::new(a.seed ^ 0x51a7);
     let image = random_image(n, &mut rng);
@@ -134,7 +152,8 @@ pub fn run(a: Args) -> CliResult {
         &Noise::default(),
         &mut t,
     )?;
-    let layout = TemplateLayout::for_model(&p.config, rows * cols, a.steps, DType::F32);
+    let grid = p.kind.template_tokens(rows * cols);
+    let layout = TemplateLayout::for_model(&p.config, grid, a.steps, DType::F32);
     let job = Job::new(
         model,
         &prep.inputs,
