@@ -220,6 +220,16 @@ pub(super) fn load_pipeline(
     Ok((p, placed))
 }
 
+impl EditArgs {
+    /// `--noise`'s tensors, or none (drawn from the seed).
+    fn noise(&self) -> CliResult<Noise> {
+        Ok(match &self.noise {
+            Some(path) => read_noise(path)?,
+            None => Noise::default(),
+        })
+    }
+}
+
 pub(super) fn read_noise(path: &Path) -> CliResult<Noise> {
     let f = SafetensorsFile::open(path)?;
     let get = |n: &str| -> CliResult<Option<Tensor>> {
@@ -413,12 +423,7 @@ pub fn run_edit(a: EditArgs) -> CliResult {
         record_vae_trace: false,
         strength: a.strength,
     };
-    let noise = a
-        .noise
-        .as_deref()
-        .map(read_noise)
-        .transpose()?
-        .unwrap_or_default();
+    let noise = a.noise()?;
     let prepared = p.prepare(&image, &mask, &c.prompt, &opts, &noise, &mut t)?;
     if prepared.prompt_truncated {
         tracing::warn!(
@@ -549,12 +554,7 @@ fn kontext_edit(
         return Err("ControlNets with a FLUX.1 Kontext model are not built yet".into());
     }
     let steps = c.steps.unwrap_or(defaults::STEPS as usize);
-    let noise = a
-        .noise
-        .as_deref()
-        .map(read_noise)
-        .transpose()?
-        .unwrap_or_default();
+    let noise = a.noise()?;
     let mut opts = EditOptions {
         steps,
         guidance: c.guidance.unwrap_or(p.kind.edit_guidance()),
